@@ -1,0 +1,349 @@
+/*
+ * tweak.h - the torch-tweak tuning engine (pure C11, no Python, no torch).
+ *
+ * The engine sees a model as a tree of called modules named by dotted paths,
+ * and backends and models as callbacks. It owns every decision of a tweak:
+ * the cuts per depth, the measurement protocol and its statistics, the
+ * strategies' decision rules, the depth search and the result table.
+ *
+ * Conventions
+ * - Every name carries the prefix tw_ (TW_ for macros and enum values).
+ * - Objects are opaque and come in create/destroy pairs; destroy(NULL) is a
+ *   no-op. Strings returned by tw_*_format are freed with tw_free().
+ * - Calls return a tw_code (TW_OK == 0). When `err` is not NULL it receives
+ *   the code and a message; `err` may always be NULL. The engine never aborts.
+ * - Nothing here is thread-safe unless it says so: one object, one thread.
+ * - Callbacks return a tw_code too. TW_EINTERRUPT from any callback stops the
+ *   whole operation at once (Ctrl-C, out of memory): the engine cleans up
+ *   (the tweak calls `leave` if it had called `enter`) and returns
+ *   TW_EINTERRUPT. Any other non-zero code is a failure of that one step.
+ */
+#ifndef TWEAK_H
+#define TWEAK_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------ status */
+
+typedef enum tw_code {
+    TW_OK = 0,
+    TW_EINVAL = 1,      /* a bad argument: the message names it */
+    TW_ENOMEM = 2,      /* an allocation failed */
+    TW_ECALLBACK = 3,   /* a callback failed; the message is the callback's */
+    TW_EINTERRUPT = 4,  /* a callback asked to stop everything */
+    TW_EBUDGET = 5,     /* the time budget is used up */
+    TW_ESTATE = 6       /* a call out of order (e.g. a tree not finished) */
+} tw_code;
+
+#define TW_MSG_SIZE 512
+
+typedef struct tw_error {
+    tw_code code;
+    char msg[TW_MSG_SIZE]; /* NUL-terminated, never NULL */
+} tw_error;
+
+/* Sets err (when not NULL) to code and a printf-style message; returns code. */
+tw_code tw_error_set(tw_error *err, tw_code code, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+
+/* A static name of a code: "ok", "invalid argument"... */
+const char *tw_code_name(tw_code code);
+
+/* Frees a string returned by a tw_*_format call. NULL is a no-op. */
+void tw_free(void *ptr);
+
+/* -------------------------------------------------------------------- host */
+
+/* What the engine needs from its host. A NULL host, or NULL members, take the
+ * defaults: a monotonic clock, malloc/free, and no logging. Tests inject a fake
+ * clock here so that every decision is deterministic. */
+typedef struct tw_host {
+    void *ctx;
+    uint64_t (*now_ns)(void *ctx);              /* monotonic nanoseconds */
+    void *(*alloc)(void *ctx, size_t size);     /* NULL on failure */
+    void (*release)(void *ctx, void *ptr);
+    void (*log)(void *ctx, int level, const char *msg); /* level: 0 info, 1 warn */
+} tw_host;
+
+/* -------------------------------------------------------------------- tree */
+
+/* The tree of called modules. Paths are dotted ("", "layers.0", "layers.0.mlp");
+ * the root is "". A node's parent is its nearest called ancestor by path
+ * prefix, so containers that are never called (ModuleList) add no level.
+ * Depth of the root is 0; every other node is one deeper than its parent. */
+typedef struct tw_tree tw_tree;
+
+/* host: may be NULL (defaults). Returns NULL on allocation failure. */
+tw_tree *tw_tree_create(const tw_host *host, tw_error *err);
+void tw_tree_destroy(tw_tree *tree);
+
+/* Adds a called module. calls: how many times the dataset called it;
+ * time_ns: the total time spent inside it (0 when unknown). Paths must be
+ * unique; the root "" must be added (in any order). Returns the node's index
+ * (0, 1, 2... in the order of adding) in *index (may be NULL).
+ * TW_EINVAL on a NULL or duplicate path, TW_ESTATE after tw_tree_finish. */
+tw_code tw_tree_add(tw_tree *tree, const char *path, uint64_t calls,
+                    uint64_t time_ns, size_t *index, tw_error *err);
+
+/* Links every node to its parent and computes depths. TW_EINVAL when the
+ * root "" is missing. Must be called once, before any query below. */
+tw_code tw_tree_finish(tw_tree *tree, tw_error *err);
+
+size_t tw_tree_size(const tw_tree *tree);
+/* Deepest depth of any node; -1 before finish. */
+int tw_tree_max_depth(const tw_tree *tree);
+/* Node queries; an out-of-range index gives NULL / -1 / 0. */
+const char *tw_tree_path(const tw_tree *tree, size_t index);
+int tw_tree_depth(const tw_tree *tree, size_t index);
+long tw_tree_parent(const tw_tree *tree, size_t index); /* -1 for the root */
+size_t tw_tree_child_count(const tw_tree *tree, size_t index);
+uint64_t tw_tree_calls(const tw_tree *tree, size_t index);
+uint64_t tw_tree_time_ns(const tw_tree *tree, size_t index);
+/* Index of the node with this path, or -1. */
+long tw_tree_find(const tw_tree *tree, const char *path);
+
+/* The cut at `depth`: the nodes at that depth, plus every node shallower than
+ * it that has no children, so every leaf lies inside the cut. Indices are
+ * written in tree order (the order of adding) to out[0..cap); *count gets the
+ * full size of the cut even when it exceeds cap. depth < 0 is TW_EINVAL. */
+tw_code tw_tree_cut(const tw_tree *tree, int depth, size_t *out, size_t cap,
+                    size_t *count, tw_error *err);
+
+/* The distinct cuts between min_depth and max_depth (inclusive; max_depth < 0
+ * means the deepest): a depth whose cut is empty or equal to the cut of a
+ * shallower depth in the range is left out. The depths are written in
+ * increasing order to out[0..cap); *count gets how many there are.
+ * TW_EINVAL when min_depth < 0 or max_depth >= 0 and min_depth > max_depth. */
+tw_code tw_tree_distinct_depths(const tw_tree *tree, int min_depth, int max_depth,
+                                int *out, size_t cap, size_t *count, tw_error *err);
+
+/* A text view of the tree: one line per node, indented by depth, with calls
+ * and time. Free with tw_free(). NULL on allocation failure. */
+char *tw_tree_format(const tw_tree *tree, tw_error *err);
+
+/* ------------------------------------------------------------- measurement */
+
+/* How to run something that is measured. run(ctx, i) makes call i of the
+ * dataset (0 <= i < n_samples); sync(ctx) waits for the device (NULL: nothing
+ * to wait for). The clock comes from the host. */
+typedef struct tw_runner {
+    void *ctx;
+    size_t n_samples;
+    tw_code (*run)(void *ctx, size_t sample, tw_error *err);
+    tw_code (*sync)(void *ctx, tw_error *err);
+} tw_runner;
+
+/* The measurement protocol. One call is timed as: sync, clock, run, sync,
+ * clock, so a call's latency is what a user waits for. A round is one call
+ * of every sample; its value is the mean latency per call in that round.
+ * 1. Warm-up: rounds are run until the round value stops falling: it stops
+ *    when `warmup_patience` rounds in a row were not faster than
+ *    (1 - warmup_gain) times the best round so far, after at least
+ *    warmup_min and at most warmup_max rounds.
+ * 2. Measurement: at least rounds_min rounds, then it stops as soon as the
+ *    relative spread of the round values, (q75 - q25) / median, is at most
+ *    rel_spread, or after rounds_max rounds.
+ * 3. The statistic is the median of the measured rounds.
+ * time_cap_ns bounds warm-up plus measurement (0: no cap); the cap is checked
+ * between rounds, so at least one measured round is always taken. */
+typedef struct tw_measure_config {
+    uint32_t warmup_min;
+    uint32_t warmup_max;
+    uint32_t warmup_patience;
+    double warmup_gain;
+    uint32_t rounds_min;
+    uint32_t rounds_max;
+    double rel_spread;
+    uint64_t time_cap_ns;
+} tw_measure_config;
+
+/* Fills *cfg with the documented defaults:
+ * warmup 2..20 rounds, patience 2, gain 0.02; rounds 5..50, rel_spread 0.05,
+ * time cap 5 s. */
+void tw_measure_config_default(tw_measure_config *cfg);
+
+typedef enum tw_stop {
+    TW_STOP_SPREAD = 0,    /* the spread fell below rel_spread */
+    TW_STOP_ROUNDS = 1,    /* rounds_max was reached */
+    TW_STOP_TIME = 2       /* time_cap_ns was used up */
+} tw_stop;
+
+typedef struct tw_stats {
+    double median_ns;     /* the statistic: median of round values */
+    double q25_ns, q75_ns;
+    double min_ns;
+    double spread;        /* (q75 - q25) / median */
+    uint32_t warmup_rounds;
+    uint32_t rounds;
+    tw_stop stopped_by;
+} tw_stats;
+
+/* Measures one runner. cfg NULL: the defaults. TW_EINVAL for n_samples == 0
+ * or run == NULL or an invalid cfg (rounds_min == 0, rounds_min > rounds_max,
+ * warmup_min > warmup_max, negative or NaN fractions). A failing callback's
+ * code and message are returned as they are. */
+tw_code tw_measure(const tw_host *host, const tw_runner *runner,
+                   const tw_measure_config *cfg, tw_stats *out, tw_error *err);
+
+/* Measures n runners side by side: each is warmed up on its own, then the
+ * measured rounds are interleaved (A, B, C, A, B, C...) so clock drift falls
+ * on all alike. It stops when every runner's spread is at most rel_spread
+ * (after rounds_min) or after rounds_max; the time cap is n * time_cap_ns.
+ * out[0..n) receives each runner's statistics. n == 0 is TW_EINVAL. */
+tw_code tw_measure_compare(const tw_host *host, const tw_runner *runners, size_t n,
+                           const tw_measure_config *cfg, tw_stats *out, tw_error *err);
+
+/* -------------------------------------------------------------- strategies */
+
+typedef enum tw_strategy_kind {
+    TW_STRATEGY_FIRST_WINS = 0,         /* first candidate that builds and passes */
+    TW_STRATEGY_HIGHEST_THROUGHPUT = 1, /* build all, measure those that pass, fastest wins */
+    TW_STRATEGY_ONE_BACKEND = 2         /* exactly one candidate; it wins if it builds */
+} tw_strategy_kind;
+
+/* One backend for one module. build(ctx, err) builds it and checks it against
+ * the original (non-zero: rejected, err says why). runner measures it. */
+typedef struct tw_candidate {
+    const char *name;
+    void *ctx;
+    tw_code (*build)(void *ctx, tw_error *err);
+    tw_runner runner;
+} tw_candidate;
+
+typedef enum tw_candidate_state {
+    TW_CAND_NOT_TRIED = 0, /* a strategy never got to it */
+    TW_CAND_FAILED = 1,    /* build or check failed: see msg */
+    TW_CAND_BUILT = 2,     /* built and passed, not measured */
+    TW_CAND_MEASURED = 3   /* built, passed and measured: see stats */
+} tw_candidate_state;
+
+typedef struct tw_candidate_report {
+    tw_candidate_state state;
+    tw_stats stats;        /* valid when state == TW_CAND_MEASURED */
+    char msg[TW_MSG_SIZE]; /* the failure when state == TW_CAND_FAILED */
+} tw_candidate_report;
+
+/* Applies a strategy's rule to candidates[0..n). reports[0..n) (not NULL)
+ * receives what happened to each. *chosen gets the index of the winner or -1
+ * when none built (that is TW_OK: the module keeps its original forward).
+ * HIGHEST_THROUGHPUT measures every built candidate with tw_measure_compare
+ * and picks the lowest median; equal medians keep the earlier candidate.
+ * ONE_BACKEND with n != 1 is TW_EINVAL; any kind with n == 0 is TW_EINVAL.
+ * A measurement failure of one candidate marks it FAILED and the others are
+ * measured again without it. TW_EINTERRUPT from a callback is returned. */
+tw_code tw_strategy_choose(const tw_host *host, tw_strategy_kind kind,
+                           const tw_candidate *candidates, size_t n,
+                           const tw_measure_config *cfg, long *chosen,
+                           tw_candidate_report *reports, tw_error *err);
+
+/* "first-wins", "highest-throughput", "one-backend"; NULL when out of range. */
+const char *tw_strategy_name(tw_strategy_kind kind);
+
+/* ------------------------------------------------------------ depth search */
+
+/* What the tweak asks of its host, for one cut at a time:
+ * enter(nodes, tune, n): wrap the modules of the cut (tree indices nodes[0..n))
+ *   so that they run their original forward, and record samples for every
+ *   node with tune[i] != 0 (by running the dataset once).
+ * tune(node): tune one module of the entered cut; non-zero: it failed (err
+ *   says why) and it keeps its original forward. Called once per node over
+ *   the whole tweak: a module in several cuts is tuned at the first and
+ *   reused after.
+ * activate(): switch the entered cut's tuned modules to their backends.
+ * leave(): unwrap the entered cut, leaving the model as it was.
+ * model: runs the whole model on the dataset (used for every measurement).
+ * On TW_EINTERRUPT from any callback the engine calls leave() (if a cut is
+ * entered) and returns TW_EINTERRUPT at once. */
+typedef struct tw_tweak_ops {
+    void *ctx;
+    tw_code (*enter)(void *ctx, const size_t *nodes, const int *tune, size_t n,
+                     tw_error *err);
+    tw_code (*tune)(void *ctx, size_t node, tw_error *err);
+    tw_code (*activate)(void *ctx, tw_error *err);
+    tw_code (*leave)(void *ctx, tw_error *err);
+    tw_runner model;
+} tw_tweak_ops;
+
+typedef struct tw_tweak_config {
+    int min_depth;           /* >= 0 */
+    int max_depth;           /* < 0: the deepest */
+    double tie_tolerance;    /* >= 0, a fraction: 0.02 is 2 % */
+    uint64_t time_budget_ns; /* 0: no budget */
+    int dry_run;             /* non-zero: build and measure nothing */
+    tw_measure_config measure;
+} tw_tweak_config;
+
+/* Defaults: min_depth 0, max_depth 2, tie_tolerance 0.02, no budget, not a dry
+ * run, the default measurement. */
+void tw_tweak_config_default(tw_tweak_config *cfg);
+
+typedef struct tw_result tw_result;
+
+/* The depth search. For every distinct cut from min_depth to max_depth:
+ *   - when the time budget (counted from this call's start) is used up, the
+ *     depth is not started and its row says "time budget used up";
+ *   - enter the cut (tune[i] set for modules not tuned at an earlier depth),
+ *     tune those modules, and when every module of the cut has failed, leave
+ *     and record the depth as skipped with the first module's error;
+ *   - otherwise activate, measure the model, leave.
+ * The untuned model is measured first, and again after the last depth when at
+ * least one depth was measured; the lower of its measurements counts.
+ * Selection: among depths faster than the untuned model, the shallowest
+ * whose latency is within tie_tolerance of the fastest (latency <= fastest *
+ * (1 + tie_tolerance)). When no depth is faster, nothing is selected and the
+ * model stays untuned. The selected cut is entered and activated again at the
+ * end (modules are not tuned again) and stays so.
+ * A dry run computes the rows with their module counts and calls nothing.
+ * On success *out owns a new result (free with tw_result_destroy). */
+tw_code tw_tweak_run(const tw_host *host, const tw_tree *tree,
+                     const tw_tweak_config *cfg, const tw_tweak_ops *ops,
+                     tw_result **out, tw_error *err);
+
+/* ------------------------------------------------------------------ result */
+
+typedef enum tw_row_state {
+    TW_ROW_MEASURED = 0, /* latency is valid */
+    TW_ROW_SKIPPED = 1,  /* every module failed, or measuring failed: see error */
+    TW_ROW_BUDGET = 2,   /* not started: "time budget used up" */
+    TW_ROW_DRY = 3       /* dry run: only modules is valid */
+} tw_row_state;
+
+typedef struct tw_row {
+    int depth;
+    size_t modules;        /* modules in the cut */
+    size_t failed;         /* of which failed to tune (kept their forward) */
+    tw_row_state state;
+    tw_stats stats;        /* valid when state == TW_ROW_MEASURED */
+    const char *error;     /* "" when none; owned by the result */
+} tw_row;
+
+void tw_result_destroy(tw_result *result);
+size_t tw_result_row_count(const tw_result *result);
+/* Copies row i into *row; TW_EINVAL when out of range. */
+tw_code tw_result_row(const tw_result *result, size_t i, tw_row *row, tw_error *err);
+/* Index of the selected row, or -1 when the model stays untuned. */
+long tw_result_selected(const tw_result *result);
+/* The untuned model's statistics (the lower measurement); *measured is 0 on a
+ * dry run. Either out parameter may be NULL. */
+void tw_result_baseline(const tw_result *result, tw_stats *stats, int *measured);
+/* Per module of the tree: 1 tuned, -1 failed, 0 never tuned; its error in
+ * *error ("" when none, owned by the result). */
+int tw_result_module(const tw_result *result, size_t node, const char **error);
+
+/* The result table: one row per depth (depth, modules wrapped, latency in ms,
+ * speedup against untuned, status or error) and one for the untuned model,
+ * the selected row marked with '>'. Free with tw_free(). */
+char *tw_result_format(const tw_result *result, tw_error *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TWEAK_H */
