@@ -1,0 +1,129 @@
+/*
+ * internal.h - helpers shared by the engine's source files. Not installed.
+ */
+#ifndef TW_INTERNAL_H
+#define TW_INTERNAL_H
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "tweak.h"
+
+/* ------------------------------------------------------------------- host */
+
+/* Copies `in` into `out`, filling every NULL member with the default. The
+ * allocator is a pair: unless both alloc and release are set, both default,
+ * so memory is never released by a function that did not allocate it. */
+void tw_host_resolve(const tw_host *in, tw_host *out);
+
+/* These take a resolved host (every member set, log excepted). */
+void *tw_host_alloc(const tw_host *host, size_t size);
+/* size * count with an overflow check; NULL on overflow or failure. */
+void *tw_host_alloc_array(const tw_host *host, size_t count, size_t size);
+void tw_host_release(const tw_host *host, void *ptr);
+uint64_t tw_host_now(const tw_host *host);
+/* Logs a printf-style message when the host has a logger. */
+void tw_host_logf(const tw_host *host, int level, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+
+/* A copy of `s` from the host allocator; NULL on failure. */
+char *tw_host_strdup(const tw_host *host, const char *s);
+
+/* Memory that tw_free() can release without a host: the block remembers the
+ * host's release function in a header in front of the returned pointer. */
+void *tw_free_alloc(const tw_host *host, size_t size);
+
+/* ------------------------------------------------------------------ error */
+
+/* Resets a callback's error slot before a call, so that an empty message
+ * after a failure can be told apart from the message of an earlier call. */
+void tw_error_clear(tw_error *err);
+
+/* Passes a failed callback's code and message on to `err`. When the callback
+ * left no message, `what` (e.g. "run of sample 3") makes one. Returns code. */
+tw_code tw_error_forward(tw_error *err, tw_code code, const tw_error *cb_err,
+                         const char *what);
+
+/* ------------------------------------------------------------------- text */
+
+/* A growing string from the host allocator (released by tw_free). A failed
+ * append sets `failed`; later appends do nothing, so callers check once. */
+typedef struct tw_buf {
+    const tw_host *host;
+    char *data;
+    size_t len;
+    size_t cap;
+    int failed;
+} tw_buf;
+
+void tw_buf_init(tw_buf *buf, const tw_host *host);
+void tw_buf_appendf(tw_buf *buf, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+/* Appends `s` with every control character replaced by a space, so a
+ * multi-line callback message keeps a table row on one line. */
+void tw_buf_append_line(tw_buf *buf, const char *s);
+/* Gives the string away (NULL when an append failed) and resets buf. */
+char *tw_buf_take(tw_buf *buf);
+void tw_buf_dispose(tw_buf *buf);
+
+/* ------------------------------------------------------------ measurement */
+
+/* No runner failed: the engine itself failed (bad config, no memory). */
+#define TW_NO_RUNNER ((size_t)-1)
+
+/* Checks a measurement config; TW_EINVAL with a message naming the field. */
+tw_code tw_measure_config_check(const tw_measure_config *cfg, tw_error *err);
+
+/* The protocol behind tw_measure and tw_measure_compare. On a failure that
+ * came from runner i (a callback, or an unusable runner), *failed gets i;
+ * otherwise TW_NO_RUNNER. cfg must not be NULL here. */
+tw_code tw_measure_runners(const tw_host *host, const tw_runner *runners, size_t n,
+                           const tw_measure_config *cfg, tw_stats *out,
+                           size_t *failed, tw_error *err);
+
+/* Fills the quantiles, minimum and spread of values[0..n) (n > 0), sorting
+ * `values` in place. */
+void tw_stats_fill(double *values, size_t n, tw_stats *out);
+
+/* ------------------------------------------------------------------- tree */
+
+/* Whether tw_tree_finish has run. */
+int tw_tree_is_finished(const tw_tree *tree);
+
+/* ----------------------------------------------------------------- result */
+
+/* The result is built by the depth search and read through tweak.h. */
+typedef struct tw_result_entry {
+    tw_row row;               /* row.error points into `error` */
+    char error[TW_MSG_SIZE];
+} tw_result_entry;
+
+struct tw_result {
+    tw_host host;
+    tw_result_entry *rows;
+    size_t row_count;
+    long selected;
+    tw_stats baseline;
+    int baseline_measured;
+    size_t module_count;
+    int *module_state;        /* 1 tuned, -1 failed, 0 never tuned */
+    char **module_error;      /* NULL when none */
+    int dry_run;
+};
+
+/* A result with `rows` empty rows and `modules` untouched modules. */
+tw_result *tw_result_create(const tw_host *host, size_t rows, size_t modules);
+/* Sets the error text of a row (truncated to TW_MSG_SIZE). */
+void tw_result_set_row_error(tw_result *result, size_t i, const char *msg);
+/* Records a module's failure message; TW_ENOMEM when it cannot be kept. */
+tw_code tw_result_set_module_error(tw_result *result, size_t node, const char *msg,
+                                   tw_error *err);
+
+#endif /* TW_INTERNAL_H */

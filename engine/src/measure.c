@@ -1,0 +1,388 @@
+/*
+ * measure.c - the measurement protocol: warm-up, rounds, stop rules and the
+ * statistics of the rounds.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+void tw_measure_config_default(tw_measure_config *cfg)
+{
+    if (cfg == NULL) {
+        goto cleanup;
+    }
+    cfg->warmup_min = 2;
+    cfg->warmup_max = 20;
+    cfg->warmup_patience = 2;
+    cfg->warmup_gain = 0.02;
+    cfg->rounds_min = 5;
+    cfg->rounds_max = 50;
+    cfg->rel_spread = 0.05;
+    cfg->time_cap_ns = 5000000000ull;
+cleanup:
+    return;
+}
+
+tw_code tw_measure_config_check(const tw_measure_config *cfg, tw_error *err)
+{
+    tw_code rc = TW_OK;
+
+    if (cfg->rounds_min == 0) {
+        rc = tw_error_set(err, TW_EINVAL,
+                          "rounds_min is 0: at least one measured round is needed");
+    } else if (cfg->rounds_min > cfg->rounds_max) {
+        rc = tw_error_set(err, TW_EINVAL,
+                          "rounds_min (%u) is greater than rounds_max (%u): lower rounds_min "
+                          "or raise rounds_max", (unsigned)cfg->rounds_min,
+                          (unsigned)cfg->rounds_max);
+    } else if (cfg->warmup_min > cfg->warmup_max) {
+        rc = tw_error_set(err, TW_EINVAL,
+                          "warmup_min (%u) is greater than warmup_max (%u): lower warmup_min "
+                          "or raise warmup_max", (unsigned)cfg->warmup_min,
+                          (unsigned)cfg->warmup_max);
+    } else if (isnan(cfg->warmup_gain) || cfg->warmup_gain < 0) {
+        rc = tw_error_set(err, TW_EINVAL,
+                          "warmup_gain (%g) must be a fraction >= 0, such as 0.02",
+                          cfg->warmup_gain);
+    } else if (isnan(cfg->rel_spread) || cfg->rel_spread < 0) {
+        rc = tw_error_set(err, TW_EINVAL,
+                          "rel_spread (%g) must be a fraction >= 0, such as 0.05",
+                          cfg->rel_spread);
+    }
+    return rc;
+}
+
+/* ------------------------------------------------------------- statistics */
+
+static int tw_compare_doubles(const void *a, const void *b)
+{
+    double x = *(const double *)a;
+    double y = *(const double *)b;
+
+    return (x > y) - (x < y);
+}
+
+/* Linear interpolation between the two sorted values around p * (n - 1). */
+static double tw_quantile(const double *sorted, size_t n, double p)
+{
+    double h = p * (double)(n - 1);
+    size_t lo = (size_t)floor(h);
+    double value = sorted[lo];
+
+    if (lo + 1 < n) {
+        value += (h - (double)lo) * (sorted[lo + 1] - sorted[lo]);
+    }
+    return value;
+}
+
+void tw_stats_fill(double *values, size_t n, tw_stats *out)
+{
+    double iqr;
+
+    qsort(values, n, sizeof *values, tw_compare_doubles);
+    out->min_ns = values[0];
+    out->q25_ns = tw_quantile(values, n, 0.25);
+    out->median_ns = tw_quantile(values, n, 0.5);
+    out->q75_ns = tw_quantile(values, n, 0.75);
+    iqr = out->q75_ns - out->q25_ns;
+    /* A zero median (a clock too coarse to see the call) is only quiet when
+     * every round read the same. */
+    if (out->median_ns > 0) {
+        out->spread = iqr / out->median_ns;
+    } else {
+        out->spread = iqr > 0 ? INFINITY : 0.0;
+    }
+}
+
+/* ------------------------------------------------------------------ rounds */
+
+static tw_code tw_sync_runner(const tw_runner *runner, size_t sample, tw_error *err)
+{
+    tw_code rc = TW_OK;
+    tw_error cb_err;
+    char what[96];
+
+    if (runner->sync == NULL) {
+        goto cleanup;
+    }
+    tw_error_clear(&cb_err);
+    rc = runner->sync(runner->ctx, &cb_err);
+    if (rc != TW_OK) {
+        snprintf(what, sizeof what, "synchronising the device around sample %zu", sample);
+        tw_error_forward(err, rc, &cb_err, what);
+    }
+cleanup:
+    return rc;
+}
+
+/* One round: every sample once, each timed as sync, clock, run, sync, clock.
+ * *value gets the mean latency per call. */
+static tw_code tw_run_round(const tw_host *host, const tw_runner *runner, double *value,
+                            tw_error *err)
+{
+    tw_code rc = TW_OK;
+    tw_error cb_err;
+    double total = 0.0;
+    uint64_t t0;
+    uint64_t t1;
+    char what[64];
+    size_t i;
+
+    for (i = 0; i < runner->n_samples; i++) {
+        rc = tw_sync_runner(runner, i, err);
+        if (rc != TW_OK) {
+            goto cleanup;
+        }
+        t0 = tw_host_now(host);
+        tw_error_clear(&cb_err);
+        rc = runner->run(runner->ctx, i, &cb_err);
+        if (rc != TW_OK) {
+            snprintf(what, sizeof what, "run of sample %zu", i);
+            tw_error_forward(err, rc, &cb_err, what);
+            goto cleanup;
+        }
+        rc = tw_sync_runner(runner, i, err);
+        if (rc != TW_OK) {
+            goto cleanup;
+        }
+        t1 = tw_host_now(host);
+        total += t1 > t0 ? (double)(t1 - t0) : 0.0;
+    }
+    *value = total / (double)runner->n_samples;
+cleanup:
+    return rc;
+}
+
+static uint64_t tw_elapsed(const tw_host *host, uint64_t start)
+{
+    uint64_t now = tw_host_now(host);
+
+    return now > start ? now - start : 0;
+}
+
+/* Warm-up runs rounds until `patience` rounds in a row were not faster than
+ * (1 - gain) times the best so far; the first round always counts as faster. */
+static tw_code tw_warm_up(const tw_host *host, const tw_runner *runner,
+                          const tw_measure_config *cfg, uint32_t *rounds, tw_error *err)
+{
+    tw_code rc = TW_OK;
+    uint64_t start = tw_host_now(host);
+    double best = 0.0;
+    double value = 0.0;
+    uint32_t calm = 0;
+    uint32_t w = 0;
+
+    while (w < cfg->warmup_max) {
+        if (w >= cfg->warmup_min && calm >= cfg->warmup_patience) {
+            break;
+        }
+        if (cfg->time_cap_ns != 0 && tw_elapsed(host, start) >= cfg->time_cap_ns) {
+            break;
+        }
+        rc = tw_run_round(host, runner, &value, err);
+        if (rc != TW_OK) {
+            goto cleanup;
+        }
+        w++;
+        if (w == 1 || value < best * (1.0 - cfg->warmup_gain)) {
+            calm = 0;
+        } else {
+            calm++;
+        }
+        if (w == 1 || value < best) {
+            best = value;
+        }
+    }
+cleanup:
+    *rounds = w;
+    return rc;
+}
+
+/* The round values of n runners, one row of `cap` values per runner. */
+typedef struct tw_series {
+    double *values;
+    double *scratch;
+    size_t cap;
+} tw_series;
+
+static tw_code tw_grow_series(const tw_host *host, tw_series *s, size_t n, size_t need,
+                              uint32_t rounds_max, tw_error *err)
+{
+    tw_code rc = TW_OK;
+    double *values = NULL;
+    double *scratch = NULL;
+    size_t cap;
+    size_t i;
+
+    if (need <= s->cap) {
+        goto cleanup;
+    }
+    /* Grow by doubling, never past rounds_max: a huge rounds_max that the
+     * stop rule never reaches must not cost its memory up front. */
+    cap = s->cap == 0 ? 16 : s->cap * 2;
+    cap = cap > rounds_max ? rounds_max : cap;
+    cap = cap < need ? need : cap;
+    if (n <= (size_t)-1 / cap) {
+        values = tw_host_alloc_array(host, n * cap, sizeof *values);
+        scratch = tw_host_alloc_array(host, cap, sizeof *scratch);
+    }
+    if (values == NULL || scratch == NULL) {
+        rc = tw_error_set(err, TW_ENOMEM, "out of memory keeping %zu measured rounds", cap);
+        goto error;
+    }
+    for (i = 0; i < n && s->values != NULL; i++) {
+        memcpy(values + i * cap, s->values + i * s->cap, s->cap * sizeof *values);
+    }
+    tw_host_release(host, s->values);
+    tw_host_release(host, s->scratch);
+    s->values = values;
+    s->scratch = scratch;
+    s->cap = cap;
+    goto cleanup;
+error:
+    tw_host_release(host, values);
+    tw_host_release(host, scratch);
+cleanup:
+    return rc;
+}
+
+/* Statistics of runner i's first `rounds` values, without touching them. */
+static void tw_series_stats(tw_series *s, size_t i, size_t rounds, tw_stats *out)
+{
+    memcpy(s->scratch, s->values + i * s->cap, rounds * sizeof *s->scratch);
+    tw_stats_fill(s->scratch, rounds, out);
+}
+
+static tw_code tw_check_runners(const tw_runner *runners, size_t n, size_t *failed,
+                                tw_error *err)
+{
+    tw_code rc = TW_OK;
+    size_t i;
+
+    for (i = 0; i < n; i++) {
+        if (runners[i].run == NULL) {
+            rc = tw_error_set(err, TW_EINVAL, "runner %zu has no run function", i);
+        } else if (runners[i].n_samples == 0) {
+            rc = tw_error_set(err, TW_EINVAL,
+                              "runner %zu has no samples: the dataset is empty, give it "
+                              "at least one sample", i);
+        }
+        if (rc != TW_OK) {
+            *failed = i;
+            break;
+        }
+    }
+    return rc;
+}
+
+tw_code tw_measure_runners(const tw_host *host, const tw_runner *runners, size_t n,
+                           const tw_measure_config *cfg, tw_stats *out,
+                           size_t *failed, tw_error *err)
+{
+    tw_code rc;
+    tw_series series = {NULL, NULL, 0};
+    uint64_t start = tw_host_now(host);
+    uint64_t cap_ns = cfg->time_cap_ns;
+    uint32_t rounds = 0;
+    tw_stop stop = TW_STOP_ROUNDS;
+    size_t i;
+    int quiet;
+
+    *failed = TW_NO_RUNNER;
+    rc = tw_measure_config_check(cfg, err);
+    if (rc != TW_OK) {
+        goto cleanup;
+    }
+    rc = tw_check_runners(runners, n, failed, err);
+    if (rc != TW_OK) {
+        goto cleanup;
+    }
+    /* n runners share n caps; saturate rather than wrap. */
+    cap_ns = (cap_ns != 0 && n > UINT64_MAX / cap_ns) ? UINT64_MAX : cap_ns * n;
+    memset(out, 0, n * sizeof *out);
+    for (i = 0; i < n; i++) {
+        rc = tw_warm_up(host, &runners[i], cfg, &out[i].warmup_rounds, err);
+        if (rc != TW_OK) {
+            *failed = i;
+            goto cleanup;
+        }
+    }
+    for (;;) {
+        rc = tw_grow_series(host, &series, n, (size_t)rounds + 1, cfg->rounds_max, err);
+        if (rc != TW_OK) {
+            goto cleanup;
+        }
+        /* Interleaved: drift in the clock falls on every runner alike. */
+        for (i = 0; i < n; i++) {
+            rc = tw_run_round(host, &runners[i], &series.values[i * series.cap + rounds], err);
+            if (rc != TW_OK) {
+                *failed = i;
+                goto cleanup;
+            }
+        }
+        rounds++;
+        if (rounds >= cfg->rounds_min) {
+            quiet = 1;
+            for (i = 0; i < n && quiet; i++) {
+                tw_series_stats(&series, i, rounds, &out[i]);
+                quiet = out[i].spread <= cfg->rel_spread;
+            }
+            if (quiet) {
+                stop = TW_STOP_SPREAD;
+                break;
+            }
+        }
+        if (rounds >= cfg->rounds_max) {
+            stop = TW_STOP_ROUNDS;
+            break;
+        }
+        if (cap_ns != 0 && tw_elapsed(host, start) >= cap_ns) {
+            stop = TW_STOP_TIME;
+            break;
+        }
+    }
+    for (i = 0; i < n; i++) {
+        tw_series_stats(&series, i, rounds, &out[i]);
+        out[i].rounds = rounds;
+        out[i].stopped_by = stop;
+    }
+cleanup:
+    tw_host_release(host, series.values);
+    tw_host_release(host, series.scratch);
+    return rc;
+}
+
+tw_code tw_measure(const tw_host *host, const tw_runner *runner,
+                   const tw_measure_config *cfg, tw_stats *out, tw_error *err)
+{
+    return tw_measure_compare(host, runner, 1, cfg, out, err);
+}
+
+tw_code tw_measure_compare(const tw_host *host, const tw_runner *runners, size_t n,
+                           const tw_measure_config *cfg, tw_stats *out, tw_error *err)
+{
+    tw_code rc;
+    tw_host resolved;
+    tw_measure_config defaults;
+    size_t failed;
+
+    tw_host_resolve(host, &resolved);
+    if (runners == NULL || out == NULL) {
+        rc = tw_error_set(err, TW_EINVAL, "%s is NULL", runners == NULL ? "runner" : "out");
+        goto cleanup;
+    }
+    if (n == 0) {
+        rc = tw_error_set(err, TW_EINVAL, "no runners to measure: pass at least one");
+        goto cleanup;
+    }
+    if (cfg == NULL) {
+        tw_measure_config_default(&defaults);
+        cfg = &defaults;
+    }
+    rc = tw_measure_runners(&resolved, runners, n, cfg, out, &failed, err);
+cleanup:
+    return rc;
+}
