@@ -1,0 +1,387 @@
+/*
+ * test_measure.c - the measurement protocol on a fake clock: warm-up, the
+ * stop rules, the statistics, errors and interleaved comparison.
+ */
+#include <math.h>
+
+#include "check.h"
+#include "fake.h"
+#include "tweak.h"
+
+static tw_measure_config base_config(void)
+{
+    tw_measure_config cfg;
+
+    tw_measure_config_default(&cfg);
+    cfg.warmup_min = 0;
+    cfg.warmup_max = 0;
+    cfg.time_cap_ns = 0;
+    return cfg;
+}
+
+/* Slow first rounds: warm-up goes on while they fall, and stops after
+ * `patience` rounds that are no faster. */
+static void test_warmup(void)
+{
+    static const uint64_t script[] = {1000, 500, 300, 100, 100, 99, 100};
+    fake_env env;
+    fake_runner fr;
+    tw_runner runner;
+    tw_measure_config cfg;
+    tw_stats st;
+
+    fake_env_init(&env);
+    fake_runner_init(&fr, &env, 1, script, 7, 2);
+    runner = fake_runner_of(&fr);
+    tw_measure_config_default(&cfg);
+    cfg.time_cap_ns = 0;
+    tw_host host = fake_host(&env);
+    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, NULL), TW_OK);
+    /* 1000, 500, 300, 100 each fall; 100 and 99 fall less than 2 %: stop */
+    CHECK_INT(st.warmup_rounds, 6);
+    CHECK_INT(st.rounds, 5);
+    CHECK_INT(st.stopped_by, TW_STOP_SPREAD);
+    CHECK_NEAR(st.median_ns, 100, 1e-9);
+    CHECK_INT(fr.calls, (6 + 5) * 2);
+    CHECK_INT(env.live, 0);
+
+    /* warmup_max bounds a latency that keeps falling */
+    static const uint64_t falling[] = {1000, 900, 800, 700, 600, 500, 400, 300, 200, 100};
+    fake_runner_init(&fr, &env, 1, falling, 10, 1);
+    runner = fake_runner_of(&fr);
+    cfg.warmup_max = 4;
+    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, NULL), TW_OK);
+    CHECK_INT(st.warmup_rounds, 4);
+
+    /* warmup_min holds even when the latency is flat from the start */
+    static const uint64_t flat[] = {100};
+    fake_runner_init(&fr, &env, 1, flat, 1, 1);
+    runner = fake_runner_of(&fr);
+    cfg.warmup_min = 5;
+    cfg.warmup_max = 20;
+    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, NULL), TW_OK);
+    CHECK_INT(st.warmup_rounds, 5);
+}
+
+/* A quiet runner stops at rounds_min, a noisy one runs to rounds_max. */
+static void test_spread_rule(void)
+{
+    static const uint64_t quiet[] = {100};
+    static const uint64_t noisy[] = {100, 200};
+    uint64_t noisy_script[64];
+    fake_env env;
+    fake_runner fr;
+    tw_runner runner;
+    tw_measure_config cfg = base_config();
+    tw_host host;
+    tw_stats st;
+    size_t i;
+
+    for (i = 0; i < 64; i++) {
+        noisy_script[i] = noisy[i % 2];
+    }
+    fake_env_init(&env);
+    host = fake_host(&env);
+    cfg.rounds_min = 4;
+    cfg.rounds_max = 12;
+    fake_runner_init(&fr, &env, 1, quiet, 1, 3);
+    runner = fake_runner_of(&fr);
+    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, NULL), TW_OK);
+    CHECK_INT(st.rounds, 4);
+    CHECK_INT(st.stopped_by, TW_STOP_SPREAD);
+    CHECK_NEAR(st.spread, 0, 1e-12);
+
+    fake_runner_init(&fr, &env, 1, noisy_script, 64, 3);
+    runner = fake_runner_of(&fr);
+    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, NULL), TW_OK);
+    CHECK_INT(st.rounds, 12);
+    CHECK_INT(st.stopped_by, TW_STOP_ROUNDS);
+    CHECK(st.spread > cfg.rel_spread);
+    CHECK_INT(fr.calls, 12 * 3);
+
+    /* a looser rel_spread accepts the same noise at rounds_min */
+    fake_runner_init(&fr, &env, 1, noisy_script, 64, 3);
+    runner = fake_runner_of(&fr);
+    cfg.rel_spread = 1.0;
+    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, NULL), TW_OK);
+    CHECK_INT(st.rounds, 4);
+    CHECK_INT(st.stopped_by, TW_STOP_SPREAD);
+}
+
+/* The time cap is checked between rounds. */
+static void test_time_cap(void)
+{
+    uint64_t script[64];
+    fake_env env;
+    fake_runner fr;
+    tw_runner runner;
+    tw_measure_config cfg = base_config();
+    tw_host host;
+    tw_stats st;
+    uint64_t start;
+    size_t i;
+
+    for (i = 0; i < 64; i++) {
+        script[i] = (i % 2 == 0) ? 1000000 : 2000000; /* 1 ms, 2 ms: noisy */
+    }
+    fake_env_init(&env);
+    host = fake_host(&env);
+    cfg.rounds_min = 2;
+    cfg.rounds_max = 50;
+    cfg.time_cap_ns = 10000000;
+    fake_runner_init(&fr, &env, 1, script, 64, 1);
+    runner = fake_runner_of(&fr);
+    start = env.now;
+    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, NULL), TW_OK);
+    /* after 7 rounds 1+2+1+2+1+2+1 = 10 ms are used */
+    CHECK_INT(st.stopped_by, TW_STOP_TIME);
+    CHECK_INT(st.rounds, 7);
+    CHECK_INT(env.now - start, 10000000);
+
+    /* a cap used up in warm-up still leaves one measured round */
+    fake_runner_init(&fr, &env, 1, script, 64, 1);
+    runner = fake_runner_of(&fr);
+    cfg.warmup_min = 10;
+    cfg.warmup_max = 10;
+    cfg.time_cap_ns = 3000000;
+    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, NULL), TW_OK);
+    CHECK_INT(st.warmup_rounds, 2); /* 1 ms + 2 ms */
+    CHECK_INT(st.rounds, 1);
+    CHECK_INT(st.stopped_by, TW_STOP_TIME);
+}
+
+/* The median ignores an outlier round; quantiles interpolate linearly. */
+static void test_statistics(void)
+{
+    static const uint64_t outlier[] = {100, 100, 50000000, 100, 100};
+    static const uint64_t four[] = {4, 1, 3, 2};
+    fake_env env;
+    fake_runner fr;
+    tw_runner runner;
+    tw_measure_config cfg = base_config();
+    tw_host host;
+    tw_stats st;
+
+    fake_env_init(&env);
+    host = fake_host(&env);
+    cfg.rounds_min = 5;
+    cfg.rounds_max = 5;
+    fake_runner_init(&fr, &env, 1, outlier, 5, 1);
+    runner = fake_runner_of(&fr);
+    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, NULL), TW_OK);
+    CHECK_NEAR(st.median_ns, 100, 1e-9);
+    CHECK_NEAR(st.min_ns, 100, 1e-9);
+    CHECK_NEAR(st.q75_ns, 100, 1e-9);
+
+    cfg.rounds_min = 4;
+    cfg.rounds_max = 4;
+    fake_runner_init(&fr, &env, 1, four, 4, 1);
+    runner = fake_runner_of(&fr);
+    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, NULL), TW_OK);
+    CHECK_NEAR(st.median_ns, 2.5, 1e-9);
+    CHECK_NEAR(st.q25_ns, 1.75, 1e-9);
+    CHECK_NEAR(st.q75_ns, 3.25, 1e-9);
+    CHECK_NEAR(st.min_ns, 1, 1e-9);
+    CHECK_NEAR(st.spread, 1.5 / 2.5, 1e-9);
+}
+
+/* A sync that takes 50 ns: only the one after run falls inside the timing. */
+static tw_code slow_sync(void *ctx, tw_error *err)
+{
+    fake_runner *fr = ctx;
+
+    (void)err;
+    fr->env->now += 50;
+    return TW_OK;
+}
+
+static void test_sync_order(void)
+{
+    static const uint64_t script[] = {100};
+    fake_env env;
+    fake_runner fr;
+    tw_runner runner;
+    tw_measure_config cfg = base_config();
+    tw_host host;
+    tw_stats st;
+
+    fake_env_init(&env);
+    host = fake_host(&env);
+    fake_runner_init(&fr, &env, 1, script, 1, 2);
+    runner = fake_runner_of(&fr);
+    runner.sync = slow_sync;
+    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, NULL), TW_OK);
+    CHECK_NEAR(st.median_ns, 150, 1e-9);
+}
+
+static void test_invalid(void)
+{
+    static const uint64_t script[] = {100};
+    fake_env env;
+    fake_runner fr;
+    tw_runner runner;
+    tw_measure_config cfg;
+    tw_host host;
+    tw_stats st;
+    tw_error err;
+
+    fake_env_init(&env);
+    host = fake_host(&env);
+    fake_runner_init(&fr, &env, 1, script, 1, 1);
+    runner = fake_runner_of(&fr);
+
+    cfg = base_config();
+    cfg.rounds_min = 0;
+    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, &err), TW_EINVAL);
+    CHECK_HAS(err.msg, "rounds_min");
+    cfg = base_config();
+    cfg.rounds_min = 9;
+    cfg.rounds_max = 8;
+    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, &err), TW_EINVAL);
+    CHECK_HAS(err.msg, "rounds_min (9) is greater than rounds_max (8)");
+    cfg = base_config();
+    cfg.warmup_min = 3;
+    cfg.warmup_max = 2;
+    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, &err), TW_EINVAL);
+    CHECK_HAS(err.msg, "warmup_min");
+    cfg = base_config();
+    cfg.warmup_gain = NAN;
+    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, &err), TW_EINVAL);
+    CHECK_HAS(err.msg, "warmup_gain");
+    cfg = base_config();
+    cfg.rel_spread = -0.1;
+    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, &err), TW_EINVAL);
+    CHECK_HAS(err.msg, "rel_spread");
+    cfg = base_config();
+    runner.n_samples = 0;
+    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, &err), TW_EINVAL);
+    CHECK_HAS(err.msg, "empty");
+    runner = fake_runner_of(&fr);
+    runner.run = NULL;
+    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, &err), TW_EINVAL);
+    runner = fake_runner_of(&fr);
+    CHECK_INT(tw_measure_compare(&host, &runner, 0, &cfg, &st, &err), TW_EINVAL);
+    CHECK_INT(tw_measure(&host, NULL, &cfg, &st, &err), TW_EINVAL);
+    CHECK_INT(fr.calls, 0);
+    CHECK_INT(env.live, 0);
+}
+
+static void test_callback_error(void)
+{
+    static const uint64_t script[] = {100};
+    fake_env env;
+    fake_runner fr;
+    tw_runner runner;
+    tw_measure_config cfg = base_config();
+    tw_host host;
+    tw_stats st;
+    tw_error err;
+
+    fake_env_init(&env);
+    host = fake_host(&env);
+    fake_runner_init(&fr, &env, 7, script, 1, 2);
+    fr.fail_at = 3;
+    fr.fail_code = TW_ECALLBACK;
+    runner = fake_runner_of(&fr);
+    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, &err), TW_ECALLBACK);
+    CHECK_INT(err.code, TW_ECALLBACK);
+    CHECK_STR(err.msg, "runner 7 broke at call 3");
+    CHECK_INT(fr.calls, 4);
+
+    fake_runner_init(&fr, &env, 7, script, 1, 2);
+    fr.fail_at = 0;
+    fr.fail_code = TW_EINTERRUPT;
+    runner = fake_runner_of(&fr);
+    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, &err), TW_EINTERRUPT);
+    CHECK_INT(fr.calls, 1);
+    CHECK_INT(env.live, 0);
+}
+
+/* Warm-up runs each runner alone; measured rounds alternate A, B, A, B. */
+static void test_compare_interleaves(void)
+{
+    static const uint64_t fast[] = {100};
+    static const uint64_t slow[] = {300};
+    fake_env env;
+    fake_runner fa;
+    fake_runner fb;
+    tw_runner runners[2];
+    tw_measure_config cfg = base_config();
+    tw_host host;
+    tw_stats st[2];
+    size_t i;
+    int alternates = 1;
+
+    fake_env_init(&env);
+    host = fake_host(&env);
+    fake_runner_init(&fa, &env, 1, fast, 1, 1);
+    fake_runner_init(&fb, &env, 2, slow, 1, 1);
+    runners[0] = fake_runner_of(&fa);
+    runners[1] = fake_runner_of(&fb);
+    cfg.warmup_min = 2;
+    cfg.warmup_max = 2;
+    cfg.rounds_min = 6;
+    cfg.rounds_max = 6;
+    CHECK_INT(tw_measure_compare(&host, runners, 2, &cfg, st, NULL), TW_OK);
+    CHECK_INT(env.log_len, 4 + 12);
+    CHECK_INT(env.log[0], 1);
+    CHECK_INT(env.log[1], 1);
+    CHECK_INT(env.log[2], 2);
+    CHECK_INT(env.log[3], 2);
+    for (i = 4; i < env.log_len; i++) {
+        alternates = alternates && env.log[i] == ((i - 4) % 2 == 0 ? 1 : 2);
+    }
+    CHECK(alternates);
+    CHECK_NEAR(st[0].median_ns, 100, 1e-9);
+    CHECK_NEAR(st[1].median_ns, 300, 1e-9);
+    CHECK_INT(st[0].rounds, 6);
+    CHECK_INT(st[1].rounds, 6);
+    CHECK_INT(st[0].warmup_rounds, 2);
+}
+
+/* Comparison stops on spread only when every runner is quiet. */
+static void test_compare_waits_for_all(void)
+{
+    static const uint64_t quiet[] = {100};
+    uint64_t noisy[64];
+    fake_env env;
+    fake_runner fa;
+    fake_runner fb;
+    tw_runner runners[2];
+    tw_measure_config cfg = base_config();
+    tw_host host;
+    tw_stats st[2];
+    size_t i;
+
+    for (i = 0; i < 64; i++) {
+        noisy[i] = i % 2 ? 100 : 300;
+    }
+    fake_env_init(&env);
+    host = fake_host(&env);
+    fake_runner_init(&fa, &env, 1, quiet, 1, 1);
+    fake_runner_init(&fb, &env, 2, noisy, 64, 1);
+    runners[0] = fake_runner_of(&fa);
+    runners[1] = fake_runner_of(&fb);
+    cfg.rounds_min = 3;
+    cfg.rounds_max = 9;
+    CHECK_INT(tw_measure_compare(&host, runners, 2, &cfg, st, NULL), TW_OK);
+    CHECK_INT(st[0].rounds, 9);
+    CHECK_INT(st[0].stopped_by, TW_STOP_ROUNDS);
+    CHECK_INT(fa.calls, 9);
+    CHECK_INT(fb.calls, 9);
+    CHECK_INT(env.live, 0);
+}
+
+int main(void)
+{
+    test_warmup();
+    test_spread_rule();
+    test_time_cap();
+    test_statistics();
+    test_sync_order();
+    test_invalid();
+    test_callback_error();
+    test_compare_interleaves();
+    test_compare_waits_for_all();
+    return CHECK_SUMMARY("test_measure");
+}
