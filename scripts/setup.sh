@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Sets up everything from nothing: a virtual environment in .venv with torch, the
+# build tools and pytest, then builds and installs torch-tweak into it.
+# Sourced by example.sh and test.sh; safe to run again (it only adds what is missing).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    # System packages stay visible, so a machine that already has torch (a GPU build) uses it.
+    "$PYTHON" -m venv --system-site-packages .venv
+fi
+VPY=.venv/bin/python
+
+need=()
+"$VPY" -c "import torch" 2>/dev/null || need+=("torch==2.13.0")  # the CPU build; never an unpinned torch
+"$VPY" -c "import pytest" 2>/dev/null || need+=("pytest")
+"$VPY" -c "import scikit_build_core" 2>/dev/null || need+=("scikit-build-core>=0.9")
+command -v cmake >/dev/null 2>&1 || "$VPY" -c "import cmake" 2>/dev/null || need+=("cmake")
+command -v ninja >/dev/null 2>&1 || "$VPY" -c "import ninja" 2>/dev/null || need+=("ninja")
+if [ ${#need[@]} -gt 0 ]; then
+    echo "setup: installing ${need[*]}"
+    "$VPY" -m pip install -q "${need[@]}"
+fi
+export PATH="$PWD/.venv/bin:$PATH"
+
+echo "setup: building torch-tweak"
+"$VPY" -m pip install -q --no-build-isolation --no-deps . >/dev/null
+"$VPY" -c "import torch, torch_tweak; print('setup: torch', torch.__version__, '| torch-tweak', torch_tweak.__version__)"

@@ -1,0 +1,69 @@
+"""torch-tweak: automatic inference tuning for PyTorch.
+
+    import torch_tweak as tt
+    result = tt.tweak(model, dataset)   # tunes `model` in place, keeps the fastest cut
+    print(result)
+
+The engine and every per-call path are C (torch_tweak._C); this package is the
+door into torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from . import backends
+from .backends import Backend, BackendConfig
+from .correctness import TOLERANCES
+from .inspecting import ModuleTree, inspect
+from .module import TunedModule, install, installed, make_wrapper, resolve_paths, set_mode, unwrap
+from .strategy import (FirstWinsStrategy, HighestThroughputStrategy, OneBackendStrategy, Strategy,
+                       default_backends, default_strategy)
+from .tuning import tune
+from .tweak import DepthResult, ModuleResult, TweakResult, tweak
+
+__version__ = "0.1.0"
+
+
+def wrap(model: nn.Module, modules: Any, *, strategy: Strategy | None = None) -> list[TunedModule]:
+    """Replaces each given module (paths or module objects) with a tuned-module wrapper.
+
+    The wrappers run the original forward until tt.tune tunes them. Every path is
+    checked before anything changes. Returns the wrappers, in the order given.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    if strategy is not None and not isinstance(strategy, Strategy):
+        raise TypeError(f"strategy must be a torch_tweak strategy, not {type(strategy).__name__}")
+    paths = resolve_paths(model, modules)
+    wrappers = [make_wrapper(model, path) for path in paths]
+    done = []
+    try:
+        for wrapper in wrappers:
+            wrapper.__dict__["tt_strategy"] = strategy
+            install(model, wrapper)
+            done.append(wrapper.tt_name)
+    except BaseException:
+        unwrap(model, done)
+        raise
+    return wrappers
+
+
+def activate(model: nn.Module) -> int:
+    """Switches every tuned wrapper of `model` to its backend; returns how many."""
+    return set_mode(model, True)
+
+
+def deactivate(model: nn.Module) -> int:
+    """Switches every tuned wrapper of `model` back to its original forward; returns how many."""
+    return set_mode(model, False)
+
+
+__all__ = [
+    "Backend", "BackendConfig", "DepthResult", "FirstWinsStrategy", "HighestThroughputStrategy",
+    "ModuleResult", "ModuleTree", "OneBackendStrategy", "Strategy", "TOLERANCES", "TunedModule",
+    "TweakResult", "activate", "backends", "deactivate", "default_backends", "default_strategy",
+    "inspect", "installed", "tune", "tweak", "unwrap", "wrap",
+]

@@ -1,0 +1,99 @@
+"""Datasets and samples: what one call of the model looks like.
+
+A sample is one call of the model exactly as the user makes it: a Tensor (one
+positional argument), a tuple or list (positional arguments), a dict (keyword
+arguments), or a pair ``(args_tuple, kwargs_dict)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+Call = tuple[tuple, dict]
+
+
+def as_call(sample: Any, index: int) -> Call:
+    """The (args, kwargs) of one sample; TypeError naming the sample otherwise."""
+    if isinstance(sample, torch.Tensor):
+        return (sample,), {}
+    if isinstance(sample, dict):
+        return (), dict(sample)
+    if isinstance(sample, (tuple, list)):
+        if len(sample) == 2 and isinstance(sample[0], tuple) and isinstance(sample[1], dict):
+            return tuple(sample[0]), dict(sample[1])
+        return tuple(sample), {}
+    raise TypeError(
+        f"sample {index} is a {type(sample).__name__}; a sample is a Tensor, a tuple or list "
+        "of positional arguments, a dict of keyword arguments, or a pair (args_tuple, kwargs_dict)"
+    )
+
+
+def load_dataset(dataset: Any, device: torch.device | None = None) -> list[Call]:
+    """Every sample of the dataset as (args, kwargs), tensors moved to `device`."""
+    if isinstance(dataset, torch.Tensor):
+        raise TypeError(
+            "the dataset is a single Tensor; pass a sequence of samples instead, e.g. [x] "
+            "for one call of model(x)"
+        )
+    if isinstance(dataset, (dict, str, bytes)) or not isinstance(dataset, Iterable):
+        raise TypeError(
+            f"the dataset must be a sequence or iterable of samples, not a {type(dataset).__name__}; "
+            "e.g. [x1, x2] or [(x, mask)] or [{'input_ids': ids}]"
+        )
+    calls = [as_call(sample, i) for i, sample in enumerate(dataset)]
+    if not calls:
+        raise ValueError("the dataset is empty; pass at least one sample, e.g. [x]")
+    if device is not None:
+        calls = [(move(args, device), move(kwargs, device)) for args, kwargs in calls]
+    return calls
+
+
+def move(value: Any, device: torch.device) -> Any:
+    """`value` with every tensor in it on `device` (tuples, lists and dicts followed)."""
+    if isinstance(value, torch.Tensor):
+        return value if value.device == device else value.to(device)
+    if isinstance(value, tuple):
+        return tuple(move(v, device) for v in value)
+    if isinstance(value, list):
+        return [move(v, device) for v in value]
+    if isinstance(value, dict):
+        return {k: move(v, device) for k, v in value.items()}
+    return value
+
+
+def clone(value: Any) -> Any:
+    """A copy of `value` whose tensors a later in-place operation cannot change."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(clone(v) for v in value)
+    if isinstance(value, list):
+        return [clone(v) for v in value]
+    if type(value) is dict:
+        return {k: clone(v) for k, v in value.items()}
+    return value
+
+
+def resolve_device(model: torch.nn.Module, device: Any) -> torch.device:
+    """The device to tune on: `device`, else that of the model's first parameter or buffer, else cpu."""
+    if device is not None:
+        try:
+            return torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"unknown device {device!r}: {exc}") from None
+    for tensor in model.parameters():
+        return tensor.device
+    for tensor in model.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def synchronizer(device: torch.device):
+    """A callable that waits for `device`, or None when there is nothing to wait for."""
+    if device.type == "cuda":
+        return torch.cuda.synchronize
+    if device.type == "xpu" and hasattr(torch, "xpu"):
+        return torch.xpu.synchronize
+    return None

@@ -1,0 +1,96 @@
+"""The base class of every backend, and what a backend is given to build."""
+
+from __future__ import annotations
+
+import abc
+import copy
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .._samples import Call
+
+
+@dataclasses.dataclass
+class BackendConfig:
+    """Settings every backend shares.
+
+    tolerance: the relative tolerance of the correctness check for this backend
+    (None: the per-dtype default of torch_tweak.correctness.TOLERANCES).
+    """
+
+    tolerance: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.tolerance is not None and not (self.tolerance >= 0):
+            raise ValueError(f"tolerance must be a fraction >= 0, got {self.tolerance!r}")
+
+
+class BackendUnavailable(Exception):
+    """The backend cannot run here (a package not installed, a device it does not support)."""
+
+
+class Backend(abc.ABC):
+    """One way to run a module. Subclass it to bring a backend of your own:
+
+    - set ``name`` and, if it has settings, ``config_class`` (a BackendConfig subclass);
+    - override ``build(module, samples, device)`` to return a callable that runs the module;
+      raise an exception to reject the module (the message is reported);
+    - optionally override ``unavailable(device)`` to return why it cannot run here.
+
+    A backend object is a template: strategies copy it per module with ``fresh()``, so a
+    built backend never leaks into another module. Its state moves from "new" to "built"
+    when build succeeds; the tuned-module wrapper then makes it "active" or "inactive".
+    """
+
+    name = "backend"
+    config_class: type[BackendConfig] = BackendConfig
+
+    def __init__(self, config: BackendConfig | None = None, **options: Any) -> None:
+        if config is not None and options:
+            raise TypeError(f"{type(self).__name__}: pass either a config or keyword options, not both")
+        if config is None:
+            names = {f.name for f in dataclasses.fields(self.config_class)}
+            unknown = sorted(set(options) - names)
+            if unknown:
+                raise TypeError(
+                    f"{type(self).__name__} has no option {', '.join(unknown)}; its options are {', '.join(sorted(names))}"
+                )
+            config = self.config_class(**options)
+        elif not isinstance(config, self.config_class):
+            raise TypeError(f"{type(self).__name__} takes a {self.config_class.__name__}, got {type(config).__name__}")
+        self.config = config
+        self.state = "new"
+        self.callable: Callable[..., Any] | None = None
+
+    def unavailable(self, device: torch.device) -> str | None:
+        """Why this backend cannot run on `device`, or None when it can."""
+        return None
+
+    @abc.abstractmethod
+    def build(self, module: torch.nn.Module, samples: Sequence[Call], device: torch.device) -> Callable[..., Any]:
+        """A callable that runs `module` on this backend, built and warmed on `samples`."""
+
+    def fresh(self) -> "Backend":
+        """A new, unbuilt backend with a copy of this one's config."""
+        clone = copy.copy(self)
+        clone.config = copy.deepcopy(self.config)
+        clone.state = "new"
+        clone.callable = None
+        return clone
+
+    def prepare(self, module: torch.nn.Module, samples: Sequence[Call], device: torch.device) -> Callable[..., Any]:
+        """Builds for `module` and records the result; raises on failure."""
+        reason = self.unavailable(device)
+        if reason is not None:
+            raise BackendUnavailable(reason)
+        fn = self.build(module, samples, device)
+        if not callable(fn):
+            raise TypeError(f"{type(self).__name__}.build returned {type(fn).__name__}, not a callable")
+        self.callable = fn
+        self.state = "built"
+        return fn
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config})"

@@ -1,0 +1,100 @@
+"""The correctness check every backend passes before it is accepted.
+
+A backend's outputs on the recorded samples must have the same structure as the
+original module's (the same nesting of tuples, lists and dicts, tensors of the
+same shape and dtype, equal plain values), no NaN or Inf where the original has
+none, and values within a tolerance that fits the dtype.
+
+The error of a floating-point tensor is relative to its scale:
+``max|out - ref| / max(max|ref|, 1e-6)``, taken over the positions where the
+reference is finite. Integer and bool tensors must be equal. The defaults per
+dtype are in ``TOLERANCES``; change one for the whole process with
+``torch_tweak.correctness.TOLERANCES[torch.float32] = 1e-2``, or give a backend
+config its own ``tolerance``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+TOLERANCES: dict[torch.dtype, float] = {
+    torch.float64: 1e-6,
+    torch.float32: 1e-3,
+    torch.float16: 1e-2,
+    torch.bfloat16: 3e-2,
+}
+"""Default relative tolerance per floating dtype; others (fp8...) use 0.1."""
+
+
+class MismatchError(Exception):
+    """A backend's output does not match the original module's."""
+
+
+def tolerance_for(dtype: torch.dtype, override: float | None = None) -> float:
+    if override is not None:
+        return override
+    return TOLERANCES.get(dtype, 0.1)
+
+
+def check(out: Any, ref: Any, tolerance: float | None = None, where: str = "output") -> float:
+    """Raises MismatchError when `out` does not match `ref`; returns the largest error seen."""
+    if isinstance(ref, torch.Tensor):
+        return check_tensor(out, ref, tolerance, where)
+    if isinstance(ref, dict):
+        if not isinstance(out, dict) or list(out.keys()) != list(ref.keys()):
+            raise MismatchError(f"{where}: expected a dict with keys {list(ref.keys())}, got {describe(out)}")
+        return max((check(out[k], ref[k], tolerance, f"{where}[{k!r}]") for k in ref), default=0.0)
+    if isinstance(ref, (tuple, list)):
+        if not isinstance(out, (tuple, list)) or len(out) != len(ref):
+            raise MismatchError(f"{where}: expected a {type(ref).__name__} of {len(ref)}, got {describe(out)}")
+        return max((check(o, r, tolerance, f"{where}[{i}]") for i, (o, r) in enumerate(zip(out, ref))), default=0.0)
+    if type(out) is not type(ref):
+        raise MismatchError(f"{where}: expected {type(ref).__name__}, got {describe(out)}")
+    try:
+        equal = bool(out == ref)
+    except Exception:  # objects without a plain equality count as equal by type
+        equal = True
+    if not equal:
+        raise MismatchError(f"{where}: expected {ref!r}, got {out!r}")
+    return 0.0
+
+
+def check_tensor(out: Any, ref: torch.Tensor, tolerance: float | None, where: str) -> float:
+    if not isinstance(out, torch.Tensor):
+        raise MismatchError(f"{where}: expected a tensor, got {describe(out)}")
+    if out.shape != ref.shape or out.dtype != ref.dtype:
+        raise MismatchError(
+            f"{where}: expected {tuple(ref.shape)} {ref.dtype}, got {tuple(out.shape)} {out.dtype}"
+        )
+    if out.numel() == 0:
+        return 0.0
+    out = out.detach()
+    ref = ref.detach().to(out.device)
+    if not ref.is_floating_point() and not ref.is_complex():
+        if not torch.equal(out, ref):
+            raise MismatchError(f"{where}: {int((out != ref).sum())} of {ref.numel()} values differ")
+        return 0.0
+    finite = torch.isfinite(ref)
+    bad = finite & ~torch.isfinite(out)
+    if bool(bad.any()):
+        raise MismatchError(f"{where}: {int(bad.sum())} NaN or Inf values where the original has none")
+    a = out[finite].double()
+    b = ref[finite].double()
+    if a.numel() == 0:
+        return 0.0
+    scale = max(float(b.abs().max()), 1e-6)
+    error = float((a - b).abs().max()) / scale
+    limit = tolerance_for(ref.dtype, tolerance)
+    if error > limit:
+        raise MismatchError(f"{where}: relative error {error:.3g} exceeds the tolerance {limit:.3g} for {ref.dtype}")
+    return error
+
+
+def describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor {tuple(value.shape)} {value.dtype}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return type(value).__name__

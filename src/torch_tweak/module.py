@@ -1,0 +1,213 @@
+"""The tuned-module wrapper and how it is put into, and taken out of, a model.
+
+A wrapper replaces a module inside its parent and is named by the module's full
+dotted path. Its call is the C dispatcher (torch_tweak._C.Dispatcher): in the
+original mode it calls the original module, in the active mode the chosen
+backend, in the record mode a recorder. The wrapper shares the original's
+parameters, buffers and children, so state_dict keys, .to() and .eval() see the
+model as before. The root of a model has no parent to be replaced in: it keeps
+its identity and gets a subclass whose __call__ goes to its wrapper.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from . import _C
+
+MODE_ORIGINAL = 0
+MODE_ACTIVE = 1
+MODE_RECORD = 2
+
+
+class TunedModule(_C.Dispatcher, nn.Module):
+    """A module of the model, tuned: calls go through the C dispatcher.
+
+    tt_name: the full dotted path of the module in its model ("" for the root).
+    tt_backend: the chosen backend, or None while untuned or when tuning failed.
+    tt_report: what every candidate backend did (state, latency, error).
+    """
+
+    def __init__(self, module: nn.Module, name: str) -> None:
+        nn.Module.__init__(self)
+        self._tt_bind(module)
+        state = self.__dict__
+        # Shared, not copied: the model keeps one set of weights and the same state_dict keys.
+        state["_parameters"] = module._parameters
+        state["_buffers"] = module._buffers
+        state["_modules"] = module._modules
+        state["training"] = module.training
+        state["tt_name"] = name
+        state["tt_backend"] = None
+        state["tt_report"] = []
+        state["tt_error"] = ""
+        state["tt_samples"] = []
+        state["tt_outputs"] = []
+        if hasattr(_C, "enable_vectorcall"):
+            _C.enable_vectorcall(type(self))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return nn.Module.__getattr__(self, name)
+        except AttributeError:
+            original = _C.Dispatcher._tt_original.__get__(self)
+            if original is None:
+                raise
+            # The parent's code may read plain attributes of the module it called.
+            return getattr(original, name)
+
+    def train(self, mode: bool = True) -> "TunedModule":
+        nn.Module.train(self, mode)
+        self._tt_original.train(mode)
+        return self
+
+    @property
+    def tt_active(self) -> bool:
+        return self._tt_mode == MODE_ACTIVE
+
+    def extra_repr(self) -> str:
+        backend = self.tt_backend.name if self.tt_backend is not None else "original"
+        return f"{self.tt_name or '(root)'!r}, backend={backend}, active={self.tt_active}"
+
+
+_ROOT_CLASSES: dict[type, type] = {}
+
+
+def _call_root(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return self.__dict__["_tt_root"](*args, **kwargs)
+
+
+def _root_class(cls: type) -> type:
+    """The subclass a wrapped root gets: the same module, its call sent to the wrapper."""
+    sub = _ROOT_CLASSES.get(cls)
+    if sub is None:
+        sub = type(cls.__name__, (cls,), {"__call__": _call_root, "_tt_root_class": cls,
+                                          "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        _ROOT_CLASSES[cls] = sub
+    return sub
+
+
+def _root_view(model: nn.Module) -> nn.Module:
+    """An object of the root's own class sharing all its state: what backends build on."""
+    view = object.__new__(type(model))
+    view.__dict__ = model.__dict__
+    return view
+
+
+# model -> {path: wrapper} for every wrapper installed in it.
+_REGISTRY: "weakref.WeakKeyDictionary[nn.Module, dict[str, TunedModule]]" = weakref.WeakKeyDictionary()
+
+
+def installed(model: nn.Module) -> dict[str, TunedModule]:
+    """The wrappers installed in `model`, by path (a new dict)."""
+    return dict(_REGISTRY.get(model, {}))
+
+
+def make_wrapper(model: nn.Module, path: str) -> TunedModule:
+    target = _root_view(model) if path == "" else model.get_submodule(path)
+    return TunedModule(target, path)
+
+
+def install(model: nn.Module, wrapper: TunedModule) -> None:
+    path = wrapper.tt_name
+    table = _REGISTRY.setdefault(model, {})
+    if path in table:
+        raise ValueError(f"module {path or '(root)'!r} is already wrapped")
+    if path == "":
+        model.__dict__["_tt_root"] = wrapper
+        model.__class__ = _root_class(type(model))
+    else:
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        parent._modules[name] = wrapper
+    table[path] = wrapper
+
+
+def uninstall(model: nn.Module, wrapper: TunedModule) -> None:
+    path = wrapper.tt_name
+    table = _REGISTRY.get(model, {})
+    if table.get(path) is not wrapper:
+        return
+    wrapper._tt_mode = MODE_ORIGINAL
+    if path == "":
+        model.__class__ = type(model)._tt_root_class
+        del model.__dict__["_tt_root"]
+    else:
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        parent._modules[name] = wrapper._tt_original
+    del table[path]
+    if not table:
+        _REGISTRY.pop(model, None)
+
+
+def unwrap(model: nn.Module, paths: Iterable[str] | None = None) -> None:
+    """Puts the original modules back (all of them when `paths` is None)."""
+    table = installed(model)
+    targets = table.keys() if paths is None else paths
+    # Deepest first, so a parent is never restored around a child that is still wrapped.
+    for path in sorted(targets, key=lambda p: -p.count(".") - (p != "")):
+        if path in table:
+            uninstall(model, table[path])
+
+
+def resolve_paths(model: nn.Module, modules: Any) -> list[str]:
+    """The dotted paths of `modules` (paths or module objects), checked, before anything changes."""
+    if isinstance(modules, (str, nn.Module)):
+        modules = [modules]
+    try:
+        items = list(modules)
+    except TypeError:
+        raise TypeError(f"modules must be a path, a module or a list of them, not {type(modules).__name__}") from None
+    names = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
+    paths: list[str] = []
+    for item in items:
+        if isinstance(item, nn.Module):
+            path = names.get(id(item))
+            if path is None:
+                raise ValueError(f"{type(item).__name__} object is not a module of this model")
+        elif isinstance(item, str):
+            path = item
+            try:
+                if path:
+                    model.get_submodule(path)
+            except AttributeError:
+                raise ValueError(
+                    f"{path!r} is not a module of this model; see [p for p, _ in model.named_modules()]"
+                ) from None
+        else:
+            raise TypeError(f"a module to wrap is a dotted path or a module object, not {type(item).__name__}")
+        if path in paths:
+            raise ValueError(f"module {path or '(root)'!r} is given twice")
+        paths.append(path)
+    table = _REGISTRY.get(model, {})
+    for path in paths:
+        if path in table:
+            raise ValueError(f"module {path or '(root)'!r} is already wrapped; tt.unwrap(model) first")
+        if isinstance(model.get_submodule(path) if path else model, TunedModule):
+            raise ValueError(f"module {path!r} is a torch-tweak wrapper already")
+    everything = sorted(set(paths) | set(table))
+    for a in everything:
+        for b in everything:
+            if a != b and (a == "" or b.startswith(a + ".")):
+                raise ValueError(
+                    f"modules {a or '(root)'!r} and {b!r} overlap: one is inside the other; wrap modules of one cut"
+                )
+    return paths
+
+
+def set_mode(model: nn.Module, active: bool) -> int:
+    """Switches every tuned wrapper of `model`; returns how many were switched."""
+    count = 0
+    for wrapper in installed(model).values():
+        if wrapper.tt_backend is not None:
+            wrapper._tt_mode = MODE_ACTIVE if active else MODE_ORIGINAL
+            count += 1
+    return count

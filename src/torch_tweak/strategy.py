@@ -1,0 +1,102 @@
+"""Strategies: the rule that picks one backend for one module.
+
+The decision rules themselves are the engine's (tw_strategy_choose); a strategy
+here holds its backends and hands them to the engine as candidates.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .backends import Backend, TorchEagerBackend, TorchInductorBackend
+
+
+def device_type(device: Any) -> str:
+    try:
+        return torch.device(device).type
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"unknown device {device!r}: {exc}") from None
+
+
+def default_backends(device: Any) -> list[Backend]:
+    """A new list of the default backends for `device`, in the order FirstWins tries them.
+
+    cpu: Torch Inductor, Torch Eager. cuda and xpu: Torch Inductor, Torch Eager.
+    Backends not built yet (device graph, OpenVINO) join these lists when they land.
+    TorchAO is never a default: quantization changes results.
+    """
+    kind = device_type(device)
+    if kind in ("cpu", "cuda", "xpu"):
+        return [TorchInductorBackend(), TorchEagerBackend()]
+    raise ValueError(f"torch-tweak has no backends for device {kind!r}; use 'cpu', 'cuda' or 'xpu'")
+
+
+class Strategy:
+    """Picks a backend for one module from those that build and pass the check.
+
+    A strategy given to tweak, wrap or tune is a template: it is copied per module
+    with ``fresh()``, so no state leaks from one module to the next.
+    """
+
+    kind = ""
+
+    def __init__(self, backends: Sequence[Backend] | None = None) -> None:
+        if backends is not None:
+            backends = list(backends)
+            if not backends:
+                raise ValueError(f"{type(self).__name__} needs at least one backend; pass None for the defaults")
+            for backend in backends:
+                if not isinstance(backend, Backend):
+                    raise TypeError(f"{type(self).__name__}: {backend!r} is not a torch_tweak Backend")
+        self.backends: list[Backend] | None = backends
+
+    def candidates(self, device: torch.device) -> list[Backend]:
+        """Fresh, unbuilt copies of this strategy's backends for one module."""
+        backends = self.backends if self.backends is not None else default_backends(device)
+        return [b.fresh() for b in backends]
+
+    def fresh(self) -> "Strategy":
+        clone = object.__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        clone.backends = None if self.backends is None else [b.fresh() for b in self.backends]
+        return clone
+
+    def __repr__(self) -> str:
+        names = "defaults" if self.backends is None else ", ".join(b.name for b in self.backends)
+        return f"{type(self).__name__}({names})"
+
+
+class FirstWinsStrategy(Strategy):
+    """Keeps the first backend, in order, that builds and passes the correctness check."""
+
+    kind = "first-wins"
+
+
+class HighestThroughputStrategy(Strategy):
+    """Builds and measures every backend (Torch Eager included) and keeps the fastest."""
+
+    kind = "highest-throughput"
+
+    def candidates(self, device: torch.device) -> list[Backend]:
+        backends = super().candidates(device)
+        if not any(isinstance(b, TorchEagerBackend) for b in backends):
+            backends.append(TorchEagerBackend())
+        return backends
+
+
+class OneBackendStrategy(Strategy):
+    """Uses one backend; the module keeps its original forward when that backend fails."""
+
+    kind = "one-backend"
+
+    def __init__(self, backend: Backend) -> None:
+        if isinstance(backend, (list, tuple)):
+            raise TypeError("OneBackendStrategy takes one backend, not a list; use FirstWinsStrategy for several")
+        super().__init__([backend])
+
+
+def default_strategy(device: Any) -> Strategy:
+    """HighestThroughputStrategy(default_backends(device)); a new instance on every call."""
+    return HighestThroughputStrategy(default_backends(device))

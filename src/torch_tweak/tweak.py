@@ -1,0 +1,230 @@
+"""tt.tweak: tune every cut of a model and keep the fastest."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _C
+from ._samples import load_dataset, resolve_device, synchronizer
+from .inspecting import ModuleTree, trace
+from .module import MODE_ACTIVE, TunedModule, install, installed, make_wrapper, uninstall, unwrap
+from .progress import Progress
+from .strategy import Strategy, default_backends, default_strategy
+from .tuning import check_measure, dataset_runner, record, release, tune_wrapper
+
+DEFAULT_MAX_DEPTH = 2
+"""The deepest cut tweak tries unless told: the model, its children and their children.
+Deeper cuts wrap many small modules, which rarely pays for their tuning time."""
+
+DEFAULT_TIE_TOLERANCE = 0.02
+"""A depth within 2 % of the fastest counts as a tie; the shallowest tie wins."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DepthResult:
+    """One row of a tweak: a depth, or the untuned model (depth None)."""
+
+    depth: int | None
+    modules: int
+    failed: int
+    latency_ms: float | None
+    speedup: float | None
+    error: str
+    selected: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleResult:
+    """What tuning did to one module: its chosen backend, every candidate's latency or error."""
+
+    path: str
+    backend: str | None
+    error: str
+    candidates: tuple[dict, ...]
+
+
+class TweakResult:
+    """What tt.tweak did. ``print(result)`` shows a table, one row per depth.
+
+    selected_depth: the depth kept, or None when the model stays untuned.
+    baseline_ms: latency of the untuned model per call (the lower of its measurements).
+    tuned_ms: latency of the selected depth (the baseline when none is selected).
+    speedup: baseline_ms / tuned_ms.
+    rows: a DepthResult per depth; untuned: the DepthResult of the untuned model.
+    modules: a ModuleResult per tuned module, by path.
+    """
+
+    def __init__(self, engine: "_C.Result", tree: ModuleTree, modules: dict[str, ModuleResult]) -> None:
+        self._engine = engine
+        self.tree = tree
+        self.modules = modules
+        base = engine.baseline
+        self.baseline_ms = None if base is None else base["median_ns"] / 1e6
+        chosen = engine.selected
+        rows = []
+        for i, row in enumerate(engine.rows):
+            stats = row["stats"]
+            latency = None if stats is None else stats["median_ns"] / 1e6
+            speedup = None if latency is None or self.baseline_ms is None or latency <= 0 else self.baseline_ms / latency
+            rows.append(DepthResult(row["depth"], row["modules"], row["failed"], latency, speedup,
+                                    row["error"], i == chosen))
+        self.rows = rows
+        self.selected_depth = rows[chosen].depth if chosen >= 0 else None
+        self.untuned = DepthResult(None, 0, 0, self.baseline_ms, None if base is None else 1.0, "", chosen < 0)
+        self.tuned_ms = rows[chosen].latency_ms if chosen >= 0 else self.baseline_ms
+        self.speedup = (self.baseline_ms / self.tuned_ms
+                        if self.baseline_ms is not None and self.tuned_ms else None)
+
+    def __str__(self) -> str:
+        return self._engine.format()
+
+    def __repr__(self) -> str:
+        return (f"<TweakResult selected_depth={self.selected_depth} baseline_ms={self.baseline_ms} "
+                f"tuned_ms={self.tuned_ms}>")
+
+
+def _check_arguments(min_depth: Any, max_depth: Any, tie_tolerance: Any, time_budget: Any) -> None:
+    if not isinstance(min_depth, int) or min_depth < 0:
+        raise ValueError(f"min_depth must be an int >= 0, got {min_depth!r}")
+    if max_depth is not None:
+        if not isinstance(max_depth, int) or max_depth < 0:
+            raise ValueError(f"max_depth must be an int >= 0 or None, got {max_depth!r}")
+        if min_depth > max_depth:
+            raise ValueError(f"min_depth ({min_depth}) is greater than max_depth ({max_depth}): "
+                             "lower min_depth or raise max_depth")
+    if not isinstance(tie_tolerance, (int, float)) or not math.isfinite(tie_tolerance) or tie_tolerance < 0:
+        raise ValueError(f"tie_tolerance must be a fraction >= 0 (0.02 is 2 %), got {tie_tolerance!r}")
+    if time_budget is not None and (not isinstance(time_budget, (int, float)) or not time_budget >= 0):
+        raise ValueError(f"time_budget must be a number of seconds >= 0 or None, got {time_budget!r}")
+
+
+class _Session:
+    """The engine's callbacks for one tweak: enter, tune, activate and leave a cut."""
+
+    def __init__(self, model: nn.Module, tree: ModuleTree, run_dataset, strategy: Strategy | None,
+                 device: torch.device, measure: dict | None, progress: Progress, depths: list[int]) -> None:
+        self.model = model
+        self.tree = tree
+        self.run_dataset = run_dataset
+        self.strategy = strategy
+        self.device = device
+        self.measure = measure
+        self.progress = progress
+        self.depths = depths
+        self.wrappers: dict[int, TunedModule] = {}
+        self.entered: list[int] = []
+        self.shown: set[int] = set()
+
+    def enter(self, nodes: list[int], tune: list[bool]) -> None:
+        depth = self.tree.tree.depth(nodes[0]) if nodes else 0
+        depth = max(self.tree.tree.depth(n) for n in nodes) if nodes else depth
+        if depth in self.shown:
+            self.progress.line(f"applying depth {depth}")
+        else:
+            self.shown.add(depth)
+            position = self.depths.index(depth) + 1 if depth in self.depths else len(self.depths)
+            self.progress.start_depth(depth, position, len(self.depths), len(nodes), sum(tune))
+        try:
+            for node in nodes:
+                wrapper = self.wrappers.get(node)
+                if wrapper is None:
+                    wrapper = make_wrapper(self.model, self.tree.tree.path(node))
+                    self.wrappers[node] = wrapper
+                install(self.model, wrapper)
+                self.entered.append(node)
+            fresh = [self.wrappers[n] for n, t in zip(nodes, tune) if t]
+            if fresh:
+                self.progress.step("", f"recording {len(fresh)} modules")
+                record(fresh, self.run_dataset)
+        except BaseException:
+            self.leave()
+            raise
+
+    def tune(self, node: int) -> None:
+        wrapper = self.wrappers[node]
+        strategy = self.strategy if self.strategy is not None else default_strategy(self.device)
+        try:
+            tune_wrapper(wrapper, strategy, self.device, self.measure, self.progress)
+        finally:
+            release(wrapper)
+            self.progress.finish_module()
+
+    def activate(self) -> None:
+        for node in self.entered:
+            wrapper = self.wrappers[node]
+            if wrapper.tt_backend is not None:
+                wrapper._tt_mode = MODE_ACTIVE
+
+    def leave(self) -> None:
+        for node in reversed(self.entered):
+            uninstall(self.model, self.wrappers[node])
+        self.entered.clear()
+
+    def module_results(self) -> dict[str, ModuleResult]:
+        results = {}
+        for node, wrapper in sorted(self.wrappers.items()):
+            backend = wrapper.tt_backend.name if wrapper.tt_backend is not None else None
+            results[wrapper.tt_name] = ModuleResult(wrapper.tt_name, backend, wrapper.tt_error,
+                                                    tuple(wrapper.tt_report))
+        return results
+
+
+def tweak(model: nn.Module, dataset: Any, *, min_depth: int = 0, max_depth: int | None = DEFAULT_MAX_DEPTH,
+          strategy: Strategy | None = None, tie_tolerance: float = DEFAULT_TIE_TOLERANCE,
+          time_budget: float | None = None, dry_run: bool = False, device: Any = None,
+          progress: bool = True, measure: dict | None = None) -> TweakResult:
+    """Tunes `model` in place at every depth from min_depth to max_depth and keeps the fastest.
+
+    See the module docs and docs/tweak.md for the rules. ``measure`` overrides the
+    engine's measurement settings (keys of torch_tweak._C.default_measure_config()).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    _check_arguments(min_depth, max_depth, tie_tolerance, time_budget)
+    if strategy is not None and not isinstance(strategy, Strategy):
+        raise TypeError(f"strategy must be a torch_tweak strategy (e.g. tt.FirstWinsStrategy()), "
+                        f"not {type(strategy).__name__}")
+    if installed(model):
+        raise ValueError("the model already has torch-tweak wrappers; call tt.unwrap(model) before a new tweak")
+    device = resolve_device(model, device)
+    default_backends(device)  # an unknown device fails here, before anything changes
+    check_measure(measure)
+    calls = load_dataset(dataset, device)
+    if model.training:
+        warnings.warn("the model is in training mode: dropout and batch norm make outputs vary, and the "
+                      "correctness check will reject backends; call model.eval() before tt.tweak",
+                      stacklevel=2)
+    tree = ModuleTree(model, trace(model, calls))
+    depths = tree.depths(min_depth, max_depth)
+    shown = Progress(progress)
+    run_dataset = dataset_runner(model, calls)
+    session = _Session(model, tree, run_dataset, strategy, device, measure, shown, depths)
+
+    def run(i: int) -> None:
+        args, kwargs = calls[i]
+        model(*args, **kwargs)
+
+    try:
+        with torch.no_grad():
+            engine = _C.tweak(
+                tree.tree, enter=session.enter, tune=session.tune, activate=session.activate,
+                leave=session.leave, run=run, n_samples=len(calls), sync=synchronizer(device),
+                min_depth=min_depth, max_depth=-1 if max_depth is None else max_depth,
+                tie_tolerance=float(tie_tolerance), time_budget=time_budget, dry_run=bool(dry_run),
+                config=measure,
+            )
+    except BaseException:
+        unwrap(model)  # whatever happened, the model is as it was
+        raise
+    finally:
+        shown.close()
+    result = TweakResult(engine, tree, session.module_results())
+    shown.line(f"selected depth {result.selected_depth}" if result.selected_depth is not None
+               else "no depth beat the untuned model; it stays untuned")
+    return result

@@ -1,0 +1,102 @@
+"""tt.tweak end to end on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_tweak as tt
+from conftest import FAST, BrokenBackend, CountingBackend
+from test_api import assert_unchanged, snapshot
+
+
+def test_dry_run_counts_modules_and_builds_nothing(mlp, mlp_data):
+    before = snapshot(mlp)
+    CountingBackend.builds = 0
+    result = tt.tweak(mlp, mlp_data, dry_run=True, strategy=tt.OneBackendStrategy(CountingBackend()), progress=False)
+    assert [(r.depth, r.modules) for r in result.rows] == [(0, 1), (1, 3), (2, 7)]
+    assert CountingBackend.builds == 0 and result.selected_depth is None
+    assert "dry run" in str(result)
+    assert_unchanged(mlp, before)
+
+
+def test_tweak_with_a_strategy_tunes_each_module_once(mlp, mlp_data):
+    CountingBackend.builds = 0
+    with torch.no_grad():
+        expected = mlp(mlp_data[0], scale=2.0)
+    result = tt.tweak(mlp, [((x,), {"scale": 2.0}) for x in mlp_data],
+                      strategy=tt.OneBackendStrategy(CountingBackend()), progress=False, measure=FAST)
+    # depth 0: root; depth 1: blocks.0, blocks.1, head; depth 2: 6 block children, head reused
+    assert CountingBackend.builds == 1 + 3 + 6
+    assert len(result.rows) == 3 and result.baseline_ms > 0
+    text = str(result)
+    assert "untuned" in text and text.count("\n") >= 4
+    if result.selected_depth is not None:
+        assert tt.installed(mlp) and result.speedup > 1.0
+    with torch.no_grad():
+        assert torch.allclose(mlp(mlp_data[0], scale=2.0), expected)
+
+
+def test_depth_where_every_module_fails_is_skipped_with_its_error(mlp, mlp_data):
+    before = snapshot(mlp)
+    result = tt.tweak(mlp, mlp_data, strategy=tt.OneBackendStrategy(BrokenBackend()), progress=False, measure=FAST)
+    assert result.selected_depth is None and result.speedup == pytest.approx(1.0)
+    assert all(r.latency_ms is None and "cannot build" in r.error for r in result.rows)
+    assert result.modules["head"].backend is None
+    assert_unchanged(mlp, before)  # untuned: nothing stays wrapped
+
+
+def test_time_budget_stops_new_depths(mlp, mlp_data):
+    result = tt.tweak(mlp, mlp_data, strategy=tt.OneBackendStrategy(CountingBackend()),
+                      time_budget=0, progress=False, measure=FAST)
+    assert [r.error for r in result.rows] == ["time budget used up"] * 3
+
+
+def test_interrupt_leaves_model_unchanged(mlp, mlp_data):
+    class Interrupting(CountingBackend):
+        def build(self, module, samples, device):
+            raise KeyboardInterrupt
+
+    before = snapshot(mlp)
+    with pytest.raises(KeyboardInterrupt):
+        tt.tweak(mlp, mlp_data, strategy=tt.OneBackendStrategy(Interrupting()), progress=False, measure=FAST)
+    assert_unchanged(mlp, before)
+
+
+def test_progress_lines_when_not_a_terminal(mlp, mlp_data, capsys):
+    tt.tweak(mlp, mlp_data, max_depth=1, strategy=tt.OneBackendStrategy(CountingBackend()), measure=FAST)
+    err = capsys.readouterr().err
+    assert "torch-tweak: depth 0 (1/2)" in err and "depth 1 (2/2)" in err
+    tt.unwrap(mlp)
+    tt.tweak(mlp, mlp_data, max_depth=1, strategy=tt.OneBackendStrategy(CountingBackend()), measure=FAST,
+             progress=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_encoder_tweak_with_inductor(encoder_tweak):
+    model, data, expected, result = encoder_tweak
+    assert [r.depth for r in result.rows] == [0, 1, 2]
+    assert [r.modules for r in result.rows] == [1, 5, 17]
+    text = str(result)
+    assert "untuned" in text and all(f"  {d}  " in text or f" {d} " in text for d in (0, 1, 2))
+    for row in result.rows:
+        assert row.latency_ms is not None or row.error, row
+    # every tuned module reports every default backend's latency or error
+    for module in result.modules.values():
+        assert {c["backend"] for c in module.candidates} == {"TorchInductor", "TorchEager"}
+    with torch.no_grad():
+        for x, want in zip(data, expected):
+            got = model(x)
+            assert float((got - want).abs().max() / want.abs().max()) < tt.TOLERANCES[torch.float32]
+
+
+def test_encoder_tweak_selection_rule(encoder_tweak):
+    _, _, _, result = encoder_tweak
+    measured = [r for r in result.rows if r.latency_ms is not None]
+    faster = [r for r in measured if r.latency_ms < result.baseline_ms]
+    if not faster:
+        assert result.selected_depth is None
+        return
+    best = min(r.latency_ms for r in faster)
+    tied = [r.depth for r in faster if r.latency_ms <= best * 1.02]
+    assert result.selected_depth == min(tied)
