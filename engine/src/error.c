@@ -44,8 +44,13 @@ void tw_error_clear(tw_error *err)
 tw_code tw_error_forward(tw_error *err, tw_code code, const tw_error *cb_err,
                          const char *what)
 {
+    char msg[TW_MSG_SIZE];
+
     if (cb_err != NULL && cb_err->msg[0] != '\0') {
-        tw_error_set(err, code, "%s", cb_err->msg);
+        /* a copy first: err and cb_err may be the same slot */
+        memcpy(msg, cb_err->msg, sizeof msg);
+        msg[sizeof msg - 1] = '\0';
+        tw_error_set(err, code, "%s", msg);
     } else {
         tw_error_set(err, code, "%s failed (%s) without a message", what,
                      tw_code_name(code));

@@ -1,0 +1,258 @@
+/*
+ * result.c - the result of a tweak: rows per depth, the untuned baseline,
+ * each module's outcome, and the table a user reads.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+tw_result *tw_result_create(const tw_host *host, size_t rows, size_t modules)
+{
+    tw_result *result = NULL;
+    size_t i;
+
+    result = tw_host_alloc(host, sizeof *result);
+    if (result == NULL) {
+        goto error;
+    }
+    memset(result, 0, sizeof *result);
+    result->host = *host;
+    result->selected = -1;
+    result->rows = tw_host_alloc_array(host, rows, sizeof *result->rows);
+    result->module_state = tw_host_alloc_array(host, modules, sizeof *result->module_state);
+    result->module_error = tw_host_alloc_array(host, modules, sizeof *result->module_error);
+    if (result->rows == NULL || result->module_state == NULL || result->module_error == NULL) {
+        goto error;
+    }
+    result->row_count = rows;
+    result->module_count = modules;
+    for (i = 0; i < rows; i++) {
+        memset(&result->rows[i], 0, sizeof result->rows[i]);
+        result->rows[i].row.error = result->rows[i].error;
+    }
+    for (i = 0; i < modules; i++) {
+        result->module_state[i] = 0;
+        result->module_error[i] = NULL;
+    }
+    goto cleanup;
+error:
+    tw_result_destroy(result);
+    result = NULL;
+cleanup:
+    return result;
+}
+
+void tw_result_destroy(tw_result *result)
+{
+    size_t i;
+
+    if (result == NULL) {
+        goto cleanup;
+    }
+    /* module_count is only set once module_error exists and is cleared. */
+    for (i = 0; i < result->module_count; i++) {
+        tw_host_release(&result->host, result->module_error[i]);
+    }
+    tw_host_release(&result->host, result->rows);
+    tw_host_release(&result->host, result->module_state);
+    tw_host_release(&result->host, result->module_error);
+    tw_host_release(&result->host, result);
+cleanup:
+    return;
+}
+
+void tw_result_set_row_error(tw_result *result, size_t i, const char *msg)
+{
+    snprintf(result->rows[i].error, sizeof result->rows[i].error, "%s", msg);
+}
+
+tw_code tw_result_set_module_error(tw_result *result, size_t node, const char *msg,
+                                   tw_error *err)
+{
+    tw_code rc = TW_OK;
+    char *copy = tw_host_strdup(&result->host, msg);
+
+    if (copy == NULL) {
+        rc = tw_error_set(err, TW_ENOMEM, "out of memory keeping a module's error");
+        goto cleanup;
+    }
+    tw_host_release(&result->host, result->module_error[node]);
+    result->module_error[node] = copy;
+cleanup:
+    return rc;
+}
+
+size_t tw_result_row_count(const tw_result *result)
+{
+    return result != NULL ? result->row_count : 0;
+}
+
+tw_code tw_result_row(const tw_result *result, size_t i, tw_row *row, tw_error *err)
+{
+    tw_code rc = TW_OK;
+
+    if (result == NULL || row == NULL) {
+        rc = tw_error_set(err, TW_EINVAL, "%s is NULL", result == NULL ? "result" : "row");
+        goto cleanup;
+    }
+    if (i >= result->row_count) {
+        rc = tw_error_set(err, TW_EINVAL, "row %zu is out of range: the result has %zu rows",
+                          i, result->row_count);
+        goto cleanup;
+    }
+    *row = result->rows[i].row;
+cleanup:
+    return rc;
+}
+
+long tw_result_selected(const tw_result *result)
+{
+    return result != NULL ? result->selected : -1;
+}
+
+void tw_result_baseline(const tw_result *result, tw_stats *stats, int *measured)
+{
+    if (stats != NULL) {
+        if (result != NULL) {
+            *stats = result->baseline;
+        } else {
+            memset(stats, 0, sizeof *stats);
+        }
+    }
+    if (measured != NULL) {
+        *measured = result != NULL ? result->baseline_measured : 0;
+    }
+}
+
+int tw_result_module(const tw_result *result, size_t node, const char **error)
+{
+    int state = 0;
+    const char *msg = "";
+
+    if (result != NULL && node < result->module_count) {
+        state = result->module_state[node];
+        msg = result->module_error[node] != NULL ? result->module_error[node] : "";
+    }
+    if (error != NULL) {
+        *error = msg;
+    }
+    return state;
+}
+
+/* ------------------------------------------------------------------ table */
+
+#define TW_TABLE_ROW "%-2s%7s  %7s  %6s  %10s  %7s"
+
+static void tw_format_latency(char *out, size_t size, const tw_stats *stats, int valid)
+{
+    if (valid) {
+        snprintf(out, size, "%.3f", stats->median_ns / 1e6);
+    } else {
+        snprintf(out, size, "-");
+    }
+}
+
+/* Speedup is baseline median over row median; "-" when either is unknown. */
+static void tw_format_speedup(char *out, size_t size, const tw_result *result,
+                              const tw_stats *stats, int valid)
+{
+    if (valid && result->baseline_measured && stats->median_ns > 0) {
+        snprintf(out, size, "%.2fx", result->baseline.median_ns / stats->median_ns);
+    } else {
+        snprintf(out, size, "-");
+    }
+}
+
+static void tw_format_depth_row(tw_buf *buf, const tw_result *result, size_t i)
+{
+    const tw_row *row = &result->rows[i].row;
+    int measured = row->state == TW_ROW_MEASURED;
+    char depth[16];
+    char modules[24];
+    char failed[24];
+    char latency[32];
+    char speedup[32];
+
+    snprintf(depth, sizeof depth, "%d", row->depth);
+    snprintf(modules, sizeof modules, "%zu", row->modules);
+    if (row->state == TW_ROW_DRY) {
+        snprintf(failed, sizeof failed, "-");
+    } else {
+        snprintf(failed, sizeof failed, "%zu", row->failed);
+    }
+    tw_format_latency(latency, sizeof latency, &row->stats, measured);
+    tw_format_speedup(speedup, sizeof speedup, result, &row->stats, measured);
+    tw_buf_appendf(buf, TW_TABLE_ROW, (long)i == result->selected ? ">" : "", depth,
+                   modules, failed, latency, speedup);
+    switch (row->state) {
+    case TW_ROW_MEASURED:
+        if ((long)i == result->selected) {
+            tw_buf_appendf(buf, "  selected");
+        }
+        break;
+    case TW_ROW_SKIPPED:
+        tw_buf_appendf(buf, "  skipped: ");
+        tw_buf_append_line(buf, row->error);
+        break;
+    case TW_ROW_BUDGET:
+        tw_buf_appendf(buf, "  time budget used up");
+        break;
+    case TW_ROW_DRY:
+        tw_buf_appendf(buf, "  dry run");
+        break;
+    }
+    tw_buf_appendf(buf, "\n");
+}
+
+static void tw_format_summary(tw_buf *buf, const tw_result *result)
+{
+    const tw_row *row;
+
+    if (result->dry_run) {
+        tw_buf_appendf(buf, "dry run: nothing was built or measured\n");
+    } else if (result->selected >= 0) {
+        row = &result->rows[result->selected].row;
+        tw_buf_appendf(buf, "selected depth %d: %.2fx faster than untuned (%.3f ms against "
+                       "%.3f ms)\n", row->depth,
+                       row->stats.median_ns > 0
+                           ? result->baseline.median_ns / row->stats.median_ns : 0.0,
+                       row->stats.median_ns / 1e6, result->baseline.median_ns / 1e6);
+    } else {
+        tw_buf_appendf(buf, "no depth beat the untuned model: it stays untuned\n");
+    }
+}
+
+char *tw_result_format(const tw_result *result, tw_error *err)
+{
+    tw_buf buf;
+    char *text = NULL;
+    char latency[32];
+    char speedup[32];
+    size_t i;
+
+    if (result == NULL) {
+        tw_error_set(err, TW_EINVAL, "result is NULL");
+        goto cleanup;
+    }
+    tw_buf_init(&buf, &result->host);
+    tw_buf_appendf(&buf, TW_TABLE_ROW "  %s\n", "", "depth", "modules", "failed",
+                   "latency ms", "speedup", "status");
+    tw_buf_appendf(&buf, TW_TABLE_ROW "  %s\n", "", "-----", "-------", "------",
+                   "----------", "-------", "------");
+    for (i = 0; i < result->row_count; i++) {
+        tw_format_depth_row(&buf, result, i);
+    }
+    tw_format_latency(latency, sizeof latency, &result->baseline, result->baseline_measured);
+    tw_format_speedup(speedup, sizeof speedup, result, &result->baseline,
+                      result->baseline_measured);
+    tw_buf_appendf(&buf, TW_TABLE_ROW "%s\n", "", "untuned", "-", "-", latency, speedup,
+                   result->baseline_measured ? "" : "  not measured");
+    tw_format_summary(&buf, result);
+    text = tw_buf_take(&buf);
+    if (text == NULL) {
+        tw_error_set(err, TW_ENOMEM, "out of memory formatting the result table");
+    }
+cleanup:
+    return text;
+}

@@ -1,0 +1,491 @@
+/*
+ * tweak.c - the depth search: cut, tune, measure and select.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+void tw_tweak_config_default(tw_tweak_config *cfg)
+{
+    if (cfg == NULL) {
+        goto cleanup;
+    }
+    cfg->min_depth = 0;
+    cfg->max_depth = 2;
+    cfg->tie_tolerance = 0.02;
+    cfg->time_budget_ns = 0;
+    cfg->dry_run = 0;
+    tw_measure_config_default(&cfg->measure);
+cleanup:
+    return;
+}
+
+/* The state of one depth search. */
+typedef struct tw_search {
+    const tw_host *host;
+    const tw_tree *tree;
+    const tw_tweak_config *cfg;
+    const tw_tweak_ops *ops;
+    tw_result *result;
+    size_t *nodes;        /* the cut being worked on */
+    int *tune;            /* per entry of nodes: tune it now */
+    int *depths;          /* the distinct depths, one per row */
+    size_t cut_size;
+    int entered;          /* enter() was called and leave() not yet */
+    uint64_t start;
+} tw_search;
+
+static tw_code tw_check_ops(const tw_tweak_ops *ops, tw_error *err)
+{
+    tw_code rc = TW_OK;
+    const char *missing = NULL;
+
+    if (ops == NULL) {
+        rc = tw_error_set(err, TW_EINVAL, "ops is NULL: a tweak needs its host's callbacks");
+        goto cleanup;
+    }
+    missing = ops->enter == NULL ? "enter" : ops->tune == NULL ? "tune"
+            : ops->activate == NULL ? "activate" : ops->leave == NULL ? "leave"
+            : ops->model.run == NULL ? "model.run" : NULL;
+    if (missing != NULL) {
+        rc = tw_error_set(err, TW_EINVAL, "ops.%s is NULL: every callback is needed", missing);
+    } else if (ops->model.n_samples == 0) {
+        rc = tw_error_set(err, TW_EINVAL,
+                          "the dataset is empty: give the tweak at least one sample");
+    }
+cleanup:
+    return rc;
+}
+
+static tw_code tw_check_tweak(const tw_tree *tree, const tw_tweak_config *cfg,
+                              const tw_tweak_ops *ops, tw_result **out, tw_error *err)
+{
+    tw_code rc = TW_OK;
+
+    if (out == NULL) {
+        rc = tw_error_set(err, TW_EINVAL, "out is NULL: the tweak needs a place for its result");
+    } else if (tree == NULL) {
+        rc = tw_error_set(err, TW_EINVAL, "tree is NULL: build it with tw_tree_create");
+    } else if (!tw_tree_is_finished(tree)) {
+        rc = tw_error_set(err, TW_ESTATE, "the tree is not finished: call tw_tree_finish first");
+    } else if (cfg->min_depth < 0) {
+        rc = tw_error_set(err, TW_EINVAL, "min_depth (%d) is negative: the root is depth 0",
+                          cfg->min_depth);
+    } else if (cfg->max_depth >= 0 && cfg->min_depth > cfg->max_depth) {
+        rc = tw_error_set(err, TW_EINVAL,
+                          "min_depth (%d) is greater than max_depth (%d): lower min_depth or "
+                          "raise max_depth", cfg->min_depth, cfg->max_depth);
+    } else if (isnan(cfg->tie_tolerance) || cfg->tie_tolerance < 0) {
+        rc = tw_error_set(err, TW_EINVAL,
+                          "tie_tolerance (%g) must be a fraction >= 0, such as 0.02",
+                          cfg->tie_tolerance);
+    } else if (!cfg->dry_run) {
+        rc = tw_measure_config_check(&cfg->measure, err);
+        if (rc == TW_OK) {
+            rc = tw_check_ops(ops, err);
+        }
+    }
+    return rc;
+}
+
+/* Takes every allocation up front, so that no callback has run when memory
+ * runs out here. */
+static tw_code tw_prepare_search(tw_search *s, tw_error *err)
+{
+    tw_code rc;
+    size_t size = tw_tree_size(s->tree);
+    size_t count = 0;
+
+    rc = tw_tree_distinct_depths(s->tree, s->cfg->min_depth, s->cfg->max_depth, NULL, 0,
+                                 &count, err);
+    if (rc != TW_OK) {
+        goto cleanup;
+    }
+    s->depths = tw_host_alloc_array(s->host, count, sizeof *s->depths);
+    s->nodes = tw_host_alloc_array(s->host, size, sizeof *s->nodes);
+    s->tune = tw_host_alloc_array(s->host, size, sizeof *s->tune);
+    s->result = tw_result_create(s->host, count, size);
+    if (s->depths == NULL || s->nodes == NULL || s->tune == NULL || s->result == NULL) {
+        rc = tw_error_set(err, TW_ENOMEM, "out of memory preparing a tweak of %zu modules",
+                          size);
+        goto cleanup;
+    }
+    rc = tw_tree_distinct_depths(s->tree, s->cfg->min_depth, s->cfg->max_depth, s->depths,
+                                 count, &count, err);
+    s->result->dry_run = s->cfg->dry_run != 0;
+cleanup:
+    return rc;
+}
+
+/* Loads the cut of row i into s->nodes and fills the row's module counts. */
+static void tw_load_cut(tw_search *s, size_t i)
+{
+    tw_row *row = &s->result->rows[i].row;
+    size_t k;
+
+    row->depth = s->depths[i];
+    tw_tree_cut(s->tree, row->depth, s->nodes, tw_tree_size(s->tree), &s->cut_size, NULL);
+    row->modules = s->cut_size;
+    row->failed = 0;
+    for (k = 0; k < s->cut_size; k++) {
+        /* failed modules are not retried, so they count at every depth */
+        row->failed += s->result->module_state[s->nodes[k]] < 0;
+    }
+}
+
+static tw_code tw_enter_cut(tw_search *s, tw_error *cb_err)
+{
+    tw_error_clear(cb_err);
+    /* Entered even when enter fails: the host may have wrapped some modules
+     * before failing, and leave() is where it unwraps them. */
+    s->entered = 1;
+    return s->ops->enter(s->ops->ctx, s->nodes, s->tune, s->cut_size, cb_err);
+}
+
+static tw_code tw_leave_cut(tw_search *s, int depth, tw_error *err)
+{
+    tw_code rc = TW_OK;
+    tw_error cb_err;
+
+    if (!s->entered) {
+        goto cleanup;
+    }
+    s->entered = 0;
+    tw_error_clear(&cb_err);
+    rc = s->ops->leave(s->ops->ctx, &cb_err);
+    if (rc != TW_OK) {
+        tw_error_forward(&cb_err, rc, &cb_err, "leave");
+        tw_error_set(err, rc, "leaving the cut at depth %d failed: %s", depth, cb_err.msg);
+    }
+cleanup:
+    return rc;
+}
+
+/* Tunes the modules of the entered cut that were never tried. A module that
+ * fails keeps its forward; only TW_EINTERRUPT and TW_ENOMEM end the search. */
+static tw_code tw_tune_cut(tw_search *s, tw_error *err)
+{
+    tw_code rc = TW_OK;
+    tw_code tuned;
+    tw_error cb_err;
+    tw_error cause;
+    char what[TW_MSG_SIZE];
+    size_t k;
+    size_t node;
+
+    for (k = 0; k < s->cut_size; k++) {
+        if (!s->tune[k]) {
+            continue;
+        }
+        node = s->nodes[k];
+        tw_error_clear(&cb_err);
+        tuned = s->ops->tune(s->ops->ctx, node, &cb_err);
+        if (tuned == TW_OK) {
+            s->result->module_state[node] = 1;
+            continue;
+        }
+        snprintf(what, sizeof what, "tuning module \"%s\"", tw_tree_path(s->tree, node));
+        tw_error_forward(&cause, tuned, &cb_err, what);
+        if (tuned == TW_EINTERRUPT) {
+            rc = tw_error_set(err, tuned, "%s", cause.msg);
+            goto cleanup;
+        }
+        s->result->module_state[node] = -1;
+        rc = tw_result_set_module_error(s->result, node, cause.msg, err);
+        if (rc != TW_OK) {
+            goto cleanup;
+        }
+        tw_host_logf(s->host, 1, "module \"%s\" keeps its forward: %s",
+                     tw_tree_path(s->tree, node), cause.msg);
+    }
+cleanup:
+    return rc;
+}
+
+/* Measures the model. A failure of the model itself is *row_failed (the
+ * row is skipped); an interrupt or the engine's own failure is returned. */
+static tw_code tw_measure_model(tw_search *s, tw_stats *stats, int *row_failed,
+                                tw_error *cause, tw_error *err)
+{
+    tw_code rc;
+    size_t failed;
+
+    *row_failed = 0;
+    rc = tw_measure_runners(s->host, &s->ops->model, 1, &s->cfg->measure, stats, &failed,
+                            cause);
+    if (rc != TW_OK && rc != TW_EINTERRUPT && failed != TW_NO_RUNNER) {
+        *row_failed = 1;
+        rc = TW_OK;
+    } else if (rc != TW_OK) {
+        tw_error_set(err, rc, "%s", cause->msg);
+    }
+    return rc;
+}
+
+static void tw_skip_row(tw_search *s, size_t i, const char *msg)
+{
+    s->result->rows[i].row.state = TW_ROW_SKIPPED;
+    tw_result_set_row_error(s->result, i, msg);
+    tw_host_logf(s->host, 1, "depth %d skipped: %s", s->depths[i], msg);
+}
+
+/* One depth: enter, tune, activate, measure, leave. Returns only what ends
+ * the whole search; a failing depth is recorded in its row. */
+static tw_code tw_run_depth(tw_search *s, size_t i, int *measured, tw_error *err)
+{
+    tw_code rc = TW_OK;
+    tw_code step;
+    tw_row *row = &s->result->rows[i].row;
+    tw_error cause;
+    size_t k;
+    int failed = 0;
+
+    *measured = 0;
+    for (k = 0; k < s->cut_size; k++) {
+        s->tune[k] = s->result->module_state[s->nodes[k]] == 0;
+    }
+    step = tw_enter_cut(s, &cause);
+    if (step != TW_OK) {
+        tw_error_forward(&cause, step, &cause, "enter");
+        if (step == TW_EINTERRUPT) {
+            rc = tw_error_set(err, step, "%s", cause.msg);
+            goto cleanup;
+        }
+        tw_skip_row(s, i, cause.msg);
+        goto leave;
+    }
+    rc = tw_tune_cut(s, err);
+    if (rc != TW_OK) {
+        goto cleanup;
+    }
+    tw_load_cut(s, i);
+    if (row->modules > 0 && row->failed == row->modules) {
+        tw_skip_row(s, i, s->result->module_error[s->nodes[0]]);
+        goto leave;
+    }
+    tw_error_clear(&cause);
+    step = s->ops->activate(s->ops->ctx, &cause);
+    if (step != TW_OK) {
+        tw_error_forward(&cause, step, &cause, "activate");
+        if (step == TW_EINTERRUPT) {
+            rc = tw_error_set(err, step, "%s", cause.msg);
+            goto cleanup;
+        }
+        tw_skip_row(s, i, cause.msg);
+        goto leave;
+    }
+    rc = tw_measure_model(s, &row->stats, &failed, &cause, err);
+    if (rc != TW_OK) {
+        goto cleanup;
+    }
+    if (failed) {
+        tw_skip_row(s, i, cause.msg);
+        goto leave;
+    }
+    row->state = TW_ROW_MEASURED;
+    *measured = 1;
+    tw_host_logf(s->host, 0, "depth %d: %zu modules, %zu failed, %.3f ms", row->depth,
+                 row->modules, row->failed, row->stats.median_ns / 1e6);
+leave:
+    rc = tw_leave_cut(s, row->depth, err);
+cleanup:
+    return rc;
+}
+
+static tw_code tw_measure_baseline(tw_search *s, tw_stats *stats, tw_error *err)
+{
+    tw_code rc;
+    tw_error cause;
+    size_t failed;
+
+    rc = tw_measure_runners(s->host, &s->ops->model, 1, &s->cfg->measure, stats, &failed,
+                            &cause);
+    if (rc != TW_OK) {
+        tw_error_set(err, rc, "measuring the untuned model failed: %s", cause.msg);
+    }
+    return rc;
+}
+
+/* Among depths faster than untuned, the shallowest within tie_tolerance of
+ * the fastest; rows are in increasing depth, so the first match wins. */
+static void tw_select_depth(tw_search *s)
+{
+    tw_result *r = s->result;
+    double base = r->baseline.median_ns;
+    double limit;
+    long fastest = -1;
+    size_t i;
+
+    for (i = 0; i < r->row_count; i++) {
+        const tw_row *row = &r->rows[i].row;
+
+        if (row->state == TW_ROW_MEASURED && row->stats.median_ns < base &&
+            (fastest < 0 || row->stats.median_ns < r->rows[fastest].row.stats.median_ns)) {
+            fastest = (long)i;
+        }
+    }
+    if (fastest < 0) {
+        goto cleanup;
+    }
+    limit = r->rows[fastest].row.stats.median_ns * (1.0 + s->cfg->tie_tolerance);
+    for (i = 0; i < r->row_count; i++) {
+        const tw_row *row = &r->rows[i].row;
+
+        if (row->state == TW_ROW_MEASURED && row->stats.median_ns < base &&
+            row->stats.median_ns <= limit) {
+            r->selected = (long)i;
+            break;
+        }
+    }
+cleanup:
+    return;
+}
+
+/* Enters and activates the selected cut again, tuning nothing, and stays. */
+static tw_code tw_apply_selected(tw_search *s, tw_error *err)
+{
+    tw_code rc;
+    tw_error cause;
+    size_t i = (size_t)s->result->selected;
+    size_t k;
+
+    tw_load_cut(s, i);
+    for (k = 0; k < s->cut_size; k++) {
+        s->tune[k] = 0;
+    }
+    rc = tw_enter_cut(s, &cause);
+    if (rc == TW_OK) {
+        tw_error_clear(&cause);
+        rc = s->ops->activate(s->ops->ctx, &cause);
+    }
+    if (rc != TW_OK) {
+        tw_error_forward(&cause, rc, &cause, "applying the selected cut");
+        tw_error_set(err, rc, "applying the selected depth %d failed: %s", s->depths[i],
+                     cause.msg);
+        goto cleanup;
+    }
+    /* The model keeps the selected cut: nothing may leave it now. */
+    s->entered = 0;
+cleanup:
+    return rc;
+}
+
+static void tw_fill_dry_rows(tw_search *s)
+{
+    size_t i;
+
+    for (i = 0; i < s->result->row_count; i++) {
+        tw_load_cut(s, i);
+        s->result->rows[i].row.state = TW_ROW_DRY;
+    }
+}
+
+static int tw_budget_used(const tw_search *s)
+{
+    uint64_t now = tw_host_now(s->host);
+
+    return s->cfg->time_budget_ns != 0 && now > s->start &&
+           now - s->start >= s->cfg->time_budget_ns;
+}
+
+static tw_code tw_run_search(tw_search *s, tw_error *err)
+{
+    tw_code rc;
+    tw_stats again;
+    tw_result *r = s->result;
+    size_t i;
+    int measured;
+    int any_measured = 0;
+
+    rc = tw_measure_baseline(s, &r->baseline, err);
+    if (rc != TW_OK) {
+        goto cleanup;
+    }
+    r->baseline_measured = 1;
+    for (i = 0; i < r->row_count; i++) {
+        /* The budget is checked before a depth, never in the middle of one. */
+        if (tw_budget_used(s)) {
+            tw_load_cut(s, i);
+            r->rows[i].row.state = TW_ROW_BUDGET;
+            tw_result_set_row_error(r, i, "time budget used up");
+            continue;
+        }
+        tw_load_cut(s, i);
+        rc = tw_run_depth(s, i, &measured, err);
+        if (rc != TW_OK) {
+            goto cleanup;
+        }
+        any_measured = any_measured || measured;
+    }
+    /* The first baseline may have run before the device reached full clock. */
+    if (any_measured) {
+        rc = tw_measure_baseline(s, &again, err);
+        if (rc != TW_OK) {
+            goto cleanup;
+        }
+        if (again.median_ns < r->baseline.median_ns) {
+            r->baseline = again;
+        }
+    }
+    tw_select_depth(s);
+    if (r->selected >= 0) {
+        rc = tw_apply_selected(s, err);
+    }
+cleanup:
+    return rc;
+}
+
+tw_code tw_tweak_run(const tw_host *host, const tw_tree *tree,
+                     const tw_tweak_config *cfg, const tw_tweak_ops *ops,
+                     tw_result **out, tw_error *err)
+{
+    tw_code rc;
+    tw_host resolved;
+    tw_tweak_config defaults;
+    tw_search s;
+
+    memset(&s, 0, sizeof s);
+    tw_host_resolve(host, &resolved);
+    if (cfg == NULL) {
+        tw_tweak_config_default(&defaults);
+        cfg = &defaults;
+    }
+    s.host = &resolved;
+    s.tree = tree;
+    s.cfg = cfg;
+    s.ops = ops;
+    s.start = tw_host_now(&resolved);
+    if (out != NULL) {
+        *out = NULL;
+    }
+    rc = tw_check_tweak(tree, cfg, ops, out, err);
+    if (rc != TW_OK) {
+        goto cleanup;
+    }
+    rc = tw_prepare_search(&s, err);
+    if (rc != TW_OK) {
+        goto cleanup;
+    }
+    if (cfg->dry_run) {
+        tw_fill_dry_rows(&s);
+    } else {
+        rc = tw_run_search(&s, err);
+    }
+cleanup:
+    /* On any failure the model is left as it was: unwrap what is entered.
+     * The first error is the one reported. */
+    if (s.entered) {
+        tw_leave_cut(&s, -1, NULL);
+    }
+    if (rc == TW_OK) {
+        *out = s.result;
+        s.result = NULL;
+    }
+    tw_result_destroy(s.result);
+    tw_host_release(&resolved, s.depths);
+    tw_host_release(&resolved, s.nodes);
+    tw_host_release(&resolved, s.tune);
+    return rc;
+}
