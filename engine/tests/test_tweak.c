@@ -4,277 +4,69 @@
  */
 #include "check.h"
 #include "fake.h"
+#include "fake_model.h"
 #include "tweak.h"
-
-#define MAX_NODES 16
-#define MAX_DEPTH 8
-
-/* The model: root, layers.0(.mlp), layers.1(.mlp), head (a leaf at depth 1).
- * Cuts: 0 {root}; 1 {layers.0, layers.1, head}; 2 {layers.0.mlp, layers.1.mlp, head}. */
-static const char *const model_paths[] = {"", "layers.0", "layers.0.mlp", "layers.1",
-                                          "layers.1.mlp", "head"};
-enum { ROOT, L0, L0_MLP, L1, L1_MLP, HEAD, N_NODES };
-
-typedef struct fake_model {
-    fake_env env;
-    tw_host host;
-    tw_tree *tree;
-    /* behaviour */
-    tw_code tune_rc[MAX_NODES];
-    uint64_t tune_cost[MAX_NODES];    /* fake ns a tune takes */
-    uint64_t depth_latency[MAX_DEPTH];
-    tw_code depth_fail[MAX_DEPTH];     /* the model fails when active at this depth */
-    uint64_t base_first;              /* untuned latency before any leave() */
-    uint64_t base_second;             /* untuned latency after */
-    tw_code enter_rc;
-    tw_code activate_rc;
-    tw_code baseline_rc;
-    /* what happened */
-    int tune_calls[MAX_NODES];
-    int enters;
-    int leaves;
-    int activates;
-    int entered;
-    int active;
-    int depth;                        /* depth of the entered cut */
-    int last_tune_flags[MAX_NODES];   /* per node, from the last enter */
-    long untuned_runs;
-    char events[2048];
-    size_t events_len;
-} fake_model;
-
-static void log_event(fake_model *m, const char *text)
-{
-    size_t n = strlen(text);
-
-    if (m->events_len + n + 1 < sizeof m->events) {
-        memcpy(m->events + m->events_len, text, n + 1);
-        m->events_len += n;
-    }
-}
-
-static tw_code model_enter(void *ctx, const size_t *nodes, const int *tune, size_t n,
-                           tw_error *err)
-{
-    fake_model *m = ctx;
-    char text[32];
-    size_t i;
-
-    CHECK(!m->entered); /* never entered twice without a leave */
-    m->enters++;
-    m->entered = 1;
-    m->depth = 0;
-    for (i = 0; i < MAX_NODES; i++) {
-        m->last_tune_flags[i] = -1;
-    }
-    for (i = 0; i < n; i++) {
-        int d = tw_tree_depth(m->tree, nodes[i]);
-
-        m->depth = d > m->depth ? d : m->depth;
-        m->last_tune_flags[nodes[i]] = tune[i];
-    }
-    snprintf(text, sizeof text, "E%d ", m->depth);
-    log_event(m, text);
-    if (m->enter_rc != TW_OK) {
-        return tw_error_set(err, m->enter_rc, "cannot wrap depth %d", m->depth);
-    }
-    return TW_OK;
-}
-
-static tw_code model_tune(void *ctx, size_t node, tw_error *err)
-{
-    fake_model *m = ctx;
-    char text[64];
-
-    CHECK(m->entered);
-    CHECK_INT(m->last_tune_flags[node], 1);
-    m->tune_calls[node]++;
-    m->env.now += m->tune_cost[node];
-    snprintf(text, sizeof text, "T%s ", model_paths[node][0] ? model_paths[node] : "()");
-    log_event(m, text);
-    if (m->tune_rc[node] != TW_OK) {
-        return tw_error_set(err, m->tune_rc[node], "no backend fits %s",
-                            model_paths[node][0] ? model_paths[node] : "(root)");
-    }
-    return TW_OK;
-}
-
-static tw_code model_activate(void *ctx, tw_error *err)
-{
-    fake_model *m = ctx;
-
-    CHECK(m->entered);
-    m->activates++;
-    log_event(m, "A ");
-    if (m->activate_rc != TW_OK) {
-        return tw_error_set(err, m->activate_rc, "cannot activate depth %d", m->depth);
-    }
-    m->active = 1;
-    return TW_OK;
-}
-
-static tw_code model_leave(void *ctx, tw_error *err)
-{
-    fake_model *m = ctx;
-
-    (void)err;
-    CHECK(m->entered);
-    m->leaves++;
-    m->entered = 0;
-    m->active = 0;
-    log_event(m, "L ");
-    return TW_OK;
-}
-
-static tw_code model_run(void *ctx, size_t sample, tw_error *err)
-{
-    fake_model *m = ctx;
-
-    (void)sample;
-    if (m->active) {
-        if (m->depth_fail[m->depth] != TW_OK) {
-            return tw_error_set(err, m->depth_fail[m->depth], "model broke at depth %d",
-                                m->depth);
-        }
-        m->env.now += m->depth_latency[m->depth];
-        return TW_OK;
-    }
-    if (m->baseline_rc != TW_OK) {
-        return tw_error_set(err, m->baseline_rc, "untuned model broke");
-    }
-    m->untuned_runs++;
-    m->env.now += m->leaves == 0 ? m->base_first : m->base_second;
-    return TW_OK;
-}
-
-static void setup(fake_model *m)
-{
-    size_t i;
-
-    memset(m, 0, sizeof *m);
-    fake_env_init(&m->env);
-    m->host = fake_host(&m->env);
-    m->tree = tw_tree_create(&m->host, NULL);
-    for (i = 0; i < N_NODES; i++) {
-        CHECK_INT(tw_tree_add(m->tree, model_paths[i], 1, 0, NULL, NULL), TW_OK);
-    }
-    CHECK_INT(tw_tree_finish(m->tree, NULL), TW_OK);
-    m->base_first = 1000;
-    m->base_second = 1000;
-    m->depth_latency[0] = 900;
-    m->depth_latency[1] = 800;
-    m->depth_latency[2] = 700;
-}
-
-static tw_tweak_ops model_ops(fake_model *m)
-{
-    tw_tweak_ops ops;
-
-    ops.ctx = m;
-    ops.enter = model_enter;
-    ops.tune = model_tune;
-    ops.activate = model_activate;
-    ops.leave = model_leave;
-    ops.model.ctx = m;
-    ops.model.n_samples = 2;
-    ops.model.run = model_run;
-    ops.model.sync = NULL;
-    return ops;
-}
-
-static tw_tweak_config quick_config(void)
-{
-    tw_tweak_config cfg;
-
-    tw_tweak_config_default(&cfg);
-    cfg.measure = fake_quick_config();
-    return cfg;
-}
-
-static tw_code run_tweak(fake_model *m, const tw_tweak_config *cfg, tw_result **result,
-                         tw_error *err)
-{
-    tw_tweak_ops ops = model_ops(m);
-
-    return tw_tweak_run(&m->host, m->tree, cfg, &ops, result, err);
-}
-
-static tw_row get_row(const tw_result *result, size_t i)
-{
-    tw_row row;
-
-    memset(&row, 0, sizeof row);
-    CHECK_INT(tw_result_row(result, i, &row, NULL), TW_OK);
-    return row;
-}
-
-static void teardown(fake_model *m, tw_result *result)
-{
-    tw_result_destroy(result);
-    tw_tree_destroy(m->tree);
-    CHECK_INT(m->env.live, 0);
-}
 
 /* head lies in the cuts at depths 1 and 2: tuned once, reused after. */
 static void test_reuse(void)
 {
     fake_model m;
-    tw_tweak_config cfg = quick_config();
+    tw_tweak_config cfg = fake_model_config();
     tw_result *result = NULL;
     size_t i;
 
-    setup(&m);
-    CHECK_INT(run_tweak(&m, &cfg, &result, NULL), TW_OK);
+    fake_model_setup(&m);
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
     for (i = 0; i < N_NODES; i++) {
         CHECK_INT(m.tune_calls[i], 1);
         CHECK_INT(tw_result_module(result, i, NULL), 1);
     }
     CHECK_INT(tw_result_row_count(result), 3);
-    CHECK_INT(get_row(result, 1).modules, 3);
-    CHECK_INT(get_row(result, 2).modules, 3);
+    CHECK_INT(fake_model_row(result, 1).modules, 3);
+    CHECK_INT(fake_model_row(result, 2).modules, 3);
     /* depth 2 was entered with head not to be tuned: it reuses depth 1's */
     CHECK_STR(m.events, "E0 T() A L E1 Tlayers.0 Tlayers.1 Thead A L "
                         "E2 Tlayers.0.mlp Tlayers.1.mlp A L E2 A ");
-    teardown(&m, result);
+    fake_model_teardown(&m, result);
 }
 
 /* Depths 1 and 2 lie within 2 %: the shallower wins. */
 static void test_tie_prefers_shallow(void)
 {
     fake_model m;
-    tw_tweak_config cfg = quick_config();
+    tw_tweak_config cfg = fake_model_config();
     tw_result *result = NULL;
 
-    setup(&m);
+    fake_model_setup(&m);
     m.depth_latency[1] = 800;
     m.depth_latency[2] = 790;
-    CHECK_INT(run_tweak(&m, &cfg, &result, NULL), TW_OK);
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
     CHECK_INT(tw_result_selected(result), 1);
     CHECK_INT(m.depth, 1);
-    teardown(&m, result);
+    fake_model_teardown(&m, result);
 
     /* with no tolerance the exact fastest wins */
-    setup(&m);
+    fake_model_setup(&m);
     m.depth_latency[1] = 800;
     m.depth_latency[2] = 790;
     cfg.tie_tolerance = 0.0;
-    CHECK_INT(run_tweak(&m, &cfg, &result, NULL), TW_OK);
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
     CHECK_INT(tw_result_selected(result), 2);
-    teardown(&m, result);
+    fake_model_teardown(&m, result);
 }
 
 /* Depth 2 is faster by more than the tolerance: it wins. */
 static void test_fastest_outside_tolerance(void)
 {
     fake_model m;
-    tw_tweak_config cfg = quick_config();
+    tw_tweak_config cfg = fake_model_config();
     tw_result *result = NULL;
     tw_row row;
 
-    setup(&m);
-    CHECK_INT(run_tweak(&m, &cfg, &result, NULL), TW_OK);
+    fake_model_setup(&m);
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
     CHECK_INT(tw_result_selected(result), 2);
-    row = get_row(result, 2);
+    row = fake_model_row(result, 2);
     CHECK_INT(row.state, TW_ROW_MEASURED);
     CHECK_NEAR(row.stats.median_ns, 700, 1e-9);
     CHECK_STR(row.error, "");
@@ -286,26 +78,26 @@ static void test_fastest_outside_tolerance(void)
     CHECK_INT(m.last_tune_flags[L0_MLP], 0);
     CHECK_INT(m.last_tune_flags[HEAD], 0);
     CHECK_INT(m.tune_calls[L0_MLP], 1);
-    teardown(&m, result);
+    fake_model_teardown(&m, result);
 }
 
 /* No depth beats the untuned model: nothing is selected, nothing stays. */
 static void test_untuned(void)
 {
     fake_model m;
-    tw_tweak_config cfg = quick_config();
+    tw_tweak_config cfg = fake_model_config();
     tw_result *result = NULL;
 
-    setup(&m);
+    fake_model_setup(&m);
     m.depth_latency[0] = 1000; /* equal is not faster */
     m.depth_latency[1] = 1100;
     m.depth_latency[2] = 1300;
-    CHECK_INT(run_tweak(&m, &cfg, &result, NULL), TW_OK);
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
     CHECK_INT(tw_result_selected(result), -1);
     CHECK(!m.entered);
     CHECK_INT(m.enters, 3);
     CHECK_INT(m.leaves, 3);
-    teardown(&m, result);
+    fake_model_teardown(&m, result);
 }
 
 /* The untuned model is measured again after the last depth, and the lower
@@ -313,60 +105,60 @@ static void test_untuned(void)
 static void test_baseline_remeasured(void)
 {
     fake_model m;
-    tw_tweak_config cfg = quick_config();
+    tw_tweak_config cfg = fake_model_config();
     tw_result *result = NULL;
     tw_stats base;
     int measured = 0;
 
-    setup(&m);
+    fake_model_setup(&m);
     m.base_first = 1200;
     m.base_second = 1000;
     m.depth_latency[0] = 1100;
     m.depth_latency[1] = 1050;
     m.depth_latency[2] = 1150;
-    CHECK_INT(run_tweak(&m, &cfg, &result, NULL), TW_OK);
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
     tw_result_baseline(result, &base, &measured);
     CHECK(measured);
     CHECK_NEAR(base.median_ns, 1000, 1e-9);
     CHECK_INT(m.untuned_runs, 2 * 3 * 2); /* two measurements, 3 rounds, 2 samples */
     CHECK_INT(tw_result_selected(result), -1);
-    teardown(&m, result);
+    fake_model_teardown(&m, result);
 
     /* a slower second measurement does not replace the first */
-    setup(&m);
+    fake_model_setup(&m);
     m.base_first = 1000;
     m.base_second = 1300;
     m.depth_latency[0] = 1100;
     m.depth_latency[1] = 1100;
     m.depth_latency[2] = 1100;
-    CHECK_INT(run_tweak(&m, &cfg, &result, NULL), TW_OK);
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
     tw_result_baseline(result, &base, NULL);
     CHECK_NEAR(base.median_ns, 1000, 1e-9);
     CHECK_INT(tw_result_selected(result), -1);
-    teardown(&m, result);
+    fake_model_teardown(&m, result);
 }
 
 /* Every depth skipped: the untuned model is measured once only. */
 static void test_no_remeasure_when_all_skipped(void)
 {
     fake_model m;
-    tw_tweak_config cfg = quick_config();
+    tw_tweak_config cfg = fake_model_config();
     tw_result *result = NULL;
     size_t i;
 
-    setup(&m);
+    fake_model_setup(&m);
     for (i = 0; i < N_NODES; i++) {
         m.tune_rc[i] = TW_ECALLBACK;
     }
-    CHECK_INT(run_tweak(&m, &cfg, &result, NULL), TW_OK);
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
     CHECK_INT(m.untuned_runs, 3 * 2);
     CHECK_INT(m.activates, 0);
     for (i = 0; i < 3; i++) {
-        CHECK_INT(get_row(result, i).state, TW_ROW_SKIPPED);
+        CHECK_INT(fake_model_row(result, i).state, TW_ROW_SKIPPED);
     }
     CHECK_INT(tw_result_selected(result), -1);
     CHECK_INT(m.enters, m.leaves);
-    teardown(&m, result);
+    fake_model_teardown(&m, result);
 }
 
 /* A depth where every module fails is skipped with the first one's error;
@@ -374,17 +166,17 @@ static void test_no_remeasure_when_all_skipped(void)
 static void test_all_fail_depth(void)
 {
     fake_model m;
-    tw_tweak_config cfg = quick_config();
+    tw_tweak_config cfg = fake_model_config();
     tw_result *result = NULL;
     tw_row row;
     const char *error = NULL;
 
-    setup(&m);
+    fake_model_setup(&m);
     m.tune_rc[L0] = TW_ECALLBACK;
     m.tune_rc[L1] = TW_ECALLBACK;
     m.tune_rc[HEAD] = TW_ECALLBACK;
-    CHECK_INT(run_tweak(&m, &cfg, &result, NULL), TW_OK);
-    row = get_row(result, 1);
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
+    row = fake_model_row(result, 1);
     CHECK_INT(row.state, TW_ROW_SKIPPED);
     CHECK_INT(row.modules, 3);
     CHECK_INT(row.failed, 3);
@@ -394,109 +186,109 @@ static void test_all_fail_depth(void)
     CHECK_INT(tw_result_module(result, ROOT, &error), 1);
     CHECK_STR(error, "");
     /* depth 2 keeps head failed without trying it again */
-    row = get_row(result, 2);
+    row = fake_model_row(result, 2);
     CHECK_INT(row.state, TW_ROW_MEASURED);
     CHECK_INT(row.failed, 1);
     CHECK_INT(m.tune_calls[HEAD], 1);
     CHECK_INT(m.last_tune_flags[HEAD], 0);
     CHECK_INT(tw_result_selected(result), 2);
-    teardown(&m, result);
+    fake_model_teardown(&m, result);
 }
 
 /* The model failing at a depth skips that depth; the tweak goes on. */
 static void test_model_fails_at_depth(void)
 {
     fake_model m;
-    tw_tweak_config cfg = quick_config();
+    tw_tweak_config cfg = fake_model_config();
     tw_result *result = NULL;
     tw_row row;
 
-    setup(&m);
+    fake_model_setup(&m);
     m.depth_fail[2] = TW_ECALLBACK;
-    CHECK_INT(run_tweak(&m, &cfg, &result, NULL), TW_OK);
-    row = get_row(result, 2);
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
+    row = fake_model_row(result, 2);
     CHECK_INT(row.state, TW_ROW_SKIPPED);
     CHECK_STR(row.error, "model broke at depth 2");
     CHECK_INT(tw_result_selected(result), 1);
     CHECK_INT(m.enters, 4);
     CHECK_INT(m.leaves, 3);
-    teardown(&m, result);
+    fake_model_teardown(&m, result);
 }
 
 /* enter or activate failing skips the depth, and leave still follows. */
 static void test_enter_activate_fail(void)
 {
     fake_model m;
-    tw_tweak_config cfg = quick_config();
+    tw_tweak_config cfg = fake_model_config();
     tw_result *result = NULL;
 
-    setup(&m);
+    fake_model_setup(&m);
     m.enter_rc = TW_ECALLBACK;
-    CHECK_INT(run_tweak(&m, &cfg, &result, NULL), TW_OK);
-    CHECK_INT(get_row(result, 0).state, TW_ROW_SKIPPED);
-    CHECK_STR(get_row(result, 0).error, "cannot wrap depth 0");
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
+    CHECK_INT(fake_model_row(result, 0).state, TW_ROW_SKIPPED);
+    CHECK_STR(fake_model_row(result, 0).error, "cannot wrap depth 0");
     CHECK_INT(m.enters, 3);
     CHECK_INT(m.leaves, 3);
     CHECK_INT(m.tune_calls[ROOT], 0);
     CHECK_INT(tw_result_selected(result), -1);
-    teardown(&m, result);
+    fake_model_teardown(&m, result);
 
-    setup(&m);
+    fake_model_setup(&m);
     m.activate_rc = TW_ECALLBACK;
-    CHECK_INT(run_tweak(&m, &cfg, &result, NULL), TW_OK);
-    CHECK_STR(get_row(result, 1).error, "cannot activate depth 1");
-    CHECK_INT(get_row(result, 1).state, TW_ROW_SKIPPED);
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
+    CHECK_STR(fake_model_row(result, 1).error, "cannot activate depth 1");
+    CHECK_INT(fake_model_row(result, 1).state, TW_ROW_SKIPPED);
     CHECK_INT(m.enters, m.leaves);
-    teardown(&m, result);
+    fake_model_teardown(&m, result);
 }
 
 /* The budget runs out while depth 0 tunes: depth 0 finishes, 1 and 2 never start. */
 static void test_time_budget(void)
 {
     fake_model m;
-    tw_tweak_config cfg = quick_config();
+    tw_tweak_config cfg = fake_model_config();
     tw_result *result = NULL;
     tw_row row;
 
-    setup(&m);
+    fake_model_setup(&m);
     cfg.time_budget_ns = 1000000;
     m.tune_cost[ROOT] = 2000000;
-    CHECK_INT(run_tweak(&m, &cfg, &result, NULL), TW_OK);
-    row = get_row(result, 0);
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
+    row = fake_model_row(result, 0);
     CHECK_INT(row.state, TW_ROW_MEASURED);
-    row = get_row(result, 1);
+    row = fake_model_row(result, 1);
     CHECK_INT(row.state, TW_ROW_BUDGET);
     CHECK_STR(row.error, "time budget used up");
     CHECK_INT(row.modules, 3);
-    CHECK_INT(get_row(result, 2).state, TW_ROW_BUDGET);
+    CHECK_INT(fake_model_row(result, 2).state, TW_ROW_BUDGET);
     CHECK_INT(m.tune_calls[L0], 0);
     CHECK_INT(tw_result_selected(result), 0);
     /* depth 0 was measured, so the untuned model was measured again */
     CHECK_INT(m.untuned_runs, 2 * 3 * 2);
-    teardown(&m, result);
+    fake_model_teardown(&m, result);
 }
 
 static void test_dry_run(void)
 {
     fake_model m;
-    tw_tweak_config cfg = quick_config();
+    tw_tweak_config cfg = fake_model_config();
     tw_result *result = NULL;
     int measured = 1;
     size_t i;
 
-    setup(&m);
+    fake_model_setup(&m);
     cfg.dry_run = 1;
-    CHECK_INT(run_tweak(&m, &cfg, &result, NULL), TW_OK);
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
     CHECK_INT(m.enters + m.activates + m.leaves, 0);
     CHECK_INT(m.untuned_runs, 0);
     CHECK_INT(m.events_len, 0);
     CHECK_INT(tw_result_row_count(result), 3);
     for (i = 0; i < 3; i++) {
-        CHECK_INT(get_row(result, i).state, TW_ROW_DRY);
-        CHECK_INT(get_row(result, i).depth, (int)i);
+        CHECK_INT(fake_model_row(result, i).state, TW_ROW_DRY);
+        CHECK_INT(fake_model_row(result, i).depth, (int)i);
     }
-    CHECK_INT(get_row(result, 0).modules, 1);
-    CHECK_INT(get_row(result, 2).modules, 3);
+    CHECK_INT(fake_model_row(result, 0).modules, 1);
+    CHECK_INT(fake_model_row(result, 2).modules, 3);
     CHECK_INT(tw_result_selected(result), -1);
     tw_result_baseline(result, NULL, &measured);
     CHECK_INT(measured, 0);
@@ -506,20 +298,20 @@ static void test_dry_run(void)
     /* a dry run needs no callbacks at all */
     CHECK_INT(tw_tweak_run(&m.host, m.tree, &cfg, NULL, &result, NULL), TW_OK);
     CHECK_INT(tw_result_row_count(result), 3);
-    teardown(&m, result);
+    fake_model_teardown(&m, result);
 }
 
 /* TW_EINTERRUPT from tune: leave, then return at once with no result. */
 static void test_interrupt(void)
 {
     fake_model m;
-    tw_tweak_config cfg = quick_config();
+    tw_tweak_config cfg = fake_model_config();
     tw_result *result = (tw_result *)&m; /* must be reset to NULL */
     tw_error err;
 
-    setup(&m);
+    fake_model_setup(&m);
     m.tune_rc[L1] = TW_EINTERRUPT;
-    CHECK_INT(run_tweak(&m, &cfg, &result, &err), TW_EINTERRUPT);
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, &err), TW_EINTERRUPT);
     CHECK(result == NULL);
     CHECK_INT(err.code, TW_EINTERRUPT);
     CHECK_STR(err.msg, "no backend fits layers.1");
@@ -528,67 +320,67 @@ static void test_interrupt(void)
     CHECK_INT(m.leaves, 2);
     CHECK_INT(m.tune_calls[HEAD], 0);
     CHECK_STR(m.events, "E0 T() A L E1 Tlayers.0 Tlayers.1 L ");
-    teardown(&m, NULL);
+    fake_model_teardown(&m, NULL);
 
     /* from the model while measuring a depth */
-    setup(&m);
+    fake_model_setup(&m);
     m.depth_fail[1] = TW_EINTERRUPT;
-    CHECK_INT(run_tweak(&m, &cfg, &result, &err), TW_EINTERRUPT);
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, &err), TW_EINTERRUPT);
     CHECK(!m.entered);
     CHECK_INT(m.enters, m.leaves);
-    teardown(&m, NULL);
+    fake_model_teardown(&m, NULL);
 
     /* from enter */
-    setup(&m);
+    fake_model_setup(&m);
     m.enter_rc = TW_EINTERRUPT;
-    CHECK_INT(run_tweak(&m, &cfg, &result, &err), TW_EINTERRUPT);
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, &err), TW_EINTERRUPT);
     CHECK_INT(m.enters, 1);
     CHECK_INT(m.leaves, 1);
-    teardown(&m, NULL);
+    fake_model_teardown(&m, NULL);
 }
 
 /* The untuned model failing is an error of the whole call. */
 static void test_baseline_fails(void)
 {
     fake_model m;
-    tw_tweak_config cfg = quick_config();
+    tw_tweak_config cfg = fake_model_config();
     tw_result *result = NULL;
     tw_error err;
 
-    setup(&m);
+    fake_model_setup(&m);
     m.baseline_rc = TW_ECALLBACK;
-    CHECK_INT(run_tweak(&m, &cfg, &result, &err), TW_ECALLBACK);
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, &err), TW_ECALLBACK);
     CHECK(result == NULL);
     CHECK_HAS(err.msg, "untuned model broke");
     CHECK_INT(m.enters, 0);
-    teardown(&m, NULL);
+    fake_model_teardown(&m, NULL);
 }
 
 static void test_invalid(void)
 {
     fake_model m;
-    tw_tweak_config cfg = quick_config();
+    tw_tweak_config cfg = fake_model_config();
     tw_result *result = NULL;
     tw_tweak_ops ops;
     tw_tree *open_tree;
     tw_error err;
 
-    setup(&m);
+    fake_model_setup(&m);
     cfg.min_depth = 3;
     cfg.max_depth = 1;
-    CHECK_INT(run_tweak(&m, &cfg, &result, &err), TW_EINVAL);
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, &err), TW_EINVAL);
     CHECK_STR(err.msg, "min_depth (3) is greater than max_depth (1): lower min_depth or "
                        "raise max_depth");
-    cfg = quick_config();
+    cfg = fake_model_config();
     cfg.tie_tolerance = -0.5;
-    CHECK_INT(run_tweak(&m, &cfg, &result, &err), TW_EINVAL);
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, &err), TW_EINVAL);
     CHECK_HAS(err.msg, "tie_tolerance");
-    cfg = quick_config();
-    ops = model_ops(&m);
+    cfg = fake_model_config();
+    ops = fake_model_ops(&m);
     ops.model.n_samples = 0;
     CHECK_INT(tw_tweak_run(&m.host, m.tree, &cfg, &ops, &result, &err), TW_EINVAL);
     CHECK_HAS(err.msg, "dataset is empty");
-    ops = model_ops(&m);
+    ops = fake_model_ops(&m);
     ops.leave = NULL;
     CHECK_INT(tw_tweak_run(&m.host, m.tree, &cfg, &ops, &result, &err), TW_EINVAL);
     CHECK_HAS(err.msg, "ops.leave");
@@ -597,24 +389,24 @@ static void test_invalid(void)
     tw_tree_destroy(open_tree);
     CHECK(result == NULL);
     CHECK_INT(m.events_len, 0);
-    teardown(&m, NULL);
+    fake_model_teardown(&m, NULL);
 }
 
 /* min_depth and max_depth limit the rows; max_depth < 0 is the deepest. */
 static void test_depth_range(void)
 {
     fake_model m;
-    tw_tweak_config cfg = quick_config();
+    tw_tweak_config cfg = fake_model_config();
     tw_result *result = NULL;
 
-    setup(&m);
+    fake_model_setup(&m);
     cfg.min_depth = 1;
     cfg.max_depth = -1;
-    CHECK_INT(run_tweak(&m, &cfg, &result, NULL), TW_OK);
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
     CHECK_INT(tw_result_row_count(result), 2);
-    CHECK_INT(get_row(result, 0).depth, 1);
+    CHECK_INT(fake_model_row(result, 0).depth, 1);
     CHECK_INT(m.tune_calls[ROOT], 0);
-    teardown(&m, result);
+    fake_model_teardown(&m, result);
 }
 
 int main(void)

@@ -1,0 +1,224 @@
+/*
+ * fake_model.h - a fake model for the depth search tests: its latency depends
+ * on the cut that is entered and activated, and every callback is recorded.
+ * Include after check.h: the callbacks check the order of calls.
+ */
+#ifndef TW_FAKE_MODEL_H
+#define TW_FAKE_MODEL_H
+
+#include <stdio.h>
+#include <string.h>
+
+#include "fake.h"
+#include "tweak.h"
+
+#define MAX_NODES 16
+#define MAX_DEPTH 8
+
+/* The model: root, layers.0(.mlp), layers.1(.mlp), head (a leaf at depth 1).
+ * Cuts: 0 {root}; 1 {layers.0, layers.1, head}; 2 {layers.0.mlp, layers.1.mlp, head}. */
+static const char *const model_paths[] = {"", "layers.0", "layers.0.mlp", "layers.1",
+                                          "layers.1.mlp", "head"};
+enum { ROOT, L0, L0_MLP, L1, L1_MLP, HEAD, N_NODES };
+
+typedef struct fake_model {
+    fake_env env;
+    tw_host host;
+    tw_tree *tree;
+    /* behaviour */
+    tw_code tune_rc[MAX_NODES];
+    uint64_t tune_cost[MAX_NODES];    /* fake ns a tune takes */
+    uint64_t depth_latency[MAX_DEPTH];
+    tw_code depth_fail[MAX_DEPTH];     /* the model fails when active at this depth */
+    uint64_t base_first;              /* untuned latency before any leave() */
+    uint64_t base_second;             /* untuned latency after */
+    tw_code enter_rc;
+    tw_code activate_rc;
+    tw_code baseline_rc;
+    /* what happened */
+    int tune_calls[MAX_NODES];
+    int enters;
+    int leaves;
+    int activates;
+    int entered;
+    int active;
+    int depth;                        /* depth of the entered cut */
+    int last_tune_flags[MAX_NODES];   /* per node, from the last enter */
+    long untuned_runs;
+    char events[2048];
+    size_t events_len;
+} fake_model;
+
+static inline void log_event(fake_model *m, const char *text)
+{
+    size_t n = strlen(text);
+
+    if (m->events_len + n + 1 < sizeof m->events) {
+        memcpy(m->events + m->events_len, text, n + 1);
+        m->events_len += n;
+    }
+}
+
+static inline tw_code model_enter(void *ctx, const size_t *nodes, const int *tune,
+                                  size_t n, tw_error *err)
+{
+    fake_model *m = ctx;
+    char text[32];
+    size_t i;
+
+    CHECK(!m->entered); /* never entered twice without a leave */
+    m->enters++;
+    m->entered = 1;
+    m->depth = 0;
+    for (i = 0; i < MAX_NODES; i++) {
+        m->last_tune_flags[i] = -1;
+    }
+    for (i = 0; i < n; i++) {
+        int d = tw_tree_depth(m->tree, nodes[i]);
+
+        m->depth = d > m->depth ? d : m->depth;
+        m->last_tune_flags[nodes[i]] = tune[i];
+    }
+    snprintf(text, sizeof text, "E%d ", m->depth);
+    log_event(m, text);
+    if (m->enter_rc != TW_OK) {
+        return tw_error_set(err, m->enter_rc, "cannot wrap depth %d", m->depth);
+    }
+    return TW_OK;
+}
+
+static inline tw_code model_tune(void *ctx, size_t node, tw_error *err)
+{
+    fake_model *m = ctx;
+    char text[64];
+
+    CHECK(m->entered);
+    CHECK_INT(m->last_tune_flags[node], 1);
+    m->tune_calls[node]++;
+    m->env.now += m->tune_cost[node];
+    snprintf(text, sizeof text, "T%s ", model_paths[node][0] ? model_paths[node] : "()");
+    log_event(m, text);
+    if (m->tune_rc[node] != TW_OK) {
+        return tw_error_set(err, m->tune_rc[node], "no backend fits %s",
+                            model_paths[node][0] ? model_paths[node] : "(root)");
+    }
+    return TW_OK;
+}
+
+static inline tw_code model_activate(void *ctx, tw_error *err)
+{
+    fake_model *m = ctx;
+
+    CHECK(m->entered);
+    m->activates++;
+    log_event(m, "A ");
+    if (m->activate_rc != TW_OK) {
+        return tw_error_set(err, m->activate_rc, "cannot activate depth %d", m->depth);
+    }
+    m->active = 1;
+    return TW_OK;
+}
+
+static inline tw_code model_leave(void *ctx, tw_error *err)
+{
+    fake_model *m = ctx;
+
+    (void)err;
+    CHECK(m->entered);
+    m->leaves++;
+    m->entered = 0;
+    m->active = 0;
+    log_event(m, "L ");
+    return TW_OK;
+}
+
+static inline tw_code model_run(void *ctx, size_t sample, tw_error *err)
+{
+    fake_model *m = ctx;
+
+    (void)sample;
+    if (m->active) {
+        if (m->depth_fail[m->depth] != TW_OK) {
+            return tw_error_set(err, m->depth_fail[m->depth], "model broke at depth %d",
+                                m->depth);
+        }
+        m->env.now += m->depth_latency[m->depth];
+        return TW_OK;
+    }
+    if (m->baseline_rc != TW_OK) {
+        return tw_error_set(err, m->baseline_rc, "untuned model broke");
+    }
+    m->untuned_runs++;
+    m->env.now += m->leaves == 0 ? m->base_first : m->base_second;
+    return TW_OK;
+}
+
+static inline void fake_model_setup(fake_model *m)
+{
+    size_t i;
+
+    memset(m, 0, sizeof *m);
+    fake_env_init(&m->env);
+    m->host = fake_host(&m->env);
+    m->tree = tw_tree_create(&m->host, NULL);
+    for (i = 0; i < N_NODES; i++) {
+        CHECK_INT(tw_tree_add(m->tree, model_paths[i], 1, 0, NULL, NULL), TW_OK);
+    }
+    CHECK_INT(tw_tree_finish(m->tree, NULL), TW_OK);
+    m->base_first = 1000;
+    m->base_second = 1000;
+    m->depth_latency[0] = 900;
+    m->depth_latency[1] = 800;
+    m->depth_latency[2] = 700;
+}
+
+static inline tw_tweak_ops fake_model_ops(fake_model *m)
+{
+    tw_tweak_ops ops;
+
+    ops.ctx = m;
+    ops.enter = model_enter;
+    ops.tune = model_tune;
+    ops.activate = model_activate;
+    ops.leave = model_leave;
+    ops.model.ctx = m;
+    ops.model.n_samples = 2;
+    ops.model.run = model_run;
+    ops.model.sync = NULL;
+    return ops;
+}
+
+static inline tw_tweak_config fake_model_config(void)
+{
+    tw_tweak_config cfg;
+
+    tw_tweak_config_default(&cfg);
+    cfg.measure = fake_quick_config();
+    return cfg;
+}
+
+static inline tw_code fake_model_tweak(fake_model *m, const tw_tweak_config *cfg,
+                                       tw_result **result, tw_error *err)
+{
+    tw_tweak_ops ops = fake_model_ops(m);
+
+    return tw_tweak_run(&m->host, m->tree, cfg, &ops, result, err);
+}
+
+static inline tw_row fake_model_row(const tw_result *result, size_t i)
+{
+    tw_row row;
+
+    memset(&row, 0, sizeof row);
+    CHECK_INT(tw_result_row(result, i, &row, NULL), TW_OK);
+    return row;
+}
+
+static inline void fake_model_teardown(fake_model *m, tw_result *result)
+{
+    tw_result_destroy(result);
+    tw_tree_destroy(m->tree);
+    CHECK_INT(m->env.live, 0);
+}
+
+#endif /* TW_FAKE_MODEL_H */

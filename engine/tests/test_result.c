@@ -1,0 +1,187 @@
+/*
+ * test_result.c - the result object and its table.
+ */
+#include "check.h"
+#include "fake.h"
+#include "fake_model.h"
+#include "tweak.h"
+
+/* The line of `text` that starts with `start`, copied into line[]. */
+static const char *find_line(const char *text, const char *start, char *line, size_t size)
+{
+    const char *at = text;
+    size_t n;
+
+    line[0] = '\0';
+    while (at != NULL && *at != '\0') {
+        if (strncmp(at, start, strlen(start)) == 0) {
+            n = strcspn(at, "\n");
+            n = n < size - 1 ? n : size - 1;
+            memcpy(line, at, n);
+            line[n] = '\0';
+            return line;
+        }
+        at = strchr(at, '\n');
+        at = at != NULL ? at + 1 : NULL;
+    }
+    return NULL;
+}
+
+/* Depth 0 a little faster, depth 1 selected, depth 2 broken. */
+static void test_table(void)
+{
+    fake_model m;
+    tw_tweak_config cfg = fake_model_config();
+    tw_result *result = NULL;
+    char line[256];
+    char *text;
+
+    fake_model_setup(&m);
+    m.base_first = 1293000;
+    m.base_second = 1293000;
+    m.depth_latency[0] = 1234000;
+    m.depth_latency[1] = 987000;
+    m.depth_fail[2] = TW_ECALLBACK;
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
+    text = tw_result_format(result, NULL);
+    CHECK(text != NULL);
+    if (text != NULL) {
+        printf("%s\n", text);
+    }
+    CHECK_HAS(text, "depth  modules  failed  latency ms  speedup  status");
+    CHECK(find_line(text, "        0", line, sizeof line) != NULL);
+    CHECK_HAS(line, "1.234");
+    CHECK_HAS(line, "1.05x");
+    CHECK(strchr(line, '>') == NULL);
+    CHECK(find_line(text, ">       1", line, sizeof line) != NULL);
+    CHECK_HAS(line, "      3       0       0.987    1.31x  selected");
+    CHECK(find_line(text, "        2", line, sizeof line) != NULL);
+    CHECK_HAS(line, "skipped: model broke at depth 2");
+    CHECK(find_line(text, "  untuned", line, sizeof line) != NULL);
+    CHECK_HAS(line, "1.293");
+    CHECK_HAS(line, "1.00x");
+    CHECK_HAS(text, "selected depth 1: 1.31x faster than untuned");
+    tw_free(text);
+    fake_model_teardown(&m, result);
+}
+
+static void test_budget_and_untuned(void)
+{
+    fake_model m;
+    tw_tweak_config cfg = fake_model_config();
+    tw_result *result = NULL;
+    char line[256];
+    char *text;
+
+    fake_model_setup(&m);
+    m.depth_latency[0] = 2000;
+    m.tune_cost[ROOT] = 5000000;
+    cfg.time_budget_ns = 1000000;
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
+    text = tw_result_format(result, NULL);
+    CHECK(find_line(text, "        1", line, sizeof line) != NULL);
+    CHECK_HAS(line, "time budget used up");
+    CHECK(find_line(text, "        0", line, sizeof line) != NULL);
+    CHECK_HAS(line, "0.50x");
+    CHECK(text != NULL && strchr(text, '>') == NULL);
+    CHECK_HAS(text, "no depth beat the untuned model: it stays untuned");
+    tw_free(text);
+    fake_model_teardown(&m, result);
+}
+
+static void test_dry_run_table(void)
+{
+    fake_model m;
+    tw_tweak_config cfg = fake_model_config();
+    tw_result *result = NULL;
+    char line[256];
+    char *text;
+
+    fake_model_setup(&m);
+    cfg.dry_run = 1;
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
+    text = tw_result_format(result, NULL);
+    if (text != NULL) {
+        printf("%s\n", text);
+    }
+    CHECK(find_line(text, "        0", line, sizeof line) != NULL);
+    CHECK_HAS(line, "      1       -           -        -  dry run");
+    CHECK(find_line(text, "        2", line, sizeof line) != NULL);
+    CHECK_HAS(line, "      3       -           -        -  dry run");
+    CHECK(find_line(text, "  untuned", line, sizeof line) != NULL);
+    CHECK_HAS(line, "not measured");
+    CHECK_HAS(text, "dry run: nothing was built or measured");
+    tw_free(text);
+    fake_model_teardown(&m, result);
+}
+
+/* A multi-line callback message keeps its row on one line. */
+static tw_code multi_line_tune(void *ctx, size_t node, tw_error *err)
+{
+    (void)ctx;
+    (void)node;
+    return tw_error_set(err, TW_ECALLBACK, "first line\nsecond line");
+}
+
+static void test_multi_line_error(void)
+{
+    fake_model m;
+    tw_tweak_config cfg = fake_model_config();
+    tw_tweak_ops ops;
+    tw_result *result = NULL;
+    char line[256];
+    char *text;
+
+    fake_model_setup(&m);
+    ops = fake_model_ops(&m);
+    ops.tune = multi_line_tune;
+    CHECK_INT(tw_tweak_run(&m.host, m.tree, &cfg, &ops, &result, NULL), TW_OK);
+    text = tw_result_format(result, NULL);
+    CHECK(find_line(text, "        0", line, sizeof line) != NULL);
+    CHECK_HAS(line, "skipped: first line second line");
+    CHECK_STR(fake_model_row(result, 0).error, "first line\nsecond line");
+    tw_free(text);
+    fake_model_teardown(&m, result);
+}
+
+static void test_accessors(void)
+{
+    fake_model m;
+    tw_tweak_config cfg = fake_model_config();
+    tw_result *result = NULL;
+    tw_row row;
+    tw_stats stats;
+    tw_error err;
+    const char *error = NULL;
+    int measured = 1;
+
+    fake_model_setup(&m);
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
+    CHECK_INT(tw_result_row(result, 3, &row, &err), TW_EINVAL);
+    CHECK_HAS(err.msg, "row 3 is out of range");
+    CHECK_INT(tw_result_module(result, 99, &error), 0);
+    CHECK_STR(error, "");
+    tw_result_baseline(result, &stats, &measured);
+    CHECK_INT(measured, 1);
+    CHECK_NEAR(stats.median_ns, 1000, 1e-9);
+    fake_model_teardown(&m, result);
+
+    CHECK(tw_result_format(NULL, &err) == NULL);
+    CHECK_INT(err.code, TW_EINVAL);
+    CHECK_INT(tw_result_selected(NULL), -1);
+    CHECK_INT(tw_result_row_count(NULL), 0);
+    tw_result_baseline(NULL, &stats, &measured);
+    CHECK_INT(measured, 0);
+    tw_result_destroy(NULL);
+    tw_free(NULL);
+}
+
+int main(void)
+{
+    test_table();
+    test_budget_and_untuned();
+    test_dry_run_table();
+    test_multi_line_error();
+    test_accessors();
+    return CHECK_SUMMARY("test_result");
+}
