@@ -11,6 +11,10 @@ Statistics are dicts: {"median_ns", "q25_ns", "q75_ns", "min_ns", "spread",
 "warmup_rounds", "rounds", "stopped_by"} with stopped_by one of "spread",
 "rounds", "time".
 
+An engine error that does not come from a bad argument (ValueError) or memory
+(MemoryError) raises :class:`EngineError`, a RuntimeError; when a callback's
+failure ended the call, that exception is its ``__cause__``.
+
 ``config`` arguments are dicts of the engine's measurement config with any
 subset of the keys of :func:`default_measure_config`; an unknown key or a bad
 value raises ValueError naming it. ``clock`` is a callable returning an int of
@@ -20,6 +24,9 @@ nanoseconds, used instead of the monotonic clock (for deterministic tests).
 from typing import Any, Callable, Optional, Sequence
 
 Stats = dict[str, Any]
+
+class EngineError(RuntimeError):
+    """An engine call failed: a callback failed, a call out of order, the budget."""
 
 def default_measure_config() -> dict[str, Any]:
     """{"warmup_min": 2, "warmup_max": 20, "warmup_patience": 2, "warmup_gain": 0.02,
@@ -100,14 +107,21 @@ def tweak(tree: Tree, *,
           dry_run: bool = False,
           config: Optional[dict[str, Any]] = None,
           clock: Optional[Callable[[], int]] = None) -> Result:
-    """tw_tweak_run. time_budget in seconds (None: none). max_depth -1: deepest."""
+    """tw_tweak_run. time_budget in seconds, > 0 (None: none). max_depth -1: deepest."""
 
 class Signature:
     """What one call of a module looked like: the number of positional
     arguments, the keyword names, and per argument a tensor's dtype, device and
     shape (a dynamic axis matches any size) or a plain value compared with ==.
-    Tuples and lists are followed one level down."""
-    def __init__(self, args: tuple, kwargs: dict, dynamic: Optional[Sequence[Sequence[int]]] = None) -> None: ...
+    Tuples and lists are followed one level down (same exact type and length).
+    A plain value matches when it is the same object, or of the same type and
+    ==; a comparison that raises an Exception is a mismatch. Keyword names
+    match as a set (any order).
+    dynamic[i] (None or a sequence of axes, negative from the end) names the
+    dynamic axes of argument i, counting positional arguments then keyword
+    arguments in kwargs' order; for a tuple/list argument they apply to every
+    tensor in it. ValueError for an axis out of range or axes of a non-tensor."""
+    def __init__(self, args: tuple, kwargs: Optional[dict], dynamic: Optional[Sequence[Optional[Sequence[int]]]] = None) -> None: ...
     def matches(self, args: tuple, kwargs: dict) -> bool: ...
 
 class Dispatcher:
@@ -117,17 +131,30 @@ class Dispatcher:
     mode 1 (active): calls the backend of the first entry whose signature
       matches the call (an entry with signature None matches every call), or the
       original module when none does (counted in fallbacks).
-    mode 2 (record): calls recorder(*args, **kwargs) and returns its result."""
+    mode 2 (record): calls recorder(*args, **kwargs) and returns its result.
+    The index of the last matching entry is tried first when no earlier entry
+    can match the same calls, so the first-match rule always holds.
+    Subclasses on Python < 3.12 do not inherit vectorcall: call
+    enable_vectorcall(cls) once per subclass."""
     def _tt_bind(self, original: Callable[..., Any]) -> None: ...
     def _tt_set_entries(self, entries: Sequence[tuple[Optional[Signature], Callable[..., Any]]]) -> None: ...
     def _tt_set_recorder(self, recorder: Optional[Callable[..., Any]]) -> None: ...
     _tt_mode: int
     @property
-    def _tt_original(self) -> Callable[..., Any]: ...
+    def _tt_original(self) -> Optional[Callable[..., Any]]:
+        """None before _tt_bind."""
     @property
     def _tt_entries(self) -> list[tuple[Optional[Signature], Callable[..., Any]]]: ...
     @property
     def _tt_fallbacks(self) -> int: ...
     @property
-    def _tt_calls(self) -> int: ...
+    def _tt_calls(self) -> int:
+        """Calls in every mode."""
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+def enable_vectorcall(cls: type) -> bool:
+    """Sets the vectorcall flag on a subclass of Dispatcher whose __call__ is
+    still Dispatcher's (Python 3.10 and 3.11 do not inherit it for classes
+    defined in Python; 3.12 does). Returns whether instances of cls are now
+    called through vectorcall (False when cls overrides __call__). TypeError
+    when cls is not a subclass of Dispatcher."""

@@ -1,0 +1,1095 @@
+/*
+ * dispatch.c - the per-call path of a tuned module.
+ *
+ * Signature: what one call looked like (argument count, keyword names, per
+ * argument a tensor's dtype/device/shape or a plain value), and a check that
+ * another call fits it.
+ * Dispatcher: the base type of torch_tweak.TunedModule. Its vectorcall is the
+ * only code that runs between a caller and the chosen backend, so it reads
+ * nothing it does not need and allocates nothing itself.
+ *
+ * Matching never fails a call: an Exception raised while reading an argument
+ * or comparing a value counts as a mismatch (the original module then runs
+ * and raises whatever it raises); only a BaseException that is not an
+ * Exception (KeyboardInterrupt...) propagates.
+ */
+#include "ext.h"
+
+#include <string.h>
+
+/* ============================================================ Signature */
+
+enum {
+    TT_ARG_VALUE = 0,  /* compared with `is`, then same type and == */
+    TT_ARG_TENSOR = 1, /* dtype by identity, device with ==, shape per axis */
+    TT_ARG_SEQ = 2     /* a tuple or list: same exact type, length, items */
+};
+
+typedef struct TtArgSpec {
+    int kind;
+    PyObject *value;         /* VALUE: the value; TENSOR: the dtype; SEQ: the exact type */
+    PyObject *device;        /* TENSOR: the torch.device */
+    Py_ssize_t ndim;         /* TENSOR: dimensions; SEQ: items */
+    Py_ssize_t *shape;       /* TENSOR: ndim sizes, -1 for a dynamic axis */
+    struct TtArgSpec *items; /* SEQ: ndim item specs */
+} TtArgSpec;
+
+typedef struct {
+    PyObject_HEAD
+    TtState *state;     /* of the owning module; outlives the type, so this object */
+    Py_ssize_t nargs;   /* positional arguments */
+    PyObject *kwnames;  /* tuple of str in the recorded order */
+    Py_ssize_t nspecs;  /* nargs + len(kwnames); 0 after tp_clear */
+    TtArgSpec *specs;   /* positional, then keyword in kwnames order */
+} TtSignature;
+
+/* An Exception while matching is a mismatch (0); anything else stops (-1). */
+static int
+tt_match_soft_error(void)
+{
+    if (PyErr_ExceptionMatches(PyExc_Exception)) {
+        PyErr_Clear();
+        return 0;
+    }
+    return -1;
+}
+
+static void
+tt_spec_release(TtArgSpec *spec)
+{
+    Py_ssize_t i;
+
+    Py_CLEAR(spec->value);
+    Py_CLEAR(spec->device);
+    PyMem_Free(spec->shape);
+    spec->shape = NULL;
+    if (spec->items != NULL) {
+        for (i = 0; i < spec->ndim; i++)
+            tt_spec_release(&spec->items[i]);
+        PyMem_Free(spec->items);
+        spec->items = NULL;
+    }
+    spec->ndim = 0;
+}
+
+static int
+tt_spec_traverse(const TtArgSpec *spec, visitproc visit, void *arg)
+{
+    Py_ssize_t i;
+
+    Py_VISIT(spec->value);
+    Py_VISIT(spec->device);
+    if (spec->items != NULL) {
+        for (i = 0; i < spec->ndim; i++) {
+            int rc = tt_spec_traverse(&spec->items[i], visit, arg);
+            if (rc)
+                return rc;
+        }
+    }
+    return 0;
+}
+
+/* Marks the axes named in `dynamic` (a sequence of ints, negative counting
+ * from the end) as -1 in a tensor spec. `where` names the argument in errors. */
+static int
+tt_spec_mark_dynamic(TtArgSpec *spec, PyObject *dynamic, PyObject *where)
+{
+    PyObject *axes = NULL; /* new reference */
+    Py_ssize_t i, n;
+    int rc = -1;
+
+    axes = PySequence_Fast(dynamic, "dynamic axes must be a sequence of ints");
+    if (axes == NULL)
+        goto cleanup;
+    n = PySequence_Fast_GET_SIZE(axes);
+    for (i = 0; i < n; i++) {
+        Py_ssize_t given = PyNumber_AsSsize_t(PySequence_Fast_GET_ITEM(axes, i), NULL);
+        Py_ssize_t axis = given;
+
+        if (given == -1 && PyErr_Occurred())
+            goto cleanup;
+        if (axis < 0)
+            axis += spec->ndim;
+        if (axis < 0 || axis >= spec->ndim) {
+            PyErr_Format(PyExc_ValueError,
+                         "dynamic axis %zd of %U is out of range for a tensor of %zd dims",
+                         given, where, spec->ndim);
+            goto cleanup;
+        }
+        spec->shape[axis] = -1;
+    }
+    rc = 0;
+cleanup:
+    Py_XDECREF(axes);
+    return rc;
+}
+
+static int
+tt_spec_build_tensor(TtState *st, TtArgSpec *spec, PyObject *obj)
+{
+    PyObject *shape = NULL; /* new reference */
+    Py_ssize_t i;
+    int rc = -1;
+
+    spec->kind = TT_ARG_TENSOR;
+    if ((spec->value = PyObject_GetAttr(obj, st->str_dtype)) == NULL)
+        goto cleanup;
+    if ((spec->device = PyObject_GetAttr(obj, st->str_device)) == NULL)
+        goto cleanup;
+    if ((shape = PyObject_GetAttr(obj, st->str_shape)) == NULL)
+        goto cleanup;
+    if (!PyTuple_Check(shape)) {
+        PyErr_SetString(PyExc_TypeError, "a tensor's shape is not a tuple");
+        goto cleanup;
+    }
+    spec->ndim = PyTuple_GET_SIZE(shape);
+    spec->shape = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(spec->ndim ? spec->ndim : 1));
+    if (spec->shape == NULL) {
+        PyErr_NoMemory();
+        goto cleanup;
+    }
+    for (i = 0; i < spec->ndim; i++) {
+        spec->shape[i] = PyNumber_AsSsize_t(PyTuple_GET_ITEM(shape, i), PyExc_OverflowError);
+        if (spec->shape[i] == -1 && PyErr_Occurred())
+            goto cleanup;
+    }
+    rc = 0;
+cleanup:
+    Py_XDECREF(shape);
+    return rc;
+}
+
+/* Fills `spec` for `obj`; depth 0 is an argument, depth 1 an item of a tuple
+ * or list argument. dynamic: NULL or the axes to mark dynamic. */
+static int
+tt_spec_build(TtState *st, TtArgSpec *spec, PyObject *obj, int depth, PyObject *dynamic,
+              PyObject *where)
+{
+    PyTypeObject *tensor_type = tt_state_tensor_type(st); /* borrowed */
+    Py_ssize_t i, n;
+    int rc = -1;
+
+    memset(spec, 0, sizeof(*spec));
+    if (tensor_type == NULL && PyErr_Occurred())
+        goto cleanup;
+    if (tensor_type != NULL && PyObject_TypeCheck(obj, tensor_type)) {
+        if (tt_spec_build_tensor(st, spec, obj) < 0)
+            goto cleanup;
+        if (dynamic != NULL && tt_spec_mark_dynamic(spec, dynamic, where) < 0)
+            goto cleanup;
+    }
+    else if (depth == 0 && (PyTuple_Check(obj) || PyList_Check(obj))) {
+        spec->kind = TT_ARG_SEQ;
+        spec->value = (PyObject *)Py_TYPE(obj);
+        Py_INCREF(spec->value);
+        n = PyTuple_Check(obj) ? PyTuple_GET_SIZE(obj) : PyList_GET_SIZE(obj);
+        spec->items = PyMem_Calloc((size_t)(n ? n : 1), sizeof(TtArgSpec));
+        if (spec->items == NULL) {
+            PyErr_NoMemory();
+            goto cleanup;
+        }
+        for (i = 0; i < n; i++) {
+            PyObject *item; /* borrowed, kept alive by obj */
+            int item_rc;
+
+            if (PyList_Check(obj) && i >= PyList_GET_SIZE(obj))
+                break; /* Python code run by a tensor's getattr shrank the list */
+            item = PyTuple_Check(obj) ? PyTuple_GET_ITEM(obj, i) : PyList_GET_ITEM(obj, i);
+            Py_INCREF(item);
+            spec->ndim = i + 1;
+            item_rc = tt_spec_build(st, &spec->items[i], item, 1, NULL, where);
+            if (item_rc == 0 && dynamic != NULL && spec->items[i].kind == TT_ARG_TENSOR)
+                item_rc = tt_spec_mark_dynamic(&spec->items[i], dynamic, where);
+            Py_DECREF(item);
+            if (item_rc < 0)
+                goto cleanup;
+        }
+        spec->ndim = i;
+    }
+    else {
+        if (dynamic != NULL && PyObject_Length(dynamic) != 0) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError,
+                             "dynamic axes given for %U, which is not a tensor", where);
+            goto cleanup;
+        }
+        spec->kind = TT_ARG_VALUE;
+        spec->value = obj;
+        Py_INCREF(obj);
+    }
+    rc = 0;
+cleanup:
+    return rc;
+}
+
+/* 1 when `arg` fits `spec`, 0 when not, -1 on a BaseException. */
+static int
+tt_spec_match(TtState *st, const TtArgSpec *spec, PyObject *arg)
+{
+    PyObject *attr = NULL; /* new reference: dtype, device or shape */
+    Py_ssize_t i, n;
+    int rc = 0;
+
+    switch (spec->kind) {
+    case TT_ARG_TENSOR:
+        if (TT_UNLIKELY(spec->value == NULL) ||
+            !PyObject_TypeCheck(arg, st->tensor_type))
+            goto cleanup;
+        /* dtypes are singletons: identity is equality */
+        if (TT_UNLIKELY((attr = PyObject_GetAttr(arg, st->str_dtype)) == NULL))
+            goto soft_error;
+        if (attr != spec->value)
+            goto cleanup;
+        Py_DECREF(attr);
+        if (TT_UNLIKELY((attr = PyObject_GetAttr(arg, st->str_shape)) == NULL))
+            goto soft_error;
+        if (TT_UNLIKELY(!PyTuple_Check(attr)) || PyTuple_GET_SIZE(attr) != spec->ndim)
+            goto cleanup;
+        for (i = 0; i < spec->ndim; i++) {
+            Py_ssize_t size;
+
+            if (spec->shape[i] < 0)
+                continue;
+            size = PyLong_AsSsize_t(PyTuple_GET_ITEM(attr, i));
+            if (TT_UNLIKELY(size == -1 && PyErr_Occurred()))
+                goto soft_error; /* a symbolic size under tracing: no match */
+            if (size != spec->shape[i])
+                goto cleanup;
+        }
+        Py_DECREF(attr);
+        /* torch.device is a fresh object per read; its == compares type and index */
+        if (TT_UNLIKELY((attr = PyObject_GetAttr(arg, st->str_device)) == NULL))
+            goto soft_error;
+        rc = PyObject_RichCompareBool(attr, spec->device, Py_EQ);
+        if (TT_UNLIKELY(rc < 0))
+            goto soft_error;
+        goto cleanup;
+    case TT_ARG_SEQ:
+        if (TT_UNLIKELY(spec->value == NULL) || (PyObject *)Py_TYPE(arg) != spec->value)
+            goto cleanup;
+        n = PyTuple_Check(arg) ? PyTuple_GET_SIZE(arg) : PyList_GET_SIZE(arg);
+        if (n != spec->ndim)
+            goto cleanup;
+        for (i = 0; i < n; i++) {
+            PyObject *item; /* borrowed, then held across the match */
+
+            if (PyTuple_Check(arg)) {
+                item = PyTuple_GET_ITEM(arg, i);
+            }
+            else {
+                if (i >= PyList_GET_SIZE(arg))
+                    goto cleanup; /* an item's __eq__ shrank the list */
+                item = PyList_GET_ITEM(arg, i);
+            }
+            Py_INCREF(item);
+            rc = tt_spec_match(st, &spec->items[i], item);
+            Py_DECREF(item);
+            if (rc != 1)
+                goto cleanup;
+        }
+        rc = 1;
+        goto cleanup;
+    default: /* TT_ARG_VALUE */
+        if (arg == spec->value) {
+            rc = 1;
+            goto cleanup;
+        }
+        /* same type first, so that 1, 1.0 and True stay distinct */
+        if (TT_UNLIKELY(spec->value == NULL) || Py_TYPE(arg) != Py_TYPE(spec->value))
+            goto cleanup;
+        rc = PyObject_RichCompareBool(arg, spec->value, Py_EQ);
+        if (rc < 0)
+            goto soft_error;
+        goto cleanup;
+    }
+soft_error:
+    rc = tt_match_soft_error();
+cleanup:
+    Py_XDECREF(attr);
+    return rc;
+}
+
+/* 1 when `sig` fits the call (vectorcall layout), 0 when not, -1 on error.
+ * Keyword names match as a set: the same names in any order. */
+static int
+tt_signature_match(TtSignature *sig, PyObject *const *args, Py_ssize_t nargs,
+                   PyObject *kwnames)
+{
+    Py_ssize_t nkw = kwnames != NULL ? PyTuple_GET_SIZE(kwnames) : 0;
+    Py_ssize_t i, j;
+    int rc = 0;
+
+    if (nargs != sig->nargs || nargs + nkw != sig->nspecs)
+        goto cleanup;
+    for (i = 0; i < nargs; i++) {
+        rc = tt_spec_match(sig->state, &sig->specs[i], args[i]);
+        if (rc != 1)
+            goto cleanup;
+    }
+    for (i = 0; i < nkw; i++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, i); /* borrowed */
+        Py_ssize_t at = -1;
+
+        /* Names are usually the same interned objects in the same order. */
+        if (TT_LIKELY(PyTuple_GET_ITEM(sig->kwnames, i) == name)) {
+            at = i;
+        }
+        else {
+            for (j = 0; j < nkw && at < 0; j++) {
+                PyObject *known = PyTuple_GET_ITEM(sig->kwnames, j);
+                if (known == name || PyUnicode_Compare(known, name) == 0)
+                    at = j;
+            }
+            if (PyErr_Occurred()) {
+                rc = tt_match_soft_error();
+                goto cleanup;
+            }
+        }
+        rc = 0;
+        if (at < 0)
+            goto cleanup;
+        rc = tt_spec_match(sig->state, &sig->specs[nargs + at], args[nargs + i]);
+        if (rc != 1)
+            goto cleanup;
+    }
+    rc = 1;
+cleanup:
+    return rc;
+}
+
+/* Whether some call could fit both specs (1) or surely not (0). Used once per
+ * _tt_set_entries, so it may be slow; when unsure it says 1. */
+static int
+tt_spec_overlap(const TtArgSpec *a, const TtArgSpec *b)
+{
+    Py_ssize_t i;
+    int rc;
+
+    if (a->kind != b->kind)
+        return 0; /* a value is never a tensor or a top-level tuple/list */
+    if (a->value == NULL || b->value == NULL)
+        return 1;
+    switch (a->kind) {
+    case TT_ARG_TENSOR:
+        if (a->value != b->value || a->ndim != b->ndim)
+            return 0;
+        for (i = 0; i < a->ndim; i++)
+            if (a->shape[i] >= 0 && b->shape[i] >= 0 && a->shape[i] != b->shape[i])
+                return 0;
+        rc = PyObject_RichCompareBool(a->device, b->device, Py_EQ);
+        if (rc < 0) {
+            PyErr_Clear();
+            return 1;
+        }
+        return rc;
+    case TT_ARG_SEQ:
+        if (a->value != b->value || a->ndim != b->ndim)
+            return 0;
+        for (i = 0; i < a->ndim; i++)
+            if (!tt_spec_overlap(&a->items[i], &b->items[i]))
+                return 0;
+        return 1;
+    default:
+        if (a->value == b->value)
+            return 1;
+        if (Py_TYPE(a->value) != Py_TYPE(b->value))
+            return 0;
+        rc = PyObject_RichCompareBool(a->value, b->value, Py_EQ);
+        if (rc < 0) {
+            PyErr_Clear();
+            return 1;
+        }
+        return rc;
+    }
+}
+
+static int
+tt_signature_overlap(const TtSignature *a, const TtSignature *b)
+{
+    Py_ssize_t i, j, nkw;
+
+    if (a->specs == NULL || b->specs == NULL)
+        return 1; /* cleared by the GC: unsure */
+    if (a->nargs != b->nargs || a->nspecs != b->nspecs)
+        return 0;
+    for (i = 0; i < a->nargs; i++)
+        if (!tt_spec_overlap(&a->specs[i], &b->specs[i]))
+            return 0;
+    nkw = a->nspecs - a->nargs;
+    for (i = 0; i < nkw; i++) {
+        PyObject *name = PyTuple_GET_ITEM(a->kwnames, i);
+        int found = 0;
+
+        for (j = 0; j < nkw && !found; j++) {
+            int eq = PyUnicode_Compare(name, PyTuple_GET_ITEM(b->kwnames, j)) == 0;
+            if (eq) {
+                found = 1;
+                if (!tt_spec_overlap(&a->specs[a->nargs + i], &b->specs[b->nargs + j]))
+                    return 0;
+            }
+        }
+        if (!found)
+            return 0;
+    }
+    return 1;
+}
+
+static PyObject *
+tt_signature_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"args", "kwargs", "dynamic", NULL};
+    PyObject *call_args, *call_kwargs, *dynamic = Py_None; /* borrowed */
+    PyObject *items = NULL; /* new reference: kwargs' (name, value) pairs */
+    PyObject *dyn = NULL;   /* new reference: dynamic as a fast sequence */
+    PyObject *where = NULL; /* new reference: the argument's name for errors */
+    TtSignature *self = NULL;
+    TtState *st;
+    Py_ssize_t i, nkw = 0, ndyn = 0;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O|O:Signature", kwlist, &PyTuple_Type,
+                                     &call_args, &call_kwargs, &dynamic))
+        goto error;
+    if (call_kwargs != Py_None) {
+        if (!PyDict_Check(call_kwargs)) {
+            PyErr_SetString(PyExc_TypeError, "Signature: kwargs must be a dict or None");
+            goto error;
+        }
+        /* a snapshot: reading a tensor's metadata may run Python code */
+        if ((items = PyDict_Items(call_kwargs)) == NULL)
+            goto error;
+        nkw = PyList_GET_SIZE(items);
+    }
+    if ((st = tt_state_from_type(type)) == NULL)
+        goto error;
+    self = (TtSignature *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        goto error;
+    self->state = st;
+    self->nargs = PyTuple_GET_SIZE(call_args);
+    if ((self->kwnames = PyTuple_New(nkw)) == NULL)
+        goto error;
+    if (dynamic != Py_None) {
+        dyn = PySequence_Fast(dynamic, "Signature: dynamic must be a sequence or None");
+        if (dyn == NULL)
+            goto error;
+        ndyn = PySequence_Fast_GET_SIZE(dyn);
+        if (ndyn > self->nargs + nkw) {
+            PyErr_Format(PyExc_ValueError,
+                         "Signature: dynamic has %zd entries for %zd arguments", ndyn,
+                         self->nargs + nkw);
+            goto error;
+        }
+    }
+    self->specs = PyMem_Calloc((size_t)(self->nargs + nkw + 1), sizeof(TtArgSpec));
+    if (self->specs == NULL) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    for (i = 0; i < self->nargs + nkw; i++) {
+        PyObject *value; /* borrowed from call_args or items */
+        PyObject *axes = NULL; /* borrowed */
+
+        if (i < self->nargs) {
+            value = PyTuple_GET_ITEM(call_args, i);
+            where = PyUnicode_FromFormat("argument %zd", i);
+        }
+        else {
+            PyObject *pair = PyList_GET_ITEM(items, i - self->nargs);
+            PyObject *key = PyTuple_GET_ITEM(pair, 0);
+
+            value = PyTuple_GET_ITEM(pair, 1);
+            if (!PyUnicode_CheckExact(key)) {
+                PyErr_SetString(PyExc_TypeError, "Signature: keyword names must be str");
+                goto error;
+            }
+            Py_INCREF(key);
+            PyUnicode_InternInPlace(&key);
+            PyTuple_SET_ITEM(self->kwnames, i - self->nargs, key);
+            where = PyUnicode_FromFormat("keyword argument '%U'", key);
+        }
+        if (where == NULL)
+            goto error;
+        if (i < ndyn && PySequence_Fast_GET_ITEM(dyn, i) != Py_None)
+            axes = PySequence_Fast_GET_ITEM(dyn, i);
+        self->nspecs = i + 1;
+        if (tt_spec_build(st, &self->specs[i], value, 0, axes, where) < 0)
+            goto error;
+        Py_CLEAR(where);
+    }
+    Py_XDECREF(items);
+    Py_XDECREF(dyn);
+    return (PyObject *)self;
+error:
+    Py_XDECREF(items);
+    Py_XDECREF(dyn);
+    Py_XDECREF(where);
+    Py_XDECREF(self);
+    return NULL;
+}
+
+static int
+tt_signature_traverse(TtSignature *self, visitproc visit, void *arg)
+{
+    Py_ssize_t i;
+
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->kwnames);
+    for (i = 0; i < self->nspecs; i++) {
+        int rc = tt_spec_traverse(&self->specs[i], visit, arg);
+        if (rc)
+            return rc;
+    }
+    return 0;
+}
+
+static int
+tt_signature_clear(TtSignature *self)
+{
+    Py_ssize_t i;
+    TtArgSpec *specs = self->specs;
+    Py_ssize_t n = self->nspecs;
+
+    /* detach first: a value's finalizer may look at this signature */
+    self->specs = NULL;
+    self->nspecs = 0;
+    for (i = 0; i < n; i++)
+        tt_spec_release(&specs[i]);
+    PyMem_Free(specs);
+    Py_CLEAR(self->kwnames);
+    return 0;
+}
+
+static void
+tt_signature_dealloc(TtSignature *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+
+    PyObject_GC_UnTrack(self);
+    tt_signature_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+/* Signature.matches(args, kwargs): the dict is laid out as a vectorcall. */
+static PyObject *
+tt_signature_matches(TtSignature *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *call_args, *call_kwargs; /* borrowed */
+    PyObject **stack = NULL;
+    PyObject *kwnames = NULL; /* new reference */
+    PyObject *key, *value;    /* borrowed */
+    PyObject *result = NULL;
+    Py_ssize_t n, nkw = 0, pos = 0, i = 0;
+    int rc;
+
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "matches() takes 2 arguments (%zd given)", nargs);
+        goto cleanup;
+    }
+    call_args = args[0];
+    call_kwargs = args[1];
+    if (!PyTuple_Check(call_args) ||
+        (call_kwargs != Py_None && !PyDict_Check(call_kwargs))) {
+        PyErr_SetString(PyExc_TypeError, "matches(args, kwargs): a tuple and a dict");
+        goto cleanup;
+    }
+    n = PyTuple_GET_SIZE(call_args);
+    if (call_kwargs != Py_None)
+        nkw = PyDict_GET_SIZE(call_kwargs);
+    stack = PyMem_Malloc(sizeof(PyObject *) * (size_t)(n + nkw + 1));
+    if (stack == NULL) {
+        PyErr_NoMemory();
+        goto cleanup;
+    }
+    for (i = 0; i < n; i++)
+        stack[i] = PyTuple_GET_ITEM(call_args, i);
+    if (nkw > 0) {
+        if ((kwnames = PyTuple_New(nkw)) == NULL)
+            goto cleanup;
+        /* items are held by kwnames and the tuple, so the dict may change below */
+        for (i = 0; PyDict_Next(call_kwargs, &pos, &key, &value) && i < nkw; i++) {
+            Py_INCREF(key);
+            PyTuple_SET_ITEM(kwnames, i, key);
+            stack[n + i] = value;
+        }
+    }
+    for (i = n; i < n + nkw; i++)
+        Py_INCREF(stack[i]);
+    rc = tt_signature_match(self, stack, n, kwnames);
+    for (i = n; i < n + nkw; i++)
+        Py_DECREF(stack[i]);
+    if (rc < 0)
+        goto cleanup;
+    result = PyBool_FromLong(rc);
+cleanup:
+    PyMem_Free(stack);
+    Py_XDECREF(kwnames);
+    return result;
+}
+
+static PyObject *
+tt_signature_repr(TtSignature *self)
+{
+    return PyUnicode_FromFormat("<%s nargs=%zd kwargs=%R>", Py_TYPE(self)->tp_name,
+                                self->nargs,
+                                self->kwnames != NULL ? self->kwnames : Py_None);
+}
+
+static PyMethodDef tt_signature_methods[] = {
+    {"matches", (PyCFunction)(void (*)(void))tt_signature_matches, METH_FASTCALL,
+     "matches(args, kwargs) -> bool: whether a call with these arguments fits."},
+    {NULL, NULL, 0, NULL}};
+
+static PyType_Slot tt_signature_slots[] = {
+    {Py_tp_doc, "Signature(args, kwargs, dynamic=None)\n\n"
+                "What one call looked like: positional count, keyword names (matched as\n"
+                "a set), and per argument a tensor's dtype, device and shape, or a plain\n"
+                "value (same type and ==). Tuples and lists are followed one level.\n"
+                "dynamic[i]: axes of argument i (positional, then keyword in kwargs\n"
+                "order) that match any size; for a tuple/list, of every tensor in it."},
+    {Py_tp_new, tt_signature_new},
+    {Py_tp_dealloc, tt_signature_dealloc},
+    {Py_tp_traverse, tt_signature_traverse},
+    {Py_tp_clear, tt_signature_clear},
+    {Py_tp_repr, tt_signature_repr},
+    {Py_tp_methods, tt_signature_methods},
+    {0, NULL}};
+
+static PyType_Spec tt_signature_spec = {
+    .name = "torch_tweak._C.Signature",
+    .basicsize = sizeof(TtSignature),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .slots = tt_signature_slots,
+};
+
+/* =========================================================== Dispatcher */
+
+enum { TT_MODE_ORIGINAL = 0, TT_MODE_ACTIVE = 1, TT_MODE_RECORD = 2 };
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *original;  /* NULL until _tt_bind */
+    PyObject *recorder;  /* NULL when none */
+    /* A tuple of (signature or None, backend, cacheable) tuples. cacheable: no
+     * earlier entry can match a call this one matches, so trying it first
+     * keeps first-match semantics. Replaced whole, never mutated: a call holds
+     * a reference while it walks, so a backend may set new entries. */
+    PyObject *entries;
+    Py_ssize_t last;     /* index of the last matching entry */
+    int mode;
+    unsigned long long calls;
+    unsigned long long fallbacks;
+} TtDispatcher;
+
+/* 1 and *backend (borrowed from entries, which the caller holds) when an entry
+ * fits; 0 when none does; -1 on error. */
+static int
+tt_dispatcher_find(TtDispatcher *self, PyObject *entries, PyObject *const *args,
+                   Py_ssize_t nargs, PyObject *kwnames, PyObject **backend)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(entries);
+    Py_ssize_t tried = self->last, i;
+    PyObject *entry, *sig; /* borrowed */
+    int rc = 0;
+
+    if (TT_LIKELY(tried < n)) {
+        entry = PyTuple_GET_ITEM(entries, tried);
+        if (PyTuple_GET_ITEM(entry, 2) == Py_True) {
+            sig = PyTuple_GET_ITEM(entry, 0);
+            rc = sig == Py_None ? 1 : tt_signature_match((TtSignature *)sig, args, nargs, kwnames);
+            if (TT_LIKELY(rc == 1)) {
+                *backend = PyTuple_GET_ITEM(entry, 1);
+                goto cleanup;
+            }
+            if (rc < 0)
+                goto cleanup;
+        }
+        else {
+            tried = -1;
+        }
+    }
+    for (i = 0; i < n; i++) {
+        if (i == tried)
+            continue;
+        entry = PyTuple_GET_ITEM(entries, i);
+        sig = PyTuple_GET_ITEM(entry, 0);
+        rc = sig == Py_None ? 1 : tt_signature_match((TtSignature *)sig, args, nargs, kwnames);
+        if (rc == 1) {
+            *backend = PyTuple_GET_ITEM(entry, 1);
+            self->last = i;
+            goto cleanup;
+        }
+        if (rc < 0)
+            goto cleanup;
+    }
+    rc = 0;
+cleanup:
+    return rc;
+}
+
+static PyObject *
+tt_dispatcher_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                         PyObject *kwnames)
+{
+    TtDispatcher *self = (TtDispatcher *)callable;
+    PyObject *entries = NULL; /* held while walking, see TtDispatcher.entries */
+    PyObject *target = NULL;  /* new reference */
+    PyObject *result = NULL;
+    int found;
+
+    self->calls++;
+    if (TT_LIKELY(self->mode == TT_MODE_ACTIVE)) {
+        entries = self->entries;
+        Py_INCREF(entries);
+        found = tt_dispatcher_find(self, entries, args, PyVectorcall_NARGS(nargsf), kwnames,
+                                   &target);
+        if (TT_UNLIKELY(found < 0))
+            goto cleanup;
+        if (TT_UNLIKELY(!found)) {
+            self->fallbacks++;
+            target = self->original;
+        }
+    }
+    else {
+        target = self->mode == TT_MODE_RECORD ? self->recorder : self->original;
+    }
+    if (TT_UNLIKELY(target == NULL)) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        self->mode == TT_MODE_RECORD
+                            ? "Dispatcher in record mode has no recorder (_tt_set_recorder)"
+                            : "Dispatcher has no original module (_tt_bind)");
+        goto cleanup;
+    }
+    Py_INCREF(target);
+    /* the caller's args, offset flag included, go through untouched */
+    result = PyObject_Vectorcall(target, args, nargsf, kwnames);
+    Py_DECREF(target);
+cleanup:
+    Py_XDECREF(entries);
+    return result;
+}
+
+static PyObject *
+tt_dispatcher_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    TtDispatcher *self;
+
+    (void)args;
+    (void)kwargs; /* they are the subclass's __init__'s */
+    self = (TtDispatcher *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        goto error;
+    self->vectorcall = tt_dispatcher_vectorcall;
+    if ((self->entries = PyTuple_New(0)) == NULL)
+        goto error;
+    self->mode = TT_MODE_ORIGINAL;
+    return (PyObject *)self;
+error:
+    Py_XDECREF(self);
+    return NULL;
+}
+
+static int
+tt_dispatcher_traverse(TtDispatcher *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->original);
+    Py_VISIT(self->recorder);
+    Py_VISIT(self->entries);
+    return 0;
+}
+
+static int
+tt_dispatcher_clear(TtDispatcher *self)
+{
+    Py_CLEAR(self->original);
+    Py_CLEAR(self->recorder);
+    Py_CLEAR(self->entries);
+    /* a call after clear (from a finalizer) falls back and finds no original */
+    self->mode = TT_MODE_ORIGINAL;
+    return 0;
+}
+
+static void
+tt_dispatcher_dealloc(TtDispatcher *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+
+    PyObject_GC_UnTrack(self);
+    tt_dispatcher_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyObject *
+tt_dispatcher_bind(TtDispatcher *self, PyObject *original)
+{
+    if (!PyCallable_Check(original)) {
+        PyErr_Format(PyExc_TypeError, "_tt_bind: the original must be callable, not %.100s",
+                     Py_TYPE(original)->tp_name);
+        return NULL;
+    }
+    Py_INCREF(original);
+    Py_XSETREF(self->original, original);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+tt_dispatcher_set_recorder(TtDispatcher *self, PyObject *recorder)
+{
+    if (recorder != Py_None && !PyCallable_Check(recorder)) {
+        PyErr_Format(PyExc_TypeError,
+                     "_tt_set_recorder: the recorder must be callable or None, not %.100s",
+                     Py_TYPE(recorder)->tp_name);
+        return NULL;
+    }
+    if (recorder == Py_None) {
+        Py_CLEAR(self->recorder);
+    }
+    else {
+        Py_INCREF(recorder);
+        Py_XSETREF(self->recorder, recorder);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+tt_dispatcher_set_entries(TtDispatcher *self, PyObject *arg)
+{
+    TtState *st = tt_state_from_type(Py_TYPE(self)); /* borrowed */
+    PyObject *seq = NULL;     /* new reference */
+    PyObject *entries = NULL; /* new reference */
+    PyObject *result = NULL;
+    Py_ssize_t i, j, n;
+
+    if (st == NULL)
+        goto cleanup;
+    seq = PySequence_Fast(arg, "_tt_set_entries: entries must be a sequence");
+    if (seq == NULL)
+        goto cleanup;
+    n = PySequence_Fast_GET_SIZE(seq);
+    if ((entries = PyTuple_New(n)) == NULL)
+        goto cleanup;
+    for (i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i); /* borrowed */
+        PyObject *sig, *backend;                           /* borrowed */
+        PyObject *entry;
+        int cacheable = 1;
+
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+            PyErr_Format(PyExc_TypeError,
+                         "_tt_set_entries: entry %zd must be a (signature or None, backend) tuple",
+                         i);
+            goto cleanup;
+        }
+        sig = PyTuple_GET_ITEM(item, 0);
+        backend = PyTuple_GET_ITEM(item, 1);
+        if (sig != Py_None && !PyObject_TypeCheck(sig, st->SignatureType)) {
+            PyErr_Format(PyExc_TypeError,
+                         "_tt_set_entries: entry %zd: the signature must be a Signature or "
+                         "None, not %.100s", i, Py_TYPE(sig)->tp_name);
+            goto cleanup;
+        }
+        if (!PyCallable_Check(backend)) {
+            PyErr_Format(PyExc_TypeError,
+                         "_tt_set_entries: entry %zd: the backend must be callable, not %.100s",
+                         i, Py_TYPE(backend)->tp_name);
+            goto cleanup;
+        }
+        for (j = 0; j < i && cacheable; j++) {
+            PyObject *earlier = PyTuple_GET_ITEM(PyTuple_GET_ITEM(entries, j), 0);
+            if (earlier == Py_None || sig == Py_None ||
+                tt_signature_overlap((TtSignature *)earlier, (TtSignature *)sig))
+                cacheable = 0;
+        }
+        entry = PyTuple_Pack(3, sig, backend, cacheable ? Py_True : Py_False);
+        if (entry == NULL)
+            goto cleanup;
+        PyTuple_SET_ITEM(entries, i, entry);
+    }
+    Py_XSETREF(self->entries, entries);
+    entries = NULL;
+    self->last = 0;
+    result = Py_None;
+    Py_INCREF(result);
+cleanup:
+    Py_XDECREF(seq);
+    Py_XDECREF(entries);
+    return result;
+}
+
+static PyObject *
+tt_dispatcher_get_mode(TtDispatcher *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromLong(self->mode);
+}
+
+static int
+tt_dispatcher_set_mode(TtDispatcher *self, PyObject *value, void *closure)
+{
+    long mode;
+
+    (void)closure;
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "_tt_mode cannot be deleted");
+        return -1;
+    }
+    mode = PyLong_AsLong(value);
+    if (mode == -1 && PyErr_Occurred())
+        return -1;
+    if (mode < TT_MODE_ORIGINAL || mode > TT_MODE_RECORD) {
+        PyErr_Format(PyExc_ValueError,
+                     "_tt_mode must be 0 (original), 1 (active) or 2 (record), not %ld", mode);
+        return -1;
+    }
+    self->mode = (int)mode;
+    return 0;
+}
+
+static PyObject *
+tt_dispatcher_get_original(TtDispatcher *self, void *closure)
+{
+    PyObject *original = self->original != NULL ? self->original : Py_None;
+
+    (void)closure;
+    Py_INCREF(original);
+    return original;
+}
+
+/* The entries as given: a list of (signature or None, backend). New reference. */
+static PyObject *
+tt_dispatcher_get_entries(TtDispatcher *self, void *closure)
+{
+    PyObject *entries = self->entries; /* borrowed */
+    PyObject *list = NULL;
+    Py_ssize_t i, n;
+
+    (void)closure;
+    n = entries != NULL ? PyTuple_GET_SIZE(entries) : 0;
+    if ((list = PyList_New(n)) == NULL)
+        goto error;
+    for (i = 0; i < n; i++) {
+        PyObject *entry = PyTuple_GET_ITEM(entries, i);
+        PyObject *pair = PyTuple_Pack(2, PyTuple_GET_ITEM(entry, 0), PyTuple_GET_ITEM(entry, 1));
+        if (pair == NULL)
+            goto error;
+        PyList_SET_ITEM(list, i, pair);
+    }
+    return list;
+error:
+    Py_XDECREF(list);
+    return NULL;
+}
+
+static PyObject *
+tt_dispatcher_get_calls(TtDispatcher *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromUnsignedLongLong(self->calls);
+}
+
+static PyObject *
+tt_dispatcher_get_fallbacks(TtDispatcher *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromUnsignedLongLong(self->fallbacks);
+}
+
+static PyGetSetDef tt_dispatcher_getset[] = {
+    {"_tt_mode", (getter)tt_dispatcher_get_mode, (setter)tt_dispatcher_set_mode,
+     "0 original, 1 active (backends by signature), 2 record.", NULL},
+    {"_tt_original", (getter)tt_dispatcher_get_original, NULL,
+     "The original module (None before _tt_bind); read-only.", NULL},
+    {"_tt_entries", (getter)tt_dispatcher_get_entries, NULL,
+     "A list of (signature or None, backend), as set.", NULL},
+    {"_tt_calls", (getter)tt_dispatcher_get_calls, NULL,
+     "Calls of this dispatcher, in every mode.", NULL},
+    {"_tt_fallbacks", (getter)tt_dispatcher_get_fallbacks, NULL,
+     "Calls in active mode that no entry matched, so the original ran.", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyMethodDef tt_dispatcher_methods[] = {
+    {"_tt_bind", (PyCFunction)tt_dispatcher_bind, METH_O,
+     "_tt_bind(original): the callable for mode 0 and for fallbacks."},
+    {"_tt_set_entries", (PyCFunction)tt_dispatcher_set_entries, METH_O,
+     "_tt_set_entries([(signature or None, backend), ...])"},
+    {"_tt_set_recorder", (PyCFunction)tt_dispatcher_set_recorder, METH_O,
+     "_tt_set_recorder(recorder or None): the callable for mode 2."},
+    {NULL, NULL, 0, NULL}};
+
+static PyMemberDef tt_dispatcher_members[] = {
+    {"__vectorcalloffset__", Py_T_PYSSIZET, offsetof(TtDispatcher, vectorcall), Py_READONLY,
+     NULL},
+    {NULL, 0, 0, 0, NULL}};
+
+static PyType_Slot tt_dispatcher_slots[] = {
+    {Py_tp_doc, "Base type of torch_tweak.TunedModule: its __call__ is the per-call path\n"
+                "of a tuned module (vectorcall). Mode 0 calls the original, mode 1 the\n"
+                "backend of the first entry whose signature fits (None fits every call)\n"
+                "or else the original (counted in _tt_fallbacks), mode 2 the recorder."},
+    {Py_tp_new, tt_dispatcher_new},
+    {Py_tp_dealloc, tt_dispatcher_dealloc},
+    {Py_tp_traverse, tt_dispatcher_traverse},
+    {Py_tp_clear, tt_dispatcher_clear},
+    {Py_tp_call, PyVectorcall_Call},
+    {Py_tp_methods, tt_dispatcher_methods},
+    {Py_tp_getset, tt_dispatcher_getset},
+    {Py_tp_members, tt_dispatcher_members},
+    {0, NULL}};
+
+static PyType_Spec tt_dispatcher_spec = {
+    .name = "torch_tweak._C.Dispatcher",
+    .basicsize = sizeof(TtDispatcher),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC |
+             Py_TPFLAGS_HAVE_VECTORCALL,
+    .slots = tt_dispatcher_slots,
+};
+
+/* ============================================================== module */
+
+PyObject *
+tt_py_enable_vectorcall(PyObject *module, PyObject *cls)
+{
+    TtState *st = (TtState *)PyModule_GetState(module);
+    PyTypeObject *tp, *base;
+
+    if (!PyType_Check(cls) ||
+        !PyType_IsSubtype((PyTypeObject *)cls, st->DispatcherType)) {
+        PyErr_SetString(PyExc_TypeError, "enable_vectorcall: cls must be a subclass of Dispatcher");
+        return NULL;
+    }
+    tp = (PyTypeObject *)cls;
+    base = st->DispatcherType;
+    if (tp->tp_flags & Py_TPFLAGS_HAVE_VECTORCALL)
+        Py_RETURN_TRUE;
+    /* Only when cls's __call__ is still ours: a subclass that overrides
+     * __call__ must go through it. */
+    if (tp->tp_call != base->tp_call || tp->tp_vectorcall_offset != base->tp_vectorcall_offset)
+        Py_RETURN_FALSE;
+    tp->tp_flags |= Py_TPFLAGS_HAVE_VECTORCALL;
+    Py_RETURN_TRUE;
+}
+
+int
+tt_dispatch_exec(PyObject *module, TtState *st)
+{
+    int rc = -1;
+
+    st->SignatureType =
+        (PyTypeObject *)PyType_FromModuleAndSpec(module, &tt_signature_spec, NULL);
+    if (st->SignatureType == NULL)
+        goto error;
+    if (PyModule_AddObjectRef(module, "Signature", (PyObject *)st->SignatureType) < 0)
+        goto error;
+    st->DispatcherType =
+        (PyTypeObject *)PyType_FromModuleAndSpec(module, &tt_dispatcher_spec, NULL);
+    if (st->DispatcherType == NULL)
+        goto error;
+    if (PyModule_AddObjectRef(module, "Dispatcher", (PyObject *)st->DispatcherType) < 0)
+        goto error;
+    rc = 0;
+error:
+    return rc;
+}

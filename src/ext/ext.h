@@ -1,0 +1,81 @@
+/*
+ * ext.h - internals shared by the files of torch_tweak._C.
+ *
+ * module.c   module definition, per-module state, helpers shared by the rest
+ * bindings.c the engine's bindings: Tree, Result, measure, compare, choose, tweak
+ * dispatch.c the per-call path of a tuned module: Signature and Dispatcher
+ *
+ * Every name here carries the prefix tt_ (TT_ for macros); structs are CamelCase.
+ */
+#ifndef TT_EXT_H
+#define TT_EXT_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+#include "tweak.h"
+
+#if PY_VERSION_HEX < 0x030C0000
+/* 3.12 moved the member types into Python.h under new names. */
+#define Py_T_PYSSIZET T_PYSSIZET
+#define Py_READONLY READONLY
+#endif
+
+#if defined(__GNUC__) || defined(__clang__)
+#define TT_LIKELY(x) __builtin_expect(!!(x), 1)
+#define TT_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#else
+#define TT_LIKELY(x) (x)
+#define TT_UNLIKELY(x) (x)
+#endif
+
+/* What one module object owns. Strings are interned at module exec so that
+ * attribute lookups on the hot path hit the type's method cache. */
+typedef struct TtState {
+    PyObject *EngineError;        /* torch_tweak._C.EngineError(RuntimeError) */
+    PyTypeObject *TreeType;
+    PyTypeObject *ResultType;
+    PyTypeObject *SignatureType;
+    PyTypeObject *DispatcherType;
+    PyTypeObject *tensor_type;    /* torch.Tensor; NULL until first needed */
+    PyObject *str_dtype;
+    PyObject *str_shape;
+    PyObject *str_device;
+    PyObject *str_name;           /* "__name__" */
+    PyObject *str_tensor;         /* "Tensor" */
+    PyObject *str_torch;          /* "torch" */
+} TtState;
+
+extern PyModuleDef tt_module_def;
+
+/* The state of the module that owns type `tp` or one of its bases (a Python
+ * subclass of Dispatcher has no module of its own). Borrowed; NULL with an
+ * exception set when none is found. */
+TtState *tt_state_from_type(PyTypeObject *tp);
+
+/* torch.Tensor, looked up in sys.modules the first time it is needed. Borrowed;
+ * NULL without an exception when torch is not imported (then nothing can be a
+ * tensor); NULL with an exception when the lookup itself failed. */
+PyTypeObject *tt_state_tensor_type(TtState *st);
+
+/* The exception being raised, normalized with its traceback attached, cleared
+ * from the thread state. New reference; NULL when none is set. */
+PyObject *tt_exception_fetch(void);
+/* Raises `exc` again, stealing the reference. */
+void tt_exception_restore(PyObject *exc);
+
+/* Adds Tree and Result to the module and fills their slots in st. -1 on error. */
+int tt_bindings_exec(PyObject *module, TtState *st);
+/* Adds Signature and Dispatcher. -1 on error. */
+int tt_dispatch_exec(PyObject *module, TtState *st);
+
+/* Module-level functions; METH_VARARGS | METH_KEYWORDS unless said otherwise. */
+PyObject *tt_py_default_measure_config(PyObject *module, PyObject *unused);
+PyObject *tt_py_measure(PyObject *module, PyObject *args, PyObject *kwargs);
+PyObject *tt_py_compare(PyObject *module, PyObject *args, PyObject *kwargs);
+PyObject *tt_py_choose(PyObject *module, PyObject *args, PyObject *kwargs);
+PyObject *tt_py_tweak(PyObject *module, PyObject *args, PyObject *kwargs);
+PyObject *tt_py_enable_vectorcall(PyObject *module, PyObject *cls); /* METH_O */
+
+#endif /* TT_EXT_H */

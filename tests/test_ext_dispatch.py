@@ -1,0 +1,440 @@
+"""torch_tweak._C.Dispatcher and Signature: the per-call path of a tuned module."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from torch_tweak import _C
+
+VECTORCALL_FLAG = 1 << 11  # Py_TPFLAGS_HAVE_VECTORCALL
+
+
+class Wrapped(_C.Dispatcher, nn.Module):
+    """Shaped like torch_tweak.TunedModule: Dispatcher first in the MRO."""
+
+    def __init__(self, module: nn.Module) -> None:
+        nn.Module.__init__(self)
+        self.inner = module  # a registered child: state_dict, .to(), named_modules see it
+        self._tt_bind(module)
+        _C.enable_vectorcall(type(self))
+
+
+def sig(*args, dynamic=None, **kwargs):
+    return _C.Signature(args, kwargs, dynamic)
+
+
+def counting(result="backend"):
+    calls = []
+
+    def backend(*args, **kwargs):
+        calls.append((args, kwargs))
+        return result
+
+    return backend, calls
+
+
+# ----------------------------------------------------------- nn.Module subclass
+
+
+def test_subclass_is_a_working_nn_module():
+    lin = nn.Linear(4, 3)
+    w = Wrapped(lin)
+    assert set(w.state_dict()) == {"inner.weight", "inner.bias"}
+    assert [name for name, _ in w.named_modules()] == ["", "inner"]
+    w.to(torch.float64)
+    assert lin.weight.dtype is torch.float64
+    assert w._tt_original is lin
+    x = torch.randn(2, 4, dtype=torch.float64)
+    assert torch.equal(w(x), lin(x))
+
+
+def test_dispatcher_call_wins_the_mro_over_nn_module_call():
+    assert Wrapped.__call__ is _C.Dispatcher.__call__
+    w = Wrapped(nn.Identity())
+    hooked = []
+    w.register_forward_pre_hook(lambda *a: hooked.append(a))
+    backend, calls = counting()
+    w._tt_set_entries([(None, backend)])
+    w._tt_mode = 1
+    assert w(torch.ones(1)) == "backend"
+    assert len(calls) == 1 and w._tt_calls == 1
+    assert hooked == []  # nn.Module.__call__ (which runs hooks) never ran
+
+
+def test_vectorcall_flag_is_set_on_the_subclass():
+    assert _C.Dispatcher.__flags__ & VECTORCALL_FLAG
+    assert Wrapped.__flags__ & VECTORCALL_FLAG
+    assert _C.enable_vectorcall(Wrapped) is True
+
+
+def test_enable_vectorcall_refuses_a_subclass_with_its_own_call():
+    class Own(_C.Dispatcher):
+        def __call__(self, *args):
+            return "own"
+
+    assert _C.enable_vectorcall(Own) is False
+    assert not Own.__flags__ & VECTORCALL_FLAG
+    assert Own()(1) == "own"
+    with pytest.raises(TypeError):
+        _C.enable_vectorcall(nn.Module)
+    with pytest.raises(TypeError):
+        _C.enable_vectorcall(3)
+
+
+def test_attributes_through_nn_module_setattr():
+    w = Wrapped(nn.Identity())
+    w._tt_mode = 2
+    assert w._tt_mode == 2 and "_tt_mode" not in w.__dict__
+    with pytest.raises(ValueError, match="_tt_mode"):
+        w._tt_mode = 3
+    bound = w._tt_original
+    with pytest.raises(AttributeError):
+        w._tt_original = print  # not a Module: object.__setattr__ meets the read-only getset
+    # a Module goes to nn.Module's child registry, which is why _tt_bind exists
+    w._tt_original = nn.ReLU()
+    assert w._tt_original is bound and isinstance(w._modules["_tt_original"], nn.ReLU)
+    with pytest.raises(AttributeError):
+        w._tt_calls = 5
+
+
+def test_unbound_dispatcher_says_so():
+    d = _C.Dispatcher()
+    assert d._tt_original is None
+    with pytest.raises(RuntimeError, match="_tt_bind"):
+        d(1)
+    with pytest.raises(TypeError):
+        d._tt_bind(42)
+
+
+# ------------------------------------------------------------------------ modes
+
+
+def test_mode_0_calls_the_original_with_args_and_kwargs():
+    original, calls = counting("original")
+    backend, bcalls = counting()
+    d = _C.Dispatcher()
+    d._tt_bind(original)
+    d._tt_set_entries([(None, backend)])
+    assert d(1, 2, key="v") == "original"
+    assert calls == [((1, 2), {"key": "v"})] and bcalls == []
+    assert d._tt_calls == 1 and d._tt_fallbacks == 0
+
+
+def test_mode_1_with_a_catch_all_entry_calls_the_backend():
+    original, calls = counting("original")
+    backend, bcalls = counting()
+    d = _C.Dispatcher()
+    d._tt_bind(original)
+    d._tt_set_entries([(None, backend)])
+    d._tt_mode = 1
+    assert d(torch.ones(2), flag=True) == "backend"
+    assert calls == [] and len(bcalls) == 1 and bcalls[0][1] == {"flag": True}
+
+
+def test_mode_1_without_entries_falls_back():
+    original, calls = counting("original")
+    d = _C.Dispatcher()
+    d._tt_bind(original)
+    d._tt_mode = 1
+    assert d(1) == "original"
+    assert d._tt_fallbacks == 1 and d._tt_calls == 1
+
+
+def test_mode_2_calls_the_recorder():
+    original, calls = counting("original")
+    recorder, rcalls = counting("recorded")
+    d = _C.Dispatcher()
+    d._tt_bind(original)
+    d._tt_mode = 2
+    with pytest.raises(RuntimeError, match="recorder"):
+        d(1)
+    d._tt_set_recorder(recorder)
+    assert d(1, a=2) == "recorded"
+    assert rcalls == [((1,), {"a": 2})] and calls == []
+    d._tt_set_recorder(None)
+    with pytest.raises(RuntimeError, match="recorder"):
+        d(1)
+    with pytest.raises(TypeError):
+        d._tt_set_recorder(5)
+
+
+def test_entries_are_validated_and_read_back():
+    d = _C.Dispatcher()
+    s = sig(torch.ones(2))
+    backend, _ = counting()
+    d._tt_set_entries([(s, backend), (None, backend)])
+    entries = d._tt_entries
+    assert entries == [(s, backend), (None, backend)]
+    with pytest.raises(TypeError, match="Signature"):
+        d._tt_set_entries([("nope", backend)])
+    with pytest.raises(TypeError, match="callable"):
+        d._tt_set_entries([(None, 3)])
+    with pytest.raises(TypeError):
+        d._tt_set_entries([(None,)])
+    assert d._tt_entries == entries  # a failed set leaves the entries as they were
+
+
+# -------------------------------------------------------------------- signature
+
+
+def active(entries, original=None):
+    if original is None:
+        original, _ = counting("original")
+    d = _C.Dispatcher()
+    d._tt_bind(original)
+    d._tt_set_entries(entries)
+    d._tt_mode = 1
+    return d
+
+
+def test_signature_shape_dtype_and_count():
+    x = torch.ones(2, 3)
+    backend, _ = counting()
+    d = active([(sig(x), backend)])
+    assert d(torch.zeros(2, 3)) == "backend"
+    assert d(torch.zeros(2, 4)) == "original"          # shape
+    assert d(torch.zeros(2, 3, 1)) == "original"       # rank
+    assert d(torch.zeros(2, 3, dtype=torch.float64)) == "original"  # dtype
+    assert d(torch.zeros(2, 3), torch.zeros(2, 3)) == "original"    # argument count
+    assert d() == "original"
+    assert d(x.tolist()) == "original"                 # not a tensor
+    assert d._tt_calls == 7 and d._tt_fallbacks == 6
+
+
+def test_signature_device():
+    backend, _ = counting()
+    d = active([(sig(torch.ones(2)), backend)])
+    assert d(torch.empty(2, device="meta")) == "original"
+    assert d(torch.empty(2)) == "backend"
+
+
+def test_signature_keyword_names_match_as_a_set():
+    backend, _ = counting()
+    d = active([(sig(torch.ones(2), mask=torch.ones(2, dtype=torch.bool), scale=2), backend)])
+    m = torch.zeros(2, dtype=torch.bool)
+    assert d(torch.ones(2), mask=m, scale=2) == "backend"
+    assert d(torch.ones(2), scale=2, mask=m) == "backend"
+    assert d(torch.ones(2), mask=m) == "original"             # one missing
+    assert d(torch.ones(2), mask=m, scale=2, extra=1) == "original"
+    assert d(torch.ones(2), mask=m, scales=2) == "original"   # another name
+    assert d(torch.ones(2), m, scale=2) == "original"         # positional instead
+    assert d(torch.ones(2), mask=m, scale=3) == "original"    # another value
+
+
+def test_signature_plain_values_need_the_same_type():
+    backend, _ = counting()
+    d = active([(sig(torch.ones(1), 1, "relu", None), backend)])
+    t = torch.ones(1)
+    assert d(t, 1, "relu", None) == "backend"
+    assert d(t, 2, "relu", None) == "original"
+    assert d(t, True, "relu", None) == "original"
+    assert d(t, 1.0, "relu", None) == "original"
+    assert d(t, 1, "gelu", None) == "original"
+    assert d(t, 1, "relu", 0) == "original"
+
+
+def test_signature_follows_tuples_and_lists_one_level():
+    backend, _ = counting()
+    d = active([(sig((torch.ones(2), 3), [torch.ones(1)]), backend)])
+    assert d((torch.zeros(2), 3), [torch.zeros(1)]) == "backend"
+    assert d((torch.zeros(3), 3), [torch.zeros(1)]) == "original"
+    assert d((torch.zeros(2), 4), [torch.zeros(1)]) == "original"
+    assert d([torch.zeros(2), 3], [torch.zeros(1)]) == "original"   # list, not tuple
+    assert d((torch.zeros(2), 3, 4), [torch.zeros(1)]) == "original"
+    assert d((torch.zeros(2), 3), [torch.zeros(1, dtype=torch.int64)]) == "original"
+
+
+def test_signature_dynamic_axes():
+    backend, _ = counting()
+    s = sig(torch.ones(4, 8), (torch.ones(4, 2),), dynamic=[[0], [-2]])
+    d = active([(s, backend)])
+    assert d(torch.ones(1, 8), (torch.ones(7, 2),)) == "backend"
+    assert d(torch.ones(100, 8), (torch.ones(4, 2),)) == "backend"
+    assert d(torch.ones(4, 9), (torch.ones(4, 2),)) == "original"
+    assert d(torch.ones(4, 8), (torch.ones(4, 3),)) == "original"
+    assert d(torch.ones(4), (torch.ones(4, 2),)) == "original"
+
+
+def test_signature_dynamic_keyword_axis():
+    s = _C.Signature((torch.ones(2),), {"mask": torch.ones(2, 5)}, [None, [1]])
+    assert s.matches((torch.ones(2),), {"mask": torch.ones(2, 9)})
+    assert not s.matches((torch.ones(2),), {"mask": torch.ones(3, 9)})
+    assert not s.matches((torch.ones(3),), {"mask": torch.ones(2, 5)})
+
+
+def test_signature_construction_errors():
+    with pytest.raises(ValueError, match="out of range"):
+        sig(torch.ones(2, 3), dynamic=[[2]])
+    with pytest.raises(ValueError, match="not a tensor"):
+        sig(3, dynamic=[[0]])
+    with pytest.raises(ValueError, match="entries"):
+        sig(torch.ones(2), dynamic=[[0], [0]])
+    with pytest.raises(TypeError):
+        _C.Signature([1], {})
+    with pytest.raises(TypeError):
+        _C.Signature((1,), [])
+
+
+def test_signature_matches_uses_the_dict_api():
+    s = sig(torch.ones(2), 5, k="x")
+    assert s.matches((torch.zeros(2), 5), {"k": "x"}) is True
+    assert s.matches((torch.zeros(2), 5), {"k": "y"}) is False
+    assert s.matches((torch.zeros(2), 5), {}) is False
+    assert sig().matches((), {}) is True
+    assert sig().matches((), None) is True
+    assert "nargs=3" not in repr(s) and "nargs=2" in repr(s)
+
+
+def test_a_comparison_that_raises_is_a_mismatch():
+    class Touchy:
+        def __eq__(self, other):
+            raise ValueError("no comparing")
+
+        __hash__ = object.__hash__
+
+    a = Touchy()
+    backend, _ = counting()
+    d = active([(sig(a), backend)])
+    assert d(a) == "backend"          # identity first, no __eq__
+    assert d(Touchy()) == "original"  # __eq__ raised: a mismatch, not an error
+    assert d._tt_fallbacks == 1
+
+
+def test_a_base_exception_from_matching_propagates():
+    class Stop:
+        def __eq__(self, other):
+            raise KeyboardInterrupt
+
+        __hash__ = object.__hash__
+
+    d = active([(sig(Stop()), counting()[0])])
+    with pytest.raises(KeyboardInterrupt):
+        d(Stop())
+
+
+# ---------------------------------------------------- entry order and the cache
+
+
+def test_first_match_wins_even_after_the_cache_saw_a_later_entry():
+    a, acalls = counting("a")
+    b, bcalls = counting("b")
+    d = active([(sig(torch.ones(2)), a), (None, b)])
+    assert d(torch.ones(2)) == "a"
+    assert d(torch.ones(3)) == "b"   # caches entry 1, which matches everything
+    assert d(torch.ones(2)) == "a"   # still the first matching entry
+    assert d._tt_fallbacks == 0
+
+
+def test_disjoint_entries_alternate():
+    a, _ = counting("a")
+    b, _ = counting("b")
+    d = active([(sig(torch.ones(4)), a), (sig(torch.ones(8)), b)])
+    for _ in range(3):
+        assert d(torch.ones(8)) == "b"
+        assert d(torch.ones(4)) == "a"
+    assert d(torch.ones(5)) == "original"
+    assert d._tt_fallbacks == 1
+
+
+def test_overlapping_dynamic_entries_keep_first_match():
+    a, _ = counting("a")
+    b, _ = counting("b")
+    wide = sig(torch.ones(4, 8), dynamic=[[0]])
+    narrow = sig(torch.ones(2, 8))
+    d = active([(narrow, a), (wide, b)])
+    assert d(torch.ones(3, 8)) == "b"
+    assert d(torch.ones(2, 8)) == "a"  # the narrow entry is first, though b matched last
+
+
+def test_a_backend_may_replace_the_entries_during_its_call():
+    d = _C.Dispatcher()
+    d._tt_bind(lambda *a: "original")
+    second, _ = counting("second")
+
+    def first(x):
+        d._tt_set_entries([(None, second)])
+        return "first"
+
+    d._tt_set_entries([(None, first)])
+    d._tt_mode = 1
+    assert d(1) == "first"
+    assert d(1) == "second"
+
+
+# ----------------------------------------------------- errors and reference counts
+
+
+def test_exceptions_from_the_backend_propagate_unchanged():
+    error = ValueError("backend broke")
+
+    def backend(x):
+        raise error
+
+    d = active([(None, backend)])
+    with pytest.raises(ValueError) as info:
+        d(1)
+    assert info.value is error
+    d._tt_set_entries([(None, lambda x: (_ for _ in ()).throw(KeyboardInterrupt()))])
+    with pytest.raises(KeyboardInterrupt):
+        d(1)
+
+
+def test_reference_counts_do_not_move():
+    x = torch.ones(2, 3)
+    mask = torch.ones(3)
+    value = object()
+    backend = lambda *a, **k: None  # noqa: E731
+    original = lambda *a, **k: None  # noqa: E731
+    recorder = lambda *a, **k: None  # noqa: E731
+    s = sig(x, value, mask=mask)
+    d = active([(s, backend)], original)
+    d._tt_set_recorder(recorder)
+    watched = [x, mask, value, backend, original, recorder, s, torch.float32]
+
+    def counts():
+        return [sys.getrefcount(o) for o in watched]
+
+    for mode in (0, 1, 2):
+        d._tt_mode = mode
+        d(x, value, mask=mask)
+        before = counts()
+        for _ in range(2000):
+            d(x, value, mask=mask)      # a match (mode 1)
+            d(x, 7, mask=mask)          # a fallback (mode 1)
+            d(x, value, maks=mask)
+        assert counts() == before, f"mode {mode}"
+    assert d._tt_calls == 3 * 6001
+    assert d._tt_fallbacks == 2 * 2000  # two of the three calls in mode 1
+
+
+def test_cycles_through_the_original_are_collected():
+    class Holder(nn.Module):
+        pass
+
+    inner = Holder()
+    w = Wrapped(inner)
+    inner.back = [w]  # a cycle: w -> inner -> w, also through the dispatcher's own slot
+    w._tt_set_entries([(None, inner)])
+    w._tt_set_recorder(inner)
+    ref = weakref.ref(w)
+    del w, inner
+    gc.collect()
+    assert ref() is None
+
+
+def test_signature_values_take_part_in_gc():
+    class Node:
+        pass
+
+    node = Node()
+    node.sig = sig(node)
+    ref = weakref.ref(node)
+    del node
+    gc.collect()
+    assert ref() is None
