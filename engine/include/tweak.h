@@ -64,7 +64,9 @@ void tw_free(void *ptr);
 
 /* What the engine needs from its host. A NULL host, or NULL members, take the
  * defaults: a monotonic clock, malloc/free, and no logging. Tests inject a fake
- * clock here so that every decision is deterministic. */
+ * clock here so that every decision is deterministic. alloc and release are a
+ * pair: unless both are set, both take the defaults. A string from a
+ * tw_*_format call remembers its host's release, so tw_free needs no host. */
 typedef struct tw_host {
     void *ctx;
     uint64_t (*now_ns)(void *ctx);              /* monotonic nanoseconds */
@@ -89,7 +91,8 @@ void tw_tree_destroy(tw_tree *tree);
  * time_ns: the total time spent inside it (0 when unknown). Paths must be
  * unique; the root "" must be added (in any order). Returns the node's index
  * (0, 1, 2... in the order of adding) in *index (may be NULL).
- * TW_EINVAL on a NULL or duplicate path, TW_ESTATE after tw_tree_finish. */
+ * TW_EINVAL on a NULL or duplicate path, or one with an empty name ("a..b",
+ * ".a", "a."), TW_ESTATE after tw_tree_finish. */
 tw_code tw_tree_add(tw_tree *tree, const char *path, uint64_t calls,
                     uint64_t time_ns, size_t *index, tw_error *err);
 
@@ -153,7 +156,9 @@ typedef struct tw_runner {
  *    rel_spread, or after rounds_max rounds.
  * 3. The statistic is the median of the measured rounds.
  * time_cap_ns bounds warm-up plus measurement (0: no cap); the cap is checked
- * between rounds, so at least one measured round is always taken. */
+ * between rounds, so at least one measured round is always taken.
+ * A median of 0 (a clock too coarse to see a call) has spread 0 when every
+ * round read the same, else an infinite spread. */
 typedef struct tw_measure_config {
     uint32_t warmup_min;
     uint32_t warmup_max;
@@ -196,7 +201,9 @@ tw_code tw_measure(const tw_host *host, const tw_runner *runner,
 /* Measures n runners side by side: each is warmed up on its own, then the
  * measured rounds are interleaved (A, B, C, A, B, C...) so clock drift falls
  * on all alike. It stops when every runner's spread is at most rel_spread
- * (after rounds_min) or after rounds_max; the time cap is n * time_cap_ns.
+ * (after rounds_min) or after rounds_max; the time cap is n * time_cap_ns,
+ * counted from the call's start, and each runner's warm-up alone is bounded
+ * by time_cap_ns so that the first cannot use up the others' share.
  * out[0..n) receives each runner's statistics. n == 0 is TW_EINVAL. */
 tw_code tw_measure_compare(const tw_host *host, const tw_runner *runners, size_t n,
                            const tw_measure_config *cfg, tw_stats *out, tw_error *err);
@@ -261,7 +268,11 @@ const char *tw_strategy_name(tw_strategy_kind kind);
  * leave(): unwrap the entered cut, leaving the model as it was.
  * model: runs the whole model on the dataset (used for every measurement).
  * On TW_EINTERRUPT from any callback the engine calls leave() (if a cut is
- * entered) and returns TW_EINTERRUPT at once. */
+ * entered) and returns TW_EINTERRUPT at once.
+ * leave() follows every enter(), even one that failed, so the host can undo a
+ * partial wrap. enter() or activate() failing skips that depth with its error.
+ * leave() failing ends the tweak with its code: the engine cannot know what
+ * state the model is in. */
 typedef struct tw_tweak_ops {
     void *ctx;
     tw_code (*enter)(void *ctx, const size_t *nodes, const int *tune, size_t n,
@@ -301,8 +312,14 @@ typedef struct tw_result tw_result;
  * (1 + tie_tolerance)). When no depth is faster, nothing is selected and the
  * model stays untuned. The selected cut is entered and activated again at the
  * end (modules are not tuned again) and stays so.
- * A dry run computes the rows with their module counts and calls nothing.
- * On success *out owns a new result (free with tw_result_destroy). */
+ * A dry run computes the rows with their module counts and calls nothing;
+ * ops may be NULL then. A depth not started for the budget still reports its
+ * modules, and as failed those that failed at a shallower depth.
+ * When entering or activating the selected cut again fails, leave() is called
+ * and that code is returned: the model stays as it was, untuned.
+ * On success *out owns a new result (free with tw_result_destroy); on any
+ * failure *out is NULL and the model is as it was before the call (as far as
+ * leave() could restore it). */
 tw_code tw_tweak_run(const tw_host *host, const tw_tree *tree,
                      const tw_tweak_config *cfg, const tw_tweak_ops *ops,
                      tw_result **out, tw_error *err);

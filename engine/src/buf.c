@@ -62,6 +62,7 @@ void tw_buf_appendf(tw_buf *buf, const char *fmt, ...)
     va_list ap;
     int n;
 
+    /* measure first, then write: a va_list cannot be read twice */
     va_start(ap, fmt);
     n = vsnprintf(NULL, 0, fmt, ap);
     va_end(ap);

@@ -16,6 +16,7 @@ tw_result *tw_result_create(const tw_host *host, size_t rows, size_t modules)
     if (result == NULL) {
         goto error;
     }
+    /* zeroed first, so that destroy can run on a half-built result */
     memset(result, 0, sizeof *result);
     result->host = *host;
     result->selected = -1;
@@ -27,6 +28,7 @@ tw_result *tw_result_create(const tw_host *host, size_t rows, size_t modules)
     }
     result->row_count = rows;
     result->module_count = modules;
+    /* row.error points into its own entry: rows never move after this */
     for (i = 0; i < rows; i++) {
         memset(&result->rows[i], 0, sizeof result->rows[i]);
         result->rows[i].row.error = result->rows[i].error;
@@ -71,6 +73,7 @@ tw_code tw_result_set_module_error(tw_result *result, size_t node, const char *m
                                    tw_error *err)
 {
     tw_code rc = TW_OK;
+    /* a copy: the callback's error slot is reused by the next call */
     char *copy = tw_host_strdup(&result->host, msg);
 
     if (copy == NULL) {
@@ -142,6 +145,8 @@ int tw_result_module(const tw_result *result, size_t node, const char **error)
 
 /* ------------------------------------------------------------------ table */
 
+/* Fixed columns: marker, depth, modules, failed, latency, speedup; the status
+ * comes last because it is the only field of unbounded length. */
 #define TW_TABLE_ROW "%-2s%7s  %7s  %6s  %10s  %7s"
 
 static void tw_format_latency(char *out, size_t size, const tw_stats *stats, int valid)
@@ -176,6 +181,7 @@ static void tw_format_depth_row(tw_buf *buf, const tw_result *result, size_t i)
 
     snprintf(depth, sizeof depth, "%d", row->depth);
     snprintf(modules, sizeof modules, "%zu", row->modules);
+    /* a dry run tunes nothing, so no module can have failed yet */
     if (row->state == TW_ROW_DRY) {
         snprintf(failed, sizeof failed, "-");
     } else {
@@ -246,6 +252,7 @@ char *tw_result_format(const tw_result *result, tw_error *err)
     tw_format_latency(latency, sizeof latency, &result->baseline, result->baseline_measured);
     tw_format_speedup(speedup, sizeof speedup, result, &result->baseline,
                       result->baseline_measured);
+    /* the untuned model wraps nothing: its module columns stay empty */
     tw_buf_appendf(&buf, TW_TABLE_ROW "%s\n", "", "untuned", "-", "-", latency, speedup,
                    result->baseline_measured ? "" : "  not measured");
     tw_format_summary(&buf, result);

@@ -23,6 +23,8 @@ static const char *tw_candidate_label(const tw_candidate *cand)
     return cand->name != NULL ? cand->name : "(unnamed)";
 }
 
+/* The report keeps its own copy: the user reads it after every callback
+ * error slot is gone. */
 static void tw_mark_failed(tw_candidate_report *report, const tw_error *cause)
 {
     report->state = TW_CAND_FAILED;
@@ -95,6 +97,8 @@ static tw_code tw_choose_fastest(const tw_host *host, const tw_candidate *cands,
     int built;
     tw_error cause;
 
+    /* Allocated before any build, so running out of memory never strands
+     * a built backend halfway through the rule. */
     runners = tw_host_alloc_array(host, n, sizeof *runners);
     stats = tw_host_alloc_array(host, n, sizeof *stats);
     which = tw_host_alloc_array(host, n, sizeof *which);
@@ -124,6 +128,7 @@ static tw_code tw_choose_fastest(const tw_host *host, const tw_candidate *cands,
             goto cleanup;
         }
         tw_mark_failed(&reports[which[failed]], &cause);
+        /* keep the order: ties go to the earlier candidate */
         memmove(which + failed, which + failed + 1, (count - failed - 1) * sizeof *which);
         count--;
         rc = TW_OK;
@@ -191,6 +196,8 @@ tw_code tw_strategy_choose(const tw_host *host, tw_strategy_kind kind,
         tw_measure_config_default(&defaults);
         cfg = &defaults;
     }
+    /* Everything is checked before the first build: a bad argument must
+     * not cost the user a compile. */
     rc = tw_check_candidates(kind, candidates, n, cfg, chosen, reports, err);
     if (rc != TW_OK) {
         goto cleanup;

@@ -34,6 +34,8 @@ typedef struct fake_model {
     uint64_t base_second;             /* untuned latency after */
     tw_code enter_rc;
     tw_code activate_rc;
+    int activate_fail_at;             /* this activate (1, 2...) fails; 0: none */
+    tw_code leave_rc;
     tw_code baseline_rc;
     /* what happened */
     int tune_calls[MAX_NODES];
@@ -112,6 +114,9 @@ static inline tw_code model_activate(void *ctx, tw_error *err)
     CHECK(m->entered);
     m->activates++;
     log_event(m, "A ");
+    if (m->activate_fail_at == m->activates) {
+        return tw_error_set(err, TW_ECALLBACK, "activate %d broke", m->activates);
+    }
     if (m->activate_rc != TW_OK) {
         return tw_error_set(err, m->activate_rc, "cannot activate depth %d", m->depth);
     }
@@ -123,12 +128,14 @@ static inline tw_code model_leave(void *ctx, tw_error *err)
 {
     fake_model *m = ctx;
 
-    (void)err;
     CHECK(m->entered);
     m->leaves++;
     m->entered = 0;
     m->active = 0;
     log_event(m, "L ");
+    if (m->leave_rc != TW_OK) {
+        return tw_error_set(err, m->leave_rc, "cannot unwrap");
+    }
     return TW_OK;
 }
 

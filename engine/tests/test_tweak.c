@@ -301,6 +301,43 @@ static void test_dry_run(void)
     fake_model_teardown(&m, result);
 }
 
+/* Applying the selected cut again fails: the model is left untuned. */
+static void test_apply_fails(void)
+{
+    fake_model m;
+    tw_tweak_config cfg = fake_model_config();
+    tw_result *result = NULL;
+    tw_error err;
+
+    fake_model_setup(&m);
+    m.activate_fail_at = 4; /* depths 0, 1, 2, then the selected one */
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, &err), TW_ECALLBACK);
+    CHECK(result == NULL);
+    CHECK_STR(err.msg, "applying the selected depth 2 failed: activate 4 broke");
+    CHECK(!m.entered);
+    CHECK_INT(m.enters, 4);
+    CHECK_INT(m.leaves, 4);
+    fake_model_teardown(&m, NULL);
+}
+
+/* leave() failing ends the tweak: the engine cannot tell the model's state. */
+static void test_leave_fails(void)
+{
+    fake_model m;
+    tw_tweak_config cfg = fake_model_config();
+    tw_result *result = NULL;
+    tw_error err;
+
+    fake_model_setup(&m);
+    m.leave_rc = TW_ECALLBACK;
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, &err), TW_ECALLBACK);
+    CHECK(result == NULL);
+    CHECK_STR(err.msg, "leaving the cut at depth 0 failed: cannot unwrap");
+    CHECK_INT(m.enters, 1);
+    CHECK_INT(m.leaves, 1);
+    fake_model_teardown(&m, NULL);
+}
+
 /* TW_EINTERRUPT from tune: leave, then return at once with no result. */
 static void test_interrupt(void)
 {
@@ -407,6 +444,15 @@ static void test_depth_range(void)
     CHECK_INT(fake_model_row(result, 0).depth, 1);
     CHECK_INT(m.tune_calls[ROOT], 0);
     fake_model_teardown(&m, result);
+
+    /* past the deepest, repeated cuts make no rows */
+    fake_model_setup(&m);
+    cfg.min_depth = 0;
+    cfg.max_depth = 6;
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
+    CHECK_INT(tw_result_row_count(result), 3);
+    CHECK_INT(fake_model_row(result, 2).depth, 2);
+    fake_model_teardown(&m, result);
 }
 
 int main(void)
@@ -422,6 +468,8 @@ int main(void)
     test_enter_activate_fail();
     test_time_budget();
     test_dry_run();
+    test_apply_fails();
+    test_leave_fails();
     test_interrupt();
     test_baseline_fails();
     test_invalid();
