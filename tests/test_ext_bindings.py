@@ -1,0 +1,438 @@
+"""torch_tweak._C's engine bindings: Tree, measure, compare, choose, tweak, Result.
+
+Every measurement runs on a fake clock: a run callback advances a counter that
+the clock reads, so latencies, and every decision made on them, are exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from torch_tweak import _C
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0
+        self.reads = 0
+
+    def __call__(self) -> int:
+        self.reads += 1
+        return self.now
+
+    def runner(self, cost_ns):
+        """run(i) that takes cost_ns (an int, or a function of i)."""
+
+        def run(i: int) -> None:
+            self.now += cost_ns(i) if callable(cost_ns) else cost_ns
+
+        return run
+
+
+# ------------------------------------------------------------------------- Tree
+
+MODULES = [("", 1, 1000), ("enc", 2, 600), ("enc.0", 2, 300), ("enc.1", 2, 250), ("head", 1, 100)]
+
+
+def test_tree_queries():
+    t = _C.Tree(MODULES)
+    assert len(t) == 5
+    assert t.max_depth == 2
+    assert [t.path(i) for i in range(5)] == ["", "enc", "enc.0", "enc.1", "head"]
+    assert [t.depth(i) for i in range(5)] == [0, 1, 2, 2, 1]
+    assert [t.parent(i) for i in range(5)] == [-1, 0, 1, 1, 0]
+    assert [t.child_count(i) for i in range(5)] == [2, 2, 0, 0, 0]
+    assert t.calls(1) == 2 and t.time_ns(3) == 250
+    assert t.find("enc.1") == 3 and t.find("nope") == -1 and t.find("") == 0
+    assert t.cut(0) == [0]
+    assert t.cut(1) == [1, 4]
+    assert t.cut(2) == [2, 3, 4]  # head has no children: it stays in deeper cuts
+    assert t.distinct_depths() == [0, 1, 2]
+    assert t.distinct_depths(1) == [1, 2]
+    assert t.distinct_depths(0, 1) == [0, 1]
+    text = t.format()
+    assert "enc.0" in text and "head" in text
+
+
+def test_tree_root_may_come_in_any_order_and_containers_add_no_level():
+    t = _C.Tree([("blocks.0", 1, 0), ("", 1, 0), ("blocks.1", 1, 0)])
+    assert t.parent(0) == 1 and t.depth(0) == 1 and t.max_depth == 1
+
+
+def test_tree_errors():
+    with pytest.raises(ValueError, match="modules\\[1\\]"):
+        _C.Tree([("", 1, 0), ("", 1, 0)])
+    with pytest.raises(ValueError):
+        _C.Tree([("a", 1, 0)])  # no root
+    with pytest.raises(TypeError, match="modules\\[0\\]"):
+        _C.Tree([("", 1)])
+    with pytest.raises(ValueError, match="calls"):
+        _C.Tree([("", -1, 0)])
+    with pytest.raises(ValueError, match="time_ns"):
+        _C.Tree([("", 1, 1.5)])
+    with pytest.raises(ValueError, match="NUL"):
+        _C.Tree([("", 1, 0), ("a\0b", 1, 0)])
+    t = _C.Tree(MODULES)
+    with pytest.raises(IndexError):
+        t.path(5)
+    with pytest.raises(IndexError):
+        t.depth(-1)
+    with pytest.raises(ValueError):
+        t.cut(-1)
+    with pytest.raises(ValueError):
+        t.distinct_depths(2, 1)
+
+
+# ---------------------------------------------------------------------- measure
+
+
+def test_default_measure_config():
+    cfg = _C.default_measure_config()
+    assert cfg == {"warmup_min": 2, "warmup_max": 20, "warmup_patience": 2, "warmup_gain": 0.02,
+                   "rounds_min": 5, "rounds_max": 50, "rel_spread": 0.05, "time_cap": 5.0}
+
+
+def test_measure_on_a_fake_clock():
+    clock = FakeClock()
+    samples = []
+    run = clock.runner(lambda i: samples.append(i) or 1000 * (i + 1))
+    stats = _C.measure(run, 2, clock=clock)
+    # mean per call of a round: (1000 + 2000) / 2, every round alike
+    assert stats["median_ns"] == 1500.0 and stats["min_ns"] == 1500.0
+    assert stats["spread"] == 0.0 and stats["stopped_by"] == "spread"
+    assert stats["rounds"] == 5  # rounds_min, since the spread is 0 at once
+    assert 2 <= stats["warmup_rounds"] <= 20
+    assert set(samples) == {0, 1}
+    assert len(samples) == 2 * (stats["rounds"] + stats["warmup_rounds"])
+    assert set(stats) == {"median_ns", "q25_ns", "q75_ns", "min_ns", "spread", "warmup_rounds",
+                          "rounds", "stopped_by"}
+
+
+def test_measure_calls_sync_around_every_run():
+    clock = FakeClock()
+    events = []
+    run = clock.runner(lambda i: events.append("run") or 10)
+    _C.measure(run, 1, clock=clock, sync=lambda: events.append("sync"),
+               config={"warmup_min": 0, "warmup_max": 0, "rounds_min": 1, "rounds_max": 1})
+    assert events == ["sync", "run", "sync"]
+
+
+def test_measure_stop_rules_follow_the_config():
+    clock = FakeClock()
+    rounds = {"n": 0}
+
+    def noisy(i):  # alternating rounds of 1 us and 3 us: the spread never settles
+        rounds["n"] += 1
+        return 1000 if rounds["n"] % 2 else 3000
+
+    stats = _C.measure(clock.runner(noisy), 1, clock=clock,
+                       config={"warmup_min": 0, "warmup_max": 0, "rounds_min": 3, "rounds_max": 7})
+    assert stats["stopped_by"] == "rounds" and stats["rounds"] == 7 and stats["warmup_rounds"] == 0
+    stats = _C.measure(clock.runner(noisy), 1, clock=clock,
+                       config={"warmup_min": 0, "warmup_max": 0, "rounds_min": 3, "rounds_max": 50,
+                               "time_cap": 10e-6})  # 10 us: a handful of rounds
+    assert stats["stopped_by"] == "time" and stats["rounds"] < 50
+
+
+def test_measure_config_errors():
+    clock = FakeClock()
+    run = clock.runner(1)
+    with pytest.raises(ValueError, match="rounds_mni"):
+        _C.measure(run, 1, clock=clock, config={"rounds_mni": 3})
+    with pytest.raises(ValueError, match="rounds_min"):
+        _C.measure(run, 1, clock=clock, config={"rounds_min": "3"})
+    with pytest.raises(ValueError, match="warmup_max"):
+        _C.measure(run, 1, clock=clock, config={"warmup_max": -1})
+    with pytest.raises(ValueError, match="rel_spread"):
+        _C.measure(run, 1, clock=clock, config={"rel_spread": float("nan")})
+    with pytest.raises(ValueError, match="time_cap"):
+        _C.measure(run, 1, clock=clock, config={"time_cap": -1.0})
+    with pytest.raises(ValueError):  # the engine's own check
+        _C.measure(run, 1, clock=clock, config={"rounds_min": 9, "rounds_max": 3})
+    with pytest.raises(ValueError):
+        _C.measure(run, 0, clock=clock)
+    with pytest.raises(ValueError, match="n_samples"):
+        _C.measure(run, -1, clock=clock)
+    with pytest.raises(TypeError, match="config"):
+        _C.measure(run, 1, clock=clock, config=[("rounds_min", 1)])
+    with pytest.raises(TypeError, match="run"):
+        _C.measure(None, 1)
+    with pytest.raises(TypeError, match="clock"):
+        _C.measure(run, 1, clock=5)
+    assert clock.now == 0  # nothing ran
+
+
+def test_measure_callback_error_becomes_engine_error_with_cause():
+    error = ValueError("boom")
+
+    def run(i):
+        raise error
+
+    with pytest.raises(_C.EngineError, match="ValueError: boom") as info:
+        _C.measure(run, 1, clock=FakeClock())
+    assert isinstance(info.value, RuntimeError)
+    assert info.value.__cause__ is error
+
+
+def test_measure_interrupt_propagates_unchanged():
+    interrupt = KeyboardInterrupt("stop")
+    clock = FakeClock()
+    calls = []
+
+    def run(i):
+        calls.append(i)
+        if len(calls) == 3:
+            raise interrupt
+        clock.now += 5
+
+    with pytest.raises(KeyboardInterrupt) as info:
+        _C.measure(run, 1, clock=clock)
+    assert info.value is interrupt
+    assert len(calls) == 3  # the engine stopped at once
+
+
+def test_measure_bad_clock_stops_the_measurement():
+    with pytest.raises(TypeError, match="clock\\(\\) must return an int"):
+        _C.measure(lambda i: None, 1, clock=lambda: "now")
+
+    def stop():
+        raise SystemExit(3)
+
+    with pytest.raises(SystemExit):
+        _C.measure(lambda i: None, 1, clock=stop)
+
+
+def test_measure_without_a_clock_uses_the_real_one():
+    stats = _C.measure(lambda i: None, 1, config={"rounds_min": 1, "rounds_max": 2})
+    assert stats["median_ns"] >= 0 and 1 <= stats["rounds"] <= 2
+
+
+# ---------------------------------------------------------------------- compare
+
+
+def test_compare_interleaves_and_reports_each():
+    clock = FakeClock()
+    order = []
+    runs = [clock.runner(lambda i, k=k: order.append(k) or (k + 1) * 1000) for k in range(3)]
+    stats = _C.compare(runs, 1, clock=clock)
+    assert [s["median_ns"] for s in stats] == [1000.0, 2000.0, 3000.0]
+    assert order[-3:] == [0, 1, 2]  # the measured rounds go A, B, C
+    with pytest.raises(ValueError):
+        _C.compare([], 1, clock=clock)
+    with pytest.raises(TypeError):
+        _C.compare([clock.runner(1), 3], 1, clock=clock)
+
+
+# ----------------------------------------------------------------------- choose
+
+
+def test_choose_highest_throughput():
+    clock = FakeClock()
+    built = []
+
+    def build(name, fail=False):
+        def b():
+            built.append(name)
+            if fail:
+                raise RuntimeError(f"{name} does not build")
+
+        return b
+
+    cands = [("slow", build("slow"), clock.runner(3000)),
+             ("broken", build("broken", True), clock.runner(1)),
+             ("fast", build("fast"), clock.runner(1000))]
+    winner, reports = _C.choose("highest-throughput", cands, 2, clock=clock)
+    assert winner == 2
+    assert built == ["slow", "broken", "fast"]
+    assert [r["name"] for r in reports] == ["slow", "broken", "fast"]
+    assert [r["state"] for r in reports] == ["measured", "failed", "measured"]
+    assert "RuntimeError: broken does not build" in reports[1]["error"]
+    assert reports[1]["stats"] is None and reports[0]["error"] == ""
+    assert reports[0]["stats"]["median_ns"] == 3000.0 and reports[2]["stats"]["median_ns"] == 1000.0
+
+
+def test_choose_first_wins_and_one_backend():
+    clock = FakeClock()
+
+    def fails():
+        raise ValueError("no")
+
+    cands = [("a", fails, clock.runner(1)), ("b", lambda: None, clock.runner(1)),
+             ("c", lambda: None, clock.runner(1))]
+    winner, reports = _C.choose("first-wins", cands, 1, clock=clock)
+    assert winner == 1
+    assert [r["state"] for r in reports] == ["failed", "built", "not tried"]
+    winner, reports = _C.choose("one-backend", cands[:1], 1, clock=clock)
+    assert winner == -1 and reports[0]["state"] == "failed"
+    with pytest.raises(ValueError):
+        _C.choose("one-backend", cands, 1, clock=clock)
+    with pytest.raises(ValueError, match="fastest"):
+        _C.choose("fastest", cands, 1, clock=clock)
+    with pytest.raises(TypeError, match="candidates\\[0\\]"):
+        _C.choose("first-wins", [("a", fails)], 1, clock=clock)
+
+
+def test_choose_interrupt_from_build_propagates():
+    def build():
+        raise KeyboardInterrupt
+
+    later = []
+    cands = [("a", build, lambda i: None), ("b", lambda: later.append(1), lambda i: None)]
+    with pytest.raises(KeyboardInterrupt):
+        _C.choose("highest-throughput", cands, 1, clock=FakeClock())
+    assert later == []
+
+
+# ------------------------------------------------------------------------ tweak
+
+# root "" -> enc -> enc.0, enc.1 ; root -> head.  Cuts: depth 0 [root], 1 [enc, head], 2 [enc.0, enc.1, head]
+TREE_MODULES = MODULES
+
+
+class FakeModel:
+    """The host side of a tweak: which cut is entered, which modules are tuned
+    and active, and a model whose latency depends on that."""
+
+    def __init__(self, clock, latency, fail=(), interrupt=None):
+        self.clock = clock
+        self.latency = latency            # frozenset(active nodes) -> ns; default: untuned
+        self.fail = set(fail)             # nodes whose tune raises ValueError
+        self.interrupt = interrupt        # node whose tune raises KeyboardInterrupt
+        self.entered = None
+        self.active = False
+        self.tuned = set()
+        self.log = []
+
+    def enter(self, nodes, tune):
+        assert self.entered is None, "enter without leave"
+        assert all(isinstance(t, bool) for t in tune)
+        self.log.append(("enter", tuple(nodes), tuple(tune)))
+        self.entered = list(nodes)
+
+    def tune(self, node):
+        self.log.append(("tune", node))
+        if node == self.interrupt:
+            raise KeyboardInterrupt("tune interrupted")
+        if node in self.fail:
+            raise ValueError(f"node {node} does not tune")
+        self.tuned.add(node)
+
+    def activate(self):
+        self.log.append(("activate",))
+        self.active = True
+
+    def leave(self):
+        self.log.append(("leave",))
+        self.entered = None
+        self.active = False
+
+    def run(self, i):
+        on = frozenset(n for n in (self.entered or []) if self.active and n in self.tuned)
+        self.clock.now += self.latency.get(on, 1000)
+
+    def kwargs(self, **extra):
+        return dict(enter=self.enter, tune=self.tune, activate=self.activate, leave=self.leave,
+                    run=self.run, n_samples=2, clock=self.clock, **extra)
+
+
+def test_tweak_selects_the_shallowest_depth_within_the_tolerance():
+    clock = FakeClock()
+    model = FakeModel(clock, {frozenset([0]): 900, frozenset([1, 4]): 600, frozenset([2, 3, 4]): 590})
+    result = _C.tweak(_C.Tree(TREE_MODULES), **model.kwargs(max_depth=-1))
+    rows = result.rows
+    assert [r["depth"] for r in rows] == [0, 1, 2]
+    assert [r["modules"] for r in rows] == [1, 2, 3]
+    assert [r["state"] for r in rows] == ["measured"] * 3
+    assert [r["stats"]["median_ns"] for r in rows] == [900.0, 600.0, 590.0]
+    assert result.selected == 1  # 600 is within 2 % of 590 and shallower
+    assert result.baseline["median_ns"] == 1000.0
+    # every node tuned once over the whole tweak; head reused at depth 2
+    assert sorted(e[1] for e in model.log if e[0] == "tune") == [0, 1, 2, 3, 4]
+    assert ("enter", (2, 3, 4), (True, True, False)) in model.log
+    # the selected cut stays entered and active at the end
+    assert model.entered == [1, 4] and model.active
+    assert [result.module(i)[0] for i in range(5)] == [1, 1, 1, 1, 1]
+    assert str(result) == result.format() and "enc" not in "" and len(result.format()) > 0
+    with pytest.raises(IndexError):
+        result.module(5)
+    with pytest.raises(TypeError):
+        _C.Result()
+
+
+def test_tweak_with_no_faster_depth_keeps_the_model_untuned():
+    clock = FakeClock()
+    model = FakeModel(clock, {frozenset([1, 4]): 1200})
+    result = _C.tweak(_C.Tree(TREE_MODULES), **model.kwargs(min_depth=1, max_depth=1))
+    assert result.selected == -1
+    assert model.entered is None
+    assert model.log.count(("leave",)) == sum(1 for e in model.log if e[0] == "enter")
+
+
+def test_tweak_skips_a_depth_where_every_module_fails():
+    clock = FakeClock()
+    model = FakeModel(clock, {frozenset([1, 4]): 500}, fail={2, 3, 4})
+    # head (4) fails at depth 1 too: depth 1 keeps enc tuned only
+    model.latency[frozenset([1])] = 700
+    result = _C.tweak(_C.Tree(TREE_MODULES), **model.kwargs(min_depth=1, max_depth=2))
+    rows = result.rows
+    assert rows[0]["state"] == "measured" and rows[0]["failed"] == 1
+    assert rows[1]["state"] == "skipped" and rows[1]["failed"] == 3
+    assert "ValueError: node 2 does not tune" in rows[1]["error"]
+    assert rows[1]["stats"] is None
+    assert result.selected == 0
+    state, error = result.module(2)
+    assert state == -1 and "ValueError: node 2 does not tune" in error
+    assert result.module(1) == (1, "")
+    assert result.module(0)[0] == 0  # the root was never in a cut
+
+
+def test_tweak_interrupt_propagates_and_leaves():
+    clock = FakeClock()
+    model = FakeModel(clock, {}, interrupt=2)
+    with pytest.raises(KeyboardInterrupt, match="tune interrupted"):
+        _C.tweak(_C.Tree(TREE_MODULES), **model.kwargs(min_depth=2, max_depth=2))
+    assert model.log[-1] == ("leave",)
+    assert model.entered is None
+    assert ("tune", 3) not in model.log  # nothing ran after the interrupt but leave
+
+
+def test_tweak_dry_run_calls_nothing():
+    clock = FakeClock()
+    model = FakeModel(clock, {})
+    result = _C.tweak(_C.Tree(TREE_MODULES), **model.kwargs(dry_run=True, max_depth=-1))
+    assert [r["state"] for r in result.rows] == ["dry"] * 3
+    assert [r["modules"] for r in result.rows] == [1, 2, 3]
+    assert result.baseline is None and result.selected == -1
+    assert model.log == [] and clock.now == 0
+
+
+def test_tweak_time_budget():
+    clock = FakeClock()
+    model = FakeModel(clock, {frozenset([0]): 10})
+    result = _C.tweak(_C.Tree(TREE_MODULES), **model.kwargs(time_budget=1e-9, max_depth=-1))
+    assert [r["state"] for r in result.rows] == ["budget"] * 3
+    assert result.rows[0]["error"] == "time budget used up"
+    assert result.selected == -1 and result.baseline is not None
+    with pytest.raises(ValueError, match="time_budget"):
+        _C.tweak(_C.Tree(TREE_MODULES), **model.kwargs(time_budget=0))
+
+
+def test_tweak_argument_errors():
+    clock = FakeClock()
+    model = FakeModel(clock, {})
+    tree = _C.Tree(TREE_MODULES)
+    kwargs = model.kwargs()
+    del kwargs["leave"]
+    with pytest.raises(TypeError, match="leave"):
+        _C.tweak(tree, **kwargs)
+    with pytest.raises(TypeError, match="Tree"):
+        _C.tweak(TREE_MODULES, **model.kwargs())
+    with pytest.raises(ValueError, match="min_depth"):
+        _C.tweak(tree, **model.kwargs(min_depth=-1))
+    with pytest.raises(ValueError, match="tie_tolerance"):
+        _C.tweak(tree, **model.kwargs(tie_tolerance=-0.5))
+    with pytest.raises(ValueError, match="rounds_max"):
+        _C.tweak(tree, **model.kwargs(config={"rounds_max": "x"}))
+    with pytest.raises(TypeError, match="tune"):
+        _C.tweak(tree, **{**model.kwargs(), "tune": 3})
+    assert model.log == []
