@@ -94,7 +94,7 @@ def tune_wrapper(wrapper: TunedModule, strategy: Strategy, device: torch.device,
         wrapper._tt_set_entries([])
         reasons = "; ".join(f"{r['backend']}: {r['error'] or r['state']}" for r in wrapper.tt_report)
         wrapper.tt_error = f"no backend passed ({reasons})"
-        raise TuneError(wrapper.tt_error)
+        raise TuneError(f"{name}: {wrapper.tt_error}")
     chosen = backends[index]
     wrapper.tt_backend = chosen
     wrapper.tt_error = ""
