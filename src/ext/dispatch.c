@@ -357,6 +357,13 @@ cleanup:
     return rc;
 }
 
+/* tt_signature_match for the other files of the extension (ext.h). */
+int
+tt_signature_fits(PyObject *sig, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    return tt_signature_match((TtSignature *)sig, args, nargs, kwnames);
+}
+
 /* Whether some call could fit both specs (1) or surely not (0). Used once per
  * _tt_set_entries, so it may be slow; when unsure it says 1. */
 static int

@@ -4,6 +4,7 @@
  * module.c   module definition, per-module state, helpers shared by the rest
  * bindings.c the engine's bindings: Tree, Result, measure, compare, choose, tweak
  * dispatch.c the per-call path of a tuned module: Signature and Dispatcher
+ * graph.c    the replay path of the device-graph backend: GraphReplay
  *
  * Every name here carries the prefix tt_ (TT_ for macros); structs are CamelCase.
  */
@@ -69,6 +70,11 @@ void tt_exception_restore(PyObject *exc);
 int tt_bindings_exec(PyObject *module, TtState *st);
 /* Adds Signature and Dispatcher. -1 on error. */
 int tt_dispatch_exec(PyObject *module, TtState *st);
+/* 1 when `sig` (a Signature, unchecked) fits the call given in vectorcall
+ * layout, 0 when not, -1 on a BaseException that is not an Exception. */
+int tt_signature_fits(PyObject *sig, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+/* Adds GraphReplay, the device-graph replay path (graph.c). -1 on error. */
+int tt_graph_exec(PyObject *module);
 
 /* Module-level functions; METH_VARARGS | METH_KEYWORDS unless said otherwise. */
 PyObject *tt_py_default_measure_config(PyObject *module, PyObject *unused);

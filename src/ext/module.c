@@ -151,6 +151,8 @@ tt_module_exec(PyObject *module)
         goto error;
     if (tt_dispatch_exec(module, st) < 0)
         goto error;
+    if (tt_graph_exec(module) < 0)
+        goto error;
     rc = 0;
 error:
     return rc;

@@ -1,0 +1,1122 @@
+/*
+ * graph.c - the replay path of the device-graph backend: GraphReplay.
+ *
+ * A GraphReplay holds one recorded device graph and the static tensors it
+ * reads and writes. A call checks that its arguments fit the recording (the
+ * dispatcher's Signature), copies each input tensor into its static buffer,
+ * launches the graph on the current stream and returns copies of the static
+ * outputs; a call that does not fit runs the original module instead.
+ *
+ * Two ways to launch:
+ * - driver: the CUDA driver, reached through dlopen("libcuda.so.1") the first
+ *   time a GraphReplay needs it, so the build needs no CUDA headers and the
+ *   package imports without a GPU. Copies are cuMemcpyDtoDAsync and the launch
+ *   cuGraphLaunch, both on torch's current stream of the graph's device.
+ * - callable: a Python replay() (an XPU graph, or a torch without the raw exec
+ *   handle); copies and output copies are then torch's copy_ and clone.
+ *
+ * Outputs are always fresh tensors (a copy of each static output, made on the
+ * current stream after the launch), so no later call can overwrite a tensor
+ * the caller holds: the static outputs never leave this object.
+ */
+#include "ext.h"
+
+#include <dlfcn.h>
+#include <string.h>
+
+/* ======================================================== CUDA driver */
+
+/* The few driver types and entry points used here, declared by hand: their
+ * ABI is fixed since CUDA 4 (the _v2 names since 4.0/7.0). */
+typedef int TtCuResult; /* CUresult; 0 is CUDA_SUCCESS */
+typedef int TtCuDevice;
+typedef struct TtCuCtx *TtCuContext;
+typedef struct TtCuStream *TtCuStream;
+typedef struct TtCuGraphExec *TtCuGraphExec;
+typedef struct TtCuEvent *TtCuEvent;
+typedef unsigned long long TtCuDevicePtr;
+
+#define TT_CU_EVENT_DISABLE_TIMING 0x2u
+
+typedef struct TtCuda {
+    int tried;        /* dlopen attempted */
+    const char *error; /* static message when unusable; NULL when ready */
+    void *lib;
+    TtCuResult (*Init)(unsigned int);
+    TtCuResult (*DeviceGet)(TtCuDevice *, int);
+    TtCuResult (*DevicePrimaryCtxRetain)(TtCuContext *, TtCuDevice);
+    TtCuResult (*DevicePrimaryCtxRelease)(TtCuDevice);
+    TtCuResult (*CtxGetCurrent)(TtCuContext *);
+    TtCuResult (*CtxPushCurrent)(TtCuContext);
+    TtCuResult (*CtxPopCurrent)(TtCuContext *);
+    TtCuResult (*MemcpyDtoDAsync)(TtCuDevicePtr, TtCuDevicePtr, size_t, TtCuStream);
+    TtCuResult (*GraphLaunch)(TtCuGraphExec, TtCuStream);
+    TtCuResult (*EventCreate)(TtCuEvent *, unsigned int);
+    TtCuResult (*EventDestroy)(TtCuEvent);
+    TtCuResult (*EventRecord)(TtCuEvent, TtCuStream);
+    TtCuResult (*StreamWaitEvent)(TtCuStream, TtCuEvent, unsigned int);
+    TtCuResult (*StreamSynchronize)(TtCuStream);
+    TtCuResult (*GetErrorName)(TtCuResult, const char **);
+    TtCuResult (*GetErrorString)(TtCuResult, const char **);
+} TtCuda;
+
+/* Process-wide: the driver library is loaded once and never unloaded (torch
+ * keeps it loaded too). Written only with the GIL held. */
+static TtCuda tt_cuda;
+
+/* The first of `names` that the library exports, or NULL. */
+static void *
+tt_cuda_symbol(void *lib, const char *const *names)
+{
+    void *fn = NULL;
+
+    for (; *names != NULL && fn == NULL; names++)
+        fn = dlsym(lib, *names);
+    return fn;
+}
+
+/* Loads the driver the first time; NULL when it is ready, else why not. */
+static const char *
+tt_cuda_load(void)
+{
+    static const char *const n_init[] = {"cuInit", NULL};
+    static const char *const n_dev[] = {"cuDeviceGet", NULL};
+    static const char *const n_retain[] = {"cuDevicePrimaryCtxRetain", NULL};
+    static const char *const n_release[] = {"cuDevicePrimaryCtxRelease_v2",
+                                            "cuDevicePrimaryCtxRelease", NULL};
+    static const char *const n_getctx[] = {"cuCtxGetCurrent", NULL};
+    static const char *const n_push[] = {"cuCtxPushCurrent_v2", "cuCtxPushCurrent", NULL};
+    static const char *const n_pop[] = {"cuCtxPopCurrent_v2", "cuCtxPopCurrent", NULL};
+    static const char *const n_copy[] = {"cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync", NULL};
+    static const char *const n_launch[] = {"cuGraphLaunch", NULL};
+    static const char *const n_evcreate[] = {"cuEventCreate", NULL};
+    static const char *const n_evdestroy[] = {"cuEventDestroy_v2", "cuEventDestroy", NULL};
+    static const char *const n_evrecord[] = {"cuEventRecord", NULL};
+    static const char *const n_wait[] = {"cuStreamWaitEvent", NULL};
+    static const char *const n_sync[] = {"cuStreamSynchronize", NULL};
+    static const char *const n_errname[] = {"cuGetErrorName", NULL};
+    static const char *const n_errstr[] = {"cuGetErrorString", NULL};
+    TtCuda c;
+
+    if (tt_cuda.tried)
+        return tt_cuda.error;
+    memset(&c, 0, sizeof(c));
+    c.tried = 1;
+    c.lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (c.lib == NULL) {
+        c.error = "the CUDA driver (libcuda.so.1) could not be loaded";
+        goto done;
+    }
+    *(void **)&c.Init = tt_cuda_symbol(c.lib, n_init);
+    *(void **)&c.DeviceGet = tt_cuda_symbol(c.lib, n_dev);
+    *(void **)&c.DevicePrimaryCtxRetain = tt_cuda_symbol(c.lib, n_retain);
+    *(void **)&c.DevicePrimaryCtxRelease = tt_cuda_symbol(c.lib, n_release);
+    *(void **)&c.CtxGetCurrent = tt_cuda_symbol(c.lib, n_getctx);
+    *(void **)&c.CtxPushCurrent = tt_cuda_symbol(c.lib, n_push);
+    *(void **)&c.CtxPopCurrent = tt_cuda_symbol(c.lib, n_pop);
+    *(void **)&c.MemcpyDtoDAsync = tt_cuda_symbol(c.lib, n_copy);
+    *(void **)&c.GraphLaunch = tt_cuda_symbol(c.lib, n_launch);
+    *(void **)&c.EventCreate = tt_cuda_symbol(c.lib, n_evcreate);
+    *(void **)&c.EventDestroy = tt_cuda_symbol(c.lib, n_evdestroy);
+    *(void **)&c.EventRecord = tt_cuda_symbol(c.lib, n_evrecord);
+    *(void **)&c.StreamWaitEvent = tt_cuda_symbol(c.lib, n_wait);
+    *(void **)&c.StreamSynchronize = tt_cuda_symbol(c.lib, n_sync);
+    *(void **)&c.GetErrorName = tt_cuda_symbol(c.lib, n_errname);
+    *(void **)&c.GetErrorString = tt_cuda_symbol(c.lib, n_errstr);
+    if (!c.Init || !c.DeviceGet || !c.DevicePrimaryCtxRetain || !c.DevicePrimaryCtxRelease ||
+        !c.CtxGetCurrent || !c.CtxPushCurrent || !c.CtxPopCurrent || !c.MemcpyDtoDAsync ||
+        !c.GraphLaunch || !c.EventCreate || !c.EventDestroy || !c.EventRecord ||
+        !c.StreamWaitEvent || !c.StreamSynchronize || !c.GetErrorName || !c.GetErrorString) {
+        c.error = "the CUDA driver (libcuda.so.1) lacks an entry point torch-tweak needs";
+        dlclose(c.lib);
+        c.lib = NULL;
+        goto done;
+    }
+    if (c.Init(0) != 0) {
+        c.error = "the CUDA driver failed to initialise (cuInit)";
+        goto done;
+    }
+done:
+    tt_cuda = c;
+    return tt_cuda.error;
+}
+
+/* Sets RuntimeError for a failed driver call; returns -1. */
+static int
+tt_cuda_raise(TtCuResult rc, const char *what)
+{
+    const char *name = NULL, *text = NULL;
+
+    if (tt_cuda.GetErrorName == NULL || tt_cuda.GetErrorName(rc, &name) != 0)
+        name = NULL;
+    if (tt_cuda.GetErrorString == NULL || tt_cuda.GetErrorString(rc, &text) != 0)
+        text = NULL;
+    PyErr_Format(PyExc_RuntimeError, "GraphReplay: %s failed: %s (%d): %s", what,
+                 name != NULL ? name : "CUDA error", rc, text != NULL ? text : "no description");
+    return -1;
+}
+
+/* ========================================================= GraphReplay */
+
+typedef struct TtGraphInput {
+    Py_ssize_t pos;       /* positional index, or -1 for a keyword argument */
+    PyObject *name;       /* keyword: the interned name; else NULL */
+    Py_ssize_t item;      /* index in a tuple/list argument, or -1 */
+    PyObject *buffer;     /* the static tensor */
+    TtCuDevicePtr dst;    /* its data_ptr() */
+    size_t nbytes;
+} TtGraphInput;
+
+typedef struct TtGraphLeaf {
+    PyObject *value;      /* a static output tensor, or a plain value returned as is */
+    int is_tensor;
+    int dense;            /* contiguous: copied byte for byte */
+    TtCuDevicePtr src;
+    size_t nbytes;
+} TtGraphLeaf;
+
+enum { TT_OUT_TENSOR = 0, TT_OUT_TUPLE = 1, TT_OUT_LIST = 2, TT_OUT_REBUILD = 3 };
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    TtState *state;
+    PyObject *signature;   /* a Signature */
+    PyObject *original;    /* called for inputs that do not fit */
+    PyObject *outputs;     /* as given: a tensor, a tuple, or a list */
+    PyObject *rebuild;     /* NULL, or called with the list of output copies */
+    PyObject *replay;      /* NULL in driver mode, else called to launch */
+    PyObject *keep;        /* kept alive with the graph (the graph object, its pool) */
+    PyObject *get_stream;  /* driver mode: torch._C._cuda_getCurrentRawStream */
+    PyObject *empty_like;  /* driver mode: torch.empty_like */
+    PyObject *device;      /* driver mode: the device index as an int */
+    PyObject *str_data_ptr;
+    PyObject *str_is_contiguous;
+    PyObject *str_copy_;
+    PyObject *str_clone;
+    Py_ssize_t ninputs;
+    TtGraphInput *inputs;
+    Py_ssize_t nleaves;
+    TtGraphLeaf *leaves;
+    int out_kind;
+    int driver;            /* launches through the CUDA driver */
+    int busy;              /* a call is in progress: another one falls back */
+    TtCuDevice cu_device;
+    TtCuContext ctx;       /* the device's primary context, retained */
+    TtCuGraphExec exec;
+    TtCuStream last_stream;
+    int launched;          /* last_stream is meaningful */
+    TtCuEvent event;       /* created the first time the stream changes */
+    unsigned long long replays;
+    unsigned long long fallbacks;
+} TtGraphReplay;
+
+/* ------------------------------------------------------------ helpers */
+
+/* `obj.method()` as a new reference, or NULL. */
+static PyObject *
+tt_graph_call0(PyObject *obj, PyObject *method)
+{
+    PyObject *self = obj;
+
+    return PyObject_VectorcallMethod(method, &self, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
+/* obj.data_ptr() into *ptr. -1 on error. */
+static int
+tt_graph_data_ptr(TtGraphReplay *self, PyObject *tensor, TtCuDevicePtr *ptr)
+{
+    PyObject *value = tt_graph_call0(tensor, self->str_data_ptr); /* new reference */
+    int rc = -1;
+
+    if (value == NULL)
+        goto cleanup;
+    *ptr = (TtCuDevicePtr)PyLong_AsUnsignedLongLong(value);
+    if (*ptr == (TtCuDevicePtr)-1 && PyErr_Occurred())
+        goto cleanup;
+    rc = 0;
+cleanup:
+    Py_XDECREF(value);
+    return rc;
+}
+
+/* 1 when tensor.is_contiguous(), 0 when not, -1 on error. */
+static int
+tt_graph_is_dense(TtGraphReplay *self, PyObject *tensor)
+{
+    PyObject *value = tt_graph_call0(tensor, self->str_is_contiguous); /* new reference */
+    int rc = -1;
+
+    if (value == NULL)
+        goto cleanup;
+    rc = PyObject_IsTrue(value);
+cleanup:
+    Py_XDECREF(value);
+    return rc;
+}
+
+/* tensor.nbytes as a size_t. -1 on error. */
+static int
+tt_graph_nbytes(PyObject *tensor, size_t *nbytes)
+{
+    PyObject *value = PyObject_GetAttrString(tensor, "nbytes"); /* new reference */
+    int rc = -1;
+
+    if (value == NULL)
+        goto cleanup;
+    *nbytes = PyLong_AsSize_t(value);
+    if (*nbytes == (size_t)-1 && PyErr_Occurred())
+        goto cleanup;
+    rc = 0;
+cleanup:
+    Py_XDECREF(value);
+    return rc;
+}
+
+/* The argument an input slot reads from the call: borrowed, or NULL without
+ * an exception when the call does not have it (then it does not fit). */
+static PyObject *
+tt_graph_input_arg(const TtGraphInput *in, PyObject *const *args, Py_ssize_t nargs,
+                   PyObject *kwnames)
+{
+    PyObject *arg = NULL; /* borrowed */
+    Py_ssize_t i, nkw;
+
+    if (in->pos >= 0) {
+        if (in->pos < nargs)
+            arg = args[in->pos];
+    }
+    else {
+        nkw = kwnames != NULL ? PyTuple_GET_SIZE(kwnames) : 0;
+        for (i = 0; i < nkw && arg == NULL; i++)
+            if (PyTuple_GET_ITEM(kwnames, i) == in->name)
+                arg = args[nargs + i];
+        /* names that are equal but not the same object: compare the text */
+        for (i = 0; i < nkw && arg == NULL; i++)
+            if (PyUnicode_Compare(PyTuple_GET_ITEM(kwnames, i), in->name) == 0)
+                arg = args[nargs + i];
+        if (PyErr_Occurred())
+            PyErr_Clear();
+    }
+    if (arg != NULL && in->item >= 0) {
+        if (PyTuple_Check(arg) && in->item < PyTuple_GET_SIZE(arg))
+            arg = PyTuple_GET_ITEM(arg, in->item);
+        else if (PyList_Check(arg) && in->item < PyList_GET_SIZE(arg))
+            arg = PyList_GET_ITEM(arg, in->item);
+        else
+            arg = NULL;
+    }
+    return arg;
+}
+
+/* Makes `stream` wait for the work the last call queued on another stream, so
+ * the static buffers are never written while an earlier replay still reads
+ * them. Costs nothing while the stream stays the same. -1 on error. */
+static int
+tt_graph_order_streams(TtGraphReplay *self, TtCuStream stream)
+{
+    TtCuResult rc;
+
+    if (TT_LIKELY(!self->launched || stream == self->last_stream))
+        return 0;
+    if (self->event == NULL) {
+        rc = tt_cuda.EventCreate(&self->event, TT_CU_EVENT_DISABLE_TIMING);
+        if (rc != 0)
+            return tt_cuda_raise(rc, "cuEventCreate");
+    }
+    rc = tt_cuda.EventRecord(self->event, self->last_stream);
+    if (rc != 0)
+        return tt_cuda_raise(rc, "cuEventRecord");
+    rc = tt_cuda.StreamWaitEvent(stream, self->event, 0);
+    if (rc != 0)
+        return tt_cuda_raise(rc, "cuStreamWaitEvent");
+    return 0;
+}
+
+/* Makes the graph's context current if it is not; *pushed says whether to pop. */
+static int
+tt_graph_enter_context(TtGraphReplay *self, int *pushed)
+{
+    TtCuContext current = NULL;
+    TtCuResult rc;
+
+    *pushed = 0;
+    rc = tt_cuda.CtxGetCurrent(&current);
+    if (rc != 0)
+        return tt_cuda_raise(rc, "cuCtxGetCurrent");
+    if (TT_LIKELY(current == self->ctx))
+        return 0;
+    rc = tt_cuda.CtxPushCurrent(self->ctx);
+    if (rc != 0)
+        return tt_cuda_raise(rc, "cuCtxPushCurrent");
+    *pushed = 1;
+    return 0;
+}
+
+static void
+tt_graph_leave_context(int pushed)
+{
+    TtCuContext popped = NULL;
+
+    if (pushed)
+        (void)tt_cuda.CtxPopCurrent(&popped);
+}
+
+/* Builds the result from a list of leaves (copies and plain values). New reference. */
+static PyObject *
+tt_graph_pack(TtGraphReplay *self, PyObject *copies)
+{
+    PyObject *result = NULL;
+
+    switch (self->out_kind) {
+    case TT_OUT_TENSOR:
+        result = PyList_GET_ITEM(copies, 0);
+        Py_INCREF(result);
+        break;
+    case TT_OUT_TUPLE:
+        result = PyList_AsTuple(copies);
+        break;
+    case TT_OUT_LIST:
+        result = copies;
+        Py_INCREF(result);
+        break;
+    default:
+        result = PyObject_CallOneArg(self->rebuild, copies);
+        break;
+    }
+    return result;
+}
+
+/* ----------------------------------------------------------- the call */
+
+/* One replay through the driver. New reference, or NULL. */
+static PyObject *
+tt_graph_run_driver(TtGraphReplay *self, PyObject *const *args, Py_ssize_t nargs,
+                    PyObject *kwnames)
+{
+    PyObject *stream_obj = NULL; /* new reference */
+    PyObject *copies = NULL;     /* new reference: list of output copies and values */
+    PyObject *result = NULL;
+    TtCuStream stream;
+    TtCuDevicePtr *src = NULL;   /* per input: where to copy from, 0 to skip */
+    TtCuDevicePtr *dst = NULL;   /* per leaf: where its copy goes, 0 for none */
+    TtCuResult rc;
+    Py_ssize_t i;
+    int pushed = 0, entered = 0;
+
+    stream_obj = PyObject_CallOneArg(self->get_stream, self->device);
+    if (stream_obj == NULL)
+        goto cleanup;
+    stream = (TtCuStream)PyLong_AsVoidPtr(stream_obj);
+    if (stream == NULL && PyErr_Occurred())
+        goto cleanup;
+    src = PyMem_Calloc((size_t)self->ninputs + 1, sizeof(*src));
+    dst = PyMem_Calloc((size_t)self->nleaves + 1, sizeof(*dst));
+    if (src == NULL || dst == NULL) {
+        PyErr_NoMemory();
+        goto cleanup;
+    }
+    if (TT_UNLIKELY(self->launched && stream != self->last_stream)) {
+        if (tt_graph_enter_context(self, &pushed) < 0)
+            goto cleanup;
+        rc = tt_graph_order_streams(self, stream);
+        tt_graph_leave_context(pushed);
+        pushed = 0;
+        if (rc != 0)
+            goto cleanup;
+    }
+    /* Python first (pointers, torch copies for strided inputs, allocations),
+     * then the driver calls in one stretch: torch may change the current
+     * context under a pushed one. */
+    for (i = 0; i < self->ninputs; i++) {
+        TtGraphInput *in = &self->inputs[i];
+        PyObject *arg = tt_graph_input_arg(in, args, nargs, kwnames); /* borrowed */
+        PyObject *done;
+        int dense;
+
+        if (TT_UNLIKELY(arg == NULL)) {
+            PyErr_SetString(PyExc_RuntimeError,
+                            "GraphReplay: an input the signature matched is missing");
+            goto cleanup;
+        }
+        if (arg == in->buffer)
+            continue;
+        dense = tt_graph_is_dense(self, arg);
+        if (dense < 0)
+            goto cleanup;
+        if (TT_LIKELY(dense)) {
+            if (tt_graph_data_ptr(self, arg, &src[i]) < 0)
+                goto cleanup;
+            continue;
+        }
+        /* a strided view: torch's copy_ lays it out, on the same stream */
+        done = PyObject_CallMethodOneArg(in->buffer, self->str_copy_, arg);
+        if (done == NULL)
+            goto cleanup;
+        Py_DECREF(done);
+    }
+    if ((copies = PyList_New(self->nleaves)) == NULL)
+        goto cleanup;
+    for (i = 0; i < self->nleaves; i++) {
+        TtGraphLeaf *leaf = &self->leaves[i];
+        PyObject *copy;
+
+        if (!leaf->is_tensor || !leaf->dense) {
+            Py_INCREF(leaf->value); /* a plain value, or a strided tensor cloned below */
+            PyList_SET_ITEM(copies, i, leaf->value);
+            continue;
+        }
+        copy = PyObject_CallOneArg(self->empty_like, leaf->value);
+        if (copy == NULL)
+            goto cleanup;
+        PyList_SET_ITEM(copies, i, copy);
+        if (tt_graph_data_ptr(self, copy, &dst[i]) < 0)
+            goto cleanup;
+    }
+    if (tt_graph_enter_context(self, &pushed) < 0)
+        goto cleanup;
+    entered = 1;
+    for (i = 0; i < self->ninputs; i++) {
+        if (src[i] == 0 || src[i] == self->inputs[i].dst || self->inputs[i].nbytes == 0)
+            continue;
+        rc = tt_cuda.MemcpyDtoDAsync(self->inputs[i].dst, src[i], self->inputs[i].nbytes, stream);
+        if (rc != 0) {
+            tt_cuda_raise(rc, "cuMemcpyDtoDAsync (input)");
+            goto cleanup;
+        }
+    }
+    rc = tt_cuda.GraphLaunch(self->exec, stream);
+    if (rc != 0) {
+        tt_cuda_raise(rc, "cuGraphLaunch");
+        goto cleanup;
+    }
+    self->last_stream = stream;
+    self->launched = 1;
+    for (i = 0; i < self->nleaves; i++) {
+        if (dst[i] == 0 || self->leaves[i].nbytes == 0)
+            continue;
+        rc = tt_cuda.MemcpyDtoDAsync(dst[i], self->leaves[i].src, self->leaves[i].nbytes, stream);
+        if (rc != 0) {
+            tt_cuda_raise(rc, "cuMemcpyDtoDAsync (output)");
+            goto cleanup;
+        }
+    }
+    tt_graph_leave_context(pushed);
+    entered = 0;
+    /* strided outputs: torch's clone, queued after the launch */
+    for (i = 0; i < self->nleaves; i++) {
+        TtGraphLeaf *leaf = &self->leaves[i];
+        PyObject *copy, *old; /* old: the placeholder put in above */
+
+        if (!leaf->is_tensor || leaf->dense)
+            continue;
+        copy = tt_graph_call0(leaf->value, self->str_clone);
+        if (copy == NULL)
+            goto cleanup;
+        old = PyList_GET_ITEM(copies, i);
+        PyList_SET_ITEM(copies, i, copy);
+        Py_DECREF(old);
+    }
+    result = tt_graph_pack(self, copies);
+cleanup:
+    if (entered)
+        tt_graph_leave_context(pushed);
+    PyMem_Free(src);
+    PyMem_Free(dst);
+    Py_XDECREF(stream_obj);
+    Py_XDECREF(copies);
+    return result;
+}
+
+/* One replay through a Python replay(): torch's copy_ in, clone out. */
+static PyObject *
+tt_graph_run_callable(TtGraphReplay *self, PyObject *const *args, Py_ssize_t nargs,
+                      PyObject *kwnames)
+{
+    PyObject *copies = NULL; /* new reference */
+    PyObject *done = NULL;   /* new reference */
+    PyObject *result = NULL;
+    Py_ssize_t i;
+
+    for (i = 0; i < self->ninputs; i++) {
+        TtGraphInput *in = &self->inputs[i];
+        PyObject *arg = tt_graph_input_arg(in, args, nargs, kwnames); /* borrowed */
+
+        if (TT_UNLIKELY(arg == NULL)) {
+            PyErr_SetString(PyExc_RuntimeError,
+                            "GraphReplay: an input the signature matched is missing");
+            goto cleanup;
+        }
+        if (arg == in->buffer)
+            continue;
+        done = PyObject_CallMethodOneArg(in->buffer, self->str_copy_, arg);
+        if (done == NULL)
+            goto cleanup;
+        Py_CLEAR(done);
+    }
+    if ((done = PyObject_CallNoArgs(self->replay)) == NULL)
+        goto cleanup;
+    if ((copies = PyList_New(self->nleaves)) == NULL)
+        goto cleanup;
+    for (i = 0; i < self->nleaves; i++) {
+        TtGraphLeaf *leaf = &self->leaves[i];
+        PyObject *copy;
+
+        if (leaf->is_tensor) {
+            copy = tt_graph_call0(leaf->value, self->str_clone);
+            if (copy == NULL)
+                goto cleanup;
+        }
+        else {
+            copy = leaf->value;
+            Py_INCREF(copy);
+        }
+        PyList_SET_ITEM(copies, i, copy);
+    }
+    result = tt_graph_pack(self, copies);
+cleanup:
+    Py_XDECREF(done);
+    Py_XDECREF(copies);
+    return result;
+}
+
+static PyObject *
+tt_graph_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                    PyObject *kwnames)
+{
+    TtGraphReplay *self = (TtGraphReplay *)callable;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *result = NULL;
+    int fits = 0;
+
+    /* busy: a torch call inside a replay let another thread in; that call
+     * must not touch the static buffers, so it runs the original */
+    if (TT_LIKELY(!self->busy && self->signature != NULL)) {
+        fits = tt_signature_fits(self->signature, args, nargs, kwnames);
+        if (TT_UNLIKELY(fits < 0))
+            goto cleanup;
+    }
+    if (TT_UNLIKELY(!fits)) {
+        self->fallbacks++;
+        if (self->original == NULL) {
+            PyErr_SetString(PyExc_RuntimeError, "GraphReplay has been cleared");
+            goto cleanup;
+        }
+        result = PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+        goto cleanup;
+    }
+    self->busy = 1;
+    /* a reference held across the call: a callback may clear this object */
+    Py_INCREF(self);
+    result = self->driver ? tt_graph_run_driver(self, args, nargs, kwnames)
+                          : tt_graph_run_callable(self, args, nargs, kwnames);
+    if (result != NULL)
+        self->replays++;
+    self->busy = 0;
+    Py_DECREF(self);
+cleanup:
+    return result;
+}
+
+/* ------------------------------------------------------- construction */
+
+/* Fills self->inputs from a sequence of (position or keyword name, item or -1,
+ * static tensor). -1 on error. */
+static int
+tt_graph_set_inputs(TtGraphReplay *self, PyObject *inputs)
+{
+    PyObject *seq = NULL; /* new reference */
+    Py_ssize_t i, n;
+    int rc = -1;
+
+    seq = PySequence_Fast(inputs, "GraphReplay: inputs must be a sequence");
+    if (seq == NULL)
+        goto cleanup;
+    n = PySequence_Fast_GET_SIZE(seq);
+    self->inputs = PyMem_Calloc((size_t)n + 1, sizeof(TtGraphInput));
+    if (self->inputs == NULL) {
+        PyErr_NoMemory();
+        goto cleanup;
+    }
+    for (i = 0; i < n; i++) {
+        PyObject *slot = PySequence_Fast_GET_ITEM(seq, i); /* borrowed */
+        TtGraphInput *in = &self->inputs[i];
+        PyObject *key, *buffer; /* borrowed */
+
+        if (!PyTuple_Check(slot) || PyTuple_GET_SIZE(slot) != 3) {
+            PyErr_Format(PyExc_TypeError,
+                         "GraphReplay: input %zd must be a (position or name, item, tensor) tuple",
+                         i);
+            goto cleanup;
+        }
+        key = PyTuple_GET_ITEM(slot, 0);
+        buffer = PyTuple_GET_ITEM(slot, 2);
+        self->ninputs = i + 1;
+        in->pos = -1;
+        if (PyUnicode_Check(key)) {
+            Py_INCREF(key);
+            PyUnicode_InternInPlace(&key);
+            in->name = key;
+        }
+        else {
+            in->pos = PyNumber_AsSsize_t(key, PyExc_OverflowError);
+            if (in->pos == -1 && PyErr_Occurred())
+                goto cleanup;
+            if (in->pos < 0) {
+                PyErr_Format(PyExc_ValueError, "GraphReplay: input %zd has a negative position", i);
+                goto cleanup;
+            }
+        }
+        in->item = PyNumber_AsSsize_t(PyTuple_GET_ITEM(slot, 1), PyExc_OverflowError);
+        if (in->item == -1 && PyErr_Occurred())
+            goto cleanup;
+        if (!PyObject_TypeCheck(buffer, self->state->tensor_type)) {
+            PyErr_Format(PyExc_TypeError, "GraphReplay: input %zd's buffer must be a tensor", i);
+            goto cleanup;
+        }
+        Py_INCREF(buffer);
+        in->buffer = buffer;
+        if (self->driver) {
+            int dense = tt_graph_is_dense(self, buffer);
+
+            if (dense < 0)
+                goto cleanup;
+            if (!dense) {
+                PyErr_Format(PyExc_ValueError,
+                             "GraphReplay: input %zd's static buffer must be contiguous", i);
+                goto cleanup;
+            }
+            if (tt_graph_data_ptr(self, buffer, &in->dst) < 0 ||
+                tt_graph_nbytes(buffer, &in->nbytes) < 0)
+                goto cleanup;
+        }
+    }
+    rc = 0;
+cleanup:
+    Py_XDECREF(seq);
+    return rc;
+}
+
+/* Fills self->leaves from the outputs: a tensor, or a tuple or list of
+ * tensors and plain values (with rebuild: a list). -1 on error. */
+static int
+tt_graph_set_outputs(TtGraphReplay *self, PyObject *outputs, PyObject *rebuild)
+{
+    PyTypeObject *tensor_type = self->state->tensor_type;
+    Py_ssize_t i, n;
+    int rc = -1;
+
+    if (rebuild != NULL) {
+        if (!PyList_CheckExact(outputs)) {
+            PyErr_SetString(PyExc_TypeError, "GraphReplay: with rebuild, outputs must be a list");
+            goto cleanup;
+        }
+        self->out_kind = TT_OUT_REBUILD;
+    }
+    else if (PyObject_TypeCheck(outputs, tensor_type)) {
+        self->out_kind = TT_OUT_TENSOR;
+    }
+    else if (PyTuple_CheckExact(outputs)) {
+        self->out_kind = TT_OUT_TUPLE;
+    }
+    else if (PyList_CheckExact(outputs)) {
+        self->out_kind = TT_OUT_LIST;
+    }
+    else {
+        PyErr_Format(PyExc_TypeError,
+                     "GraphReplay: outputs must be a tensor, a tuple or a list (or a list with "
+                     "rebuild), not %.100s", Py_TYPE(outputs)->tp_name);
+        goto cleanup;
+    }
+    if (self->out_kind != TT_OUT_TENSOR) {
+        /* a private copy: the caller's list may change later */
+        outputs = self->out_kind == TT_OUT_TUPLE ? PySequence_List(outputs)
+                                                 : PyList_GetSlice(outputs, 0, PY_SSIZE_T_MAX);
+        if (outputs == NULL)
+            goto cleanup;
+    }
+    else {
+        Py_INCREF(outputs);
+    }
+    self->outputs = outputs;
+    n = self->out_kind == TT_OUT_TENSOR ? 1 : PyList_GET_SIZE(outputs);
+    self->leaves = PyMem_Calloc((size_t)n + 1, sizeof(TtGraphLeaf));
+    if (self->leaves == NULL) {
+        PyErr_NoMemory();
+        goto cleanup;
+    }
+    for (i = 0; i < n; i++) {
+        TtGraphLeaf *leaf = &self->leaves[i];
+        PyObject *value = self->out_kind == TT_OUT_TENSOR ? outputs : PyList_GET_ITEM(outputs, i);
+
+        Py_INCREF(value);
+        leaf->value = value;
+        self->nleaves = i + 1;
+        leaf->is_tensor = PyObject_TypeCheck(value, tensor_type);
+        if (!leaf->is_tensor || !self->driver)
+            continue;
+        leaf->dense = tt_graph_is_dense(self, value);
+        if (leaf->dense < 0)
+            goto cleanup;
+        if (leaf->dense && (tt_graph_data_ptr(self, value, &leaf->src) < 0 ||
+                            tt_graph_nbytes(value, &leaf->nbytes) < 0))
+            goto cleanup;
+    }
+    rc = 0;
+cleanup:
+    return rc;
+}
+
+/* Driver mode: loads the driver, retains the device's primary context and
+ * looks up what a call needs from torch. -1 on error. */
+static int
+tt_graph_set_driver(TtGraphReplay *self, unsigned long long exec, PyObject *device)
+{
+    PyObject *torch = NULL;   /* new reference */
+    PyObject *torch_C = NULL; /* new reference */
+    const char *why;
+    long index;
+    int rc = -1;
+    TtCuResult cu;
+
+    why = tt_cuda_load();
+    if (why != NULL) {
+        PyErr_Format(PyExc_RuntimeError, "GraphReplay: %s", why);
+        goto cleanup;
+    }
+    index = PyLong_AsLong(device);
+    if (index == -1 && PyErr_Occurred())
+        goto cleanup;
+    if (index < 0 || index > 1 << 20) {
+        PyErr_SetString(PyExc_ValueError, "GraphReplay: device must be a CUDA device index >= 0");
+        goto cleanup;
+    }
+    cu = tt_cuda.DeviceGet(&self->cu_device, (int)index);
+    if (cu != 0) {
+        tt_cuda_raise(cu, "cuDeviceGet");
+        goto cleanup;
+    }
+    cu = tt_cuda.DevicePrimaryCtxRetain(&self->ctx, self->cu_device);
+    if (cu != 0) {
+        self->ctx = NULL;
+        tt_cuda_raise(cu, "cuDevicePrimaryCtxRetain");
+        goto cleanup;
+    }
+    self->exec = (TtCuGraphExec)(uintptr_t)exec;
+    Py_INCREF(device);
+    self->device = device;
+    if ((torch = PyImport_ImportModule("torch")) == NULL)
+        goto cleanup;
+    if ((torch_C = PyObject_GetAttrString(torch, "_C")) == NULL)
+        goto cleanup;
+    if ((self->get_stream = PyObject_GetAttrString(torch_C, "_cuda_getCurrentRawStream")) == NULL)
+        goto cleanup;
+    if ((self->empty_like = PyObject_GetAttrString(torch, "empty_like")) == NULL)
+        goto cleanup;
+    rc = 0;
+cleanup:
+    Py_XDECREF(torch);
+    Py_XDECREF(torch_C);
+    return rc;
+}
+
+static PyObject *
+tt_graph_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"exec_handle", "device", "signature", "inputs", "outputs",
+                             "original", "rebuild", "replay", "keep", NULL};
+    unsigned long long exec = 0;
+    PyObject *device, *signature, *inputs, *outputs, *original; /* borrowed */
+    PyObject *rebuild = Py_None, *replay = Py_None, *keep = Py_None; /* borrowed */
+    TtGraphReplay *self = NULL;
+    TtState *st;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KOOOOO|$OOO:GraphReplay", kwlist, &exec,
+                                     &device, &signature, &inputs, &outputs, &original,
+                                     &rebuild, &replay, &keep))
+        goto error;
+    if ((st = tt_state_from_type(type)) == NULL)
+        goto error;
+    if (tt_state_tensor_type(st) == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "GraphReplay needs torch imported");
+        goto error;
+    }
+    if (!PyObject_TypeCheck(signature, st->SignatureType)) {
+        PyErr_Format(PyExc_TypeError, "GraphReplay: signature must be a Signature, not %.100s",
+                     Py_TYPE(signature)->tp_name);
+        goto error;
+    }
+    if (!PyCallable_Check(original)) {
+        PyErr_SetString(PyExc_TypeError, "GraphReplay: original must be callable");
+        goto error;
+    }
+    if ((exec == 0) == (replay == Py_None)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "GraphReplay: give either an exec handle (not 0) or replay, not both");
+        goto error;
+    }
+    if ((replay != Py_None && !PyCallable_Check(replay)) ||
+        (rebuild != Py_None && !PyCallable_Check(rebuild))) {
+        PyErr_SetString(PyExc_TypeError, "GraphReplay: replay and rebuild must be callable or None");
+        goto error;
+    }
+    self = (TtGraphReplay *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        goto error;
+    self->vectorcall = tt_graph_vectorcall;
+    self->state = st;
+    self->driver = exec != 0;
+    if ((self->str_data_ptr = PyUnicode_InternFromString("data_ptr")) == NULL ||
+        (self->str_is_contiguous = PyUnicode_InternFromString("is_contiguous")) == NULL ||
+        (self->str_copy_ = PyUnicode_InternFromString("copy_")) == NULL ||
+        (self->str_clone = PyUnicode_InternFromString("clone")) == NULL)
+        goto error;
+    if (self->driver && tt_graph_set_driver(self, exec, device) < 0)
+        goto error;
+    Py_INCREF(signature);
+    self->signature = signature;
+    Py_INCREF(original);
+    self->original = original;
+    if (replay != Py_None) {
+        Py_INCREF(replay);
+        self->replay = replay;
+    }
+    if (rebuild != Py_None) {
+        Py_INCREF(rebuild);
+        self->rebuild = rebuild;
+    }
+    Py_INCREF(keep);
+    self->keep = keep;
+    if (tt_graph_set_inputs(self, inputs) < 0)
+        goto error;
+    if (tt_graph_set_outputs(self, outputs, self->rebuild) < 0)
+        goto error;
+    return (PyObject *)self;
+error:
+    Py_XDECREF(self);
+    return NULL;
+}
+
+/* ------------------------------------------------------------ lifetime */
+
+static int
+tt_graph_finalizing(void)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsFinalizing();
+#else
+    return _Py_IsFinalizing();
+#endif
+}
+
+static int
+tt_graph_traverse(TtGraphReplay *self, visitproc visit, void *arg)
+{
+    Py_ssize_t i;
+
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->signature);
+    Py_VISIT(self->original);
+    Py_VISIT(self->outputs);
+    Py_VISIT(self->rebuild);
+    Py_VISIT(self->replay);
+    Py_VISIT(self->keep);
+    for (i = 0; i < self->ninputs; i++)
+        Py_VISIT(self->inputs[i].buffer);
+    for (i = 0; i < self->nleaves; i++)
+        Py_VISIT(self->leaves[i].value);
+    return 0;
+}
+
+static int
+tt_graph_clear(TtGraphReplay *self)
+{
+    TtGraphInput *inputs = self->inputs;
+    TtGraphLeaf *leaves = self->leaves;
+    Py_ssize_t i, ninputs = self->ninputs, nleaves = self->nleaves;
+    TtCuContext popped = NULL;
+    int pushed = 0;
+
+    /* The last replay may still run on the device: the graph and its buffers
+     * go back to torch's allocator only once it is done. */
+    if (self->driver && self->launched && !tt_graph_finalizing()) {
+        pushed = tt_cuda.CtxPushCurrent(self->ctx) == 0;
+        (void)tt_cuda.StreamSynchronize(self->last_stream);
+        if (pushed)
+            (void)tt_cuda.CtxPopCurrent(&popped);
+    }
+    self->launched = 0;
+    if (self->event != NULL) {
+        (void)tt_cuda.EventDestroy(self->event);
+        self->event = NULL;
+    }
+    self->inputs = NULL;
+    self->ninputs = 0;
+    self->leaves = NULL;
+    self->nleaves = 0;
+    for (i = 0; i < ninputs; i++) {
+        Py_CLEAR(inputs[i].name);
+        Py_CLEAR(inputs[i].buffer);
+    }
+    PyMem_Free(inputs);
+    for (i = 0; i < nleaves; i++)
+        Py_CLEAR(leaves[i].value);
+    PyMem_Free(leaves);
+    Py_CLEAR(self->signature);
+    Py_CLEAR(self->original);
+    Py_CLEAR(self->outputs);
+    Py_CLEAR(self->rebuild);
+    Py_CLEAR(self->replay);
+    Py_CLEAR(self->keep);
+    return 0;
+}
+
+static void
+tt_graph_dealloc(TtGraphReplay *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+
+    PyObject_GC_UnTrack(self);
+    tt_graph_clear(self);
+    if (self->ctx != NULL) {
+        (void)tt_cuda.DevicePrimaryCtxRelease(self->cu_device);
+        self->ctx = NULL;
+    }
+    Py_CLEAR(self->get_stream);
+    Py_CLEAR(self->empty_like);
+    Py_CLEAR(self->device);
+    Py_CLEAR(self->str_data_ptr);
+    Py_CLEAR(self->str_is_contiguous);
+    Py_CLEAR(self->str_copy_);
+    Py_CLEAR(self->str_clone);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+/* ------------------------------------------------------------ Python API */
+
+static PyObject *
+tt_graph_get_replays(TtGraphReplay *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromUnsignedLongLong(self->replays);
+}
+
+static PyObject *
+tt_graph_get_fallbacks(TtGraphReplay *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromUnsignedLongLong(self->fallbacks);
+}
+
+static PyObject *
+tt_graph_get_driver(TtGraphReplay *self, void *closure)
+{
+    (void)closure;
+    return PyBool_FromLong(self->driver);
+}
+
+static PyObject *
+tt_graph_get_original(TtGraphReplay *self, void *closure)
+{
+    PyObject *original = self->original != NULL ? self->original : Py_None;
+
+    (void)closure;
+    Py_INCREF(original);
+    return original;
+}
+
+static PyObject *
+tt_graph_get_signature(TtGraphReplay *self, void *closure)
+{
+    PyObject *signature = self->signature != NULL ? self->signature : Py_None;
+
+    (void)closure;
+    Py_INCREF(signature);
+    return signature;
+}
+
+static PyObject *
+tt_graph_driver_error(PyObject *cls, PyObject *unused)
+{
+    const char *why = tt_cuda_load();
+
+    (void)cls;
+    (void)unused;
+    if (why == NULL)
+        Py_RETURN_NONE;
+    return PyUnicode_FromString(why);
+}
+
+static PyGetSetDef tt_graph_getset[] = {
+    {"replays", (getter)tt_graph_get_replays, NULL, "Calls that replayed the graph.", NULL},
+    {"fallbacks", (getter)tt_graph_get_fallbacks, NULL,
+     "Calls that did not fit the recording and ran the original.", NULL},
+    {"driver", (getter)tt_graph_get_driver, NULL,
+     "True when launches go through the CUDA driver, False through replay().", NULL},
+    {"original", (getter)tt_graph_get_original, NULL, "The original module.", NULL},
+    {"signature", (getter)tt_graph_get_signature, NULL, "The recorded call's Signature.", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyMethodDef tt_graph_methods[] = {
+    {"driver_error", (PyCFunction)tt_graph_driver_error, METH_NOARGS | METH_CLASS,
+     "driver_error() -> str or None: why the CUDA driver cannot be used (loads it the\n"
+     "first time), or None when it can."},
+    {NULL, NULL, 0, NULL}};
+
+static PyMemberDef tt_graph_members[] = {
+    {"__vectorcalloffset__", Py_T_PYSSIZET, offsetof(TtGraphReplay, vectorcall), Py_READONLY,
+     NULL},
+    {NULL, 0, 0, 0, NULL}};
+
+static PyType_Slot tt_graph_slots[] = {
+    {Py_tp_doc,
+     "GraphReplay(exec_handle, device, signature, inputs, outputs, original, *,\n"
+     "            rebuild=None, replay=None, keep=None)\n\n"
+     "Replays one recorded device graph. A call whose arguments fit `signature`\n"
+     "copies each input tensor into its static buffer, launches the graph on the\n"
+     "current stream and returns fresh copies of the static outputs; any other\n"
+     "call runs original(*args, **kwargs).\n\n"
+     "exec_handle: the graph's cudaGraphExec_t as an int, launched with the CUDA\n"
+     "  driver on torch's current stream of CUDA device `device` (an int); 0 to\n"
+     "  launch with replay() instead (then copies use torch's copy_ and clone).\n"
+     "inputs: (position or keyword name, item index in a tuple/list argument or\n"
+     "  -1, static tensor) per input tensor of the recorded call.\n"
+     "outputs: the static outputs: a tensor, or a tuple or list of tensors and\n"
+     "  plain values; with rebuild, a list of them, and a call returns\n"
+     "  rebuild(list of copies).\n"
+     "keep: anything that must live as long as the graph (the graph object)."},
+    {Py_tp_new, tt_graph_new},
+    {Py_tp_dealloc, tt_graph_dealloc},
+    {Py_tp_traverse, tt_graph_traverse},
+    {Py_tp_clear, tt_graph_clear},
+    {Py_tp_call, PyVectorcall_Call},
+    {Py_tp_methods, tt_graph_methods},
+    {Py_tp_getset, tt_graph_getset},
+    {Py_tp_members, tt_graph_members},
+    {0, NULL}};
+
+static PyType_Spec tt_graph_spec = {
+    .name = "torch_tweak._C.GraphReplay",
+    .basicsize = sizeof(TtGraphReplay),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .slots = tt_graph_slots,
+};
+
+int
+tt_graph_exec(PyObject *module)
+{
+    PyObject *type = NULL; /* new reference */
+    int rc = -1;
+
+    type = PyType_FromModuleAndSpec(module, &tt_graph_spec, NULL);
+    if (type == NULL)
+        goto cleanup;
+    if (PyModule_AddObjectRef(module, "GraphReplay", type) < 0)
+        goto cleanup;
+    rc = 0;
+cleanup:
+    Py_XDECREF(type);
+    return rc;
+}

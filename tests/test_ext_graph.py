@@ -1,0 +1,235 @@
+"""_C.GraphReplay on the CPU: its callable mode (replay() instead of a CUDA launch),
+driven by a fake graph that reads the static inputs and writes the static outputs
+the way a recorded device graph does. The CUDA launch path is in tests/gpu."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from torch_tweak import _C
+
+
+class FakeGraph:
+    """Writes 2 * x + y into the static output, like a graph recorded on model(x, y=y)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> None:
+        self.x, self.y, self.out = x, y, out
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.out.copy_(2 * self.x + self.y)
+
+
+def eager(x, y):
+    return 2 * x + y
+
+
+class Original:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, x, y):
+        self.calls += 1
+        return eager(x, y)
+
+
+def make(outputs=None, rebuild=None, original=None):
+    x, y = torch.zeros(2, 3), torch.zeros(2, 3)
+    out = torch.zeros(2, 3)
+    graph = FakeGraph(x, y, out)
+    sig = _C.Signature((x,), {"y": y})
+    original = original if original is not None else Original()
+    replay = _C.GraphReplay(0, 0, sig, [(0, -1, x), ("y", -1, y)], out if outputs is None else outputs,
+                            original, rebuild=rebuild, replay=graph.replay, keep=graph)
+    return replay, graph, original
+
+
+def test_a_fitting_call_replays_and_returns_a_fresh_tensor():
+    replay, graph, original = make()
+    x, y = torch.randn(2, 3), torch.randn(2, 3)
+    got = replay(x, y=y)
+    assert torch.equal(got, eager(x, y))
+    assert got is not graph.out and got.data_ptr() != graph.out.data_ptr()
+    assert (replay.replays, replay.fallbacks, graph.replays, original.calls) == (1, 0, 1, 0)
+    assert replay.driver is False
+    assert replay.original is original
+
+
+def test_a_later_call_never_overwrites_an_output_the_caller_holds():
+    replay, _, _ = make()
+    x1, x2, y = torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3)
+    first = replay(x1, y=y)
+    view = first[0]
+    kept = first.clone()
+    second = replay(x2, y=y)
+    assert torch.equal(first, kept) and torch.equal(view, kept[0])
+    assert torch.equal(second, eager(x2, y))
+
+
+@pytest.mark.parametrize("args,kwargs", [
+    ((torch.randn(4, 3),), {"y": torch.randn(4, 3)}),        # another shape
+    ((torch.randn(2, 3, dtype=torch.float64),), {"y": torch.randn(2, 3, dtype=torch.float64)}),
+    ((torch.randn(2, 3), torch.randn(2, 3)), {}),            # y given by position
+    ((torch.randn(2, 3),), {"y": 1.0}),                      # a value where a tensor was
+])
+def test_a_call_that_does_not_fit_runs_the_original(args, kwargs):
+    replay, graph, original = make()
+    got = replay(*args, **kwargs)
+    assert torch.equal(got, eager(*args, **kwargs))
+    assert (replay.replays, replay.fallbacks, graph.replays, original.calls) == (0, 1, 0, 1)
+
+
+def test_keyword_order_does_not_matter_and_items_of_a_tuple_are_inputs():
+    a, b = torch.zeros(3), torch.zeros(3)
+    out = torch.zeros(3)
+
+    def replay_fn():
+        out.copy_(a - b)
+
+    sig = _C.Signature(((a, b),), {"scale": 2})
+    replay = _C.GraphReplay(0, 0, sig, [(0, 0, a), (0, 1, b)], out, lambda *a, **k: None,
+                            replay=replay_fn)
+    p, q = torch.randn(3), torch.randn(3)
+    assert torch.equal(replay((p, q), scale=2), p - q)
+    assert replay.replays == 1
+    assert replay((p, q), scale=3) is None  # the original (here a lambda) ran
+    assert replay.fallbacks == 1
+
+
+def test_tuple_and_list_outputs_copy_tensors_and_keep_plain_values():
+    for kind in (tuple, list):
+        x, y = torch.zeros(2, 3), torch.zeros(2, 3)
+        out = torch.zeros(2, 3)
+        graph = FakeGraph(x, y, out)
+        marker = object()
+        static = kind([out, None, 7, marker])
+        replay = _C.GraphReplay(0, 0, _C.Signature((x,), {"y": y}), [(0, -1, x), ("y", -1, y)],
+                                static, Original(), replay=graph.replay)
+        xs, ys = torch.randn(2, 3), torch.randn(2, 3)
+        got = replay(xs, y=ys)
+        assert type(got) is kind and len(got) == 4
+        assert torch.equal(got[0], eager(xs, ys)) and got[0] is not out
+        assert got[1] is None and got[2] == 7 and got[3] is marker
+        static_after = replay(xs, y=ys)
+        assert static_after is not got  # a new container each call
+
+
+def test_rebuild_gets_the_copies_in_order():
+    x, y = torch.zeros(2, 3), torch.zeros(2, 3)
+    out = torch.zeros(2, 3)
+    graph = FakeGraph(x, y, out)
+    replay = _C.GraphReplay(0, 0, _C.Signature((x,), {"y": y}), [(0, -1, x), ("y", -1, y)],
+                            [out, "label"], Original(),
+                            rebuild=lambda leaves: {"hidden": leaves[0], "name": leaves[1]},
+                            replay=graph.replay)
+    xs, ys = torch.randn(2, 3), torch.randn(2, 3)
+    got = replay(xs, y=ys)
+    assert set(got) == {"hidden", "name"} and got["name"] == "label"
+    assert torch.equal(got["hidden"], eager(xs, ys)) and got["hidden"] is not out
+
+
+def test_a_strided_input_is_laid_out_by_copy():
+    replay, _, _ = make()
+    x = torch.randn(3, 2).t()  # shape (2, 3), not contiguous
+    y = torch.randn(2, 3)
+    assert not x.is_contiguous()
+    assert torch.equal(replay(x, y=y), eager(x, y))
+    assert replay.replays == 1
+
+
+def test_an_error_in_replay_propagates_and_the_next_call_works():
+    replay, graph, _ = make()
+    calls = {"n": 0}
+    real = graph.replay
+
+    def flaky():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("device lost")
+        real()
+
+    replay2 = _C.GraphReplay(0, 0, replay.signature, [(0, -1, graph.x), ("y", -1, graph.y)], graph.out,
+                             Original(), replay=flaky)
+    x, y = torch.randn(2, 3), torch.randn(2, 3)
+    with pytest.raises(RuntimeError, match="device lost"):
+        replay2(x, y=y)
+    assert torch.equal(replay2(x, y=y), eager(x, y))
+    assert replay2.replays == 1
+
+
+def test_a_call_made_during_a_replay_runs_the_original():
+    holder = {}
+    x, y = torch.zeros(2, 3), torch.zeros(2, 3)
+    out = torch.zeros(2, 3)
+    graph = FakeGraph(x, y, out)
+    original = Original()
+
+    def reentrant():
+        holder["inner"] = holder["replay"](torch.ones(2, 3), y=torch.ones(2, 3))
+        graph.replay()
+
+    replay = _C.GraphReplay(0, 0, _C.Signature((x,), {"y": y}), [(0, -1, x), ("y", -1, y)], out,
+                            original, replay=reentrant)
+    holder["replay"] = replay
+    xs, ys = torch.randn(2, 3), torch.randn(2, 3)
+    assert torch.equal(replay(xs, y=ys), eager(xs, ys))
+    assert torch.equal(holder["inner"], torch.full((2, 3), 3.0))
+    assert (replay.replays, replay.fallbacks, original.calls) == (1, 1, 1)
+    holder.clear()
+
+
+def test_keep_lives_as_long_as_the_replay_and_cycles_are_collected():
+    class Keep:
+        pass
+
+    keep = Keep()
+    ref = weakref.ref(keep)
+    x = torch.zeros(2)
+    out = torch.zeros(2)
+    box = []
+    replay = _C.GraphReplay(0, 0, _C.Signature((x,), {}), [(0, -1, x)], out, lambda *a: box,
+                            replay=lambda: None, keep=keep)
+    box.append(replay)  # a cycle through the original
+    del keep
+    gc.collect()
+    assert ref() is not None
+    del replay, box
+    gc.collect()
+    assert ref() is None
+
+
+def test_bad_arguments_are_named():
+    x = torch.zeros(2)
+    sig = _C.Signature((x,), {})
+    with pytest.raises(ValueError, match="either an exec handle"):
+        _C.GraphReplay(0, 0, sig, [(0, -1, x)], x, print)
+    with pytest.raises(ValueError, match="either an exec handle"):
+        _C.GraphReplay(5, 0, sig, [(0, -1, x)], x, print, replay=print)
+    with pytest.raises(TypeError, match="signature must be a Signature"):
+        _C.GraphReplay(0, 0, "sig", [(0, -1, x)], x, print, replay=print)
+    with pytest.raises(TypeError, match="original must be callable"):
+        _C.GraphReplay(0, 0, sig, [(0, -1, x)], x, 3, replay=print)
+    with pytest.raises(TypeError, match="input 0 must be a"):
+        _C.GraphReplay(0, 0, sig, [x], x, print, replay=print)
+    with pytest.raises(TypeError, match="input 0's buffer must be a tensor"):
+        _C.GraphReplay(0, 0, sig, [(0, -1, 3)], x, print, replay=print)
+    with pytest.raises(ValueError, match="negative position"):
+        _C.GraphReplay(0, 0, sig, [(-1, -1, x)], x, print, replay=print)
+    with pytest.raises(TypeError, match="outputs must be a tensor"):
+        _C.GraphReplay(0, 0, sig, [(0, -1, x)], {"a": x}, print, replay=print)
+    with pytest.raises(TypeError, match="with rebuild, outputs must be a list"):
+        _C.GraphReplay(0, 0, sig, [(0, -1, x)], (x,), print, replay=print, rebuild=list)
+
+
+def test_driver_error_says_why_or_none():
+    why = _C.GraphReplay.driver_error()
+    assert why is None or "CUDA driver" in why
+    if why is not None:
+        x = torch.zeros(2)
+        with pytest.raises(RuntimeError, match="CUDA driver"):
+            _C.GraphReplay(1234, 0, _C.Signature((x,), {}), [(0, -1, x)], x, print)
