@@ -158,3 +158,41 @@ def enable_vectorcall(cls: type) -> bool:
     defined in Python; 3.12 does). Returns whether instances of cls are now
     called through vectorcall (False when cls overrides __call__). TypeError
     when cls is not a subclass of Dispatcher."""
+
+class GraphReplay:
+    """Replays one recorded device graph (the device-graph backend's per-call path).
+
+    A call whose arguments fit ``signature`` copies each input tensor into its
+    static buffer, launches the graph on the current stream and returns fresh
+    copies of the static outputs (so a later call never overwrites a tensor the
+    caller holds); any other call runs ``original(*args, **kwargs)``. A call made
+    while another is inside this object (another thread) also runs the original.
+
+    exec_handle: the graph's cudaGraphExec_t as an int, launched through the CUDA
+      driver (dlopen'ed on first use) on torch's current stream of CUDA device
+      ``device``; 0 to launch with ``replay()`` instead, with torch's copy_ and
+      clone for the copies (XPU graphs; torch without a raw exec handle).
+    inputs: (position or keyword name, index in a tuple/list argument or -1,
+      static tensor) per input tensor of the recorded call.
+    outputs: a tensor, or a tuple or list of tensors and plain values; with
+      ``rebuild``, a list of them, and a call returns rebuild(list of copies).
+    keep: anything that must live as long as the graph (the graph object).
+    """
+    def __init__(self, exec_handle: int, device: int, signature: Signature,
+                 inputs: Sequence[tuple[int | str, int, Any]], outputs: Any,
+                 original: Callable[..., Any], *, rebuild: Optional[Callable[[list], Any]] = None,
+                 replay: Optional[Callable[[], object]] = None, keep: object = None) -> None: ...
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+    @classmethod
+    def driver_error(cls) -> Optional[str]:
+        """Why the CUDA driver cannot be used, or None when it can (loads it once)."""
+    @property
+    def replays(self) -> int: ...
+    @property
+    def fallbacks(self) -> int: ...
+    @property
+    def driver(self) -> bool: ...
+    @property
+    def original(self) -> Callable[..., Any]: ...
+    @property
+    def signature(self) -> Signature: ...
