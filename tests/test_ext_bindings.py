@@ -413,8 +413,13 @@ def test_tweak_time_budget():
     assert [r["state"] for r in result.rows] == ["budget"] * 3
     assert result.rows[0]["error"] == "time budget used up"
     assert result.selected == -1 and result.baseline is not None
-    with pytest.raises(ValueError, match="time_budget"):
-        _C.tweak(_C.Tree(TREE_MODULES), **model.kwargs(time_budget=0))
+    model = FakeModel(FakeClock(), {})
+    result = _C.tweak(_C.Tree(TREE_MODULES), **model.kwargs(time_budget=0, max_depth=-1))
+    assert [r["state"] for r in result.rows] == ["budget"] * 3
+    assert not any(e[0] == "enter" for e in model.log)
+    for bad in (-1.0, float("inf"), "1"):
+        with pytest.raises(ValueError, match="time_budget"):
+            _C.tweak(_C.Tree(TREE_MODULES), **model.kwargs(time_budget=bad))
 
 
 def test_tweak_argument_errors():

@@ -1434,14 +1434,14 @@ tt_py_tweak(PyObject *module, PyObject *args, PyObject *kwargs)
         goto cleanup;
     }
     if (budget != Py_None) {
-        /* 0 would read as "no budget" to the engine: say None for that */
         if (tt_number_nonneg(budget, "time_budget", &budget_s) < 0)
             goto cleanup;
-        if (budget_s <= 0 || budget_s * 1e9 >= 18446744073709551615.0) {
-            PyErr_Format(PyExc_ValueError,
-                         "time_budget must be > 0 seconds (None: no budget), not %R", budget);
+        if (budget_s * 1e9 >= 18446744073709551615.0) {
+            PyErr_Format(PyExc_ValueError, "time_budget is too large: %R seconds", budget);
             goto cleanup;
         }
+        /* 0 ns would read as "no budget" to the engine; a budget of 0 s is one
+         * that is used up before the first depth */
         cfg.time_budget_ns = (uint64_t)(budget_s * 1e9 + 0.5);
         if (cfg.time_budget_ns == 0)
             cfg.time_budget_ns = 1;

@@ -107,7 +107,8 @@ def tweak(tree: Tree, *,
           dry_run: bool = False,
           config: Optional[dict[str, Any]] = None,
           clock: Optional[Callable[[], int]] = None) -> Result:
-    """tw_tweak_run. time_budget in seconds, > 0 (None: none). max_depth -1: deepest."""
+    """tw_tweak_run. time_budget in seconds, >= 0 (None: none; 0: used up before
+    the first depth). max_depth -1: deepest."""
 
 class Signature:
     """What one call of a module looked like: the number of positional
