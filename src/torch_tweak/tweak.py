@@ -216,7 +216,8 @@ def tweak(model: nn.Module, dataset: Any, *, min_depth: int = 0, max_depth: int 
                 tree.tree, enter=session.enter, tune=session.tune, activate=session.activate,
                 leave=session.leave, run=run, n_samples=len(calls), sync=synchronizer(device),
                 min_depth=min_depth, max_depth=-1 if max_depth is None else max_depth,
-                tie_tolerance=float(tie_tolerance), time_budget=time_budget, dry_run=bool(dry_run),
+                tie_tolerance=float(tie_tolerance),
+                time_budget=None if time_budget is None else max(float(time_budget), 1e-9), dry_run=bool(dry_run),
                 config=measure,
             )
     except BaseException:

@@ -2,12 +2,18 @@
 
 from .base import Backend, BackendConfig, BackendUnavailable
 from .eager import TorchEagerBackend, TorchEagerBackendConfig
+from .graph import (DeviceGraphBackend, DeviceGraphBackendConfig, InductorGraphBackend,
+                    InductorGraphBackendConfig)
 from .inductor import TorchInductorBackend, TorchInductorBackendConfig
 
 __all__ = [
     "Backend",
     "BackendConfig",
     "BackendUnavailable",
+    "DeviceGraphBackend",
+    "DeviceGraphBackendConfig",
+    "InductorGraphBackend",
+    "InductorGraphBackendConfig",
     "TorchEagerBackend",
     "TorchEagerBackendConfig",
     "TorchInductorBackend",
