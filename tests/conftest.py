@@ -1,33 +1,13 @@
-"""Shared fixtures: small models, and one Inductor tweak of examples/Tweak shared by the tests
+"""Shared fixtures: a small model, and one Inductor tweak of examples/Tweak shared by the tests
 that need it (Inductor compiles on a CPU are slow)."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
-from torch import nn
 
 import torch_tweak as tt
-from torch_tweak.backends import Backend
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "Tweak"))
-import encoder  # noqa: E402
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)) for _ in range(2))
-        self.head = nn.Linear(16, 4)
-        self.unused = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-        for block in self.blocks:
-            x = x + block(x)
-        return self.head(x) * scale
+from support import FAST, MLP, encoder
 
 
 @pytest.fixture
@@ -40,50 +20,6 @@ def mlp() -> MLP:
 def mlp_data() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return [torch.randn(8, 16, generator=g) for _ in range(3)]
-
-
-FAST = {"warmup_min": 1, "warmup_max": 3, "rounds_min": 3, "rounds_max": 5, "time_cap": 0.5}
-"""A short measurement for tests that only check decisions, not speed."""
-
-
-class CountingBackend(Backend):
-    """Runs the module as it is and counts builds and calls."""
-
-    name = "Counting"
-    builds = 0
-
-    def build(self, module, samples, device):
-        type(self).builds += 1
-        self.calls = 0
-
-        def run(*args, **kwargs):
-            self.calls += 1
-            return module(*args, **kwargs)
-
-        return run
-
-
-class NoisyBackend(Backend):
-    """Builds, but its outputs are off by far more than any tolerance."""
-
-    name = "Noisy"
-
-    def build(self, module, samples, device):
-        return lambda *a, **k: module(*a, **k) + 1.0
-
-
-class NaNBackend(Backend):
-    name = "NaN"
-
-    def build(self, module, samples, device):
-        return lambda *a, **k: module(*a, **k) * float("nan")
-
-
-class BrokenBackend(Backend):
-    name = "Broken"
-
-    def build(self, module, samples, device):
-        raise RuntimeError("this backend cannot build anything")
 
 
 @pytest.fixture(scope="session")

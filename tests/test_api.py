@@ -8,7 +8,7 @@ from torch import nn
 
 import torch_tweak as tt
 from torch_tweak.backends import TorchEagerBackend, TorchInductorBackend
-from conftest import FAST, BrokenBackend, CountingBackend, NaNBackend, NoisyBackend
+from support import FAST, BrokenBackend, CountingBackend, NaNBackend, NoisyBackend
 
 
 def snapshot(model: nn.Module):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import torch_tweak as tt
-from conftest import FAST, BrokenBackend, CountingBackend
+from support import FAST, BrokenBackend, CountingBackend
 from test_api import assert_unchanged, snapshot
 
 

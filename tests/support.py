@@ -1,0 +1,72 @@
+"""Shared test helpers: a small model, fake backends and a short measurement."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from torch import nn
+
+import torch_tweak as tt
+from torch_tweak.backends import Backend
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "Tweak"))
+import encoder  # noqa: E402
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)) for _ in range(2))
+        self.head = nn.Linear(16, 4)
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x) * scale
+
+
+FAST = {"warmup_min": 1, "warmup_max": 3, "rounds_min": 3, "rounds_max": 5, "time_cap": 0.5}
+"""A short measurement for tests that only check decisions, not speed."""
+
+
+class CountingBackend(Backend):
+    """Runs the module as it is and counts builds and calls."""
+
+    name = "Counting"
+    builds = 0
+
+    def build(self, module, samples, device):
+        type(self).builds += 1
+        self.calls = 0
+
+        def run(*args, **kwargs):
+            self.calls += 1
+            return module(*args, **kwargs)
+
+        return run
+
+
+class NoisyBackend(Backend):
+    """Builds, but its outputs are off by far more than any tolerance."""
+
+    name = "Noisy"
+
+    def build(self, module, samples, device):
+        return lambda *a, **k: module(*a, **k) + 1.0
+
+
+class NaNBackend(Backend):
+    name = "NaN"
+
+    def build(self, module, samples, device):
+        return lambda *a, **k: module(*a, **k) * float("nan")
+
+
+class BrokenBackend(Backend):
+    name = "Broken"
+
+    def build(self, module, samples, device):
+        raise RuntimeError("this backend cannot build anything")
