@@ -10,7 +10,8 @@ from typing import Any, Sequence
 
 import torch
 
-from .backends import Backend, TorchEagerBackend, TorchInductorBackend
+from .backends import (Backend, DeviceGraphBackend, InductorGraphBackend, TorchEagerBackend,
+                       TorchInductorBackend)
 
 
 def device_type(device: Any) -> str:
@@ -23,12 +24,17 @@ def device_type(device: Any) -> str:
 def default_backends(device: Any) -> list[Backend]:
     """A new list of the default backends for `device`, in the order FirstWins tries them.
 
-    cpu: Torch Inductor, Torch Eager. cuda and xpu: Torch Inductor, Torch Eager.
-    Backends not built yet (device graph, OpenVINO) join these lists when they land.
+    cpu: Torch Inductor, Torch Eager. cuda: device graph, Torch Inductor, Inductor
+    inside a device graph, Torch Eager. xpu: device graph, Torch Inductor, Torch Eager.
+    OpenVINO joins these lists when it lands.
     TorchAO is never a default: quantization changes results.
     """
     kind = device_type(device)
-    if kind in ("cpu", "cuda", "xpu"):
+    if kind == "cuda":
+        return [DeviceGraphBackend(), TorchInductorBackend(), InductorGraphBackend(), TorchEagerBackend()]
+    if kind == "xpu":
+        return [DeviceGraphBackend(), TorchInductorBackend(), TorchEagerBackend()]
+    if kind == "cpu":
         return [TorchInductorBackend(), TorchEagerBackend()]
     raise ValueError(f"torch-tweak has no backends for device {kind!r}; use 'cpu', 'cuda' or 'xpu'")
 
