@@ -1,0 +1,531 @@
+"""torch-tweak against the alternatives on one GPU, model by model, in fp32 and bf16.
+
+For each model and dtype, every column gets the same inputs (a dataset of a few random
+calls of one shape, cycled), the same warm-up and the same statistic: the median over
+interleaved rounds (A, B, C, A, B, C...) of one call, the device synchronised before and
+after it (what a caller waits for, host overhead included).
+
+    eager            the model as it is
+    graph            a whole-model CUDA graph of eager (torch.cuda.CUDAGraph): copy the
+                     input into the static buffer, replay, return the static output
+    compile          torch.compile, default mode
+    reduce-overhead  torch.compile(mode="reduce-overhead"); its compile time is the wall
+                     time of its first three calls (compile, warm-up, recording)
+    max-autotune     torch.compile(mode="max-autotune-no-cudagraphs"), with --max-autotune
+    tweak            the model tt.tweak returns (default settings), with its tuning time
+
+Weights are random, built from configs: nothing is downloaded. Writes JSON per run and,
+with --merge, bench/results/gpu.md (tables, targets) and gpu.png (if matplotlib is there).
+
+    python bench/gpu_bench.py [--models encoder,bert,gpt2,vit,resnet50] [--dtypes fp32,bf16]
+                              [--quick] [--max-autotune] [--json PATH]
+    python bench/gpu_bench.py --merge a.json b.json ... [--out-dir bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import timeit
+import traceback
+from typing import Any, Callable
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples", "Tweak"))
+
+MODELS = ("encoder", "bert", "gpt2", "vit", "resnet50")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+COLUMNS = ("eager", "graph", "compile", "reduce-overhead", "max-autotune", "tweak")
+ALTERNATIVES = ("eager", "graph", "compile", "reduce-overhead", "max-autotune")
+SIZES = {
+    "encoder": "batch 8, seq 64, d 256, 4 layers",
+    "bert": "BERT-base, batch 1, seq 128",
+    "gpt2": "GPT-2 small, batch 1, seq 128",
+    "vit": "ViT-B/16, batch 8, 224x224",
+    "resnet50": "ResNet-50, batch 8, 224x224",
+}
+N_SAMPLES = 4
+
+# ------------------------------------------------------------------ models
+
+
+def build(name: str, dtype: torch.dtype) -> tuple[torch.nn.Module, list]:
+    """The model (random weights, eval, on cuda in `dtype`) and N_SAMPLES calls of it."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    dev = "cuda"
+    if name == "encoder":
+        import encoder
+        model = encoder.build(dev, dtype)
+        data = encoder.samples(dev, dtype, count=N_SAMPLES)
+    elif name in ("bert", "gpt2"):
+        import transformers
+        if name == "bert":
+            model = transformers.BertModel(transformers.BertConfig())
+        else:
+            model = transformers.GPT2Model(transformers.GPT2Config(use_cache=False))
+        vocab = model.config.vocab_size
+        data = [{"input_ids": torch.randint(0, vocab, (1, 128), generator=g).to(dev)} for _ in range(N_SAMPLES)]
+        model = model.to(dev, dtype).eval()
+    elif name == "vit":
+        import timm
+        model = timm.create_model("vit_base_patch16_224", pretrained=False).to(dev, dtype).eval()
+        data = [torch.randn(8, 3, 224, 224, generator=g).to(dev, dtype) for _ in range(N_SAMPLES)]
+    elif name == "resnet50":
+        import torchvision
+        model = torchvision.models.resnet50(weights=None).to(dev, dtype).eval()
+        data = [torch.randn(8, 3, 224, 224, generator=g).to(dev, dtype) for _ in range(N_SAMPLES)]
+    else:
+        raise ValueError(f"unknown model {name!r}; one of {', '.join(MODELS)}")
+    return model, data
+
+
+def call_of(sample: Any) -> tuple[tuple, dict]:
+    if isinstance(sample, dict):
+        return (), sample
+    return (sample,), {}
+
+
+# ----------------------------------------------------------------- columns
+
+
+def whole_graph(model: torch.nn.Module, data: list) -> Callable[[int], Any]:
+    """A CUDA graph of the whole eager model: the usual static-input pattern."""
+    args, kwargs = call_of(data[0])
+    static = {k: v.clone() for k, v in kwargs.items()} if kwargs else None
+    static_x = args[0].clone() if args else None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            model(static_x) if static is None else model(**static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = model(static_x) if static is None else model(**static)
+
+    def run(i: int) -> Any:
+        a, k = call_of(data[i % len(data)])
+        if static is None:
+            static_x.copy_(a[0])
+        else:
+            for key, value in k.items():
+                static[key].copy_(value)
+        graph.replay()
+        return out
+
+    run.keep = graph  # type: ignore[attr-defined]
+    return run
+
+
+def compiled(model: torch.nn.Module, data: list, mode: str | None) -> tuple[Callable[[int], Any], float]:
+    """torch.compile of a copy of the model; (run, seconds of its first three calls)."""
+    fn = torch.compile(copy.deepcopy(model), mode=mode)
+    t0 = time.perf_counter()
+    for i in range(3):
+        a, k = call_of(data[i % len(data)])
+        fn(*a, **k)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+
+    def run(i: int) -> Any:
+        a, k = call_of(data[i % len(data)])
+        return fn(*a, **k)
+
+    return run, seconds
+
+
+def tweaked(model: torch.nn.Module, data: list, budget: float | None) -> tuple[Callable[[int], Any], float, Any, torch.nn.Module]:
+    import torch_tweak as tt
+    mine = copy.deepcopy(model)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    result = tt.tweak(mine, data, progress=False, time_budget=budget)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+
+    def run(i: int) -> Any:
+        a, k = call_of(data[i % len(data)])
+        return mine(*a, **k)
+
+    return run, seconds, result, mine
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def measure(runs: dict[str, Callable[[int], Any]], n_data: int, warmup: int, rounds: int) -> dict[str, dict]:
+    """Median (and quartiles) of one synchronised call per round, the columns interleaved."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    with torch.no_grad():
+        for name, run in runs.items():
+            for i in range(warmup):
+                run(i)
+        torch.cuda.synchronize()
+        for r in range(rounds):
+            for name, run in runs.items():
+                torch.cuda.synchronize()
+                t0 = time.perf_counter_ns()
+                run(r)
+                torch.cuda.synchronize()
+                times[name].append((time.perf_counter_ns() - t0) / 1e6)
+    out = {}
+    for name, ts in times.items():
+        q = statistics.quantiles(ts, n=4)
+        out[name] = {"ms": statistics.median(ts), "q25": q[0], "q75": q[2]}
+    return out
+
+
+def dispatcher_overhead(model: torch.nn.Module, data: list) -> list[dict]:
+    """Per tuned module: ns per call through its dispatcher minus ns per call of the same
+    callable directly, both with the module's real arguments and a no-op backend, so
+    only the dispatcher's own work is left in the difference."""
+    import torch_tweak as tt
+    from torch_tweak.tuning import dataset_runner, record
+
+    wrappers = tt.installed(model)
+    active = {p: w for p, w in wrappers.items() if w.tt_backend is not None}
+    if not active:
+        return []
+    record(active.values(), dataset_runner(model, [call_of(d) for d in data[:1]]))
+    rows = []
+
+    def noop(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    for path, w in active.items():
+        if not w.tt_samples:
+            continue
+        args, kwargs = w.tt_samples[0]
+        saved = w._tt_entries
+        w._tt_set_entries([(None, noop)])
+        try:
+            env = {"w": w, "f": noop, "a": args, "k": kwargs}
+            n = 20000
+            through = min(timeit.repeat("w(*a, **k)", globals=env, number=n, repeat=5)) / n * 1e9
+            direct = min(timeit.repeat("f(*a, **k)", globals=env, number=n, repeat=5)) / n * 1e9
+        finally:
+            w._tt_set_entries(saved)
+            w.tt_samples.clear()
+            w.tt_outputs.clear()
+        rows.append({"module": path or "(root)", "backend": w.tt_backend.name,
+                     "through_ns": through, "direct_ns": direct, "overhead_ns": through - direct})
+    return rows
+
+
+def replay_path_probe() -> list[dict]:
+    """CPU cost per call of replaying a tiny graph (GPU time negligible): torch_tweak's C
+    path against the same work done from Python with torch's CUDAGraph."""
+    from torch_tweak.backends import DeviceGraphBackend
+    lin = torch.nn.Linear(16, 16).cuda().eval()
+    x = torch.randn(4, 16, device="cuda")
+    with torch.no_grad():
+        replay = DeviceGraphBackend().prepare(lin, [((x,), {})], torch.device("cuda"))
+        static_x = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            lin(static_x)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            static_y = lin(static_x)
+
+        def py_clone(v):
+            static_x.copy_(v)
+            graph.replay()
+            return static_y.clone()
+
+        def py_static(v):
+            static_x.copy_(v)
+            graph.replay()
+            return static_y
+
+        cases = [("GraphReplay (C: check, copy in, launch, copy out)", replay),
+                 ("Python: copy_, CUDAGraph.replay(), clone()", py_clone),
+                 ("Python: copy_, CUDAGraph.replay(), static output", py_static),
+                 ("eager nn.Linear", lin)]
+        rows = []
+        for name, fn in cases:
+            n = 5000
+            fn(x)
+            torch.cuda.synchronize()
+            best = float("inf")
+            for _ in range(5):
+                t0 = time.perf_counter_ns()
+                for _ in range(n):
+                    fn(x)
+                torch.cuda.synchronize()
+                best = min(best, (time.perf_counter_ns() - t0) / n / 1e3)
+            rows.append({"case": name, "us": best})
+    return rows
+
+
+# --------------------------------------------------------------------- run
+
+
+def bench_one(name: str, dtype_name: str, args: argparse.Namespace) -> dict:
+    dtype = DTYPES[dtype_name]
+    row: dict[str, Any] = {"model": name, "dtype": dtype_name, "size": SIZES[name], "ms": {}, "spread": {},
+                           "errors": {}, "compile_s": {}}
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+    model, data = build(name, dtype)
+    runs: dict[str, Callable[[int], Any]] = {}
+
+    def eager(i: int) -> Any:
+        a, k = call_of(data[i % len(data)])
+        return model(*a, **k)
+
+    runs["eager"] = eager
+    with torch.no_grad():
+        steps: list[tuple[str, Callable[[], Any]]] = [
+            ("graph", lambda: whole_graph(model, data)),
+            ("compile", lambda: compiled(model, data, None)),
+            ("reduce-overhead", lambda: compiled(model, data, "reduce-overhead")),
+        ]
+        if args.max_autotune:
+            steps.append(("max-autotune", lambda: compiled(model, data, "max-autotune-no-cudagraphs")))
+        for column, make in steps:
+            print(f"  {name} {dtype_name}: {column}", flush=True)
+            try:
+                made = make()
+                if isinstance(made, tuple):
+                    runs[column], row["compile_s"][column] = made
+                else:
+                    runs[column] = made
+            except Exception as exc:  # a column that cannot run is reported, not fatal
+                row["errors"][column] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                torch.cuda.synchronize()
+    print(f"  {name} {dtype_name}: tweak", flush=True)
+    mine = None
+    try:
+        runs["tweak"], row["tune_s"], result, mine = tweaked(model, data, args.tweak_budget)
+        row["tweak_depth"] = result.selected_depth
+        row["tweak_table"] = str(result)
+        row["tweak_modules"] = {p: m.backend for p, m in result.modules.items()}
+    except Exception as exc:
+        row["errors"]["tweak"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        traceback.print_exc()
+    print(f"  {name} {dtype_name}: measuring {', '.join(runs)}", flush=True)
+    stats = measure(runs, len(data), args.warmup, args.rounds)
+    for column, s in stats.items():
+        row["ms"][column] = s["ms"]
+        row["spread"][column] = [s["q25"], s["q75"]]
+    if mine is not None:
+        try:
+            row["dispatch"] = dispatcher_overhead(mine, data)
+        except Exception as exc:
+            row["errors"]["dispatch"] = f"{type(exc).__name__}: {exc}"
+    del runs, model, mine
+    return row
+
+
+def environment() -> dict:
+    import torch_tweak
+    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "python": platform.python_version(), "torch_tweak": torch_tweak.__version__}
+    for mod in ("transformers", "timm", "torchvision"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception:
+            info[mod] = "missing"
+    return info
+
+
+def run(args: argparse.Namespace) -> None:
+    models = [m for m in args.models.split(",") if m]
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    out = {"environment": environment(), "settings": {"warmup": args.warmup, "rounds": args.rounds,
+                                                       "samples": N_SAMPLES, "tweak_budget": args.tweak_budget},
+           "rows": []}
+    if args.probe:
+        out["replay_path"] = replay_path_probe()
+    for name in models:
+        for dtype_name in dtypes:
+            t0 = time.perf_counter()
+            try:
+                row = bench_one(name, dtype_name, args)
+            except Exception as exc:
+                traceback.print_exc()
+                row = {"model": name, "dtype": dtype_name, "size": SIZES.get(name, ""), "ms": {},
+                       "errors": {"all": f"{type(exc).__name__}: {exc}"}, "compile_s": {}}
+            row["wall_s"] = time.perf_counter() - t0
+            out["rows"].append(row)
+            print(json.dumps({k: row.get(k) for k in ("model", "dtype", "ms", "compile_s", "tune_s", "errors",
+                                                       "tweak_depth", "wall_s")}), flush=True)
+            with open(args.json, "w") as f:  # after every row: a run stopped at its limit keeps what it did
+                json.dump(out, f, indent=1)
+    print(f"written: {args.json}")
+
+
+# ------------------------------------------------------------------- report
+
+
+def targets(row: dict) -> dict:
+    ms = row.get("ms", {})
+    alts = {c: ms[c] for c in ALTERNATIVES if c in ms}
+    t: dict[str, Any] = {}
+    if "tweak" in ms and alts:
+        best_name = min(alts, key=alts.get)
+        t["best_alt"] = best_name
+        t["le_best"] = ms["tweak"] <= alts[best_name]
+        t["lt_best"] = ms["tweak"] < alts[best_name]
+    ro = row.get("compile_s", {}).get("reduce-overhead")
+    if ro and row.get("tune_s") is not None:
+        t["tune_ratio"] = row["tune_s"] / ro
+    d = row.get("dispatch") or []
+    if d:
+        t["dispatch_max_ns"] = max(x["overhead_ns"] for x in d)
+    return t
+
+
+def merge(paths: list[str], out_dir: str) -> None:
+    runs = [json.load(open(p)) for p in paths]
+    rows = [r for run in runs for r in run["rows"]]
+    env = runs[0]["environment"]
+    settings = runs[0]["settings"]
+    probe = next((r["replay_path"] for r in runs if r.get("replay_path")), None)
+    md = ["# torch-tweak on the GPU", "",
+          f"Produced by `python bench/gpu_bench.py` on one {env['gpu']} (torch {env['torch']}, CUDA {env['cuda']}, "
+          f"Python {env['python']}, transformers {env['transformers']}, timm {env['timm']}, "
+          f"torchvision {env['torchvision']}), {len(paths)} run(s) merged with `--merge`. Random weights, "
+          f"{settings['samples']} random calls per model cycled; per column {settings['warmup']} warm-up calls, then "
+          f"the median of {settings['rounds']} interleaved rounds of one synchronised call.", "",
+          "## Latency (ms per call, median) and speedup against eager", ""]
+    cols = [c for c in COLUMNS if any(c in r.get("ms", {}) or c in r.get("errors", {}) for r in rows)]
+    md.append("| model | dtype | " + " | ".join(cols) + " | tweak vs eager | tweak vs best other |")
+    md.append("|---|---|" + "---:|" * len(cols) + "---:|---:|")
+    for r in rows:
+        ms = r.get("ms", {})
+        cells = []
+        for c in cols:
+            if c in ms:
+                cells.append(f"{ms[c]:.3f}")
+            elif c in r.get("errors", {}):
+                cells.append("failed")
+            else:
+                cells.append("-")
+        t = targets(r)
+        vs_eager = f"{ms['eager'] / ms['tweak']:.2f}x" if "tweak" in ms and "eager" in ms else "-"
+        vs_best = (f"{ms[t['best_alt']] / ms['tweak']:.2f}x ({t['best_alt']})" if "best_alt" in t else "-")
+        md.append(f"| {r['model']} | {r['dtype']} | " + " | ".join(cells) + f" | {vs_eager} | {vs_best} |")
+    md += ["", "## Tuning and compile time (s)", "",
+           "| model | dtype | compile | reduce-overhead | max-autotune | tweak tuning | tweak / reduce-overhead | tweak depth | backends chosen |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        cs = r.get("compile_s", {})
+        t = targets(r)
+        chosen: dict[str, int] = {}
+        for b in (r.get("tweak_modules") or {}).values():
+            chosen[str(b)] = chosen.get(str(b), 0) + 1
+        cells = [f"{cs[c]:.1f}" if c in cs else "-" for c in ("compile", "reduce-overhead", "max-autotune")]
+        tune = f"{r['tune_s']:.1f}" if r.get("tune_s") is not None else "-"
+        ratio = f"{t['tune_ratio']:.2f}" if "tune_ratio" in t else "-"
+        picks = ", ".join(f"{k} x{v}" for k, v in sorted(chosen.items()))
+        md.append(f"| {r['model']} | {r['dtype']} | {' | '.join(cells)} | {tune} | {ratio} | "
+                  f"{r.get('tweak_depth', '-')} | {picks} |")
+    md += ["", "## Targets", "",
+           "| model | dtype | tweak <= best other | tweak < best other | tuning <= 3x reduce-overhead compile | dispatcher < 500 ns/module (max) |",
+           "|---|---|---|---|---|---|"]
+    n_lt = n_rows = 0
+    for r in rows:
+        t = targets(r)
+        if "le_best" in t:
+            n_rows += 1
+            n_lt += bool(t["lt_best"])
+        yes = lambda v: "-" if v is None else ("yes" if v else "NO")  # noqa: E731
+        md.append(f"| {r['model']} | {r['dtype']} | {yes(t.get('le_best'))} | {yes(t.get('lt_best'))} | "
+                  f"{yes(t['tune_ratio'] <= 3 if 'tune_ratio' in t else None)}"
+                  f"{' (%.2fx)' % t['tune_ratio'] if 'tune_ratio' in t else ''} | "
+                  f"{yes(t['dispatch_max_ns'] < 500 if 'dispatch_max_ns' in t else None)}"
+                  f"{' (%.0f ns)' % t['dispatch_max_ns'] if 'dispatch_max_ns' in t else ''} |")
+    md += ["", f"tweak is strictly faster than the best other column on {n_lt} of {n_rows} model/dtype rows "
+               f"(target: at least half).", ""]
+    errors = [(r["model"], r["dtype"], c, e) for r in rows for c, e in r.get("errors", {}).items()]
+    if errors:
+        md += ["## Columns that failed", ""] + [f"- {m} {d} {c}: {e}" for m, d, c, e in errors] + [""]
+    md += ["## Dispatcher overhead per tuned module", "",
+           "ns per call through the module's dispatcher minus ns per call of the same no-op backend "
+           "called directly, with the module's real arguments (best of 5 timeit loops of 20000 calls).", "",
+           "| model | dtype | modules | median ns | max ns |", "|---|---|---:|---:|---:|"]
+    for r in rows:
+        d = r.get("dispatch") or []
+        if d:
+            o = [x["overhead_ns"] for x in d]
+            md.append(f"| {r['model']} | {r['dtype']} | {len(o)} | {statistics.median(o):.0f} | {max(o):.0f} |")
+    if probe:
+        md += ["", "## Replay path, CPU cost per call", "",
+               "A tiny graph (nn.Linear(16, 16), batch 4) called 5000 times between two synchronisations, "
+               "best of 5: the host cost of one replay.", "", "| path | us per call |", "|---|---:|"]
+        md += [f"| {p['case']} | {p['us']:.2f} |" for p in probe]
+    md += ["", "## tweak's tables", ""]
+    for r in rows:
+        if r.get("tweak_table"):
+            md += [f"{r['model']} {r['dtype']}:", "```", r["tweak_table"], "```", ""]
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "gpu.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    print(f"written: {os.path.join(out_dir, 'gpu.md')}")
+    chart(rows, cols, os.path.join(out_dir, "gpu.png"))
+
+
+def chart(rows: list[dict], cols: list[str], path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no chart (gpu.png not written)")
+        return
+    labels = [f"{r['model']}\n{r['dtype']}" for r in rows]
+    shown = [c for c in cols if c != "eager"]
+    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(rows)), 4.5))
+    width = 0.8 / max(1, len(shown))
+    for j, c in enumerate(shown):
+        ys = [r["ms"]["eager"] / r["ms"][c] if c in r.get("ms", {}) and "eager" in r["ms"] else 0 for r in rows]
+        ax.bar([i + (j - (len(shown) - 1) / 2) * width for i in range(len(rows))], ys, width, label=c)
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_ylabel("speedup against eager (higher is better)")
+    ax.legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"written: {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--dtypes", default=",".join(DTYPES))
+    parser.add_argument("--quick", action="store_true", help="fewer warm-up calls and rounds")
+    parser.add_argument("--max-autotune", action="store_true", help="add torch.compile max-autotune-no-cudagraphs")
+    parser.add_argument("--tweak-budget", type=float, default=None, help="tt.tweak(time_budget=...), seconds")
+    parser.add_argument("--probe", action="store_true", help="also time the replay path on a tiny graph")
+    parser.add_argument("--json", default=os.path.join(HERE, "results", "gpu.json"))
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="write gpu.md and gpu.png from run files")
+    parser.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    args = parser.parse_args()
+    args.warmup, args.rounds = (10, 30) if args.quick else (20, 100)
+    if args.merge:
+        merge(args.merge, args.out_dir)
+        return
+    if not torch.cuda.is_available():
+        sys.exit("gpu_bench needs a CUDA device")
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
