@@ -1,0 +1,125 @@
+"""Per-call cost of the tuned-module dispatcher against the alternatives.
+
+One run prints a table of nanoseconds per call (the median of several timeit
+repeats, each a loop of many calls) and writes bench/results/dispatch.md:
+
+    direct            a tiny backend called directly
+    dispatcher        the same backend through _C.Dispatcher, active, signature None
+    + signature       the same through a Signature of one tensor (dtype, shape, device)
+    subclass          a TunedModule-shaped subclass (Dispatcher, nn.Module), signature None
+    fallback          a call the signature rejects, so the original (the backend) runs
+    nn.Identity()     nn.Module.__call__ around a trivial forward: what a wrapper replaces
+
+Dispatcher overhead = dispatcher call - direct call. Usage:
+    python bench/dispatch_bench.py [--number N] [--repeat R] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import timeit
+
+import torch
+from torch import nn
+
+from torch_tweak import _C
+
+
+class TunedLike(_C.Dispatcher, nn.Module):
+    def __init__(self, module: nn.Module) -> None:
+        nn.Module.__init__(self)
+        self._tt_bind(module)
+        _C.enable_vectorcall(type(self))
+
+
+def backend(x):
+    return x
+
+
+def dispatcher(entries, original=backend, cls=_C.Dispatcher):
+    d = cls(original) if cls is not _C.Dispatcher else cls()
+    if cls is _C.Dispatcher:
+        d._tt_bind(original)
+    d._tt_set_entries(entries)
+    d._tt_mode = 1
+    return d
+
+
+def per_call_ns(fn, arg, number: int, repeat: int) -> float:
+    timer = timeit.Timer("fn(arg)", globals={"fn": fn, "arg": arg})
+    timer.timeit(number // 10 or 1)  # warm caches
+    return statistics.median(t / number * 1e9 for t in timer.repeat(repeat=repeat, number=number))
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--number", type=int, default=200_000, help="calls per timeit loop")
+    parser.add_argument("--repeat", type=int, default=7, help="timeit loops; the median counts")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                       "results", "dispatch.md"))
+    args = parser.parse_args()
+
+    x = torch.ones(8, 16)
+    other = torch.ones(4, 16)
+    sig = _C.Signature((x,), {})
+    cases = [
+        ("direct call of the backend", backend, x),
+        ("Dispatcher, active, signature None", dispatcher([(None, backend)]), x),
+        ("Dispatcher, active, 1-tensor Signature", dispatcher([(sig, backend)]), x),
+        ("TunedModule-like subclass, signature None",
+         dispatcher([(None, backend)], nn.Identity(), TunedLike), x),
+        ("Dispatcher, signature mismatch -> original", dispatcher([(sig, backend)]), other),
+        ("nn.Identity() (nn.Module.__call__)", nn.Identity(), x),
+    ]
+    loop = per_call_ns(lambda a: None, x, args.number, args.repeat)
+    results = [(name, per_call_ns(fn, arg, args.number, args.repeat)) for name, fn, arg in cases]
+    direct = results[0][1]
+
+    info = [
+        ("CPU", cpu_model()),
+        ("Python", platform.python_version()),
+        ("torch", torch.__version__),
+        ("OS", f"{platform.system()} {platform.release()}"),
+        ("timing", f"median of {args.repeat} timeit loops of {args.number} calls"),
+        ("loop + lambda call", f"{loop:.1f} ns (included in every row)"),
+    ]
+    rows = [(name, ns, ns - direct) for name, ns in results]
+    header = f"{'case':48s} {'ns/call':>9s} {'vs direct':>10s}"
+    lines = [header, "-" * len(header)]
+    lines += [f"{name:48s} {ns:9.1f} {delta:+10.1f}" for name, ns, delta in rows]
+    print("\n".join(f"{k}: {v}" for k, v in info))
+    print()
+    print("\n".join(lines))
+
+    md = ["# Dispatcher per-call cost", "",
+          "Produced by `python bench/dispatch_bench.py` (one run, one machine). "
+          "Each row is nanoseconds per call including the timeit loop; "
+          "`vs direct` is the row minus the direct call of the backend, which for the "
+          "dispatcher rows is the dispatcher's own overhead.", ""]
+    md += [f"- {k}: {v}" for k, v in info]
+    md += ["", "| case | ns/call | vs direct |", "|---|---:|---:|"]
+    md += [f"| {name} | {ns:.1f} | {delta:+.1f} |" for name, ns, delta in rows]
+    md.append("")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write("\n".join(md))
+    print(f"\nwritten: {os.path.relpath(args.out)}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
