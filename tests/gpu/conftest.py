@@ -36,6 +36,10 @@ class EagerGuard:
         """From now on, every run of a watched forward must be inside expect()."""
         self.armed = True
 
+    def disarm(self) -> None:
+        """Stop counting (before a tweak, which runs the untuned model on purpose)."""
+        self.armed = False
+
     @contextlib.contextmanager
     def expect(self, n: int = 1):
         """The block runs a watched forward exactly n times (a fallback, a deactivated model)."""

@@ -168,6 +168,7 @@ def test_a_failed_capture_is_handled_and_tweak_moves_on(eager_guard):
         for x, e in zip(xs, expected):
             torch.testing.assert_close(model(x), e, rtol=1e-5, atol=1e-6)
     tt.unwrap(model)
+    eager_guard.disarm()
     # and a whole tweak over both never crashes and stays right
     result = tt.tweak(model, xs, strategy=tt.HighestThroughputStrategy([DeviceGraphBackend(), TorchEagerBackend()]),
                       measure=FAST, progress=False)
