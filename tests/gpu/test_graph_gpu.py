@@ -263,7 +263,7 @@ def test_shared_pool_and_inductor_in_a_graph(eager_guard):
     with torch.no_grad():
         expected = [model(x) for x in xs]
     strategy = tt.OneBackendStrategy(InductorGraphBackend(share_pool=True))
-    for layer in model.layers:
+    for layer in model.layers[:2]:  # the others run their own forward, as they should
         eager_guard.watch(layer)
     tt.wrap(model, ["layers.0", "layers.1"], strategy=strategy)
     assert set(tt.tune(model, xs, measure=FAST).values()) == {"InductorGraph"}
