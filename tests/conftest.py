@@ -3,11 +3,26 @@ that need it (Inductor compiles on a CPU are slow)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import torch_tweak as tt
 from support import FAST, MLP, encoder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cache_folder(tmp_path_factory):
+    """Build logs go to a folder of this test session, not the user's cache."""
+    folder = tmp_path_factory.mktemp("cache")
+    previous = os.environ.get("TORCH_TWEAK_CACHE")
+    os.environ["TORCH_TWEAK_CACHE"] = str(folder)
+    yield folder
+    if previous is None:
+        os.environ.pop("TORCH_TWEAK_CACHE", None)
+    else:
+        os.environ["TORCH_TWEAK_CACHE"] = previous
 
 
 @pytest.fixture

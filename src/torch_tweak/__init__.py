@@ -22,7 +22,8 @@ from .module import TunedModule, install, installed, make_wrapper, resolve_paths
 from .strategy import (FirstWinsStrategy, HighestThroughputStrategy, OneBackendStrategy, Strategy,
                        default_backends, default_strategy)
 from .tuning import tune
-from .tweak import DepthResult, ModuleResult, TweakResult, tweak
+from .report import ModuleResult, ModuleResults, SignatureResult
+from .tweak import DepthResult, TweakResult, tweak
 
 __version__ = "0.1.0"
 
@@ -63,7 +64,7 @@ def deactivate(model: nn.Module) -> int:
 
 __all__ = [
     "Backend", "BackendConfig", "DepthResult", "FirstWinsStrategy", "HighestThroughputStrategy",
-    "ModuleResult", "ModuleTree", "OneBackendStrategy", "Strategy", "TOLERANCES", "TunedModule",
-    "TweakResult", "activate", "backends", "deactivate", "default_backends", "default_strategy",
+    "ModuleResult", "ModuleResults", "ModuleTree", "OneBackendStrategy", "Strategy", "TOLERANCES", "TunedModule",
+    "SignatureResult", "TweakResult", "activate", "backends", "deactivate", "default_backends", "default_strategy",
     "inspect", "installed", "tune", "tweak", "unwrap", "wrap",
 ]

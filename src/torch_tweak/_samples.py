@@ -97,3 +97,28 @@ def synchronizer(device: torch.device):
     if device.type == "xpu" and hasattr(torch, "xpu"):
         return torch.xpu.synchronize
     return None
+
+
+UNSTORABLE_CLASSES = frozenset({"DynamicCache", "StaticCache", "HybridCache", "SlidingWindowCache",
+                                "EncoderDecoderCache", "QuantizedCache", "OffloadedCache"})
+"""transformers' key/value caches, found by class name (transformers is never imported)."""
+
+
+def unstorable(value: Any) -> str | None:
+    """The class name of an object in `value` that a backend cannot store, or None.
+
+    Such objects (a transformers DynamicCache, say) hold live state: a sample that
+    contains one cannot be written to a file and replayed later. Tuples, lists and
+    dicts are followed; a class counts when it, or a base, is one of
+    UNSTORABLE_CLASSES and comes from a module under ``transformers``.
+    """
+    if isinstance(value, torch.Tensor) or value is None or isinstance(value, (bool, int, float, str)):
+        return None
+    if isinstance(value, (tuple, list)):
+        return next((n for n in map(unstorable, value) if n is not None), None)
+    if isinstance(value, dict):
+        return next((n for n in map(unstorable, value.values()) if n is not None), None)
+    for cls in type(value).__mro__:
+        if cls.__name__ in UNSTORABLE_CLASSES and (cls.__module__ or "").split(".")[0] == "transformers":
+            return type(value).__name__
+    return None

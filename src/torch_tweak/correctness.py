@@ -29,7 +29,16 @@ TOLERANCES: dict[torch.dtype, float] = {
 
 
 class MismatchError(Exception):
-    """A backend's output does not match the original module's."""
+    """A backend's output does not match the original module's.
+
+    error and tolerance: the relative error found and the limit it broke, when the
+    mismatch is one of values (None for one of structure, NaN or Inf).
+    """
+
+    def __init__(self, message: str, error: float | None = None, tolerance: float | None = None) -> None:
+        super().__init__(message)
+        self.error = error
+        self.tolerance = tolerance
 
 
 def tolerance_for(dtype: torch.dtype, override: float | None = None) -> float:
@@ -88,7 +97,8 @@ def check_tensor(out: Any, ref: torch.Tensor, tolerance: float | None, where: st
     error = float((a - b).abs().max()) / scale
     limit = tolerance_for(ref.dtype, tolerance)
     if error > limit:
-        raise MismatchError(f"{where}: relative error {error:.3g} exceeds the tolerance {limit:.3g} for {ref.dtype}")
+        raise MismatchError(f"{where}: relative error {error:.3g} exceeds the tolerance {limit:.3g} for {ref.dtype}",
+                            error, limit)
     return error
 
 

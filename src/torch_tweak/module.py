@@ -28,8 +28,11 @@ class TunedModule(_C.Dispatcher, nn.Module):
     """A module of the model, tuned: calls go through the C dispatcher.
 
     tt_name: the full dotted path of the module in its model ("" for the root).
-    tt_backend: the chosen backend, or None while untuned or when tuning failed.
-    tt_report: what every candidate backend did (state, latency, error).
+    tt_backend: the chosen backend (of the first signature), or None while untuned or when
+    tuning failed.
+    tt_signatures: the recorded input signatures (torch_tweak.signatures.SignatureGroup),
+    each with its own backend and report.
+    tt_report: what every candidate backend did per signature (state, latency, error).
     """
 
     def __init__(self, module: nn.Module, name: str) -> None:
@@ -47,6 +50,7 @@ class TunedModule(_C.Dispatcher, nn.Module):
         state["tt_error"] = ""
         state["tt_samples"] = []
         state["tt_outputs"] = []
+        state["tt_signatures"] = []
         if hasattr(_C, "enable_vectorcall"):
             _C.enable_vectorcall(type(self))
 

@@ -58,6 +58,11 @@ class Strategy:
                     raise TypeError(f"{type(self).__name__}: {backend!r} is not a torch_tweak Backend")
         self.backends: list[Backend] | None = backends
 
+    def check_device(self, device: Any) -> None:
+        """Raises ValueError when a backend given to this strategy can never run on `device`."""
+        for backend in self.backends or ():
+            backend.check_device(torch.device(device))
+
     def candidates(self, device: torch.device) -> list[Backend]:
         """Fresh, unbuilt copies of this strategy's backends for one module."""
         backends = self.backends if self.backends is not None else default_backends(device)

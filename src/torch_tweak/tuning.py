@@ -9,27 +9,27 @@ from torch import nn
 
 from . import _C
 from ._samples import Call, clone, load_dataset, resolve_device, synchronizer
-from .correctness import check
+from .backends.base import Backend, BackendUnavailable
+from .cache import capture_build, log_path
+from .correctness import MismatchError, check
 from .module import MODE_ACTIVE, MODE_ORIGINAL, MODE_RECORD, TunedModule, installed
 from .progress import Progress
+from .signatures import MAX_CALLS_PER_SIGNATURE, SignatureGroup, group_for
 from .strategy import Strategy, default_backends, default_strategy
-
-MAX_RECORDED_CALLS = 16
-"""Calls recorded per module: the first ones; they are what backends build and are checked on."""
-
 
 class TuneError(Exception):
     """No backend of the strategy built and passed the check for a module."""
 
 
 def record(wrappers: Iterable[TunedModule], run_dataset: Callable[[], None]) -> None:
-    """Runs the dataset once with `wrappers` recording their calls and original outputs."""
+    """Runs the dataset once with `wrappers` recording their calls and original outputs,
+    grouped by input signature (see torch_tweak.signatures)."""
     wrappers = list(wrappers)
     previous = [w._tt_mode for w in wrappers]
     try:
         for wrapper in wrappers:
-            wrapper.tt_samples.clear()
-            wrapper.tt_outputs.clear()
+            release(wrapper)
+            wrapper.tt_signatures.clear()
             wrapper._tt_set_recorder(_recorder(wrapper))
             wrapper._tt_mode = MODE_RECORD
         run_dataset()
@@ -41,75 +41,163 @@ def record(wrappers: Iterable[TunedModule], run_dataset: Callable[[], None]) -> 
 
 def _recorder(wrapper: TunedModule) -> Callable[..., Any]:
     original = wrapper._tt_original
+    groups = wrapper.tt_signatures
     samples = wrapper.tt_samples
     outputs = wrapper.tt_outputs
 
     def recorder(*args: Any, **kwargs: Any) -> Any:
         out = original(*args, **kwargs)
-        if len(samples) < MAX_RECORDED_CALLS:
-            samples.append((clone(args), clone(kwargs)))
-            outputs.append(clone(out))
+        group = group_for(groups, args, kwargs)
+        if len(group.samples) < MAX_CALLS_PER_SIGNATURE:
+            sample, result = (clone(args), clone(kwargs)), clone(out)
+            group.samples.append(sample)
+            group.outputs.append(result)
+            samples.append(sample)
+            outputs.append(result)
         return out
 
     return recorder
 
 
-def tune_wrapper(wrapper: TunedModule, strategy: Strategy, device: torch.device,
-                 measure: dict | None = None, progress: Progress | None = None) -> None:
-    """Picks a backend for one recorded wrapper; raises TuneError when none passes.
+Place = tuple[nn.Module, str, str, torch.Tensor, torch.Tensor]
 
-    On success the wrapper holds the backend (tt_backend) and dispatches to it once
-    activated; on failure it keeps calling its original forward.
-    """
-    samples: Sequence[Call] = wrapper.tt_samples
-    refs = wrapper.tt_outputs
-    name = wrapper.tt_name or "(root)"
-    if not samples:
-        raise TuneError(f"the dataset never called {name}; there is nothing to tune it on")
+
+def weight_places(module: nn.Module) -> list[Place]:
+    """Every parameter and buffer of `module`: (owner, kind, name, tensor, its data).
+
+    Holding the data keeps the original storage: a backend that moves weights (to the
+    CPU, say) leaves it untouched, and restore_places puts it back without a copy."""
+    places = []
+    for owner in module.modules():
+        for kind in ("_parameters", "_buffers"):
+            for name, tensor in getattr(owner, kind).items():
+                if tensor is not None:
+                    places.append((owner, kind, name, tensor, tensor.data))
+    return places
+
+
+def restore_places(places: list[Place]) -> int:
+    """Puts back every parameter and buffer a backend moved to another device; returns how many."""
+    moved = 0
+    for owner, kind, name, tensor, data in places:
+        current = getattr(owner, kind).get(name)
+        if current is tensor and tensor.device == data.device:
+            continue
+        if current is not None and current is not tensor and current.device == data.device:
+            continue  # replaced on the same device: the backend's own business
+        if tensor.device != data.device:
+            tensor.data = data  # a parameter moved in place by module.to()
+        getattr(owner, kind)[name] = tensor
+        moved += 1
+    return moved
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, BackendUnavailable):
+        return "unavailable"
+    if isinstance(exc, MismatchError):
+        return "mismatch"
+    if str(exc).startswith("dynamic shapes"):
+        return "dynamic shapes"
+    return "build failed"
+
+
+def tune_group(wrapper: TunedModule, group: SignatureGroup, strategy: Strategy, device: torch.device,
+               measure: dict | None, progress: Progress | None, model_class: str) -> None:
+    """Picks a backend for the recorded calls of one signature: group.backend, or group.error."""
+    samples: Sequence[Call] = group.samples
+    refs = group.outputs
     module = wrapper._tt_original
     backends = strategy.fresh().candidates(device)
     sync = synchronizer(device)
+    notes: list[dict] = [{} for _ in backends]
+    places = weight_places(module)
+    label = wrapper.tt_name if len(wrapper.tt_signatures) == 1 else f"{wrapper.tt_name} {group.text}"
 
-    def build_of(backend):
+    def build_of(i: int, backend: Backend):
         def build() -> None:
             if progress is not None:
-                progress.step(wrapper.tt_name, f"building {backend.name}")
-            fn = backend.prepare(module, samples, device)
-            for i, (args, kwargs) in enumerate(samples):
-                check(fn(*args, **kwargs), refs[i], backend.config.tolerance, where=f"sample {i}")
+                progress.step(label, f"building {backend.name}")
+            path = log_path(model_class, wrapper.tt_name, group.key, backend.name)
+            title = f"{backend!r} for {wrapper.tt_name or '(root)'} of {model_class}, signature {group.text}"
+            with capture_build(path, title) as log:
+                try:
+                    try:
+                        fn = backend.prepare(module, samples, device)
+                    finally:
+                        restore_places(places)  # weights a backend moved go back to their device
+                    worst = 0.0
+                    for j, (args, kwargs) in enumerate(samples):
+                        worst = max(worst, check(fn(*args, **kwargs), refs[j], backend.config.tolerance,
+                                                 where=f"sample {j}"))
+                except Exception as exc:
+                    notes[i]["reason"] = _reason(exc)
+                    if isinstance(exc, MismatchError):
+                        notes[i]["max_error"], notes[i]["tolerance"] = exc.error, exc.tolerance
+                        log.outcome = f"failed the correctness check: {exc}"
+                    raise
+                notes[i]["max_error"] = worst
+                log.outcome = f"built; passed the correctness check (largest relative error {worst:.3g})"
         return build
 
-    def run_of(backend):
+    def run_of(backend: Backend):
         def run(i: int) -> None:
             args, kwargs = samples[i]
             backend.callable(*args, **kwargs)
         return run
 
-    candidates = [(b.name, build_of(b), run_of(b)) for b in backends]
+    candidates = [(b.name, build_of(i, b), run_of(b)) for i, b in enumerate(backends)]
     with torch.no_grad():
         index, reports = _C.choose(strategy.kind, candidates, len(samples), sync=sync, config=measure)
-    wrapper.tt_report = [_report(b, r) for b, r in zip(backends, reports)]
+    group.report = [candidate_report(b, r, n) for b, r, n in zip(backends, reports, notes)]
     if index < 0:
-        wrapper.tt_backend = None
-        wrapper._tt_set_entries([])
-        reasons = "; ".join(f"{r['backend']}: {r['error'] or r['state']}" for r in wrapper.tt_report)
-        wrapper.tt_error = f"no backend passed ({reasons})"
-        raise TuneError(f"{name}: {wrapper.tt_error}")
-    chosen = backends[index]
-    wrapper.tt_backend = chosen
-    wrapper.tt_error = ""
-    wrapper._tt_set_entries([(None, chosen.callable)])
+        group.backend = None
+        group.error = "no backend passed (" + "; ".join(
+            f"{r['backend']}: {r['error'] or r['state']}" for r in group.report) + ")"
+        return
+    group.backend = backends[index]
+    group.error = ""
+    group.unstorable = sum(not group.backend.can_store(s) for s in samples)
     if progress is not None:
-        progress.step(wrapper.tt_name, f"chose {chosen.name}")
+        progress.step(label, f"chose {group.backend.name}")
 
 
-def _report(backend, report: dict) -> dict:
+def tune_wrapper(wrapper: TunedModule, strategy: Strategy, device: torch.device,
+                 measure: dict | None = None, progress: Progress | None = None,
+                 model_class: str = "Module") -> None:
+    """Picks a backend per recorded signature of one wrapper; raises TuneError when none passes.
+
+    On success the wrapper's dispatcher holds one entry (signature, backend) per
+    signature that found a backend; a call of any other signature runs the original
+    module. tt_backend is the first signature's backend. On failure the wrapper keeps
+    calling its original forward.
+    """
+    name = wrapper.tt_name or "(root)"
+    groups: list[SignatureGroup] = wrapper.tt_signatures
+    if not groups:
+        raise TuneError(f"the dataset never called {name}; there is nothing to tune it on")
+    for group in groups:
+        tune_group(wrapper, group, strategy, device, measure, progress, model_class)
+    several = len(groups) > 1
+    wrapper.tt_report = [dict(r, signature=g.text) for g in groups for r in g.report]
+    chosen = [g for g in groups if g.backend is not None]
+    wrapper._tt_set_entries([(g.signature, g.backend.callable) for g in chosen])
+    wrapper.tt_backend = chosen[0].backend if chosen else None
+    wrapper.tt_error = "; ".join(f"{g.text}: {g.error}" if several else g.error for g in groups if g.error)
+    if not chosen:
+        raise TuneError(f"{name}: {wrapper.tt_error}")
+
+
+def candidate_report(backend: Backend, report: dict, note: dict) -> dict:
     stats = report.get("stats")
     return {
         "backend": backend.name,
         "state": report["state"],
         "latency_ms": None if stats is None else stats["median_ns"] / 1e6,
         "error": report.get("error", ""),
+        "reason": note.get("reason", ""),
+        "max_error": note.get("max_error"),
+        "tolerance": note.get("tolerance"),
     }
 
 
@@ -125,6 +213,11 @@ def check_measure(measure: dict | None) -> None:
         raise ValueError(f"unknown measurement setting {', '.join(unknown)}; known: {', '.join(sorted(known))}")
 
 
+def model_class_name(model: nn.Module) -> str:
+    """The model's own class name (a wrapped root's class is a subclass of the same name)."""
+    return getattr(type(model), "_tt_root_class", type(model)).__name__
+
+
 def dataset_runner(model: nn.Module, calls: Sequence[Call]) -> Callable[[], None]:
     def run_all() -> None:
         with torch.no_grad():
@@ -137,7 +230,8 @@ def tune(model: nn.Module, dataset: Any, *, strategy: Strategy | None = None, de
          measure: dict | None = None, progress: bool = False) -> dict[str, str | None]:
     """Records samples for every wrapped module of `model` by running `dataset`, then tunes each.
 
-    Returns {path: chosen backend name, or None when the module keeps its original forward}.
+    Returns {path: chosen backend name (of its first signature), or None when the module
+    keeps its original forward}.
     Modules whose tuning fails keep their original forward; their reason is in
     ``wrapper.tt_error`` and ``wrapper.tt_report``.
     """
@@ -149,15 +243,20 @@ def tune(model: nn.Module, dataset: Any, *, strategy: Strategy | None = None, de
     if strategy is not None and not isinstance(strategy, Strategy):
         raise TypeError(f"strategy must be a torch_tweak strategy, not {type(strategy).__name__}")
     check_measure(measure)
+    templates = {path: strategy if strategy is not None else getattr(wrapper, "tt_strategy", None)
+                 for path, wrapper in wrappers.items()}
+    for template in templates.values():
+        if template is not None:
+            template.check_device(device)  # a backend this device cannot run fails here
     calls = load_dataset(dataset, device)
     shown = Progress(progress)
     record(wrappers.values(), dataset_runner(model, calls))
     chosen: dict[str, str | None] = {}
+    model_class = model_class_name(model)
     for path, wrapper in wrappers.items():
-        template = strategy if strategy is not None else getattr(wrapper, "tt_strategy", None)
-        template = template if template is not None else default_strategy(device)
+        template = templates[path] if templates[path] is not None else default_strategy(device)
         try:
-            tune_wrapper(wrapper, template, device, measure, shown)
+            tune_wrapper(wrapper, template, device, measure, shown, model_class)
             wrapper._tt_mode = MODE_ACTIVE
             chosen[path] = wrapper.tt_backend.name
         except TuneError:
@@ -170,6 +269,8 @@ def tune(model: nn.Module, dataset: Any, *, strategy: Strategy | None = None, de
 
 
 def release(wrapper: TunedModule) -> None:
-    """Drops what tuning recorded, once no backend needs it."""
+    """Drops what tuning recorded, once no backend needs it (the signatures and reports stay)."""
     wrapper.tt_samples.clear()
     wrapper.tt_outputs.clear()
+    for group in wrapper.tt_signatures:
+        group.release()

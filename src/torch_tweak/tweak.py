@@ -15,8 +15,9 @@ from ._samples import load_dataset, resolve_device, synchronizer
 from .inspecting import ModuleTree, trace
 from .module import MODE_ACTIVE, TunedModule, install, installed, make_wrapper, uninstall, unwrap
 from .progress import Progress
+from .report import ModuleResult, ModuleResults, SignatureResult
 from .strategy import Strategy, default_backends, default_strategy
-from .tuning import check_measure, dataset_runner, record, release, tune_wrapper
+from .tuning import check_measure, dataset_runner, model_class_name, record, release, tune_wrapper
 
 DEFAULT_MAX_DEPTH = 2
 """The deepest cut tweak tries unless told: the model, its children and their children.
@@ -39,16 +40,6 @@ class DepthResult:
     selected: bool
 
 
-@dataclasses.dataclass(frozen=True)
-class ModuleResult:
-    """What tuning did to one module: its chosen backend, every candidate's latency or error."""
-
-    path: str
-    backend: str | None
-    error: str
-    candidates: tuple[dict, ...]
-
-
 class TweakResult:
     """What tt.tweak did. ``print(result)`` shows a table, one row per depth.
 
@@ -57,10 +48,11 @@ class TweakResult:
     tuned_ms: latency of the selected depth (the baseline when none is selected).
     speedup: baseline_ms / tuned_ms.
     rows: a DepthResult per depth; untuned: the DepthResult of the untuned model.
-    modules: a ModuleResult per tuned module, by path.
+    modules: a ModuleResult per tuned module, by path; ``print(result.modules)`` shows, per
+    module and input signature, every candidate backend's latency or why it lost.
     """
 
-    def __init__(self, engine: "_C.Result", tree: ModuleTree, modules: dict[str, ModuleResult]) -> None:
+    def __init__(self, engine: "_C.Result", tree: ModuleTree, modules: ModuleResults) -> None:
         self._engine = engine
         self.tree = tree
         self.modules = modules
@@ -120,6 +112,7 @@ class _Session:
         self.wrappers: dict[int, TunedModule] = {}
         self.entered: list[int] = []
         self.shown: set[int] = set()
+        self.model_class = model_class_name(model)
 
     def enter(self, nodes: list[int], tune: list[bool]) -> None:
         depth = self.tree.tree.depth(nodes[0]) if nodes else 0
@@ -150,7 +143,7 @@ class _Session:
         wrapper = self.wrappers[node]
         strategy = self.strategy if self.strategy is not None else default_strategy(self.device)
         try:
-            tune_wrapper(wrapper, strategy, self.device, self.measure, self.progress)
+            tune_wrapper(wrapper, strategy, self.device, self.measure, self.progress, self.model_class)
         finally:
             release(wrapper)
             self.progress.finish_module()
@@ -166,12 +159,15 @@ class _Session:
             uninstall(self.model, self.wrappers[node])
         self.entered.clear()
 
-    def module_results(self) -> dict[str, ModuleResult]:
-        results = {}
+    def module_results(self) -> ModuleResults:
+        results = ModuleResults()
         for node, wrapper in sorted(self.wrappers.items()):
-            backend = wrapper.tt_backend.name if wrapper.tt_backend is not None else None
-            results[wrapper.tt_name] = ModuleResult(wrapper.tt_name, backend, wrapper.tt_error,
-                                                    tuple(wrapper.tt_report))
+            signatures = tuple(SignatureResult(g.text, g.key, g.backend.name if g.backend is not None else None,
+                                               g.error, tuple(g.report), g.unstorable)
+                               for g in wrapper.tt_signatures)
+            names = list(dict.fromkeys(s.backend for s in signatures if s.backend is not None))
+            results[wrapper.tt_name] = ModuleResult(wrapper.tt_name, ", ".join(names) or None, wrapper.tt_error,
+                                                    tuple(wrapper.tt_report), signatures)
         return results
 
 
@@ -194,6 +190,8 @@ def tweak(model: nn.Module, dataset: Any, *, min_depth: int = 0, max_depth: int 
         raise ValueError("the model already has torch-tweak wrappers; call tt.unwrap(model) before a new tweak")
     device = resolve_device(model, device)
     default_backends(device)  # an unknown device fails here, before anything changes
+    if strategy is not None:
+        strategy.check_device(device)  # so does a backend this device can never run
     check_measure(measure)
     calls = load_dataset(dataset, device)
     if model.training:

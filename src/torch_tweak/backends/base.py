@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .._samples import Call
+from .._samples import Call, unstorable
 
 
 @dataclasses.dataclass
@@ -37,7 +37,10 @@ class Backend(abc.ABC):
     - set ``name`` and, if it has settings, ``config_class`` (a BackendConfig subclass);
     - override ``build(module, samples, device)`` to return a callable that runs the module;
       raise an exception to reject the module (the message is reported);
-    - optionally override ``unavailable(device)`` to return why it cannot run here.
+    - optionally override ``unavailable(device)`` to return why it cannot run here (the
+      strategy moves on), ``check_device(device)`` to raise ValueError when it was asked
+      for on a device it can never run on, and ``can_store(sample)`` to say which
+      recorded calls it cannot keep in a saved file (it compiles on first call instead).
 
     A backend object is a template: strategies copy it per module with ``fresh()``, so a
     built backend never leaks into another module. Its state moves from "new" to "built"
@@ -68,6 +71,19 @@ class Backend(abc.ABC):
         """Why this backend cannot run on `device`, or None when it can."""
         return None
 
+    def check_device(self, device: torch.device) -> None:
+        """Raises ValueError naming the backend and `device` when it can never run there.
+
+        Called before tuning starts, for backends a strategy was given explicitly, so a
+        request that cannot be met fails before anything changes."""
+
+    def can_store(self, sample: Call) -> bool:
+        """Whether a saved file may keep this recorded call for this backend to build on.
+
+        False for calls holding live objects that cannot be written down (a transformers
+        DynamicCache); a backend that needs samples then compiles on first call instead."""
+        return True
+
     @abc.abstractmethod
     def build(self, module: torch.nn.Module, samples: Sequence[Call], device: torch.device) -> Callable[..., Any]:
         """A callable that runs `module` on this backend, built and warmed on `samples`."""
@@ -94,3 +110,22 @@ class Backend(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config})"
+
+
+class NeedsStorableSamples:
+    """Mixin of backends that build from their recorded calls (compile, quantize): a call
+    holding an object that cannot be stored is not kept; the backend compiles on first call."""
+
+    def can_store(self, sample: Call) -> bool:
+        return unstorable(sample) is None
+
+
+def copy_module(module: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of `module` for a backend that changes it in place (quantization).
+
+    Tuned-module wrappers it refers to (a wrapped root's own wrapper) are shared, not copied.
+    """
+    from .. import _C
+
+    memo = {id(v): v for v in module.__dict__.values() if isinstance(v, _C.Dispatcher)}
+    return copy.deepcopy(module, memo)

@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .._samples import Call
-from .base import Backend, BackendConfig
+from .base import Backend, BackendConfig, NeedsStorableSamples
 
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -32,7 +32,7 @@ class TorchInductorBackendConfig(BackendConfig):
             raise ValueError(f"options must be a dict, got {type(self.options).__name__}")
 
 
-class TorchInductorBackend(Backend):
+class TorchInductorBackend(NeedsStorableSamples, Backend):
     name = "TorchInductor"
     config_class = TorchInductorBackendConfig
 

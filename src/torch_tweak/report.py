@@ -1,0 +1,100 @@
+"""Why a backend won or lost: per module and signature, every candidate's latency or error.
+
+``print(result.modules)`` after a tweak prints one table; ``print(result.modules[path])``
+prints the rows of one module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class SignatureResult:
+    """One input signature of a module: the backend chosen for it and every candidate.
+
+    candidates: one dict per candidate backend: "backend", "state" ("measured", "built",
+    "failed", "not tried"), "latency_ms" (None unless measured), "error", "reason" ("",
+    "unavailable", "build failed", "dynamic shapes", "mismatch"), "max_error" (largest
+    relative error of the correctness check, or None), "tolerance" (on a mismatch).
+    unstorable: recorded calls the chosen backend cannot store; they compile on first call.
+    """
+
+    text: str
+    key: str
+    backend: str | None
+    error: str
+    candidates: tuple[dict, ...]
+    unstorable: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleResult:
+    """What tuning did to one module: per signature, the backend chosen and every candidate.
+
+    backend: the chosen backend's name (names joined by ", " when signatures differ), or None.
+    candidates: every signature's candidate dicts, each with its "signature" text.
+    """
+
+    path: str
+    backend: str | None
+    error: str
+    candidates: tuple[dict, ...]
+    signatures: tuple[SignatureResult, ...] = ()
+
+    def rows(self) -> list[list[str]]:
+        rows = []
+        for s in self.signatures:
+            for i, c in enumerate(s.candidates):
+                rows.append([self.path or "(root)" if not rows else "", s.text if i == 0 else "",
+                             c["backend"], "-" if c["latency_ms"] is None else f"{c['latency_ms']:.3f}",
+                             status(c, c["backend"] == s.backend, s.unstorable)])
+            if not s.candidates:
+                rows.append([self.path or "(root)" if not rows else "", s.text, "-", "-", s.error])
+        return rows
+
+    def __str__(self) -> str:
+        return table([HEADER] + self.rows())
+
+
+def status(candidate: dict, chosen: bool, unstorable: int) -> str:
+    if chosen:
+        note = f" ({unstorable} recorded calls not storable: compiles on first call)" if unstorable else ""
+        return "chosen" + note
+    if candidate["state"] == "measured":
+        return "slower"
+    if candidate["state"] == "not tried":
+        return "not tried"
+    reason = candidate.get("reason", "")
+    error = candidate["error"]
+    if reason == "mismatch" and candidate.get("max_error") is not None:
+        return f"failed the correctness check: error {candidate['max_error']:.3g} > {candidate['tolerance']:.3g}"
+    if reason == "dynamic shapes":
+        return "rejected for dynamic shapes: " + error.split("dynamic shapes: ", 1)[-1]
+    if reason == "unavailable":
+        return error.removeprefix("BackendUnavailable: ")
+    if reason == "build failed":
+        return f"failed to build: {error}"
+    return error or candidate["state"]
+
+
+HEADER = ["module", "signature", "backend", "latency ms", "result"]
+
+
+def table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER) - 1)]
+    lines = []
+    for r in rows:
+        cells = [r[0].ljust(widths[0]), r[1].ljust(widths[1]), r[2].ljust(widths[2]), r[3].rjust(widths[3]), r[4]]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+class ModuleResults(dict):
+    """{path: ModuleResult}; ``str()`` is one table of every module, signature and candidate."""
+
+    def __str__(self) -> str:
+        rows = [HEADER]
+        for result in self.values():
+            rows.extend(result.rows())
+        return table(rows) if len(rows) > 1 else "no module was tuned"

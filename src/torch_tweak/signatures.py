@@ -1,0 +1,93 @@
+"""Input signatures: the calls of one module grouped by what they look like.
+
+A module called with two batch sizes, or once for prefill and then for decode, has
+several signatures. Each gets its own copy of the strategy and its own backend; the C
+dispatcher picks the entry whose ``_C.Signature`` fits a call and runs the original
+module for a call that fits none.
+
+Recording keeps up to MAX_CALLS_PER_SIGNATURE calls of each of the first
+MAX_SIGNATURES signatures. Calls of any further signature share one last group,
+"any other call", with no signature of its own: its backend serves every call that
+no earlier signature fits (backends that need static shapes reject it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any
+
+import torch
+
+from . import _C
+from ._samples import Call
+
+MAX_SIGNATURES = 4
+MAX_CALLS_PER_SIGNATURE = 8
+
+OTHER = "any other call"
+
+
+@dataclasses.dataclass(eq=False)
+class SignatureGroup:
+    """The recorded calls of one signature, and what tuning chose for them.
+
+    signature: the _C.Signature the dispatcher matches, or None for "any other call".
+    text: a readable form, e.g. ``(float32[8, 16], scale=2.0)``; key: a short stable hash.
+    report: one dict per candidate backend (see tuning.candidate_report).
+    unstorable: recorded calls the chosen backend cannot store (they compile on first call).
+    """
+
+    signature: Any
+    text: str
+    key: str
+    samples: list[Call] = dataclasses.field(default_factory=list)
+    outputs: list[Any] = dataclasses.field(default_factory=list)
+    backend: Any = None
+    error: str = ""
+    report: list[dict] = dataclasses.field(default_factory=list)
+    unstorable: int = 0
+
+    def release(self) -> None:
+        self.samples.clear()
+        self.outputs.clear()
+
+
+def describe_value(value: Any, depth: int = 0) -> str:
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).replace("torch.", "")
+        where = "" if value.device.type == "cpu" else f"@{value.device}"
+        return f"{dtype}[{', '.join(map(str, value.shape))}]{where}"
+    if isinstance(value, (tuple, list)) and depth == 0:
+        inner = ", ".join(describe_value(v, 1) for v in value)
+        return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+        text = repr(value)
+        return text if len(text) <= 24 else text[:21] + "..."
+    return type(value).__name__
+
+
+def describe_call(args: tuple, kwargs: dict) -> str:
+    parts = [describe_value(a) for a in args] + [f"{k}={describe_value(v)}" for k, v in kwargs.items()]
+    return "(" + ", ".join(parts) + ")"
+
+
+def key_of(text: str) -> str:
+    return hashlib.sha1(text.encode("utf-8")).hexdigest()[:12]
+
+
+def group_for(groups: list[SignatureGroup], args: tuple, kwargs: dict) -> SignatureGroup:
+    """The group a call belongs to; a new one is appended when none fits."""
+    for group in groups:
+        if group.signature is None or group.signature.matches(args, kwargs):
+            return group
+    signature = None
+    if len(groups) < MAX_SIGNATURES:
+        try:
+            signature = _C.Signature(args, kwargs)
+        except Exception:  # an argument the dispatcher cannot describe: any other call
+            signature = None
+    text = describe_call(args, kwargs) if signature is not None else OTHER
+    group = SignatureGroup(signature, text, key_of(text) if signature is not None else "other")
+    groups.append(group)
+    return group

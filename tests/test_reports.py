@@ -1,0 +1,135 @@
+"""Why a backend lost (per module and signature), build logs in the cache folder, weights a
+backend moved put back, and tolerances set globally and per backend."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import torch_tweak as tt
+from torch_tweak import cache, signatures
+from torch_tweak.backends import Backend, TorchEagerBackend
+from support import FAST, BrokenBackend, NoisyBackend
+
+
+class MissingBackend(Backend):
+    name = "Missing"
+
+    def unavailable(self, device):
+        return "not installed (pip install missing)"
+
+    def build(self, module, samples, device):
+        raise AssertionError("an unavailable backend is never built")
+
+
+class StaticOnlyBackend(Backend):
+    name = "StaticOnly"
+
+    def build(self, module, samples, device):
+        raise RuntimeError("dynamic shapes: argument 0 axis 0 varies")
+
+
+class WarningBackend(Backend):
+    name = "Warning"
+
+    def build(self, module, samples, device):
+        warnings.warn("this backend has something to say")
+        return module
+
+
+class OffsetBackend(Backend):
+    """Outputs off by 1e-3 relative to a reference scale of 1: between the fp32 default and 1e-2."""
+
+    name = "Offset"
+
+    def build(self, module, samples, device):
+        def run(*args, **kwargs):
+            out = module(*args, **kwargs)
+            return out + 1e-3 * out.abs().max()
+        return run
+
+
+class MovingBackend(Backend):
+    """Moves the module's weights away while it builds, as OpenVINO does with a GPU module."""
+
+    name = "Moving"
+
+    def build(self, module, samples, device):
+        module.to("meta")
+        return module
+
+
+def test_result_shows_every_candidates_latency_or_why_it_lost(mlp, mlp_data):
+    strategy = tt.HighestThroughputStrategy([MissingBackend(), BrokenBackend(), NoisyBackend(),
+                                             StaticOnlyBackend(), TorchEagerBackend()])
+    result = tt.tweak(mlp, mlp_data, max_depth=1, min_depth=1, strategy=strategy, progress=False, measure=FAST)
+    head = result.modules["head"]
+    (sig,) = head.signatures
+    assert sig.text == "(float32[8, 16])" and sig.backend == head.backend == "TorchEager"
+    by_name = {c["backend"]: c for c in sig.candidates}
+    assert by_name["Missing"]["reason"] == "unavailable" and "not installed" in by_name["Missing"]["error"]
+    assert by_name["Broken"]["reason"] == "build failed"
+    assert by_name["Noisy"]["reason"] == "mismatch" and by_name["Noisy"]["max_error"] > 0.001
+    assert by_name["Noisy"]["tolerance"] == tt.TOLERANCES[torch.float32]
+    assert by_name["StaticOnly"]["reason"] == "dynamic shapes"
+    assert by_name["TorchEager"]["latency_ms"] > 0 and by_name["TorchEager"]["max_error"] == 0.0
+    text = str(result.modules)
+    for expected in ("module", "signature", "latency ms", "blocks.0", "head", "(float32[8, 16])",
+                     "not installed (pip install missing)", "failed to build: RuntimeError: this backend cannot",
+                     "failed the correctness check: error", "> 0.001", "rejected for dynamic shapes: argument 0 axis 0 varies", "chosen"):
+        assert expected in text, (expected, text)
+    assert str(head).splitlines()[1].startswith("head") and len(str(head).splitlines()) == 6
+    assert text.count("TorchEager") == 3  # one row per module
+
+
+def test_build_logs_in_the_cache_folder(mlp, mlp_data, cache_folder, monkeypatch):
+    monkeypatch.setenv("TORCH_TWEAK_CACHE", str(cache_folder / "logs-test"))
+    (w,) = tt.wrap(mlp, ["head"], strategy=tt.FirstWinsStrategy([BrokenBackend(), WarningBackend()]))
+    tt.tune(mlp, mlp_data, measure=FAST)
+    (group,) = w.tt_signatures
+    folder = cache_folder / "logs-test" / "logs" / "MLP" / "head" / group.key
+    assert group.key == signatures.key_of(group.text) and len(group.key) == 12
+    broken = (folder / "Broken.log").read_text()
+    assert "outcome: failed" in broken and "Traceback" in broken and "this backend cannot build anything" in broken
+    said = (folder / "Warning.log").read_text()
+    assert "UserWarning: this backend has something to say" in said and "passed the correctness check" in said
+    assert cache.cache_dir() == cache_folder / "logs-test"
+
+
+def test_cache_folder_default(monkeypatch):
+    monkeypatch.delenv("TORCH_TWEAK_CACHE", raising=False)
+    assert str(cache.cache_dir()).endswith("/.cache/torch-tweak")
+    assert cache.log_path("M", "", "k", "B").parts[-3:] == ("_root", "k", "B.log")
+
+
+def test_weights_a_backend_moved_are_back_on_their_device(mlp, mlp_data):
+    weight = mlp.head.weight
+    before = weight.detach().clone()
+    result = tt.tweak(mlp, mlp_data, max_depth=1, strategy=tt.OneBackendStrategy(MovingBackend()),
+                      progress=False, measure=FAST)
+    assert all(r.latency_ms is not None for r in result.rows)  # every depth ran on real weights
+    assert mlp.head.weight is weight and weight.device.type == "cpu" and torch.equal(weight, before)
+    assert all(t.device.type == "cpu" for t in mlp.state_dict().values())
+
+
+def test_tolerance_per_backend_and_global(mlp, mlp_data, monkeypatch):
+    def tune_with(backend):
+        tt.unwrap(mlp)
+        (w,) = tt.wrap(mlp, ["head"], strategy=tt.OneBackendStrategy(backend))
+        tt.tune(mlp, mlp_data, measure=FAST)
+        return w
+
+    w = tune_with(OffsetBackend())  # the fp32 default 1e-3 rejects an error of 1e-3 relative to ~1
+    assert w.tt_backend is None and "exceeds the tolerance 0.001" in w.tt_error
+    assert tune_with(OffsetBackend(tolerance=1e-2)).tt_backend is not None
+    monkeypatch.setitem(tt.TOLERANCES, torch.float32, 1e-2)
+    assert tune_with(OffsetBackend()).tt_backend is not None
+    w = tune_with(OffsetBackend(tolerance=1e-5))  # a backend's own tolerance wins over the global one
+    assert w.tt_backend is None and "tolerance 1e-05" in w.tt_error
+
+
+def test_invalid_tolerance_is_refused():
+    with pytest.raises(ValueError, match="tolerance must be a fraction"):
+        TorchEagerBackend(tolerance=-1)
