@@ -214,6 +214,24 @@ def test_signature_device():
     assert d(torch.empty(2)) == "backend"
 
 
+def test_signature_device_type_both_ways():
+    backend, _ = counting()
+    d = active([(sig(torch.empty(2, device="meta")), backend)])
+    assert d(torch.ones(2)) == "original"
+    assert d(torch.empty(2, device="meta")) == "backend"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_signature_device_index_on_cuda():
+    backend, _ = counting()
+    d = active([(sig(torch.ones(2, device="cuda:0")), backend)])
+    assert d(torch.zeros(2, device="cuda:0")) == "backend"
+    assert d(torch.zeros(2)) == "original"
+    assert _C.Signature((torch.ones(2, device="cuda"),), {}).matches((torch.ones(2, device="cuda:0"),), {})
+    if torch.cuda.device_count() > 1:
+        assert d(torch.zeros(2, device="cuda:1")) == "original"
+
+
 def test_signature_keyword_names_match_as_a_set():
     backend, _ = counting()
     d = active([(sig(torch.ones(2), mask=torch.ones(2, dtype=torch.bool), scale=2), backend)])

@@ -21,7 +21,7 @@
 
 enum {
     TT_ARG_VALUE = 0,  /* compared with `is`, then same type and == */
-    TT_ARG_TENSOR = 1, /* dtype by identity, device with ==, shape per axis */
+    TT_ARG_TENSOR = 1, /* dtype by identity, shape per axis, device type and index */
     TT_ARG_SEQ = 2     /* a tuple or list: same exact type, length, items */
 };
 
@@ -29,6 +29,10 @@ typedef struct TtArgSpec {
     int kind;
     PyObject *value;         /* VALUE: the value; TENSOR: the dtype; SEQ: the exact type */
     PyObject *device;        /* TENSOR: the torch.device */
+    PyObject *device_flag;   /* TENSOR: "is_<device type>" when torch.Tensor has it, else
+                              * NULL and the device is compared with == */
+    TtGetter flag_get;       /* TENSOR: device_flag's getter on torch.Tensor */
+    long device_index;       /* TENSOR: the device's index; -1 when it has none (cpu) */
     Py_ssize_t ndim;         /* TENSOR: dimensions; SEQ: items */
     Py_ssize_t *shape;       /* TENSOR: ndim sizes, -1 for a dynamic axis */
     struct TtArgSpec *items; /* SEQ: ndim item specs */
@@ -61,6 +65,7 @@ tt_spec_release(TtArgSpec *spec)
 
     Py_CLEAR(spec->value);
     Py_CLEAR(spec->device);
+    Py_CLEAR(spec->device_flag);
     PyMem_Free(spec->shape);
     spec->shape = NULL;
     if (spec->items != NULL) {
@@ -124,6 +129,47 @@ cleanup:
     return rc;
 }
 
+/* How to check the device cheaply: reading a tensor's .device makes a new
+ * torch.device and == on it costs about as much as dtype and shape together,
+ * while is_cpu / is_cuda... are bool getters, and get_device() gives the
+ * index as a small int. Falls back to == for a type without an is_<type>. */
+static int
+tt_spec_build_device(TtState *st, TtArgSpec *spec)
+{
+    PyObject *type = NULL;  /* new reference: device.type */
+    PyObject *index = NULL; /* new reference: device.index */
+    PyObject *flag = NULL;  /* new reference: "is_<type>" */
+    int rc = -1;
+
+    spec->device_index = -1;
+    if ((type = PyObject_GetAttrString(spec->device, "type")) == NULL ||
+        (index = PyObject_GetAttrString(spec->device, "index")) == NULL)
+        goto cleanup;
+    if (index != Py_None) {
+        spec->device_index = PyLong_AsLong(index);
+        if (spec->device_index == -1 && PyErr_Occurred())
+            goto cleanup;
+    }
+    if ((flag = PyUnicode_FromFormat("is_%S", type)) == NULL)
+        goto cleanup;
+    PyUnicode_InternInPlace(&flag);
+    if (tt_getter_find(st->tensor_type, flag, &spec->flag_get) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            goto cleanup;
+        PyErr_Clear(); /* no is_<type>: compare the device with == */
+    }
+    else {
+        spec->device_flag = flag;
+        flag = NULL;
+    }
+    rc = 0;
+cleanup:
+    Py_XDECREF(type);
+    Py_XDECREF(index);
+    Py_XDECREF(flag);
+    return rc;
+}
+
 static int
 tt_spec_build_tensor(TtState *st, TtArgSpec *spec, PyObject *obj)
 {
@@ -135,6 +181,8 @@ tt_spec_build_tensor(TtState *st, TtArgSpec *spec, PyObject *obj)
     if ((spec->value = PyObject_GetAttr(obj, st->str_dtype)) == NULL)
         goto cleanup;
     if ((spec->device = PyObject_GetAttr(obj, st->str_device)) == NULL)
+        goto cleanup;
+    if (tt_spec_build_device(st, spec) < 0)
         goto cleanup;
     if ((shape = PyObject_GetAttr(obj, st->str_shape)) == NULL)
         goto cleanup;
@@ -236,12 +284,12 @@ tt_spec_match(TtState *st, const TtArgSpec *spec, PyObject *arg)
             !PyObject_TypeCheck(arg, st->tensor_type))
             goto cleanup;
         /* dtypes are singletons: identity is equality */
-        if (TT_UNLIKELY((attr = PyObject_GetAttr(arg, st->str_dtype)) == NULL))
+        if (TT_UNLIKELY((attr = tt_tensor_attr(st, arg, &st->tensor_dtype, st->str_dtype)) == NULL))
             goto soft_error;
         if (attr != spec->value)
             goto cleanup;
         Py_DECREF(attr);
-        if (TT_UNLIKELY((attr = PyObject_GetAttr(arg, st->str_shape)) == NULL))
+        if (TT_UNLIKELY((attr = tt_tensor_attr(st, arg, &st->tensor_shape, st->str_shape)) == NULL))
             goto soft_error;
         if (TT_UNLIKELY(!PyTuple_Check(attr)) || PyTuple_GET_SIZE(attr) != spec->ndim)
             goto cleanup;
@@ -257,8 +305,28 @@ tt_spec_match(TtState *st, const TtArgSpec *spec, PyObject *arg)
                 goto cleanup;
         }
         Py_DECREF(attr);
+        if (TT_LIKELY(spec->device_flag != NULL)) {
+            /* the type by its is_<type> bool, then the index when it has one */
+            attr = tt_tensor_attr(st, arg, &spec->flag_get, spec->device_flag);
+            if (TT_UNLIKELY(attr == NULL))
+                goto soft_error;
+            if (attr != Py_True)
+                goto cleanup;
+            if (spec->device_index < 0) {
+                rc = 1;
+                goto cleanup;
+            }
+            Py_DECREF(attr);
+            attr = PyObject_VectorcallMethod(st->str_get_device, &arg, 1, NULL);
+            if (TT_UNLIKELY(attr == NULL))
+                goto soft_error;
+            rc = PyLong_AsLong(attr) == spec->device_index;
+            if (TT_UNLIKELY(PyErr_Occurred()))
+                goto soft_error;
+            goto cleanup;
+        }
         /* torch.device is a fresh object per read; its == compares type and index */
-        if (TT_UNLIKELY((attr = PyObject_GetAttr(arg, st->str_device)) == NULL))
+        if (TT_UNLIKELY((attr = tt_tensor_attr(st, arg, &st->tensor_device, st->str_device)) == NULL))
             goto soft_error;
         rc = PyObject_RichCompareBool(attr, spec->device, Py_EQ);
         if (TT_UNLIKELY(rc < 0))
@@ -748,9 +816,14 @@ tt_dispatcher_vectorcall(PyObject *callable, PyObject *const *args, size_t nargs
     self->calls++;
     if (TT_LIKELY(self->mode == TT_MODE_ACTIVE)) {
         entries = self->entries;
-        Py_INCREF(entries);
-        found = tt_dispatcher_find(self, entries, args, PyVectorcall_NARGS(nargsf), kwnames,
-                                   &target);
+        if (TT_UNLIKELY(entries == NULL)) { /* cleared by the GC, called by a finalizer */
+            found = 0;
+        }
+        else {
+            Py_INCREF(entries);
+            found = tt_dispatcher_find(self, entries, args, PyVectorcall_NARGS(nargsf), kwnames,
+                                       &target);
+        }
         if (TT_UNLIKELY(found < 0))
             goto cleanup;
         if (TT_UNLIKELY(!found)) {

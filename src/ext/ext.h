@@ -31,6 +31,13 @@
 #define TT_UNLIKELY(x) (x)
 #endif
 
+/* A getset descriptor's getter, found once on torch.Tensor. get NULL: read
+ * the attribute with PyObject_GetAttr. */
+typedef struct TtGetter {
+    getter get;
+    void *closure;
+} TtGetter;
+
 /* What one module object owns. Strings are interned at module exec so that
  * attribute lookups on the hot path hit the type's method cache. */
 typedef struct TtState {
@@ -40,12 +47,16 @@ typedef struct TtState {
     PyTypeObject *SignatureType;
     PyTypeObject *DispatcherType;
     PyTypeObject *tensor_type;    /* torch.Tensor; NULL until first needed */
+    TtGetter tensor_dtype;        /* torch.Tensor's getters of dtype, shape, device */
+    TtGetter tensor_shape;
+    TtGetter tensor_device;
     PyObject *str_dtype;
     PyObject *str_shape;
     PyObject *str_device;
     PyObject *str_name;           /* "__name__" */
     PyObject *str_tensor;         /* "Tensor" */
     PyObject *str_torch;          /* "torch" */
+    PyObject *str_get_device;     /* "get_device" */
 } TtState;
 
 extern PyModuleDef tt_module_def;
@@ -59,6 +70,22 @@ TtState *tt_state_from_type(PyTypeObject *tp);
  * NULL without an exception when torch is not imported (then nothing can be a
  * tensor); NULL with an exception when the lookup itself failed. */
 PyTypeObject *tt_state_tensor_type(TtState *st);
+
+/* g from tp's attribute `name` when that is a getset descriptor of a base of
+ * tp; left NULL (generic lookup) otherwise. -1 on error, AttributeError
+ * included. */
+int tt_getter_find(PyTypeObject *tp, PyObject *name, TtGetter *g);
+
+/* Attribute `name` of `obj`, read through `g` when obj is exactly torch.Tensor:
+ * the same getter PyObject_GetAttr would reach, without the generic lookup.
+ * New reference. */
+static inline PyObject *
+tt_tensor_attr(const TtState *st, PyObject *obj, const TtGetter *g, PyObject *name)
+{
+    if (TT_LIKELY(g->get != NULL && Py_TYPE(obj) == st->tensor_type))
+        return g->get(obj, g->closure);
+    return PyObject_GetAttr(obj, name);
+}
 
 /* The exception being raised, normalized with its traceback attached, cleared
  * from the thread state. New reference; NULL when none is set. */

@@ -86,6 +86,24 @@ tt_state_from_type(PyTypeObject *tp)
     return st;
 }
 
+int
+tt_getter_find(PyTypeObject *tp, PyObject *name, TtGetter *g)
+{
+    PyObject *descr = PyObject_GetAttr((PyObject *)tp, name); /* new reference */
+
+    g->get = NULL;
+    g->closure = NULL;
+    if (descr == NULL)
+        return -1;
+    if (Py_IS_TYPE(descr, &PyGetSetDescr_Type) &&
+        PyType_IsSubtype(tp, PyDescr_TYPE(descr))) {
+        g->get = ((PyGetSetDescrObject *)descr)->d_getset->get;
+        g->closure = ((PyGetSetDescrObject *)descr)->d_getset->closure;
+    }
+    Py_DECREF(descr);
+    return 0;
+}
+
 PyTypeObject *
 tt_state_tensor_type(TtState *st)
 {
@@ -107,6 +125,10 @@ tt_state_tensor_type(TtState *st)
         PyErr_SetString(PyExc_TypeError, "torch.Tensor is not a type");
         goto cleanup;
     }
+    if (tt_getter_find((PyTypeObject *)tensor, st->str_dtype, &st->tensor_dtype) < 0 ||
+        tt_getter_find((PyTypeObject *)tensor, st->str_shape, &st->tensor_shape) < 0 ||
+        tt_getter_find((PyTypeObject *)tensor, st->str_device, &st->tensor_device) < 0)
+        goto cleanup;
     st->tensor_type = (PyTypeObject *)tensor;
     tensor = NULL;
     result = st->tensor_type;
@@ -135,7 +157,8 @@ tt_module_exec(PyObject *module)
         (st->str_device = tt_intern("device")) == NULL ||
         (st->str_name = tt_intern("__name__")) == NULL ||
         (st->str_tensor = tt_intern("Tensor")) == NULL ||
-        (st->str_torch = tt_intern("torch")) == NULL)
+        (st->str_torch = tt_intern("torch")) == NULL ||
+        (st->str_get_device = tt_intern("get_device")) == NULL)
         goto error;
 
     st->EngineError = PyErr_NewExceptionWithDoc(
@@ -189,6 +212,7 @@ tt_module_clear(PyObject *module)
     Py_CLEAR(st->str_name);
     Py_CLEAR(st->str_tensor);
     Py_CLEAR(st->str_torch);
+    Py_CLEAR(st->str_get_device);
     return 0;
 }
 
