@@ -441,3 +441,29 @@ def test_tweak_argument_errors():
     with pytest.raises(TypeError, match="tune"):
         _C.tweak(tree, **{**model.kwargs(), "tune": 3})
     assert model.log == []
+
+
+def test_callbacks_and_failures_keep_their_reference_counts():
+    import sys
+
+    clock = FakeClock()
+    run = clock.runner(10)
+    sync = lambda: None  # noqa: E731
+    error = ValueError("x")
+
+    def failing(i):
+        raise error
+
+    cfg = {"warmup_min": 0, "warmup_max": 0, "rounds_min": 1, "rounds_max": 1}
+    watched = [clock, run, sync, failing, error]
+    _C.measure(run, 1, sync=sync, clock=clock, config=cfg)
+    before = [sys.getrefcount(o) for o in watched]
+    for _ in range(200):
+        _C.measure(run, 3, sync=sync, clock=clock, config=cfg)
+        _C.compare([run, run], 2, sync=sync, clock=clock, config=cfg)
+        try:
+            _C.measure(failing, 1, clock=clock, config=cfg)
+        except _C.EngineError as e:
+            assert e.__cause__ is error
+    error.__traceback__ = None  # the traceback holds frames, not our references
+    assert [sys.getrefcount(o) for o in watched] == before
