@@ -115,6 +115,9 @@ class Signature:
     arguments, the keyword names, and per argument a tensor's dtype, device and
     shape (a dynamic axis matches any size) or a plain value compared with ==.
     Tuples and lists are followed one level down (same exact type and length).
+    A tensor matches a recorded one (any torch.Tensor subclass) with the same
+    dtype, the same sizes except on dynamic axes, and the same device type and
+    index (checked through is_<type> and get_device(), which allocate nothing).
     A plain value matches when it is the same object, or of the same type and
     ==; a comparison that raises an Exception is a mismatch. Keyword names
     match as a set (any order).
