@@ -187,10 +187,11 @@ def measure(runs: dict[str, Callable[[int], Any]], n_data: int, warmup: int, rou
 
 def dispatcher_overhead(model: torch.nn.Module, data: list) -> list[dict]:
     """Per tuned module: ns per call through its dispatcher minus ns per call of the same
-    callable directly, both with the module's real arguments and a no-op backend, so
-    only the dispatcher's own work is left in the difference."""
+    callable directly, both with the module's real arguments and a no-op backend in place
+    of each entry's backend (the entries' signatures kept), so only the dispatcher's own
+    work, its signature check included, is left in the difference."""
     import torch_tweak as tt
-    from torch_tweak.tuning import dataset_runner, record
+    from torch_tweak.tuning import dataset_runner, record, release
 
     wrappers = tt.installed(model)
     active = {p: w for p, w in wrappers.items() if w.tt_backend is not None}
@@ -207,7 +208,7 @@ def dispatcher_overhead(model: torch.nn.Module, data: list) -> list[dict]:
             continue
         args, kwargs = w.tt_samples[0]
         saved = w._tt_entries
-        w._tt_set_entries([(None, noop)])
+        w._tt_set_entries([(sig, noop) for sig, _ in saved])
         try:
             env = {"w": w, "f": noop, "a": args, "k": kwargs}
             n = 20000
@@ -215,9 +216,9 @@ def dispatcher_overhead(model: torch.nn.Module, data: list) -> list[dict]:
             direct = min(timeit.repeat("f(*a, **k)", globals=env, number=n, repeat=5)) / n * 1e9
         finally:
             w._tt_set_entries(saved)
-            w.tt_samples.clear()
-            w.tt_outputs.clear()
+            release(w)
         rows.append({"module": path or "(root)", "backend": w.tt_backend.name,
+                     "signatures": sum(sig is not None for sig, _ in saved),
                      "through_ns": through, "direct_ns": direct, "overhead_ns": through - direct})
     return rows
 
@@ -465,7 +466,8 @@ def merge(paths: list[str], out_dir: str) -> None:
         md += ["## Columns that failed", ""] + [f"- {m} {d} {c}: {e}" for m, d, c, e in errors] + [""]
     md += ["## Dispatcher overhead per tuned module", "",
            "ns per call through the module's dispatcher minus ns per call of the same no-op backend "
-           "called directly, with the module's real arguments (best of 5 timeit loops of 20000 calls).", "",
+           "called directly, with the module's real arguments and the dispatcher's entries as tuning set "
+           "them (their signature checks included); best of 5 timeit loops of 20000 calls.", "",
            "| model | dtype | modules | median ns | max ns |", "|---|---|---:|---:|---:|"]
     for r in rows:
         d = r.get("dispatch") or []
