@@ -18,6 +18,10 @@ need=()
 "$VPY" -c "import scikit_build_core" 2>/dev/null || need+=("scikit-build-core>=0.9")
 command -v cmake >/dev/null 2>&1 || "$VPY" -c "import cmake" 2>/dev/null || need+=("cmake")
 command -v ninja >/dev/null 2>&1 || "$VPY" -c "import ninja" 2>/dev/null || need+=("ninja")
+# The optional backends (the extras openvino and torchao), so their tests run.
+"$VPY" -c "import openvino" 2>/dev/null || need+=("openvino>=2024.0")
+# torchao 0.18 is built for torch 2.11 and later; an older torch goes without (its tests skip).
+"$VPY" -c "import torchao" 2>/dev/null || ! "$VPY" -c "import sys, torch; v = torch.__version__.split('.'); sys.exit((int(v[0]), int(v[1])) < (2, 11))" 2>/dev/null || need+=("torchao==0.18.0")
 if [ ${#need[@]} -gt 0 ]; then
     echo "setup: installing ${need[*]}"
     "$VPY" -m pip install -q "${need[@]}"

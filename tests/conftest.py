@@ -39,7 +39,7 @@ def mlp_data() -> list[torch.Tensor]:
 
 @pytest.fixture(scope="session")
 def encoder_tweak():
-    """One tweak of examples/Tweak's encoder with the default (Inductor, Eager) backends."""
+    """One tweak of examples/Tweak's encoder with the default CPU backends (Inductor, OpenVINO, Eager)."""
     model = encoder.build()
     data = encoder.samples(count=2)
     with torch.no_grad():

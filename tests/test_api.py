@@ -129,6 +129,10 @@ def test_default_backends_per_device():
         assert [type(b) for b in first][-1] is TorchEagerBackend
         assert any(isinstance(b, TorchInductorBackend) for b in first)
         assert first is not tt.default_backends(device)  # a new list each call
+    names = {d: [b.name for b in tt.default_backends(d)] for d in ("cpu", "cuda", "xpu")}
+    assert names["cpu"] == ["TorchInductor", "OpenVINO", "TorchEager"]
+    assert names["xpu"] == ["DeviceGraph", "TorchInductor", "OpenVINO", "TorchEager"]
+    assert "OpenVINO" not in names["cuda"] and not any("TorchAO" in n for n in sum(names.values(), []))
     with pytest.raises(ValueError, match="mps"):
         tt.default_backends("mps")
     with pytest.raises(ValueError, match="unknown device"):

@@ -81,9 +81,18 @@ def test_encoder_tweak_with_inductor(encoder_tweak):
     assert "untuned" in text and all(f"  {d}  " in text or f" {d} " in text for d in (0, 1, 2))
     for row in result.rows:
         assert row.latency_ms is not None or row.error, row
-    # every tuned module reports every default backend's latency or error
+    # every tuned module reports every default backend's latency or error, per signature
+    defaults = [b.name for b in tt.default_backends("cpu")]
+    assert defaults == ["TorchInductor", "OpenVINO", "TorchEager"]
+    assert len(result.modules) == 1 + 5 + 16  # the root, depth 1, and depth 2 less the reused norm
     for module in result.modules.values():
-        assert {c["backend"] for c in module.candidates} == {"TorchInductor", "TorchEager"}
+        (signature,) = module.signatures  # every call of a module has one shape here
+        assert [c["backend"] for c in signature.candidates] == defaults
+        for c in signature.candidates:
+            assert c["latency_ms"] is not None or c["error"], (module.path, c)
+    table = str(result.modules)
+    assert table.splitlines()[0].split() == ["module", "signature", "backend", "latency", "ms", "result"]
+    assert len(table.splitlines()) == 1 + 3 * len(result.modules) and "(float32[8, 64, 256])" in table
     with torch.no_grad():
         for x, want in zip(data, expected):
             got = model(x)

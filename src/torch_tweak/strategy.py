@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .backends import (Backend, DeviceGraphBackend, InductorGraphBackend, TorchEagerBackend,
+from .backends import (Backend, DeviceGraphBackend, InductorGraphBackend, OpenVINOBackend, TorchEagerBackend,
                        TorchInductorBackend)
 
 
@@ -24,18 +24,18 @@ def device_type(device: Any) -> str:
 def default_backends(device: Any) -> list[Backend]:
     """A new list of the default backends for `device`, in the order FirstWins tries them.
 
-    cpu: Torch Inductor, Torch Eager. cuda: device graph, Torch Inductor, Inductor
-    inside a device graph, Torch Eager. xpu: device graph, Torch Inductor, Torch Eager.
-    OpenVINO joins these lists when it lands.
+    cpu: Torch Inductor, OpenVINO, Torch Eager. cuda: device graph, Torch Inductor, Inductor
+    inside a device graph, Torch Eager. xpu: device graph, Torch Inductor, OpenVINO, Torch Eager.
+    OpenVINO reports "not installed" when its package is missing, and strategies move on.
     TorchAO is never a default: quantization changes results.
     """
     kind = device_type(device)
     if kind == "cuda":
         return [DeviceGraphBackend(), TorchInductorBackend(), InductorGraphBackend(), TorchEagerBackend()]
     if kind == "xpu":
-        return [DeviceGraphBackend(), TorchInductorBackend(), TorchEagerBackend()]
+        return [DeviceGraphBackend(), TorchInductorBackend(), OpenVINOBackend(), TorchEagerBackend()]
     if kind == "cpu":
-        return [TorchInductorBackend(), TorchEagerBackend()]
+        return [TorchInductorBackend(), OpenVINOBackend(), TorchEagerBackend()]
     raise ValueError(f"torch-tweak has no backends for device {kind!r}; use 'cpu', 'cuda' or 'xpu'")
 
 

@@ -128,7 +128,7 @@ def tune_group(wrapper: TunedModule, group: SignatureGroup, strategy: Strategy, 
                         restore_places(places)  # weights a backend moved go back to their device
                     worst = 0.0
                     for j, (args, kwargs) in enumerate(samples):
-                        worst = max(worst, check(fn(*args, **kwargs), refs[j], backend.config.tolerance,
+                        worst = max(worst, check(fn(*args, **kwargs), refs[j], backend.check_tolerance(),
                                                  where=f"sample {j}"))
                 except Exception as exc:
                     notes[i]["reason"] = _reason(exc)

@@ -5,6 +5,8 @@ from .eager import TorchEagerBackend, TorchEagerBackendConfig
 from .graph import (DeviceGraphBackend, DeviceGraphBackendConfig, InductorGraphBackend,
                     InductorGraphBackendConfig)
 from .inductor import TorchInductorBackend, TorchInductorBackendConfig
+from .openvino import OpenVINOBackend, OpenVINOBackendConfig
+from .torchao import TorchAOBackend, TorchAOBackendConfig
 
 __all__ = [
     "Backend",
@@ -14,6 +16,10 @@ __all__ = [
     "DeviceGraphBackendConfig",
     "InductorGraphBackend",
     "InductorGraphBackendConfig",
+    "OpenVINOBackend",
+    "OpenVINOBackendConfig",
+    "TorchAOBackend",
+    "TorchAOBackendConfig",
     "TorchEagerBackend",
     "TorchEagerBackendConfig",
     "TorchInductorBackend",

@@ -71,6 +71,10 @@ class Backend(abc.ABC):
         """Why this backend cannot run on `device`, or None when it can."""
         return None
 
+    def check_tolerance(self) -> float | None:
+        """The tolerance of the correctness check: the config's, or None for the per-dtype default."""
+        return self.config.tolerance
+
     def check_device(self, device: torch.device) -> None:
         """Raises ValueError naming the backend and `device` when it can never run there.
 

@@ -1,0 +1,205 @@
+"""OpenVINO: the module converted to an OpenVINO model and compiled for the CPU or an Intel GPU.
+
+An optional dependency: ``pip install torch-tweak[openvino]``. Without it the backend
+reports "not installed" and strategies move on.
+
+Two conversion paths:
+- ``"convert_model"`` (the default): ``openvino.convert_model`` traces the module on the
+  recorded calls of one signature, with static input shapes when they all agree, and
+  ``Core.compile_model`` compiles it. A call then goes straight to the compiled model,
+  with no guards to check; plain (non-tensor) arguments are baked in, which is safe
+  because every signature is built on its own.
+- ``"torch_compile"``: ``torch.compile(backend="openvino")``; graph breaks fall back to
+  Python, so it takes modules the tracer cannot, at the cost of dynamo's guards per call.
+
+The weights of a module on another device are moved to the CPU to be converted and put
+back on their device afterwards. Inputs and outputs cross to and from the CPU as numpy
+arrays, so bfloat16 tensors are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from .._samples import Call, move, unstorable
+from .base import Backend, BackendConfig
+
+PERFORMANCE_HINTS = ("LATENCY", "THROUGHPUT", "CUMULATIVE_THROUGHPUT")
+CONVERSIONS = ("convert_model", "torch_compile")
+PRECISIONS = {None: None, "f32": "f32", "f16": "f16", "bf16": "bf16"}
+_PRECISION_OF = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+@dataclasses.dataclass
+class OpenVINOBackendConfig(BackendConfig):
+    """performance_hint: OpenVINO's PERFORMANCE_HINT ("LATENCY", "THROUGHPUT",
+    "CUMULATIVE_THROUGHPUT"). conversion: "convert_model" or "torch_compile" (see the
+    module docs). ov_device: OpenVINO's device name ("CPU", "GPU", "GPU.1"...; None: "CPU"
+    for a cpu module, "GPU" for an xpu one). inference_precision: "f32", "f16" or "bf16"
+    (None: the dtype of the module's outputs, so a CPU with AMX does not silently run
+    float32 in bfloat16). properties: further OpenVINO properties, passed as they are.
+    """
+
+    performance_hint: str = "LATENCY"
+    conversion: str = "convert_model"
+    ov_device: str | None = None
+    inference_precision: str | None = None
+    properties: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.performance_hint not in PERFORMANCE_HINTS:
+            raise ValueError(f"performance_hint must be one of {', '.join(PERFORMANCE_HINTS)}; "
+                             f"got {self.performance_hint!r}")
+        if self.conversion not in CONVERSIONS:
+            raise ValueError(f"conversion must be one of {', '.join(CONVERSIONS)}; got {self.conversion!r}")
+        if self.ov_device is not None and not isinstance(self.ov_device, str):
+            raise ValueError(f"ov_device must be an OpenVINO device name such as 'CPU' or 'GPU', "
+                             f"got {self.ov_device!r}")
+        if self.inference_precision not in PRECISIONS:
+            raise ValueError(f"inference_precision must be one of f32, f16, bf16 or None; "
+                             f"got {self.inference_precision!r}")
+        if self.properties is not None and not isinstance(self.properties, dict):
+            raise ValueError(f"properties must be a dict of OpenVINO properties, got {type(self.properties).__name__}")
+
+
+def _import_openvino() -> Any:
+    """The openvino module, or None when it cannot be imported."""
+    try:
+        return importlib.import_module("openvino")
+    except ImportError:
+        return None
+
+
+class _Flat(torch.nn.Module):
+    """The module called with its input tensors as a flat tuple and its output tensors returned
+    as one: the form a traced OpenVINO model takes and gives."""
+
+    def __init__(self, module: torch.nn.Module, leaves: list, spec: Any, slots: list[int]) -> None:
+        super().__init__()
+        self.inner = module
+        self.leaves = leaves
+        self.spec = spec
+        self.slots = slots
+
+    def forward(self, *tensors: torch.Tensor) -> tuple:
+        leaves = list(self.leaves)
+        for slot, tensor in zip(self.slots, tensors):
+            leaves[slot] = tensor
+        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        out = self.inner(*args, **kwargs)
+        return tuple(t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+
+
+class OpenVINOBackend(Backend):
+    name = "OpenVINO"
+    config_class = OpenVINOBackendConfig
+
+    def unavailable(self, device: torch.device) -> str | None:
+        ov = _import_openvino()
+        if ov is None:
+            return "not installed (pip install torch-tweak[openvino])"
+        if device.type not in ("cpu", "xpu"):
+            return f"OpenVINO runs on the CPU and Intel GPUs, not on {device.type}"
+        wanted = self.ov_device(device)
+        available = ov.Core().available_devices
+        if wanted.split(".")[0] not in {d.split(".")[0] for d in available}:
+            return f"OpenVINO has no device {wanted} here (it sees {', '.join(available) or 'none'})"
+        return None
+
+    def can_store(self, sample: Call) -> bool:
+        if self.config.conversion == "torch_compile":
+            return unstorable(sample) is None
+        return True  # the converted model is the artifact; no sample is needed to rebuild it
+
+    def ov_device(self, device: torch.device) -> str:
+        if self.config.ov_device is not None:
+            return self.config.ov_device
+        return "GPU" if device.type == "xpu" else "CPU"
+
+    def properties(self, samples: Sequence[Call], module: torch.nn.Module) -> dict[str, Any]:
+        cfg = self.config
+        props: dict[str, Any] = {"PERFORMANCE_HINT": cfg.performance_hint}
+        precision = cfg.inference_precision or self._output_precision(samples, module)
+        if precision is not None:
+            props["INFERENCE_PRECISION_HINT"] = precision
+        props.update(cfg.properties or {})
+        return props
+
+    @staticmethod
+    def _output_precision(samples: Sequence[Call], module: torch.nn.Module) -> str | None:
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            if tensor.is_floating_point():
+                return _PRECISION_OF.get(tensor.dtype)
+        for args, kwargs in samples[:1]:
+            for leaf in pytree.tree_leaves((args, kwargs)):
+                if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+                    return _PRECISION_OF.get(leaf.dtype)
+        return None
+
+    def build(self, module: torch.nn.Module, samples: Sequence[Call], device: torch.device) -> Callable[..., Any]:
+        from ..tuning import restore_places, weight_places
+
+        places = weight_places(module)
+        try:
+            if device.type != "cpu":
+                module.to("cpu")  # the converter reads the weights on the CPU
+            if self.config.conversion == "torch_compile":
+                return self._build_compiled(module, samples, device)
+            return self._build_converted(module, samples, device)
+        finally:
+            restore_places(places)
+
+    def _build_compiled(self, module: torch.nn.Module, samples: Sequence[Call],
+                        device: torch.device) -> Callable[..., Any]:
+        importlib.import_module("openvino.torch")  # registers the "openvino" torch.compile backend
+        compiled = torch.compile(module, backend="openvino",
+                                 options={"device": self.ov_device(device),
+                                          "config": {k: str(v) for k, v in self.properties(samples, module).items()}})
+        for args, kwargs in samples:  # compile now, so no compile lands in a measurement
+            compiled(*args, **kwargs)
+        return compiled
+
+    def _build_converted(self, module: torch.nn.Module, samples: Sequence[Call],
+                         device: torch.device) -> Callable[..., Any]:
+        ov = _import_openvino()
+        leaves, spec = pytree.tree_flatten(samples[0])
+        slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        if not slots:
+            raise ValueError("OpenVINO needs at least one tensor argument to convert the module")
+        for i in slots:
+            if leaves[i].dtype == torch.bfloat16:
+                raise ValueError("OpenVINO: bfloat16 inputs cannot cross to OpenVINO as numpy arrays")
+        constants = [None if i in slots else leaf for i, leaf in enumerate(leaves)]
+        example = tuple(leaves[i].detach().cpu() for i in slots)
+        static = all(
+            [tuple(leaf.shape) for leaf in pytree.tree_leaves(s) if isinstance(leaf, torch.Tensor)]
+            == [tuple(t.shape) for t in example] for s in samples)
+        flat = _Flat(module, constants, spec, slots).eval()
+        with torch.no_grad():
+            model = ov.convert_model(flat, example_input=example,
+                                     input=[tuple(t.shape) for t in example] if static else None)
+        compiled = ov.Core().compile_model(model, self.ov_device(device), self.properties(samples, module))
+        args, kwargs = move(samples[0], torch.device("cpu"))
+        with torch.no_grad():
+            out_leaves, out_spec = pytree.tree_flatten(module(*args, **kwargs))
+        out_slots = [i for i, leaf in enumerate(out_leaves) if isinstance(leaf, torch.Tensor)]
+        out_constants = [None if i in out_slots else leaf for i, leaf in enumerate(out_leaves)]
+        target = None if device.type == "cpu" else device
+        request = compiled
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            flat_in = pytree.tree_leaves((args, kwargs))
+            results = request([flat_in[i].detach().cpu().numpy() for i in slots]).to_tuple()
+            out = list(out_constants)
+            for slot, array in zip(out_slots, results):
+                tensor = torch.from_numpy(array)
+                out[slot] = tensor if target is None else tensor.to(target)
+            return pytree.tree_unflatten(out, out_spec)
+
+        return run

@@ -1,0 +1,106 @@
+"""TorchAO: the module's nn.Linear layers quantized by torchao. Opt-in only, never a default:
+quantization changes results, so it is checked against its own, wider tolerance.
+
+An optional dependency: ``pip install torch-tweak[torchao]`` (torchao 0.18 or newer, which
+supports torch 2.11 and later). The backend quantizes a copy of the module; the original
+module and its weights stay as they are.
+
+Modes: "int8_weight_only" (int8 weights, activations in their dtype), "int8_dynamic" (int8
+weights and activations quantized per call), "fp8" (float8 weights and activations; a CUDA
+GPU of compute capability 8.9 or newer: Ada, Hopper, Blackwell).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .._samples import Call
+from .base import Backend, BackendConfig, NeedsStorableSamples, copy_module
+
+MODES = ("int8_weight_only", "int8_dynamic", "fp8")
+
+DEFAULT_TOLERANCE = 0.05
+"""TorchAO's default relative tolerance: int8 weights alone move a float32 linear layer's
+outputs by about 0.5 % of their scale, and errors add up through a block."""
+
+_CONFIGS = {
+    "int8_weight_only": "Int8WeightOnlyConfig",
+    "int8_dynamic": "Int8DynamicActivationInt8WeightConfig",
+    "fp8": "Float8DynamicActivationFloat8WeightConfig",
+}
+
+
+@dataclasses.dataclass
+class TorchAOBackendConfig(BackendConfig):
+    """mode: "int8_weight_only", "int8_dynamic" or "fp8". compile: torch.compile the
+    quantized module (the fast path of torchao's kernels; costs a compile per signature).
+    tolerance: defaults to DEFAULT_TOLERANCE (0.05), not the per-dtype defaults."""
+
+    tolerance: float | None = DEFAULT_TOLERANCE
+    mode: str = "int8_weight_only"
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be a bool, got {self.compile!r}")
+
+
+def _import_torchao() -> Any:
+    try:
+        return importlib.import_module("torchao.quantization")
+    except ImportError:
+        return None
+
+
+def device_refusal(mode: str, device: torch.device) -> str | None:
+    """Why `device` can never run TorchAO in `mode`, or None when it can."""
+    if device.type not in ("cpu", "cuda", "xpu"):
+        return f"TorchAO runs on cpu, cuda and xpu, not on {device.type}"
+    if mode != "fp8":
+        return None
+    if device.type != "cuda":
+        return (f"TorchAO fp8 needs a CUDA GPU of compute capability 8.9 or newer; {device.type} cannot run it "
+                "(use mode='int8_weight_only' or 'int8_dynamic')")
+    if not torch.cuda.is_available():
+        return "TorchAO fp8 needs a CUDA GPU, and torch sees none"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        return (f"TorchAO fp8 needs a CUDA GPU of compute capability 8.9 or newer; {name} ({device}) has "
+                f"{capability[0]}.{capability[1]} (use mode='int8_weight_only' or 'int8_dynamic')")
+    return None
+
+
+class TorchAOBackend(NeedsStorableSamples, Backend):
+    name = "TorchAO"
+    config_class = TorchAOBackendConfig
+
+    def check_device(self, device: torch.device) -> None:
+        reason = device_refusal(self.config.mode, device)
+        if reason is not None:
+            raise ValueError(reason)
+
+    def unavailable(self, device: torch.device) -> str | None:
+        if _import_torchao() is None:
+            return "not installed (pip install torch-tweak[torchao])"
+        return device_refusal(self.config.mode, device)
+
+    def build(self, module: torch.nn.Module, samples: Sequence[Call], device: torch.device) -> Callable[..., Any]:
+        quantization = _import_torchao()
+        if not any(isinstance(m, torch.nn.Linear) for m in module.modules()):
+            raise ValueError("TorchAO quantizes nn.Linear layers, and this module has none")
+        quantized = copy_module(module)
+        quantization.quantize_(quantized, getattr(quantization, _CONFIGS[self.config.mode])())
+        fn: Callable[..., Any] = quantized
+        if self.config.compile:
+            fn = torch.compile(quantized)
+        for args, kwargs in samples:  # compile or lazily initialise now, not in a measurement
+            fn(*args, **kwargs)
+        return fn
