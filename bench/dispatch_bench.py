@@ -49,10 +49,13 @@ def dispatcher(entries, original=backend, cls=_C.Dispatcher):
     return d
 
 
-def per_call_ns(fn, arg, number: int, repeat: int) -> float:
+def per_call_ns(fn, arg, number: int, repeat: int) -> tuple[float, float]:
+    """(median ns per call over the repeats, their min-max range as a fraction of it)."""
     timer = timeit.Timer("fn(arg)", globals={"fn": fn, "arg": arg})
     timer.timeit(number // 10 or 1)  # warm caches
-    return statistics.median(t / number * 1e9 for t in timer.repeat(repeat=repeat, number=number))
+    runs = [t / number * 1e9 for t in timer.repeat(repeat=repeat, number=number)]
+    median = statistics.median(runs)
+    return median, (max(runs) - min(runs)) / median
 
 
 def cpu_model() -> str:
@@ -86,8 +89,8 @@ def main() -> None:
         ("Dispatcher, signature mismatch -> original", dispatcher([(sig, backend)]), other),
         ("nn.Identity() (nn.Module.__call__)", nn.Identity(), x),
     ]
-    loop = per_call_ns(lambda a: None, x, args.number, args.repeat)
-    results = [(name, per_call_ns(fn, arg, args.number, args.repeat)) for name, fn, arg in cases]
+    loop = per_call_ns(lambda a: None, x, args.number, args.repeat)[0]
+    results = [(name, *per_call_ns(fn, arg, args.number, args.repeat)) for name, fn, arg in cases]
     direct = results[0][1]
 
     info = [
@@ -98,10 +101,10 @@ def main() -> None:
         ("timing", f"median of {args.repeat} timeit loops of {args.number} calls"),
         ("loop + lambda call", f"{loop:.1f} ns (included in every row)"),
     ]
-    rows = [(name, ns, ns - direct) for name, ns in results]
-    header = f"{'case':48s} {'ns/call':>9s} {'vs direct':>10s}"
+    rows = [(name, ns, ns - direct, spread) for name, ns, spread in results]
+    header = f"{'case':48s} {'ns/call':>9s} {'vs direct':>10s} {'range':>7s}"
     lines = [header, "-" * len(header)]
-    lines += [f"{name:48s} {ns:9.1f} {delta:+10.1f}" for name, ns, delta in rows]
+    lines += [f"{name:48s} {ns:9.1f} {delta:+10.1f} {spread:7.0%}" for name, ns, delta, spread in rows]
     print("\n".join(f"{k}: {v}" for k, v in info))
     print()
     print("\n".join(lines))
@@ -110,15 +113,16 @@ def main() -> None:
           "Produced by `python bench/dispatch_bench.py` (one run, one machine). "
           "Each row is nanoseconds per call including the timeit loop; "
           "`vs direct` is the row minus the direct call of the backend, which for the "
-          "dispatcher rows is the dispatcher's own overhead.", ""]
+          "dispatcher rows is the dispatcher's own overhead; `range` is the spread of the "
+          "repeats (max - min) over their median, a measure of the machine's noise.", ""]
     md += [f"- {k}: {v}" for k, v in info]
-    md += ["", "| case | ns/call | vs direct |", "|---|---:|---:|"]
-    md += [f"| {name} | {ns:.1f} | {delta:+.1f} |" for name, ns, delta in rows]
+    md += ["", "| case | ns/call | vs direct | range |", "|---|---:|---:|---:|"]
+    md += [f"| {name} | {ns:.1f} | {delta:+.1f} | {spread:.0%} |" for name, ns, delta, spread in rows]
     md.append("")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         f.write("\n".join(md))
-    print(f"\nwritten: {os.path.relpath(args.out)}", file=sys.stderr)
+    print(f"\nwritten: {args.out}", file=sys.stderr)
 
 
 if __name__ == "__main__":
