@@ -319,6 +319,8 @@ def bench_one(name: str, dtype_name: str, args: argparse.Namespace) -> dict:
         row["tweak_depth"] = result.selected_depth
         row["tweak_table"] = str(result)
         row["tweak_modules"] = {p: m.backend for p, m in result.modules.items()}
+        if result.selected_depth is not None:
+            row["tweak_selected"] = {p: row["tweak_modules"].get(p) for p in result.tree.cut(result.selected_depth)}
     except Exception as exc:
         row["errors"]["tweak"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         traceback.print_exc()
@@ -398,6 +400,9 @@ def targets(row: dict) -> dict:
 def merge(paths: list[str], out_dir: str) -> None:
     runs = [json.load(open(p)) for p in paths]
     rows = [r for run in runs for r in run["rows"]]
+    order = {m: i for i, m in enumerate(MODELS)}
+    rows.sort(key=lambda r: (order.get(r["model"], len(order)), list(DTYPES).index(r["dtype"])
+                             if r["dtype"] in DTYPES else len(DTYPES)))
     env = runs[0]["environment"]
     settings = runs[0]["settings"]
     probe = next((r["replay_path"] for r in runs if r.get("replay_path")), None)
@@ -429,13 +434,16 @@ def merge(paths: list[str], out_dir: str) -> None:
            "Compile time: the wall time of the first three calls. tweak budget: the time_budget given to "
            "tt.tweak (none: its defaults; with --tweak-budget auto, 3x reduce-overhead's compile time; "
            "the depth in progress when it runs out still finishes).", "",
-           "| model | dtype | compile | reduce-overhead | max-autotune | tweak budget | tweak tuning | tweak / reduce-overhead | tweak depth | backends chosen |",
+           "| model | dtype | compile | reduce-overhead | max-autotune | tweak budget | tweak tuning | tweak / reduce-overhead | tweak depth | backends at that depth |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         cs = r.get("compile_s", {})
         t = targets(r)
+        selected = r.get("tweak_selected")
+        if selected is None and r.get("tweak_depth") == 0 and "" in (r.get("tweak_modules") or {}):
+            selected = {"": r["tweak_modules"][""]}  # runs before tweak_selected was written
         chosen: dict[str, int] = {}
-        for b in (r.get("tweak_modules") or {}).values():
+        for b in (selected or {}).values():
             chosen[str(b)] = chosen.get(str(b), 0) + 1
         cells = [f"{cs[c]:.1f}" if c in cs else "-" for c in ("compile", "reduce-overhead", "max-autotune")]
         tune = f"{r['tune_s']:.1f}" if r.get("tune_s") is not None else "-"
