@@ -7,8 +7,13 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
-    # System packages stay visible, so a machine that already has torch (a GPU build) uses it.
-    "$PYTHON" -m venv --system-site-packages .venv
+    "$PYTHON" -m venv .venv
+    # A machine whose Python already has torch (a GPU build, say) keeps using it: the new
+    # environment sees that Python's packages, also when that Python is itself a venv.
+    if "$PYTHON" -c "import torch" 2>/dev/null; then
+        site=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+        "$PYTHON" -c "import site, sys; print('\n'.join(p for p in site.getsitepackages() + [site.getusersitepackages()] if p))" > "$site/_parent_site.pth"
+    fi
 fi
 VPY=.venv/bin/python
 
@@ -18,13 +23,24 @@ need=()
 "$VPY" -c "import scikit_build_core" 2>/dev/null || need+=("scikit-build-core>=0.9")
 command -v cmake >/dev/null 2>&1 || "$VPY" -c "import cmake" 2>/dev/null || need+=("cmake")
 command -v ninja >/dev/null 2>&1 || "$VPY" -c "import ninja" 2>/dev/null || need+=("ninja")
-# The optional backends (the extras openvino and torchao), so their tests run.
-"$VPY" -c "import openvino" 2>/dev/null || need+=("openvino>=2024.0")
-# torchao 0.18 is built for torch 2.11 and later; an older torch goes without (its tests skip).
-"$VPY" -c "import torchao" 2>/dev/null || ! "$VPY" -c "import sys, torch; v = torch.__version__.split('.'); sys.exit((int(v[0]), int(v[1])) < (2, 11))" 2>/dev/null || need+=("torchao==0.18.0")
 if [ ${#need[@]} -gt 0 ]; then
     echo "setup: installing ${need[*]}"
     "$VPY" -m pip install -q "${need[@]}"
+fi
+# Optional: the extras openvino, torchao and plot, so their backends and tests run. Where they
+# cannot be installed (no network), torch-tweak works without them and their tests skip.
+optional=()
+"$VPY" -c "import openvino" 2>/dev/null || optional+=("openvino>=2024.0")
+# torchao 0.18 is built for torch 2.11 and later; an older torch goes without.
+"$VPY" -c "import torchao" 2>/dev/null || ! "$VPY" -c "import sys, torch; v = torch.__version__.split('.'); sys.exit((int(v[0]), int(v[1])) < (2, 11))" 2>/dev/null || optional+=("torchao==0.18.0")
+"$VPY" -c "import matplotlib" 2>/dev/null || optional+=("matplotlib>=3.5")
+if [ ${#optional[@]} -gt 0 ]; then
+    echo "setup: installing the optional ${optional[*]}"
+    if [ "${CI:-}" = true ]; then
+        "$VPY" -m pip install -q "${optional[@]}"  # CI runs every backend's tests: no skipping there
+    else
+        "$VPY" -m pip install -q "${optional[@]}" || echo "setup: could not install ${optional[*]}; going on without them"
+    fi
 fi
 export PATH="$PWD/.venv/bin:$PATH"
 

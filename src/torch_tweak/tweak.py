@@ -76,6 +76,13 @@ class TweakResult:
     def __str__(self) -> str:
         return self._engine.format()
 
+    def plot(self, path: Any, alternatives: dict[str, float] | None = None) -> str:
+        """Writes a PNG chart of latency per depth against the untuned model (and any
+        `alternatives` you measured, {label: ms}) to `path`; returns the path. Needs matplotlib."""
+        from .plotting import plot_result
+
+        return plot_result(self, path, alternatives)
+
     def __repr__(self) -> str:
         return (f"<TweakResult selected_depth={self.selected_depth} baseline_ms={self.baseline_ms} "
                 f"tuned_ms={self.tuned_ms}>")
