@@ -178,10 +178,9 @@ def command_tweak(args: argparse.Namespace) -> int:
 
 
 def command_show(args: argparse.Namespace) -> int:
-    from .checkpoint import read_summary
-
     if not os.path.isfile(args.file):
         raise CliError(f"{args.file} does not exist")
+    from .checkpoint import read_summary
     try:
         summary = read_summary(args.file)
     except (ValueError, OSError) as exc:

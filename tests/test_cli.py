@@ -1,0 +1,71 @@
+"""The command line: clear messages without a traceback for every mistake, and a real tweak."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from torch_tweak.cli import CliError, main, parse_input
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FACTORY = os.path.join(HERE, "cli_factory.py")
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch_tweak", *args], capture_output=True, text=True,
+                          timeout=600, cwd=HERE)
+
+
+def test_input_specs():
+    assert parse_input("8x64x256") == (None, (8, 64, 256), None, None)
+    assert parse_input("input_ids=1x128:int64:30522") == ("input_ids", (1, 128), "int64", 30522)
+    assert parse_input("2x3:bf16") == (None, (2, 3), "bfloat16", None)
+    for bad in ("8xx2", "8x0", "2x3:float99", "2x3:float32:10", "x"):
+        with pytest.raises(CliError):
+            parse_input(bad)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["tweak", "no_such_module:build", "--input", "2x8"], "cannot import no_such_module"),
+        (["tweak", f"{FACTORY}:nope", "--input", "2x8"], "has no function 'nope'"),
+        (["tweak", f"{FACTORY}:not_a_module", "--input", "2x8"], "returned a int, not a torch.nn.Module"),
+        (["tweak", "missing_file.py:build", "--input", "2x8"], "does not exist"),
+        (["tweak", "nocolon", "--input", "2x8"], "must be MODULE:FACTORY"),
+        (["tweak", f"{FACTORY}:tiny", "--input", "2x8y"], "malformed input spec"),
+        (["tweak", f"{FACTORY}:tiny", "--input", "2x8", "--device", "tpu"], "unknown device 'tpu'"),
+        (["tweak", f"{FACTORY}:tiny", "--input", "2x8", "--device", "mps"], "no backends for device 'mps'"),
+        (["tweak", f"{FACTORY}:tiny", "--input", "2x8", "--out", "/no/such/folder/m.tt"], "cannot write"),
+        (["tweak", f"{FACTORY}:tiny", "--input", "2x3"], "sample 0 was rejected"),
+        (["show", "no_such_file.tt"], "does not exist"),
+    ],
+)
+def test_mistakes_get_one_clear_line(args, message, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert err.startswith("torch-tweak: error:")
+
+
+def test_help_for_each_command():
+    for args in (["--help"], ["tweak", "--help"], ["show", "--help"]):
+        done = run_cli(*args)
+        assert done.returncode == 0 and "usage: torch-tweak" in done.stdout
+
+
+def test_tweak_from_a_factory_prints_the_table_and_a_chart(tmp_path):
+    pytest.importorskip("matplotlib")
+    chart = tmp_path / "chart.png"
+    done = run_cli("tweak", f"{FACTORY}:tiny", "--input", "4x8", "--samples", "2", "--max-depth", "0",
+                   "--quiet", "--plot", str(chart))
+    assert done.returncode == 0, done.stderr
+    assert "untuned" in done.stdout and "depth" in done.stdout
+    from PIL import Image
+
+    with Image.open(chart) as image:
+        image.verify()
+        assert image.format == "PNG" and image.size[0] > 100
