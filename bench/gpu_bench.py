@@ -409,9 +409,12 @@ def merge(paths: list[str], out_dir: str) -> None:
     md = ["# torch-tweak on the GPU", "",
           f"Produced by `python bench/gpu_bench.py` on one {env['gpu']} (torch {env['torch']}, CUDA {env['cuda']}, "
           f"Python {env['python']}, transformers {env['transformers']}, timm {env['timm']}, "
-          f"torchvision {env['torchvision']}), {len(paths)} run(s) merged with `--merge`. Random weights, "
+          f"torchvision {env['torchvision']}), {len(paths)} run(s) merged with `--merge` (each run a machine of "
+          f"that kind, not necessarily the same one: compare columns within a row). Random weights, "
           f"{settings['samples']} random calls per model cycled; per column {settings['warmup']} warm-up calls, then "
           f"the median of {settings['rounds']} interleaved rounds of one synchronised call.", "",
+          "", "The graph column returns its static output (the next call overwrites it); tweak's device "
+          "graphs return copies, which costs it a copy per output.", "",
           "## Latency (ms per call, median) and speedup against eager", ""]
     cols = [c for c in COLUMNS if any(c in r.get("ms", {}) or c in r.get("errors", {}) for r in rows)]
     md.append("| model | dtype | " + " | ".join(cols) + " | tweak vs eager | tweak vs best other |")
@@ -466,7 +469,8 @@ def merge(paths: list[str], out_dir: str) -> None:
                   f"{yes(t['tune_ratio'] <= 3 if 'tune_ratio' in t else None)}"
                   f"{' (%.2fx)' % t['tune_ratio'] if 'tune_ratio' in t else ''} | "
                   f"{yes(t['dispatch_max_ns'] < 500 if 'dispatch_max_ns' in t else None)}"
-                  f"{' (%.0f ns)' % t['dispatch_max_ns'] if 'dispatch_max_ns' in t else ''} |")
+                  f"{' (%.0f ns)' % t['dispatch_max_ns'] if 'dispatch_max_ns' in t else ''}"
+                  f"{'' if all('signatures' in x for x in r.get('dispatch') or []) else ', no signature check'} |")
     md += ["", f"tweak is strictly faster than the best other column on {n_lt} of {n_rows} model/dtype rows "
                f"(target: at least half).", ""]
     errors = [(r["model"], r["dtype"], c, e) for r in rows for c, e in r.get("errors", {}).items()]
@@ -476,12 +480,15 @@ def merge(paths: list[str], out_dir: str) -> None:
            "ns per call through the module's dispatcher minus ns per call of the same no-op backend "
            "called directly, with the module's real arguments and the dispatcher's entries as tuning set "
            "them (their signature checks included); best of 5 timeit loops of 20000 calls.", "",
-           "| model | dtype | modules | median ns | max ns |", "|---|---|---:|---:|---:|"]
+           "| model | dtype | modules | signature checks | median ns | max ns |", "|---|---|---:|---|---:|---:|"]
     for r in rows:
         d = r.get("dispatch") or []
         if d:
             o = [x["overhead_ns"] for x in d]
-            md.append(f"| {r['model']} | {r['dtype']} | {len(o)} | {statistics.median(o):.0f} | {max(o):.0f} |")
+            # runs before the dispatcher matched by signature measured entries without one
+            checks = "yes" if all("signatures" in x for x in d) else "no (entry signature None)"
+            md.append(f"| {r['model']} | {r['dtype']} | {len(o)} | {checks} | {statistics.median(o):.0f} | "
+                      f"{max(o):.0f} |")
     if probe:
         md += ["", "## Replay path, CPU cost per call", "",
                "A tiny graph (nn.Linear(16, 16), batch 4) called 5000 times between two synchronisations, "
