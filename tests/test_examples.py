@@ -1,0 +1,29 @@
+"""The examples run as a user runs them, and say they succeeded."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def run_example(path: str, *args: str, cache: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_TWEAK_CACHE=cache)
+    return subprocess.run([sys.executable, os.path.join(ROOT, path), *args], capture_output=True, text=True,
+                          timeout=1800, cwd=ROOT, env=env)
+
+
+def test_minimal(tmp_path):
+    done = run_example("examples/Minimal/main.py", cache=str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "untuned" in done.stdout and "selected depth" in done.stdout
+
+
+def test_tweak_example_on_the_cpu(tmp_path):
+    done = run_example("examples/Tweak/main.py", "--device", "cpu", cache=str(tmp_path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "Dry run" in out and "untuned" in out
+    assert "OK: the tuned model's output matches the untuned one" in out
