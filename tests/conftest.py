@@ -25,6 +25,14 @@ def cache_folder(tmp_path_factory):
         os.environ["TORCH_TWEAK_CACHE"] = previous
 
 
+@pytest.fixture(autouse=True)
+def tuning_cache_folder(tmp_path, monkeypatch):
+    """Each test gets an empty cache folder, so no tweak is served from another test's entry."""
+    folder = tmp_path / "tt-cache"
+    monkeypatch.setenv("TORCH_TWEAK_CACHE", str(folder))
+    return folder
+
+
 @pytest.fixture
 def mlp() -> MLP:
     torch.manual_seed(0)
@@ -44,5 +52,5 @@ def encoder_tweak():
     data = encoder.samples(count=2)
     with torch.no_grad():
         expected = [model(x) for x in data]
-    result = tt.tweak(model, data, progress=False, measure=FAST)
+    result = tt.tweak(model, data, progress=False, measure=FAST, cache=False)  # measured here, never a cached entry
     return model, data, expected, result

@@ -16,12 +16,14 @@ from torch import nn
 
 from . import backends
 from .backends import Backend, BackendConfig
+from .checkpoint import CheckpointError, load, save
 from .correctness import TOLERANCES
 from .inspecting import ModuleTree, inspect
 from .module import TunedModule, install, installed, make_wrapper, resolve_paths, set_mode, unwrap
 from .strategy import (FirstWinsStrategy, HighestThroughputStrategy, OneBackendStrategy, Strategy,
                        default_backends, default_strategy)
 from .tuning import tune
+from .tuning_cache import clear_cache
 from .report import ModuleResult, ModuleResults, SignatureResult
 from .tweak import DepthResult, TweakResult, tweak
 
@@ -63,8 +65,8 @@ def deactivate(model: nn.Module) -> int:
 
 
 __all__ = [
-    "Backend", "BackendConfig", "DepthResult", "FirstWinsStrategy", "HighestThroughputStrategy",
+    "Backend", "BackendConfig", "CheckpointError", "DepthResult", "FirstWinsStrategy", "HighestThroughputStrategy",
     "ModuleResult", "ModuleResults", "ModuleTree", "OneBackendStrategy", "Strategy", "TOLERANCES", "TunedModule",
-    "SignatureResult", "TweakResult", "activate", "backends", "deactivate", "default_backends", "default_strategy",
-    "inspect", "installed", "tune", "tweak", "unwrap", "wrap",
+    "SignatureResult", "TweakResult", "activate", "backends", "clear_cache", "deactivate", "default_backends",
+    "default_strategy", "inspect", "installed", "load", "save", "tune", "tweak", "unwrap", "wrap",
 ]

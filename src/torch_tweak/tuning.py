@@ -28,7 +28,7 @@ def record(wrappers: Iterable[TunedModule], run_dataset: Callable[[], None]) -> 
     previous = [w._tt_mode for w in wrappers]
     try:
         for wrapper in wrappers:
-            release(wrapper)
+            release(wrapper, keep_chosen=False)
             wrapper.tt_signatures.clear()
             wrapper._tt_set_recorder(_recorder(wrapper))
             wrapper._tt_mode = MODE_RECORD
@@ -268,9 +268,36 @@ def tune(model: nn.Module, dataset: Any, *, strategy: Strategy | None = None, de
     return chosen
 
 
-def release(wrapper: TunedModule) -> None:
-    """Drops what tuning recorded, once no backend needs it (the signatures and reports stay)."""
+def release(wrapper: TunedModule, keep_chosen: bool = True) -> None:
+    """Drops what tuning recorded, once no backend needs it (the signatures and reports stay).
+
+    The recorded calls and outputs of a signature whose backend was chosen stay unless
+    keep_chosen is False: tt.save stores them, for the backend to be built on again at
+    load and checked against the outputs."""
     wrapper.tt_samples.clear()
     wrapper.tt_outputs.clear()
     for group in wrapper.tt_signatures:
-        group.release()
+        if group.backend is None or not keep_chosen:
+            group.release()
+
+
+def rebuild_group(wrapper: TunedModule, group: SignatureGroup, backend: Backend, device: torch.device,
+                  model_class: str) -> float:
+    """Builds `backend` again for one signature on its recorded calls, with no measurement
+    (a saved plan or a tuning-cache entry chose it), and checks it against the recorded
+    outputs. Raises when it fails to build or to match; returns the largest error."""
+    module = wrapper._tt_original
+    places = weight_places(module)
+    path = log_path(model_class, wrapper.tt_name, group.key, backend.name)
+    title = f"{backend!r} for {wrapper.tt_name or '(root)'} of {model_class}, signature {group.text} (rebuilt)"
+    with capture_build(path, title) as log, torch.no_grad():
+        try:
+            fn = backend.prepare(module, group.samples, device)
+        finally:
+            restore_places(places)
+        worst = 0.0
+        for j, (args, kwargs) in enumerate(group.samples):
+            worst = max(worst, check(fn(*args, **kwargs), group.outputs[j], backend.check_tolerance(),
+                                     where=f"sample {j}"))
+        log.outcome = f"rebuilt; passed the correctness check (largest relative error {worst:.3g})"
+    return worst

@@ -5,18 +5,20 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import _C
+from . import _C, tuning_cache
 from ._samples import load_dataset, resolve_device, synchronizer
 from .inspecting import ModuleTree, trace
 from .module import MODE_ACTIVE, TunedModule, install, installed, make_wrapper, uninstall, unwrap
 from .progress import Progress
 from .report import ModuleResult, ModuleResults, SignatureResult
 from .strategy import Strategy, default_backends, default_strategy
+from .serial import Unstorable
 from .tuning import check_measure, dataset_runner, model_class_name, record, release, tune_wrapper
 
 DEFAULT_MAX_DEPTH = 2
@@ -25,6 +27,9 @@ Deeper cuts wrap many small modules, which rarely pays for their tuning time."""
 
 DEFAULT_TIE_TOLERANCE = 0.02
 """A depth within 2 % of the fastest counts as a tie; the shallowest tie wins."""
+
+SELECTED_DEPTHS: "weakref.WeakKeyDictionary[nn.Module, int | None]" = weakref.WeakKeyDictionary()
+"""model -> the depth its last tweak (or tt.load) kept: what tt.save writes as the plan's depth."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +55,10 @@ class TweakResult:
     rows: a DepthResult per depth; untuned: the DepthResult of the untuned model.
     modules: a ModuleResult per tuned module, by path; ``print(result.modules)`` shows, per
     module and input signature, every candidate backend's latency or why it lost.
+    cached: True when the result came from the tuning cache (no depth was measured again).
     """
+
+    cached = False
 
     def __init__(self, engine: "_C.Result", tree: ModuleTree, modules: ModuleResults) -> None:
         self._engine = engine
@@ -74,7 +82,34 @@ class TweakResult:
                         if self.baseline_ms is not None and self.tuned_ms else None)
 
     def __str__(self) -> str:
-        return self._engine.format()
+        if not self.cached:
+            return self._engine.format()
+        return self._table + "\n(from the tuning cache: the figures are those of the tweak that measured them)"
+
+    def to_record(self) -> dict:
+        """The result as plain JSON (what the tuning cache keeps)."""
+        return {"rows": [dataclasses.asdict(r) for r in self.rows], "baseline_ms": self.baseline_ms,
+                "table": str(self)}
+
+    @classmethod
+    def from_record(cls, record: dict, tree: ModuleTree, modules: ModuleResults) -> "TweakResult":
+        """The result a cache entry recorded, marked cached."""
+        self = object.__new__(cls)
+        self._engine = None
+        self._table = record["table"]
+        self.cached = True
+        self.tree = tree
+        self.modules = modules
+        self.baseline_ms = record["baseline_ms"]
+        self.rows = [DepthResult(**row) for row in record["rows"]]
+        chosen = next((r for r in self.rows if r.selected), None)
+        self.selected_depth = None if chosen is None else chosen.depth
+        self.untuned = DepthResult(None, 0, 0, self.baseline_ms, None if self.baseline_ms is None else 1.0, "",
+                                   chosen is None)
+        self.tuned_ms = chosen.latency_ms if chosen is not None else self.baseline_ms
+        self.speedup = (self.baseline_ms / self.tuned_ms
+                        if self.baseline_ms is not None and self.tuned_ms else None)
+        return self
 
     def plot(self, path: Any, alternatives: dict[str, float] | None = None) -> str:
         """Writes a PNG chart of latency per depth against the untuned model (and any
@@ -181,15 +216,19 @@ class _Session:
 def tweak(model: nn.Module, dataset: Any, *, min_depth: int = 0, max_depth: int | None = DEFAULT_MAX_DEPTH,
           strategy: Strategy | None = None, tie_tolerance: float = DEFAULT_TIE_TOLERANCE,
           time_budget: float | None = None, dry_run: bool = False, device: Any = None,
-          progress: bool = True, measure: dict | None = None) -> TweakResult:
+          progress: bool = True, measure: dict | None = None, cache: bool = True) -> TweakResult:
     """Tunes `model` in place at every depth from min_depth to max_depth and keeps the fastest.
 
     See the module docs and docs/tweak.md for the rules. ``measure`` overrides the
     engine's measurement settings (keys of torch_tweak._C.default_measure_config()).
+    ``cache``: reuse and keep the result in the tuning cache (docs/cache.md); False neither
+    reads nor writes it.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     _check_arguments(min_depth, max_depth, tie_tolerance, time_budget)
+    if not isinstance(cache, bool):
+        raise TypeError(f"cache must be True or False, not {cache!r}; tt.clear_cache() empties the cache")
     if strategy is not None and not isinstance(strategy, Strategy):
         raise TypeError(f"strategy must be a torch_tweak strategy (e.g. tt.FirstWinsStrategy()), "
                         f"not {type(strategy).__name__}")
@@ -208,6 +247,19 @@ def tweak(model: nn.Module, dataset: Any, *, min_depth: int = 0, max_depth: int 
     tree = ModuleTree(model, trace(model, calls))
     depths = tree.depths(min_depth, max_depth)
     shown = Progress(progress)
+    key = parts = None
+    if cache and not dry_run:
+        settings = {"min_depth": min_depth, "max_depth": max_depth, "tie_tolerance": float(tie_tolerance),
+                    "time_budget": time_budget, "measure": measure}
+        try:
+            parts = tuning_cache.key_parts(model, calls, device, strategy, settings)
+            key = tuning_cache.key_of(parts)
+        except (Unstorable, ValueError, TypeError) as exc:
+            shown.line(f"not cached: a backend config has no JSON form ({exc})")
+        if key is not None:
+            result = _from_cache(model, tree, calls, device, strategy, key, parts, shown)
+            if result is not None:
+                return result
     run_dataset = dataset_runner(model, calls)
     session = _Session(model, tree, run_dataset, strategy, device, measure, shown, depths)
 
@@ -231,6 +283,40 @@ def tweak(model: nn.Module, dataset: Any, *, min_depth: int = 0, max_depth: int 
     finally:
         shown.close()
     result = TweakResult(engine, tree, session.module_results())
+    kept = installed(model)
+    for wrapper in session.wrappers.values():
+        if kept.get(wrapper.tt_name) is not wrapper:
+            release(wrapper, keep_chosen=False)  # only the kept cut's calls are worth saving
+    if not dry_run:
+        SELECTED_DEPTHS[model] = result.selected_depth
+    if key is not None:
+        tuning_cache.write(key, tuning_cache.entry_of(parts, result.to_record(), result.modules, model))
     shown.line(f"selected depth {result.selected_depth}" if result.selected_depth is not None
                else "no depth beat the untuned model; it stays untuned")
+    return result
+
+
+def _from_cache(model: nn.Module, tree: ModuleTree, calls: list, device: torch.device, strategy: Strategy | None,
+                key: str, parts: dict, shown: Progress) -> TweakResult | None:
+    """The cached result, its backends built again and active; None on a miss (or a
+    rebuild that fails, whose entry is dropped)."""
+    entry = tuning_cache.read(key, parts)
+    if entry is None:
+        return None
+    shown.line(f"tuning cache hit {key}: building the cached choices again, no measurement")
+    try:
+        result = TweakResult.from_record(entry["result"], tree, tuning_cache.module_results(entry))
+    except (KeyError, TypeError, ValueError):
+        result = None
+        failure = "the entry is damaged"
+    else:
+        failure = tuning_cache.apply(entry, model, calls, device, strategy, model_class_name(model))
+    if failure is not None:
+        shown.line(f"tuning cache entry dropped ({failure}); tuning afresh")
+        tuning_cache.drop(key)
+        return None
+    SELECTED_DEPTHS[model] = result.selected_depth
+    shown.close()
+    shown.line(f"selected depth {result.selected_depth} (cached)" if result.selected_depth is not None
+               else "the cached tweak left the model untuned")
     return result

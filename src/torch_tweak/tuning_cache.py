@@ -1,0 +1,236 @@
+"""The tuning cache: a second tt.tweak of the same model reuses what the first measured.
+
+An entry is a JSON file ``<cache>/tweaks/<key>.json`` (the cache folder is
+``$TORCH_TWEAK_CACHE``, else ``~/.cache/torch-tweak``). Its key is the hash of
+everything that can change a tweak's result (see key_parts); the entry repeats those
+parts, and an entry whose parts differ from the tweak's is never used. A hit wraps the
+cached depth's modules, records the dataset once, builds each chosen backend again on
+it (Inductor's own cache makes the compile fast; a device graph records again) and
+checks it against the original outputs, with no measurement. Entries hold plain JSON
+only, and a hit builds only backends of the tweak's own strategy.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import importlib.metadata
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from ._samples import Call
+from .cache import cache_dir
+from .correctness import TOLERANCES
+from .module import MODE_ACTIVE, TunedModule, install, installed, make_wrapper, unwrap
+from .report import ModuleResult, ModuleResults, SignatureResult
+from .serial import Unstorable, class_path, describe_backend, device_name, dumps
+from .signatures import describe_call
+from .strategy import Strategy, default_strategy
+from .tuning import dataset_runner, rebuild_group, record, release
+
+ENTRY_VERSION = 1
+OPTIONAL_PACKAGES = ("openvino", "torchao")
+"""Their presence changes which default backends build, so their versions are in the key."""
+
+
+def folder() -> Path:
+    return cache_dir() / "tweaks"
+
+
+def key_parts(model: nn.Module, calls: Sequence[Call], device: torch.device, strategy: Strategy | None,
+              settings: dict[str, Any]) -> dict[str, Any]:
+    """Everything a tweak's result depends on, as JSON; Unstorable when a backend config has
+    a value with no JSON form (that tweak is not cached)."""
+    from . import __version__
+
+    template = strategy if strategy is not None else default_strategy(device)
+    packages = {}
+    for name in OPTIONAL_PACKAGES:
+        try:
+            packages[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            packages[name] = None
+    tensors = [[name, list(t.shape), str(t.dtype), t.device.type]
+               for name, t in list(model.named_parameters()) + list(model.named_buffers())]
+    parts = {
+        "version": ENTRY_VERSION,
+        "torch_tweak": __version__,
+        "torch": torch.__version__,
+        "device": {"type": device.type, "name": device_name(device)},
+        "modules": [[path, class_path(type(m))] for path, m in model.named_modules()],
+        "tensors": tensors,
+        "inputs": [describe_call(args, kwargs) for args, kwargs in calls],
+        "strategy": {"class": class_path(type(template)), "kind": template.kind,
+                     "backends": [describe_backend(b) for b in template.candidates(device)]},
+        "settings": settings,
+        "tolerances": {str(k): v for k, v in TOLERANCES.items()},
+        "packages": packages,
+    }
+    return json.loads(dumps(parts))  # the form an entry read back has
+
+
+def key_of(parts: dict[str, Any]) -> str:
+    return hashlib.sha256(dumps(parts)).hexdigest()[:32]
+
+
+def read(key: str, parts: dict[str, Any]) -> dict | None:
+    """The entry for `key` when its parts are exactly `parts`; None otherwise."""
+    path = folder() / f"{key}.json"
+    try:
+        with open(path, encoding="utf-8") as f:
+            entry = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        drop(key)  # unreadable or damaged: tune afresh and write it again
+        return None
+    if type(entry) is not dict or entry.get("version") != ENTRY_VERSION or entry.get("parts") != parts:
+        return None
+    return entry
+
+
+def write(key: str, entry: dict) -> None:
+    """Writes an entry atomically (a temporary file, then a rename); a failure only warns."""
+    target = folder() / f"{key}.json"
+    tmp = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{key}.", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(entry, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        tmp = None
+    except OSError as exc:
+        warnings.warn(f"torch-tweak could not write the tuning cache entry {target}: {exc}", stacklevel=3)
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+def drop(key: str) -> None:
+    try:
+        (folder() / f"{key}.json").unlink()
+    except OSError:
+        pass
+
+
+def clear_cache() -> int:
+    """Removes every tuning-cache entry (not the build logs); returns how many."""
+    removed = 0
+    if not folder().is_dir():
+        return 0
+    for path in folder().iterdir():
+        if path.suffix in (".json", ".tmp"):
+            try:
+                path.unlink()
+                removed += path.suffix == ".json"
+            except OSError:
+                pass
+    return removed
+
+
+def entry_of(parts: dict, record_: dict, modules: ModuleResults, model: nn.Module) -> dict:
+    """The entry of a finished tweak: its result, its module table, and what the model kept."""
+    plan = []
+    for path, wrapper in sorted(installed(model).items()):
+        plan.append({"path": path, "signatures": [
+            {"key": g.key, "text": g.text, "backend": None if g.backend is None else describe_backend(g.backend)}
+            for g in wrapper.tt_signatures]})
+    return {"version": ENTRY_VERSION, "parts": parts,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "result": record_, "modules": [module_tree(m) for m in modules.values()], "plan": plan}
+
+
+def module_tree(result: ModuleResult) -> dict:
+    return {"path": result.path, "backend": result.backend, "error": result.error,
+            "candidates": list(result.candidates),
+            "signatures": [{"text": s.text, "key": s.key, "backend": s.backend, "error": s.error,
+                            "candidates": list(s.candidates), "unstorable": s.unstorable}
+                           for s in result.signatures]}
+
+
+def module_results(entry: dict) -> ModuleResults:
+    results = ModuleResults()
+    for m in entry["modules"]:
+        signatures = tuple(SignatureResult(s["text"], s["key"], s["backend"], s["error"], tuple(s["candidates"]),
+                                           s["unstorable"]) for s in m["signatures"])
+        results[m["path"]] = ModuleResult(m["path"], m["backend"], m["error"], tuple(m["candidates"]), signatures)
+    return results
+
+
+def _matching(strategy: Strategy, device: torch.device, wanted: dict):
+    """The strategy's own candidate that the entry names, or None."""
+    for backend in strategy.fresh().candidates(device):
+        try:
+            if json.loads(dumps(describe_backend(backend))) == wanted:
+                return backend
+        except Unstorable:
+            continue
+    return None
+
+
+def apply(entry: dict, model: nn.Module, calls: Sequence[Call], device: torch.device,
+          strategy: Strategy | None, model_class: str) -> str | None:
+    """Wraps the entry's modules and builds their backends again; None when that worked,
+    else why not (the model is then as it was)."""
+    plan = entry["plan"]
+    if not plan:
+        return None  # the cached tweak left the model untuned
+    template = strategy if strategy is not None else default_strategy(device)
+    reports = {m["path"]: m for m in entry["modules"]}
+    wrappers: list[TunedModule] = []
+    done = False
+    try:
+        for item in plan:
+            wrapper = make_wrapper(model, item["path"])
+            install(model, wrapper)
+            wrappers.append(wrapper)
+        record(wrappers, dataset_runner(model, calls))
+        for wrapper, item in zip(wrappers, plan):
+            planned = item["signatures"]
+            if [g.key for g in wrapper.tt_signatures] != [s["key"] for s in planned]:
+                return f"{item['path'] or '(root)'} was called with other signatures"
+            report = reports.get(item["path"], {"candidates": [], "error": "", "signatures": []})
+            stored = {s["key"]: s for s in report["signatures"]}
+            for group, want in zip(wrapper.tt_signatures, planned):
+                if want["backend"] is not None:
+                    backend = _matching(template, device, want["backend"])
+                    if backend is None:
+                        return f"the strategy has no backend {want['backend']['class']} with the cached config"
+                    try:
+                        rebuild_group(wrapper, group, backend, device, model_class)
+                    except Exception as exc:
+                        return f"{backend.name} for {item['path'] or '(root)'} failed when built again: {exc}"
+                    group.backend = backend
+                info = stored.get(group.key, {})
+                group.report = list(info.get("candidates", []))
+                group.error = info.get("error", "")
+                group.unstorable = info.get("unstorable", 0)
+            chosen = [g for g in wrapper.tt_signatures if g.backend is not None]
+            wrapper._tt_set_entries([(g.signature, g.backend.callable) for g in chosen])
+            wrapper.tt_backend = chosen[0].backend if chosen else None
+            wrapper.tt_error = report["error"]
+            wrapper.tt_report = list(report["candidates"])
+            release(wrapper)
+        for wrapper in wrappers:
+            if wrapper.tt_backend is not None:
+                wrapper._tt_mode = MODE_ACTIVE
+        done = True
+        return None
+    except Exception as exc:  # whatever went wrong, a fresh tweak follows
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        if not done:
+            unwrap(model, [w.tt_name for w in wrappers])
