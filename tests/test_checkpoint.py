@@ -1,0 +1,340 @@
+"""tt.save and tt.load: round trip, atomic save, and every bad input (the model left as it was)."""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+from torch import nn
+
+import torch_tweak as tt
+from torch_tweak import checkpoint, serial
+from torch_tweak.backends import TorchEagerBackend
+from support import FAST, MLP, BrokenBackend, CountingBackend, encoder
+from test_api import assert_unchanged, snapshot
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def fresh_mlp() -> MLP:
+    torch.manual_seed(0)
+    return MLP().eval()
+
+
+def two_shapes() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(8, 16, generator=g) for _ in range(2)] + [torch.randn(4, 16, generator=g) for _ in range(2)]
+
+
+def choices(model: nn.Module) -> dict[str, list]:
+    return {p: [(g.text, None if g.backend is None else type(g.backend).__name__) for g in w.tt_signatures]
+            for p, w in tt.installed(model).items()}
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A tuned MLP (two input signatures per module, the Counting backend) saved to model.tt."""
+    model = fresh_mlp()
+    data = two_shapes()
+    tt.wrap(model, ["blocks.0", "blocks.1", "head"], strategy=tt.FirstWinsStrategy([BrokenBackend(), CountingBackend()]))
+    tt.tune(model, data, measure=FAST)  # wrap and tune: a tweak might find the untuned model faster
+    (tmp_path / "out").mkdir()
+    path = tmp_path / "out" / "model.tt"
+    tt.save(model, path)
+    return model, data, path
+
+
+def rewrite(path, changes: dict[str, bytes], fix_hashes: bool = True, manifest: dict | None = None) -> None:
+    """Replaces members of a saved file (and their hashes in the manifest, unless told not to)."""
+    with zipfile.ZipFile(path) as archive:
+        members = {n: archive.read(n) for n in archive.namelist()}
+    members.update(changes)
+    meta = json.loads(members["manifest.json"])
+    if manifest:
+        meta.update(manifest)
+    if fix_hashes:
+        meta["members"] = {n: hashlib.sha256(d).hexdigest() for n, d in members.items() if n != "manifest.json"}
+    members["manifest.json"] = json.dumps(meta).encode()
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+
+
+class Payload:
+    """Unpickling this creates the marker file: proof that a pickle ran."""
+
+    def __init__(self, marker) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return builtins.open, (self.marker, "w")
+
+
+# ------------------------------------------------------------------ round trip
+
+
+def test_round_trip_same_outputs_and_backends(saved):
+    model, data, path = saved
+    with torch.no_grad():
+        expected = [model(x) for x in data]
+    fresh = fresh_mlp()
+    builds = CountingBackend.builds
+    chosen = tt.load(fresh, path)
+    assert chosen == {"blocks.0": "Counting", "blocks.1": "Counting", "head": "Counting"}
+    assert choices(fresh) == choices(model)
+    assert all(len(w.tt_signatures) == 2 for w in tt.installed(fresh).values())  # (8, 16) and (4, 16)
+    assert CountingBackend.builds - builds == 6  # built again per module and signature, no tuning
+    with torch.no_grad():
+        got = [fresh(x) for x in data]
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)
+    assert all(g.backend.calls > 0 for w in tt.installed(fresh).values() for g in w.tt_signatures)
+    summary = checkpoint.read_summary(path)
+    assert summary["manifest"]["format"] == "torch-tweak" and summary["manifest"]["device"]["type"] == "cpu"
+    assert summary["manifest"]["model"].endswith(":MLP")
+    assert summary["plan"]["depth"] is None  # wrapped by hand: no depth
+    head = next(m for m in summary["plan"]["modules"] if m["path"] == "head")
+    assert head["params"]["weight"] == [[4, 16], "float32"]
+    assert head["signatures"][0]["backend"]["class"] == "support:CountingBackend"
+    tt.save(fresh, path)  # a loaded model saves again, with its calls
+    again = fresh_mlp()
+    tt.load(again, path)
+    assert choices(again) == choices(model)
+
+
+def test_untuned_model_saves_an_empty_plan(tmp_path, mlp_data):
+    model = fresh_mlp()
+    with pytest.raises(ValueError, match="nothing to save"):
+        tt.save(model, tmp_path / "m.tt")
+    tt.tweak(model, mlp_data, max_depth=0, dry_run=False, strategy=tt.OneBackendStrategy(BrokenBackend()),
+             progress=False, measure=FAST)
+    assert not tt.installed(model)
+    tt.save(model, tmp_path / "m.tt")
+    fresh = fresh_mlp()
+    assert tt.load(fresh, tmp_path / "m.tt") == {}
+    assert not tt.installed(fresh)
+
+
+def test_backend_configs_round_trip_through_json():
+    backend = TorchEagerBackend(autocast_dtype=torch.bfloat16, tolerance=0.25)
+    tree = json.loads(serial.dumps(serial.describe_backend(backend)))
+    rebuilt = serial.build_backend(tree)
+    assert type(rebuilt) is TorchEagerBackend and rebuilt.config == backend.config
+
+
+def test_values_round_trip_and_unknown_tags_are_refused():
+    tensors: list[torch.Tensor] = []
+    value = ((torch.ones(2), [1, 2.5, float("inf")]), {"mask": None, "dtype": torch.float16, "on": torch.device("cpu"),
+                                                        "pair": (True, "x")})
+    tree = json.loads(serial.dumps(serial.encode(value, tensors)))
+    back = serial.decode(tree, tensors)
+    assert back[0][1] == [1, 2.5, float("inf")] and back[1]["dtype"] is torch.float16 and back[1]["pair"] == (True, "x")
+    assert torch.equal(back[0][0], torch.ones(2))
+    with pytest.raises(serial.Unstorable):
+        serial.encode(object(), tensors)
+    for bad in ({"dtype": "Tensor"}, {"module": "os"}, {"tensor": 5}):
+        with pytest.raises(ValueError):
+            serial.decode(bad, tensors)
+
+
+def test_encoder_with_inductor_round_trip(encoder_tweak, tmp_path):
+    model, data, expected, result = encoder_tweak
+    path = tmp_path / "encoder.tt"
+    tt.save(model, path)
+    names = zipfile.ZipFile(path).namelist()
+    inductor = any(m.backend and "TorchInductor" in m.backend for p, m in result.modules.items()
+                   if p in tt.installed(model))
+    assert ("artifacts/inductor.bin" in names) == inductor
+    fresh = encoder.build()
+    chosen = tt.load(fresh, path, trust_artifacts=True)
+    assert chosen == {p: w.tt_backend.name if w.tt_backend else None for p, w in tt.installed(model).items()}
+    with torch.no_grad():
+        for x, e in zip(data, expected):
+            assert float((fresh(x) - e).abs().max() / e.abs().max()) <= tt.TOLERANCES[torch.float32]
+
+
+# ------------------------------------------------------------------ atomic save
+
+
+def test_save_interrupted_by_an_exception_keeps_the_earlier_file(saved, monkeypatch):
+    model, _, path = saved
+    before = path.read_bytes()
+    original = zipfile.ZipFile.writestr
+    written = []
+
+    def failing(self, *args, **kwargs):
+        if written:
+            raise OSError("disk full")
+        written.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(zipfile.ZipFile, "writestr", failing)
+    with pytest.raises(OSError, match="disk full"):
+        tt.save(model, path)
+    assert path.read_bytes() == before
+    assert os.listdir(path.parent) == ["model.tt"]  # no temporary file left behind
+
+
+KILLED_SAVE = """
+import sys, time, zipfile
+import torch, torch_tweak as tt
+from support import FAST, MLP, CountingBackend
+torch.manual_seed(0)
+model = MLP().eval()
+data = [torch.randn(8, 16) for _ in range(2)]
+tt.wrap(model, ["blocks.0", "blocks.1", "head"], strategy=tt.OneBackendStrategy(CountingBackend()))
+tt.tune(model, data, measure=FAST)
+tt.save(model, sys.argv[1])
+print("saved", flush=True)
+original = zipfile.ZipFile.writestr
+def slow(self, *args, **kwargs):
+    original(self, *args, **kwargs)
+    print("midway", flush=True)
+    time.sleep(120)
+zipfile.ZipFile.writestr = slow
+tt.save(model, sys.argv[1])
+"""
+
+
+def test_save_killed_midway_keeps_the_earlier_file(tmp_path):
+    path = tmp_path / "model.tt"
+    env = dict(os.environ, PYTHONPATH=TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    child = subprocess.Popen([sys.executable, "-c", KILLED_SAVE, str(path)], stdout=subprocess.PIPE, text=True,
+                             env=env, cwd=TESTS)
+    try:
+        assert child.stdout.readline().strip() == "saved"
+        before = path.read_bytes()
+        assert child.stdout.readline().strip() == "midway"
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    assert path.read_bytes() == before
+    fresh = fresh_mlp()
+    assert tt.load(fresh, path) == {"blocks.0": "Counting", "blocks.1": "Counting", "head": "Counting"}
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def load_fails(model: nn.Module, path, match: str, **kwargs) -> None:
+    before = snapshot(model)
+    with pytest.raises(tt.CheckpointError, match=match):
+        tt.load(model, path, **kwargs)
+    assert_unchanged(model, before)
+
+
+def test_file_from_another_model(saved):
+    _, _, path = saved
+    load_fails(nn.Sequential(nn.Linear(16, 4)), path, "another model")
+    other = fresh_mlp()
+    other.head = nn.Linear(16, 5)
+    load_fails(other, path, r"head\.bias is float32\[4\] there, float32\[5\] here")
+    retyped = fresh_mlp()
+    retyped.head = nn.Sequential()
+    load_fails(retyped, path, "another model")
+
+
+def test_truncated_and_corrupted_files(saved):
+    _, _, path = saved
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    load_fails(fresh_mlp(), path, "truncated or damaged")
+    path.write_bytes(b"")
+    load_fails(fresh_mlp(), path, "not a torch-tweak file")
+    start = data.index(b"safetensors") + 200  # a byte inside the stored tensors
+    path.write_bytes(data[:start] + bytes([data[start] ^ 0xFF]) + data[start + 1:])
+    load_fails(fresh_mlp(), path, "damaged")
+
+
+def test_member_rewritten_without_its_hash(saved):
+    _, _, path = saved
+    plan = json.loads(zipfile.ZipFile(path).read("plan.json"))
+    plan["depth"] = 0
+    rewrite(path, {"plan.json": json.dumps(plan).encode()}, fix_hashes=False)
+    load_fails(fresh_mlp(), path, "sha256 of plan.json does not match")
+
+
+def test_member_added_to_the_file(saved):
+    _, _, path = saved
+    with zipfile.ZipFile(path, "a") as archive:
+        archive.writestr("extra.bin", b"x")
+    load_fails(fresh_mlp(), path, "members are not the ones its manifest lists")
+
+
+def test_file_from_another_device_kind_or_torch_release(saved):
+    _, _, path = saved
+    rewrite(path, {}, manifest={"device": {"type": "cuda", "name": "NVIDIA H200"}})
+    load_fails(fresh_mlp(), path, "tuned on cuda")
+    rewrite(path, {}, manifest={"device": {"type": "cpu", "name": "another CPU"}})
+    with pytest.warns(UserWarning, match="tuned on another CPU"):
+        assert tt.load(fresh_mlp(), path)["head"] == "Counting"
+    rewrite(path, {}, manifest={"device": {"type": "cpu", "name": serial.device_name(torch.device("cpu"))},
+                                "torch": "1.13.1"})
+    load_fails(fresh_mlp(), path, "saved with torch 1.13.1")
+    major_minor = ".".join(torch.__version__.split(".")[:2])
+    rewrite(path, {}, manifest={"torch": major_minor + ".99"})
+    with pytest.warns(UserWarning, match="built again and checked"):
+        assert tt.load(fresh_mlp(), path)["head"] == "Counting"
+
+
+def test_backend_class_not_imported_is_never_imported(saved):
+    _, _, path = saved
+    plan = json.loads(zipfile.ZipFile(path).read("plan.json"))
+    plan["modules"][0]["signatures"][0]["backend"]["class"] = "os:system"
+    rewrite(path, {"plan.json": json.dumps(plan).encode()})
+    load_fails(fresh_mlp(), path, "os:system is not a torch-tweak backend imported")
+
+
+def test_model_already_wrapped(saved):
+    model, _, path = saved
+    with pytest.raises(ValueError, match="already has torch-tweak wrappers"):
+        tt.load(model, path)
+
+
+def test_pickle_files_execute_nothing(tmp_path):
+    marker = tmp_path / "marker"
+    path = tmp_path / "model.tt"
+    torch.save({"weights": Payload(marker)}, path)  # a .pt file renamed: a zip, with a pickle inside
+    load_fails(fresh_mlp(), path, "no manifest.json")
+    path.write_bytes(pickle.dumps(Payload(marker)))  # a bare pickle
+    load_fails(fresh_mlp(), path, "not a torch-tweak file")
+    assert not marker.exists()
+
+
+def test_planted_pickle_in_members_executes_nothing(saved, tmp_path):
+    _, data, path = saved
+    marker = tmp_path / "marker"
+    payload = pickle.dumps(Payload(marker))
+    good = path.read_bytes()
+    for member in ("plan.json", "samples.safetensors"):
+        path.write_bytes(good)
+        rewrite(path, {member: payload})
+        load_fails(fresh_mlp(), path, "not JSON|not a safetensors file")
+    path.write_bytes(good)
+    rewrite(path, {"artifacts/inductor.bin": payload})  # artifacts apply only when trusted
+    fresh = fresh_mlp()
+    assert tt.load(fresh, path)["head"] == "Counting"
+    assert not marker.exists()
+
+
+def test_rebuilt_backend_that_mismatches_runs_the_original(saved):
+    model, data, path = saved
+    fresh = fresh_mlp()
+    with torch.no_grad():
+        fresh.head.bias.add_(1.0)  # other weights: the stored outputs no longer match
+        expected = fresh(data[0])
+    with pytest.warns(UserWarning, match="head .*failed.*run the original forward"):
+        chosen = tt.load(fresh, path)
+    assert chosen["head"] is None and chosen["blocks.0"] == "Counting"
+    with torch.no_grad():
+        assert torch.equal(fresh(data[0]), expected)
