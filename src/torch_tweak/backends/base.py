@@ -48,6 +48,10 @@ class Backend(abc.ABC):
     """
 
     name = "backend"
+    checks_inputs = False
+    """True when the built callable checks every call against what it was built for and
+    runs the original module itself when a call does not fit (the device graph does). A
+    module whose only entry is such a backend then skips the dispatcher's own check."""
     config_class: type[BackendConfig] = BackendConfig
 
     def __init__(self, config: BackendConfig | None = None, **options: Any) -> None:

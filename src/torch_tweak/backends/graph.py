@@ -243,6 +243,7 @@ class DeviceGraphBackend(Backend):
 
     name = "DeviceGraph"
     config_class = DeviceGraphBackendConfig
+    checks_inputs = True  # GraphReplay checks its signature and falls back by itself
 
     def unavailable(self, device: torch.device) -> str | None:
         return graph_unavailable(device)
