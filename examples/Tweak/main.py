@@ -1,4 +1,5 @@
-"""Tweak a four-layer transformer encoder: a dry run, the tweak, its table, and a check.
+"""Tweak a four-layer transformer encoder: a dry run, the tweak, its table, a check, and a
+save loaded into a freshly built encoder in a new process.
 
     python examples/Tweak/main.py            # on the GPU when there is one, else the CPU
 """
@@ -7,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -51,6 +54,44 @@ def main() -> int:
         print("FAILED: the tuned model's output does not match the untuned one")
         return 1
     print("OK: the tuned model's output matches the untuned one")
+    return check_saved(model, dataset, args.device)
+
+
+LOAD_AND_RUN = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import encoder, torch_tweak as tt
+from safetensors.torch import load_file, save_file
+model = encoder.build(sys.argv[2])                    # freshly built: same seed, same weights
+print("  loaded:", tt.load(model, sys.argv[3]))
+inputs = load_file(sys.argv[4], device=sys.argv[2])
+with torch.no_grad():
+    outputs = {k: model(x) for k, x in inputs.items()}
+save_file({k: v.cpu() for k, v in outputs.items()}, sys.argv[5])
+"""
+
+
+def check_saved(model: torch.nn.Module, dataset: list, device: str) -> int:
+    """Saves the tuned model, loads it into a freshly built one in a new process, compares outputs."""
+    from safetensors.torch import load_file, save_file
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "encoder.tt")
+        tt.save(model, path)
+        print(f"\nSaved the tuned model ({os.path.getsize(path) / 1e6:.1f} MB); loading it in a new process")
+        inputs, outputs = os.path.join(folder, "in.safetensors"), os.path.join(folder, "out.safetensors")
+        save_file({f"x{i}": x.cpu() for i, x in enumerate(dataset)}, inputs)
+        here = os.path.dirname(os.path.abspath(__file__))
+        subprocess.run([sys.executable, "-c", LOAD_AND_RUN, here, device, path, inputs, outputs], check=True)
+        loaded = load_file(outputs)
+    with torch.no_grad():
+        tuned = [model(x).cpu() for x in dataset]
+    worst = max(float((loaded[f"x{i}"] - t).abs().max() / t.abs().max()) for i, t in enumerate(tuned))
+    print(f"Loaded in a new process against tuned: largest relative error {worst:.2e}")
+    if worst > tt.TOLERANCES[torch.float32]:
+        print("FAILED: the loaded model's output does not match the tuned one")
+        return 1
+    print("OK: the loaded model's output matches the tuned one")
     return 0
 
 
