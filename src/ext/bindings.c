@@ -856,82 +856,96 @@ tt_tree_len(TtTree *self)
     return (Py_ssize_t)tw_tree_size(self->tree);
 }
 
-/* A node index of this tree; -1 with IndexError/TypeError. */
+/* A node index below n_nodes from an int; -1 with IndexError/TypeError. Tree
+ * and Result index the same nodes, so they reject the same numbers alike. */
 static int
-tt_tree_index(TtTree *self, PyObject *arg, size_t *out)
+tt_node_index(PyObject *arg, size_t n_nodes, size_t *out)
 {
     Py_ssize_t i = PyNumber_AsSsize_t(arg, PyExc_IndexError);
-    size_t n = tw_tree_size(self->tree);
 
     if (i == -1 && PyErr_Occurred())
         return -1;
-    if (i < 0 || (size_t)i >= n) {
+    if (i < 0 || (size_t)i >= n_nodes) {
         PyErr_Format(PyExc_IndexError, "node index %zd out of range for a tree of %zu nodes", i,
-                     n);
+                     n_nodes);
         return -1;
     }
     *out = (size_t)i;
     return 0;
 }
 
+/* What the per-node methods of Tree read; one reader so that each checks its
+ * index the same way. */
+enum { TT_NODE_PATH, TT_NODE_DEPTH, TT_NODE_PARENT, TT_NODE_CHILD_COUNT, TT_NODE_CALLS,
+       TT_NODE_TIME_NS };
+
+/* Field `what` of node `arg`. New reference; NULL with an exception. */
+static PyObject *
+tt_tree_node_field(TtTree *self, PyObject *arg, int what)
+{
+    PyObject *result = NULL;
+    size_t i;
+
+    if (tt_node_index(arg, tw_tree_size(self->tree), &i) < 0)
+        goto cleanup;
+    switch (what) {
+    case TT_NODE_PATH:
+        result = PyUnicode_FromString(tw_tree_path(self->tree, i));
+        break;
+    case TT_NODE_DEPTH:
+        result = PyLong_FromLong(tw_tree_depth(self->tree, i));
+        break;
+    case TT_NODE_PARENT:
+        result = PyLong_FromLong(tw_tree_parent(self->tree, i));
+        break;
+    case TT_NODE_CHILD_COUNT:
+        result = PyLong_FromSize_t(tw_tree_child_count(self->tree, i));
+        break;
+    case TT_NODE_CALLS:
+        result = PyLong_FromUnsignedLongLong(tw_tree_calls(self->tree, i));
+        break;
+    default: /* TT_NODE_TIME_NS */
+        result = PyLong_FromUnsignedLongLong(tw_tree_time_ns(self->tree, i));
+        break;
+    }
+cleanup:
+    return result;
+}
+
 static PyObject *
 tt_tree_path(TtTree *self, PyObject *arg)
 {
-    size_t i;
-
-    if (tt_tree_index(self, arg, &i) < 0)
-        return NULL;
-    return PyUnicode_FromString(tw_tree_path(self->tree, i));
+    return tt_tree_node_field(self, arg, TT_NODE_PATH);
 }
 
 static PyObject *
 tt_tree_depth(TtTree *self, PyObject *arg)
 {
-    size_t i;
-
-    if (tt_tree_index(self, arg, &i) < 0)
-        return NULL;
-    return PyLong_FromLong(tw_tree_depth(self->tree, i));
+    return tt_tree_node_field(self, arg, TT_NODE_DEPTH);
 }
 
 static PyObject *
 tt_tree_parent(TtTree *self, PyObject *arg)
 {
-    size_t i;
-
-    if (tt_tree_index(self, arg, &i) < 0)
-        return NULL;
-    return PyLong_FromLong(tw_tree_parent(self->tree, i));
+    return tt_tree_node_field(self, arg, TT_NODE_PARENT);
 }
 
 static PyObject *
 tt_tree_child_count(TtTree *self, PyObject *arg)
 {
-    size_t i;
-
-    if (tt_tree_index(self, arg, &i) < 0)
-        return NULL;
-    return PyLong_FromSize_t(tw_tree_child_count(self->tree, i));
+    return tt_tree_node_field(self, arg, TT_NODE_CHILD_COUNT);
 }
 
 static PyObject *
 tt_tree_calls(TtTree *self, PyObject *arg)
 {
-    size_t i;
-
-    if (tt_tree_index(self, arg, &i) < 0)
-        return NULL;
-    return PyLong_FromUnsignedLongLong(tw_tree_calls(self->tree, i));
+    return tt_tree_node_field(self, arg, TT_NODE_CALLS);
 }
 
 static PyObject *
 tt_tree_time_ns(TtTree *self, PyObject *arg)
 {
-    size_t i;
-
-    if (tt_tree_index(self, arg, &i) < 0)
-        return NULL;
-    return PyLong_FromUnsignedLongLong(tw_tree_time_ns(self->tree, i));
+    return tt_tree_node_field(self, arg, TT_NODE_TIME_NS);
 }
 
 static PyObject *
@@ -1227,18 +1241,13 @@ tt_result_get_baseline(TtResult *self, void *closure)
 static PyObject *
 tt_result_module(TtResult *self, PyObject *arg)
 {
-    Py_ssize_t node = PyNumber_AsSsize_t(arg, PyExc_IndexError);
     const char *error = NULL;
+    size_t node;
     int state;
 
-    if (node == -1 && PyErr_Occurred())
+    if (tt_node_index(arg, self->n_nodes, &node) < 0)
         return NULL;
-    if (node < 0 || (size_t)node >= self->n_nodes) {
-        PyErr_Format(PyExc_IndexError, "node index %zd out of range for a tree of %zu nodes",
-                     node, self->n_nodes);
-        return NULL;
-    }
-    state = tw_result_module(self->result, (size_t)node, &error);
+    state = tw_result_module(self->result, node, &error);
     return Py_BuildValue("(is)", state, error != NULL ? error : "");
 }
 
