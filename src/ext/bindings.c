@@ -164,25 +164,34 @@ cleanup:
     return call->last_ns;
 }
 
+/* Calls func(index), the one-int call of both a sample run and a tune; a
+ * failure to make the int fails the step like the call itself would. */
+static tw_code
+tt_call_invoke_index(TtCall *call, PyObject *func, size_t index, tw_error *err)
+{
+    PyObject *arg = NULL; /* new reference */
+    tw_code code;
+
+    if (TT_UNLIKELY(call->stash != NULL)) {
+        code = tw_error_set(err, TW_EINTERRUPT, "interrupted");
+        goto cleanup;
+    }
+    if ((arg = PyLong_FromSize_t(index)) == NULL) {
+        code = tt_call_fail(call, err);
+        goto cleanup;
+    }
+    code = tt_call_invoke(call, func, &arg, 1, 0, err);
+cleanup:
+    Py_XDECREF(arg);
+    return code;
+}
+
 static tw_code
 tt_run_sample(void *ctx, size_t sample, tw_error *err)
 {
     TtRun *run = (TtRun *)ctx;
-    PyObject *arg = NULL; /* new reference */
-    tw_code code;
 
-    if (TT_UNLIKELY(run->call->stash != NULL)) {
-        code = tw_error_set(err, TW_EINTERRUPT, "interrupted");
-        goto cleanup;
-    }
-    if ((arg = PyLong_FromSize_t(sample)) == NULL) {
-        code = tt_call_fail(run->call, err);
-        goto cleanup;
-    }
-    code = tt_call_invoke(run->call, run->run, &arg, 1, 0, err);
-cleanup:
-    Py_XDECREF(arg);
-    return code;
+    return tt_call_invoke_index(run->call, run->run, sample, err);
 }
 
 static tw_code
@@ -1344,21 +1353,8 @@ static tw_code
 tt_tweak_tune(void *ctx, size_t node, tw_error *err)
 {
     TtTweak *tw = (TtTweak *)ctx;
-    PyObject *arg = NULL; /* new reference */
-    tw_code code;
 
-    if (TT_UNLIKELY(tw->call->stash != NULL)) {
-        code = tw_error_set(err, TW_EINTERRUPT, "interrupted");
-        goto cleanup;
-    }
-    if ((arg = PyLong_FromSize_t(node)) == NULL) {
-        code = tt_call_fail(tw->call, err);
-        goto cleanup;
-    }
-    code = tt_call_invoke(tw->call, tw->tune, &arg, 1, 0, err);
-cleanup:
-    Py_XDECREF(arg);
-    return code;
+    return tt_call_invoke_index(tw->call, tw->tune, node, err);
 }
 
 static tw_code
