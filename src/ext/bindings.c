@@ -307,6 +307,23 @@ tt_number_nonneg(PyObject *value, const char *what, double *out)
     return 0;
 }
 
+/* Seconds (an int or float >= 0) as whole nanoseconds, rounded; -1 with
+ * ValueError naming `what` when it is not a number or does not fit uint64. */
+static int
+tt_seconds_to_ns(PyObject *value, const char *what, uint64_t *out)
+{
+    double v;
+
+    if (tt_number_nonneg(value, what, &v) < 0)
+        return -1;
+    if (v * 1e9 >= 18446744073709551615.0) {
+        PyErr_Format(PyExc_ValueError, "%s is too large: %R seconds", what, value);
+        return -1;
+    }
+    *out = (uint64_t)(v * 1e9 + 0.5);
+    return 0;
+}
+
 static int
 tt_config_set(const TtConfigKey *key, PyObject *value, tw_measure_config *cfg)
 {
@@ -339,13 +356,8 @@ tt_config_set(const TtConfigKey *key, PyObject *value, tw_measure_config *cfg)
         *(double *)(void *)field = v;
         break;
     default: /* TT_KEY_SECONDS */
-        if (tt_number_nonneg(value, what, &v) < 0)
+        if (tt_seconds_to_ns(value, what, (uint64_t *)(void *)field) < 0)
             goto cleanup;
-        if (v * 1e9 >= 18446744073709551615.0) {
-            PyErr_Format(PyExc_ValueError, "%s is too large: %R seconds", what, value);
-            goto cleanup;
-        }
-        *(uint64_t *)(void *)field = (uint64_t)(v * 1e9 + 0.5);
         break;
     }
     rc = 0;
@@ -1387,7 +1399,6 @@ tt_py_tweak(PyObject *module, PyObject *args, PyObject *kwargs)
     TtResult *res_obj = NULL;
     PyObject *result = NULL;
     Py_ssize_t n_samples = 0;
-    double budget_s = 0;
     tw_tweak_config cfg;
     tw_tweak_ops ops;
     tw_result *out = NULL;
@@ -1439,15 +1450,10 @@ tt_py_tweak(PyObject *module, PyObject *args, PyObject *kwargs)
         goto cleanup;
     }
     if (budget != Py_None) {
-        if (tt_number_nonneg(budget, "time_budget", &budget_s) < 0)
+        if (tt_seconds_to_ns(budget, "time_budget", &cfg.time_budget_ns) < 0)
             goto cleanup;
-        if (budget_s * 1e9 >= 18446744073709551615.0) {
-            PyErr_Format(PyExc_ValueError, "time_budget is too large: %R seconds", budget);
-            goto cleanup;
-        }
         /* 0 ns would read as "no budget" to the engine; a budget of 0 s is one
          * that is used up before the first depth */
-        cfg.time_budget_ns = (uint64_t)(budget_s * 1e9 + 0.5);
         if (cfg.time_budget_ns == 0)
             cfg.time_budget_ns = 1;
     }
