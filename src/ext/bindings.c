@@ -496,6 +496,18 @@ tt_check_n_samples(Py_ssize_t n)
     return -1;
 }
 
+/* The arguments measure, compare and choose share, checked in one order so
+ * that the three name the same bad argument first. */
+static int
+tt_check_measure_args(PyObject *sync, PyObject *clock, Py_ssize_t n_samples, PyObject *config,
+                      tw_measure_config *cfg)
+{
+    if (tt_check_callable(sync, "sync", 1) < 0 || tt_check_callable(clock, "clock", 1) < 0 ||
+        tt_check_n_samples(n_samples) < 0 || tt_config_from_dict(config, cfg) < 0)
+        return -1;
+    return 0;
+}
+
 /* ============================================================== measure */
 
 PyObject *
@@ -519,9 +531,8 @@ tt_py_measure(PyObject *module, PyObject *args, PyObject *kwargs)
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "On|$OOO:measure", kwlist, &run, &n_samples,
                                      &sync, &config, &clock))
         goto cleanup;
-    if (tt_check_callable(run, "run", 0) < 0 || tt_check_callable(sync, "sync", 1) < 0 ||
-        tt_check_callable(clock, "clock", 1) < 0 || tt_check_n_samples(n_samples) < 0 ||
-        tt_config_from_dict(config, &cfg) < 0)
+    if (tt_check_callable(run, "run", 0) < 0 ||
+        tt_check_measure_args(sync, clock, n_samples, config, &cfg) < 0)
         goto cleanup;
     tt_call_init(&call, call.st, clock, sync);
     r.call = &call;
@@ -567,8 +578,7 @@ tt_py_compare(PyObject *module, PyObject *args, PyObject *kwargs)
     for (i = 0; i < n; i++)
         if (tt_check_callable(PySequence_Fast_GET_ITEM(runs, i), "each of runs", 0) < 0)
             goto cleanup;
-    if (tt_check_callable(sync, "sync", 1) < 0 || tt_check_callable(clock, "clock", 1) < 0 ||
-        tt_check_n_samples(n_samples) < 0 || tt_config_from_dict(config, &cfg) < 0)
+    if (tt_check_measure_args(sync, clock, n_samples, config, &cfg) < 0)
         goto cleanup;
     runners = PyMem_Calloc((size_t)n + 1, sizeof(tw_runner));
     stats = PyMem_Calloc((size_t)n + 1, sizeof(tw_stats));
@@ -711,8 +721,7 @@ tt_py_choose(PyObject *module, PyObject *args, PyObject *kwargs)
         PyErr_NoMemory();
         goto cleanup;
     }
-    if (tt_check_callable(sync, "sync", 1) < 0 || tt_check_callable(clock, "clock", 1) < 0 ||
-        tt_check_n_samples(n_samples) < 0 || tt_config_from_dict(config, &cfg) < 0)
+    if (tt_check_measure_args(sync, clock, n_samples, config, &cfg) < 0)
         goto cleanup;
     tt_call_init(&call, call.st, clock, sync);
     for (i = 0; i < n; i++) {
