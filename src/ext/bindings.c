@@ -474,6 +474,16 @@ tt_stats_to_dict(const tw_stats *s)
                          tt_stop_name(s->stopped_by));
 }
 
+/* The dict of `s` when it was measured, else None: a report, a row and the
+ * baseline all show "not measured" the same way. New reference. */
+static PyObject *
+tt_stats_or_none(const tw_stats *s, int measured)
+{
+    if (!measured)
+        Py_RETURN_NONE;
+    return tt_stats_to_dict(s);
+}
+
 /* ===================================================== argument checking */
 
 /* 0 when obj is callable (or None and may_be_none); -1 with TypeError. */
@@ -667,14 +677,8 @@ tt_report_to_dict(PyObject *name, const tw_candidate_report *report)
     PyObject *stats = NULL; /* new reference */
     PyObject *result = NULL;
 
-    if (report->state == TW_CAND_MEASURED) {
-        if ((stats = tt_stats_to_dict(&report->stats)) == NULL)
-            goto cleanup;
-    }
-    else {
-        stats = Py_None;
-        Py_INCREF(stats);
-    }
+    if ((stats = tt_stats_or_none(&report->stats, report->state == TW_CAND_MEASURED)) == NULL)
+        goto cleanup;
     result = Py_BuildValue("{s:O,s:s,s:s,s:O}", "name", name, "state",
                            tt_candidate_state_name(report->state), "error",
                            report->state == TW_CAND_FAILED ? report->msg : "", "stats", stats);
@@ -1222,14 +1226,8 @@ tt_result_get_rows(TtResult *self, void *closure)
             tt_raise_code(st, code, err.msg, NULL);
             goto cleanup;
         }
-        if (row.state == TW_ROW_MEASURED) {
-            if ((stats = tt_stats_to_dict(&row.stats)) == NULL)
-                goto cleanup;
-        }
-        else {
-            stats = Py_None;
-            Py_INCREF(stats);
-        }
+        if ((stats = tt_stats_or_none(&row.stats, row.state == TW_ROW_MEASURED)) == NULL)
+            goto cleanup;
         d = Py_BuildValue("{s:i,s:n,s:n,s:s,s:s,s:O}", "depth", row.depth, "modules",
                           (Py_ssize_t)row.modules, "failed", (Py_ssize_t)row.failed, "state",
                           tt_row_state_name(row.state), "error",
@@ -1263,9 +1261,7 @@ tt_result_get_baseline(TtResult *self, void *closure)
     (void)closure;
     memset(&stats, 0, sizeof(stats));
     tw_result_baseline(self->result, &stats, &measured);
-    if (!measured)
-        Py_RETURN_NONE;
-    return tt_stats_to_dict(&stats);
+    return tt_stats_or_none(&stats, measured);
 }
 
 static PyObject *
