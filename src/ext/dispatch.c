@@ -1028,16 +1028,6 @@ tt_dispatcher_set_mode(TtDispatcher *self, PyObject *value, void *closure)
     return 0;
 }
 
-static PyObject *
-tt_dispatcher_get_original(TtDispatcher *self, void *closure)
-{
-    PyObject *original = self->original != NULL ? self->original : Py_None;
-
-    (void)closure;
-    Py_INCREF(original);
-    return original;
-}
-
 /* The entries as given: a list of (signature or None, backend). New reference. */
 static PyObject *
 tt_dispatcher_get_entries(TtDispatcher *self, void *closure)
@@ -1063,31 +1053,19 @@ error:
     return NULL;
 }
 
-static PyObject *
-tt_dispatcher_get_calls(TtDispatcher *self, void *closure)
-{
-    (void)closure;
-    return PyLong_FromUnsignedLongLong(self->calls);
-}
-
-static PyObject *
-tt_dispatcher_get_fallbacks(TtDispatcher *self, void *closure)
-{
-    (void)closure;
-    return PyLong_FromUnsignedLongLong(self->fallbacks);
-}
-
 static PyGetSetDef tt_dispatcher_getset[] = {
     {"_tt_mode", (getter)tt_dispatcher_get_mode, (setter)tt_dispatcher_set_mode,
      "0 original, 1 active (backends by signature), 2 record.", NULL},
-    {"_tt_original", (getter)tt_dispatcher_get_original, NULL,
-     "The original module (None before _tt_bind); read-only.", NULL},
+    {"_tt_original", tt_get_object_or_none, NULL,
+     "The original module (None before _tt_bind); read-only.",
+     TT_FIELD(TtDispatcher, original)},
     {"_tt_entries", (getter)tt_dispatcher_get_entries, NULL,
      "A list of (signature or None, backend), as set.", NULL},
-    {"_tt_calls", (getter)tt_dispatcher_get_calls, NULL,
-     "Calls of this dispatcher, in every mode.", NULL},
-    {"_tt_fallbacks", (getter)tt_dispatcher_get_fallbacks, NULL,
-     "Calls in active mode that no entry matched, so the original ran.", NULL},
+    {"_tt_calls", tt_get_counter, NULL, "Calls of this dispatcher, in every mode.",
+     TT_FIELD(TtDispatcher, calls)},
+    {"_tt_fallbacks", tt_get_counter, NULL,
+     "Calls in active mode that no entry matched, so the original ran.",
+     TT_FIELD(TtDispatcher, fallbacks)},
     {NULL, NULL, NULL, NULL, NULL}};
 
 static PyMethodDef tt_dispatcher_methods[] = {

@@ -87,6 +87,15 @@ tt_tensor_attr(const TtState *st, PyObject *obj, const TtGetter *g, PyObject *na
     return PyObject_GetAttr(obj, name);
 }
 
+/* Getters for a read-only getset entry whose closure is the field's offset
+ * in the object, (void *)offsetof(Type, field): the unsigned long long
+ * counter there, and the object there or None while it is NULL (before it is
+ * set, after tp_clear). Every type's counters and references read alike.
+ * New references. */
+#define TT_FIELD(type, field) ((void *)offsetof(type, field))
+PyObject *tt_get_counter(PyObject *self, void *offset);
+PyObject *tt_get_object_or_none(PyObject *self, void *offset);
+
 /* The exception being raised, normalized with its traceback attached, cleared
  * from the thread state. New reference; NULL when none is set. */
 PyObject *tt_exception_fetch(void);

@@ -997,44 +997,10 @@ tt_graph_dealloc(TtGraphReplay *self)
 /* ------------------------------------------------------------ Python API */
 
 static PyObject *
-tt_graph_get_replays(TtGraphReplay *self, void *closure)
-{
-    (void)closure;
-    return PyLong_FromUnsignedLongLong(self->replays);
-}
-
-static PyObject *
-tt_graph_get_fallbacks(TtGraphReplay *self, void *closure)
-{
-    (void)closure;
-    return PyLong_FromUnsignedLongLong(self->fallbacks);
-}
-
-static PyObject *
 tt_graph_get_driver(TtGraphReplay *self, void *closure)
 {
     (void)closure;
     return PyBool_FromLong(self->driver);
-}
-
-static PyObject *
-tt_graph_get_original(TtGraphReplay *self, void *closure)
-{
-    PyObject *original = self->original != NULL ? self->original : Py_None;
-
-    (void)closure;
-    Py_INCREF(original);
-    return original;
-}
-
-static PyObject *
-tt_graph_get_signature(TtGraphReplay *self, void *closure)
-{
-    PyObject *signature = self->signature != NULL ? self->signature : Py_None;
-
-    (void)closure;
-    Py_INCREF(signature);
-    return signature;
 }
 
 static PyObject *
@@ -1050,13 +1016,17 @@ tt_graph_driver_error(PyObject *cls, PyObject *unused)
 }
 
 static PyGetSetDef tt_graph_getset[] = {
-    {"replays", (getter)tt_graph_get_replays, NULL, "Calls that replayed the graph.", NULL},
-    {"fallbacks", (getter)tt_graph_get_fallbacks, NULL,
-     "Calls that did not fit the recording and ran the original.", NULL},
+    {"replays", tt_get_counter, NULL, "Calls that replayed the graph.",
+     TT_FIELD(TtGraphReplay, replays)},
+    {"fallbacks", tt_get_counter, NULL,
+     "Calls that did not fit the recording and ran the original.",
+     TT_FIELD(TtGraphReplay, fallbacks)},
     {"driver", (getter)tt_graph_get_driver, NULL,
      "True when launches go through the CUDA driver, False through replay().", NULL},
-    {"original", (getter)tt_graph_get_original, NULL, "The original module.", NULL},
-    {"signature", (getter)tt_graph_get_signature, NULL, "The recorded call's Signature.", NULL},
+    {"original", tt_get_object_or_none, NULL, "The original module.",
+     TT_FIELD(TtGraphReplay, original)},
+    {"signature", tt_get_object_or_none, NULL, "The recorded call's Signature.",
+     TT_FIELD(TtGraphReplay, signature)},
     {NULL, NULL, NULL, NULL, NULL}};
 
 static PyMethodDef tt_graph_methods[] = {

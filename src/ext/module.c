@@ -138,6 +138,28 @@ cleanup:
     return result;
 }
 
+/* --------------------------------------------------------------- getters */
+
+PyObject *
+tt_get_counter(PyObject *self, void *offset)
+{
+    const char *field = (const char *)self + (uintptr_t)offset;
+
+    return PyLong_FromUnsignedLongLong(*(const unsigned long long *)(const void *)field);
+}
+
+PyObject *
+tt_get_object_or_none(PyObject *self, void *offset)
+{
+    const char *field = (const char *)self + (uintptr_t)offset;
+    PyObject *value = *(PyObject *const *)(const void *)field; /* borrowed */
+
+    if (value == NULL)
+        value = Py_None;
+    Py_INCREF(value);
+    return value;
+}
+
 /* ---------------------------------------------------------------- module */
 
 static PyObject *
