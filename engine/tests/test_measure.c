@@ -19,6 +19,20 @@ static tw_measure_config base_config(void)
     return cfg;
 }
 
+/* Measures with a fresh runner (id 1) that follows `script` over n_samples
+ * samples; fr keeps the runner's calls for the checks. */
+static tw_code measure_script(fake_env *env, fake_runner *fr, const uint64_t *script,
+                              size_t script_len, size_t n_samples,
+                              const tw_measure_config *cfg, tw_stats *st)
+{
+    tw_host host = fake_host(env);
+    tw_runner runner;
+
+    fake_runner_init(fr, env, 1, script, script_len, n_samples);
+    runner = fake_runner_of(fr);
+    return tw_measure(&host, &runner, cfg, st, NULL);
+}
+
 /* Slow first rounds: warm-up goes on while they fall, and stops after
  * `patience` rounds that are no faster. */
 static void test_warmup(void)
@@ -26,17 +40,13 @@ static void test_warmup(void)
     static const uint64_t script[] = {1000, 500, 300, 100, 100, 99, 100};
     fake_env env;
     fake_runner fr;
-    tw_runner runner;
     tw_measure_config cfg;
     tw_stats st;
 
     fake_env_init(&env);
-    fake_runner_init(&fr, &env, 1, script, 7, 2);
-    runner = fake_runner_of(&fr);
     tw_measure_config_default(&cfg);
     cfg.time_cap_ns = 0;
-    tw_host host = fake_host(&env);
-    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, NULL), TW_OK);
+    CHECK_INT(measure_script(&env, &fr, script, 7, 2, &cfg, &st), TW_OK);
     /* 1000, 500, 300, 100 each fall; 100 and 99 fall less than 2 %: stop */
     CHECK_INT(st.warmup_rounds, 6);
     CHECK_INT(st.rounds, 5);
@@ -47,19 +57,15 @@ static void test_warmup(void)
 
     /* warmup_max bounds a latency that keeps falling */
     static const uint64_t falling[] = {1000, 900, 800, 700, 600, 500, 400, 300, 200, 100};
-    fake_runner_init(&fr, &env, 1, falling, 10, 1);
-    runner = fake_runner_of(&fr);
     cfg.warmup_max = 4;
-    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, NULL), TW_OK);
+    CHECK_INT(measure_script(&env, &fr, falling, 10, 1, &cfg, &st), TW_OK);
     CHECK_INT(st.warmup_rounds, 4);
 
     /* warmup_min holds even when the latency is flat from the start */
     static const uint64_t flat[] = {100};
-    fake_runner_init(&fr, &env, 1, flat, 1, 1);
-    runner = fake_runner_of(&fr);
     cfg.warmup_min = 5;
     cfg.warmup_max = 20;
-    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, NULL), TW_OK);
+    CHECK_INT(measure_script(&env, &fr, flat, 1, 1, &cfg, &st), TW_OK);
     CHECK_INT(st.warmup_rounds, 5);
 }
 
@@ -71,9 +77,7 @@ static void test_spread_rule(void)
     uint64_t noisy_script[64];
     fake_env env;
     fake_runner fr;
-    tw_runner runner;
     tw_measure_config cfg = base_config();
-    tw_host host;
     tw_stats st;
     size_t i;
 
@@ -81,29 +85,22 @@ static void test_spread_rule(void)
         noisy_script[i] = noisy[i % 2];
     }
     fake_env_init(&env);
-    host = fake_host(&env);
     cfg.rounds_min = 4;
     cfg.rounds_max = 12;
-    fake_runner_init(&fr, &env, 1, quiet, 1, 3);
-    runner = fake_runner_of(&fr);
-    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, NULL), TW_OK);
+    CHECK_INT(measure_script(&env, &fr, quiet, 1, 3, &cfg, &st), TW_OK);
     CHECK_INT(st.rounds, 4);
     CHECK_INT(st.stopped_by, TW_STOP_SPREAD);
     CHECK_NEAR(st.spread, 0, 1e-12);
 
-    fake_runner_init(&fr, &env, 1, noisy_script, 64, 3);
-    runner = fake_runner_of(&fr);
-    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, NULL), TW_OK);
+    CHECK_INT(measure_script(&env, &fr, noisy_script, 64, 3, &cfg, &st), TW_OK);
     CHECK_INT(st.rounds, 12);
     CHECK_INT(st.stopped_by, TW_STOP_ROUNDS);
     CHECK(st.spread > cfg.rel_spread);
     CHECK_INT(fr.calls, 12 * 3);
 
     /* a looser rel_spread accepts the same noise at rounds_min */
-    fake_runner_init(&fr, &env, 1, noisy_script, 64, 3);
-    runner = fake_runner_of(&fr);
     cfg.rel_spread = 1.0;
-    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, NULL), TW_OK);
+    CHECK_INT(measure_script(&env, &fr, noisy_script, 64, 3, &cfg, &st), TW_OK);
     CHECK_INT(st.rounds, 4);
     CHECK_INT(st.stopped_by, TW_STOP_SPREAD);
 }
@@ -114,9 +111,7 @@ static void test_time_cap(void)
     uint64_t script[64];
     fake_env env;
     fake_runner fr;
-    tw_runner runner;
     tw_measure_config cfg = base_config();
-    tw_host host;
     tw_stats st;
     uint64_t start;
     size_t i;
@@ -125,26 +120,21 @@ static void test_time_cap(void)
         script[i] = (i % 2 == 0) ? 1000000 : 2000000; /* 1 ms, 2 ms: noisy */
     }
     fake_env_init(&env);
-    host = fake_host(&env);
     cfg.rounds_min = 2;
     cfg.rounds_max = 50;
     cfg.time_cap_ns = 10000000;
-    fake_runner_init(&fr, &env, 1, script, 64, 1);
-    runner = fake_runner_of(&fr);
     start = env.now;
-    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, NULL), TW_OK);
+    CHECK_INT(measure_script(&env, &fr, script, 64, 1, &cfg, &st), TW_OK);
     /* after 7 rounds 1+2+1+2+1+2+1 = 10 ms are used */
     CHECK_INT(st.stopped_by, TW_STOP_TIME);
     CHECK_INT(st.rounds, 7);
     CHECK_INT(env.now - start, 10000000);
 
     /* a cap used up in warm-up still leaves one measured round */
-    fake_runner_init(&fr, &env, 1, script, 64, 1);
-    runner = fake_runner_of(&fr);
     cfg.warmup_min = 10;
     cfg.warmup_max = 10;
     cfg.time_cap_ns = 3000000;
-    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, NULL), TW_OK);
+    CHECK_INT(measure_script(&env, &fr, script, 64, 1, &cfg, &st), TW_OK);
     CHECK_INT(st.warmup_rounds, 2); /* 1 ms + 2 ms */
     CHECK_INT(st.rounds, 1);
     CHECK_INT(st.stopped_by, TW_STOP_TIME);
@@ -157,27 +147,20 @@ static void test_statistics(void)
     static const uint64_t four[] = {4, 1, 3, 2};
     fake_env env;
     fake_runner fr;
-    tw_runner runner;
     tw_measure_config cfg = base_config();
-    tw_host host;
     tw_stats st;
 
     fake_env_init(&env);
-    host = fake_host(&env);
     cfg.rounds_min = 5;
     cfg.rounds_max = 5;
-    fake_runner_init(&fr, &env, 1, outlier, 5, 1);
-    runner = fake_runner_of(&fr);
-    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, NULL), TW_OK);
+    CHECK_INT(measure_script(&env, &fr, outlier, 5, 1, &cfg, &st), TW_OK);
     CHECK_NEAR(st.median_ns, 100, 1e-9);
     CHECK_NEAR(st.min_ns, 100, 1e-9);
     CHECK_NEAR(st.q75_ns, 100, 1e-9);
 
     cfg.rounds_min = 4;
     cfg.rounds_max = 4;
-    fake_runner_init(&fr, &env, 1, four, 4, 1);
-    runner = fake_runner_of(&fr);
-    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, NULL), TW_OK);
+    CHECK_INT(measure_script(&env, &fr, four, 4, 1, &cfg, &st), TW_OK);
     CHECK_NEAR(st.median_ns, 2.5, 1e-9);
     CHECK_NEAR(st.q25_ns, 1.75, 1e-9);
     CHECK_NEAR(st.q75_ns, 3.25, 1e-9);
