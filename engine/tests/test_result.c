@@ -27,6 +27,15 @@ static const char *find_line(const char *text, const char *start, char *line, si
     return NULL;
 }
 
+/* The line of `text` that starts with `start` contains `part`. A macro, not a
+ * function, so that a failure names the test's own line. */
+#define CHECK_LINE(text, start, part)                                            \
+    do {                                                                         \
+        char check_line_[256];                                                   \
+        CHECK(find_line((text), (start), check_line_, sizeof check_line_) != NULL); \
+        CHECK_HAS(check_line_, (part));                                          \
+    } while (0)
+
 /* Depth 0 a little faster, depth 1 selected, depth 2 broken. */
 static void test_table(void)
 {
@@ -53,10 +62,8 @@ static void test_table(void)
     CHECK_HAS(line, "1.234");
     CHECK_HAS(line, "1.05x");
     CHECK(strchr(line, '>') == NULL);
-    CHECK(find_line(text, ">       1", line, sizeof line) != NULL);
-    CHECK_HAS(line, "      3       0       0.987    1.31x  selected");
-    CHECK(find_line(text, "        2", line, sizeof line) != NULL);
-    CHECK_HAS(line, "skipped: model broke at depth 2");
+    CHECK_LINE(text, ">       1", "      3       0       0.987    1.31x  selected");
+    CHECK_LINE(text, "        2", "skipped: model broke at depth 2");
     CHECK(find_line(text, "  untuned", line, sizeof line) != NULL);
     CHECK_HAS(line, "1.293");
     CHECK_HAS(line, "1.00x");
@@ -70,7 +77,6 @@ static void test_budget_and_untuned(void)
     fake_model m;
     tw_tweak_config cfg = fake_model_config();
     tw_result *result = NULL;
-    char line[256];
     char *text;
 
     fake_model_setup(&m);
@@ -79,10 +85,8 @@ static void test_budget_and_untuned(void)
     cfg.time_budget_ns = 1000000;
     CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
     text = tw_result_format(result, NULL);
-    CHECK(find_line(text, "        1", line, sizeof line) != NULL);
-    CHECK_HAS(line, "time budget used up");
-    CHECK(find_line(text, "        0", line, sizeof line) != NULL);
-    CHECK_HAS(line, "0.50x");
+    CHECK_LINE(text, "        1", "time budget used up");
+    CHECK_LINE(text, "        0", "0.50x");
     CHECK(text != NULL && strchr(text, '>') == NULL);
     CHECK_HAS(text, "no depth beat the untuned model: it stays untuned");
     tw_free(text);
@@ -94,7 +98,6 @@ static void test_dry_run_table(void)
     fake_model m;
     tw_tweak_config cfg = fake_model_config();
     tw_result *result = NULL;
-    char line[256];
     char *text;
 
     fake_model_setup(&m);
@@ -104,12 +107,9 @@ static void test_dry_run_table(void)
     if (text != NULL) {
         printf("%s\n", text);
     }
-    CHECK(find_line(text, "        0", line, sizeof line) != NULL);
-    CHECK_HAS(line, "      1       -           -        -  dry run");
-    CHECK(find_line(text, "        2", line, sizeof line) != NULL);
-    CHECK_HAS(line, "      3       -           -        -  dry run");
-    CHECK(find_line(text, "  untuned", line, sizeof line) != NULL);
-    CHECK_HAS(line, "not measured");
+    CHECK_LINE(text, "        0", "      1       -           -        -  dry run");
+    CHECK_LINE(text, "        2", "      3       -           -        -  dry run");
+    CHECK_LINE(text, "  untuned", "not measured");
     CHECK_HAS(text, "dry run: nothing was built or measured");
     tw_free(text);
     fake_model_teardown(&m, result);
@@ -129,7 +129,6 @@ static void test_multi_line_error(void)
     tw_tweak_config cfg = fake_model_config();
     tw_tweak_ops ops;
     tw_result *result = NULL;
-    char line[256];
     char *text;
 
     fake_model_setup(&m);
@@ -137,8 +136,7 @@ static void test_multi_line_error(void)
     ops.tune = multi_line_tune;
     CHECK_INT(tw_tweak_run(&m.host, m.tree, &cfg, &ops, &result, NULL), TW_OK);
     text = tw_result_format(result, NULL);
-    CHECK(find_line(text, "        0", line, sizeof line) != NULL);
-    CHECK_HAS(line, "skipped: first line second line");
+    CHECK_LINE(text, "        0", "skipped: first line second line");
     CHECK_STR(fake_model_row(result, 0).error, "first line\nsecond line");
     tw_free(text);
     fake_model_teardown(&m, result);
