@@ -8,7 +8,7 @@ for variant in plain asan; do
     flags=()
     [ "$variant" = asan ] && flags=(-DTW_SANITIZE=ON -DTW_DEBUG=ON)
     echo "test: engine C tests ($variant)"
-    cmake -S engine -B "build/engine-$variant" -G Ninja -DTW_BUILD_TESTS=ON "${flags[@]}" >/dev/null
+    cmake -S engine -B "build/engine-$variant" -DTW_BUILD_TESTS=ON "${flags[@]}" >/dev/null
     cmake --build "build/engine-$variant" >/dev/null
     ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 ctest --test-dir "build/engine-$variant" --output-on-failure
 done
