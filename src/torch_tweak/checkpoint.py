@@ -96,7 +96,7 @@ def save(model: nn.Module, path: str | os.PathLike) -> None:
             signatures.append(entry)
         modules.append({"path": name, "class": class_path(type(wrapper._tt_original)),
                         "params": _params(wrapper._tt_original), "signatures": signatures})
-    plan = {"depth": SELECTED_DEPTHS.get(model), "modules": modules}
+    plan = {"depth": SELECTED_DEPTHS.get(model) if wrappers else None, "modules": modules}
     members = {PLAN: dumps(plan), SAMPLES: _tensor_bytes(tensors)}
     if inductor:
         artifacts = torch.compiler.save_cache_artifacts()
