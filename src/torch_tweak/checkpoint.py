@@ -37,7 +37,7 @@ from .backends import InductorGraphBackend, TorchAOBackend, TorchInductorBackend
 from .module import MODE_ACTIVE, installed, make_wrapper, install, resolve_paths, unwrap
 from .serial import Unstorable, build_backend, class_path, decode, describe_backend, device_name, dumps, encode
 from .signatures import OTHER, SignatureGroup
-from .tuning import model_class_name, rebuild_group
+from .tuning import apply_groups, model_class_name, rebuild_group
 
 FORMAT = "torch-tweak"
 VERSION = 1
@@ -283,9 +283,7 @@ def load(model: nn.Module, path: str | os.PathLike, *, device: Any = None,
                     group.release()
                     warnings.warn(f"tt.load: {name or '(root)'} {group.text}: {failure}; these calls run the "
                                   "original forward", stacklevel=2)
-            live = [g for g in wrapper.tt_signatures if g.backend is not None]
-            wrapper._tt_set_entries([(g.signature, g.backend.callable) for g in live])
-            wrapper.tt_backend = live[0].backend if live else None
+            apply_groups(wrapper)
             wrapper.tt_error = "; ".join(g.error for g in wrapper.tt_signatures if g.error)
             chosen[name] = wrapper.tt_backend.name if wrapper.tt_backend is not None else None
         for wrapper in wrappers:

@@ -180,23 +180,25 @@ def tune_wrapper(wrapper: TunedModule, strategy: Strategy, device: torch.device,
         tune_group(wrapper, group, strategy, device, measure, progress, model_class)
     several = len(groups) > 1
     wrapper.tt_report = [dict(r, signature=g.text) for g in groups for r in g.report]
-    chosen = [g for g in groups if g.backend is not None]
-    set_entries(wrapper, chosen)
-    wrapper.tt_backend = chosen[0].backend if chosen else None
+    chosen = apply_groups(wrapper)
     wrapper.tt_error = "; ".join(f"{g.text}: {g.error}" if several else g.error for g in groups if g.error)
     if not chosen:
         raise TuneError(f"{name}: {wrapper.tt_error}")
 
 
-def set_entries(wrapper: TunedModule, chosen: Sequence[SignatureGroup]) -> None:
-    """Gives the wrapper's dispatcher one (signature, callable) entry per chosen group.
+def apply_groups(wrapper: TunedModule) -> list[SignatureGroup]:
+    """Gives the wrapper's dispatcher one (signature, callable) entry per signature group
+    that has a backend, and sets tt_backend (the first one's); returns those groups.
 
     A lone entry whose backend checks its inputs itself gets no signature: the call is
     checked once, by the backend, instead of twice."""
+    chosen = [g for g in wrapper.tt_signatures if g.backend is not None]
     if len(chosen) == 1 and chosen[0].backend.checks_inputs:
         wrapper._tt_set_entries([(None, chosen[0].backend.callable)])
     else:
         wrapper._tt_set_entries([(g.signature, g.backend.callable) for g in chosen])
+    wrapper.tt_backend = chosen[0].backend if chosen else None
+    return chosen
 
 
 def candidate_report(backend: Backend, report: dict, note: dict) -> dict:

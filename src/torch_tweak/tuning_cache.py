@@ -33,7 +33,7 @@ from .report import ModuleResult, ModuleResults, SignatureResult
 from .serial import Unstorable, class_path, describe_backend, device_name, dumps
 from .signatures import describe_call
 from .strategy import Strategy, default_strategy
-from .tuning import dataset_runner, rebuild_group, record, release
+from .tuning import apply_groups, dataset_runner, rebuild_group, record, release
 
 ENTRY_VERSION = 1
 OPTIONAL_PACKAGES = ("openvino", "torchao")
@@ -218,9 +218,7 @@ def apply(entry: dict, model: nn.Module, calls: Sequence[Call], device: torch.de
                 group.report = list(info.get("candidates", []))
                 group.error = info.get("error", "")
                 group.unstorable = info.get("unstorable", 0)
-            chosen = [g for g in wrapper.tt_signatures if g.backend is not None]
-            wrapper._tt_set_entries([(g.signature, g.backend.callable) for g in chosen])
-            wrapper.tt_backend = chosen[0].backend if chosen else None
+            apply_groups(wrapper)
             wrapper.tt_error = report["error"]
             wrapper.tt_report = list(report["candidates"])
             release(wrapper)
