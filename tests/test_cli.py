@@ -57,13 +57,23 @@ def test_help_for_each_command():
         assert done.returncode == 0 and "usage: torch-tweak" in done.stdout
 
 
-def test_tweak_from_a_factory_prints_the_table_and_a_chart(tmp_path):
+def test_tweak_from_a_factory_saves_shows_and_plots(tmp_path):
     pytest.importorskip("matplotlib")
-    chart = tmp_path / "chart.png"
-    done = run_cli("tweak", f"{FACTORY}:tiny", "--input", "4x8", "--samples", "2", "--max-depth", "0",
-                   "--quiet", "--plot", str(chart))
+    chart, saved = tmp_path / "chart.png", tmp_path / "tiny.tt"
+    done = run_cli("tweak", f"{FACTORY}:tiny", "--input", "4x8", "--samples", "2", "--max-depth", "1",
+                   "--quiet", "--plot", str(chart), "--out", str(saved))
     assert done.returncode == 0, done.stderr
     assert "untuned" in done.stdout and "depth" in done.stdout
+    assert f"saved to {saved}" in done.stdout and saved.is_file()
+    shown = run_cli("show", str(saved))
+    assert shown.returncode == 0, shown.stderr
+    for field in ("model:", "device:      cpu", "torch:", "depth:"):
+        assert field in shown.stdout
+    assert "Sequential" in shown.stdout
+    bad = tmp_path / "bad.tt"
+    bad.write_bytes(saved.read_bytes()[:200])
+    broken = run_cli("show", str(bad))
+    assert broken.returncode == 2 and "Traceback" not in broken.stderr and "error" in broken.stderr
     from PIL import Image
 
     with Image.open(chart) as image:
