@@ -33,6 +33,10 @@ class TorchInductorBackendConfig(BackendConfig):
 
 
 class TorchInductorBackend(NeedsStorableSamples, Backend):
+    """Torch Inductor: torch.compile(module) with the config's mode, options, dynamic and
+    fullgraph, compiled on every recorded call at build time so no compile lands in a
+    measurement. Wins on fusible element-wise work; fails on code dynamo cannot trace."""
+
     name = "TorchInductor"
     config_class = TorchInductorBackendConfig
 

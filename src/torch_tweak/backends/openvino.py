@@ -97,6 +97,10 @@ class _Flat(torch.nn.Module):
 
 
 class OpenVINOBackend(Backend):
+    """OpenVINO: the module converted and compiled for an OpenVINO device (the CPU, or an
+    Intel GPU), an optional package: "not installed" when it is missing. Weights it moves
+    to the CPU go back to their device after the build."""
+
     name = "OpenVINO"
     config_class = OpenVINOBackendConfig
 

@@ -79,6 +79,10 @@ def device_refusal(mode: str, device: torch.device) -> str | None:
 
 
 class TorchAOBackend(NeedsStorableSamples, Backend):
+    """TorchAO: a quantized copy of the module (int8 weight-only, int8 dynamic, or fp8 where
+    the device supports it). Opt-in only, never a default: quantization changes results, so
+    it is checked against its own, looser tolerance."""
+
     name = "TorchAO"
     config_class = TorchAOBackendConfig
 
