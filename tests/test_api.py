@@ -182,3 +182,10 @@ def test_wrap_failure_midway_leaves_model_unchanged(mlp, mlp_data):
         tt.wrap(mlp, ["blocks.0", "head"])
     assert list(tt.installed(mlp)) == ["head"]
     assert not isinstance(mlp.blocks[0], tt.TunedModule)
+
+
+def test_wrapping_inside_a_wrapped_module_says_to_unwrap_first(mlp):
+    tt.wrap(mlp, [""])
+    with pytest.raises(ValueError, match="wrapped already .*tt.unwrap\\(model\\) first"):
+        tt.wrap(mlp, ["blocks.0"])
+    assert list(tt.installed(mlp)) == [""]

@@ -201,9 +201,10 @@ def resolve_paths(model: nn.Module, modules: Any) -> list[str]:
     for a in everything:
         for b in everything:
             if a != b and (a == "" or b.startswith(a + ".")):
-                raise ValueError(
-                    f"modules {a or '(root)'!r} and {b!r} overlap: one is inside the other; wrap modules of one cut"
-                )
+                wrapped = [p for p in (a, b) if p in table]
+                hint = (f"{wrapped[0] or '(root)'!r} is wrapped already (tuned by tt.tweak or tt.wrap): "
+                        "tt.unwrap(model) first" if wrapped else "wrap the modules of one cut")
+                raise ValueError(f"modules {a or '(root)'!r} and {b!r} overlap: one is inside the other; {hint}")
     return paths
 
 
