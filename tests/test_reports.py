@@ -133,3 +133,17 @@ def test_tolerance_per_backend_and_global(mlp, mlp_data, monkeypatch):
 def test_invalid_tolerance_is_refused():
     with pytest.raises(ValueError, match="tolerance must be a fraction"):
         TorchEagerBackend(tolerance=-1)
+
+
+def test_a_backend_out_of_memory_is_rejected_and_the_next_one_tried(mlp, mlp_data):
+    class Hungry(tt.Backend):
+        name = "Hungry"
+
+        def build(self, module, samples, device):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+
+    strategy = tt.FirstWinsStrategy([Hungry(), TorchEagerBackend()])
+    (w,) = tt.wrap(mlp, ["head"], strategy=strategy)
+    assert tt.tune(mlp, mlp_data) == {"head": "TorchEager"}
+    hungry = next(r for r in w.tt_report if r["backend"] == "Hungry")
+    assert hungry["reason"] == "out of memory" and "80.00 GiB" in hungry["error"]

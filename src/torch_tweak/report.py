@@ -75,6 +75,8 @@ def status(candidate: dict, chosen: bool, unstorable: int) -> str:
         return error.removeprefix("BackendUnavailable: ")
     if reason == "build failed":
         return f"failed to build: {error}"
+    if reason == "out of memory":
+        return f"ran out of device memory: {error}"
     return error or candidate["state"]
 
 

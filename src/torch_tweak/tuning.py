@@ -92,7 +92,12 @@ def restore_places(places: list[Place]) -> int:
     return moved
 
 
+OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
 def _reason(exc: BaseException) -> str:
+    if isinstance(exc, OUT_OF_MEMORY):
+        return "out of memory"
     if isinstance(exc, BackendUnavailable):
         return "unavailable"
     if isinstance(exc, MismatchError):
@@ -132,6 +137,8 @@ def tune_group(wrapper: TunedModule, group: SignatureGroup, strategy: Strategy, 
                                                  where=f"sample {j}"))
                 except Exception as exc:
                     notes[i]["reason"] = _reason(exc)
+                    if isinstance(exc, OUT_OF_MEMORY) and torch.cuda.is_initialized():
+                        torch.cuda.empty_cache()  # what the failed build cached goes back to the next candidate
                     if isinstance(exc, MismatchError):
                         notes[i]["max_error"], notes[i]["tolerance"] = exc.error, exc.tolerance
                         log.outcome = f"failed the correctness check: {exc}"
