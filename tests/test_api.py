@@ -162,6 +162,8 @@ def test_backend_options_are_checked():
         (lambda m, d: tt.tweak(m, d, time_budget=-1, progress=False), "time_budget"),
         (lambda m, d: tt.tweak(m, d, device="mps", progress=False), "no backends for device 'mps'"),
         (lambda m, d: tt.tweak(m, d, device="gpu0", progress=False), "unknown device"),
+        pytest.param(lambda m, d: tt.tweak(m, d, device="cuda", progress=False), "sees no cuda device",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
         (lambda m, d: tt.tweak(m, d, measure={"rounds": 3}, progress=False), "unknown measurement setting"),
         (lambda m, d: tt.wrap(m, ["blocks.7"]), "not a module of this model"),
         (lambda m, d: tt.wrap(m, ["blocks.0", "blocks.0.1"]), "overlap"),

@@ -80,9 +80,14 @@ def resolve_device(model: torch.nn.Module, device: Any) -> torch.device:
     """The device to tune on: `device`, else that of the model's first parameter or buffer, else cpu."""
     if device is not None:
         try:
-            return torch.device(device)
+            device = torch.device(device)
         except (RuntimeError, TypeError) as exc:
             raise ValueError(f"unknown device {device!r}: {exc}") from None
+        module = getattr(torch, device.type, None) if device.type in ("cuda", "xpu") else None
+        if module is not None and not (hasattr(module, "is_available") and module.is_available()):
+            raise ValueError(f"device {str(device)!r} was asked for, but this torch sees no {device.type} device; "
+                             "use device='cpu' or install a torch build for it")
+        return device
     for tensor in model.parameters():
         return tensor.device
     for tensor in model.buffers():
