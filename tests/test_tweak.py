@@ -33,6 +33,8 @@ def test_tweak_with_a_strategy_tunes_each_module_once(mlp, mlp_data):
     assert "untuned" in text and text.count("\n") >= 4
     if result.selected_depth is not None:
         assert tt.installed(mlp) and result.speedup > 1.0
+    else:
+        assert not tt.installed(mlp) and result.tuned_ms == result.baseline_ms
     with torch.no_grad():
         assert torch.allclose(mlp(mlp_data[0], scale=2.0), expected)
 

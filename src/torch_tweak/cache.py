@@ -12,11 +12,12 @@ import contextlib
 import logging
 import os
 import re
+import tempfile
 import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Iterator
+from typing import IO, Iterator
 
 CACHE_ENV = "TORCH_TWEAK_CACHE"
 
@@ -25,6 +26,31 @@ def cache_dir() -> Path:
     """The cache folder (not created here)."""
     value = os.environ.get(CACHE_ENV)
     return Path(value).expanduser() if value else Path.home() / ".cache" / "torch-tweak"
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, mode: str = "wb", **open_args) -> Iterator[IO]:
+    """A file to write `path` through: a temporary file in the same folder, flushed, synced
+    and renamed over `path` when the block ends without an exception, removed when it
+    raises. So an interrupted write leaves any earlier file at `path` intact."""
+    folder = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode, **open_args) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # the rename itself is durable once the folder is synced
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
 
 def _safe(part: str) -> str:

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import io
 import json
 import os
-import tempfile
 import warnings
 import zipfile
 from pathlib import Path
@@ -33,6 +31,7 @@ from torch import nn
 
 from . import _C
 from ._samples import resolve_device
+from .cache import atomic_file
 from .backends import InductorGraphBackend, TorchAOBackend, TorchInductorBackend
 from .module import MODE_ACTIVE, installed, make_wrapper, install, resolve_paths, unwrap
 from .serial import Unstorable, build_backend, class_path, decode, describe_backend, device_name, dumps, encode
@@ -131,33 +130,10 @@ def _tensor_bytes(tensors: list[torch.Tensor]) -> bytes:
 
 
 def _write_atomically(path: Path, members: dict[str, bytes]) -> None:
-    folder = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            with zipfile.ZipFile(f, "w") as archive:
-                for name, data in members.items():
-                    compress = zipfile.ZIP_DEFLATED if name.endswith(".json") else zipfile.ZIP_STORED
-                    archive.writestr(zipfile.ZipInfo(name, (1980, 1, 1, 0, 0, 0)), data, compress_type=compress)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    try:  # the rename itself is durable once the folder is synced
-        dir_fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)
+    with atomic_file(path) as f, zipfile.ZipFile(f, "w") as archive:
+        for name, data in members.items():
+            compress = zipfile.ZIP_DEFLATED if name.endswith(".json") else zipfile.ZIP_STORED
+            archive.writestr(zipfile.ZipInfo(name, (1980, 1, 1, 0, 0, 0)), data, compress_type=compress)
 
 
 # ------------------------------------------------------------------ reading

@@ -14,7 +14,6 @@ from __future__ import annotations
 import weakref
 from typing import Any, Iterable
 
-import torch
 from torch import nn
 
 from . import _C

@@ -16,8 +16,6 @@ import datetime
 import hashlib
 import importlib.metadata
 import json
-import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
@@ -26,7 +24,7 @@ import torch
 from torch import nn
 
 from ._samples import Call
-from .cache import cache_dir
+from .cache import atomic_file, cache_dir
 from .correctness import TOLERANCES
 from .module import MODE_ACTIVE, TunedModule, install, installed, make_wrapper, unwrap
 from .report import ModuleResult, ModuleResults, SignatureResult
@@ -99,24 +97,12 @@ def read(key: str, parts: dict[str, Any]) -> dict | None:
 def write(key: str, entry: dict) -> None:
     """Writes an entry atomically (a temporary file, then a rename); a failure only warns."""
     target = folder() / f"{key}.json"
-    tmp = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{key}.", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with atomic_file(target, "w", encoding="utf-8") as f:
             json.dump(entry, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-        tmp = None
     except OSError as exc:
         warnings.warn(f"torch-tweak could not write the tuning cache entry {target}: {exc}", stacklevel=3)
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
 
 def drop(key: str) -> None:
