@@ -233,3 +233,134 @@ def test_driver_error_says_why_or_none():
         x = torch.zeros(2)
         with pytest.raises(RuntimeError, match="CUDA driver"):
             _C.GraphReplay(1234, 0, _C.Signature((x,), {}), [(0, -1, x)], x, print)
+
+
+# ------------------------------------------------ a lending second recording
+
+
+def make_lending(outputs2=None, lend=None, rebuild=None):
+    """Two fake recordings of 2 * x + y on the same static inputs; the second one lends."""
+    from torch_tweak.backends.graph import lend_specs
+
+    x, y = torch.zeros(2, 3), torch.zeros(2, 3)
+    out1, out2 = torch.zeros(2, 3), torch.zeros(2, 3)
+    first, second = FakeGraph(x, y, out1), FakeGraph(x, y, out2)
+    outputs2 = out2 if outputs2 is None else outputs2(out2, x)
+    lend = lend_specs(outputs2 if rebuild is None else list(outputs2), [x, y]) if lend is None else lend
+    outputs1 = out1 if isinstance(outputs2, torch.Tensor) else type(outputs2)(
+        out1 if v is out2 else v for v in outputs2)
+    replay = _C.GraphReplay(0, 0, _C.Signature((x,), {"y": y}), [(0, -1, x), ("y", -1, y)], outputs1,
+                            Original(), replay=first.replay, rebuild=rebuild,
+                            lent=(0, second.replay, outputs2, lend))
+    return replay, first, second
+
+
+def test_a_free_lending_recording_returns_its_outputs_without_a_copy():
+    replay, first, second = make_lending()
+    for n in range(1, 4):
+        x, y = torch.randn(2, 3), torch.randn(2, 3)
+        got = replay(x, y=y)
+        assert torch.equal(got, eager(x, y))
+        assert got.data_ptr() == second.out.data_ptr() and got is not second.out
+        del got
+        assert (replay.replays, replay.lent, first.replays, second.replays) == (n, n, 0, n)
+
+
+@pytest.mark.parametrize("hold", ["tensor", "view", "detached", "strided"])
+def test_while_a_lent_output_is_held_the_copying_recording_runs(hold):
+    replay, first, second = make_lending()
+    x1, x2, x3, y = torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3)
+    lent = replay(x1, y=y)
+    held = {"tensor": lambda t: t, "view": lambda t: t[1], "detached": lambda t: t.detach(),
+            "strided": lambda t: t.as_strided((3,), (2,), 1)}[hold](lent)
+    kept = lent.clone()
+    del lent
+    second_call = replay(x2, y=y)
+    assert second_call.data_ptr() not in (second.out.data_ptr(), first.out.data_ptr())
+    assert torch.equal(second_call, eager(x2, y))
+    assert torch.equal(second.out, kept)  # what the caller holds was not overwritten
+    assert (replay.lent, first.replays, second.replays) == (1, 1, 1)
+    del held
+    third = replay(x3, y=y)
+    assert third.data_ptr() == second.out.data_ptr() and torch.equal(third, eager(x3, y))
+    assert (replay.lent, first.replays, second.replays) == (2, 1, 2)
+
+
+def test_outputs_sharing_an_input_are_copied_and_the_rest_lent():
+    replay, first, second = make_lending(outputs2=lambda out, x: (out, x, 7))
+    x, y = torch.randn(2, 3), torch.randn(2, 3)
+    got = replay(x, y=y)
+    assert got[0].data_ptr() == second.out.data_ptr()
+    assert torch.equal(got[1], x) and got[1].data_ptr() != first.x.data_ptr()
+    assert got[2] == 7
+    held = got[1]
+    del got
+    assert replay(x, y=y)[0].data_ptr() == second.out.data_ptr()  # the copied input holds nothing
+    del held
+
+
+def test_two_outputs_on_one_storage_are_lent_together():
+    replay, first, second = make_lending(outputs2=lambda out, x: [out, out[0]])
+    x, y = torch.randn(2, 3), torch.randn(2, 3)
+    got = replay(x, y=y)
+    assert got[0].data_ptr() == second.out.data_ptr() and torch.equal(got[1], eager(x, y)[0])
+    row = got[1]
+    del got
+    again = replay(x, y=y)
+    assert again[0].data_ptr() != second.out.data_ptr()  # the row held keeps the storage in use
+    del row, again
+    assert replay(x, y=y)[0].data_ptr() == second.out.data_ptr()
+
+
+def test_lent_outputs_pass_through_rebuild():
+    replay, _, second = make_lending(outputs2=lambda out, x: [out, "tag"],
+                                     rebuild=lambda leaves: {"h": leaves[0], "tag": leaves[1]})
+    x, y = torch.randn(2, 3), torch.randn(2, 3)
+    got = replay(x, y=y)
+    assert got["tag"] == "tag" and got["h"].data_ptr() == second.out.data_ptr()
+    assert torch.equal(got["h"], eager(x, y))
+
+
+def test_a_storage_someone_else_holds_at_construction_is_never_lent():
+    from torch_tweak.backends.graph import lend_specs
+
+    x, y = torch.zeros(2, 3), torch.zeros(2, 3)
+    out1, out2 = torch.zeros(2, 3), torch.zeros(2, 3)
+    first, second = FakeGraph(x, y, out1), FakeGraph(x, y, out2)
+    outside = out2.view(6)  # a module attribute, say, that lend_specs cannot see
+    lend = lend_specs(out2, [x, y])
+    replay = _C.GraphReplay(0, 0, _C.Signature((x,), {"y": y}), [(0, -1, x), ("y", -1, y)], out1,
+                            Original(), replay=first.replay, lent=(0, second.replay, out2, lend))
+    del outside  # the count it raised is gone, but the leaf was already marked copied
+    for _ in range(2):
+        got = replay(torch.randn(2, 3), y=torch.randn(2, 3))
+        assert got.data_ptr() != out2.data_ptr()
+    assert replay.lent == 0
+
+
+def test_lend_specs_copy_what_shares_memory_with_held_tensors():
+    from torch_tweak.backends.graph import lend_specs
+
+    weight, buffer, fresh = torch.zeros(3), torch.zeros(4), torch.zeros(5)
+    specs = lend_specs([weight.view(1, 3), buffer, fresh, fresh[1:], None, 2.0], [weight, buffer])
+    assert specs[0] is None and specs[1] is None and specs[4] is None and specs[5] is None
+    storage, address, uses = specs[2]
+    assert address == fresh.untyped_storage()._cdata and specs[3][1] == address
+    assert uses == 3 and specs[3][0] is storage  # two tensors on it, plus the storage object
+    assert lend_specs(fresh, [])[0][2] == 2
+
+
+def test_bad_lent_arguments_are_named():
+    x = torch.zeros(2)
+    sig = _C.Signature((x,), {})
+    args = (0, 0, sig, [(0, -1, x)], x, print)
+    with pytest.raises(TypeError, match="lent must be an"):
+        _C.GraphReplay(*args, replay=print, lent=(0, print, x))
+    with pytest.raises(ValueError, match="launched like the first"):
+        _C.GraphReplay(*args, replay=print, lent=(7, None, x, [None]))
+    with pytest.raises(ValueError, match="same structure"):
+        _C.GraphReplay(*args, replay=print, lent=(0, print, (x, x), [None, None]))
+    with pytest.raises(ValueError, match="one item per output"):
+        _C.GraphReplay(*args, replay=print, lent=(0, print, x, []))
+    with pytest.raises(ValueError, match="lend item 0"):
+        _C.GraphReplay(*args, replay=print, lent=(0, print, x, [(1, 2)]))

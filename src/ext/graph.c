@@ -15,9 +15,17 @@
  * - callable: a Python replay() (an XPU graph, or a torch without the raw exec
  *   handle); copies and output copies are then torch's copy_ and clone.
  *
- * Outputs are always fresh tensors (a copy of each static output, made on the
- * current stream after the launch), so no later call can overwrite a tensor
- * the caller holds: the static outputs never leave this object.
+ * How outputs come back. A GraphReplay holds one or two recordings of the
+ * same call, reading the same static inputs:
+ * - the copying recording: its static outputs never leave this object; a call
+ *   returns fresh copies of them, made on the current stream after the launch.
+ * - the lending recording (optional): a call returns aliases of its static
+ *   outputs (no copy), but only while nothing of what the last lending call
+ *   returned is still alive. Aliveness is the storage's use count (torch's
+ *   own counter, which every tensor and view of that memory raises), compared
+ *   with the count this object alone accounts for. When the caller still
+ *   holds any of it, the call replays the copying recording instead.
+ * So no later call ever overwrites a tensor the caller holds.
  */
 #include "ext.h"
 
@@ -169,11 +177,25 @@ typedef struct TtGraphInput {
 
 typedef struct TtGraphLeaf {
     PyObject *value;      /* a static output tensor, or a plain value returned as is */
+    PyObject *storage;    /* lent: its storage object, held so the count below stays known */
+    PyObject *cdata;      /* lent: the storage's address, for torch._C._storage_Use_Count */
+    Py_ssize_t uses;      /* lent: the storage's use count while no alias of it is out */
     int is_tensor;
     int dense;            /* contiguous: copied byte for byte */
     TtCuDevicePtr src;
     size_t nbytes;
 } TtGraphLeaf;
+
+/* One recording of the call: the graph and the static outputs it writes. */
+typedef struct TtGraphRec {
+    TtCuGraphExec exec;   /* driver mode */
+    PyObject *replay;     /* callable mode: called to launch */
+    PyObject *outputs;    /* as given: a tensor, a tuple, or a list */
+    TtGraphLeaf *leaves;  /* nleaves of them */
+    int lends;            /* some leaf is lent (cdata set) */
+} TtGraphRec;
+
+enum { TT_REC_COPY = 0, TT_REC_LEND = 1, TT_RECS = 2 };
 
 enum { TT_OUT_TENSOR = 0, TT_OUT_TUPLE = 1, TT_OUT_LIST = 2, TT_OUT_REBUILD = 3 };
 
@@ -183,31 +205,32 @@ typedef struct {
     TtState *state;
     PyObject *signature;   /* a Signature */
     PyObject *original;    /* called for inputs that do not fit */
-    PyObject *outputs;     /* as given: a tensor, a tuple, or a list */
     PyObject *rebuild;     /* NULL, or called with the list of output copies */
-    PyObject *replay;      /* NULL in driver mode, else called to launch */
     PyObject *keep;        /* kept alive with the graph (the graph object, its pool) */
     PyObject *get_stream;  /* driver mode: torch._C._cuda_getCurrentRawStream */
     PyObject *empty_like;  /* driver mode: torch.empty_like */
+    PyObject *use_count;   /* with a lending recording: torch._C._storage_Use_Count */
     PyObject *device;      /* driver mode: the device index as an int */
     PyObject *str_data_ptr;
     PyObject *str_is_contiguous;
     PyObject *str_copy_;
     PyObject *str_clone;
+    PyObject *str_detach;
     Py_ssize_t ninputs;
     TtGraphInput *inputs;
-    Py_ssize_t nleaves;
-    TtGraphLeaf *leaves;
+    Py_ssize_t nleaves;    /* per recording: the same call has the same outputs */
+    int nrecs;             /* 1, or 2 with a lending recording */
+    TtGraphRec recs[TT_RECS];
     int out_kind;
     int driver;            /* launches through the CUDA driver */
     int busy;              /* a call is in progress: another one falls back */
     TtCuDevice cu_device;
     TtCuContext ctx;       /* the device's primary context, retained */
-    TtCuGraphExec exec;
     TtCuStream last_stream;
     int launched;          /* last_stream is meaningful */
     TtCuEvent event;       /* created the first time the stream changes */
     unsigned long long replays;
+    unsigned long long lent;
     unsigned long long fallbacks;
 } TtGraphReplay;
 
@@ -389,13 +412,109 @@ tt_graph_pack(TtGraphReplay *self, PyObject *copies)
 
 /* ----------------------------------------------------------- the call */
 
-/* One replay through the driver. New reference, or NULL. */
+/* The use count of a lent leaf's storage, into *uses. -1 on error. */
+static int
+tt_graph_uses(TtGraphReplay *self, const TtGraphLeaf *leaf, Py_ssize_t *uses)
+{
+    PyObject *value = PyObject_CallOneArg(self->use_count, leaf->cdata); /* new reference */
+
+    if (value == NULL)
+        return -1;
+    *uses = PyLong_AsSsize_t(value);
+    Py_DECREF(value);
+    return *uses == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* 1 when nothing the last lending call returned from `rec` is alive (every
+ * lent storage is back at the use count this object accounts for), 0 when
+ * the caller still holds some of it, -1 on error. */
+static int
+tt_graph_rec_free(TtGraphReplay *self, const TtGraphRec *rec)
+{
+    Py_ssize_t i, uses;
+
+    for (i = 0; i < self->nleaves; i++) {
+        const TtGraphLeaf *leaf = &rec->leaves[i];
+
+        if (leaf->cdata == NULL)
+            continue;
+        if (tt_graph_uses(self, leaf, &uses) < 0)
+            return -1;
+        if (uses != leaf->uses)
+            return 0;
+    }
+    return 1;
+}
+
+/* What a call returns from `rec`, leaf by leaf, made before the launch: plain
+ * values as they are, aliases of lent outputs, and for copied outputs either
+ * a fresh tensor whose address goes in dst[i] (driver mode, contiguous) or
+ * the static output as a placeholder that tt_graph_clone_rest replaces.
+ * New reference, or NULL. */
 static PyObject *
-tt_graph_run_driver(TtGraphReplay *self, PyObject *const *args, Py_ssize_t nargs,
-                    PyObject *kwnames)
+tt_graph_results(TtGraphReplay *self, const TtGraphRec *rec, TtCuDevicePtr *dst)
+{
+    PyObject *results = PyList_New(self->nleaves);
+    Py_ssize_t i;
+
+    if (results == NULL)
+        return NULL;
+    for (i = 0; i < self->nleaves; i++) {
+        const TtGraphLeaf *leaf = &rec->leaves[i];
+        PyObject *item;
+
+        if (leaf->cdata != NULL)
+            item = tt_graph_call0(leaf->value, self->str_detach);
+        else if (dst != NULL && leaf->is_tensor && leaf->dense)
+            item = PyObject_CallOneArg(self->empty_like, leaf->value);
+        else {
+            item = leaf->value;
+            Py_INCREF(item);
+        }
+        if (item == NULL)
+            goto error;
+        PyList_SET_ITEM(results, i, item);
+        if (dst != NULL && leaf->cdata == NULL && leaf->is_tensor && leaf->dense &&
+            tt_graph_data_ptr(self, item, &dst[i]) < 0)
+            goto error;
+    }
+    return results;
+error:
+    Py_DECREF(results);
+    return NULL;
+}
+
+/* Replaces each placeholder tt_graph_results left with a clone of the static
+ * output, queued after the launch (copied outputs that are strided, or all
+ * copied outputs in callable mode). -1 on error. */
+static int
+tt_graph_clone_rest(TtGraphReplay *self, const TtGraphRec *rec, PyObject *results)
+{
+    Py_ssize_t i;
+
+    for (i = 0; i < self->nleaves; i++) {
+        const TtGraphLeaf *leaf = &rec->leaves[i];
+        PyObject *copy, *old;
+
+        if (!leaf->is_tensor || leaf->cdata != NULL || (self->driver && leaf->dense))
+            continue;
+        copy = tt_graph_call0(leaf->value, self->str_clone);
+        if (copy == NULL)
+            return -1;
+        old = PyList_GET_ITEM(results, i);
+        PyList_SET_ITEM(results, i, copy);
+        Py_DECREF(old);
+    }
+    return 0;
+}
+
+/* One replay of `rec` through the driver. New reference, or NULL. */
+static PyObject *
+tt_graph_run_driver(TtGraphReplay *self, const TtGraphRec *rec, PyObject *const *args,
+                    Py_ssize_t nargs, PyObject *kwnames)
 {
     PyObject *stream_obj = NULL; /* new reference */
-    PyObject *copies = NULL;     /* new reference: list of output copies and values */
+    PyObject *results = NULL;    /* new reference: list of what the call returns */
     PyObject *result = NULL;
     TtCuStream stream;
     TtCuDevicePtr *src = NULL;   /* per input: where to copy from, 0 to skip */
@@ -455,24 +574,8 @@ tt_graph_run_driver(TtGraphReplay *self, PyObject *const *args, Py_ssize_t nargs
             goto cleanup;
         Py_DECREF(done);
     }
-    if ((copies = PyList_New(self->nleaves)) == NULL)
+    if ((results = tt_graph_results(self, rec, dst)) == NULL)
         goto cleanup;
-    for (i = 0; i < self->nleaves; i++) {
-        TtGraphLeaf *leaf = &self->leaves[i];
-        PyObject *copy;
-
-        if (!leaf->is_tensor || !leaf->dense) {
-            Py_INCREF(leaf->value); /* a plain value, or a strided tensor cloned below */
-            PyList_SET_ITEM(copies, i, leaf->value);
-            continue;
-        }
-        copy = PyObject_CallOneArg(self->empty_like, leaf->value);
-        if (copy == NULL)
-            goto cleanup;
-        PyList_SET_ITEM(copies, i, copy);
-        if (tt_graph_data_ptr(self, copy, &dst[i]) < 0)
-            goto cleanup;
-    }
     if (tt_graph_enter_context(self, &pushed) < 0)
         goto cleanup;
     entered = 1;
@@ -485,7 +588,7 @@ tt_graph_run_driver(TtGraphReplay *self, PyObject *const *args, Py_ssize_t nargs
             goto cleanup;
         }
     }
-    rc = tt_cuda.GraphLaunch(self->exec, stream);
+    rc = tt_cuda.GraphLaunch(rec->exec, stream);
     if (rc != 0) {
         tt_cuda_raise(rc, "cuGraphLaunch");
         goto cleanup;
@@ -493,9 +596,9 @@ tt_graph_run_driver(TtGraphReplay *self, PyObject *const *args, Py_ssize_t nargs
     self->last_stream = stream;
     self->launched = 1;
     for (i = 0; i < self->nleaves; i++) {
-        if (dst[i] == 0 || self->leaves[i].nbytes == 0)
+        if (dst[i] == 0 || rec->leaves[i].nbytes == 0)
             continue;
-        rc = tt_cuda.MemcpyDtoDAsync(dst[i], self->leaves[i].src, self->leaves[i].nbytes, stream);
+        rc = tt_cuda.MemcpyDtoDAsync(dst[i], rec->leaves[i].src, rec->leaves[i].nbytes, stream);
         if (rc != 0) {
             tt_cuda_raise(rc, "cuMemcpyDtoDAsync (output)");
             goto cleanup;
@@ -503,38 +606,26 @@ tt_graph_run_driver(TtGraphReplay *self, PyObject *const *args, Py_ssize_t nargs
     }
     tt_graph_leave_context(pushed);
     entered = 0;
-    /* strided outputs: torch's clone, queued after the launch */
-    for (i = 0; i < self->nleaves; i++) {
-        TtGraphLeaf *leaf = &self->leaves[i];
-        PyObject *copy, *old; /* old: the placeholder put in above */
-
-        if (!leaf->is_tensor || leaf->dense)
-            continue;
-        copy = tt_graph_call0(leaf->value, self->str_clone);
-        if (copy == NULL)
-            goto cleanup;
-        old = PyList_GET_ITEM(copies, i);
-        PyList_SET_ITEM(copies, i, copy);
-        Py_DECREF(old);
-    }
-    result = tt_graph_pack(self, copies);
+    if (tt_graph_clone_rest(self, rec, results) < 0)
+        goto cleanup;
+    result = tt_graph_pack(self, results);
 cleanup:
     if (entered)
         tt_graph_leave_context(pushed);
     PyMem_Free(src);
     PyMem_Free(dst);
     Py_XDECREF(stream_obj);
-    Py_XDECREF(copies);
+    Py_XDECREF(results);
     return result;
 }
 
-/* One replay through a Python replay(): torch's copy_ in, clone out. */
+/* One replay of `rec` through a Python replay(): torch's copy_ in, clone out. */
 static PyObject *
-tt_graph_run_callable(TtGraphReplay *self, PyObject *const *args, Py_ssize_t nargs,
-                      PyObject *kwnames)
+tt_graph_run_callable(TtGraphReplay *self, const TtGraphRec *rec, PyObject *const *args,
+                      Py_ssize_t nargs, PyObject *kwnames)
 {
-    PyObject *copies = NULL; /* new reference */
-    PyObject *done = NULL;   /* new reference */
+    PyObject *results = NULL; /* new reference */
+    PyObject *done = NULL;    /* new reference */
     PyObject *result = NULL;
     Py_ssize_t i;
 
@@ -554,29 +645,16 @@ tt_graph_run_callable(TtGraphReplay *self, PyObject *const *args, Py_ssize_t nar
             goto cleanup;
         Py_CLEAR(done);
     }
-    if ((done = PyObject_CallNoArgs(self->replay)) == NULL)
+    if ((results = tt_graph_results(self, rec, NULL)) == NULL)
         goto cleanup;
-    if ((copies = PyList_New(self->nleaves)) == NULL)
+    if ((done = PyObject_CallNoArgs(rec->replay)) == NULL)
         goto cleanup;
-    for (i = 0; i < self->nleaves; i++) {
-        TtGraphLeaf *leaf = &self->leaves[i];
-        PyObject *copy;
-
-        if (leaf->is_tensor) {
-            copy = tt_graph_call0(leaf->value, self->str_clone);
-            if (copy == NULL)
-                goto cleanup;
-        }
-        else {
-            copy = leaf->value;
-            Py_INCREF(copy);
-        }
-        PyList_SET_ITEM(copies, i, copy);
-    }
-    result = tt_graph_pack(self, copies);
+    if (tt_graph_clone_rest(self, rec, results) < 0)
+        goto cleanup;
+    result = tt_graph_pack(self, results);
 cleanup:
     Py_XDECREF(done);
-    Py_XDECREF(copies);
+    Py_XDECREF(results);
     return result;
 }
 
@@ -586,8 +664,9 @@ tt_graph_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
 {
     TtGraphReplay *self = (TtGraphReplay *)callable;
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    const TtGraphRec *rec;
     PyObject *result = NULL;
-    int fits = 0;
+    int fits = 0, lend = 0;
 
     /* busy: a torch call inside a replay let another thread in; that call
      * must not touch the static buffers, so it runs the original */
@@ -608,10 +687,17 @@ tt_graph_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
     self->busy = 1;
     /* a reference held across the call: a callback may clear this object */
     Py_INCREF(self);
-    result = self->driver ? tt_graph_run_driver(self, args, nargs, kwnames)
-                          : tt_graph_run_callable(self, args, nargs, kwnames);
-    if (result != NULL)
+    if (self->nrecs > TT_REC_LEND && self->recs[TT_REC_LEND].lends)
+        lend = tt_graph_rec_free(self, &self->recs[TT_REC_LEND]);
+    if (lend >= 0) {
+        rec = &self->recs[lend ? TT_REC_LEND : TT_REC_COPY];
+        result = self->driver ? tt_graph_run_driver(self, rec, args, nargs, kwnames)
+                              : tt_graph_run_callable(self, rec, args, nargs, kwnames);
+    }
+    if (result != NULL) {
         self->replays++;
+        self->lent += lend > 0;
+    }
     self->busy = 0;
     Py_DECREF(self);
 cleanup:
@@ -697,73 +783,139 @@ cleanup:
     return rc;
 }
 
-/* Fills self->leaves from the outputs: a tensor, or a tuple or list of
- * tensors and plain values (with rebuild: a list). -1 on error. */
+/* Fills rec->leaves from the outputs: a tensor, or a tuple or list of tensors
+ * and plain values (with rebuild: a list). The first recording sets
+ * self->out_kind and self->nleaves; a second must match them. -1 on error. */
 static int
-tt_graph_set_outputs(TtGraphReplay *self, PyObject *outputs, PyObject *rebuild)
+tt_graph_set_outputs(TtGraphReplay *self, TtGraphRec *rec, PyObject *outputs, PyObject *rebuild)
 {
     PyTypeObject *tensor_type = self->state->tensor_type;
     Py_ssize_t i, n;
-    int rc = -1;
+    int kind;
 
     if (rebuild != NULL) {
         if (!PyList_CheckExact(outputs)) {
             PyErr_SetString(PyExc_TypeError, "GraphReplay: with rebuild, outputs must be a list");
-            goto cleanup;
+            return -1;
         }
-        self->out_kind = TT_OUT_REBUILD;
+        kind = TT_OUT_REBUILD;
     }
     else if (PyObject_TypeCheck(outputs, tensor_type)) {
-        self->out_kind = TT_OUT_TENSOR;
+        kind = TT_OUT_TENSOR;
     }
     else if (PyTuple_CheckExact(outputs)) {
-        self->out_kind = TT_OUT_TUPLE;
+        kind = TT_OUT_TUPLE;
     }
     else if (PyList_CheckExact(outputs)) {
-        self->out_kind = TT_OUT_LIST;
+        kind = TT_OUT_LIST;
     }
     else {
         PyErr_Format(PyExc_TypeError,
                      "GraphReplay: outputs must be a tensor, a tuple or a list (or a list with "
                      "rebuild), not %.100s", Py_TYPE(outputs)->tp_name);
-        goto cleanup;
+        return -1;
     }
-    if (self->out_kind != TT_OUT_TENSOR) {
+    if (kind != TT_OUT_TENSOR) {
         /* a private copy: the caller's list may change later */
-        outputs = self->out_kind == TT_OUT_TUPLE ? PySequence_List(outputs)
-                                                 : PyList_GetSlice(outputs, 0, PY_SSIZE_T_MAX);
+        outputs = kind == TT_OUT_TUPLE ? PySequence_List(outputs)
+                                       : PyList_GetSlice(outputs, 0, PY_SSIZE_T_MAX);
         if (outputs == NULL)
-            goto cleanup;
+            return -1;
     }
     else {
         Py_INCREF(outputs);
     }
-    self->outputs = outputs;
-    n = self->out_kind == TT_OUT_TENSOR ? 1 : PyList_GET_SIZE(outputs);
-    self->leaves = PyMem_Calloc((size_t)n + 1, sizeof(TtGraphLeaf));
-    if (self->leaves == NULL) {
+    rec->outputs = outputs;
+    n = kind == TT_OUT_TENSOR ? 1 : PyList_GET_SIZE(outputs);
+    if (rec != &self->recs[0] && (kind != self->out_kind || n != self->nleaves)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "GraphReplay: the lending recording's outputs must have the same "
+                        "structure as the first recording's");
+        return -1;
+    }
+    self->out_kind = kind;
+    self->nleaves = n;
+    rec->leaves = PyMem_Calloc((size_t)n + 1, sizeof(TtGraphLeaf));
+    if (rec->leaves == NULL) {
         PyErr_NoMemory();
-        goto cleanup;
+        return -1;
     }
     for (i = 0; i < n; i++) {
-        TtGraphLeaf *leaf = &self->leaves[i];
-        PyObject *value = self->out_kind == TT_OUT_TENSOR ? outputs : PyList_GET_ITEM(outputs, i);
+        TtGraphLeaf *leaf = &rec->leaves[i];
+        PyObject *value = kind == TT_OUT_TENSOR ? outputs : PyList_GET_ITEM(outputs, i);
 
         Py_INCREF(value);
         leaf->value = value;
-        self->nleaves = i + 1;
         leaf->is_tensor = PyObject_TypeCheck(value, tensor_type);
         if (!leaf->is_tensor || !self->driver)
             continue;
         leaf->dense = tt_graph_is_dense(self, value);
         if (leaf->dense < 0)
-            goto cleanup;
+            return -1;
         if (leaf->dense && (tt_graph_data_ptr(self, value, &leaf->src) < 0 ||
                             tt_graph_nbytes(value, &leaf->nbytes) < 0))
+            return -1;
+    }
+    return 0;
+}
+
+/* Marks the lending recording's leaves that may be lent, from `lend`: per
+ * leaf None (copied), or (storage, address, use count) for a tensor whose
+ * storage nothing else holds. A leaf whose storage is not at that count now
+ * is copied. -1 on error. */
+static int
+tt_graph_set_lend(TtGraphReplay *self, TtGraphRec *rec, PyObject *lend)
+{
+    PyObject *seq = NULL; /* new reference */
+    Py_ssize_t i;
+    int rc = -1;
+
+    seq = PySequence_Fast(lend, "GraphReplay: lent's lend must be a sequence");
+    if (seq == NULL)
+        goto cleanup;
+    if (PySequence_Fast_GET_SIZE(seq) != self->nleaves) {
+        PyErr_Format(PyExc_ValueError, "GraphReplay: lent's lend must have one item per output "
+                     "(%zd), not %zd", self->nleaves, PySequence_Fast_GET_SIZE(seq));
+        goto cleanup;
+    }
+    for (i = 0; i < self->nleaves; i++) {
+        PyObject *spec = PySequence_Fast_GET_ITEM(seq, i); /* borrowed */
+        TtGraphLeaf *leaf = &rec->leaves[i];
+        Py_ssize_t uses;
+
+        if (spec == Py_None)
+            continue;
+        if (!leaf->is_tensor || !PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 3) {
+            PyErr_Format(PyExc_ValueError, "GraphReplay: lend item %zd must be None or, for a "
+                         "tensor output, a (storage, address, use count) tuple", i);
             goto cleanup;
+        }
+        uses = PyLong_AsSsize_t(PyTuple_GET_ITEM(spec, 2));
+        if (uses == -1 && PyErr_Occurred())
+            goto cleanup;
+        leaf->storage = Py_NewRef(PyTuple_GET_ITEM(spec, 0));
+        leaf->cdata = Py_NewRef(PyTuple_GET_ITEM(spec, 1));
+        leaf->uses = uses;
+    }
+    /* the counts must hold now, with nothing lent yet; a leaf off its count is copied */
+    for (i = 0; i < self->nleaves; i++) {
+        TtGraphLeaf *leaf = &rec->leaves[i];
+        Py_ssize_t now;
+
+        if (leaf->cdata == NULL)
+            continue;
+        if (tt_graph_uses(self, leaf, &now) < 0)
+            goto cleanup;
+        if (now != leaf->uses) {
+            Py_CLEAR(leaf->storage);
+            Py_CLEAR(leaf->cdata);
+            continue;
+        }
+        rec->lends = 1;
     }
     rc = 0;
 cleanup:
+    Py_XDECREF(seq);
     return rc;
 }
 
@@ -802,7 +954,7 @@ tt_graph_set_driver(TtGraphReplay *self, unsigned long long exec, PyObject *devi
         tt_cuda_raise(cu, "cuDevicePrimaryCtxRetain");
         goto cleanup;
     }
-    self->exec = (TtCuGraphExec)(uintptr_t)exec;
+    self->recs[TT_REC_COPY].exec = (TtCuGraphExec)(uintptr_t)exec;
     Py_INCREF(device);
     self->device = device;
     if ((torch = PyImport_ImportModule("torch")) == NULL)
@@ -820,20 +972,63 @@ cleanup:
     return rc;
 }
 
+/* The lending recording from `lent`: (exec handle or 0, replay or None,
+ * outputs, lend), launched the same way as the first. -1 on error. */
+static int
+tt_graph_set_lent(TtGraphReplay *self, PyObject *lent)
+{
+    TtGraphRec *rec = &self->recs[TT_REC_LEND];
+    PyObject *torch_C = NULL; /* new reference */
+    PyObject *replay;         /* borrowed */
+    unsigned long long exec;
+    int rc = -1;
+
+    if (!PyTuple_Check(lent) || PyTuple_GET_SIZE(lent) != 4) {
+        PyErr_SetString(PyExc_TypeError,
+                        "GraphReplay: lent must be an (exec handle, replay, outputs, lend) tuple");
+        goto cleanup;
+    }
+    exec = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(lent, 0));
+    if (exec == (unsigned long long)-1 && PyErr_Occurred())
+        goto cleanup;
+    replay = PyTuple_GET_ITEM(lent, 1);
+    if ((exec != 0) != self->driver || (replay != Py_None) == self->driver ||
+        (replay != Py_None && !PyCallable_Check(replay))) {
+        PyErr_SetString(PyExc_ValueError, "GraphReplay: the lending recording must be launched "
+                        "like the first: an exec handle, or a callable replay");
+        goto cleanup;
+    }
+    if ((torch_C = PyImport_ImportModule("torch._C")) == NULL ||
+        (self->use_count = PyObject_GetAttrString(torch_C, "_storage_Use_Count")) == NULL ||
+        (self->str_detach = PyUnicode_InternFromString("detach")) == NULL)
+        goto cleanup;
+    rec->exec = (TtCuGraphExec)(uintptr_t)exec;
+    rec->replay = replay != Py_None ? Py_NewRef(replay) : NULL;
+    self->nrecs = TT_REC_LEND + 1;
+    if (tt_graph_set_outputs(self, rec, PyTuple_GET_ITEM(lent, 2), self->rebuild) < 0 ||
+        tt_graph_set_lend(self, rec, PyTuple_GET_ITEM(lent, 3)) < 0)
+        goto cleanup;
+    rc = 0;
+cleanup:
+    Py_XDECREF(torch_C);
+    return rc;
+}
+
 static PyObject *
 tt_graph_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"exec_handle", "device", "signature", "inputs", "outputs",
-                             "original", "rebuild", "replay", "keep", NULL};
+                             "original", "rebuild", "replay", "keep", "lent", NULL};
     unsigned long long exec = 0;
     PyObject *device, *signature, *inputs, *outputs, *original; /* borrowed */
     PyObject *rebuild = Py_None, *replay = Py_None, *keep = Py_None; /* borrowed */
+    PyObject *lent = Py_None;                                        /* borrowed */
     TtGraphReplay *self = NULL;
     TtState *st;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KOOOOO|$OOO:GraphReplay", kwlist, &exec,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KOOOOO|$OOOO:GraphReplay", kwlist, &exec,
                                      &device, &signature, &inputs, &outputs, &original,
-                                     &rebuild, &replay, &keep))
+                                     &rebuild, &replay, &keep, &lent))
         goto error;
     if ((st = tt_state_from_type(type)) == NULL)
         goto error;
@@ -867,6 +1062,7 @@ tt_graph_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     self->vectorcall = tt_graph_vectorcall;
     self->state = st;
     self->driver = exec != 0;
+    self->nrecs = 1;
     if ((self->str_data_ptr = PyUnicode_InternFromString("data_ptr")) == NULL ||
         (self->str_is_contiguous = PyUnicode_InternFromString("is_contiguous")) == NULL ||
         (self->str_copy_ = PyUnicode_InternFromString("copy_")) == NULL ||
@@ -874,23 +1070,18 @@ tt_graph_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         goto error;
     if (self->driver && tt_graph_set_driver(self, exec, device) < 0)
         goto error;
-    Py_INCREF(signature);
-    self->signature = signature;
-    Py_INCREF(original);
-    self->original = original;
-    if (replay != Py_None) {
-        Py_INCREF(replay);
-        self->replay = replay;
-    }
-    if (rebuild != Py_None) {
-        Py_INCREF(rebuild);
-        self->rebuild = rebuild;
-    }
-    Py_INCREF(keep);
-    self->keep = keep;
+    self->signature = Py_NewRef(signature);
+    self->original = Py_NewRef(original);
+    if (replay != Py_None)
+        self->recs[TT_REC_COPY].replay = Py_NewRef(replay);
+    if (rebuild != Py_None)
+        self->rebuild = Py_NewRef(rebuild);
+    self->keep = Py_NewRef(keep);
     if (tt_graph_set_inputs(self, inputs) < 0)
         goto error;
-    if (tt_graph_set_outputs(self, outputs, self->rebuild) < 0)
+    if (tt_graph_set_outputs(self, &self->recs[TT_REC_COPY], outputs, self->rebuild) < 0)
+        goto error;
+    if (lent != Py_None && tt_graph_set_lent(self, lent) < 0)
         goto error;
     return (PyObject *)self;
 error:
@@ -914,18 +1105,25 @@ static int
 tt_graph_traverse(TtGraphReplay *self, visitproc visit, void *arg)
 {
     Py_ssize_t i;
+    int r;
 
     Py_VISIT(Py_TYPE(self));
     Py_VISIT(self->signature);
     Py_VISIT(self->original);
-    Py_VISIT(self->outputs);
     Py_VISIT(self->rebuild);
-    Py_VISIT(self->replay);
     Py_VISIT(self->keep);
     for (i = 0; i < self->ninputs; i++)
         Py_VISIT(self->inputs[i].buffer);
-    for (i = 0; i < self->nleaves; i++)
-        Py_VISIT(self->leaves[i].value);
+    for (r = 0; r < TT_RECS; r++) {
+        TtGraphRec *rec = &self->recs[r];
+
+        Py_VISIT(rec->outputs);
+        Py_VISIT(rec->replay);
+        for (i = 0; rec->leaves != NULL && i < self->nleaves; i++) {
+            Py_VISIT(rec->leaves[i].value);
+            Py_VISIT(rec->leaves[i].storage);
+        }
+    }
     return 0;
 }
 
@@ -933,10 +1131,10 @@ static int
 tt_graph_clear(TtGraphReplay *self)
 {
     TtGraphInput *inputs = self->inputs;
-    TtGraphLeaf *leaves = self->leaves;
+    TtGraphRec recs[TT_RECS];
     Py_ssize_t i, ninputs = self->ninputs, nleaves = self->nleaves;
     TtCuContext popped = NULL;
-    int pushed = 0;
+    int r, pushed = 0;
 
     /* The last replay may still run on the device: the graph and its buffers
      * go back to torch's allocator only once it is done. */
@@ -951,23 +1149,31 @@ tt_graph_clear(TtGraphReplay *self)
         (void)tt_cuda.EventDestroy(self->event);
         self->event = NULL;
     }
+    /* detach everything first: a decref below may run code that calls us */
+    memcpy(recs, self->recs, sizeof(recs));
+    memset(self->recs, 0, sizeof(self->recs));
+    self->nrecs = 0;
     self->inputs = NULL;
     self->ninputs = 0;
-    self->leaves = NULL;
     self->nleaves = 0;
     for (i = 0; i < ninputs; i++) {
         Py_CLEAR(inputs[i].name);
         Py_CLEAR(inputs[i].buffer);
     }
     PyMem_Free(inputs);
-    for (i = 0; i < nleaves; i++)
-        Py_CLEAR(leaves[i].value);
-    PyMem_Free(leaves);
+    for (r = 0; r < TT_RECS; r++) {
+        for (i = 0; recs[r].leaves != NULL && i < nleaves; i++) {
+            Py_CLEAR(recs[r].leaves[i].value);
+            Py_CLEAR(recs[r].leaves[i].storage);
+            Py_CLEAR(recs[r].leaves[i].cdata);
+        }
+        PyMem_Free(recs[r].leaves);
+        Py_CLEAR(recs[r].outputs);
+        Py_CLEAR(recs[r].replay);
+    }
     Py_CLEAR(self->signature);
     Py_CLEAR(self->original);
-    Py_CLEAR(self->outputs);
     Py_CLEAR(self->rebuild);
-    Py_CLEAR(self->replay);
     Py_CLEAR(self->keep);
     return 0;
 }
@@ -985,11 +1191,13 @@ tt_graph_dealloc(TtGraphReplay *self)
     }
     Py_CLEAR(self->get_stream);
     Py_CLEAR(self->empty_like);
+    Py_CLEAR(self->use_count);
     Py_CLEAR(self->device);
     Py_CLEAR(self->str_data_ptr);
     Py_CLEAR(self->str_is_contiguous);
     Py_CLEAR(self->str_copy_);
     Py_CLEAR(self->str_clone);
+    Py_CLEAR(self->str_detach);
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
 }
@@ -1016,8 +1224,11 @@ tt_graph_driver_error(PyObject *cls, PyObject *unused)
 }
 
 static PyGetSetDef tt_graph_getset[] = {
-    {"replays", tt_get_counter, NULL, "Calls that replayed the graph.",
+    {"replays", tt_get_counter, NULL, "Calls that replayed a recording.",
      TT_FIELD(TtGraphReplay, replays)},
+    {"lent", tt_get_counter, NULL,
+     "Replays that returned the lending recording's outputs without a copy.",
+     TT_FIELD(TtGraphReplay, lent)},
     {"fallbacks", tt_get_counter, NULL,
      "Calls that did not fit the recording and ran the original.",
      TT_FIELD(TtGraphReplay, fallbacks)},
@@ -1043,8 +1254,8 @@ static PyMemberDef tt_graph_members[] = {
 static PyType_Slot tt_graph_slots[] = {
     {Py_tp_doc,
      "GraphReplay(exec_handle, device, signature, inputs, outputs, original, *,\n"
-     "            rebuild=None, replay=None, keep=None)\n\n"
-     "Replays one recorded device graph. A call whose arguments fit `signature`\n"
+     "            rebuild=None, replay=None, keep=None, lent=None)\n\n"
+     "Replays a recorded device graph. A call whose arguments fit `signature`\n"
      "copies each input tensor into its static buffer, launches the graph on the\n"
      "current stream and returns fresh copies of the static outputs; any other\n"
      "call runs original(*args, **kwargs).\n\n"
@@ -1056,7 +1267,13 @@ static PyType_Slot tt_graph_slots[] = {
      "outputs: the static outputs: a tensor, or a tuple or list of tensors and\n"
      "  plain values; with rebuild, a list of them, and a call returns\n"
      "  rebuild(list of copies).\n"
-     "keep: anything that must live as long as the graph (the graph object)."},
+     "keep: anything that must live as long as the graph (the graph object).\n"
+     "lent: a second recording of the same call on the same static inputs,\n"
+     "  (exec_handle or 0, replay or None, outputs, lend), whose outputs are\n"
+     "  returned as aliases, without a copy, whenever nothing the last such call\n"
+     "  returned is alive; else the first recording runs and copies. lend holds\n"
+     "  per output None (copied) or (storage, storage._cdata, use count): the\n"
+     "  storage's torch._C._storage_Use_Count with no alias of it out."},
     {Py_tp_new, tt_graph_new},
     {Py_tp_dealloc, tt_graph_dealloc},
     {Py_tp_traverse, tt_graph_traverse},

@@ -135,6 +135,65 @@ def test_outputs_the_caller_holds_are_never_overwritten(eager_guard):
     assert len({h.data_ptr() for h in held + again}) == len(held) + len(again)
 
 
+def test_outputs_dropped_before_the_next_call_are_lent_without_a_copy(eager_guard):
+    model = cuda_mlp()
+    xs = data(count=4)
+    with torch.no_grad():
+        expected = [model(x).clone() for x in xs]
+    eager_guard.watch(model)
+    _, replay = graphed(model, xs)
+    eager_guard.arm()
+    lent, addresses = replay.lent, set()
+    with torch.no_grad():
+        for x, e in zip(xs, expected):
+            y = model(x)
+            torch.testing.assert_close(y, e, rtol=1e-5, atol=1e-6)
+            addresses.add(y.data_ptr())
+            del y
+        assert replay.lent - lent == len(xs) and len(addresses) == 1  # one static output, lent each time
+        first = model(xs[0])
+        second = model(xs[1])  # first is held: this call copies
+        assert second.data_ptr() != first.data_ptr() and replay.lent - lent == len(xs) + 1
+        torch.cuda.synchronize()
+        torch.testing.assert_close(first, expected[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(second, expected[1], rtol=1e-5, atol=1e-6)
+
+
+class ReturnsItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return x, self.lin(x), self.lin.weight
+
+
+def test_outputs_sharing_inputs_or_weights_are_copied_and_lend_outputs_false_copies_all(eager_guard):
+    torch.manual_seed(0)
+    model = ReturnsItsInput().cuda().eval()
+    xs = data(count=2)
+    eager_guard.watch(model)
+    _, replay = graphed(model, xs)
+    eager_guard.arm()
+    lent = replay.lent  # tuning's own measurements lend too
+    with torch.no_grad():
+        x_out, y, w = model(xs[0])
+        assert replay.lent == lent + 1 and torch.equal(x_out, xs[0]) and torch.equal(w, model.lin.weight)
+        assert w.data_ptr() != model.lin.weight.data_ptr()  # a copy, not the weight itself
+        held_x = x_out
+        del x_out, y, w
+        _, y2, _ = model(xs[1])  # the copied input output held: lending goes on
+        assert replay.lent == lent + 2 and torch.equal(held_x, xs[0])
+    eager_guard.disarm()
+    tt.unwrap(model)
+    plain = cuda_mlp()
+    _, copying = graphed(plain, xs, strategy=tt.OneBackendStrategy(DeviceGraphBackend(lend_outputs=False)))
+    with torch.no_grad():
+        for x in xs + xs:
+            plain(x)
+    assert copying.lent == 0 and copying.replays >= 4
+
+
 class Failing(nn.Module):
     """Synchronises inside forward: cannot be recorded in a graph."""
 

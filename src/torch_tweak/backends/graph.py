@@ -7,9 +7,17 @@ tensor shapes, dtypes and plain values); the module runs ``warmup`` times on a s
 capture, on that stream, into a private memory pool.
 
 Replay (C): a call that fits the recording copies its input tensors into the static
-buffers, launches the graph on the current stream and returns fresh copies of the static
-outputs, so a later call never overwrites a tensor the caller holds. Any other call (a
-larger batch, another dtype, device or structure) runs the original module.
+buffers and launches a graph on the current stream. Any other call (a larger batch,
+another dtype, device or structure) runs the original module.
+
+Outputs (``lend_outputs=True``, the default): the module is recorded twice on the same
+static inputs. A call returns the outputs of the second recording as they are, without a
+copy, whenever nothing the previous such call returned is still alive (torch's use count
+of each output's storage, which every tensor and view of that memory raises, says so);
+when the caller still holds any of it, the call replays the first recording instead and
+returns fresh copies of its outputs. Outputs that share memory with an input or with the
+module's weights are always copied. Either way a later call never overwrites a tensor the
+caller holds. With ``lend_outputs=False`` there is one recording and every output is copied.
 
 What a graph cannot see: Python side effects of forward, reads of tensors that are not
 arguments but change between calls by reassignment (a parameter replaced by ``p.data =
@@ -29,6 +37,7 @@ import torch.utils._pytree as pytree
 from .. import _C
 from .._samples import Call
 from .base import Backend, BackendConfig
+from .inductor import compile_module
 
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 
@@ -53,11 +62,15 @@ class DeviceGraphBackendConfig(BackendConfig):
     which the tuned model does, never concurrently on several streams).
     capture_error_mode: torch's cudaStreamCaptureMode for the capture ("global",
     "thread_local" or "relaxed"); ignored on xpu.
+    lend_outputs: record a second time and return that recording's outputs without a copy
+    while the caller holds nothing from the last such call (see the module docstring);
+    False: one recording, every output copied (less memory, a copy per output per call).
     """
 
     warmup: int = 3
     share_pool: bool = False
     capture_error_mode: str = "global"
+    lend_outputs: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -65,6 +78,8 @@ class DeviceGraphBackendConfig(BackendConfig):
             raise ValueError(f"warmup must be an int >= 1, got {self.warmup!r}")
         if not isinstance(self.share_pool, bool):
             raise ValueError(f"share_pool must be a bool, got {self.share_pool!r}")
+        if not isinstance(self.lend_outputs, bool):
+            raise ValueError(f"lend_outputs must be a bool, got {self.lend_outputs!r}")
         if self.capture_error_mode not in CAPTURE_ERROR_MODES:
             raise ValueError(f"capture_error_mode must be one of {', '.join(CAPTURE_ERROR_MODES)}; "
                              f"got {self.capture_error_mode!r}")
@@ -235,6 +250,33 @@ def graph_outputs(out: Any) -> tuple[Any, Callable[[list], Any] | None]:
     return list(leaves), spec.unflatten
 
 
+def lend_specs(outputs: Any, held: Sequence[torch.Tensor]) -> list:
+    """GraphReplay's `lend` for a lending recording's outputs (a tensor, or a list of
+    leaves): per leaf None (copied: not a tensor, or its memory is shared with a tensor in
+    `held`, such as an input buffer or a weight), or (storage, its address, the use count
+    it has with nothing lent: one per distinct tensor among the outputs on that storage,
+    plus one for the storage object kept here)."""
+    leaves = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+    taken = {t.untyped_storage()._cdata for t in held}
+    storages: dict[int, Any] = {}
+    tensors: dict[int, set[int]] = {}
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            storage = leaf.untyped_storage()
+            storages.setdefault(storage._cdata, storage)
+            tensors.setdefault(storage._cdata, set()).add(id(leaf))
+            del storage
+    specs: list = []
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            specs.append(None)
+            continue
+        address = leaf.untyped_storage()._cdata
+        specs.append(None if address in taken else
+                     (storages[address], address, len(tensors[address]) + 1))
+    return specs
+
+
 # ----------------------------------------------------------------- backend
 
 
@@ -258,14 +300,42 @@ class DeviceGraphBackend(Backend):
         with torch.no_grad(), api.mod.device(api.index):
             target = self.target(module, samples, api.device)
             static_args, static_kwargs, inputs = static_call(*samples[0], slots)
-            graph, out = self._record(api, target, static_args, static_kwargs)
+            self._warm_up(api, target, static_args, static_kwargs)
+            graph, out = self._capture(api, target, static_args, static_kwargs, api.pool(self.config.share_pool))
             outputs, rebuild = graph_outputs(out)
             exec_handle, replay = self._launch(api, graph)
+            keep: list[Any] = [graph, target]  # the target: what the graph's kernels belong to
+            lent = None
+            if self.config.lend_outputs:
+                lent = self._lending(api, target, static_args, static_kwargs, graph, exec_handle, inputs, module)
+                if lent is not None:
+                    keep.append(lent[0])
+                    lent = lent[1]
             signature = _C.Signature(static_args, static_kwargs)
             return _C.GraphReplay(exec_handle, api.index, signature, inputs, outputs, module,
-                                  rebuild=rebuild, replay=replay, keep=graph)
+                                  rebuild=rebuild, replay=replay, keep=keep, lent=lent)
 
-    def _record(self, api: _DeviceApi, target: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    def _lending(self, api: _DeviceApi, target: Callable[..., Any], args: tuple, kwargs: dict, first: Any,
+                 exec_handle: int, inputs: list, module: torch.nn.Module) -> tuple[Any, tuple] | None:
+        """The second recording, in the first one's memory pool: (graph, GraphReplay's lent),
+        or None when it cannot be made (then every output is copied)."""
+        try:
+            graph, out = self._capture(api, target, args, kwargs, first.pool())
+        except (GraphCaptureError, RuntimeError):
+            return None
+        outputs, _ = graph_outputs(out)
+        del out
+        handle, replay = self._launch(api, graph)
+        if (handle == 0) != (exec_handle == 0):
+            return None
+        held = [buffer for _, _, buffer in inputs]
+        held += [t for t in module.parameters()] + [t for t in module.buffers()]
+        specs = lend_specs(outputs, held)
+        if all(spec is None for spec in specs):
+            return None  # nothing to lend: the second recording would only take memory
+        return graph, (handle, replay, outputs, specs)
+
+    def _warm_up(self, api: _DeviceApi, target: Callable[..., Any], args: tuple, kwargs: dict) -> None:
         current = api.mod.current_stream()
         side = api.mod.Stream()
         side.wait_stream(current)
@@ -274,11 +344,16 @@ class DeviceGraphBackend(Backend):
                 target(*args, **kwargs)
         current.wait_stream(side)
         api.mod.synchronize()
+
+    def _capture(self, api: _DeviceApi, target: Callable[..., Any], args: tuple, kwargs: dict,
+                 pool: Any) -> tuple[Any, Any]:
+        side = api.mod.Stream()
+        side.wait_stream(api.mod.current_stream())
         graph = api.graph()
         failure: BaseException | None = None
         out = None
         with api.mod.stream(side):
-            api.capture_begin(graph, api.pool(self.config.share_pool), self.config.capture_error_mode)
+            api.capture_begin(graph, pool, self.config.capture_error_mode)
             try:
                 out = target(*args, **kwargs)
             except BaseException as exc:  # the capture must end before anything else runs
@@ -361,11 +436,6 @@ class InductorGraphBackend(DeviceGraphBackend):
         options = dict(cfg.options or {})
         if cfg.mode is None or cfg.mode == "default":
             options.setdefault("triton.cudagraphs", False)
-            compiled = torch.compile(module, backend="inductor", options=options, dynamic=False,
-                                     fullgraph=cfg.fullgraph)
-        else:
-            compiled = torch.compile(module, backend="inductor", mode=cfg.mode, dynamic=False,
-                                     fullgraph=cfg.fullgraph)
-        args, kwargs = samples[0]
-        compiled(*args, **kwargs)  # compile here, outside the warm-up and the capture
-        return compiled
+            # compiled outside the warm-up and the capture; shared with an Inductor candidate
+            return compile_module(module, samples[:1], options=options, dynamic=False, fullgraph=cfg.fullgraph)
+        return compile_module(module, samples[:1], mode=cfg.mode, dynamic=False, fullgraph=cfg.fullgraph)
