@@ -14,6 +14,10 @@ after it (what a caller waits for, host overhead included).
     max-autotune     torch.compile(mode="max-autotune-no-cudagraphs"), with --max-autotune
     tweak            the model tt.tweak returns (default settings), with its tuning time
 
+Every compiling column (compile, reduce-overhead, max-autotune, tweak) starts cold, as a
+user's first run does: a fresh Inductor and Triton cache folder, dynamo reset and
+Inductor's in-memory caches cleared, and tweak's own tuning cache off (cache=False).
+
 Weights are random, built from configs: nothing is downloaded. Writes JSON per run and,
 with --merge, bench/results/gpu.md (tables, targets) and gpu.png (if matplotlib is there).
 
@@ -56,6 +60,22 @@ SIZES = {
 N_SAMPLES = 4
 
 # ------------------------------------------------------------------ models
+
+
+def cold_compiler(tag: str) -> str:
+    """A fresh Inductor/Triton cache folder for the next compile, with dynamo reset and
+    Inductor's in-memory caches cleared: no column compiles from another's work."""
+    import tempfile
+    folder = tempfile.mkdtemp(prefix=f"tt-bench-{tag}-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(folder, "triton")
+    torch._dynamo.reset()
+    try:
+        from torch._inductor.utils import clear_caches
+        clear_caches()
+    except ImportError:  # older torch: the fresh folder alone
+        pass
+    return folder
 
 
 def build(name: str, dtype: torch.dtype) -> tuple[torch.nn.Module, list]:
@@ -128,7 +148,8 @@ def whole_graph(model: torch.nn.Module, data: list) -> Callable[[int], Any]:
 
 
 def compiled(model: torch.nn.Module, data: list, mode: str | None) -> tuple[Callable[[int], Any], float]:
-    """torch.compile of a copy of the model; (run, seconds of its first three calls)."""
+    """torch.compile of a copy of the model; (run, seconds of its first three calls), cold."""
+    cold_compiler(mode or "default")
     fn = torch.compile(copy.deepcopy(model), mode=mode)
     t0 = time.perf_counter()
     for i in range(3):
@@ -147,9 +168,10 @@ def compiled(model: torch.nn.Module, data: list, mode: str | None) -> tuple[Call
 def tweaked(model: torch.nn.Module, data: list, budget: float | None) -> tuple[Callable[[int], Any], float, Any, torch.nn.Module]:
     import torch_tweak as tt
     mine = copy.deepcopy(model)
+    cold_compiler("tweak")
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    result = tt.tweak(mine, data, progress=False, time_budget=budget)
+    result = tt.tweak(mine, data, progress=False, time_budget=budget, cache=False)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
 
@@ -231,6 +253,7 @@ def replay_path_probe() -> list[dict]:
     x = torch.randn(4, 16, device="cuda")
     with torch.no_grad():
         replay = DeviceGraphBackend().prepare(lin, [((x,), {})], torch.device("cuda"))
+        copying = DeviceGraphBackend(lend_outputs=False).prepare(lin, [((x,), {})], torch.device("cuda"))
         static_x = x.clone()
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
@@ -251,7 +274,15 @@ def replay_path_probe() -> list[dict]:
             graph.replay()
             return static_y
 
-        cases = [("GraphReplay (C: check, copy in, launch, copy out)", replay),
+        held: list = []
+
+        def copying_while_held(v):
+            held[:] = [replay(v)]  # the last output is still held at the next call
+            return None
+
+        cases = [("GraphReplay, lending (C: check, copy in, launch, alias out)", replay),
+                 ("GraphReplay, last output held (C: check, copy in, launch, copy out)", copying_while_held),
+                 ("GraphReplay, lend_outputs=False (C: check, copy in, launch, copy out)", copying),
                  ("Python: copy_, CUDAGraph.replay(), clone()", py_clone),
                  ("Python: copy_, CUDAGraph.replay(), static output", py_static),
                  ("eager nn.Linear", lin)]
@@ -413,8 +444,13 @@ def merge(paths: list[str], out_dir: str) -> None:
           f"that kind, not necessarily the same one: compare columns within a row). Random weights, "
           f"{settings['samples']} random calls per model cycled; per column {settings['warmup']} warm-up calls, then "
           f"the median of {settings['rounds']} interleaved rounds of one synchronised call.", "",
-          "", "The graph column returns its static output (the next call overwrites it); tweak's device "
-          "graphs return copies, which costs it a copy per output.", "",
+          "", "Every compiling column (compile, reduce-overhead, max-autotune, tweak) starts cold: a fresh "
+          "Inductor and Triton cache folder, dynamo reset, Inductor's in-memory caches cleared, tweak's "
+          "tuning cache off.", "",
+          "The graph column returns its static output (the next call overwrites it, held or not); tweak's "
+          "device graphs lend their outputs without a copy while the caller holds nothing from the last "
+          "call (the case here: each output is dropped) and copy them otherwise "
+          "(docs/device-graph.md).", "",
           "## Latency (ms per call, median) and speedup against eager", ""]
     cols = [c for c in COLUMNS if any(c in r.get("ms", {}) or c in r.get("errors", {}) for r in rows)]
     md.append("| model | dtype | " + " | ".join(cols) + " | tweak vs eager | tweak vs best other |")

@@ -150,6 +150,63 @@ def test_inductor_passes_its_whole_config_to_torch_compile(monkeypatch):
     ]
 
 
+def test_candidates_with_the_same_effective_compile_share_it(monkeypatch):
+    from torch_tweak.backends.inductor import compile_module, shared_compiles
+
+    seen = []
+
+    def fake_compile(module, **kwargs):
+        seen.append(kwargs)
+        return lambda *a, **k: module(*a, **k)
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    relu, samples = nn.ReLU(), [((torch.ones(2, 3),), {})] * 2
+    with shared_compiles(static=True):
+        plain = compile_module(relu, samples)  # what TorchInductorBackend() compiles
+        graphed = compile_module(relu, samples[:1], options={"triton.cudagraphs": False}, dynamic=False)
+        other_mode = compile_module(relu, samples, mode="max-autotune")
+        other_module = compile_module(nn.ReLU(), samples)
+    assert graphed is plain and other_mode is not plain and other_module is not plain
+    assert [kw["dynamic"] for kw in seen] == [False, False, False]  # a static signature: static shapes
+    compile_module(relu, samples)  # outside a scope nothing is shared, and dynamic stays as given
+    assert len(seen) == 4 and seen[-1]["dynamic"] is None
+    with shared_compiles(static=False):  # "any other call": torch decides
+        compile_module(relu, samples)
+        compile_module(relu, samples, dynamic=True)
+    assert [kw["dynamic"] for kw in seen[4:]] == [None, True]
+    seen[4:] = []
+
+    class Untraceable(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("cannot trace this")
+
+    broken = Untraceable()
+    with shared_compiles(static=True):
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="cannot trace this"):
+                compile_module(broken, samples)
+    assert len(seen) == 5  # the failure is shared too: compiled once
+
+
+def test_tuning_compiles_a_module_once_for_two_inductor_candidates(mlp, mlp_data, monkeypatch):
+    seen = []
+    real = torch.compile
+
+    def counting_compile(module, **kwargs):
+        seen.append(kwargs)
+        return real(module, backend="eager")
+
+    monkeypatch.setattr(torch, "compile", counting_compile)
+    strategy = tt.HighestThroughputStrategy([TorchInductorBackend(), TorchInductorBackend(dynamic=False),
+                                             TorchInductorBackend(mode="max-autotune")])
+    tt.wrap(mlp, [""])
+    try:
+        tt.tune(mlp, mlp_data, strategy=strategy, measure=FAST)
+    finally:
+        tt.unwrap(mlp)
+    assert [kw["mode"] for kw in seen] == [None, "max-autotune"]
+
+
 def test_torchao_compile_option_compiles_the_quantized_copy(monkeypatch):
     pytest.importorskip("torchao", reason="torchao not installed: pip install torch-tweak[torchao]")
     compiled = []

@@ -544,9 +544,9 @@ tt_graph_run_driver(TtGraphReplay *self, const TtGraphRec *rec, PyObject *const 
         if (rc != 0)
             goto cleanup;
     }
-    /* Python first (pointers, torch copies for strided inputs, allocations),
-     * then the driver calls in one stretch: torch may change the current
-     * context under a pushed one. */
+    /* Python calls (pointers, torch copies for strided inputs, allocations)
+     * never run inside a pushed context: torch may change the current context
+     * under it. */
     for (i = 0; i < self->ninputs; i++) {
         TtGraphInput *in = &self->inputs[i];
         PyObject *arg = tt_graph_input_arg(in, args, nargs, kwnames); /* borrowed */
@@ -574,8 +574,7 @@ tt_graph_run_driver(TtGraphReplay *self, const TtGraphRec *rec, PyObject *const 
             goto cleanup;
         Py_DECREF(done);
     }
-    if ((results = tt_graph_results(self, rec, dst)) == NULL)
-        goto cleanup;
+    /* the launch first; what is returned is made while the device runs */
     if (tt_graph_enter_context(self, &pushed) < 0)
         goto cleanup;
     entered = 1;
@@ -595,17 +594,28 @@ tt_graph_run_driver(TtGraphReplay *self, const TtGraphRec *rec, PyObject *const 
     }
     self->last_stream = stream;
     self->launched = 1;
+    tt_graph_leave_context(pushed);
+    entered = 0;
+    if ((results = tt_graph_results(self, rec, dst)) == NULL)
+        goto cleanup;
     for (i = 0; i < self->nleaves; i++) {
         if (dst[i] == 0 || rec->leaves[i].nbytes == 0)
             continue;
+        if (!entered) {
+            if (tt_graph_enter_context(self, &pushed) < 0)
+                goto cleanup;
+            entered = 1;
+        }
         rc = tt_cuda.MemcpyDtoDAsync(dst[i], rec->leaves[i].src, rec->leaves[i].nbytes, stream);
         if (rc != 0) {
             tt_cuda_raise(rc, "cuMemcpyDtoDAsync (output)");
             goto cleanup;
         }
     }
-    tt_graph_leave_context(pushed);
-    entered = 0;
+    if (entered) {
+        tt_graph_leave_context(pushed);
+        entered = 0;
+    }
     if (tt_graph_clone_rest(self, rec, results) < 0)
         goto cleanup;
     result = tt_graph_pack(self, results);

@@ -10,6 +10,7 @@ from torch import nn
 from . import _C
 from ._samples import Call, clone, load_dataset, resolve_device, synchronizer
 from .backends.base import Backend, BackendUnavailable
+from .backends.inductor import shared_compiles
 from .cache import capture_build, log_path
 from .correctness import MismatchError, check
 from .module import MODE_ACTIVE, MODE_ORIGINAL, MODE_RECORD, TunedModule, installed
@@ -154,7 +155,7 @@ def tune_group(wrapper: TunedModule, group: SignatureGroup, strategy: Strategy, 
         return run
 
     candidates = [(b.name, build_of(i, b), run_of(b)) for i, b in enumerate(backends)]
-    with torch.no_grad():
+    with torch.no_grad(), shared_compiles(static=group.signature is not None):
         index, reports = _C.choose(strategy.kind, candidates, len(samples), sync=sync, config=measure)
     group.report = [candidate_report(b, r, n) for b, r, n in zip(backends, reports, notes)]
     if index < 0:
@@ -310,7 +311,7 @@ def rebuild_group(wrapper: TunedModule, group: SignatureGroup, backend: Backend,
     places = weight_places(module)
     path = log_path(model_class, wrapper.tt_name, group.key, backend.name)
     title = f"{backend!r} for {wrapper.tt_name or '(root)'} of {model_class}, signature {group.text} (rebuilt)"
-    with capture_build(path, title) as log, torch.no_grad():
+    with capture_build(path, title) as log, torch.no_grad(), shared_compiles(static=group.signature is not None):
         try:
             fn = backend.prepare(module, group.samples, device)
         finally:

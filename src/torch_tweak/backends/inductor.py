@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -15,7 +17,11 @@ MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cu
 
 @dataclasses.dataclass
 class TorchInductorBackendConfig(BackendConfig):
-    """The arguments of torch.compile: mode, options, dynamic, fullgraph."""
+    """The arguments of torch.compile: mode, options, dynamic, fullgraph.
+
+    dynamic=None (the default) compiles static shapes for a module's recorded input
+    signatures (tweak serves each one its own build) and lets torch decide for the "any
+    other call" group, which serves calls of any shape."""
 
     mode: str | None = None
     options: dict[str, Any] | None = None
@@ -32,6 +38,73 @@ class TorchInductorBackendConfig(BackendConfig):
             raise ValueError(f"options must be a dict, got {type(self.options).__name__}")
 
 
+@dataclasses.dataclass
+class _Scope:
+    static: bool
+    compiled: dict = dataclasses.field(default_factory=dict)
+
+
+_SCOPE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("torch_tweak_compiles", default=None)
+
+
+@contextlib.contextmanager
+def shared_compiles(static: bool) -> Iterator[None]:
+    """Builds for one module and one input signature: within it, backends that compile the
+    module with the same effective settings share one torch.compile (and one failure), so
+    Inductor and Inductor-in-a-graph candidates compile it once, not twice.
+
+    static: every call the builds will serve has the recorded shapes (the dispatcher routes
+    only calls that fit the signature), so ``dynamic=None`` compiles with dynamic=False:
+    no recompile with symbolic shapes when sibling modules of one class differ in size."""
+    token = _SCOPE.set(_Scope(static))
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
+def _settings_key(module: torch.nn.Module, mode: str | None, options: dict | None, dynamic: bool | None,
+                  fullgraph: bool) -> tuple:
+    mode = None if mode == "default" else mode
+    effective = dict(options or {})
+    if mode is None:
+        import torch._inductor.config as inductor_config
+        effective.setdefault("triton.cudagraphs", bool(inductor_config.triton.cudagraphs))
+    return (id(module), mode, repr(sorted(effective.items())), dynamic, bool(fullgraph))
+
+
+def compile_module(module: torch.nn.Module, samples: Sequence[Call], *, mode: str | None = None,
+                   options: dict | None = None, dynamic: bool | None = None,
+                   fullgraph: bool = False) -> Callable[..., Any]:
+    """torch.compile(module, backend="inductor", ...) compiled now on every sample, so no
+    compile lands in a measurement. Inside shared_compiles(), the same settings on the same
+    module give the same compiled module (or raise the same error) without compiling
+    again, and dynamic=None means dynamic=False for a static signature."""
+    scope = _SCOPE.get()
+    key = None
+    if scope is not None:
+        if dynamic is None and scope.static:
+            dynamic = False
+        key = _settings_key(module, mode, options, dynamic, fullgraph)
+        if key in scope.compiled:
+            done = scope.compiled[key]
+            if isinstance(done, BaseException):
+                raise done
+            return done
+    compiled = torch.compile(module, backend="inductor", mode=mode, options=options, dynamic=dynamic,
+                             fullgraph=fullgraph)
+    try:
+        for args, kwargs in samples:
+            compiled(*args, **kwargs)
+    except Exception as exc:
+        if key is not None:
+            scope.compiled[key] = exc
+        raise
+    if key is not None:
+        scope.compiled[key] = compiled
+    return compiled
+
+
 class TorchInductorBackend(NeedsStorableSamples, Backend):
     """Torch Inductor: torch.compile(module) with the config's mode, options, dynamic and
     fullgraph, compiled on every recorded call at build time so no compile lands in a
@@ -42,11 +115,5 @@ class TorchInductorBackend(NeedsStorableSamples, Backend):
 
     def build(self, module: torch.nn.Module, samples: Sequence[Call], device: torch.device) -> Callable[..., Any]:
         cfg = self.config
-        compiled = torch.compile(
-            module, backend="inductor", mode=cfg.mode, options=cfg.options,
-            dynamic=cfg.dynamic, fullgraph=cfg.fullgraph,
-        )
-        # Compile now, on every recorded signature, so no compile lands in a measurement.
-        for args, kwargs in samples:
-            compiled(*args, **kwargs)
-        return compiled
+        return compile_module(module, samples, mode=cfg.mode, options=cfg.options, dynamic=cfg.dynamic,
+                              fullgraph=cfg.fullgraph)

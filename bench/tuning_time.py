@@ -1,0 +1,159 @@
+"""Where tt.tweak's tuning time goes, on one GPU, against torch.compile's compile time.
+
+For each model and dtype (the models and inputs of gpu_bench.py), cold (a fresh Inductor
+and Triton cache folder, dynamo reset, tweak's tuning cache off):
+
+    reduce-overhead  wall time of the first three calls of torch.compile(mode="reduce-overhead")
+    tweak            wall time of tt.tweak(model, data), split into
+                     build: each candidate backend's build (compile, capture), by backend
+                     check: the correctness check of each built candidate on the samples
+                     rest:  recording, measuring candidates and depths, bookkeeping
+    tweak, per depth the seconds spent tuning the modules first tuned at that depth
+
+``--no-share`` adds a second tweak with Inductor candidates compiling each module on their
+own (no shared compile), to show what sharing saves.
+
+    python bench/tuning_time.py [--models encoder,resnet50] [--dtypes fp32,bf16] [--no-share]
+                                [--json PATH] [--md PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from gpu_bench import DTYPES, build, cold_compiler, compiled, environment  # noqa: E402
+
+
+def profiled_tweak(model: torch.nn.Module, data: list, share: bool) -> dict[str, Any]:
+    """tt.tweak on a copy of `model`, cold, with its wall time split (see the module docstring)."""
+    import torch_tweak as tt
+    from torch_tweak import tuning, tweak as tweak_module
+    from torch_tweak.backends.base import Backend
+
+    builds: dict[str, float] = defaultdict(float)
+    per_module: dict[str, float] = {}
+    check_s = [0.0]
+    real_prepare, real_check, real_tune = Backend.prepare, tuning.check, tweak_module.tune_wrapper
+    real_scope = tuning.shared_compiles
+
+    def prepare(self: Backend, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return real_prepare(self, *args, **kwargs)
+        finally:
+            builds[self.name] += time.perf_counter() - t0
+
+    def check(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return real_check(*args, **kwargs)
+        finally:
+            check_s[0] += time.perf_counter() - t0
+
+    def tune_wrapper(wrapper: Any, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return real_tune(wrapper, *args, **kwargs)
+        finally:
+            per_module[wrapper.tt_name] = per_module.get(wrapper.tt_name, 0.0) + time.perf_counter() - t0
+
+    mine = copy.deepcopy(model)
+    cold_compiler("tweak")
+    Backend.prepare, tuning.check, tweak_module.tune_wrapper = prepare, check, tune_wrapper  # type: ignore
+    if not share:
+        tuning.shared_compiles = contextlib.nullcontext  # type: ignore[assignment]
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        result = tt.tweak(mine, data, progress=False, cache=False)
+        torch.cuda.synchronize()
+        total = time.perf_counter() - t0
+    finally:
+        Backend.prepare, tuning.check, tweak_module.tune_wrapper = real_prepare, real_check, real_tune  # type: ignore
+        tuning.shared_compiles = real_scope  # type: ignore[assignment]
+    depth_of: dict[str, int] = {}
+    for depth in range(result.tree.max_depth + 1):
+        for path in result.tree.cut(depth):
+            depth_of.setdefault(path, depth)
+    by_depth: dict[int, float] = defaultdict(float)
+    for path, seconds in per_module.items():
+        by_depth[depth_of.get(path, -1)] += seconds
+    build_total = sum(builds.values())
+    return {"total_s": total, "build_s": dict(builds), "check_s": check_s[0],
+            "rest_s": total - build_total - check_s[0], "tune_by_depth_s": dict(by_depth),
+            "modules_tuned": len(per_module), "selected_depth": result.selected_depth,
+            "table": str(result)}
+
+
+def run(args: argparse.Namespace) -> dict:
+    out: dict[str, Any] = {"environment": environment(), "rows": []}
+    for name in args.models.split(","):
+        for dtype_name in args.dtypes.split(","):
+            model, data = build(name, DTYPES[dtype_name])
+            row: dict[str, Any] = {"model": name, "dtype": dtype_name}
+            with torch.no_grad():
+                _, row["reduce_overhead_s"] = compiled(model, data, "reduce-overhead")
+            row["tweak"] = profiled_tweak(model, data, share=True)
+            if args.no_share:
+                row["tweak_no_share"] = profiled_tweak(model, data, share=False)
+            out["rows"].append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "tweak"}, default=str)[:2000], flush=True)
+            print(json.dumps({k: v for k, v in row["tweak"].items() if k != "table"}), flush=True)
+            del model, data
+            torch.cuda.empty_cache()
+    return out
+
+
+def markdown(out: dict) -> str:
+    env = out["environment"]
+    md = ["# Where tweak's tuning time goes", "",
+          f"Produced by `python bench/tuning_time.py` on one {env['gpu']} (torch {env['torch']}, CUDA "
+          f"{env['cuda']}). Every compile starts cold (fresh Inductor and Triton cache folder, dynamo reset, "
+          "tweak's tuning cache off). Seconds of wall time.", "",
+          "| model | dtype | reduce-overhead compile | tweak | tweak / reduce-overhead | builds (by backend) | "
+          "checks | rest (record, measure) | by depth first tuned | without a shared compile |",
+          "|---|---|---:|---:|---:|---|---:|---:|---|---:|"]
+    for r in out["rows"]:
+        t = r["tweak"]
+        builds = ", ".join(f"{k} {v:.1f}" for k, v in sorted(t["build_s"].items(), key=lambda kv: -kv[1]))
+        depths = ", ".join(f"d{k} {v:.1f}" for k, v in sorted(t["tune_by_depth_s"].items()))
+        ns = r.get("tweak_no_share")
+        md.append(f"| {r['model']} | {r['dtype']} | {r['reduce_overhead_s']:.1f} | {t['total_s']:.1f} | "
+                  f"{t['total_s'] / r['reduce_overhead_s']:.2f} | {builds} | {t['check_s']:.1f} | "
+                  f"{t['rest_s']:.1f} | {depths} | {'-' if ns is None else '%.1f' % ns['total_s']} |")
+    return "\n".join(md) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="encoder,resnet50")
+    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--no-share", action="store_true", help="also tweak without shared compiles")
+    parser.add_argument("--json", default=os.path.join(HERE, "results", "tuning_time.json"))
+    parser.add_argument("--md", default=os.path.join(HERE, "results", "tuning_time.md"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("tuning_time needs a CUDA device")
+    out = run(args)
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+    with open(args.md, "w") as f:
+        f.write(markdown(out))
+    print(markdown(out))
+
+
+if __name__ == "__main__":
+    main()
