@@ -446,7 +446,8 @@ def merge(paths: list[str], out_dir: str) -> None:
           f"the median of {settings['rounds']} interleaved rounds of one synchronised call.", "",
           "", "Every compiling column (compile, reduce-overhead, max-autotune, tweak) starts cold: a fresh "
           "Inductor and Triton cache folder, dynamo reset, Inductor's in-memory caches cleared, tweak's "
-          "tuning cache off.", "",
+          "tuning cache off. The first compile of the run (the first row's compile column) also pays the "
+          "compiler's one-time start in the process.", "",
           "The graph column returns its static output (the next call overwrites it, held or not); tweak's "
           "device graphs lend their outputs without a copy while the caller holds nothing from the last "
           "call (the case here: each output is dropped) and copy them otherwise "

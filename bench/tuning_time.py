@@ -136,6 +136,11 @@ def markdown(out: dict) -> str:
           f"{env['cuda']}). Every compile starts cold (fresh Inductor and Triton cache folder, dynamo reset, "
           "tweak's tuning cache off), after one tiny compile that starts the compiler for the process. "
           "Seconds of wall time.", "",
+          "*Without a shared compile*: the same tweak, run before the other in the process, with each "
+          "Inductor candidate compiling on its own and `dynamic=None` passed as given. Dynamo's recompile "
+          "limit (8 per code object) counts every compile of one module class in the process, so the two "
+          "runs can differ in how many modules are compiled for real (past the limit dynamo runs a module's "
+          "eager code), not only in how many compiles each module costs.", "",
           "| model | dtype | reduce-overhead compile | tweak | tweak / reduce-overhead | builds (by backend) | "
           "checks | rest (record, measure) | by depth first tuned | without a shared compile |",
           "|---|---|---:|---:|---:|---|---:|---:|---|---:|"]
