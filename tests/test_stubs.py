@@ -36,3 +36,8 @@ def test_stubs_name_every_public_member_and_nothing_else():
                     if name.startswith("__") and name != "__call__":
                         continue
                     assert hasattr(real, name), f"{node.name}.{name} is in the stubs but not in the extension"
+            members = {item.name if isinstance(item, ast.FunctionDef) else item.target.id
+                       for item in node.body if isinstance(item, (ast.FunctionDef, ast.AnnAssign))}
+            if isinstance(real, type):
+                missing = {n for n in vars(real) if not n.startswith("_")} - members
+                assert not missing, f"{node.name} members not in the stubs: {sorted(missing)}"

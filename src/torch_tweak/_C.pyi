@@ -164,13 +164,15 @@ def enable_vectorcall(cls: type) -> bool:
     when cls is not a subclass of Dispatcher."""
 
 class GraphReplay:
-    """Replays one recorded device graph (the device-graph backend's per-call path).
+    """Replays a recorded device graph (the device-graph backend's per-call path).
 
     A call whose arguments fit ``signature`` copies each input tensor into its
     static buffer, launches the graph on the current stream and returns fresh
     copies of the static outputs (so a later call never overwrites a tensor the
     caller holds); any other call runs ``original(*args, **kwargs)``. A call made
     while another is inside this object (another thread) also runs the original.
+    With ``lent``, a call returns the lending recording's outputs without a copy
+    whenever nothing the last such call returned is alive.
 
     exec_handle: the graph's cudaGraphExec_t as an int, launched through the CUDA
       driver (dlopen'ed on first use) on torch's current stream of CUDA device
@@ -181,17 +183,25 @@ class GraphReplay:
     outputs: a tensor, or a tuple or list of tensors and plain values; with
       ``rebuild``, a list of them, and a call returns rebuild(list of copies).
     keep: anything that must live as long as the graph (the graph object).
+    lent: a second recording of the same call on the same static inputs,
+      (exec_handle or 0, replay or None, outputs, lend); lend holds per output
+      None (always copied) or (storage, storage._cdata, use count with no alias
+      of it out).
     """
     def __init__(self, exec_handle: int, device: int, signature: Signature,
                  inputs: Sequence[tuple[int | str, int, Any]], outputs: Any,
                  original: Callable[..., Any], *, rebuild: Optional[Callable[[list], Any]] = None,
-                 replay: Optional[Callable[[], object]] = None, keep: object = None) -> None: ...
+                 replay: Optional[Callable[[], object]] = None, keep: object = None,
+                 lent: Optional[tuple[int, Optional[Callable[[], object]], Any, Sequence[Any]]] = None) -> None: ...
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
     @classmethod
     def driver_error(cls) -> Optional[str]:
         """Why the CUDA driver cannot be used, or None when it can (loads it once)."""
     @property
     def replays(self) -> int: ...
+    @property
+    def lent(self) -> int:
+        """Replays that returned the lending recording's outputs without a copy."""
     @property
     def fallbacks(self) -> int: ...
     @property
