@@ -319,8 +319,11 @@ class DeviceGraphBackend(Backend):
                  exec_handle: int, inputs: list, module: torch.nn.Module) -> tuple[Any, tuple] | None:
         """The second recording, in the first one's memory pool: (graph, GraphReplay's lent),
         or None when it cannot be made (then every output is copied)."""
+        pool = getattr(first, "pool", None)
+        if pool is None:
+            return None  # a graph type that cannot hand its pool to a second capture
         try:
-            graph, out = self._capture(api, target, args, kwargs, first.pool())
+            graph, out = self._capture(api, target, args, kwargs, pool())
         except (GraphCaptureError, RuntimeError):
             return None
         outputs, _ = graph_outputs(out)
