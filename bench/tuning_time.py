@@ -10,7 +10,8 @@ and Triton cache folder, dynamo reset, tweak's tuning cache off):
                      rest:  recording, measuring candidates and depths, bookkeeping
     tweak, per depth the seconds spent tuning the modules first tuned at that depth
 
-``--no-share`` adds a tweak, run before the other one, whose Inductor candidates compile each
+``--dynamic-auto`` shares compiles but leaves ``dynamic=None`` to torch (automatic dynamic
+shapes) instead of compiling static shapes for static signatures. ``--no-share`` adds a tweak, run before the other one, whose Inductor candidates compile each
 module on their own (no shared compile) with dynamic=None as given (no static shapes for
 static signatures): what this release's compile sharing saves.
 
@@ -38,7 +39,7 @@ sys.path.insert(0, HERE)
 from gpu_bench import DTYPES, build, cold_compiler, compiled, environment  # noqa: E402
 
 
-def profiled_tweak(model: torch.nn.Module, data: list, share: bool) -> dict[str, Any]:
+def profiled_tweak(model: torch.nn.Module, data: list, share: bool, static: bool = True) -> dict[str, Any]:
     """tt.tweak on a copy of `model`, cold, with its wall time split (see the module docstring)."""
     import torch_tweak as tt
     from torch_tweak import tuning
@@ -77,6 +78,8 @@ def profiled_tweak(model: torch.nn.Module, data: list, share: bool) -> dict[str,
     Backend.prepare, tuning.check, tweak_module.tune_wrapper = prepare, check, tune_wrapper  # type: ignore
     if not share:
         tuning.shared_compiles = lambda static: contextlib.nullcontext()  # type: ignore[assignment]
+    elif not static:  # shared, but dynamic=None left to torch (automatic dynamic shapes)
+        tuning.shared_compiles = lambda static: real_scope(static=False)  # type: ignore[assignment]
     try:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -120,7 +123,8 @@ def run(args: argparse.Namespace) -> dict:
                 _, row["reduce_overhead_s"] = compiled(model, data, "reduce-overhead")
             if args.no_share:  # first: a later tweak in the same process can only gain from warm state
                 row["tweak_no_share"] = profiled_tweak(model, data, share=False)
-            row["tweak"] = profiled_tweak(model, data, share=True)
+            row["tweak"] = profiled_tweak(model, data, share=True, static=not args.dynamic_auto)
+            row["dynamic_auto"] = args.dynamic_auto
             out["rows"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "tweak"}, default=str)[:2000], flush=True)
             print(json.dumps({k: v for k, v in row["tweak"].items() if k != "table"}), flush=True)
@@ -160,6 +164,8 @@ def main() -> None:
     parser.add_argument("--models", default="encoder,resnet50")
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--no-share", action="store_true", help="also tweak without shared compiles")
+    parser.add_argument("--dynamic-auto", action="store_true",
+                        help="shared compiles that leave dynamic=None to torch instead of static shapes")
     parser.add_argument("--json", default=os.path.join(HERE, "results", "tuning_time.json"))
     parser.add_argument("--md", default=os.path.join(HERE, "results", "tuning_time.md"))
     args = parser.parse_args()
