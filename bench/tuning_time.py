@@ -16,7 +16,8 @@ module on their own (no shared compile) with dynamic=None as given (no static sh
 static signatures): what this release's compile sharing saves.
 
     python bench/tuning_time.py [--models encoder,resnet50] [--dtypes fp32,bf16] [--no-share]
-                                [--json PATH] [--md PATH]
+                                [--dynamic-auto] [--json PATH] [--md PATH]
+    python bench/tuning_time.py --merge a.json b.json ... [--md PATH]
 """
 
 from __future__ import annotations
@@ -133,29 +134,42 @@ def run(args: argparse.Namespace) -> dict:
     return out
 
 
-def markdown(out: dict) -> str:
+def depth_latencies(table: str) -> str:
+    """'d0 1.07*, d1 1.19, d2 1.39' from a TweakResult table (* the selected depth)."""
+    cells = []
+    for line in table.splitlines():
+        words = line.replace(">", " ").split()
+        if len(words) >= 4 and words[0].isdigit():
+            cells.append(f"d{words[0]} {words[3]}" + ("*" if line.lstrip().startswith(">") else ""))
+    return ", ".join(cells)
+
+
+def markdown(out: dict, runs: int = 1) -> str:
     env = out["environment"]
     md = ["# Where tweak's tuning time goes", "",
           f"Produced by `python bench/tuning_time.py` on one {env['gpu']} (torch {env['torch']}, CUDA "
-          f"{env['cuda']}). Every compile starts cold (fresh Inductor and Triton cache folder, dynamo reset, "
+          f"{env['cuda']}), {runs} run(s) merged with --merge (each run a machine of that kind, not "
+          "necessarily the same one: compare ratios, not seconds, across runs). Every compile starts cold (fresh Inductor and Triton cache folder, dynamo reset, "
           "tweak's tuning cache off), after one tiny compile that starts the compiler for the process. "
-          "Seconds of wall time.", "",
+          "Seconds of wall time; latencies of each depth's whole model in ms (* selected).", "",
           "*Without a shared compile*: the same tweak, run before the other in the process, with each "
           "Inductor candidate compiling on its own and `dynamic=None` passed as given. Dynamo's recompile "
           "limit (8 per code object) counts every compile of one module class in the process, so the two "
           "runs can differ in how many modules are compiled for real (past the limit dynamo runs a module's "
           "eager code), not only in how many compiles each module costs.", "",
-          "| model | dtype | reduce-overhead compile | tweak | tweak / reduce-overhead | builds (by backend) | "
-          "checks | rest (record, measure) | by depth first tuned | without a shared compile |",
-          "|---|---|---:|---:|---:|---|---:|---:|---|---:|"]
+          "| model | dtype | compiles | reduce-overhead compile | tweak | tweak / reduce-overhead | builds (by backend) | "
+          "checks | rest (record, measure) | by depth first tuned | depth latencies | without a shared compile |",
+          "|---|---|---|---:|---:|---:|---|---:|---:|---|---|---:|"]
     for r in out["rows"]:
         t = r["tweak"]
         builds = ", ".join(f"{k} {v:.1f}" for k, v in sorted(t["build_s"].items(), key=lambda kv: -kv[1]))
         depths = ", ".join(f"d{k} {v:.1f}" for k, v in sorted(t["tune_by_depth_s"].items()))
         ns = r.get("tweak_no_share")
-        md.append(f"| {r['model']} | {r['dtype']} | {r['reduce_overhead_s']:.1f} | {t['total_s']:.1f} | "
+        kind = "shared, dynamic=None left to torch" if r.get("dynamic_auto") else "shared, static shapes"
+        md.append(f"| {r['model']} | {r['dtype']} | {kind} | {r['reduce_overhead_s']:.1f} | {t['total_s']:.1f} | "
                   f"{t['total_s'] / r['reduce_overhead_s']:.2f} | {builds} | {t['check_s']:.1f} | "
-                  f"{t['rest_s']:.1f} | {depths} | {'-' if ns is None else '%.1f' % ns['total_s']} |")
+                  f"{t['rest_s']:.1f} | {depths} | {depth_latencies(t.get('table', ''))} | "
+                  f"{'-' if ns is None else '%.1f (%s)' % (ns['total_s'], depth_latencies(ns.get('table', '')))} |")
     return "\n".join(md) + "\n"
 
 
@@ -168,7 +182,15 @@ def main() -> None:
                         help="shared compiles that leave dynamic=None to torch instead of static shapes")
     parser.add_argument("--json", default=os.path.join(HERE, "results", "tuning_time.json"))
     parser.add_argument("--md", default=os.path.join(HERE, "results", "tuning_time.md"))
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="write --md from run files")
     args = parser.parse_args()
+    if args.merge:
+        runs = [json.load(open(path)) for path in args.merge]
+        merged = {"environment": runs[0]["environment"], "rows": [r for run in runs for r in run["rows"]]}
+        with open(args.md, "w") as f:
+            f.write(markdown(merged, len(runs)))
+        print(f"written: {args.md}")
+        return
     if not torch.cuda.is_available():
         sys.exit("tuning_time needs a CUDA device")
     out = run(args)
