@@ -89,7 +89,8 @@ def test_tree_errors():
 def test_default_measure_config():
     cfg = _C.default_measure_config()
     assert cfg == {"warmup_min": 2, "warmup_max": 20, "warmup_patience": 2, "warmup_gain": 0.02,
-                   "rounds_min": 5, "rounds_max": 50, "rel_spread": 0.05, "time_cap": 5.0}
+                   "rounds_min": 5, "rounds_max": 50, "rel_spread": 0.05, "time_cap": 5.0,
+                   "stop_when_decided": True}
 
 
 def test_measure_on_a_fake_clock():
@@ -155,6 +156,8 @@ def test_measure_config_errors():
         _C.measure(run, -1, clock=clock)
     with pytest.raises(TypeError, match="config"):
         _C.measure(run, 1, clock=clock, config=[("rounds_min", 1)])
+    with pytest.raises(ValueError, match="stop_when_decided.*True or False"):
+        _C.measure(run, 1, clock=clock, config={"stop_when_decided": 1})
     with pytest.raises(TypeError, match="run"):
         _C.measure(None, 1)
     with pytest.raises(TypeError, match="clock"):
@@ -221,6 +224,23 @@ def test_compare_interleaves_and_reports_each():
         _C.compare([], 1, clock=clock)
     with pytest.raises(TypeError):
         _C.compare([clock.runner(1), 3], 1, clock=clock)
+
+
+def test_compare_stops_once_the_fastest_is_clear_unless_told_not_to():
+    clock = FakeClock()
+    count = {"n": 0}
+
+    def noisy(i):  # 3 us and 5 us rounds: its spread never settles
+        count["n"] += 1
+        return 3000 if count["n"] % 2 else 5000
+
+    cfg = {"warmup_min": 0, "warmup_max": 0, "rounds_min": 4, "rounds_max": 20}
+    fast, slow = _C.compare([clock.runner(1000), clock.runner(noisy)], 1, clock=clock, config=cfg)
+    assert fast["stopped_by"] == slow["stopped_by"] == "decided" and fast["rounds"] == 4
+    assert fast["median_ns"] == 1000.0 and slow["spread"] > 0.05
+    cfg["stop_when_decided"] = False
+    fast, slow = _C.compare([clock.runner(1000), clock.runner(noisy)], 1, clock=clock, config=cfg)
+    assert fast["stopped_by"] == "rounds" and fast["rounds"] == 20
 
 
 # ----------------------------------------------------------------------- choose

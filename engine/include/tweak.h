@@ -154,6 +154,9 @@ typedef struct tw_runner {
  * 2. Measurement: at least rounds_min rounds, then it stops as soon as the
  *    relative spread of the round values, (q75 - q25) / median, is at most
  *    rel_spread, or after rounds_max rounds.
+ *    With stop_when_decided (the default), a comparison of two or more
+ *    runners (tw_measure_compare) also stops, after rounds_min, as soon as one
+ *    runner is clearly the fastest: its q75 is below every other runner's q25.
  * 3. The statistic is the median of the measured rounds.
  * time_cap_ns bounds warm-up plus measurement (0: no cap); the cap is checked
  * between rounds, so at least one measured round is always taken.
@@ -168,17 +171,19 @@ typedef struct tw_measure_config {
     uint32_t rounds_max;
     double rel_spread;
     uint64_t time_cap_ns;
+    uint32_t stop_when_decided; /* 0: a comparison runs until the spread rule or the caps */
 } tw_measure_config;
 
 /* Fills *cfg with the documented defaults:
  * warmup 2..20 rounds, patience 2, gain 0.02; rounds 5..50, rel_spread 0.05,
- * time cap 5 s. */
+ * time cap 5 s, stop_when_decided 1. */
 void tw_measure_config_default(tw_measure_config *cfg);
 
 typedef enum tw_stop {
     TW_STOP_SPREAD = 0,    /* the spread fell below rel_spread */
     TW_STOP_ROUNDS = 1,    /* rounds_max was reached */
-    TW_STOP_TIME = 2       /* time_cap_ns was used up */
+    TW_STOP_TIME = 2,      /* time_cap_ns was used up */
+    TW_STOP_DECIDED = 3    /* a comparison's fastest runner was clear (stop_when_decided) */
 } tw_stop;
 
 typedef struct tw_stats {
@@ -201,7 +206,8 @@ tw_code tw_measure(const tw_host *host, const tw_runner *runner,
 /* Measures n runners side by side: each is warmed up on its own, then the
  * measured rounds are interleaved (A, B, C, A, B, C...) so clock drift falls
  * on all alike. It stops when every runner's spread is at most rel_spread
- * (after rounds_min) or after rounds_max; the time cap is n * time_cap_ns,
+ * (after rounds_min), when the fastest is clear (stop_when_decided, n >= 2)
+ * or after rounds_max; the time cap is n * time_cap_ns,
  * counted from the call's start, and each runner's warm-up alone is bounded
  * by time_cap_ns so that the first cannot use up the others' share.
  * out[0..n) receives each runner's statistics. n == 0 is TW_EINVAL. */

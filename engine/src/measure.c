@@ -22,6 +22,7 @@ void tw_measure_config_default(tw_measure_config *cfg)
     cfg->rounds_max = 50;
     cfg->rel_spread = 0.05;
     cfg->time_cap_ns = 5000000000ull;
+    cfg->stop_when_decided = 1;
 cleanup:
     return;
 }
@@ -256,6 +257,26 @@ static void tw_series_stats(tw_series *s, size_t i, size_t rounds, tw_stats *out
     tw_stats_fill(s->scratch, rounds, out);
 }
 
+/* 1 when one runner is clearly the fastest: the one with the lowest median
+ * has its q75 below every other runner's q25. */
+static int tw_decided(const tw_stats *stats, size_t n)
+{
+    size_t best = 0;
+    size_t i;
+
+    for (i = 1; i < n; i++) {
+        if (stats[i].median_ns < stats[best].median_ns) {
+            best = i;
+        }
+    }
+    for (i = 0; i < n; i++) {
+        if (i != best && !(stats[best].q75_ns < stats[i].q25_ns)) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
 static tw_code tw_check_runners(const tw_runner *runners, size_t n, size_t *failed,
                                 tw_error *err)
 {
@@ -326,12 +347,16 @@ tw_code tw_measure_runners(const tw_host *host, const tw_runner *runners, size_t
         rounds++;
         if (rounds >= cfg->rounds_min) {
             quiet = 1;
-            for (i = 0; i < n && quiet; i++) {
+            for (i = 0; i < n; i++) {
                 tw_series_stats(&series, i, rounds, &out[i]);
-                quiet = out[i].spread <= cfg->rel_spread;
+                quiet = quiet && out[i].spread <= cfg->rel_spread;
             }
             if (quiet) {
                 stop = TW_STOP_SPREAD;
+                break;
+            }
+            if (n >= 2 && cfg->stop_when_decided && tw_decided(out, n)) {
+                stop = TW_STOP_DECIDED;
                 break;
             }
         }

@@ -322,7 +322,8 @@ static void test_compare_interleaves(void)
     CHECK_INT(st[0].warmup_rounds, 2);
 }
 
-/* Comparison stops on spread only when every runner is quiet. */
+/* Comparison stops on spread only when every runner is quiet (the rule for
+ * a clear fastest is off here: it would stop this one early). */
 static void test_compare_waits_for_all(void)
 {
     static const uint64_t quiet[] = {100};
@@ -347,12 +348,64 @@ static void test_compare_waits_for_all(void)
     runners[1] = fake_runner_of(&fb);
     cfg.rounds_min = 3;
     cfg.rounds_max = 9;
+    cfg.stop_when_decided = 0;
     CHECK_INT(tw_measure_compare(&host, runners, 2, &cfg, st, NULL), TW_OK);
     CHECK_INT(st[0].rounds, 9);
     CHECK_INT(st[0].stopped_by, TW_STOP_ROUNDS);
     CHECK_INT(fa.calls, 9);
     CHECK_INT(fb.calls, 9);
     CHECK_INT(env.live, 0);
+}
+
+/* A comparison stops once the fastest is clear, though a slower runner is
+ * still noisy; with stop_when_decided off it runs to rounds_max. */
+static void test_compare_stops_when_decided(void)
+{
+    static const uint64_t quiet[] = {100};
+    uint64_t noisy[64];
+    tw_measure_config cfg = base_config();
+    fake_env env;
+    fake_runner fa;
+    fake_runner fb;
+    tw_runner runners[2];
+    tw_host host;
+    tw_stats st[2];
+    size_t i;
+    int off;
+
+    for (i = 0; i < 64; i++) {
+        noisy[i] = i % 2 ? 500 : 300;
+    }
+    for (off = 0; off < 2; off++) {
+        fake_env_init(&env);
+        host = fake_host(&env);
+        fake_runner_init(&fa, &env, 1, quiet, 1, 1);
+        fake_runner_init(&fb, &env, 2, noisy, 64, 1);
+        runners[0] = fake_runner_of(&fa);
+        runners[1] = fake_runner_of(&fb);
+        cfg.rounds_min = 4;
+        cfg.rounds_max = 9;
+        cfg.stop_when_decided = off ? 0 : 1;
+        CHECK_INT(tw_measure_compare(&host, runners, 2, &cfg, st, NULL), TW_OK);
+        CHECK(st[1].spread > cfg.rel_spread);
+        CHECK_INT(st[0].rounds, off ? 9 : 4);
+        CHECK_INT(st[0].stopped_by, off ? TW_STOP_ROUNDS : TW_STOP_DECIDED);
+        CHECK_INT(st[1].stopped_by, off ? TW_STOP_ROUNDS : TW_STOP_DECIDED);
+        CHECK_INT(fb.calls, off ? 9 : 4);
+        CHECK_NEAR(st[0].median_ns, 100, 1e-9);
+        CHECK_INT(env.live, 0);
+    }
+    /* the leader is the lowest median wherever it stands */
+    fake_env_init(&env);
+    host = fake_host(&env);
+    fake_runner_init(&fa, &env, 1, noisy, 64, 1);
+    fake_runner_init(&fb, &env, 2, quiet, 1, 1);
+    runners[0] = fake_runner_of(&fa);
+    runners[1] = fake_runner_of(&fb);
+    cfg.stop_when_decided = 1;
+    CHECK_INT(tw_measure_compare(&host, runners, 2, &cfg, st, NULL), TW_OK);
+    CHECK_INT(st[1].stopped_by, TW_STOP_DECIDED);
+    CHECK_INT(st[1].rounds, 4);
 }
 
 int main(void)
@@ -366,5 +419,6 @@ int main(void)
     test_callback_error();
     test_compare_interleaves();
     test_compare_waits_for_all();
+    test_compare_stops_when_decided();
     return CHECK_SUMMARY("test_measure");
 }

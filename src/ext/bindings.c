@@ -264,7 +264,7 @@ tt_call_check(TtCall *call, tw_code code, const tw_error *err)
 
 /* ================================================================ config */
 
-enum { TT_KEY_U32, TT_KEY_FRACTION, TT_KEY_SECONDS };
+enum { TT_KEY_U32, TT_KEY_FRACTION, TT_KEY_SECONDS, TT_KEY_BOOL };
 
 typedef struct TtConfigKey {
     const char *name;
@@ -281,6 +281,7 @@ static const TtConfigKey tt_config_keys[] = {
     {"rounds_max", TT_KEY_U32, offsetof(tw_measure_config, rounds_max)},
     {"rel_spread", TT_KEY_FRACTION, offsetof(tw_measure_config, rel_spread)},
     {"time_cap", TT_KEY_SECONDS, offsetof(tw_measure_config, time_cap_ns)},
+    {"stop_when_decided", TT_KEY_BOOL, offsetof(tw_measure_config, stop_when_decided)},
 };
 #define TT_CONFIG_KEYS (sizeof(tt_config_keys) / sizeof(tt_config_keys[0]))
 
@@ -355,6 +356,13 @@ tt_config_set(const TtConfigKey *key, PyObject *value, tw_measure_config *cfg)
             goto cleanup;
         *(double *)(void *)field = v;
         break;
+    case TT_KEY_BOOL:
+        if (!PyBool_Check(value)) {
+            PyErr_Format(PyExc_ValueError, "%s must be True or False, not %R", what, value);
+            goto cleanup;
+        }
+        *(uint32_t *)(void *)field = value == Py_True;
+        break;
     default: /* TT_KEY_SECONDS */
         if (tt_seconds_to_ns(value, what, (uint64_t *)(void *)field) < 0)
             goto cleanup;
@@ -397,7 +405,7 @@ tt_config_from_dict(PyObject *dict, tw_measure_config *cfg)
             PyErr_Format(PyExc_ValueError,
                          "unknown measure config key %R; the keys are warmup_min, warmup_max, "
                          "warmup_patience, warmup_gain, rounds_min, rounds_max, rel_spread, "
-                         "time_cap",
+                         "time_cap, stop_when_decided",
                          key);
             goto cleanup;
         }
@@ -432,6 +440,9 @@ tt_py_default_measure_config(PyObject *module, PyObject *unused)
         case TT_KEY_FRACTION:
             value = PyFloat_FromDouble(*(const double *)(const void *)field);
             break;
+        case TT_KEY_BOOL:
+            value = PyBool_FromLong(*(const uint32_t *)(const void *)field != 0);
+            break;
         default:
             value = PyFloat_FromDouble((double)*(const uint64_t *)(const void *)field / 1e9);
             break;
@@ -459,6 +470,8 @@ tt_stop_name(tw_stop stop)
         return "rounds";
     case TW_STOP_TIME:
         return "time";
+    case TW_STOP_DECIDED:
+        return "decided";
     }
     return "unknown";
 }

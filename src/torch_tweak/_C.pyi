@@ -9,7 +9,7 @@ engine cleans up, and that exception propagates unchanged.
 
 Statistics are dicts: {"median_ns", "q25_ns", "q75_ns", "min_ns", "spread",
 "warmup_rounds", "rounds", "stopped_by"} with stopped_by one of "spread",
-"rounds", "time".
+"rounds", "time", "decided" (a comparison whose fastest runner was clear).
 
 An engine error that does not come from a bad argument (ValueError) or memory
 (MemoryError) raises :class:`EngineError`, a RuntimeError; when a callback's
@@ -30,7 +30,9 @@ class EngineError(RuntimeError):
 
 def default_measure_config() -> dict[str, Any]:
     """{"warmup_min": 2, "warmup_max": 20, "warmup_patience": 2, "warmup_gain": 0.02,
-    "rounds_min": 5, "rounds_max": 50, "rel_spread": 0.05, "time_cap": 5.0 (seconds)}"""
+    "rounds_min": 5, "rounds_max": 50, "rel_spread": 0.05, "time_cap": 5.0 (seconds),
+    "stop_when_decided": True}: a comparison of two or more runners also stops, after
+    rounds_min, once the fastest one's q75 is below every other's q25."""
 
 class Tree:
     """The tree of called modules (engine tw_tree)."""
