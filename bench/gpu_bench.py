@@ -369,10 +369,24 @@ def bench_one(name: str, dtype_name: str, args: argparse.Namespace) -> dict:
     return row
 
 
+def source_commit() -> str:
+    """The commit of this checkout (with "+changes" when the tree differs from it), or "unknown"."""
+    import subprocess
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+changes" if dirty else "")
+
+
 def environment() -> dict:
     import torch_tweak
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "python": platform.python_version(), "torch_tweak": torch_tweak.__version__}
+            "python": platform.python_version(), "torch_tweak": torch_tweak.__version__,
+            "commit": source_commit()}
     for mod in ("transformers", "timm", "torchvision"):
         try:
             info[mod] = __import__(mod).__version__
@@ -440,7 +454,8 @@ def merge(paths: list[str], out_dir: str) -> None:
     md = ["# torch-tweak on the GPU", "",
           f"Produced by `python bench/gpu_bench.py` on one {env['gpu']} (torch {env['torch']}, CUDA {env['cuda']}, "
           f"Python {env['python']}, transformers {env['transformers']}, timm {env['timm']}, "
-          f"torchvision {env['torchvision']}), {len(paths)} run(s) merged with `--merge` (each run a machine of "
+          f"torchvision {env['torchvision']}; torch-tweak at commit {env.get('commit', 'unknown')}), "
+          f"{len(paths)} run(s) merged with `--merge` (each run a machine of "
           f"that kind, not necessarily the same one: compare columns within a row). Random weights, "
           f"{settings['samples']} random calls per model cycled; per column {settings['warmup']} warm-up calls, then "
           f"the median of {settings['rounds']} interleaved rounds of one synchronised call.", "",

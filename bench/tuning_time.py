@@ -148,7 +148,8 @@ def markdown(out: dict, runs: int = 1) -> str:
     env = out["environment"]
     md = ["# Where tweak's tuning time goes", "",
           f"Produced by `python bench/tuning_time.py` on one {env['gpu']} (torch {env['torch']}, CUDA "
-          f"{env['cuda']}), {runs} run(s) merged with --merge (each run a machine of that kind, not "
+          f"{env['cuda']}; torch-tweak at commit {env.get('commit', 'unknown')} for the first run), "
+          f"{runs} run(s) merged with --merge (each run a machine of that kind, not "
           "necessarily the same one: compare ratios, not seconds, across runs). Every compile starts cold (fresh Inductor and Triton cache folder, dynamo reset, "
           "tweak's tuning cache off), after one tiny compile that starts the compiler for the process. "
           "Seconds of wall time; latencies of each depth's whole model in ms (* selected).", "",
