@@ -280,6 +280,28 @@ static void test_callback_error(void)
     CHECK_INT(env.live, 0);
 }
 
+/* A fake runner per script (ids 1 and 2, one sample each) on a fresh env,
+ * compared with cfg; fa and fb keep each runner's calls for the checks. */
+typedef struct pair_script {
+    const uint64_t *script;
+    size_t len;
+} pair_script;
+
+static tw_code compare_pair(fake_env *env, fake_runner *fa, fake_runner *fb, pair_script a,
+                            pair_script b, const tw_measure_config *cfg, tw_stats st[2])
+{
+    tw_runner runners[2];
+    tw_host host;
+
+    fake_env_init(env);
+    host = fake_host(env);
+    fake_runner_init(fa, env, 1, a.script, a.len, 1);
+    fake_runner_init(fb, env, 2, b.script, b.len, 1);
+    runners[0] = fake_runner_of(fa);
+    runners[1] = fake_runner_of(fb);
+    return tw_measure_compare(&host, runners, 2, cfg, st, NULL);
+}
+
 /* Warm-up runs each runner alone; measured rounds alternate A, B, A, B. */
 static void test_compare_interleaves(void)
 {
@@ -288,24 +310,17 @@ static void test_compare_interleaves(void)
     fake_env env;
     fake_runner fa;
     fake_runner fb;
-    tw_runner runners[2];
     tw_measure_config cfg = base_config();
-    tw_host host;
     tw_stats st[2];
     size_t i;
     int alternates = 1;
 
-    fake_env_init(&env);
-    host = fake_host(&env);
-    fake_runner_init(&fa, &env, 1, fast, 1, 1);
-    fake_runner_init(&fb, &env, 2, slow, 1, 1);
-    runners[0] = fake_runner_of(&fa);
-    runners[1] = fake_runner_of(&fb);
     cfg.warmup_min = 2;
     cfg.warmup_max = 2;
     cfg.rounds_min = 6;
     cfg.rounds_max = 6;
-    CHECK_INT(tw_measure_compare(&host, runners, 2, &cfg, st, NULL), TW_OK);
+    CHECK_INT(compare_pair(&env, &fa, &fb, (pair_script){fast, 1}, (pair_script){slow, 1}, &cfg, st),
+              TW_OK);
     CHECK_INT(env.log_len, 4 + 12);
     CHECK_INT(env.log[0], 1);
     CHECK_INT(env.log[1], 1);
@@ -331,25 +346,18 @@ static void test_compare_waits_for_all(void)
     fake_env env;
     fake_runner fa;
     fake_runner fb;
-    tw_runner runners[2];
     tw_measure_config cfg = base_config();
-    tw_host host;
     tw_stats st[2];
     size_t i;
 
     for (i = 0; i < 64; i++) {
         noisy[i] = i % 2 ? 100 : 300;
     }
-    fake_env_init(&env);
-    host = fake_host(&env);
-    fake_runner_init(&fa, &env, 1, quiet, 1, 1);
-    fake_runner_init(&fb, &env, 2, noisy, 64, 1);
-    runners[0] = fake_runner_of(&fa);
-    runners[1] = fake_runner_of(&fb);
     cfg.rounds_min = 3;
     cfg.rounds_max = 9;
     cfg.stop_when_decided = 0;
-    CHECK_INT(tw_measure_compare(&host, runners, 2, &cfg, st, NULL), TW_OK);
+    CHECK_INT(compare_pair(&env, &fa, &fb, (pair_script){quiet, 1}, (pair_script){noisy, 64}, &cfg,
+                           st), TW_OK);
     CHECK_INT(st[0].rounds, 9);
     CHECK_INT(st[0].stopped_by, TW_STOP_ROUNDS);
     CHECK_INT(fa.calls, 9);
@@ -367,8 +375,6 @@ static void test_compare_stops_when_decided(void)
     fake_env env;
     fake_runner fa;
     fake_runner fb;
-    tw_runner runners[2];
-    tw_host host;
     tw_stats st[2];
     size_t i;
     int off;
@@ -376,17 +382,12 @@ static void test_compare_stops_when_decided(void)
     for (i = 0; i < 64; i++) {
         noisy[i] = i % 2 ? 500 : 300;
     }
+    cfg.rounds_min = 4;
+    cfg.rounds_max = 9;
     for (off = 0; off < 2; off++) {
-        fake_env_init(&env);
-        host = fake_host(&env);
-        fake_runner_init(&fa, &env, 1, quiet, 1, 1);
-        fake_runner_init(&fb, &env, 2, noisy, 64, 1);
-        runners[0] = fake_runner_of(&fa);
-        runners[1] = fake_runner_of(&fb);
-        cfg.rounds_min = 4;
-        cfg.rounds_max = 9;
         cfg.stop_when_decided = off ? 0 : 1;
-        CHECK_INT(tw_measure_compare(&host, runners, 2, &cfg, st, NULL), TW_OK);
+        CHECK_INT(compare_pair(&env, &fa, &fb, (pair_script){quiet, 1}, (pair_script){noisy, 64},
+                               &cfg, st), TW_OK);
         CHECK(st[1].spread > cfg.rel_spread);
         CHECK_INT(st[0].rounds, off ? 9 : 4);
         CHECK_INT(st[0].stopped_by, off ? TW_STOP_ROUNDS : TW_STOP_DECIDED);
@@ -396,14 +397,9 @@ static void test_compare_stops_when_decided(void)
         CHECK_INT(env.live, 0);
     }
     /* the leader is the lowest median wherever it stands */
-    fake_env_init(&env);
-    host = fake_host(&env);
-    fake_runner_init(&fa, &env, 1, noisy, 64, 1);
-    fake_runner_init(&fb, &env, 2, quiet, 1, 1);
-    runners[0] = fake_runner_of(&fa);
-    runners[1] = fake_runner_of(&fb);
     cfg.stop_when_decided = 1;
-    CHECK_INT(tw_measure_compare(&host, runners, 2, &cfg, st, NULL), TW_OK);
+    CHECK_INT(compare_pair(&env, &fa, &fb, (pair_script){noisy, 64}, (pair_script){quiet, 1}, &cfg,
+                           st), TW_OK);
     CHECK_INT(st[1].stopped_by, TW_STOP_DECIDED);
     CHECK_INT(st[1].rounds, 4);
 }
