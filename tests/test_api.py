@@ -165,6 +165,8 @@ def test_backend_options_are_checked():
         pytest.param(lambda m, d: tt.tweak(m, d, device="cuda", progress=False), "sees no cuda device",
                      marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
         (lambda m, d: tt.tweak(m, d, measure={"rounds": 3}, progress=False), "unknown measurement setting"),
+        (lambda m, d: tt.tweak(m, d, measure={"stop_when_decided": 1}, progress=False),
+         "stop_when_decided.*True or False"),
         (lambda m, d: tt.wrap(m, ["blocks.7"]), "not a module of this model"),
         (lambda m, d: tt.wrap(m, ["blocks.0", "blocks.0.1"]), "overlap"),
         (lambda m, d: tt.wrap(m, [nn.Linear(2, 2)]), "not a module of this model"),

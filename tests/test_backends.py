@@ -227,6 +227,7 @@ def test_torchao_compile_option_compiles_the_quantized_copy(monkeypatch):
     (lambda: TorchAOBackend(compile="yes"), ValueError, "compile must be a bool"),
     (lambda: TorchAOBackend(bits=8), TypeError, "TorchAOBackend has no option bits"),
     (lambda: TorchEagerBackend(autocast_dtype="bf16"), ValueError, "autocast_dtype must be a torch.dtype"),
+    (lambda: tt.backends.DeviceGraphBackend(lend_outputs=1), ValueError, "lend_outputs must be a bool"),
     (lambda: tt.HighestThroughputStrategy([]), ValueError, "needs at least one backend"),
 ])
 def test_bad_configs_name_what_is_wrong(make, error, match):

@@ -179,7 +179,7 @@ typedef struct TtGraphLeaf {
     PyObject *value;      /* a static output tensor, or a plain value returned as is */
     PyObject *storage;    /* lent: its storage object, held so the count below stays known */
     PyObject *cdata;      /* lent: the storage's address, for torch._C._storage_Use_Count */
-    Py_ssize_t uses;      /* lent: the storage's use count while no alias of it is out */
+    unsigned long long uses; /* lent: the storage's use count while no alias of it is out */
     int is_tensor;
     int dense;            /* contiguous: copied byte for byte */
     TtCuDevicePtr src;
@@ -192,7 +192,7 @@ typedef struct TtGraphRec {
     PyObject *replay;     /* callable mode: called to launch */
     PyObject *outputs;    /* as given: a tensor, a tuple, or a list */
     TtGraphLeaf *leaves;  /* nleaves of them */
-    int lends;            /* some leaf is lent (cdata set) */
+    int lends;            /* some leaf is lent (cdata set): the recording is in use */
 } TtGraphRec;
 
 enum { TT_REC_COPY = 0, TT_REC_LEND = 1, TT_RECS = 2 };
@@ -219,7 +219,6 @@ typedef struct {
     Py_ssize_t ninputs;
     TtGraphInput *inputs;
     Py_ssize_t nleaves;    /* per recording: the same call has the same outputs */
-    int nrecs;             /* 1, or 2 with a lending recording */
     TtGraphRec recs[TT_RECS];
     int out_kind;
     int driver;            /* launches through the CUDA driver */
@@ -245,22 +244,29 @@ tt_graph_call0(PyObject *obj, PyObject *method)
     return PyObject_VectorcallMethod(method, &self, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
 }
 
-/* obj.data_ptr() into *ptr. -1 on error. */
+/* The int `value` (a new reference, consumed; NULL: the call that made it
+ * failed) into *out. -1 on error. */
 static int
-tt_graph_data_ptr(TtGraphReplay *self, PyObject *tensor, TtCuDevicePtr *ptr)
+tt_graph_take_u64(PyObject *value, unsigned long long *out)
 {
-    PyObject *value = tt_graph_call0(tensor, self->str_data_ptr); /* new reference */
     int rc = -1;
 
     if (value == NULL)
         goto cleanup;
-    *ptr = (TtCuDevicePtr)PyLong_AsUnsignedLongLong(value);
-    if (*ptr == (TtCuDevicePtr)-1 && PyErr_Occurred())
+    *out = PyLong_AsUnsignedLongLong(value);
+    if (*out == (unsigned long long)-1 && PyErr_Occurred())
         goto cleanup;
     rc = 0;
 cleanup:
     Py_XDECREF(value);
     return rc;
+}
+
+/* obj.data_ptr() into *ptr. -1 on error. */
+static int
+tt_graph_data_ptr(TtGraphReplay *self, PyObject *tensor, TtCuDevicePtr *ptr)
+{
+    return tt_graph_take_u64(tt_graph_call0(tensor, self->str_data_ptr), ptr);
 }
 
 /* 1 when tensor.is_contiguous(), 0 when not, -1 on error. */
@@ -278,22 +284,16 @@ cleanup:
     return rc;
 }
 
-/* tensor.nbytes as a size_t. -1 on error. */
+/* tensor.nbytes into *nbytes. -1 on error. */
 static int
 tt_graph_nbytes(PyObject *tensor, size_t *nbytes)
 {
-    PyObject *value = PyObject_GetAttrString(tensor, "nbytes"); /* new reference */
-    int rc = -1;
+    unsigned long long n;
 
-    if (value == NULL)
-        goto cleanup;
-    *nbytes = PyLong_AsSize_t(value);
-    if (*nbytes == (size_t)-1 && PyErr_Occurred())
-        goto cleanup;
-    rc = 0;
-cleanup:
-    Py_XDECREF(value);
-    return rc;
+    if (tt_graph_take_u64(PyObject_GetAttrString(tensor, "nbytes"), &n) < 0)
+        return -1;
+    *nbytes = (size_t)n;
+    return 0;
 }
 
 /* The argument an input slot reads from the call: borrowed, or NULL without
@@ -414,15 +414,9 @@ tt_graph_pack(TtGraphReplay *self, PyObject *copies)
 
 /* The use count of a lent leaf's storage, into *uses. -1 on error. */
 static int
-tt_graph_uses(TtGraphReplay *self, const TtGraphLeaf *leaf, Py_ssize_t *uses)
+tt_graph_uses(TtGraphReplay *self, const TtGraphLeaf *leaf, unsigned long long *uses)
 {
-    PyObject *value = PyObject_CallOneArg(self->use_count, leaf->cdata); /* new reference */
-
-    if (value == NULL)
-        return -1;
-    *uses = PyLong_AsSsize_t(value);
-    Py_DECREF(value);
-    return *uses == -1 && PyErr_Occurred() ? -1 : 0;
+    return tt_graph_take_u64(PyObject_CallOneArg(self->use_count, leaf->cdata), uses);
 }
 
 /* 1 when nothing the last lending call returned from `rec` is alive (every
@@ -431,7 +425,8 @@ tt_graph_uses(TtGraphReplay *self, const TtGraphLeaf *leaf, Py_ssize_t *uses)
 static int
 tt_graph_rec_free(TtGraphReplay *self, const TtGraphRec *rec)
 {
-    Py_ssize_t i, uses;
+    unsigned long long uses;
+    Py_ssize_t i;
 
     for (i = 0; i < self->nleaves; i++) {
         const TtGraphLeaf *leaf = &rec->leaves[i];
@@ -446,8 +441,7 @@ tt_graph_rec_free(TtGraphReplay *self, const TtGraphRec *rec)
     return 1;
 }
 
-/* What a call returns from `rec`, leaf by leaf, made before the launch: plain
- * values as they are, aliases of lent outputs, and for copied outputs either
+/* What a call returns from `rec`, leaf by leaf: plain values as they are, aliases of lent outputs, and for copied outputs either
  * a fresh tensor whose address goes in dst[i] (driver mode, contiguous) or
  * the static output as a placeholder that tt_graph_clone_rest replaces.
  * New reference, or NULL. */
@@ -697,7 +691,7 @@ tt_graph_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
     self->busy = 1;
     /* a reference held across the call: a callback may clear this object */
     Py_INCREF(self);
-    if (self->nrecs > TT_REC_LEND && self->recs[TT_REC_LEND].lends)
+    if (self->recs[TT_REC_LEND].lends)
         lend = tt_graph_rec_free(self, &self->recs[TT_REC_LEND]);
     if (lend >= 0) {
         rec = &self->recs[lend ? TT_REC_LEND : TT_REC_COPY];
@@ -891,7 +885,7 @@ tt_graph_set_lend(TtGraphReplay *self, TtGraphRec *rec, PyObject *lend)
     for (i = 0; i < self->nleaves; i++) {
         PyObject *spec = PySequence_Fast_GET_ITEM(seq, i); /* borrowed */
         TtGraphLeaf *leaf = &rec->leaves[i];
-        Py_ssize_t uses;
+        unsigned long long uses, now;
 
         if (spec == Py_None)
             continue;
@@ -900,27 +894,19 @@ tt_graph_set_lend(TtGraphReplay *self, TtGraphRec *rec, PyObject *lend)
                          "tensor output, a (storage, address, use count) tuple", i);
             goto cleanup;
         }
-        uses = PyLong_AsSsize_t(PyTuple_GET_ITEM(spec, 2));
-        if (uses == -1 && PyErr_Occurred())
+        uses = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(spec, 2));
+        if (uses == (unsigned long long)-1 && PyErr_Occurred())
             goto cleanup;
-        leaf->storage = Py_NewRef(PyTuple_GET_ITEM(spec, 0));
         leaf->cdata = Py_NewRef(PyTuple_GET_ITEM(spec, 1));
-        leaf->uses = uses;
-    }
-    /* the counts must hold now, with nothing lent yet; a leaf off its count is copied */
-    for (i = 0; i < self->nleaves; i++) {
-        TtGraphLeaf *leaf = &rec->leaves[i];
-        Py_ssize_t now;
-
-        if (leaf->cdata == NULL)
-            continue;
+        /* the count must hold now, with nothing lent yet; a leaf off it is copied */
         if (tt_graph_uses(self, leaf, &now) < 0)
             goto cleanup;
-        if (now != leaf->uses) {
-            Py_CLEAR(leaf->storage);
+        if (now != uses) {
             Py_CLEAR(leaf->cdata);
             continue;
         }
+        leaf->storage = Py_NewRef(PyTuple_GET_ITEM(spec, 0));
+        leaf->uses = uses;
         rec->lends = 1;
     }
     rc = 0;
@@ -1014,7 +1000,6 @@ tt_graph_set_lent(TtGraphReplay *self, PyObject *lent)
         goto cleanup;
     rec->exec = (TtCuGraphExec)(uintptr_t)exec;
     rec->replay = replay != Py_None ? Py_NewRef(replay) : NULL;
-    self->nrecs = TT_REC_LEND + 1;
     if (tt_graph_set_outputs(self, rec, PyTuple_GET_ITEM(lent, 2), self->rebuild) < 0 ||
         tt_graph_set_lend(self, rec, PyTuple_GET_ITEM(lent, 3)) < 0)
         goto cleanup;
@@ -1072,7 +1057,6 @@ tt_graph_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     self->vectorcall = tt_graph_vectorcall;
     self->state = st;
     self->driver = exec != 0;
-    self->nrecs = 1;
     if ((self->str_data_ptr = PyUnicode_InternFromString("data_ptr")) == NULL ||
         (self->str_is_contiguous = PyUnicode_InternFromString("is_contiguous")) == NULL ||
         (self->str_copy_ = PyUnicode_InternFromString("copy_")) == NULL ||
@@ -1162,7 +1146,6 @@ tt_graph_clear(TtGraphReplay *self)
     /* detach everything first: a decref below may run code that calls us */
     memcpy(recs, self->recs, sizeof(recs));
     memset(self->recs, 0, sizeof(self->recs));
-    self->nrecs = 0;
     self->inputs = NULL;
     self->ninputs = 0;
     self->nleaves = 0;
