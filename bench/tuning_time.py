@@ -40,7 +40,21 @@ sys.path.insert(0, HERE)
 from gpu_bench import DTYPES, build, cold_compiler, compiled, environment  # noqa: E402
 
 
-def profiled_tweak(model: torch.nn.Module, data: list, share: bool, static: bool = True) -> dict[str, Any]:
+def compile_metrics() -> dict[str, list[float]]:
+    """Dynamo's and Inductor's timed phases so far: {phase: [count, seconds]}."""
+    from torch._dynamo.utils import compilation_time_metrics
+    return {k: [len(v), float(sum(v))] for k, v in compilation_time_metrics.items()}
+
+
+def compile_counters() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+    keep = {"stats": ("unique_graphs",), "frames": ("total", "ok"),
+            "inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss")}
+    return {f"{group}.{name}": int(counters[group][name]) for group, names in keep.items() for name in names}
+
+
+def profiled_tweak(model: torch.nn.Module, data: list, share: bool, static: bool = True,
+                   **tweak_args: Any) -> dict[str, Any]:
     """tt.tweak on a copy of `model`, cold, with its wall time split (see the module docstring)."""
     import torch_tweak as tt
     from torch_tweak import tuning
@@ -49,8 +63,11 @@ def profiled_tweak(model: torch.nn.Module, data: list, share: bool, static: bool
 
     builds: dict[str, float] = defaultdict(float)
     per_module: dict[str, float] = {}
-    check_s = [0.0]
+    detail: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))  # module -> part -> s
+    current = [""]
+    check_s, record_s = [0.0], [0.0]
     real_prepare, real_check, real_tune = Backend.prepare, tuning.check, tweak_module.tune_wrapper
+    real_enter = tweak_module._Session.enter
     real_scope = tuning.shared_compiles
 
     def prepare(self: Backend, *args: Any, **kwargs: Any) -> Any:
@@ -59,6 +76,7 @@ def profiled_tweak(model: torch.nn.Module, data: list, share: bool, static: bool
             return real_prepare(self, *args, **kwargs)
         finally:
             builds[self.name] += time.perf_counter() - t0
+            detail[current[0]][self.name] += time.perf_counter() - t0
 
     def check(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
@@ -66,17 +84,29 @@ def profiled_tweak(model: torch.nn.Module, data: list, share: bool, static: bool
             return real_check(*args, **kwargs)
         finally:
             check_s[0] += time.perf_counter() - t0
+            detail[current[0]]["check"] += time.perf_counter() - t0
 
     def tune_wrapper(wrapper: Any, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
+        current[0] = wrapper.tt_name
         try:
             return real_tune(wrapper, *args, **kwargs)
         finally:
             per_module[wrapper.tt_name] = per_module.get(wrapper.tt_name, 0.0) + time.perf_counter() - t0
+            detail[wrapper.tt_name]["total"] += time.perf_counter() - t0
+
+    def enter(self: Any, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return real_enter(self, *args, **kwargs)
+        finally:
+            record_s[0] += time.perf_counter() - t0
 
     mine = copy.deepcopy(model)
     cold_compiler("tweak")
+    metrics0, counters0 = compile_metrics(), compile_counters()
     Backend.prepare, tuning.check, tweak_module.tune_wrapper = prepare, check, tune_wrapper  # type: ignore
+    tweak_module._Session.enter = enter  # type: ignore[method-assign]
     if not share:
         tuning.shared_compiles = lambda static: contextlib.nullcontext()  # type: ignore[assignment]
     elif not static:  # shared, but dynamic=None left to torch (automatic dynamic shapes)
@@ -84,12 +114,16 @@ def profiled_tweak(model: torch.nn.Module, data: list, share: bool, static: bool
     try:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        result = tt.tweak(mine, data, progress=False, cache=False)
+        result = tt.tweak(mine, data, progress=False, cache=False, **tweak_args)
         torch.cuda.synchronize()
         total = time.perf_counter() - t0
     finally:
         Backend.prepare, tuning.check, tweak_module.tune_wrapper = real_prepare, real_check, real_tune  # type: ignore
+        tweak_module._Session.enter = real_enter  # type: ignore[method-assign]
         tuning.shared_compiles = real_scope  # type: ignore[assignment]
+    metrics1, counters1 = compile_metrics(), compile_counters()
+    phases = {k: [v[0] - metrics0.get(k, [0, 0.0])[0], round(v[1] - metrics0.get(k, [0, 0.0])[1], 3)]
+              for k, v in metrics1.items()}
     depth_of: dict[str, int] = {}
     for depth in range(result.tree.max_depth + 1):
         for path in result.tree.cut(depth):
@@ -101,6 +135,11 @@ def profiled_tweak(model: torch.nn.Module, data: list, share: bool, static: bool
     return {"total_s": total, "build_s": dict(builds), "check_s": check_s[0],
             "rest_s": total - build_total - check_s[0], "tune_by_depth_s": dict(by_depth),
             "modules_tuned": len(per_module), "selected_depth": result.selected_depth,
+            "record_s": record_s[0], "tweak_args": {k: v for k, v in tweak_args.items()},
+            "per_module": {path: {k: round(v, 3) for k, v in parts.items()} for path, parts in detail.items()},
+            "compile_phases": {k: v for k, v in sorted(phases.items(), key=lambda kv: -kv[1][1]) if v[0]},
+            "counters": {k: v - counters0.get(k, 0) for k, v in counters1.items()},
+            "chosen": {path: m.backend for path, m in result.modules.items()},
             "table": str(result)}
 
 
@@ -124,8 +163,11 @@ def run(args: argparse.Namespace) -> dict:
                 _, row["reduce_overhead_s"] = compiled(model, data, "reduce-overhead")
             if args.no_share:  # first: a later tweak in the same process can only gain from warm state
                 row["tweak_no_share"] = profiled_tweak(model, data, share=False)
-            row["tweak"] = profiled_tweak(model, data, share=True, static=not args.dynamic_auto)
+            row["tweak"] = profiled_tweak(model, data, share=True, static=not args.dynamic_auto,
+                                          **json.loads(args.tweak_args))
             row["dynamic_auto"] = args.dynamic_auto
+            row["extra"] = [profiled_tweak(model, data, share=True, static=not args.dynamic_auto, **json.loads(extra))
+                            for extra in args.extra or []]
             out["rows"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "tweak"}, default=str)[:2000], flush=True)
             print(json.dumps({k: v for k, v in row["tweak"].items() if k != "table"}), flush=True)
@@ -181,6 +223,10 @@ def main() -> None:
     parser.add_argument("--no-share", action="store_true", help="also tweak without shared compiles")
     parser.add_argument("--dynamic-auto", action="store_true",
                         help="shared compiles that leave dynamic=None to torch instead of static shapes")
+    parser.add_argument("--tweak-args", default="{}", metavar="JSON",
+                        help='keyword arguments of tt.tweak, e.g. \'{"max_depth": 1}\'')
+    parser.add_argument("--extra", action="append", metavar="JSON",
+                        help="another tweak of each row after the first, with these tt.tweak arguments")
     parser.add_argument("--json", default=os.path.join(HERE, "results", "tuning_time.json"))
     parser.add_argument("--md", default=os.path.join(HERE, "results", "tuning_time.md"))
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="write --md from run files")

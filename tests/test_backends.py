@@ -207,6 +207,52 @@ def test_tuning_compiles_a_module_once_for_two_inductor_candidates(mlp, mlp_data
     assert [kw["mode"] for kw in seen] == [None, "max-autotune"]
 
 
+def test_sibling_modules_past_the_recompile_limit_are_each_compiled(monkeypatch):
+    """Dynamo's limit of compiles per forward (8) would hand the 9th sibling its eager code
+    under Inductor's name; compile_module lifts it for its own compiles only."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch_tweak.backends.inductor import _limit_names, compile_module, shared_compiles
+
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda module, **kw: real(module, backend="eager", dynamic=False))
+
+    class Block(nn.Module):  # one forward, many sizes: one code object in dynamo's cache
+        def __init__(self, width):
+            super().__init__()
+            self.linear = nn.Linear(width, width)
+
+        def forward(self, x):
+            return torch.relu(self.linear(x)) + x
+
+    def graphs_compiled(compile_one):
+        torch._dynamo.reset()
+        before = counters["stats"]["unique_graphs"]
+        for width in range(4, 16):  # 12 siblings, past the limit of 8
+            block = Block(width)
+            compile_one(block, [((torch.randn(2, width),), {})])
+        return counters["stats"]["unique_graphs"] - before
+
+    import torch._dynamo.config as dynamo_config
+    limits = {name: getattr(dynamo_config, name) for name in _limit_names()}
+    assert limits and limits[_limit_names()[0]] < 12
+
+    def plain(block, samples):
+        fn = real(block, backend="eager", dynamic=False)
+        for args, kwargs in samples:
+            fn(*args, **kwargs)
+
+    assert graphs_compiled(plain) < 12  # what torch.compile alone does: the limit bites
+
+    def shared(block, samples):
+        with shared_compiles(static=True):
+            compile_module(block, samples)
+
+    assert graphs_compiled(shared) == 12
+    assert {name: getattr(dynamo_config, name) for name in limits} == limits  # the limit is back
+    torch._dynamo.reset()
+
+
 def test_torchao_compile_option_compiles_the_quantized_copy(monkeypatch):
     pytest.importorskip("torchao", reason="torchao not installed: pip install torch-tweak[torchao]")
     compiled = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import sys
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -73,6 +74,29 @@ def _settings_key(module: torch.nn.Module, mode: str | None, options: dict | Non
     return (id(module), mode, repr(sorted(effective.items())), dynamic, bool(fullgraph))
 
 
+def _limit_names() -> list[str]:
+    """Dynamo's per-code-object and accumulated recompile limits, by this torch's names."""
+    import torch._dynamo.config as dynamo_config
+    pairs = (("recompile_limit", "cache_size_limit"), ("accumulated_recompile_limit", "accumulated_cache_size_limit"))
+    return [next(n for n in pair if hasattr(dynamo_config, n)) for pair in pairs
+            if any(hasattr(dynamo_config, n) for n in pair)]
+
+
+@contextlib.contextmanager
+def _own_compile() -> Iterator[None]:
+    """No recompile limit while tweak compiles one module for its recorded calls.
+
+    Dynamo counts every compile of one forward (one module class) in the process against
+    its limit (8); past it, it silently runs the eager code. Tweak compiles sibling modules
+    of one class on their own (a ResNet's blocks of different sizes, a second tweak in the
+    same process), so the limit would hand a module its eager code under the name Inductor.
+    The compiles here are bounded (one per recorded call), and the limit is back as it was
+    afterwards: a later call that misses every compiled entry still meets it."""
+    import torch._dynamo.config as dynamo_config
+    with dynamo_config.patch({name: sys.maxsize for name in _limit_names()}):
+        yield
+
+
 def compile_module(module: torch.nn.Module, samples: Sequence[Call], *, mode: str | None = None,
                    options: dict | None = None, dynamic: bool | None = None,
                    fullgraph: bool = False) -> Callable[..., Any]:
@@ -94,8 +118,9 @@ def compile_module(module: torch.nn.Module, samples: Sequence[Call], *, mode: st
     compiled = torch.compile(module, backend="inductor", mode=mode, options=options, dynamic=dynamic,
                              fullgraph=fullgraph)
     try:
-        for args, kwargs in samples:
-            compiled(*args, **kwargs)
+        with _own_compile():
+            for args, kwargs in samples:
+                compiled(*args, **kwargs)
     except Exception as exc:
         if key is not None:
             scope.compiled[key] = exc
