@@ -102,16 +102,11 @@ def profiled_tweak(model: torch.nn.Module, data: list, share: bool, static: bool
         finally:
             record_s[0] += time.perf_counter() - t0
 
-    from torch_tweak.backends import inductor
-    real_names = inductor.SHARED_KERNEL_NAMES
-    unique_names = tweak_args.pop("unique_kernel_names", False)  # what this release's shared names save
     mine = copy.deepcopy(model)
     cold_compiler("tweak")
     metrics0, counters0 = compile_metrics(), compile_counters()
     Backend.prepare, tuning.check, tweak_module.tune_wrapper = prepare, check, tune_wrapper  # type: ignore
     tweak_module._Session.enter = enter  # type: ignore[method-assign]
-    if unique_names:
-        inductor.SHARED_KERNEL_NAMES = {}
     if not share:
         tuning.shared_compiles = lambda static: contextlib.nullcontext()  # type: ignore[assignment]
     elif not static:  # shared, but dynamic=None left to torch (automatic dynamic shapes)
@@ -125,7 +120,6 @@ def profiled_tweak(model: torch.nn.Module, data: list, share: bool, static: bool
     finally:
         Backend.prepare, tuning.check, tweak_module.tune_wrapper = real_prepare, real_check, real_tune  # type: ignore
         tweak_module._Session.enter = real_enter  # type: ignore[method-assign]
-        inductor.SHARED_KERNEL_NAMES = real_names
         tuning.shared_compiles = real_scope  # type: ignore[assignment]
     metrics1, counters1 = compile_metrics(), compile_counters()
     phases = {k: [v[0] - metrics0.get(k, [0, 0.0])[0], round(v[1] - metrics0.get(k, [0, 0.0])[1], 3)]
@@ -141,7 +135,7 @@ def profiled_tweak(model: torch.nn.Module, data: list, share: bool, static: bool
     return {"total_s": total, "build_s": dict(builds), "check_s": check_s[0],
             "rest_s": total - build_total - check_s[0], "tune_by_depth_s": dict(by_depth),
             "modules_tuned": len(per_module), "selected_depth": result.selected_depth,
-            "record_s": record_s[0], "tweak_args": dict(tweak_args), "unique_kernel_names": unique_names,
+            "record_s": record_s[0], "tweak_args": {k: v for k, v in tweak_args.items()},
             "per_module": {path: {k: round(v, 3) for k, v in parts.items()} for path, parts in detail.items()},
             "compile_phases": {k: v for k, v in sorted(phases.items(), key=lambda kv: -kv[1][1]) if v[0]},
             "counters": {k: v - counters0.get(k, 0) for k, v in counters1.items()},
@@ -232,8 +226,7 @@ def main() -> None:
     parser.add_argument("--tweak-args", default="{}", metavar="JSON",
                         help='keyword arguments of tt.tweak, e.g. \'{"max_depth": 1}\'')
     parser.add_argument("--extra", action="append", metavar="JSON",
-                        help="another tweak of each row after the first, with these tt.tweak arguments "
-                             '(and "unique_kernel_names": true for Inductor\'s own kernel names)')
+                        help="another tweak of each row after the first, with these tt.tweak arguments")
     parser.add_argument("--json", default=os.path.join(HERE, "results", "tuning_time.json"))
     parser.add_argument("--md", default=os.path.join(HERE, "results", "tuning_time.md"))
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="write --md from run files")

@@ -82,30 +82,18 @@ def _limit_names() -> list[str]:
             if any(hasattr(dynamo_config, n) for n in pair)]
 
 
-SHARED_KERNEL_NAMES = {"triton.unique_kernel_names": False}
-"""Inductor settings of every compile tweak makes (a config's own options still win).
-
-Every generated Triton kernel is named ``triton_``, so one kernel generated again for
-another module (a block at depth 2 is the same code it was inside its layer at depth 1)
-finds Triton's compiled binary instead of compiling it again. Only the kernel's name in a
-profile changes."""
-
-
 @contextlib.contextmanager
 def _own_compile() -> Iterator[None]:
-    """How tweak compiles one module for its recorded calls.
+    """No recompile limit while tweak compiles one module for its recorded calls.
 
-    No recompile limit: dynamo counts every compile of one forward (one module class) in
-    the process against its limit (8), and past it silently runs the eager code. Tweak
-    compiles sibling modules of one class on their own (a ResNet's blocks of different
-    sizes, a second tweak in the same process), so the limit would hand a module its eager
-    code under the name Inductor. The compiles here are bounded (one per recorded call),
-    and the limit is back as it was afterwards: a later call that misses every compiled
-    entry still meets it. And SHARED_KERNEL_NAMES."""
+    Dynamo counts every compile of one forward (one module class) in the process against
+    its limit (8); past it, it silently runs the eager code. Tweak compiles sibling modules
+    of one class on their own (a ResNet's blocks of different sizes, a second tweak in the
+    same process), so the limit would hand a module its eager code under the name Inductor.
+    The compiles here are bounded (one per recorded call), and the limit is back as it was
+    afterwards: a later call that misses every compiled entry still meets it."""
     import torch._dynamo.config as dynamo_config
-    import torch._inductor.config as inductor_config
-    with dynamo_config.patch({name: sys.maxsize for name in _limit_names()}), \
-            inductor_config.patch(dict(SHARED_KERNEL_NAMES)):
+    with dynamo_config.patch({name: sys.maxsize for name in _limit_names()}):
         yield
 
 
