@@ -186,33 +186,43 @@ def depth_latencies(table: str) -> str:
     return ", ".join(cells)
 
 
+def tweak_runs(row: dict) -> list[tuple[str, dict]]:
+    """(what differs, profile) for every tweak of a row, in the order they ran."""
+    runs = []
+    if row.get("tweak_no_share"):
+        runs.append(("no shared compile", row["tweak_no_share"]))
+    main_kind = "dynamic=None left to torch" if row.get("dynamic_auto") else ""
+    for t in [row["tweak"]] + row.get("extra", []):
+        args = ", ".join(f"{k}={v}" for k, v in t.get("tweak_args", {}).items())
+        runs.append(("; ".join(x for x in (main_kind, args) if x) or "defaults", t))
+    return runs
+
+
 def markdown(out: dict, runs: int = 1) -> str:
     env = out["environment"]
     md = ["# Where tweak's tuning time goes", "",
           f"Produced by `python bench/tuning_time.py` on one {env['gpu']} (torch {env['torch']}, CUDA "
-          f"{env['cuda']}; torch-tweak at commit {env.get('commit', 'unknown')} for the first run), "
-          f"{runs} run(s) merged with --merge (each run a machine of that kind, not "
-          "necessarily the same one: compare ratios, not seconds, across runs). Every compile starts cold (fresh Inductor and Triton cache folder, dynamo reset, "
-          "tweak's tuning cache off), after one tiny compile that starts the compiler for the process. "
-          "Seconds of wall time; latencies of each depth's whole model in ms (* selected).", "",
-          "*Without a shared compile*: the same tweak, run before the other in the process, with each "
-          "Inductor candidate compiling on its own and `dynamic=None` passed as given. Dynamo's recompile "
-          "limit (8 per code object) counts every compile of one module class in the process, so the two "
-          "runs can differ in how many modules are compiled for real (past the limit dynamo runs a module's "
-          "eager code), not only in how many compiles each module costs.", "",
-          "| model | dtype | compiles | reduce-overhead compile | tweak | tweak / reduce-overhead | builds (by backend) | "
-          "checks | rest (record, measure) | by depth first tuned | depth latencies | without a shared compile |",
-          "|---|---|---|---:|---:|---:|---|---:|---:|---|---|---:|"]
+          f"{env['cuda']}), {runs} run(s) merged with --merge (each run a machine of that kind, not "
+          "necessarily the same one: compare ratios within a run, not seconds across runs). Every compile "
+          "starts cold (fresh Inductor and Triton cache folder, dynamo reset, tweak's tuning cache off), after "
+          "one tiny compile that starts the compiler for the process. Seconds of wall time; latencies of each "
+          "depth's whole model in ms (* selected). Rows of one model and dtype in one run ran in the order "
+          "shown, in one process.", "",
+          "*settings*: what differs from tt.tweak's defaults of that commit. *no shared compile*: each "
+          "Inductor candidate compiles on its own, with `dynamic=None` passed as given. *dynamic=None left to "
+          "torch*: shared compiles, but automatic dynamic shapes instead of static ones for static signatures.",
+          "",
+          "| commit | model | dtype | settings | reduce-overhead compile | tweak | tweak / reduce-overhead | "
+          "builds (by backend) | checks | rest (record, measure) | by depth first tuned | depth latencies |",
+          "|---|---|---|---|---:|---:|---:|---|---:|---:|---|---|"]
     for r in out["rows"]:
-        t = r["tweak"]
-        builds = ", ".join(f"{k} {v:.1f}" for k, v in sorted(t["build_s"].items(), key=lambda kv: -kv[1]))
-        depths = ", ".join(f"d{k} {v:.1f}" for k, v in sorted(t["tune_by_depth_s"].items()))
-        ns = r.get("tweak_no_share")
-        kind = "shared, dynamic=None left to torch" if r.get("dynamic_auto") else "shared, static shapes"
-        md.append(f"| {r['model']} | {r['dtype']} | {kind} | {r['reduce_overhead_s']:.1f} | {t['total_s']:.1f} | "
-                  f"{t['total_s'] / r['reduce_overhead_s']:.2f} | {builds} | {t['check_s']:.1f} | "
-                  f"{t['rest_s']:.1f} | {depths} | {depth_latencies(t.get('table', ''))} | "
-                  f"{'-' if ns is None else '%.1f (%s)' % (ns['total_s'], depth_latencies(ns.get('table', '')))} |")
+        for settings, t in tweak_runs(r):
+            builds = ", ".join(f"{k} {v:.1f}" for k, v in sorted(t["build_s"].items(), key=lambda kv: -kv[1]))
+            depths = ", ".join(f"d{k} {v:.1f}" for k, v in sorted(t["tune_by_depth_s"].items()))
+            md.append(f"| {r.get('commit', env.get('commit', '?'))} | {r['model']} | {r['dtype']} | {settings} | "
+                      f"{r['reduce_overhead_s']:.1f} | {t['total_s']:.1f} | {t['total_s'] / r['reduce_overhead_s']:.2f} | "
+                      f"{builds} | {t['check_s']:.1f} | {t['rest_s']:.1f} | {depths} | "
+                      f"{depth_latencies(t.get('table', ''))} |")
     return "\n".join(md) + "\n"
 
 
@@ -233,7 +243,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.merge:
         runs = [json.load(open(path)) for path in args.merge]
-        merged = {"environment": runs[0]["environment"], "rows": [r for run in runs for r in run["rows"]]}
+        merged = {"environment": runs[0]["environment"],
+                  "rows": [dict(r, commit=run["environment"].get("commit", "?")) for run in runs for r in run["rows"]]}
         with open(args.md, "w") as f:
             f.write(markdown(merged, len(runs)))
         print(f"written: {args.md}")

@@ -47,7 +47,8 @@ def mlp_data() -> list[torch.Tensor]:
 
 @pytest.fixture(scope="session")
 def encoder_tweak():
-    """One tweak of examples/Tweak's encoder with the default CPU backends (Inductor, OpenVINO, Eager)."""
+    """One tweak of examples/Tweak's encoder with the default CPU backends (Inductor, OpenVINO, Eager)
+    and the default depths (0 and 1)."""
     model = encoder.build()
     data = encoder.samples(count=2)
     with torch.no_grad():

@@ -60,7 +60,7 @@ def test_help_for_each_command():
 def test_tweak_from_a_factory_saves_shows_and_plots(tmp_path):
     pytest.importorskip("matplotlib")
     chart, saved = tmp_path / "chart.png", tmp_path / "tiny.tt"
-    done = run_cli("tweak", f"{FACTORY}:tiny", "--input", "4x8", "--samples", "2", "--max-depth", "1",
+    done = run_cli("tweak", f"{FACTORY}:tiny", "--input", "4x8", "--samples", "2",
                    "--quiet", "--plot", str(chart), "--out", str(saved))
     assert done.returncode == 0, done.stderr
     assert "untuned" in done.stdout and "depth" in done.stdout

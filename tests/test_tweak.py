@@ -14,7 +14,9 @@ def test_dry_run_counts_modules_and_builds_nothing(mlp, mlp_data):
     before = snapshot(mlp)
     CountingBackend.builds = 0
     result = tt.tweak(mlp, mlp_data, dry_run=True, strategy=tt.OneBackendStrategy(CountingBackend()), progress=False)
-    assert [(r.depth, r.modules) for r in result.rows] == [(0, 1), (1, 3), (2, 7)]
+    assert [(r.depth, r.modules) for r in result.rows] == [(0, 1), (1, 3)]  # max_depth's default is 1
+    every = tt.tweak(mlp, mlp_data, max_depth=None, dry_run=True, progress=False)
+    assert [(r.depth, r.modules) for r in every.rows] == [(0, 1), (1, 3), (2, 7)]
     assert CountingBackend.builds == 0 and result.selected_depth is None
     assert "dry run" in str(result)
     assert_unchanged(mlp, before)
@@ -24,7 +26,7 @@ def test_tweak_with_a_strategy_tunes_each_module_once(mlp, mlp_data):
     CountingBackend.builds = 0
     with torch.no_grad():
         expected = mlp(mlp_data[0], scale=2.0)
-    result = tt.tweak(mlp, [((x,), {"scale": 2.0}) for x in mlp_data],
+    result = tt.tweak(mlp, [((x,), {"scale": 2.0}) for x in mlp_data], max_depth=2,
                       strategy=tt.OneBackendStrategy(CountingBackend()), progress=False, measure=FAST)
     # depth 0: root; depth 1: blocks.0, blocks.1, head; depth 2: 6 block children, head reused
     assert CountingBackend.builds == 1 + 3 + 6
@@ -51,7 +53,7 @@ def test_depth_where_every_module_fails_is_skipped_with_its_error(mlp, mlp_data)
 def test_time_budget_stops_new_depths(mlp, mlp_data):
     result = tt.tweak(mlp, mlp_data, strategy=tt.OneBackendStrategy(CountingBackend()),
                       time_budget=0, progress=False, measure=FAST)
-    assert [r.error for r in result.rows] == ["time budget used up"] * 3
+    assert [r.error for r in result.rows] == ["time budget used up"] * 2
 
 
 def test_interrupt_leaves_model_unchanged(mlp, mlp_data):
@@ -77,16 +79,16 @@ def test_progress_lines_when_not_a_terminal(mlp, mlp_data, capsys):
 
 def test_encoder_tweak_with_inductor(encoder_tweak):
     model, data, expected, result = encoder_tweak
-    assert [r.depth for r in result.rows] == [0, 1, 2]
-    assert [r.modules for r in result.rows] == [1, 5, 17]
+    assert [r.depth for r in result.rows] == [0, 1]  # max_depth's default
+    assert [r.modules for r in result.rows] == [1, 5]
     text = str(result)
-    assert "untuned" in text and all(f"  {d}  " in text or f" {d} " in text for d in (0, 1, 2))
+    assert "untuned" in text and all(f"  {d}  " in text or f" {d} " in text for d in (0, 1))
     for row in result.rows:
         assert row.latency_ms is not None or row.error, row
     # every tuned module reports every default backend's latency or error, per signature
     defaults = [b.name for b in tt.default_backends("cpu")]
     assert defaults == ["TorchInductor", "OpenVINO", "TorchEager"]
-    assert len(result.modules) == 1 + 5 + 16  # the root, depth 1, and depth 2 less the reused norm
+    assert len(result.modules) == 1 + 5  # the root and depth 1
     for module in result.modules.values():
         (signature,) = module.signatures  # every call of a module has one shape here
         assert [c["backend"] for c in signature.candidates] == defaults

@@ -8,7 +8,7 @@ import torch_tweak as tt
 model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)).eval()
 dataset = [torch.randn(16, 64) for _ in range(4)]
 
-result = tt.tweak(model, dataset, max_depth=1)
+result = tt.tweak(model, dataset)
 print(result)
 
 x = torch.randn(16, 64)

@@ -24,7 +24,7 @@ import torch_tweak as tt  # noqa: E402
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--max-depth", type=int, default=2)
+    parser.add_argument("--max-depth", type=int, help="the deepest cut to try (default: tt.tweak's)")
     args = parser.parse_args()
 
     model = encoder.build(args.device)
@@ -35,12 +35,13 @@ def main() -> int:
     print(f"torch-tweak {tt.__version__}, torch {torch.__version__}, device {args.device}")
     print(tt.inspect(model, dataset))
 
-    plan = tt.tweak(model, dataset, max_depth=args.max_depth, dry_run=True, progress=False)
-    print("\nDry run: modules each depth would wrap")
+    plan = tt.tweak(model, dataset, max_depth=None, dry_run=True, progress=False)
+    print("\nDry run: modules each depth of the model would wrap")
     print(plan)
 
+    depth = {} if args.max_depth is None else {"max_depth": args.max_depth}
     start = time.perf_counter()
-    result = tt.tweak(model, dataset, max_depth=args.max_depth)
+    result = tt.tweak(model, dataset, **depth)
     print(f"\nTweak took {time.perf_counter() - start:.1f} s")
     print(result)
     for path, module in result.modules.items():

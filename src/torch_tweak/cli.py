@@ -161,8 +161,9 @@ def command_tweak(args: argparse.Namespace) -> int:
     dataset = make_dataset(args.input, args.samples, device, args.seed,
                            DTYPES[args.dtype] if args.dtype else "float32")
     try:
-        result = tt.tweak(model, dataset, min_depth=args.min_depth, max_depth=args.max_depth,
-                          time_budget=args.time_budget, progress=not args.quiet)
+        depth = {} if args.max_depth is None else {"max_depth": args.max_depth}
+        result = tt.tweak(model, dataset, min_depth=args.min_depth, time_budget=args.time_budget,
+                          progress=not args.quiet, **depth)
     except (TypeError, ValueError) as exc:
         raise CliError(str(exc)) from None
     print(result)
@@ -228,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     tweak.add_argument("--dtype", choices=sorted(k for k, v in DTYPES.items() if v.startswith(("float", "bfloat"))),
                        help="cast the model to this dtype first")
     tweak.add_argument("--min-depth", type=int, default=0)
-    tweak.add_argument("--max-depth", type=int, default=2)
+    tweak.add_argument("--max-depth", type=int, help="the deepest cut to try (default: tt.tweak's, 1)")
     tweak.add_argument("--time-budget", type=float, help="seconds; no new depth starts after it")
     tweak.add_argument("--out", metavar="FILE", help="save the tuned model here (e.g. model.tt)")
     tweak.add_argument("--plot", metavar="PNG", help="write a chart of latency per depth")
