@@ -370,8 +370,11 @@ def bench_one(name: str, dtype_name: str, args: argparse.Namespace) -> dict:
 
 
 def source_commit() -> str:
-    """The commit of this checkout (with "+changes" when the tree differs from it), or "unknown"."""
+    """The commit of this checkout (with "+changes" when the tree differs from it), or "unknown".
+    TT_BENCH_COMMIT names it instead, for a copied tree whose git metadata is not its own."""
     import subprocess
+    if os.environ.get("TT_BENCH_COMMIT"):
+        return os.environ["TT_BENCH_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
                               text=True, check=True).stdout.strip()
@@ -488,7 +491,8 @@ def merge(paths: list[str], out_dir: str) -> None:
     md += ["", "## Tuning and compile time (s)", "",
            "Compile time: the wall time of the first three calls. tweak budget: the time_budget given to "
            "tt.tweak (none: its defaults; with --tweak-budget auto, 3x reduce-overhead's compile time; "
-           "the depth in progress when it runs out still finishes).", "",
+           "the depth in progress when it runs out still finishes). tt.tweak runs with its other defaults: "
+           "max_depth 1 from commit 8df5291 on, 2 before it.", "",
            "| model | dtype | compile | reduce-overhead | max-autotune | tweak budget | tweak tuning | tweak / reduce-overhead | tweak depth | backends at that depth |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:

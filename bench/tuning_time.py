@@ -208,7 +208,8 @@ def markdown(out: dict, runs: int = 1) -> str:
           "one tiny compile that starts the compiler for the process. Seconds of wall time; latencies of each "
           "depth's whole model in ms (* selected). Rows of one model and dtype in one run ran in the order "
           "shown, in one process.", "",
-          "*settings*: what differs from tt.tweak's defaults of that commit. *no shared compile*: each "
+          "*settings*: what differs from tt.tweak's defaults of that commit (max_depth 1 from 8df5291 on, "
+          "2 before). *no shared compile*: each "
           "Inductor candidate compiles on its own, with `dynamic=None` passed as given. *dynamic=None left to "
           "torch*: shared compiles, but automatic dynamic shapes instead of static ones for static signatures.",
           "",
@@ -223,6 +224,20 @@ def markdown(out: dict, runs: int = 1) -> str:
                       f"{r['reduce_overhead_s']:.1f} | {t['total_s']:.1f} | {t['total_s'] / r['reduce_overhead_s']:.2f} | "
                       f"{builds} | {t['check_s']:.1f} | {t['rest_s']:.1f} | {depths} | "
                       f"{depth_latencies(t.get('table', ''))} |")
+    phases = ("_compile.compile_inner", "bytecode_tracing", "GraphLowering.codegen", "async_compile.wait",
+              "CachingAutotuner.benchmark_all_configs")
+    profiled = [(r, settings, t) for r in out["rows"] for settings, t in tweak_runs(r) if t.get("compile_phases")]
+    if profiled:
+        md += ["", "## Inside the compiles", "",
+               "Seconds in dynamo's and Inductor's timed phases during the tweak (from "
+               "`torch._dynamo.utils.compilation_time_metrics`; phases nest: `_compile.compile_inner` is a "
+               "whole compile, `async_compile.wait` waits for Triton's kernel compiles) and the graphs compiled.",
+               "", "| commit | model | dtype | settings | graphs compiled | " + " | ".join(f"`{p}`" for p in phases) + " |",
+               "|---|---|---|---|---:|" + "---:|" * len(phases)]
+        for r, settings, t in profiled:
+            cells = [f"{t['compile_phases'].get(p, [0, 0.0])[1]:.1f}" for p in phases]
+            md.append(f"| {r.get('commit', env.get('commit', '?'))} | {r['model']} | {r['dtype']} | {settings} | "
+                      f"{t['counters'].get('stats.unique_graphs', '-')} | " + " | ".join(cells) + " |")
     return "\n".join(md) + "\n"
 
 
