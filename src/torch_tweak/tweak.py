@@ -23,9 +23,10 @@ from .tuning import check_measure, dataset_runner, model_class_name, record, rel
 
 DEFAULT_MAX_DEPTH = 1
 """The deepest cut tweak tries unless told: the model and its children. Depth 2 was the
-fastest on none of the benchmarked models (bench/results/gpu.md, the CPU example) and
-took a third of the tuning time on ResNet-50 (bench/results/tuning_time.md);
-max_depth=2, or None for every depth, searches deeper."""
+fastest on none of the benchmarked models (the GPU run that searched it,
+bench/results/runs/gpu-d149c65.json, and the CPU example) and took a third of the tuning
+time on ResNet-50 (bench/results/tuning_time.md); max_depth=2, or None for every depth,
+searches deeper."""
 
 DEFAULT_TIE_TOLERANCE = 0.02
 """A depth within 2 % of the fastest counts as a tie; the shallowest tie wins."""
