@@ -389,7 +389,7 @@ def environment() -> dict:
     import torch_tweak
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "python": platform.python_version(), "torch_tweak": torch_tweak.__version__,
-            "commit": source_commit()}
+            "commit": source_commit(), "tweak_max_depth": sys.modules["torch_tweak.tweak"].DEFAULT_MAX_DEPTH}
     for mod in ("transformers", "timm", "torchvision"):
         try:
             info[mod] = __import__(mod).__version__
@@ -491,8 +491,8 @@ def merge(paths: list[str], out_dir: str) -> None:
     md += ["", "## Tuning and compile time (s)", "",
            "Compile time: the wall time of the first three calls. tweak budget: the time_budget given to "
            "tt.tweak (none: its defaults; with --tweak-budget auto, 3x reduce-overhead's compile time; "
-           "the depth in progress when it runs out still finishes). tt.tweak runs with its other defaults: "
-           "max_depth 1 from commit 8df5291 on, 2 before it.", "",
+           "the depth in progress when it runs out still finishes). tt.tweak runs with its other defaults"
+           + (f" (max_depth {env['tweak_max_depth']})." if "tweak_max_depth" in env else "."), "",
            "| model | dtype | compile | reduce-overhead | max-autotune | tweak budget | tweak tuning | tweak / reduce-overhead | tweak depth | backends at that depth |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:

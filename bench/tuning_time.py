@@ -61,46 +61,41 @@ def profiled_tweak(model: torch.nn.Module, data: list, share: bool, static: bool
     tweak_module = sys.modules["torch_tweak.tweak"]  # the module, not the function tt.tweak
     from torch_tweak.backends.base import Backend
 
-    builds: dict[str, float] = defaultdict(float)
-    per_module: dict[str, float] = {}
     detail: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))  # module -> part -> s
-    current = [""]
-    check_s, record_s = [0.0], [0.0]
+    current = [""]  # the module being tuned
+    record_s = [0.0]
     real_prepare, real_check, real_tune = Backend.prepare, tuning.check, tweak_module.tune_wrapper
     real_enter = tweak_module._Session.enter
     real_scope = tuning.shared_compiles
 
-    def prepare(self: Backend, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return real_prepare(self, *args, **kwargs)
-        finally:
-            builds[self.name] += time.perf_counter() - t0
-            detail[current[0]][self.name] += time.perf_counter() - t0
+    def timed(real: Any, charge: Any) -> Any:
+        """`real`, with its wall time passed to charge(seconds, *args) after every call."""
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                charge(time.perf_counter() - t0, *args)
+        return call
 
-    def check(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return real_check(*args, **kwargs)
-        finally:
-            check_s[0] += time.perf_counter() - t0
-            detail[current[0]]["check"] += time.perf_counter() - t0
-
-    def tune_wrapper(wrapper: Any, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+    def start_module(wrapper: Any, *args: Any, **kwargs: Any) -> Any:
         current[0] = wrapper.tt_name
-        try:
-            return real_tune(wrapper, *args, **kwargs)
-        finally:
-            per_module[wrapper.tt_name] = per_module.get(wrapper.tt_name, 0.0) + time.perf_counter() - t0
-            detail[wrapper.tt_name]["total"] += time.perf_counter() - t0
+        return real_tune(wrapper, *args, **kwargs)
 
-    def enter(self: Any, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return real_enter(self, *args, **kwargs)
-        finally:
-            record_s[0] += time.perf_counter() - t0
+    def charge_build(seconds: float, backend: Any, *_: Any) -> None:
+        detail[current[0]][backend.name] += seconds
+
+    def charge_check(seconds: float, *_: Any) -> None:
+        detail[current[0]]["check"] += seconds
+
+    def charge_module(seconds: float, wrapper: Any, *_: Any) -> None:
+        detail[wrapper.tt_name]["total"] += seconds
+
+    def charge_record(seconds: float, *_: Any) -> None:
+        record_s[0] += seconds
+
+    prepare, check = timed(real_prepare, charge_build), timed(real_check, charge_check)
+    tune_wrapper, enter = timed(start_module, charge_module), timed(real_enter, charge_record)
 
     mine = copy.deepcopy(model)
     cold_compiler("tweak")
@@ -129,13 +124,18 @@ def profiled_tweak(model: torch.nn.Module, data: list, share: bool, static: bool
         for path in result.tree.cut(depth):
             depth_of.setdefault(path, depth)
     by_depth: dict[int, float] = defaultdict(float)
-    for path, seconds in per_module.items():
-        by_depth[depth_of.get(path, -1)] += seconds
+    builds: dict[str, float] = defaultdict(float)
+    for path, parts in detail.items():
+        by_depth[depth_of.get(path, -1)] += parts["total"]
+        for part, seconds in parts.items():
+            if part not in ("total", "check"):
+                builds[part] += seconds
+    check_s = sum(parts["check"] for parts in detail.values())
     build_total = sum(builds.values())
-    return {"total_s": total, "build_s": dict(builds), "check_s": check_s[0],
-            "rest_s": total - build_total - check_s[0], "tune_by_depth_s": dict(by_depth),
-            "modules_tuned": len(per_module), "selected_depth": result.selected_depth,
-            "record_s": record_s[0], "tweak_args": {k: v for k, v in tweak_args.items()},
+    return {"total_s": total, "build_s": dict(builds), "check_s": check_s,
+            "rest_s": total - build_total - check_s, "tune_by_depth_s": dict(by_depth),
+            "modules_tuned": len(detail), "selected_depth": result.selected_depth,
+            "record_s": record_s[0], "tweak_args": dict(tweak_args),
             "per_module": {path: {k: round(v, 3) for k, v in parts.items()} for path, parts in detail.items()},
             "compile_phases": {k: v for k, v in sorted(phases.items(), key=lambda kv: -kv[1][1]) if v[0]},
             "counters": {k: v - counters0.get(k, 0) for k, v in counters1.items()},
@@ -194,7 +194,8 @@ def tweak_runs(row: dict) -> list[tuple[str, dict]]:
     main_kind = "dynamic=None left to torch" if row.get("dynamic_auto") else ""
     for t in [row["tweak"]] + row.get("extra", []):
         args = ", ".join(f"{k}={v}" for k, v in t.get("tweak_args", {}).items())
-        runs.append(("; ".join(x for x in (main_kind, args) if x) or "defaults", t))
+        defaults = f"defaults (max_depth {row['tweak_max_depth']})" if "tweak_max_depth" in row else "defaults"
+        runs.append(("; ".join(x for x in (main_kind, args) if x) or defaults, t))
     return runs
 
 
@@ -208,8 +209,7 @@ def markdown(out: dict, runs: int = 1) -> str:
           "one tiny compile that starts the compiler for the process. Seconds of wall time; latencies of each "
           "depth's whole model in ms (* selected). Rows of one model and dtype in one run ran in the order "
           "shown, in one process.", "",
-          "*settings*: what differs from tt.tweak's defaults of that commit (max_depth 1 from 8df5291 on, "
-          "2 before). *no shared compile*: each "
+          "*settings*: what differs from tt.tweak's defaults of that commit. *no shared compile*: each "
           "Inductor candidate compiles on its own, with `dynamic=None` passed as given. *dynamic=None left to "
           "torch*: shared compiles, but automatic dynamic shapes instead of static ones for static signatures.",
           "",
@@ -259,7 +259,9 @@ def main() -> None:
     if args.merge:
         runs = [json.load(open(path)) for path in args.merge]
         merged = {"environment": runs[0]["environment"],
-                  "rows": [dict(r, commit=run["environment"].get("commit", "?")) for run in runs for r in run["rows"]]}
+                  "rows": [dict(r, commit=run["environment"].get("commit", "?"),
+                                **{k: v for k, v in run["environment"].items() if k == "tweak_max_depth"})
+                           for run in runs for r in run["rows"]]}
         with open(args.md, "w") as f:
             f.write(markdown(merged, len(runs)))
         print(f"written: {args.md}")

@@ -41,6 +41,8 @@ def test_input_specs():
         (["tweak", f"{FACTORY}:tiny", "--input", "2x8", "--device", "mps"], "no backends for device 'mps'"),
         (["tweak", f"{FACTORY}:tiny", "--input", "2x8", "--out", "/no/such/folder/m.tt"], "cannot write"),
         (["tweak", f"{FACTORY}:tiny", "--input", "2x3"], "sample 0 was rejected"),
+        (["tweak", f"{FACTORY}:tiny", "--input", "2x8", "--max-depth", "-1"], "max_depth must be an int >= 0"),
+        (["tweak", f"{FACTORY}:tiny", "--input", "2x8", "--min-depth", "3"], "greater than max_depth (1)"),
         (["show", "no_such_file.tt"], "does not exist"),
     ],
 )
