@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -64,9 +65,11 @@ def rewrite(path, changes: dict[str, bytes], fix_hashes: bool = True, manifest: 
     if fix_hashes:
         meta["members"] = {n: hashlib.sha256(d).hexdigest() for n, d in members.items() if n != "manifest.json"}
     members["manifest.json"] = json.dumps(meta).encode()
-    with zipfile.ZipFile(path, "w") as archive:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
         for name, data in members.items():
             archive.writestr(name, data)
+    path.write_bytes(checkpoint._seal(buffer.getvalue(), None))  # anyone can seal without a key
 
 
 class Payload:
@@ -88,7 +91,7 @@ def test_round_trip_same_outputs_and_backends(saved):
         expected = [model(x) for x in data]
     fresh = fresh_mlp()
     builds = CountingBackend.builds
-    chosen = tt.load(fresh, path)
+    chosen = tt.load(fresh, path, backends=[CountingBackend()])
     assert chosen == {"blocks.0": "Counting", "blocks.1": "Counting", "head": "Counting"}
     assert choices(fresh) == choices(model)
     assert all(len(w.tt_signatures) == 2 for w in tt.installed(fresh).values())  # (8, 16) and (4, 16)
@@ -107,7 +110,7 @@ def test_round_trip_same_outputs_and_backends(saved):
     assert head["signatures"][0]["backend"]["class"] == "support:CountingBackend"
     tt.save(fresh, path)  # a loaded model saves again, with its calls
     again = fresh_mlp()
-    tt.load(again, path)
+    tt.load(again, path, backends=[CountingBackend()])
     assert choices(again) == choices(model)
 
 
@@ -129,6 +132,9 @@ def test_backend_configs_round_trip_through_json():
     tree = json.loads(serial.dumps(serial.describe_backend(backend)))
     rebuilt = serial.build_backend(tree)
     assert type(rebuilt) is TorchEagerBackend and rebuilt.config == backend.config
+    custom = CountingBackend(tolerance=0.01)
+    given = serial.build_backend(json.loads(serial.dumps(serial.describe_backend(custom))), [custom])
+    assert type(given) is CountingBackend and given is not custom and given.config == custom.config
 
 
 def test_values_round_trip_and_unknown_tags_are_refused():
@@ -220,13 +226,15 @@ def test_save_killed_midway_keeps_the_earlier_file(tmp_path):
         child.wait()
     assert path.read_bytes() == before
     fresh = fresh_mlp()
-    assert tt.load(fresh, path) == {"blocks.0": "Counting", "blocks.1": "Counting", "head": "Counting"}
+    assert tt.load(fresh, path, backends=[CountingBackend()]) == {"blocks.0": "Counting", "blocks.1": "Counting",
+                                                                  "head": "Counting"}
 
 
 # ------------------------------------------------------------------ bad input
 
 
 def load_fails(model: nn.Module, path, match: str, **kwargs) -> None:
+    kwargs.setdefault("backends", [CountingBackend()])  # the files here name the test's own backend
     before = snapshot(model)
     with pytest.raises(tt.CheckpointError, match=match):
         tt.load(model, path, **kwargs)
@@ -277,22 +285,23 @@ def test_file_from_another_device_kind_or_torch_release(saved):
     load_fails(fresh_mlp(), path, "tuned on cuda")
     rewrite(path, {}, manifest={"device": {"type": "cpu", "name": "another CPU"}})
     with pytest.warns(UserWarning, match="tuned on another CPU"):
-        assert tt.load(fresh_mlp(), path)["head"] == "Counting"
+        assert tt.load(fresh_mlp(), path, backends=[CountingBackend()])["head"] == "Counting"
     rewrite(path, {}, manifest={"device": {"type": "cpu", "name": serial.device_name(torch.device("cpu"))},
                                 "torch": "1.13.1"})
     load_fails(fresh_mlp(), path, "saved with torch 1.13.1")
     major_minor = ".".join(torch.__version__.split(".")[:2])
     rewrite(path, {}, manifest={"torch": major_minor + ".99"})
     with pytest.warns(UserWarning, match="built again and checked"):
-        assert tt.load(fresh_mlp(), path)["head"] == "Counting"
+        assert tt.load(fresh_mlp(), path, backends=[CountingBackend()])["head"] == "Counting"
 
 
-def test_backend_class_not_imported_is_never_imported(saved):
+def test_backend_class_named_by_a_file_is_never_built(saved):
     _, _, path = saved
+    load_fails(fresh_mlp(), path, "support:CountingBackend is not one of torch-tweak's.*backends=", backends=None)
     plan = json.loads(zipfile.ZipFile(path).read("plan.json"))
     plan["modules"][0]["signatures"][0]["backend"]["class"] = "os:system"
     rewrite(path, {"plan.json": json.dumps(plan).encode()})
-    load_fails(fresh_mlp(), path, "os:system is not a torch-tweak backend imported")
+    load_fails(fresh_mlp(), path, "os:system is not one of torch-tweak's", backends=[CountingBackend()])
 
 
 def test_model_already_wrapped(saved):
@@ -323,7 +332,7 @@ def test_planted_pickle_in_members_executes_nothing(saved, tmp_path):
     path.write_bytes(good)
     rewrite(path, {"artifacts/inductor.bin": payload})  # artifacts apply only when trusted
     fresh = fresh_mlp()
-    assert tt.load(fresh, path)["head"] == "Counting"
+    assert tt.load(fresh, path, backends=[CountingBackend()])["head"] == "Counting"
     assert not marker.exists()
 
 
@@ -334,7 +343,7 @@ def test_rebuilt_backend_that_mismatches_runs_the_original(saved):
         fresh.head.bias.add_(1.0)  # other weights: the stored outputs no longer match
         expected = fresh(data[0])
     with pytest.warns(UserWarning, match="head .*failed.*run the original forward"):
-        chosen = tt.load(fresh, path)
+        chosen = tt.load(fresh, path, backends=[CountingBackend()])
     assert chosen["head"] is None and chosen["blocks.0"] == "Counting"
     with torch.no_grad():
         assert torch.equal(fresh(data[0]), expected)

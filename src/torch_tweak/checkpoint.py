@@ -4,68 +4,118 @@ The file is a zip archive (docs/deployment.md):
 - ``manifest.json``: format, versions, device, model class, creation time, and the sha256
   of every other member, checked on load;
 - ``plan.json``: the depth kept and, per wrapped module, its class, its parameter and buffer
-  shapes, and per input signature the backend (class and config) and the recorded calls
-  and original outputs, with tensors as references into
+  shapes, and per input signature the backend (class and schema-checked config, free-form
+  values only as fingerprints) and the recorded calls and original outputs, with tensors as
+  references into
 - ``samples.safetensors``: those tensors (safetensors: reading it executes nothing);
 - ``artifacts/inductor.bin`` (optional): Inductor's compiled-code cache
   (torch.compiler.save_cache_artifacts). It holds compiled code and pickled data, so
   tt.load applies it only with ``trust_artifacts=True``.
+The zip comment, last in the file, holds the sha256 of every byte before it and, for a file
+saved with a key, their HMAC-SHA256.
 
-Loading builds each backend again on the stored calls and checks it against the stored
-outputs; a signature whose rebuilt backend fails runs the original forward, with a warning.
+Loading reads the file once, bounded, checks it whole, then builds each backend again on the
+stored calls and checks it against the stored outputs; a signature whose rebuilt backend
+fails runs the original forward, with a warning.
 """
 
 from __future__ import annotations
 
 import datetime
 import hashlib
-import json
+import hmac
+import io
 import os
+import re
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from . import _C
 from ._samples import resolve_device
-from .cache import atomic_file
-from .backends import InductorGraphBackend, TorchAOBackend, TorchInductorBackend
+from .backends import Backend, InductorGraphBackend, TorchAOBackend, TorchInductorBackend
+from .cache import NotRegular, atomic_file, read_regular
 from .module import MODE_ACTIVE, installed, make_wrapper, install, resolve_paths, unwrap
-from .serial import Unstorable, build_backend, class_path, decode, describe_backend, device_name, dumps, encode
-from .signatures import OTHER, SignatureGroup
+from .serial import Unstorable, build_backend, class_path, decode, describe_backend, device_name, dumps, encode, loads
+from .signatures import MAX_CALLS_PER_SIGNATURE, MAX_SIGNATURES, OTHER, SignatureGroup
 from .tuning import apply_groups, model_class_name, rebuild_group
 
 FORMAT = "torch-tweak"
-VERSION = 1
+VERSION = 2
+READABLE = (1, 2)
+"""Format 2 adds the sealed zip comment; files of format 1 (no comment) still load."""
 MANIFEST = "manifest.json"
 PLAN = "plan.json"
 SAMPLES = "samples.safetensors"
 ARTIFACTS = "artifacts/inductor.bin"
+MEMBERS = (MANIFEST, PLAN, SAMPLES, ARTIFACTS)
 MAX_JSON_BYTES = 64 << 20
-"""manifest.json and plan.json larger than this are refused before they are read."""
+"""manifest.json and plan.json inflating past this are refused while they are read."""
+SLACK_BYTES = 256 << 20
+"""tt.load reads at most 4 x the model's weights + this from a file unless told (max_bytes)."""
+_SEAL = re.compile(rb"torch-tweak sha256=([0-9a-f]{64}) hmac=([0-9a-f]{64}|-{64})")
+_SEAL_LENGTH = len(b"torch-tweak sha256= hmac=") + 128
 
 
 class CheckpointError(ValueError):
-    """A file tt.load cannot use: not a torch-tweak file, damaged, or for another model or machine."""
+    """A file tt.load cannot use: not a torch-tweak file, damaged, forged, unsigned when a
+    key was given, or for another model or machine. The model is left as it was."""
+
+
+def _key_bytes(key: Any) -> bytes | None:
+    if key is None:
+        return None
+    if isinstance(key, str):
+        key = key.encode("utf-8")
+    if not isinstance(key, (bytes, bytearray)):
+        raise TypeError(f"key must be bytes or str (a secret of your deployment), not {type(key).__name__}")
+    if len(key) == 0:
+        raise ValueError("key is empty; use a secret of at least 16 random bytes, e.g. os.urandom(32)")
+    return bytes(key)
+
+
+def _seal(data: bytes, key: bytes | None) -> bytes:
+    """A zip archive's bytes with its comment set to the seal of every byte before it."""
+    archive = io.BytesIO(data)
+    with zipfile.ZipFile(archive, "a") as z:
+        z.comment = b"-" * _SEAL_LENGTH
+    data = archive.getvalue()
+    body = data[:-_SEAL_LENGTH]
+    mac = b"-" * 64 if key is None else hmac.new(key, body, hashlib.sha256).hexdigest().encode()
+    return body + b"torch-tweak sha256=" + hashlib.sha256(body).hexdigest().encode() + b" hmac=" + mac
+
+
+def model_bytes(model: nn.Module) -> int:
+    """The bytes of the model's parameters and buffers."""
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
+def default_max_bytes(model: nn.Module) -> int:
+    """The largest file tt.load reads for `model` unless told: 4 x its weights + 256 MiB."""
+    return 4 * model_bytes(model) + SLACK_BYTES
 
 
 # ------------------------------------------------------------------ save
 
 
-def save(model: nn.Module, path: str | os.PathLike) -> None:
+def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None = None) -> None:
     """Writes the tuned model's plan, recorded calls and artifacts to `path`, atomically.
 
     The file is written to a temporary file in the same folder, synced, then renamed over
-    `path`: an interrupted save leaves any earlier file at `path` as it was.
+    `path`: an interrupted save leaves any earlier file at `path` as it was. key: a secret;
+    the file then carries an HMAC-SHA256 of all its bytes, and tt.load(..., key=key) refuses
+    any file not sealed with it.
     """
     from . import __version__
     from .tweak import SELECTED_DEPTHS
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    secret = _key_bytes(key)
     wrappers = installed(model)
     if not wrappers and model not in SELECTED_DEPTHS:
         raise ValueError("nothing to save: the model has no torch-tweak wrappers; tune it first (tt.tweak)")
@@ -108,7 +158,13 @@ def save(model: nn.Module, path: str | os.PathLike) -> None:
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "members": {name: hashlib.sha256(data).hexdigest() for name, data in members.items()},
     }
-    _write_atomically(Path(path), {MANIFEST: dumps(manifest), **members})
+    data = _seal(_zip({MANIFEST: dumps(manifest), **members}), secret)
+    with atomic_file(Path(path)) as f:
+        f.write(data)
+    if len(data) > default_max_bytes(model):
+        warnings.warn(f"{path} is {len(data)} bytes, more than tt.load reads by default for this model "
+                      f"({default_max_bytes(model)}: 4 x its weights + 256 MiB); load it with "
+                      f"tt.load(model, path, max_bytes={len(data)})", stacklevel=2)
 
 
 def _uses_inductor(backend: Any) -> bool:
@@ -129,22 +185,34 @@ def _tensor_bytes(tensors: list[torch.Tensor]) -> bytes:
     return save_tensors({f"t{i}": t.detach().to("cpu").contiguous().clone() for i, t in enumerate(tensors)})
 
 
-def _write_atomically(path: Path, members: dict[str, bytes]) -> None:
-    with atomic_file(path) as f, zipfile.ZipFile(f, "w") as archive:
+def _zip(members: dict[str, bytes]) -> bytes:
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as archive:
         for name, data in members.items():
             compress = zipfile.ZIP_DEFLATED if name.endswith(".json") else zipfile.ZIP_STORED
             archive.writestr(zipfile.ZipInfo(name, (1980, 1, 1, 0, 0, 0)), data, compress_type=compress)
+    return out.getvalue()
 
 
 # ------------------------------------------------------------------ reading
 
 
-def _read(path: str | os.PathLike) -> tuple[dict, dict, dict[str, bytes]]:
-    """(manifest, plan, the other members' bytes) of a file whose every hash matches."""
+def _read(path: str | os.PathLike, limit: int, key: bytes | None) -> tuple[dict, dict, dict[str, bytes]]:
+    """(manifest, plan, the other members' bytes) of a file whose seal and hashes match.
+
+    The file is read once, bounded by `limit`; every member is inflated with its real size
+    capped while it is read, whatever size the archive declares."""
     try:
-        archive = zipfile.ZipFile(path)
+        data = read_regular(path, limit)
     except FileNotFoundError:
         raise
+    except NotRegular as exc:
+        raise CheckpointError(f"{exc}; tt.load reads only files written by tt.save (a larger file you trust: "
+                              "max_bytes=)") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path} cannot be read: {exc}") from None
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
         raise CheckpointError(f"{path} is not a torch-tweak file, or it is truncated or damaged: {exc}") from None
     with archive:
@@ -155,83 +223,146 @@ def _read(path: str | os.PathLike) -> tuple[dict, dict, dict[str, bytes]]:
         if MANIFEST not in names:
             raise CheckpointError(f"{path} is not a torch-tweak file (it has no {MANIFEST}); a file written by "
                                   "torch.save is not one: save with tt.save")
-        sizes = {i.filename: i.file_size for i in infos}
-        manifest = _json(archive, MANIFEST, sizes, path)
+        strange = [n for n in names if n not in MEMBERS]
+        if strange:
+            raise CheckpointError(f"{path} is damaged or forged: it holds {strange[0][:60]!r}, which tt.save never "
+                                  "writes (its members are not the ones its manifest lists)")
+        info = {i.filename: i for i in infos}
+        manifest = _json(_member(archive, info[MANIFEST], min(limit, MAX_JSON_BYTES), path), MANIFEST, path)
         if type(manifest) is not dict or manifest.get("format") != FORMAT:
             raise CheckpointError(f"{path} is not a torch-tweak file (its manifest is not one)")
-        if manifest.get("version") != VERSION:
-            raise CheckpointError(f"{path} is a torch-tweak file of format version {manifest.get('version')!r}; "
-                                  f"this torch-tweak reads version {VERSION}")
+        version = manifest.get("version")
+        if type(version) is not int or version not in READABLE:
+            raise CheckpointError(f"{path} is a torch-tweak file of format version {str(version)[:20]}; "
+                                  f"this torch-tweak reads versions {', '.join(map(str, READABLE))}")
+        _check_seal(data, archive.comment, version, key, path)
         hashes = manifest.get("members")
         if type(hashes) is not dict or set(hashes) != set(names) - {MANIFEST} or PLAN not in hashes:
             raise CheckpointError(f"{path} is damaged: its members are not the ones its manifest lists")
-        data: dict[str, bytes] = {}
+        members: dict[str, bytes] = {}
         for name in sorted(hashes):
-            if name.endswith(".json") and sizes[name] > MAX_JSON_BYTES:
-                raise CheckpointError(f"{path}: {name} is larger than {MAX_JSON_BYTES} bytes")
-            try:
-                data[name] = archive.read(name)
-            except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as exc:
-                raise CheckpointError(f"{path} is truncated or damaged: {name}: {exc}") from None
-            if hashlib.sha256(data[name]).hexdigest() != hashes[name]:
+            cap = min(limit, MAX_JSON_BYTES) if name.endswith(".json") else limit
+            members[name] = _member(archive, info[name], cap, path)
+            if type(hashes[name]) is not str or hashlib.sha256(members[name]).hexdigest() != hashes[name]:
                 raise CheckpointError(f"{path} is damaged or was changed: the sha256 of {name} does not match "
                                       "its manifest")
-    try:
-        plan = json.loads(data.pop(PLAN))
-    except ValueError as exc:
-        raise CheckpointError(f"{path}: {PLAN} is not JSON: {exc}") from None
+    plan = _json(members.pop(PLAN), PLAN, path)
     if type(plan) is not dict or type(plan.get("modules")) is not list:
         raise CheckpointError(f"{path}: {PLAN} is not a torch-tweak plan")
-    return manifest, plan, data
+    return manifest, plan, members
 
 
-def _json(archive: zipfile.ZipFile, name: str, sizes: dict[str, int], path: Any) -> Any:
-    if sizes[name] > MAX_JSON_BYTES:
-        raise CheckpointError(f"{path}: {name} is larger than {MAX_JSON_BYTES} bytes")
+def _check_seal(data: bytes, comment: bytes, version: int, key: bytes | None, path: Any) -> None:
+    if version < 2 and not comment:
+        if key is not None:
+            raise CheckpointError(f"{path} is not signed (it was saved before torch-tweak sealed its files); "
+                                  "save it again with tt.save(model, path, key=...)")
+        return
+    seal = _SEAL.fullmatch(comment)
+    if seal is None or not data.endswith(comment):
+        raise CheckpointError(f"{path} is damaged: its seal (the zip comment) is missing or altered")
+    body = data[:len(data) - len(comment)]
+    if not hmac.compare_digest(hashlib.sha256(body).hexdigest().encode(), seal[1]):
+        raise CheckpointError(f"{path} is damaged or was changed: the sha256 of its bytes does not match its seal")
+    if key is None:
+        return
+    if seal[2] == b"-" * 64:
+        raise CheckpointError(f"{path} is not signed, and a key was given: load only files saved with "
+                              "tt.save(model, path, key=...)")
+    if not hmac.compare_digest(hmac.new(key, body, hashlib.sha256).hexdigest().encode(), seal[2]):
+        raise CheckpointError(f"{path} was not signed with this key: it was written by someone without it, or "
+                              "changed since")
+
+
+def _member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, cap: int, path: Any) -> bytes:
+    """One member's bytes, refused once more than `cap` of them come out of the inflater."""
+    if info.flag_bits & 0x1 or info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+        raise CheckpointError(f"{path}: {info.filename} is encrypted or compressed in a way tt.save never uses")
+    out = bytearray()
     try:
-        return json.loads(archive.read(name))
-    except (zipfile.BadZipFile, OSError, EOFError, NotImplementedError) as exc:
-        raise CheckpointError(f"{path} is truncated or damaged: {name}: {exc}") from None
+        with archive.open(info) as f:
+            while True:
+                chunk = f.read(min(1 << 20, cap + 1 - len(out)))
+                if not chunk:
+                    break
+                out += chunk
+                if len(out) > cap:
+                    raise CheckpointError(f"{path}: {info.filename} inflates to more than {cap} bytes")
+    except CheckpointError:
+        raise
+    except Exception as exc:  # BadZipFile, zlib.error, EOFError...: all damage
+        raise CheckpointError(f"{path} is truncated or damaged: {info.filename}: {type(exc).__name__}: "
+                              f"{str(exc)[:200]}") from None
+    return bytes(out)
+
+
+def _json(data: bytes, name: str, path: Any) -> Any:
+    try:
+        return loads(data)
     except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise CheckpointError(f"{path} is not a torch-tweak file: {name} is not JSON ({exc})") from None
+        raise CheckpointError(f"{path} is not a torch-tweak file: {name} is not JSON it can read "
+                              f"({str(exc)[:200]})") from None
 
 
-def read_summary(path: str | os.PathLike) -> dict:
-    """{"manifest": ..., "plan": ...} of a torch-tweak file, every hash checked; loads no tensor."""
-    manifest, plan, _ = _read(path)
+def read_summary(path: str | os.PathLike, *, key: bytes | str | None = None,
+                 max_bytes: int = 1 << 32) -> dict:
+    """{"manifest": ..., "plan": ...} of a torch-tweak file, its seal and hashes checked; loads no tensor."""
+    try:
+        manifest, plan, _ = _read(path, max_bytes, _key_bytes(key))
+    except (CheckpointError, FileNotFoundError, TypeError):
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"{path} is damaged: {type(exc).__name__}: {str(exc)[:200]}") from None
     return {"manifest": manifest, "plan": plan}
 
 
 # ------------------------------------------------------------------ load
 
 
-def load(model: nn.Module, path: str | os.PathLike, *, device: Any = None,
-         trust_artifacts: bool = False) -> dict[str, str | None]:
+def load(model: nn.Module, path: str | os.PathLike, *, device: Any = None, trust_artifacts: bool = False,
+         backends: Sequence[Backend] | None = None, key: bytes | str | None = None,
+         max_bytes: int | None = None) -> dict[str, str | None]:
     """Applies a file written by tt.save to a freshly built `model`, with no tuning.
 
-    Every check (hashes, versions, device, module paths, classes and parameter shapes,
-    backend classes) runs before the model changes; any failure raises CheckpointError and
-    leaves the model as it was. Then each module of the plan is wrapped and each backend
-    built again on the stored calls and checked against the stored outputs; a signature
-    whose backend fails to build or to match runs the original forward (a warning says
-    why). Load the weights (state_dict) before tt.load: backends are built on them.
+    Every check (seal and hashes, versions, device, model class, module paths, classes and
+    parameter shapes, backends and their configs) runs before the model changes; any failure
+    raises CheckpointError and leaves the model as it was. Then each module of the plan is
+    wrapped and each backend built again on the stored calls and checked against the stored
+    outputs; a signature whose backend fails to build or to match runs the original forward
+    (a warning says why). Load the weights (state_dict) before tt.load: backends are built
+    on them.
 
     device: where to build (default: where the model's weights are); its kind must be the
     file's. trust_artifacts: apply the file's compiled-code artifacts (Inductor's cache,
     which holds pickled data) so compiles are fast; only for files you trust.
+    backends: the backends the file may use beyond torch-tweak's own with schema-checked
+    configs: your own backend classes, opt-in ones (TorchAO), and any backend whose config
+    has free-form values (Inductor options, OpenVINO properties), which a file never holds.
+    key: refuse the file unless tt.save sealed it with this key (HMAC-SHA256).
+    max_bytes: the largest file to read (default: 4 x the model's weights + 256 MiB).
     Returns {path: the backend of its first signature, or None}.
     """
     from .tweak import SELECTED_DEPTHS
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    secret = _key_bytes(key)
+    given = _given_backends(backends)
+    if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 1):
+        raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
     if installed(model):
         raise ValueError("the model already has torch-tweak wrappers; load into a freshly built model "
                          "(or tt.unwrap(model) first)")
-    manifest, plan, data = _read(path)
-    target = _target_device(model, device, manifest, path)
-    steps = _check_plan(model, plan, path)
-    groups = _groups(plan, data, target, path)
+    target = resolve_device(model, device)  # a bad device= fails here, as the caller's mistake
+    try:
+        manifest, plan, data = _read(path, default_max_bytes(model) if max_bytes is None else max_bytes, secret)
+        _check_target(model, target, device is None, manifest, path)
+        steps = _check_plan(model, plan, given, path)
+        groups = _groups(plan, data, target, path)
+    except (CheckpointError, FileNotFoundError):
+        raise
+    except Exception as exc:  # whatever a damaged file makes a reader raise is one error, and the model is as it was
+        raise CheckpointError(f"{path} is damaged or forged: {type(exc).__name__}: {str(exc)[:200]}") from None
     artifacts = data.get(ARTIFACTS)
     if trust_artifacts and artifacts is not None:
         if manifest.get("torch") == torch.__version__:
@@ -272,6 +403,22 @@ def load(model: nn.Module, path: str | os.PathLike, *, device: Any = None,
     return chosen
 
 
+def _given_backends(backends: Any) -> list[Backend]:
+    if backends is None:
+        return []
+    if isinstance(backends, Backend):
+        backends = [backends]
+    try:
+        items = list(backends)
+    except TypeError:
+        raise TypeError(f"backends must be a list of backends, not {type(backends).__name__}") from None
+    for item in items:
+        if not isinstance(item, Backend):
+            raise TypeError(f"backends must hold torch_tweak backends (e.g. tt.backends.TorchInductorBackend("
+                            f"options=...)), not {type(item).__name__}")
+    return items
+
+
 def _rebuild(wrapper: Any, group: SignatureGroup, backend: Any, device: torch.device, model_class: str) -> str | None:
     """None when the backend was built again and matches the stored outputs, else why not."""
     if not group.samples:
@@ -280,7 +427,7 @@ def _rebuild(wrapper: Any, group: SignatureGroup, backend: Any, device: torch.de
         _build_on_first_call(wrapper, group, backend, device)
         return None
     try:
-        rebuild_group(wrapper, group, backend, device, model_class)
+        rebuild_group(wrapper, group, backend, device, model_class, bounded=True)
     except Exception as exc:
         return f"the rebuilt {backend.name} failed: {type(exc).__name__}: {exc}"
     return None
@@ -300,36 +447,44 @@ def _build_on_first_call(wrapper: Any, group: SignatureGroup, backend: Any, devi
     backend.state = "built"
 
 
-def _target_device(model: nn.Module, device: Any, manifest: dict, path: Any) -> torch.device:
+def _check_target(model: nn.Module, target: torch.device, implicit: bool, manifest: dict, path: Any) -> None:
+    """The file's device kind, torch release and model class against this model's."""
     saved = manifest.get("device") if type(manifest.get("device")) is dict else {}
-    target = resolve_device(model, device)
     if target.type != saved.get("type"):
         raise CheckpointError(
-            f"{path} was tuned on {saved.get('type')} ({saved.get('name')}), and this model is to run on "
-            f"{target.type}: a plan holds only for the device kind it was measured on; tune again here (tt.tweak) "
-            + ("or move the model there first" if device is None else ""))
+            f"{path} was tuned on {str(saved.get('type'))[:20]} ({str(saved.get('name'))[:60]}), and this model is "
+            f"to run on {target.type}: a plan holds only for the device kind it was measured on; tune again here "
+            "(tt.tweak)" + (" or move the model there first" if implicit else ""))
+    root = class_path(getattr(type(model), "_tt_root_class", type(model)))
+    if manifest.get("model") != root:
+        raise CheckpointError(f"{path} is for another model: it was saved from a {str(manifest.get('model'))[:80]}, "
+                              f"this is a {root}")
     here = device_name(target)
     if saved.get("name") != here:
-        warnings.warn(f"{path} was tuned on {saved.get('name')}, this is {here}: the plan still runs, but it may "
+        warnings.warn(f"{path} was tuned on {str(saved.get('name'))[:80]}, this is {here}: the plan still runs, but it may "
                       "not be the fastest here", stacklevel=3)
-    saved_torch = str(manifest.get("torch"))
+    saved_torch = str(manifest.get("torch"))[:40]
     if saved_torch != torch.__version__:
         if saved_torch.split(".")[:2] != torch.__version__.split(".")[:2]:
             raise CheckpointError(f"{path} was saved with torch {saved_torch}, this is torch {torch.__version__}: "
                                   "backends and their configs belong to one torch release; tune again here")
         warnings.warn(f"{path} was saved with torch {saved_torch}, this is torch {torch.__version__}: the "
                       "backends are built again and checked against the stored outputs", stacklevel=3)
-    return target
 
 
-def _check_plan(model: nn.Module, plan: dict, path: Any) -> list[tuple[str, list]]:
+def _check_plan(model: nn.Module, plan: dict, given: list[Backend], path: Any) -> list[tuple[str, list]]:
     """[(module path, [backend or None per signature])]: the plan checked against the model."""
     steps = []
+    modules = plan["modules"]
+    if len(modules) > sum(1 for _ in model.modules()) or not all(type(m) is dict for m in modules):
+        raise CheckpointError(f"{path}: {PLAN} is not a torch-tweak plan for this model (its module list)")
+    if not all(type(m.get("path")) is str for m in modules):
+        raise CheckpointError(f"{path}: {PLAN} is not a torch-tweak plan (a module path is not a string)")
     try:
-        resolve_paths(model, [m.get("path") if type(m) is dict else None for m in plan["modules"]])
+        resolve_paths(model, [m["path"] for m in modules])
     except (ValueError, TypeError) as exc:
-        raise CheckpointError(f"{path} is for another model: {exc}") from None
-    for item in plan["modules"]:
+        raise CheckpointError(f"{path} is for another model: {str(exc)[:200]}") from None
+    for item in modules:
         name = item["path"]
         module = model.get_submodule(name) if name else model
         cls = class_path(getattr(type(module), "_tt_root_class", type(module)))
@@ -343,11 +498,13 @@ def _check_plan(model: nn.Module, plan: dict, path: Any) -> list[tuple[str, list
             raise CheckpointError(f"{path} is for another model: {name or '(root)'}.{diff} is "
                                   f"{_shape(saved.get(diff))} there, {_shape(params.get(diff))} here")
         backends = []
-        if type(item.get("signatures")) is not list:
-            raise CheckpointError(f"{path}: {PLAN} is not a torch-tweak plan")
-        for sig in item["signatures"]:
+        signatures = item.get("signatures")
+        if (type(signatures) is not list or len(signatures) > MAX_SIGNATURES + 1
+                or not all(type(s) is dict for s in signatures)):
+            raise CheckpointError(f"{path}: {PLAN} is not a torch-tweak plan ({name or '(root)'}'s signatures)")
+        for sig in signatures:
             try:
-                backends.append(None if sig.get("backend") is None else build_backend(sig["backend"]))
+                backends.append(None if sig.get("backend") is None else build_backend(sig["backend"], given))
             except (ValueError, TypeError) as exc:
                 raise CheckpointError(f"{path}: {name or '(root)'}: {exc}") from None
         steps.append((name, backends))
@@ -379,16 +536,21 @@ def _groups(plan: dict, data: dict[str, bytes], device: torch.device, path: Any)
         groups = []
         for sig in item["signatures"]:
             try:
-                samples = [_call(decode(s, tensors, place)) for s in sig.get("samples", [])]
-                outputs = [decode(o, tensors, place) for o in sig.get("outputs", [])]
-                text, key = str(sig["text"]), str(sig["key"])
+                stored, results = sig.get("samples", []), sig.get("outputs", [])
+                if type(stored) is not list or type(results) is not list or len(stored) > MAX_CALLS_PER_SIGNATURE:
+                    raise ValueError(f"at most {MAX_CALLS_PER_SIGNATURE} stored calls per signature, in a list")
+                if type(sig.get("text")) is not str or type(sig.get("key")) is not str:
+                    raise ValueError("a signature's text and key are strings")
+                samples = [_call(decode(s, tensors, place)) for s in stored]
+                outputs = [decode(o, tensors, place) for o in results]
+                text, key = sig["text"][:400], sig["key"][:40]
                 if len(samples) != len(outputs):
                     raise ValueError("as many outputs as calls are needed")
                 signature = None if key == "other" and text == OTHER else (
                     _C.Signature(*samples[0]) if samples else False)
             except (ValueError, TypeError, KeyError, RuntimeError) as exc:
                 raise CheckpointError(f"{path}: the stored calls of {item['path'] or '(root)'} are damaged: "
-                                      f"{exc}") from None
+                                      f"{str(exc)[:200]}") from None
             group = SignatureGroup(signature if signature is not False else None, text, key)
             group.samples.extend(samples)
             group.outputs.extend(outputs)

@@ -27,6 +27,15 @@ TOLERANCES: dict[torch.dtype, float] = {
 }
 """Default relative tolerance per floating dtype; others (fp8...) use 0.1."""
 
+MAX_TOLERANCES: dict[torch.dtype, float] = {
+    torch.float64: 1e-3,
+    torch.float32: 0.05,
+    torch.float16: 0.05,
+    torch.bfloat16: 0.1,
+}
+"""The most a tolerance read from a saved file may allow per dtype (others: 0.1): a file
+cannot widen the check past what TorchAO's quantization needs."""
+
 
 class MismatchError(Exception):
     """A backend's output does not match the original module's.
@@ -41,24 +50,27 @@ class MismatchError(Exception):
         self.tolerance = tolerance
 
 
-def tolerance_for(dtype: torch.dtype, override: float | None = None) -> float:
-    if override is not None:
-        return override
-    return TOLERANCES.get(dtype, 0.1)
+def tolerance_for(dtype: torch.dtype, override: float | None = None, bounded: bool = False) -> float:
+    """The tolerance for `dtype`: `override` or the default; at most MAX_TOLERANCES when bounded."""
+    limit = TOLERANCES.get(dtype, 0.1) if override is None else override
+    return min(limit, MAX_TOLERANCES.get(dtype, 0.1)) if bounded else limit
 
 
-def check(out: Any, ref: Any, tolerance: float | None = None, where: str = "output") -> float:
-    """Raises MismatchError when `out` does not match `ref`; returns the largest error seen."""
+def check(out: Any, ref: Any, tolerance: float | None = None, where: str = "output", bounded: bool = False) -> float:
+    """Raises MismatchError when `out` does not match `ref`; returns the largest error seen.
+
+    bounded: the tolerance came from a file, so it is capped by MAX_TOLERANCES."""
     if isinstance(ref, torch.Tensor):
-        return check_tensor(out, ref, tolerance, where)
+        return check_tensor(out, ref, tolerance, where, bounded)
     if isinstance(ref, dict):
         if not isinstance(out, dict) or list(out.keys()) != list(ref.keys()):
             raise MismatchError(f"{where}: expected a dict with keys {list(ref.keys())}, got {describe(out)}")
-        return max((check(out[k], ref[k], tolerance, f"{where}[{k!r}]") for k in ref), default=0.0)
+        return max((check(out[k], ref[k], tolerance, f"{where}[{k!r}]", bounded) for k in ref), default=0.0)
     if isinstance(ref, (tuple, list)):
         if not isinstance(out, (tuple, list)) or len(out) != len(ref):
             raise MismatchError(f"{where}: expected a {type(ref).__name__} of {len(ref)}, got {describe(out)}")
-        return max((check(o, r, tolerance, f"{where}[{i}]") for i, (o, r) in enumerate(zip(out, ref))), default=0.0)
+        return max((check(o, r, tolerance, f"{where}[{i}]", bounded) for i, (o, r) in enumerate(zip(out, ref))),
+                   default=0.0)
     if type(out) is not type(ref):
         raise MismatchError(f"{where}: expected {type(ref).__name__}, got {describe(out)}")
     try:
@@ -70,7 +82,7 @@ def check(out: Any, ref: Any, tolerance: float | None = None, where: str = "outp
     return 0.0
 
 
-def check_tensor(out: Any, ref: torch.Tensor, tolerance: float | None, where: str) -> float:
+def check_tensor(out: Any, ref: torch.Tensor, tolerance: float | None, where: str, bounded: bool = False) -> float:
     if not isinstance(out, torch.Tensor):
         raise MismatchError(f"{where}: expected a tensor, got {describe(out)}")
     if out.shape != ref.shape or out.dtype != ref.dtype:
@@ -95,7 +107,7 @@ def check_tensor(out: Any, ref: torch.Tensor, tolerance: float | None, where: st
         return 0.0
     scale = max(float(b.abs().max()), 1e-6)
     error = float((a - b).abs().max()) / scale
-    limit = tolerance_for(ref.dtype, tolerance)
+    limit = tolerance_for(ref.dtype, tolerance, bounded)
     if error > limit:
         raise MismatchError(f"{where}: relative error {error:.3g} exceeds the tolerance {limit:.3g} for {ref.dtype}",
                             error, limit)

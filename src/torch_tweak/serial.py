@@ -1,9 +1,11 @@
 """Plain-JSON forms of what a saved plan and a tuning-cache entry hold.
 
 Values (recorded calls, their outputs, backend configs) become JSON trees: a tensor is a
-reference into a tensor table, tuples, dicts, dtypes and devices are tagged objects. Nothing
-here imports a module or builds an object other than tensors, dtypes, devices, plain values
-and the config dataclass of a backend class already imported in this process.
+reference into a tensor table, tuples, dicts, dtypes and devices are tagged objects. A
+backend config is stored through its class's closed schema (torch_tweak.schema): values the
+schema refuses are kept only as fingerprints. Nothing here imports a module or builds an
+object other than tensors, dtypes, devices, plain values, and a backend that is either one
+of torch-tweak's own (built from schema-checked values) or one the caller passed.
 """
 
 from __future__ import annotations
@@ -13,11 +15,36 @@ import json
 import math
 import os
 import platform
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from .backends.base import Backend, BackendConfig
+from .schema import FINGERPRINT, SUPPLIED as SUPPLIED_SPEC, fingerprint, is_fingerprint, spec_of
+
+MAX_JSON_DEPTH = 64
+"""Deeper JSON is refused: nothing torch-tweak writes nests more than a dozen levels."""
+
+
+def loads(data: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """json.loads that refuses nesting deeper than max_depth; ValueError for anything wrong."""
+    try:
+        tree = json.loads(data)
+    except RecursionError:
+        raise ValueError(f"JSON nested deeper than {max_depth} levels") from None
+    todo = [(tree, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if type(node) is dict:
+            children = node.values()
+        elif type(node) is list:
+            children = node
+        else:
+            continue
+        if depth > max_depth:
+            raise ValueError(f"JSON nested deeper than {max_depth} levels")
+        todo.extend((child, depth + 1) for child in children)
+    return tree
 
 
 class Unstorable(Exception):
@@ -91,8 +118,18 @@ def class_path(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
+def stored_value(config_class: type, name: str, value: Any) -> Any:
+    """The JSON form of one config field: the value when its schema accepts it, else its fingerprint."""
+    if spec_of(config_class, name).accepts(value):
+        try:
+            return encode(value)
+        except Unstorable:
+            pass
+    return {FINGERPRINT: fingerprint(value)}
+
+
 def config_tree(config: BackendConfig) -> dict:
-    return {f.name: encode(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    return {f.name: stored_value(type(config), f.name, getattr(config, f.name)) for f in dataclasses.fields(config)}
 
 
 def describe_backend(backend: Backend) -> dict:
@@ -100,42 +137,67 @@ def describe_backend(backend: Backend) -> dict:
     return {"name": backend.name, "class": class_path(type(backend)), "config": config_tree(backend.config)}
 
 
-def backend_classes() -> dict[str, type[Backend]]:
-    """Every Backend subclass already imported in this process, by "module:QualName".
-
-    A saved plan can name only these: loading never imports a module a file names.
-    A name that two different classes share is left out (ambiguous)."""
-    found: dict[str, type[Backend]] = {}
-    ambiguous: set[str] = set()
-    todo = list(Backend.__subclasses__())
-    while todo:
-        cls = todo.pop()
-        todo.extend(cls.__subclasses__())
-        if getattr(cls, "__abstractmethods__", None):
-            continue
-        key = class_path(cls)
-        if key in found and found[key] is not cls:
-            ambiguous.add(key)
-        found[key] = cls
-    for key in ambiguous:
-        del found[key]
-    return found
+def _normalized(cls: type[Backend], config: dict) -> dict:
+    """A stored config as config_tree would store it now (a file of format 1 may hold a
+    free-form value itself, which is compared by its fingerprint)."""
+    out = {}
+    for name, tree in config.items():
+        if not is_fingerprint(tree) and not spec_of(cls.config_class, name).accepts(decode(tree)):
+            tree = {FINGERPRINT: fingerprint(decode(tree))}
+        out[name] = tree
+    return out
 
 
-def build_backend(tree: dict) -> Backend:
-    """A new backend from its describe_backend form; ValueError naming what is wrong."""
-    if type(tree) is not dict or not isinstance(tree.get("class"), str) or type(tree.get("config")) is not dict:
+def build_backend(tree: Any, given: Sequence[Backend] = ()) -> Backend:
+    """A new backend from its describe_backend form; ValueError naming what is wrong.
+
+    A backend in `given` (the caller's) whose class and stored config are the file's is
+    copied. Otherwise the class must be one of torch-tweak's own (backends.BUILT_IN), not
+    opt-in, and every field must hold a value its schema accepts: a fingerprint (a value the
+    file may not hold) asks the caller for the backend. No class is imported by name."""
+    from .backends import BUILT_IN
+
+    if (type(tree) is not dict or type(tree.get("class")) is not str or type(tree.get("config")) is not dict
+            or not all(type(k) is str for k in tree["config"])):
         raise ValueError(f"not a stored backend: {str(tree)[:80]}")
-    cls = backend_classes().get(tree["class"])
+    name, config = tree["class"], tree["config"]
+    builtin = {class_path(cls): cls for cls in BUILT_IN}
+    for backend in given:
+        cls = type(backend)
+        if class_path(cls) == name:
+            names = {f.name for f in dataclasses.fields(cls.config_class)}
+            if set(config) <= names and _normalized(cls, config) == json.loads(dumps(config_tree(backend.config))):
+                return backend.fresh()
+    cls = builtin.get(name)
+    short = name.rpartition(":")[2][:60]
     if cls is None:
-        raise ValueError(f"the backend class {tree['class']} is not a torch-tweak backend imported in this "
-                         "process; import the module that defines it before loading")
-    names = {f.name for f in dataclasses.fields(cls.config_class)}
-    unknown = sorted(set(tree["config"]) - names)
+        raise ValueError(f"the backend class {name[:80]} is not one of torch-tweak's; tt.load never builds a class a "
+                         f"file names: pass the backend, tt.load(model, path, backends=[{short}(...)])")
+    if cls.opt_in:
+        raise ValueError(f"{short} changes results on purpose and is opt-in: pass it to load this file, "
+                         f"tt.load(model, path, backends=[tt.backends.{short}(...)])")
+    fields = {f.name for f in dataclasses.fields(cls.config_class)}
+    unknown = sorted(set(config) - fields)
     if unknown:
-        raise ValueError(f"{tree['class']}: its config has no field {', '.join(unknown)}")
-    config = cls.config_class(**{k: decode(v) for k, v in tree["config"].items()})
-    return cls(config)
+        raise ValueError(f"{short}: its config has no field {', '.join(k[:40] for k in unknown[:3])}")
+    values = {}
+    for key, stored in config.items():
+        spec = spec_of(cls.config_class, key)
+        if is_fingerprint(stored):
+            raise ValueError(f"{short}: the file holds only a fingerprint of its {key} ({stored[FINGERPRINT][:12]}): "
+                             f"tt.load takes no {key} from a file; pass the backend with the same {key}, "
+                             f"tt.load(model, path, backends=[tt.backends.{short}({key}=...)])")
+        value = decode(stored)
+        if not spec.accepts(value):
+            if spec is SUPPLIED_SPEC:
+                raise ValueError(f"{short}: tt.load takes no {key} from a file; pass the backend with the same "
+                                 f"{key}, tt.load(model, path, backends=[tt.backends.{short}({key}=...)])")
+            raise ValueError(f"{short}: {key}={str(value)[:40]} is not {spec.describe()}")
+        values[key] = value
+    try:
+        return cls(cls.config_class(**values))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{short}: {exc}") from None
 
 
 def device_name(device: torch.device) -> str:

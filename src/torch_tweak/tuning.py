@@ -303,10 +303,11 @@ def release(wrapper: TunedModule, keep_chosen: bool = True) -> None:
 
 
 def rebuild_group(wrapper: TunedModule, group: SignatureGroup, backend: Backend, device: torch.device,
-                  model_class: str) -> float:
+                  model_class: str, bounded: bool = False) -> float:
     """Builds `backend` again for one signature on its recorded calls, with no measurement
     (a saved plan or a tuning-cache entry chose it), and checks it against the recorded
-    outputs. Raises when it fails to build or to match; returns the largest error."""
+    outputs. Raises when it fails to build or to match; returns the largest error.
+    bounded: the backend's tolerance came from a file (capped, see correctness.MAX_TOLERANCES)."""
     module = wrapper._tt_original
     places = weight_places(module)
     path = log_path(model_class, wrapper.tt_name, group.key, backend.name)
@@ -319,6 +320,6 @@ def rebuild_group(wrapper: TunedModule, group: SignatureGroup, backend: Backend,
         worst = 0.0
         for j, (args, kwargs) in enumerate(group.samples):
             worst = max(worst, check(fn(*args, **kwargs), group.outputs[j], backend.check_tolerance(),
-                                     where=f"sample {j}"))
+                                     where=f"sample {j}", bounded=bounded))
         log.outcome = f"rebuilt; passed the correctness check (largest relative error {worst:.3g})"
     return worst

@@ -8,6 +8,11 @@ cached depth's modules, records the dataset once, builds each chosen backend aga
 it (Inductor's own cache makes the compile fast; a device graph records again) and
 checks it against the original outputs, with no measurement. Entries hold plain JSON
 only, and a hit builds only backends of the tweak's own strategy.
+
+It is a cache: an entry that cannot be read, parsed or applied (damaged, a FIFO, a link to
+a device, nested too deep, of another shape) is a miss, dropped and written again; never an
+error and never a hang. A result that kept the model untuned or had failures is reused for
+at most RETRY_AFTER seconds, then tuned again.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import datetime
 import hashlib
 import importlib.metadata
 import json
+import math
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
@@ -24,18 +31,25 @@ import torch
 from torch import nn
 
 from ._samples import Call
-from .cache import atomic_file, cache_dir
+from .cache import atomic_file, cache_dir, read_regular
 from .correctness import TOLERANCES
 from .module import MODE_ACTIVE, TunedModule, install, installed, make_wrapper, unwrap
 from .report import ModuleResult, ModuleResults, SignatureResult
-from .serial import Unstorable, class_path, describe_backend, device_name, dumps
+from .schema import fingerprint
+from .serial import Unstorable, class_path, describe_backend, device_name, dumps, loads
 from .signatures import describe_call
 from .strategy import Strategy, default_strategy
 from .tuning import apply_groups, dataset_runner, rebuild_group, record, release
 
-ENTRY_VERSION = 1
+ENTRY_VERSION = 2
 OPTIONAL_PACKAGES = ("openvino", "torchao")
 """Their presence changes which default backends build, so their versions are in the key."""
+MAX_ENTRY_BYTES = 16 << 20
+"""A larger entry is not read: a miss."""
+RETRY_AFTER = 24 * 3600
+"""Seconds a cached result that kept the model untuned, or in which a module or depth
+failed, is reused before tweak tunes again (a failure may have been the machine's)."""
+_SCALARS = (bool, int, float, str, type(None))
 
 
 def folder() -> Path:
@@ -62,7 +76,7 @@ def key_parts(model: nn.Module, calls: Sequence[Call], device: torch.device, str
         "torch_tweak": __version__,
         "torch": torch.__version__,
         "device": {"type": device.type, "name": device_name(device)},
-        "modules": [[path, class_path(type(m))] for path, m in model.named_modules()],
+        "modules": [[path, class_path(type(m)), module_state(m)] for path, m in model.named_modules()],
         "tensors": tensors,
         "inputs": [describe_call(args, kwargs) for args, kwargs in calls],
         "strategy": {"class": class_path(type(template)), "kind": template.kind,
@@ -71,7 +85,40 @@ def key_parts(model: nn.Module, calls: Sequence[Call], device: torch.device, str
         "tolerances": {str(k): v for k, v in TOLERANCES.items()},
         "packages": packages,
     }
-    return json.loads(dumps(parts))  # the form an entry read back has
+    return json.loads(dumps(_plain(parts)))  # the form an entry read back has
+
+
+def module_state(module: nn.Module) -> dict[str, Any]:
+    """What in a module changes its behaviour beyond its weights: its ``training`` flag and
+    other plain attributes (scalars, tuples of them: eps, p, stride...), and a fingerprint of
+    its ``config`` object (transformers' config.to_dict(): use_cache, attention kind...)."""
+    state: dict[str, Any] = {}
+    for name, value in vars(module).items():
+        if name.startswith("_"):
+            continue
+        if type(value) in _SCALARS or (type(value) in (tuple, list) and all(type(v) in _SCALARS for v in value)
+                                       and len(value) <= 16):
+            state[name] = value
+    config = getattr(module, "config", None)
+    if config is not None and not isinstance(config, (torch.Tensor, nn.Module)):
+        to_dict = getattr(config, "to_dict", None)
+        try:
+            shown = to_dict() if callable(to_dict) else vars(config)
+        except Exception:  # a config that cannot describe itself: its repr
+            shown = repr(config)
+        state["config"] = fingerprint(shown)
+    return state
+
+
+def _plain(value: Any) -> Any:
+    """`value` with non-finite floats as strings, so canonical JSON can hold it."""
+    if type(value) is float and not math.isfinite(value):
+        return repr(value)
+    if type(value) in (tuple, list):
+        return [_plain(v) for v in value]
+    if type(value) is dict:
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
 
 
 def key_of(parts: dict[str, Any]) -> str:
@@ -79,17 +126,21 @@ def key_of(parts: dict[str, Any]) -> str:
 
 
 def read(key: str, parts: dict[str, Any]) -> dict | None:
-    """The entry for `key` when its parts are exactly `parts`; None otherwise."""
+    """The entry for `key` when its parts are exactly `parts` and it may still be reused;
+    None otherwise. Whatever is wrong with the entry, the answer is a miss."""
     path = folder() / f"{key}.json"
     try:
-        with open(path, encoding="utf-8") as f:
-            entry = json.load(f)
+        entry = loads(read_regular(path, MAX_ENTRY_BYTES))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError):
-        drop(key)  # unreadable or damaged: tune afresh and write it again
+    except Exception:  # a FIFO, a device, too large, not JSON, too deep...: tune afresh and write it again
+        drop(key)
         return None
     if type(entry) is not dict or entry.get("version") != ENTRY_VERSION or entry.get("parts") != parts:
+        return None
+    retry = entry.get("retry_after")
+    if retry is not None and not (type(retry) in (int, float) and time.time() < retry):
+        drop(key)  # a result with failures, or that kept the model untuned, is tried again
         return None
     return entry
 
@@ -106,6 +157,7 @@ def write(key: str, entry: dict) -> None:
 
 
 def drop(key: str) -> None:
+    """Removes an entry (a link is removed, not what it points to; a folder is left)."""
     try:
         (folder() / f"{key}.json").unlink()
     except OSError:
@@ -134,8 +186,11 @@ def entry_of(parts: dict, record_: dict, modules: ModuleResults, model: nn.Modul
         plan.append({"path": path, "signatures": [
             {"key": g.key, "text": g.text, "backend": None if g.backend is None else describe_backend(g.backend)}
             for g in wrapper.tt_signatures]})
+    failed = (not plan or any(m.error for m in modules.values())
+              or any(row.get("error") for row in record_.get("rows", [])))
     return {"version": ENTRY_VERSION, "parts": parts,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "retry_after": time.time() + RETRY_AFTER if failed else None,
             "result": record_, "modules": [module_tree(m) for m in modules.values()], "plan": plan}
 
 

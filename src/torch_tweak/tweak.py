@@ -309,7 +309,7 @@ def _from_cache(model: nn.Module, tree: ModuleTree, calls: list, device: torch.d
     shown.line(f"tuning cache hit {key}: building the cached choices again, no measurement")
     try:
         result = TweakResult.from_record(entry["result"], tree, tuning_cache.module_results(entry))
-    except (KeyError, TypeError, ValueError):
+    except Exception:  # an entry of another shape is a miss like any other
         result = None
         failure = "the entry is damaged"
     else:

@@ -8,6 +8,10 @@ from .inductor import TorchInductorBackend, TorchInductorBackendConfig
 from .openvino import OpenVINOBackend, OpenVINOBackendConfig
 from .torchao import TorchAOBackend, TorchAOBackendConfig
 
+BUILT_IN = (TorchEagerBackend, TorchInductorBackend, DeviceGraphBackend, InductorGraphBackend, OpenVINOBackend,
+            TorchAOBackend)
+"""torch-tweak's own backends: the only classes tt.load builds from a name in a file."""
+
 __all__ = [
     "Backend",
     "BackendConfig",

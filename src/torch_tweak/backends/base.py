@@ -5,11 +5,12 @@ from __future__ import annotations
 import abc
 import copy
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
 from .._samples import Call, unstorable
+from ..schema import Fraction, Spec
 
 
 @dataclasses.dataclass
@@ -21,6 +22,11 @@ class BackendConfig:
     """
 
     tolerance: float | None = None
+
+    SCHEMA: ClassVar[dict[str, Spec]] = {"tolerance": Fraction(0.0, 1.0)}
+    """What a saved file may hold of each field (torch_tweak.schema). A subclass declares
+    its own fields here; a field left out, or a value its spec refuses, is saved only as a
+    fingerprint, and tt.load takes it from the caller's backends=, never from the file."""
 
     def __post_init__(self) -> None:
         if self.tolerance is not None and not (self.tolerance >= 0):
@@ -53,6 +59,9 @@ class Backend(abc.ABC):
     runs the original module itself when a call does not fit (the device graph does). A
     module whose only entry is such a backend then skips the dispatcher's own check."""
     config_class: type[BackendConfig] = BackendConfig
+    opt_in = False
+    """True for a backend that changes results on purpose (quantization): never a default,
+    and tt.load builds it from a file only when the caller passes it in backends=."""
 
     def __init__(self, config: BackendConfig | None = None, **options: Any) -> None:
         if config is not None and options:

@@ -10,6 +10,7 @@ import torch.utils._pytree as pytree
 
 from .._samples import Call
 from ..correctness import tolerance_for
+from ..schema import DType
 from .base import Backend, BackendConfig
 
 
@@ -18,6 +19,8 @@ class TorchEagerBackendConfig(BackendConfig):
     """autocast_dtype: run under torch.autocast with this dtype (None: no autocast)."""
 
     autocast_dtype: torch.dtype | None = None
+
+    SCHEMA = {**BackendConfig.SCHEMA, "autocast_dtype": DType((torch.float16, torch.bfloat16))}
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -36,6 +36,7 @@ import torch.utils._pytree as pytree
 
 from .. import _C
 from .._samples import Call
+from ..schema import Count, Flag, OneOf
 from .base import Backend, BackendConfig
 from .inductor import compile_module
 
@@ -71,6 +72,9 @@ class DeviceGraphBackendConfig(BackendConfig):
     share_pool: bool = False
     capture_error_mode: str = "global"
     lend_outputs: bool = True
+
+    SCHEMA = {**BackendConfig.SCHEMA, "warmup": Count(1, 100), "share_pool": Flag(),
+              "capture_error_mode": OneOf(CAPTURE_ERROR_MODES), "lend_outputs": Flag()}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -415,6 +419,9 @@ class InductorGraphBackendConfig(DeviceGraphBackendConfig):
     mode: str | None = None
     options: dict[str, Any] | None = None
     fullgraph: bool = False
+
+    # options reach Inductor's compiler command lines: never taken from a file
+    SCHEMA = {**DeviceGraphBackendConfig.SCHEMA, "mode": OneOf(INDUCTOR_GRAPH_MODES), "fullgraph": Flag()}
 
     def __post_init__(self) -> None:
         super().__post_init__()

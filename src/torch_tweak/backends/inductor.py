@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from .._samples import Call
+from ..schema import Flag, OneOf
 from .base import Backend, BackendConfig, NeedsStorableSamples
 
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -28,6 +29,10 @@ class TorchInductorBackendConfig(BackendConfig):
     options: dict[str, Any] | None = None
     dynamic: bool | None = None
     fullgraph: bool = False
+
+    # options reach Inductor's compiler command lines: never taken from a file
+    SCHEMA = {**BackendConfig.SCHEMA, "mode": OneOf(MODES), "dynamic": OneOf((None, True, False)),
+              "fullgraph": Flag()}
 
     def __post_init__(self) -> None:
         super().__post_init__()

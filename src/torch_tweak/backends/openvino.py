@@ -27,6 +27,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .._samples import Call, move, unstorable
+from ..schema import Name, OneOf
 from .base import Backend, BackendConfig
 
 PERFORMANCE_HINTS = ("LATENCY", "THROUGHPUT", "CUMULATIVE_THROUGHPUT")
@@ -50,6 +51,10 @@ class OpenVINOBackendConfig(BackendConfig):
     ov_device: str | None = None
     inference_precision: str | None = None
     properties: dict[str, Any] | None = None
+
+    # properties go to OpenVINO as they are: never taken from a file
+    SCHEMA = {**BackendConfig.SCHEMA, "performance_hint": OneOf(PERFORMANCE_HINTS), "conversion": OneOf(CONVERSIONS),
+              "ov_device": Name(r"[A-Z]{2,10}(\.[0-9]{1,2})?"), "inference_precision": OneOf(PRECISIONS)}
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .._samples import Call
+from ..schema import Flag, OneOf
 from .base import Backend, BackendConfig, NeedsStorableSamples, copy_module
 
 MODES = ("int8_weight_only", "int8_dynamic", "fp8")
@@ -43,6 +44,8 @@ class TorchAOBackendConfig(BackendConfig):
     tolerance: float | None = DEFAULT_TOLERANCE
     mode: str = "int8_weight_only"
     compile: bool = False
+
+    SCHEMA = {**BackendConfig.SCHEMA, "mode": OneOf(MODES), "compile": Flag()}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -85,6 +88,7 @@ class TorchAOBackend(NeedsStorableSamples, Backend):
 
     name = "TorchAO"
     config_class = TorchAOBackendConfig
+    opt_in = True
 
     def check_device(self, device: torch.device) -> None:
         reason = device_refusal(self.config.mode, device)
