@@ -53,8 +53,9 @@ PLAN = "plan.json"
 SAMPLES = "samples.safetensors"
 ARTIFACTS = "artifacts/inductor.bin"
 MEMBERS = (MANIFEST, PLAN, SAMPLES, ARTIFACTS)
-MAX_JSON_BYTES = 64 << 20
-"""manifest.json and plan.json inflating past this are refused while they are read."""
+MAX_JSON_BYTES = 16 << 20
+"""manifest.json and plan.json inflating past this are refused while they are read (a plan
+of a hundred modules with eight calls each is well under 1 MiB)."""
 SLACK_BYTES = 256 << 20
 """tt.load reads at most 4 x the model's weights + this from a file unless told (max_bytes)."""
 _SEAL = re.compile(rb"torch-tweak sha256=([0-9a-f]{64}) hmac=([0-9a-f]{64}|-{64})")
@@ -246,8 +247,11 @@ def _read(path: str | os.PathLike, limit: int, key: bytes | None) -> tuple[dict,
             if type(hashes[name]) is not str or hashlib.sha256(members[name]).hexdigest() != hashes[name]:
                 raise CheckpointError(f"{path} is damaged or was changed: the sha256 of {name} does not match "
                                       "its manifest")
+    del archive, data  # the members are copied out: the file's bytes go before the tensors are made
     plan = _json(members.pop(PLAN), PLAN, path)
-    if type(plan) is not dict or type(plan.get("modules")) is not list:
+    depth = plan.get("depth") if type(plan) is dict else None
+    if type(plan) is not dict or type(plan.get("modules")) is not list or not (
+            depth is None or (type(depth) is int and 0 <= depth <= 1000)):
         raise CheckpointError(f"{path}: {PLAN} is not a torch-tweak plan")
     return manifest, plan, members
 
@@ -276,7 +280,8 @@ def _check_seal(data: bytes, comment: bytes, version: int, key: bytes | None, pa
 
 def _member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, cap: int, path: Any) -> bytes:
     """One member's bytes, refused once more than `cap` of them come out of the inflater."""
-    if info.flag_bits & 0x1 or info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+    allowed = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED) if info.filename.endswith(".json") else (zipfile.ZIP_STORED,)
+    if info.flag_bits & 0x1 or info.compress_type not in allowed:
         raise CheckpointError(f"{path}: {info.filename} is encrypted or compressed in a way tt.save never uses")
     out = bytearray()
     try:
