@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import time
 
 import pytest
@@ -11,7 +14,7 @@ from torch import nn
 
 import torch_tweak as tt
 from torch_tweak import _C, tuning_cache
-from support import FAST, MLP, CountingBackend
+from support import FAST, MLP, BrokenBackend, CountingBackend
 
 
 class Slow(nn.Module):
@@ -173,3 +176,172 @@ def test_key_parts_cover_what_changes_a_result(mlp_data):
     names = [b["name"] for b in parts["strategy"]["backends"]]
     assert names[0] == "TorchInductor" and names[-1] == "TorchEager"  # the defaults, when strategy is None
     assert tuning_cache.key_of(parts) != tuning_cache.key_of(dict(parts, settings=dict(settings, max_depth=2)))
+
+
+# ------------------------------------------------------------------ a cache is a cache
+
+
+class Dropping(Net):
+    """Net with dropout in its layers: in train mode their outputs vary, so every backend fails the check."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = Slow(nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5)))
+
+
+def fresh_dropping() -> Dropping:
+    torch.manual_seed(0)
+    return Dropping().eval()
+
+
+def untuned_outputs(build, data) -> list[torch.Tensor]:
+    with torch.no_grad():
+        model = build()
+        return [model(x) for x in data]
+
+
+def answers_as_untuned(model, build, data) -> bool:
+    with torch.no_grad():
+        return all(torch.equal(model(x), e) for x, e in zip(data, untuned_outputs(build, data)))
+
+
+@contextlib.contextmanager
+def deadline(seconds: int):
+    """Fails the test instead of hanging it."""
+    def expired(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def entry_path(folder):
+    (path,) = (folder / "tweaks").glob("*.json")
+    return path
+
+
+def damages(path, valid: dict):
+    """Every way an entry can be broken, each applied to the entry's path in turn."""
+    def write(text):
+        return lambda: path.write_text(text)
+
+    def replace_with(make):
+        def do():
+            path.unlink()
+            make()
+        return do
+
+    def shape(change):
+        def do():
+            entry = json.loads(json.dumps(valid))
+            change(entry)
+            path.write_text(json.dumps(entry))
+        return do
+
+    yield "nested 100k deep", write("[" * 100000 + "]" * 100000)
+    yield "nested 200 deep in a valid entry", shape(lambda e: e.__setitem__("result", json.loads("[" * 200 + "]" * 200)))
+    yield "binary junk", lambda: path.write_bytes(os.urandom(4096))
+    yield "empty", write("")
+    yield "17 MiB of spaces", write(" " * (17 << 20))
+    yield "a FIFO", replace_with(lambda: os.mkfifo(path))
+    yield "a link to /dev/zero", replace_with(lambda: path.symlink_to("/dev/zero"))
+    yield "a link to itself", replace_with(lambda: path.symlink_to(path))
+    yield "an empty folder", replace_with(lambda: path.mkdir())
+    yield "result of another shape", shape(lambda e: e.__setitem__("result", 5))
+    yield "rows of another shape", shape(lambda e: e["result"].__setitem__("rows", [{"depth": "x"}]))
+    yield "modules of another shape", shape(lambda e: e.__setitem__("modules", {"a": 1}))
+    yield "a plan naming no module", shape(lambda e: e.__setitem__("plan", [{"path": "nowhere", "signatures": []}]))
+    yield "a plan of another shape", shape(lambda e: e.__setitem__("plan", [5]))
+    yield "a plan naming another backend", shape(
+        lambda e: e["plan"][0]["signatures"][0].__setitem__("backend", {"class": "os:system", "config": {}}))
+    yield "retry_after not a number", shape(lambda e: e.__setitem__("retry_after", "never"))
+
+
+def test_damaged_entries_are_misses_and_rewritten(mlp_data, tuning_cache_folder):
+    tweak(fresh_net(), mlp_data)
+    path = entry_path(tuning_cache_folder)
+    valid = json.loads(path.read_text())
+    for name, damage in damages(path, valid):
+        damage()
+        model = fresh_net()
+        with deadline(60):
+            result = tweak(model, mlp_data)
+        assert not result.cached, name
+        assert result.selected_depth == 1 and answers_as_untuned(model, fresh_net, mlp_data), name
+        assert path.is_file() and not path.is_symlink(), name  # written again, a plain file
+        again = fresh_net()
+        assert tweak(again, mlp_data).cached, name  # and used by the next tweak
+        assert answers_as_untuned(again, fresh_net, mlp_data), name
+
+
+def test_train_then_eval_tunes_again(mlp_data, tuning_cache_folder):
+    model = fresh_dropping().train()
+    with pytest.warns(UserWarning, match="training mode"):
+        first = tweak(model, mlp_data)
+    assert first.modules["a"].error and first.modules["a"].backend is None  # dropout: it failed the check
+    tt.unwrap(model)
+    model.eval()
+    second = tweak(model, mlp_data)
+    assert not second.cached and second.selected_depth == 1  # another key: tuned afresh, and tuned
+    assert second.modules["a"].backend == "Fast" and not second.modules["a"].error
+    assert answers_as_untuned(model, fresh_dropping, mlp_data)
+    assert len(entries(tuning_cache_folder)) == 2
+
+
+class Configured(Net):
+    """A model whose behaviour depends on a config object, as a transformers model's does."""
+
+    class Config:
+        def __init__(self) -> None:
+            self.double = False
+
+        def to_dict(self) -> dict:
+            return {"double": self.double}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = self.Config()
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x) * self.scale
+        return y * 2 if self.config.double else y
+
+
+def fresh_configured() -> Configured:
+    torch.manual_seed(0)
+    return Configured().eval()
+
+
+def test_config_or_attribute_change_tunes_again(mlp_data, tuning_cache_folder):
+    tweak(fresh_configured(), mlp_data)
+    assert tweak(fresh_configured(), mlp_data).cached
+    changed = fresh_configured()
+    changed.config.double = True  # like use_cache=False on a transformers model
+    assert not tweak(changed, mlp_data).cached
+    scaled = fresh_configured()
+    scaled.scale = 2.0
+    assert not tweak(scaled, mlp_data).cached
+    def built():
+        m = fresh_configured()
+        m.scale = 2.0
+        return m
+    assert answers_as_untuned(scaled, built, mlp_data)
+    assert len(entries(tuning_cache_folder)) == 3
+
+
+def test_failed_result_is_reused_for_a_while_then_tuned_again(mlp_data, tuning_cache_folder, monkeypatch):
+    strategy = tt.OneBackendStrategy(BrokenBackend())
+    assert tweak(fresh_net(), mlp_data, strategy=strategy).selected_depth is None
+    assert tweak(fresh_net(), mlp_data, strategy=strategy).cached  # within RETRY_AFTER: reused
+    later = time.time() + tuning_cache.RETRY_AFTER + 1
+    monkeypatch.setattr(tuning_cache.time, "time", lambda: later)
+    assert not tweak(fresh_net(), mlp_data, strategy=strategy).cached  # then tried again
+    tweak(fresh_net(), mlp_data)  # a result with no failure...
+    assert tweak(fresh_net(), mlp_data).cached  # ...is reused whenever
+    entry = json.loads(sorted((tuning_cache_folder / "tweaks").glob("*.json"), key=os.path.getmtime)[-1].read_text())
+    assert entry["retry_after"] is None

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import hashlib
 import io
 import json
 import os
 import pickle
 import signal
+import stat
 import subprocess
 import sys
 import zipfile
@@ -18,7 +20,8 @@ import torch
 from torch import nn
 
 import torch_tweak as tt
-from torch_tweak import checkpoint, serial
+from torch_tweak import checkpoint, correctness, schema, serial
+from torch_tweak.schema import Fraction
 from torch_tweak.backends import TorchEagerBackend
 from support import FAST, MLP, BrokenBackend, CountingBackend, encoder
 from test_api import assert_unchanged, snapshot
@@ -347,3 +350,164 @@ def test_rebuilt_backend_that_mismatches_runs_the_original(saved):
     assert chosen["head"] is None and chosen["blocks.0"] == "Counting"
     with torch.no_grad():
         assert torch.equal(fresh(data[0]), expected)
+
+
+# ------------------------------------------------------------------ data, never code
+
+
+@dataclasses.dataclass
+class ExtrasConfig(tt.BackendConfig):
+    """A custom config with a free-form field (left out of its schema) and a declared one."""
+
+    extras: dict | None = None
+    scale: float = 1.0
+
+    SCHEMA = {**tt.BackendConfig.SCHEMA, "scale": Fraction(0.0, 10.0, optional=False)}
+
+
+class Extras(CountingBackend):
+    name = "Extras"
+    config_class = ExtrasConfig
+
+
+def saved_with(tmp_path, backend, **save_args):
+    model = fresh_mlp()
+    tt.wrap(model, ["blocks.0", "head"], strategy=tt.OneBackendStrategy(backend))
+    tt.tune(model, two_shapes(), measure=FAST)
+    path = tmp_path / "extras.tt"
+    tt.save(model, path, **save_args)
+    return model, path
+
+
+def test_free_form_values_are_stored_as_fingerprints_and_given_at_load(tmp_path):
+    secret = {"cxx": "some compiler", "flags": ["-O3"]}
+    model, path = saved_with(tmp_path, Extras(extras=secret, scale=2.0))
+    plan = checkpoint.read_summary(path)["plan"]
+    config = plan["modules"][0]["signatures"][0]["backend"]["config"]
+    assert config["scale"] == 2.0 and set(config["extras"]) == {"fingerprint"}
+    assert "some compiler" not in path.read_bytes().decode("latin-1")  # the value is nowhere in the file
+    load_fails(fresh_mlp(), path, "holds only a fingerprint of its extras|is not one of torch-tweak's", backends=None)
+    load_fails(fresh_mlp(), path, "another config than the file.s .its extras.",
+               backends=[Extras(extras={"cxx": "other"}, scale=2.0)])
+    load_fails(fresh_mlp(), path, "another config than the file.s .its scale.", backends=[Extras(extras=secret, scale=3.0)])
+    fresh = fresh_mlp()
+    assert tt.load(fresh, path, backends=[Extras(extras=dict(secret), scale=2.0)]) == {"blocks.0": "Extras",
+                                                                                       "head": "Extras"}
+    data = two_shapes()
+    with torch.no_grad():
+        assert all(torch.equal(fresh(x), model(x)) for x in data)
+
+
+def test_inductor_options_and_openvino_properties_never_reach_a_file():
+    for backend, field in ((tt.backends.TorchInductorBackend(options={"cpp.cxx": ("cc",)}), "options"),
+                           (tt.backends.InductorGraphBackend(options={"max_autotune": True}), "options"),
+                           (tt.backends.OpenVINOBackend(properties={"CACHE_DIR": "/x"}), "properties")):
+        tree = json.loads(serial.dumps(serial.describe_backend(backend)))
+        assert set(tree["config"][field]) == {"fingerprint"}
+        with pytest.raises(ValueError, match=f"takes no {field} from a file"):
+            serial.build_backend(tree)
+        assert type(serial.build_backend(tree, [backend])) is type(backend)  # the caller's own, copied
+    plain = json.loads(serial.dumps(serial.describe_backend(tt.backends.TorchInductorBackend(mode="max-autotune"))))
+    assert serial.build_backend(plain).config.mode == "max-autotune"  # schema values are taken from the file
+
+
+def test_every_built_in_config_declares_its_schema():
+    for cls in tt.backends.BUILT_IN:
+        fields = {f.name for f in dataclasses.fields(cls.config_class)}
+        free = {"options", "properties"}
+        assert set(cls.config_class.SCHEMA) == fields - free, cls  # closed: nothing undeclared but the free-form
+        default = json.loads(serial.dumps(serial.describe_backend(cls())))
+        assert all(not schema.is_fingerprint(v) for v in default["config"].values()), cls
+
+
+def test_opt_in_backend_needs_the_callers_consent(tmp_path):
+    tree = json.loads(serial.dumps(serial.describe_backend(tt.backends.TorchAOBackend())))
+    with pytest.raises(ValueError, match="opt-in"):
+        serial.build_backend(tree)
+    assert type(serial.build_backend(tree, [tt.backends.TorchAOBackend()])) is tt.backends.TorchAOBackend
+
+
+def test_tolerance_from_a_file_is_capped_per_dtype():
+    ref = torch.ones(4)
+    off = ref * 1.2  # 20 % off
+    assert correctness.check(off, ref, tolerance=0.5) == pytest.approx(0.2)  # the caller's own wide tolerance
+    with pytest.raises(correctness.MismatchError, match="tolerance 0.05"):
+        correctness.check(off, ref, tolerance=0.5, bounded=True)  # a file's: at most 0.05 for float32
+    assert correctness.tolerance_for(torch.bfloat16, 1.0, bounded=True) == 0.1
+    assert correctness.tolerance_for(torch.float32, 1e-4, bounded=True) == 1e-4
+
+
+def test_signed_files(tmp_path):
+    key = os.urandom(32)
+    model, path = saved_with(tmp_path, Extras(scale=1.0), key=key)
+    fresh = fresh_mlp()
+    assert tt.load(fresh, path, key=key, backends=[Extras(scale=1.0)])["head"] == "Extras"
+    assert tt.load(fresh_mlp(), path, backends=[Extras(scale=1.0)])["head"] == "Extras"  # the key is the loader's choice
+    load_fails(fresh_mlp(), path, "not signed with this key", key=b"another key", backends=[Extras(scale=1.0)])
+    load_fails(fresh_mlp(), path, "not signed with this key", key=key.hex(), backends=[Extras(scale=1.0)])
+    unsigned = tmp_path / "unsigned.tt"
+    tt.save(model, unsigned)
+    load_fails(fresh_mlp(), unsigned, "is not signed", key=key, backends=[Extras(scale=1.0)])
+    rewrite(path, {}, manifest={"created": "2000-01-01"})  # anything changed, even resealed: not the key's seal
+    load_fails(fresh_mlp(), path, "is not signed", key=key, backends=[Extras(scale=1.0)])
+    for bad in ("", b""):
+        with pytest.raises(ValueError, match="key is empty"):
+            tt.save(model, path, key=bad)
+    with pytest.raises(TypeError, match="key must be bytes or str"):
+        tt.load(fresh_mlp(), path, key=123)
+
+
+def test_file_of_format_1_still_loads(saved, tmp_path):
+    model, data, path = saved
+    with zipfile.ZipFile(path) as archive:
+        files = {n: archive.read(n) for n in archive.namelist()}
+    manifest = json.loads(files["manifest.json"])
+    manifest["version"] = 1
+    files["manifest.json"] = json.dumps(manifest).encode()
+    old = tmp_path / "old.tt"
+    with zipfile.ZipFile(old, "w") as archive:  # format 1: no seal in the zip comment
+        for name, content in files.items():
+            archive.writestr(name, content)
+    fresh = fresh_mlp()
+    assert tt.load(fresh, old, backends=[CountingBackend()])["head"] == "Counting"
+    with torch.no_grad():
+        assert all(torch.equal(fresh(x), model(x)) for x in data)
+    load_fails(fresh_mlp(), old, "is not signed", key=b"k")
+
+
+def test_model_class_in_the_manifest_is_checked(saved):
+    _, _, path = saved
+
+    class Other(MLP):
+        pass
+
+    torch.manual_seed(0)
+    load_fails(Other().eval(), path, "saved from a support:MLP, this is a .*Other")
+
+
+def test_save_honours_the_umask(saved, tmp_path):
+    model, _, _ = saved
+    previous = os.umask(0o022)
+    try:
+        tt.save(model, tmp_path / "a.tt")
+        assert stat.S_IMODE(os.stat(tmp_path / "a.tt").st_mode) == 0o644  # as torch.save and open() give
+        os.umask(0o077)
+        tt.save(model, tmp_path / "b.tt")
+        assert stat.S_IMODE(os.stat(tmp_path / "b.tt").st_mode) == 0o600
+        os.chmod(tmp_path / "a.tt", 0o640)
+        tt.save(model, tmp_path / "a.tt")  # a file saved again keeps its mode
+        assert stat.S_IMODE(os.stat(tmp_path / "a.tt").st_mode) == 0o640
+    finally:
+        os.umask(previous)
+
+
+def test_build_log_warning_reaches_the_caller(tmp_path, monkeypatch, mlp_data):
+    blocked = tmp_path / "cache"
+    blocked.mkdir()
+    (blocked / "logs").write_text("a file where the log folder goes")
+    monkeypatch.setenv("TORCH_TWEAK_CACHE", str(blocked))
+    model = fresh_mlp()
+    tt.wrap(model, ["head"], strategy=tt.OneBackendStrategy(CountingBackend()))
+    with pytest.warns(UserWarning, match="could not write the build log"):
+        tt.tune(model, mlp_data, measure=FAST)
+    assert tt.installed(model)["head"].tt_backend.name == "Counting"  # the tuning itself went on

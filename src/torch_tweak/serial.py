@@ -162,14 +162,21 @@ def build_backend(tree: Any, given: Sequence[Backend] = ()) -> Backend:
         raise ValueError(f"not a stored backend: {str(tree)[:80]}")
     name, config = tree["class"], tree["config"]
     builtin = {class_path(cls): cls for cls in BUILT_IN}
+    short = name.rpartition(":")[2][:60]
+    differ: set[str] = set()
     for backend in given:
         cls = type(backend)
         if class_path(cls) == name:
             names = {f.name for f in dataclasses.fields(cls.config_class)}
-            if set(config) <= names and _normalized(cls, config) == json.loads(dumps(config_tree(backend.config))):
+            mine = json.loads(dumps(config_tree(backend.config)))
+            theirs = _normalized(cls, {k: v for k, v in config.items() if k in names})
+            if set(config) <= names and theirs == mine:
                 return backend.fresh()
+            differ |= {k for k in set(mine) | set(config) if mine.get(k) != theirs.get(k)}
     cls = builtin.get(name)
-    short = name.rpartition(":")[2][:60]
+    if cls is None and differ:
+        raise ValueError(f"the {short} passed in backends= has another config than the file's (its "
+                         f"{', '.join(sorted(k[:40] for k in differ)[:4])}); pass it as it was saved")
     if cls is None:
         raise ValueError(f"the backend class {name[:80]} is not one of torch-tweak's; tt.load never builds a class a "
                          f"file names: pass the backend, tt.load(model, path, backends=[{short}(...)])")

@@ -17,6 +17,7 @@ at most RETRY_AFTER seconds, then tuned again.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import importlib.metadata
@@ -157,9 +158,13 @@ def write(key: str, entry: dict) -> None:
 
 
 def drop(key: str) -> None:
-    """Removes an entry (a link is removed, not what it points to; a folder is left)."""
+    """Removes an entry: a link is removed, not what it points to; an empty folder in its place too."""
+    path = folder() / f"{key}.json"
     try:
-        (folder() / f"{key}.json").unlink()
+        path.unlink()
+    except IsADirectoryError:
+        with contextlib.suppress(OSError):
+            path.rmdir()
     except OSError:
         pass
 
