@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import time
+
 import pytest
 import torch
 
@@ -113,3 +116,66 @@ def test_encoder_tweak_selection_rule(encoder_tweak):
     best = min(r.latency_ms for r in faster)
     tied = [r.depth for r in faster if r.latency_ms <= best * 1.02]
     assert result.selected_depth == min(tied)
+
+
+class Planted(torch.nn.Module):
+    """Sleeps whenever its root runs unwrapped: a slow moment planted on every untuned
+    measurement of the search, while its tuned form is, truly, no faster."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "_tt_root" not in self.__dict__:
+            time.sleep(0.003)
+        return self.lin(x)
+
+
+def test_a_planted_slow_baseline_claims_no_speedup(mlp_data, caplog):
+    torch.manual_seed(0)
+    model = Planted().eval()
+    before = snapshot(model)
+    with torch.no_grad():
+        expected = [model(x) for x in mlp_data]
+    with caplog.at_level(logging.INFO, logger="torch_tweak"):
+        result = tt.tweak(model, mlp_data, max_depth=0, strategy=tt.OneBackendStrategy(CountingBackend()),
+                          progress=False, measure=FAST, cache=False)
+    assert result.rows[0].speedup > 2  # the search alone would have kept depth 0...
+    side = result.confirmation
+    assert side is not None and side["depth"] == 0 and not side["confirmed"]  # ...side by side it is noise
+    assert side["speedup_low"] <= 1.0
+    assert result.selected_depth is None and result.speedup == 1.0 and result.tuned_ms == result.baseline_ms
+    assert "within noise" in str(result) and ">" not in str(result).split("\n", 2)[2]
+    assert_unchanged(model, before)
+    with torch.no_grad():
+        assert all(torch.equal(model(x), e) for x, e in zip(mlp_data, expected))
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "within noise" in r.getMessage()]
+    assert len(warned) == 1  # the engine's own line, once, through logging
+
+
+def test_a_real_speedup_is_confirmed_side_by_side(mlp_data):
+    class Slow(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            time.sleep(0.002)
+            return self.inner(x)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Slow(torch.nn.Linear(16, 16))).eval()
+
+    class SkipSleep(CountingBackend):
+        name = "SkipSleep"
+
+        def build(self, module, samples, device):
+            return getattr(module, "inner", module)
+
+    result = tt.tweak(model, mlp_data, strategy=tt.OneBackendStrategy(SkipSleep()), progress=False, measure=FAST,
+                      cache=False)
+    side = result.confirmation
+    assert side["confirmed"] and side["speedup_low"] > 1.0 and result.selected_depth == side["depth"]
+    assert result.speedup == pytest.approx(side["speedup"]) and tt.installed(model)
+    assert "kept depth" in str(result) and "measured side by side" in str(result)

@@ -136,12 +136,15 @@ char *tw_tree_format(const tw_tree *tree, tw_error *err);
 
 /* How to run something that is measured. run(ctx, i) makes call i of the
  * dataset (0 <= i < n_samples); sync(ctx) waits for the device (NULL: nothing
- * to wait for). The clock comes from the host. */
+ * to wait for); round(ctx), when not NULL, is called before every round, warm-up
+ * included, outside the timed calls (it puts the model in the state this runner
+ * measures). The clock comes from the host. */
 typedef struct tw_runner {
     void *ctx;
     size_t n_samples;
     tw_code (*run)(void *ctx, size_t sample, tw_error *err);
     tw_code (*sync)(void *ctx, tw_error *err);
+    tw_code (*round)(void *ctx, tw_error *err);
 } tw_runner;
 
 /* The measurement protocol. One call is timed as: sync, clock, run, sync,
@@ -271,6 +274,8 @@ const char *tw_strategy_name(tw_strategy_kind kind);
  *   the whole tweak: a module in several cuts is tuned at the first and
  *   reused after.
  * activate(): switch the entered cut's tuned modules to their backends.
+ * deactivate(): switch them back to their original forward, still wrapped
+ *   (may be NULL: the kept depth is then not confirmed, see tw_tweak_run).
  * leave(): unwrap the entered cut, leaving the model as it was.
  * model: runs the whole model on the dataset (used for every measurement).
  * On TW_EINTERRUPT from any callback the engine calls leave() (if a cut is
@@ -285,6 +290,7 @@ typedef struct tw_tweak_ops {
                      tw_error *err);
     tw_code (*tune)(void *ctx, size_t node, tw_error *err);
     tw_code (*activate)(void *ctx, tw_error *err);
+    tw_code (*deactivate)(void *ctx, tw_error *err);
     tw_code (*leave)(void *ctx, tw_error *err);
     tw_runner model;
 } tw_tweak_ops;
@@ -317,7 +323,14 @@ typedef struct tw_result tw_result;
  * whose latency is within tie_tolerance of the fastest (latency <= fastest *
  * (1 + tie_tolerance)). When no depth is faster, nothing is selected and the
  * model stays untuned. The selected cut is entered and activated again at the
- * end (modules are not tuned again) and stays so.
+ * end (modules are not tuned again).
+ * Confirmation (when ops->deactivate is set): the selected cut, active, and
+ * the same cut deactivated are measured side by side (tw_measure_compare, one
+ * runner activating before each round, the other deactivating), so that the
+ * claimed speedup never rests on measurements taken at different moments. The
+ * cut is kept only when the speedup's interval lies above 1: the tuned q75
+ * below the untuned q25. Otherwise it is left, nothing is selected, and the
+ * confirmation says why (see tw_confirmation). The kept cut ends active.
  * A dry run computes the rows with their module counts and calls nothing;
  * ops may be NULL then. A depth not started for the budget still reports its
  * modules, and as failed those that failed at a shallower depth.
@@ -360,6 +373,27 @@ void tw_result_baseline(const tw_result *result, tw_stats *stats, int *measured)
 /* Per module of the tree: 1 tuned, -1 failed, 0 never tuned; its error in
  * *error ("" when none, owned by the result). */
 int tw_result_module(const tw_result *result, size_t node, const char **error);
+
+/* A spread (see tw_stats) above this makes the result table say the machine
+ * was too busy to measure well, and what to do. */
+#define TW_NOISY_SPREAD 0.25
+
+/* The selected depth measured side by side with the untuned model. */
+typedef struct tw_confirmation {
+    int measured;        /* 0: none (nothing selected, no deactivate, a dry run) */
+    int depth;           /* the depth that was confirmed, or found within noise */
+    int confirmed;       /* 1: faster beyond noise, the cut is kept */
+    tw_stats tuned;      /* the cut active */
+    tw_stats untuned;    /* the same cut deactivated */
+    double speedup;      /* untuned median / tuned median */
+    double speedup_low;  /* untuned q25 / tuned q75: the interval's low end */
+    double speedup_high; /* untuned q75 / tuned q25 */
+} tw_confirmation;
+
+/* Copies the confirmation into *out (all zero when none was measured). */
+void tw_result_confirmation(const tw_result *result, tw_confirmation *out);
+/* 1 when any measurement of the result spread more than TW_NOISY_SPREAD. */
+int tw_result_noisy(const tw_result *result);
 
 /* The result table: one row per depth (depth, modules wrapped, latency in ms,
  * speedup against untuned, status or error) and one for the untuned model,

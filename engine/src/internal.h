@@ -112,6 +112,7 @@ struct tw_result {
     long selected;
     tw_stats baseline;
     int baseline_measured;
+    tw_confirmation confirmation;
     size_t module_count;
     int *module_state;        /* 1 tuned, -1 failed, 0 never tuned */
     char **module_error;      /* NULL when none */

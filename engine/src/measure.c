@@ -132,6 +132,14 @@ static tw_code tw_run_round(const tw_host *host, const tw_runner *runner, double
     char what[64];
     size_t i;
 
+    if (runner->round != NULL) {
+        tw_error_clear(&cb_err);
+        rc = runner->round(runner->ctx, &cb_err);
+        if (rc != TW_OK) {
+            tw_error_forward(err, rc, &cb_err, "preparing a round");
+            goto cleanup;
+        }
+    }
     for (i = 0; i < runner->n_samples; i++) {
         rc = tw_sync_runner(runner, i, err);
         if (rc != TW_OK) {

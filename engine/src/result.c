@@ -2,6 +2,7 @@
  * result.c - the result of a tweak: rows per depth, the untuned baseline,
  * each module's outcome, and the table a user reads.
  */
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -128,6 +129,46 @@ void tw_result_baseline(const tw_result *result, tw_stats *stats, int *measured)
     }
 }
 
+void tw_result_confirmation(const tw_result *result, tw_confirmation *out)
+{
+    if (out == NULL) {
+        goto cleanup;
+    }
+    if (result != NULL) {
+        *out = result->confirmation;
+    } else {
+        memset(out, 0, sizeof *out);
+    }
+cleanup:
+    return;
+}
+
+/* The widest spread of any measurement of the result. */
+static double tw_result_max_spread(const tw_result *result)
+{
+    double widest = 0.0;
+    size_t i;
+
+    if (result->baseline_measured) {
+        widest = result->baseline.spread;
+    }
+    for (i = 0; i < result->row_count; i++) {
+        if (result->rows[i].row.state == TW_ROW_MEASURED && result->rows[i].row.stats.spread > widest) {
+            widest = result->rows[i].row.stats.spread;
+        }
+    }
+    if (result->confirmation.measured) {
+        widest = result->confirmation.tuned.spread > widest ? result->confirmation.tuned.spread : widest;
+        widest = result->confirmation.untuned.spread > widest ? result->confirmation.untuned.spread : widest;
+    }
+    return widest;
+}
+
+int tw_result_noisy(const tw_result *result)
+{
+    return result != NULL && tw_result_max_spread(result) > TW_NOISY_SPREAD;
+}
+
 int tw_result_module(const tw_result *result, size_t node, const char **error)
 {
     int state = 0;
@@ -147,12 +188,22 @@ int tw_result_module(const tw_result *result, size_t node, const char **error)
 
 /* Fixed columns: marker, depth, modules, failed, latency, speedup; the status
  * comes last because it is the only field of unbounded length. */
-#define TW_TABLE_ROW "%-2s%7s  %7s  %6s  %10s  %7s"
+#define TW_TABLE_ROW "%-2s%7s  %7s  %6s  %10s  %6s  %7s"
 
 static void tw_format_latency(char *out, size_t size, const tw_stats *stats, int valid)
 {
     if (valid) {
         snprintf(out, size, "%.3f", stats->median_ns / 1e6);
+    } else {
+        snprintf(out, size, "-");
+    }
+}
+
+/* The relative spread of the rounds, (q75 - q25) / median, in percent. */
+static void tw_format_spread(char *out, size_t size, const tw_stats *stats, int valid)
+{
+    if (valid && isfinite(stats->spread)) {
+        snprintf(out, size, "%.0f%%", stats->spread * 100.0);
     } else {
         snprintf(out, size, "-");
     }
@@ -177,7 +228,9 @@ static void tw_format_depth_row(tw_buf *buf, const tw_result *result, size_t i)
     char modules[24];
     char failed[24];
     char latency[32];
+    char spread[32];
     char speedup[32];
+    const tw_confirmation *c = &result->confirmation;
 
     snprintf(depth, sizeof depth, "%d", row->depth);
     snprintf(modules, sizeof modules, "%zu", row->modules);
@@ -188,13 +241,16 @@ static void tw_format_depth_row(tw_buf *buf, const tw_result *result, size_t i)
         snprintf(failed, sizeof failed, "%zu", row->failed);
     }
     tw_format_latency(latency, sizeof latency, &row->stats, measured);
+    tw_format_spread(spread, sizeof spread, &row->stats, measured);
     tw_format_speedup(speedup, sizeof speedup, result, &row->stats, measured);
     tw_buf_appendf(buf, TW_TABLE_ROW, (long)i == result->selected ? ">" : "", depth,
-                   modules, failed, latency, speedup);
+                   modules, failed, latency, spread, speedup);
     switch (row->state) {
     case TW_ROW_MEASURED:
         if ((long)i == result->selected) {
             tw_buf_appendf(buf, "  selected");
+        } else if (c->measured && !c->confirmed && c->depth == row->depth) {
+            tw_buf_appendf(buf, "  within noise side by side");
         }
         break;
     case TW_ROW_SKIPPED:
@@ -214,9 +270,20 @@ static void tw_format_depth_row(tw_buf *buf, const tw_result *result, size_t i)
 static void tw_format_summary(tw_buf *buf, const tw_result *result)
 {
     const tw_row *row;
+    const tw_confirmation *c = &result->confirmation;
 
     if (result->dry_run) {
         tw_buf_appendf(buf, "dry run: nothing was built or measured\n");
+    } else if (c->measured && c->confirmed) {
+        tw_buf_appendf(buf, "kept depth %d: %.2fx faster than untuned, measured side by side "
+                       "(%.3f ms, spread %.0f%%, against %.3f ms, spread %.0f%%; %.2fx to "
+                       "%.2fx)\n", c->depth, c->speedup, c->tuned.median_ns / 1e6,
+                       c->tuned.spread * 100.0, c->untuned.median_ns / 1e6,
+                       c->untuned.spread * 100.0, c->speedup_low, c->speedup_high);
+    } else if (c->measured) {
+        tw_buf_appendf(buf, "depth %d was within noise of the untuned model measured side by "
+                       "side (%.2fx, from %.2fx to %.2fx): it stays untuned\n", c->depth,
+                       c->speedup, c->speedup_low, c->speedup_high);
     } else if (result->selected >= 0) {
         row = &result->rows[result->selected].row;
         tw_buf_appendf(buf, "selected depth %d: %.2fx faster than untuned (%.3f ms against "
@@ -234,6 +301,7 @@ char *tw_result_format(const tw_result *result, tw_error *err)
     tw_buf buf;
     char *text = NULL;
     char latency[32];
+    char spread[32];
     char speedup[32];
     size_t i;
 
@@ -243,19 +311,25 @@ char *tw_result_format(const tw_result *result, tw_error *err)
     }
     tw_buf_init(&buf, &result->host);
     tw_buf_appendf(&buf, TW_TABLE_ROW "  %s\n", "", "depth", "modules", "failed",
-                   "latency ms", "speedup", "status");
+                   "latency ms", "spread", "speedup", "status");
     tw_buf_appendf(&buf, TW_TABLE_ROW "  %s\n", "", "-----", "-------", "------",
-                   "----------", "-------", "------");
+                   "----------", "------", "-------", "------");
     for (i = 0; i < result->row_count; i++) {
         tw_format_depth_row(&buf, result, i);
     }
     tw_format_latency(latency, sizeof latency, &result->baseline, result->baseline_measured);
+    tw_format_spread(spread, sizeof spread, &result->baseline, result->baseline_measured);
     tw_format_speedup(speedup, sizeof speedup, result, &result->baseline,
                       result->baseline_measured);
     /* the untuned model wraps nothing: its module columns stay empty */
-    tw_buf_appendf(&buf, TW_TABLE_ROW "%s\n", "", "untuned", "-", "-", latency, speedup,
+    tw_buf_appendf(&buf, TW_TABLE_ROW "%s\n", "", "untuned", "-", "-", latency, spread, speedup,
                    result->baseline_measured ? "" : "  not measured");
     tw_format_summary(&buf, result);
+    if (tw_result_noisy(result)) {
+        tw_buf_appendf(&buf, "the measurements spread by up to %.0f%%: the machine was busy; close "
+                       "other work and tweak again, or measure longer (measure={\"rounds_max\": "
+                       "200})\n", tw_result_max_spread(result) * 100.0);
+    }
     text = tw_buf_take(&buf);
     if (text == NULL) {
         tw_error_set(err, TW_ENOMEM, "out of memory formatting the result table");

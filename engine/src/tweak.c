@@ -372,6 +372,102 @@ cleanup:
     return rc;
 }
 
+static tw_code tw_round_active(void *ctx, tw_error *err)
+{
+    const tw_tweak_ops *ops = ctx;
+
+    return ops->activate(ops->ctx, err);
+}
+
+static tw_code tw_round_inactive(void *ctx, tw_error *err)
+{
+    const tw_tweak_ops *ops = ctx;
+
+    return ops->deactivate(ops->ctx, err);
+}
+
+static tw_code tw_run_model(void *ctx, size_t sample, tw_error *err)
+{
+    const tw_tweak_ops *ops = ctx;
+
+    return ops->model.run(ops->model.ctx, sample, err);
+}
+
+static tw_code tw_sync_model(void *ctx, tw_error *err)
+{
+    const tw_tweak_ops *ops = ctx;
+
+    return ops->model.sync(ops->model.ctx, err);
+}
+
+/* Measures the applied cut active and deactivated side by side, and keeps it
+ * only when the speedup's interval lies above 1. A failure to measure is not
+ * fatal: the cut is left and the error logged, as for a depth that failed. */
+static tw_code tw_confirm_selected(tw_search *s, tw_error *err)
+{
+    tw_code rc = TW_OK;
+    tw_result *r = s->result;
+    tw_confirmation *c = &r->confirmation;
+    tw_runner runners[2];
+    tw_stats stats[2];
+    tw_error cause;
+    size_t failed;
+    int depth = r->rows[r->selected].row.depth;
+    int k;
+
+    s->entered = 1; /* until it is confirmed, any failure leaves the cut */
+    for (k = 0; k < 2; k++) {
+        runners[k].ctx = (void *)s->ops;
+        runners[k].n_samples = s->ops->model.n_samples;
+        runners[k].run = tw_run_model;
+        runners[k].sync = s->ops->model.sync != NULL ? tw_sync_model : NULL;
+        runners[k].round = k == 0 ? tw_round_active : tw_round_inactive;
+    }
+    tw_error_clear(&cause);
+    rc = tw_measure_runners(s->host, runners, 2, &s->cfg->measure, stats, &failed, &cause);
+    if (rc == TW_EINTERRUPT || failed == TW_NO_RUNNER) {
+        if (rc != TW_OK) {
+            tw_error_set(err, rc, "confirming depth %d: %s", depth, cause.msg);
+            goto cleanup;
+        }
+    } else if (rc != TW_OK) {
+        tw_host_logf(s->host, 1, "depth %d could not be confirmed: %s", depth, cause.msg);
+        rc = TW_OK;
+        r->selected = -1;
+        goto leave;
+    }
+    c->measured = 1;
+    c->depth = depth;
+    c->tuned = stats[0];
+    c->untuned = stats[1];
+    c->speedup = stats[0].median_ns > 0 ? stats[1].median_ns / stats[0].median_ns : 0.0;
+    c->speedup_low = stats[0].q75_ns > 0 ? stats[1].q25_ns / stats[0].q75_ns : 0.0;
+    c->speedup_high = stats[0].q25_ns > 0 ? stats[1].q75_ns / stats[0].q25_ns : 0.0;
+    c->confirmed = c->speedup_low > 1.0;
+    if (c->confirmed) {
+        /* the last round may have been the untuned one */
+        tw_error_clear(&cause);
+        rc = s->ops->activate(s->ops->ctx, &cause);
+        if (rc == TW_OK) {
+            s->entered = 0;
+            tw_host_logf(s->host, 0, "depth %d kept: %.2fx faster side by side (%.2fx to %.2fx)",
+                         depth, c->speedup, c->speedup_low, c->speedup_high);
+            goto cleanup;
+        }
+        tw_error_forward(&cause, rc, &cause, "activate");
+        tw_error_set(err, rc, "activating the kept depth %d failed: %s", depth, cause.msg);
+        goto cleanup;
+    }
+    tw_host_logf(s->host, 1, "depth %d is within noise of the untuned model side by side "
+                 "(%.2fx, %.2fx to %.2fx): the model stays untuned", depth, c->speedup,
+                 c->speedup_low, c->speedup_high);
+    r->selected = -1;
+leave:
+    rc = tw_leave_cut(s, depth, err);
+cleanup:
+    return rc;
+}
+
 static void tw_fill_dry_rows(tw_search *s)
 {
     size_t i;
@@ -432,6 +528,9 @@ static tw_code tw_run_search(tw_search *s, tw_error *err)
     tw_select_depth(s);
     if (r->selected >= 0) {
         rc = tw_apply_selected(s, err);
+        if (rc == TW_OK && s->ops->deactivate != NULL) {
+            rc = tw_confirm_selected(s, err);
+        }
     }
 cleanup:
     return rc;

@@ -118,7 +118,7 @@ static inline void fake_runner_init(fake_runner *r, fake_env *env, int id,
 
 static inline tw_runner fake_runner_of(fake_runner *r)
 {
-    tw_runner runner = {r, r->n_samples, fake_run, NULL};
+    tw_runner runner = {r, r->n_samples, fake_run, NULL, NULL};
     return runner;
 }
 

@@ -32,6 +32,10 @@ typedef struct fake_model {
     tw_code depth_fail[MAX_DEPTH];     /* the model fails when active at this depth */
     uint64_t base_first;              /* untuned latency before any leave() */
     uint64_t base_second;             /* untuned latency after */
+    uint64_t wrapped_latency;         /* a cut entered but deactivated; 0: as untuned */
+    double jitter;                    /* each call's latency varies by up to this fraction */
+    uint64_t lcg;                     /* the jitter's random state */
+    tw_code deactivate_rc;
     tw_code enter_rc;
     tw_code activate_rc;
     int activate_fail_at;             /* this activate (1, 2...) fails; 0: none */
@@ -42,6 +46,7 @@ typedef struct fake_model {
     int enters;
     int leaves;
     int activates;
+    int deactivates;
     int entered;
     int active;
     int depth;                        /* depth of the entered cut */
@@ -124,6 +129,19 @@ static inline tw_code model_activate(void *ctx, tw_error *err)
     return TW_OK;
 }
 
+static inline tw_code model_deactivate(void *ctx, tw_error *err)
+{
+    fake_model *m = ctx;
+
+    CHECK(m->entered);
+    m->deactivates++;
+    if (m->deactivate_rc != TW_OK) {
+        return tw_error_set(err, m->deactivate_rc, "cannot deactivate depth %d", m->depth);
+    }
+    m->active = 0;
+    return TW_OK;
+}
+
 static inline tw_code model_leave(void *ctx, tw_error *err)
 {
     fake_model *m = ctx;
@@ -139,6 +157,19 @@ static inline tw_code model_leave(void *ctx, tw_error *err)
     return TW_OK;
 }
 
+/* `latency` moved by up to +-jitter of itself, from a fixed random sequence. */
+static inline uint64_t model_jittered(fake_model *m, uint64_t latency)
+{
+    double u;
+
+    if (m->jitter == 0.0) {
+        return latency;
+    }
+    m->lcg = m->lcg * 6364136223846793005ULL + 1442695040888963407ULL;
+    u = (double)(m->lcg >> 11) / 9007199254740992.0; /* [0, 1) */
+    return (uint64_t)((double)latency * (1.0 + m->jitter * (2.0 * u - 1.0)));
+}
+
 static inline tw_code model_run(void *ctx, size_t sample, tw_error *err)
 {
     fake_model *m = ctx;
@@ -149,14 +180,18 @@ static inline tw_code model_run(void *ctx, size_t sample, tw_error *err)
             return tw_error_set(err, m->depth_fail[m->depth], "model broke at depth %d",
                                 m->depth);
         }
-        m->env.now += m->depth_latency[m->depth];
+        m->env.now += model_jittered(m, m->depth_latency[m->depth]);
         return TW_OK;
     }
     if (m->baseline_rc != TW_OK) {
         return tw_error_set(err, m->baseline_rc, "untuned model broke");
     }
     m->untuned_runs++;
-    m->env.now += m->leaves == 0 ? m->base_first : m->base_second;
+    if (m->entered && m->wrapped_latency != 0) {
+        m->env.now += model_jittered(m, m->wrapped_latency);
+        return TW_OK;
+    }
+    m->env.now += model_jittered(m, m->leaves == 0 ? m->base_first : m->base_second);
     return TW_OK;
 }
 
@@ -187,11 +222,13 @@ static inline tw_tweak_ops fake_model_ops(fake_model *m)
     ops.enter = model_enter;
     ops.tune = model_tune;
     ops.activate = model_activate;
+    ops.deactivate = NULL;
     ops.leave = model_leave;
     ops.model.ctx = m;
     ops.model.n_samples = 2;
     ops.model.run = model_run;
     ops.model.sync = NULL;
+    ops.model.round = NULL;
     return ops;
 }
 

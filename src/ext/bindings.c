@@ -26,6 +26,7 @@ typedef struct TtCall {
     PyObject *stash;   /* new reference: stops everything, raised at the end */
     PyObject *failure; /* new reference: the latest Exception of a callback */
     uint64_t last_ns;  /* the clock's last reading, returned after a failure */
+    PyObject *log;     /* borrowed; NULL: the engine's lines go nowhere */
     tw_host host;
 } TtCall;
 
@@ -48,6 +49,22 @@ tt_call_init(TtCall *call, TtState *st, PyObject *clock, PyObject *sync)
     call->sync = sync == Py_None ? NULL : sync;
     call->host.ctx = call;
     call->host.now_ns = call->clock != NULL ? tt_clock_now : NULL;
+}
+
+/* The engine's log lines, passed to the tweak's log(level, text) callable. A
+ * logger that fails loses that line, never the tweak. */
+static void
+tt_call_log(void *ctx, int level, const char *msg)
+{
+    TtCall *call = (TtCall *)ctx;
+    PyObject *out; /* new reference */
+
+    if (call->log == NULL || call->stash != NULL)
+        return;
+    out = PyObject_CallFunction(call->log, "is", level, msg);
+    if (out == NULL)
+        PyErr_Clear();
+    Py_XDECREF(out);
 }
 
 static void
@@ -217,6 +234,7 @@ tt_runner_init(tw_runner *runner, TtRun *run, size_t n_samples)
     runner->n_samples = n_samples;
     runner->run = tt_run_sample;
     runner->sync = run->call->sync != NULL ? tt_run_sync : NULL;
+    runner->round = NULL;
 }
 
 /* Raises for an engine code with its message; no call context. */
@@ -1278,6 +1296,37 @@ tt_result_get_baseline(TtResult *self, void *closure)
 }
 
 static PyObject *
+tt_result_get_confirmation(TtResult *self, void *closure)
+{
+    tw_confirmation c;
+    PyObject *tuned = NULL, *untuned = NULL; /* new references */
+    PyObject *result = NULL;
+
+    (void)closure;
+    tw_result_confirmation(self->result, &c);
+    if (!c.measured)
+        Py_RETURN_NONE;
+    if ((tuned = tt_stats_to_dict(&c.tuned)) == NULL ||
+        (untuned = tt_stats_to_dict(&c.untuned)) == NULL)
+        goto cleanup;
+    result = Py_BuildValue("{s:i,s:O,s:O,s:O,s:d,s:d,s:d}", "depth", c.depth, "confirmed",
+                           c.confirmed ? Py_True : Py_False, "tuned", tuned, "untuned", untuned,
+                           "speedup", c.speedup, "speedup_low", c.speedup_low, "speedup_high",
+                           c.speedup_high);
+cleanup:
+    Py_XDECREF(tuned);
+    Py_XDECREF(untuned);
+    return result;
+}
+
+static PyObject *
+tt_result_get_noisy(TtResult *self, void *closure)
+{
+    (void)closure;
+    return PyBool_FromLong(tw_result_noisy(self->result));
+}
+
+static PyObject *
 tt_result_module(TtResult *self, PyObject *arg)
 {
     const char *error = NULL;
@@ -1317,6 +1366,12 @@ static PyGetSetDef tt_result_getset[] = {
     {"rows", (getter)tt_result_get_rows, NULL, "One dict per depth.", NULL},
     {"selected", (getter)tt_result_get_selected, NULL,
      "Index into rows, or -1 when the model stays untuned.", NULL},
+    {"confirmation", (getter)tt_result_get_confirmation, NULL,
+     "The kept depth measured side by side with the untuned model: a dict (depth, confirmed, "
+     "tuned, untuned, speedup, speedup_low, speedup_high), or None when none was measured.",
+     NULL},
+    {"noisy", (getter)tt_result_get_noisy, NULL,
+     "True when a measurement spread more than the engine's noisy limit (a busy machine).", NULL},
     {"baseline", (getter)tt_result_get_baseline, NULL,
      "The untuned model's statistics; None on a dry run.", NULL},
     {NULL, NULL, NULL, NULL, NULL}};
@@ -1340,7 +1395,7 @@ static PyType_Spec tt_result_spec = {
 
 typedef struct TtTweak {
     TtCall *call;
-    PyObject *enter, *tune, *activate, *leave; /* borrowed */
+    PyObject *enter, *tune, *activate, *deactivate, *leave; /* borrowed; deactivate may be NULL */
     TtRun model;
 } TtTweak;
 
@@ -1396,6 +1451,14 @@ tt_tweak_activate(void *ctx, tw_error *err)
 }
 
 static tw_code
+tt_tweak_deactivate(void *ctx, tw_error *err)
+{
+    TtTweak *tw = (TtTweak *)ctx;
+
+    return tt_call_invoke(tw->call, tw->deactivate, NULL, 0, 0, err);
+}
+
+static tw_code
 tt_tweak_leave(void *ctx, tw_error *err)
 {
     TtTweak *tw = (TtTweak *)ctx;
@@ -1409,11 +1472,12 @@ tt_py_tweak(PyObject *module, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"tree", "enter", "tune", "activate", "leave", "run", "n_samples",
                              "sync", "min_depth", "max_depth", "tie_tolerance", "time_budget",
-                             "dry_run", "config", "clock", NULL};
+                             "dry_run", "config", "clock", "deactivate", "log", NULL};
     TtState *st = (TtState *)PyModule_GetState(module);
     PyObject *tree = NULL, *enter = NULL, *tune = NULL, *activate = NULL, *leave = NULL;
     PyObject *run = NULL, *n_obj = NULL, *sync = Py_None, *budget = Py_None;
-    PyObject *config = Py_None, *clock = Py_None; /* all borrowed */
+    PyObject *config = Py_None, *clock = Py_None, *deactivate = Py_None;
+    PyObject *log = Py_None; /* all borrowed */
     TtResult *res_obj = NULL;
     PyObject *result = NULL;
     Py_ssize_t n_samples = 0;
@@ -1428,10 +1492,11 @@ tt_py_tweak(PyObject *module, PyObject *args, PyObject *kwargs)
     tt_call_init(&call, st, Py_None, Py_None);
     memset(&err, 0, sizeof(err));
     tw_tweak_config_default(&cfg);
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!|$OOOOOOOiidOpOO:tweak", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!|$OOOOOOOiidOpOOOO:tweak", kwlist,
                                      st->TreeType, &tree, &enter, &tune, &activate, &leave,
                                      &run, &n_obj, &sync, &cfg.min_depth, &cfg.max_depth,
-                                     &cfg.tie_tolerance, &budget, &cfg.dry_run, &config, &clock))
+                                     &cfg.tie_tolerance, &budget, &cfg.dry_run, &config, &clock,
+                                     &deactivate, &log))
         goto cleanup;
     {
         /* keyword-only and required: PyArg_Parse* has no format for that */
@@ -1457,7 +1522,8 @@ tt_py_tweak(PyObject *module, PyObject *args, PyObject *kwargs)
     n_samples = PyLong_AsSsize_t(n_obj);
     if ((n_samples == -1 && PyErr_Occurred()) || tt_check_n_samples(n_samples) < 0)
         goto cleanup;
-    if (tt_check_callable(sync, "sync", 1) < 0 || tt_check_callable(clock, "clock", 1) < 0)
+    if (tt_check_callable(sync, "sync", 1) < 0 || tt_check_callable(clock, "clock", 1) < 0 ||
+        tt_check_callable(deactivate, "deactivate", 1) < 0 || tt_check_callable(log, "log", 1) < 0)
         goto cleanup;
     if (cfg.min_depth < 0) {
         PyErr_Format(PyExc_ValueError, "min_depth must be >= 0, not %d", cfg.min_depth);
@@ -1479,10 +1545,13 @@ tt_py_tweak(PyObject *module, PyObject *args, PyObject *kwargs)
         goto cleanup;
 
     tt_call_init(&call, st, clock, sync);
+    call.log = log == Py_None ? NULL : log;
+    call.host.log = tt_call_log;
     tw.call = &call;
     tw.enter = enter;
     tw.tune = tune;
     tw.activate = activate;
+    tw.deactivate = deactivate == Py_None ? NULL : deactivate;
     tw.leave = leave;
     tw.model.call = &call;
     tw.model.run = run;
@@ -1492,6 +1561,7 @@ tt_py_tweak(PyObject *module, PyObject *args, PyObject *kwargs)
     ops.enter = tt_tweak_enter;
     ops.tune = tt_tweak_tune;
     ops.activate = tt_tweak_activate;
+    ops.deactivate = tw.deactivate != NULL ? tt_tweak_deactivate : NULL;
     ops.leave = tt_tweak_leave;
     tt_runner_init(&ops.model, &tw.model, (size_t)n_samples);
 

@@ -90,6 +90,14 @@ class Result:
         """Index into rows, or -1 when the model stays untuned."""
     @property
     def baseline(self) -> Optional[Stats]: ...
+    @property
+    def confirmation(self) -> Optional[dict[str, Any]]:
+        """The kept depth measured side by side with the untuned model: {"depth",
+        "confirmed", "tuned": Stats, "untuned": Stats, "speedup", "speedup_low",
+        "speedup_high"}; None when none was measured."""
+    @property
+    def noisy(self) -> bool:
+        """A measurement spread more than the engine's noisy limit (a busy machine)."""
     def module(self, node: int) -> tuple[int, str]:
         """(1 tuned, -1 failed, 0 never tuned; error)."""
     def format(self) -> str: ...
@@ -108,9 +116,13 @@ def tweak(tree: Tree, *,
           time_budget: Optional[float] = None,
           dry_run: bool = False,
           config: Optional[dict[str, Any]] = None,
-          clock: Optional[Callable[[], int]] = None) -> Result:
+          clock: Optional[Callable[[], int]] = None,
+          deactivate: Optional[Callable[[], object]] = None,
+          log: Optional[Callable[[int, str], object]] = None) -> Result:
     """tw_tweak_run. time_budget in seconds, >= 0 (None: none; 0: used up before
-    the first depth). max_depth -1: deepest."""
+    the first depth). max_depth -1: deepest. deactivate: switch the entered cut
+    back to the original forward (given: the kept depth is confirmed side by
+    side). log(level, text): the engine's lines, level 0 info, 1 warning."""
 
 class Signature:
     """What one call of a module looked like: the number of positional

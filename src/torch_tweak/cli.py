@@ -179,7 +179,7 @@ def command_tweak(args: argparse.Namespace) -> int:
 
 
 def command_show(args: argparse.Namespace) -> int:
-    if not os.path.isfile(args.file):
+    if not os.path.lexists(args.file):
         raise CliError(f"{args.file} does not exist")
     from .checkpoint import read_summary
     try:

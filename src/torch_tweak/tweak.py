@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import warnings
 import weakref
@@ -14,7 +15,7 @@ from torch import nn
 from . import _C, tuning_cache
 from ._samples import load_dataset, resolve_device, synchronizer
 from .inspecting import ModuleTree, trace
-from .module import MODE_ACTIVE, TunedModule, install, installed, make_wrapper, uninstall, unwrap
+from .module import MODE_ACTIVE, MODE_ORIGINAL, TunedModule, install, installed, make_wrapper, uninstall, unwrap
 from .progress import Progress
 from .report import ModuleResult, ModuleResults, SignatureResult
 from .strategy import Strategy, default_backends, default_strategy
@@ -52,9 +53,15 @@ class TweakResult:
     """What tt.tweak did. ``print(result)`` shows a table, one row per depth.
 
     selected_depth: the depth kept, or None when the model stays untuned.
-    baseline_ms: latency of the untuned model per call (the lower of its measurements).
-    tuned_ms: latency of the selected depth (the baseline when none is selected).
-    speedup: baseline_ms / tuned_ms.
+    baseline_ms: latency of the untuned model per call: measured side by side with the
+    kept depth when one was confirmed (see confirmation), else the lower of its
+    measurements during the search.
+    tuned_ms: latency of the kept depth, side by side (the baseline when none is kept).
+    speedup: baseline_ms / tuned_ms (1.0 when the model stays untuned).
+    confirmation: the best depth measured side by side with the untuned model, interleaved
+    (docs/tweak.md): {"depth", "confirmed", "tuned", "untuned", "speedup", "speedup_low",
+    "speedup_high"}, or None when no depth beat the untuned model in the search.
+    noisy: True when a measurement spread more than 25 % (a busy machine).
     rows: a DepthResult per depth; untuned: the DepthResult of the untuned model.
     modules: a ModuleResult per tuned module, by path; ``print(result.modules)`` shows, per
     module and input signature, every candidate backend's latency or why it lost.
@@ -69,6 +76,8 @@ class TweakResult:
         self.modules = modules
         base = engine.baseline
         self.baseline_ms = None if base is None else base["median_ns"] / 1e6
+        self.confirmation = engine.confirmation
+        self.noisy = engine.noisy
         chosen = engine.selected
         rows = []
         for i, row in enumerate(engine.rows):
@@ -81,6 +90,10 @@ class TweakResult:
         self.selected_depth = rows[chosen].depth if chosen >= 0 else None
         self.untuned = DepthResult(None, 0, 0, self.baseline_ms, None if base is None else 1.0, "", chosen < 0)
         self.tuned_ms = rows[chosen].latency_ms if chosen >= 0 else self.baseline_ms
+        side = self.confirmation
+        if side is not None and side["confirmed"]:
+            self.baseline_ms = side["untuned"]["median_ns"] / 1e6
+            self.tuned_ms = side["tuned"]["median_ns"] / 1e6
         self.speedup = (self.baseline_ms / self.tuned_ms
                         if self.baseline_ms is not None and self.tuned_ms else None)
 
@@ -92,6 +105,7 @@ class TweakResult:
     def to_record(self) -> dict:
         """The result as plain JSON (what the tuning cache keeps)."""
         return {"rows": [dataclasses.asdict(r) for r in self.rows], "baseline_ms": self.baseline_ms,
+                "tuned_ms": self.tuned_ms, "confirmation": self.confirmation, "noisy": self.noisy,
                 "table": str(self)}
 
     @classmethod
@@ -104,12 +118,14 @@ class TweakResult:
         self.tree = tree
         self.modules = modules
         self.baseline_ms = record["baseline_ms"]
+        self.confirmation = record["confirmation"]
+        self.noisy = bool(record["noisy"])
         self.rows = [DepthResult(**row) for row in record["rows"]]
         chosen = next((r for r in self.rows if r.selected), None)
         self.selected_depth = None if chosen is None else chosen.depth
         self.untuned = DepthResult(None, 0, 0, self.baseline_ms, None if self.baseline_ms is None else 1.0, "",
                                    chosen is None)
-        self.tuned_ms = chosen.latency_ms if chosen is not None else self.baseline_ms
+        self.tuned_ms = record["tuned_ms"]
         self.speedup = (self.baseline_ms / self.tuned_ms
                         if self.baseline_ms is not None and self.tuned_ms else None)
         return self
@@ -124,6 +140,14 @@ class TweakResult:
     def __repr__(self) -> str:
         return (f"<TweakResult selected_depth={self.selected_depth} baseline_ms={self.baseline_ms} "
                 f"tuned_ms={self.tuned_ms}>")
+
+
+log = logging.getLogger("torch_tweak")
+
+
+def _engine_log(level: int, text: str) -> None:
+    """The engine's lines: per-depth results at INFO, a depth skipped or not kept at WARNING."""
+    log.log(logging.WARNING if level else logging.INFO, text)
 
 
 def _check_arguments(min_depth: Any, max_depth: Any, tie_tolerance: Any, time_budget: Any) -> None:
@@ -198,6 +222,12 @@ class _Session:
             wrapper = self.wrappers[node]
             if wrapper.tt_backend is not None:
                 wrapper._tt_mode = MODE_ACTIVE
+
+    def deactivate(self) -> None:
+        """The entered cut back to the original forward, still wrapped: the untuned side of
+        the engine's side-by-side confirmation."""
+        for node in self.entered:
+            self.wrappers[node]._tt_mode = MODE_ORIGINAL
 
     def leave(self) -> None:
         for node in reversed(self.entered):
@@ -274,7 +304,8 @@ def tweak(model: nn.Module, dataset: Any, *, min_depth: int = 0, max_depth: int 
         with torch.no_grad():
             engine = _C.tweak(
                 tree.tree, enter=session.enter, tune=session.tune, activate=session.activate,
-                leave=session.leave, run=run, n_samples=len(calls), sync=synchronizer(device),
+                leave=session.leave, deactivate=session.deactivate, log=_engine_log, run=run,
+                n_samples=len(calls), sync=synchronizer(device),
                 min_depth=min_depth, max_depth=-1 if max_depth is None else max_depth,
                 tie_tolerance=float(tie_tolerance),
                 time_budget=None if time_budget is None else max(float(time_budget), 1e-9), dry_run=bool(dry_run),
