@@ -50,6 +50,8 @@ typedef struct TtState {
     TtGetter tensor_dtype;        /* torch.Tensor's getters of dtype, shape, device */
     TtGetter tensor_shape;
     TtGetter tensor_device;
+    TtGetter tensor_requires_grad;
+    PyObject *grad_enabled;       /* torch._C.is_grad_enabled; NULL until first needed */
     PyObject *str_dtype;
     PyObject *str_shape;
     PyObject *str_device;
@@ -57,6 +59,7 @@ typedef struct TtState {
     PyObject *str_tensor;         /* "Tensor" */
     PyObject *str_torch;          /* "torch" */
     PyObject *str_get_device;     /* "get_device" */
+    PyObject *str_requires_grad;  /* "requires_grad" */
 } TtState;
 
 extern PyModuleDef tt_module_def;
