@@ -29,13 +29,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _C
 from ._samples import resolve_device
 from .cache import atomic_file
 from .backends import InductorGraphBackend, TorchAOBackend, TorchInductorBackend
-from .module import MODE_ACTIVE, installed, make_wrapper, install, resolve_paths, unwrap
+from .module import MODE_ACTIVE, arm_untuned, installed, make_wrapper, install, resolve_paths, unwrap
 from .serial import Unstorable, build_backend, class_path, decode, describe_backend, device_name, dumps, encode
-from .signatures import OTHER, SignatureGroup
+from .signatures import OTHER, SignatureGroup, forward_params, make_signature
 from .tuning import apply_groups, model_class_name, rebuild_group
 
 FORMAT = "torch-tweak"
@@ -231,7 +230,7 @@ def load(model: nn.Module, path: str | os.PathLike, *, device: Any = None,
     manifest, plan, data = _read(path)
     target = _target_device(model, device, manifest, path)
     steps = _check_plan(model, plan, path)
-    groups = _groups(plan, data, target, path)
+    groups = _groups(plan, data, target, path, model)
     artifacts = data.get(ARTIFACTS)
     if trust_artifacts and artifacts is not None:
         if manifest.get("torch") == torch.__version__:
@@ -269,6 +268,7 @@ def load(model: nn.Module, path: str | os.PathLike, *, device: Any = None,
         unwrap(model)
         raise
     SELECTED_DEPTHS[model] = plan.get("depth")
+    arm_untuned(model)
     return chosen
 
 
@@ -358,7 +358,8 @@ def _shape(value: Any) -> str:
     return "absent" if value is None else f"{value[1]}{value[0]}"
 
 
-def _groups(plan: dict, data: dict[str, bytes], device: torch.device, path: Any) -> list[list[SignatureGroup]]:
+def _groups(plan: dict, data: dict[str, bytes], device: torch.device, path: Any,
+            model: nn.Module) -> list[list[SignatureGroup]]:
     """The stored calls and outputs of every signature, tensors on `device`."""
     from safetensors import SafetensorError
     from safetensors.torch import load as load_tensors
@@ -384,8 +385,9 @@ def _groups(plan: dict, data: dict[str, bytes], device: torch.device, path: Any)
                 text, key = str(sig["text"]), str(sig["key"])
                 if len(samples) != len(outputs):
                     raise ValueError("as many outputs as calls are needed")
+                params = forward_params(model.get_submodule(item["path"]) if item["path"] else model)
                 signature = None if key == "other" and text == OTHER else (
-                    _C.Signature(*samples[0]) if samples else False)
+                    make_signature(*samples[0], params) if samples else False)
             except (ValueError, TypeError, KeyError, RuntimeError) as exc:
                 raise CheckpointError(f"{path}: the stored calls of {item['path'] or '(root)'} are damaged: "
                                       f"{exc}") from None

@@ -85,6 +85,8 @@ class TorchAOBackend(NeedsStorableSamples, Backend):
 
     name = "TorchAO"
     config_class = TorchAOBackendConfig
+    # Gradients would flow into the quantized copy, never into the model's own weights.
+    supports_autograd = False
 
     def check_device(self, device: torch.device) -> None:
         reason = device_refusal(self.config.mode, device)
