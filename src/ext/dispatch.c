@@ -447,7 +447,7 @@ cleanup:
  * (borrowed) in the recorded order, an argument passed by position bound to
  * the keyword of its parameter's name and back (sig->params); 0 when the
  * call does not lay out so (other names or counts); -1 on MemoryError. */
-static int
+static TT_INLINE int
 tt_signature_bind(const TtSignature *sig, PyObject *const *args, Py_ssize_t nargs,
                   PyObject *kwnames, TtStack *stack, PyObject *const **out)
 {
@@ -509,7 +509,7 @@ cleanup:
 
 /* 1 when the bound arguments (recorded layout) fit every spec, 0 when not,
  * -1 on a BaseException. */
-static int
+static TT_INLINE int
 tt_signature_match_bound(const TtSignature *sig, PyObject *const *bound)
 {
     Py_ssize_t i;
@@ -1094,7 +1094,7 @@ typedef struct {
     /* A tuple of (signature or None, backend, cacheable, flags, lock or None)
      * tuples. cacheable: no earlier entry can match a call this one matches,
      * so trying it first keeps first-match semantics. flags: TT_ENTRY_*, an
-     * int; lock: a capsule of a TtEntryLock for TT_ENTRY_SERIALIZE. Replaced
+     * int, None for 0 (one compare on the hot path); lock: a capsule of a TtEntryLock for TT_ENTRY_SERIALIZE. Replaced
      * whole, never mutated: a call holds a reference while it walks, so a
      * backend may set new entries. */
     PyObject *entries;
@@ -1121,13 +1121,14 @@ typedef struct TtHit {
 } TtHit;
 
 /* 1 when `entry` takes the call, filling *hit; 0 when not; -1 on error. */
-static int
+static TT_INLINE int
 tt_entry_take(PyObject *entry, PyObject *const *args, size_t nargsf, PyObject *kwnames,
               TtStack *stack, TtHit *hit)
 {
-    PyObject *sig = PyTuple_GET_ITEM(entry, 0); /* borrowed */
+    PyObject *sig = PyTuple_GET_ITEM(entry, 0);   /* borrowed */
+    PyObject *flag = PyTuple_GET_ITEM(entry, 3);  /* borrowed: None for no flags */
     PyObject *const *bound = args;
-    long flags = PyLong_AsLong(PyTuple_GET_ITEM(entry, 3));
+    long flags = TT_LIKELY(flag == Py_None) ? 0 : PyLong_AsLong(flag);
     int rc = 1;
 
     if (sig != Py_None) {
@@ -1140,7 +1141,9 @@ tt_entry_take(PyObject *entry, PyObject *const *args, size_t nargsf, PyObject *k
     }
     hit->backend = PyTuple_GET_ITEM(entry, 1);
     hit->flags = flags;
-    hit->lock = PyTuple_GET_ITEM(entry, 4) != Py_None ? PyTuple_GET_ITEM(entry, 4) : NULL;
+    hit->lock = TT_LIKELY(flags == 0) ? NULL : PyTuple_GET_ITEM(entry, 4);
+    if (hit->lock == Py_None)
+        hit->lock = NULL;
     if (TT_LIKELY(bound == args)) {
         /* the caller's args, offset flag included, go through untouched */
         hit->args = args;
@@ -1386,9 +1389,10 @@ tt_dispatcher_vectorcall(PyObject *callable, PyObject *const *args, size_t nargs
     result = PyObject_Vectorcall(target, args, nargsf, kwnames);
     Py_DECREF(target);
 cleanup:
-    if (lock != NULL)
+    if (TT_UNLIKELY(lock != NULL))
         tt_entry_lock_release(lock);
-    PyMem_Free(stack.heap);
+    if (TT_UNLIKELY(stack.heap != NULL))
+        PyMem_Free(stack.heap);
     Py_XDECREF(entries);
     return result;
 }
@@ -1547,7 +1551,7 @@ tt_dispatcher_set_entries(TtDispatcher *self, PyObject *arg)
                 tt_signature_overlap((TtSignature *)earlier, (TtSignature *)sig))
                 cacheable = 0;
         }
-        if ((flags = PyLong_FromLong(bits)) == NULL)
+        if ((flags = bits == 0 ? Py_NewRef(Py_None) : PyLong_FromLong(bits)) == NULL)
             goto cleanup;
         lock = (bits & TT_ENTRY_SERIALIZE) ? tt_entry_lock_new() : Py_NewRef(Py_None);
         entry = lock == NULL ? NULL

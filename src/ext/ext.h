@@ -26,7 +26,10 @@
 #if defined(__GNUC__) || defined(__clang__)
 #define TT_LIKELY(x) __builtin_expect(!!(x), 1)
 #define TT_UNLIKELY(x) __builtin_expect(!!(x), 0)
+/* for the few helpers of the per-call path that the compiler would keep out of line */
+#define TT_INLINE inline __attribute__((always_inline))
 #else
+#define TT_INLINE inline
 #define TT_LIKELY(x) (x)
 #define TT_UNLIKELY(x) (x)
 #endif
