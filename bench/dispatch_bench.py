@@ -8,6 +8,8 @@ repeats, each a loop of many calls) and writes bench/results/dispatch.md:
     + signature       the same through a Signature of one tensor (dtype, shape, device)
     subclass          a TunedModule-shaped subclass (Dispatcher, nn.Module), signature None
     fallback          a call the signature rejects, so the original (the backend) runs
+    keywords          a call by keyword through a Signature recorded with the same keywords,
+                      in the recorded order (the fast path) and reversed (bound by name)
     nn.Identity()     nn.Module.__call__ around a trivial forward: what a wrapper replaces
 
 Dispatcher overhead = dispatcher call - direct call. Usage:
@@ -40,6 +42,10 @@ def backend(x):
     return x
 
 
+def kw_backend(a=None, b=None):
+    return a
+
+
 def dispatcher(entries, original=backend, cls=_C.Dispatcher):
     d = cls(original) if cls is not _C.Dispatcher else cls()
     if cls is _C.Dispatcher:
@@ -50,8 +56,10 @@ def dispatcher(entries, original=backend, cls=_C.Dispatcher):
 
 
 def per_call_ns(fn, arg, number: int, repeat: int) -> tuple[float, float]:
-    """(median ns per call over the repeats, their min-max range as a fraction of it)."""
-    timer = timeit.Timer("fn(arg)", globals={"fn": fn, "arg": arg})
+    """(median ns per call over the repeats, their min-max range as a fraction of it).
+    arg: one positional argument, or a dict of keyword arguments (in its order)."""
+    stmt = "fn(**arg)" if isinstance(arg, dict) else "fn(arg)"
+    timer = timeit.Timer(stmt, globals={"fn": fn, "arg": arg})
     timer.timeit(number // 10 or 1)  # warm caches
     runs = [t / number * 1e9 for t in timer.repeat(repeat=repeat, number=number)]
     median = statistics.median(runs)
@@ -80,6 +88,7 @@ def main() -> None:
     x = torch.ones(8, 16)
     other = torch.ones(4, 16)
     sig = _C.Signature((x,), {})
+    kwsig = _C.Signature((), {"a": x, "b": x})
     cases = [
         ("direct call of the backend", backend, x),
         ("Dispatcher, active, signature None", dispatcher([(None, backend)]), x),
@@ -88,6 +97,11 @@ def main() -> None:
          dispatcher([(None, backend)], nn.Identity(), TunedLike), x),
         ("Dispatcher, signature mismatch -> original", dispatcher([(sig, backend)]), other),
         ("nn.Identity() (nn.Module.__call__)", nn.Identity(), x),
+        ("direct call, 2 keywords", kw_backend, {"a": x, "b": x}),
+        ("Dispatcher, 2-keyword Signature, recorded order",
+         dispatcher([(kwsig, kw_backend)], kw_backend), {"a": x, "b": x}),
+        ("Dispatcher, 2-keyword Signature, reversed order",
+         dispatcher([(kwsig, kw_backend)], kw_backend), {"b": x, "a": x}),
     ]
     loop = per_call_ns(lambda a: None, x, args.number, args.repeat)[0]
     results = [(name, *per_call_ns(fn, arg, args.number, args.repeat)) for name, fn, arg in cases]

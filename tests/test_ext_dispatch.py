@@ -456,3 +456,203 @@ def test_signature_values_take_part_in_gc():
     del node
     gc.collect()
     assert ref() is None
+
+
+# ------------------------------------------------- binding by name (issue 12)
+
+
+def laid_out(*args, **kwargs):
+    """A backend that returns the layout it was called with."""
+    return len(args), tuple(kwargs), args + tuple(kwargs.values())
+
+
+def bound_dispatcher(signature, backend=laid_out, flags=0, original=None):
+    d = _C.Dispatcher()
+    d._tt_bind(original or (lambda *a, **k: "original"))
+    d._tt_set_entries([(signature, backend, flags)])
+    d._tt_mode = 1
+    return d
+
+
+def test_a_call_is_laid_out_as_recorded_whatever_the_callers_order():
+    a, b = torch.randn(2), torch.randn(3)
+    d = bound_dispatcher(_C.Signature((), {"a": a, "b": b}, None, ("a", "b")))
+    for call in (lambda: d(a=a, b=b), lambda: d(b=b, a=a), lambda: d(a, b), lambda: d(a, b=b)):
+        n, names, values = call()
+        assert (n, names) == (0, ("a", "b"))
+        assert values[0] is a and values[1] is b
+    assert d._tt_fallbacks == 0
+    assert d(b, a=a) == "original"  # b by position is the parameter a: given twice
+    assert d._tt_fallbacks == 1
+
+
+def test_positional_recording_takes_keywords_by_parameter_name():
+    x, mask = torch.randn(2, 4), torch.ones(2, 4, dtype=torch.int64)
+    d = bound_dispatcher(_C.Signature((x, mask), {}, None, ("input_ids", "attention_mask")))
+    for call in (lambda: d(x, mask), lambda: d(x, attention_mask=mask),
+                 lambda: d(attention_mask=mask, input_ids=x)):
+        n, names, values = call()
+        assert (n, names) == (2, ())
+        assert values[0] is x and values[1] is mask
+    assert d(mask, x) == "original"  # values checked after binding: dtype differs
+
+
+def test_without_params_only_keyword_order_is_bound():
+    a, b = torch.randn(2), torch.randn(2)
+    d = bound_dispatcher(_C.Signature((), {"a": a, "b": b}))
+    assert d(b=b, a=a)[1] == ("a", "b")
+    assert d(a, b) == "original"
+
+
+def test_positional_only_parameters_are_never_bound_by_keyword():
+    a = torch.randn(2)
+    d = bound_dispatcher(_C.Signature((a,), {}, None, (None,)))
+    assert d(a)[0] == 1
+    assert d(x=a) == "original"
+
+
+def test_a_long_call_is_bound_on_the_heap():
+    values = [torch.randn(1) for _ in range(40)]
+    names = tuple(f"p{i}" for i in range(40))
+    sig = _C.Signature((), dict(zip(names, values)), None, names)
+    d = bound_dispatcher(sig)
+    n, got, passed = d(*values[:3], **dict(reversed(list(zip(names[3:], values[3:])))))
+    assert n == 0 and got == names and all(p is v for p, v in zip(passed, values))
+
+
+def test_signature_bind_and_params():
+    a, b = torch.randn(2), torch.randn(2)
+    sig = _C.Signature((a,), {"b": b}, None, ["a", "b"])
+    assert sig.params == ("a", "b")
+    args, kwargs = sig.bind((), {"b": b, "a": a})
+    assert args[0] is a and list(kwargs) == ["b"] and kwargs["b"] is b
+    assert sig.bind((a, b, b), {}) is None
+    assert sig.matches((a, b), {}) and not sig.matches((a,), {"c": b})
+    with pytest.raises(ValueError, match="both by position and by keyword"):
+        _C.Signature((a,), {"a": b}, None, ("a",))
+    with pytest.raises(ValueError, match="named twice"):
+        _C.Signature((a,), {}, None, ("a", "a"))
+    with pytest.raises(TypeError, match="params"):
+        _C.Signature((a,), {}, None, (1,))
+
+
+def test_overlap_is_unsure_between_layouts_that_bind_alike():
+    a, b = torch.randn(2), torch.randn(2)
+    first, second = counting("first")[0], counting("second")[0]
+    d = bound_dispatcher(_C.Signature((a, b), {}, None, ("a", "b")), first)
+    d._tt_set_entries([(_C.Signature((a, b), {}, None, ("a", "b")), first),
+                       (_C.Signature((a,), {"b": b}, None, ("a", "b")), second)])
+    assert d(a, b=b) == "first" and d(a, b=b) == "first"  # first match, also when cached
+
+
+# ------------------------------------------------------ entry flags (issue 12)
+
+
+def test_entry_flags_are_checked():
+    d = _C.Dispatcher()
+    with pytest.raises(ValueError, match="ENTRY_"):
+        d._tt_set_entries([(None, print, 64)])
+    with pytest.raises(TypeError):
+        d._tt_set_entries([(None, print, 1, 2)])
+    assert {_C.ENTRY_SERIALIZE, _C.ENTRY_NO_AUTOGRAD, _C.ENTRY_LAYOUT_ONLY} == {1, 2, 4}
+
+
+def test_no_autograd_entry_runs_the_original_when_autograd_would_record():
+    lin = nn.Linear(3, 3)
+    x = torch.randn(2, 3)
+    backend, calls = counting("backend")
+    d = bound_dispatcher(_C.Signature((x,), {}), backend, _C.ENTRY_NO_AUTOGRAD, original=lin)
+    d._tt_set_params(tuple(m._parameters for m in lin.modules()))
+    assert d(x).requires_grad and d._tt_grad_fallbacks == 1 and not calls  # weights need grad
+    with torch.no_grad():
+        assert d(x) == "backend"
+    with torch.inference_mode():
+        assert d(x) == "backend"
+    lin.requires_grad_(False)
+    assert d(x) == "backend"
+    assert d(x.clone().requires_grad_()).requires_grad  # an input needs grad
+    assert d._tt_grad_fallbacks == 2
+
+
+def test_autograd_entries_never_read_grad_mode():
+    x = torch.randn(2, 3, requires_grad=True)
+    backend, calls = counting("backend")
+    d = bound_dispatcher(_C.Signature((x,), {}), backend)
+    assert d(x) == "backend" and d._tt_grad_fallbacks == 0
+
+
+def test_serialized_entry_runs_one_call_at_a_time():
+    import threading
+    import time
+
+    inside, most = [0], [0]
+
+    def backend(x):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        time.sleep(0.0005)  # lets the other threads in, were they allowed
+        inside[0] -= 1
+        return x
+
+    x = torch.randn(2)
+    for flags, serial in ((_C.ENTRY_SERIALIZE, True), (0, False)):
+        inside[0] = most[0] = 0
+        d = bound_dispatcher(_C.Signature((x,), {}), backend, flags)
+        threads = [threading.Thread(target=lambda: [d(x) for _ in range(50)]) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert (most[0] == 1) is serial, most[0]
+
+
+def test_serialized_entry_is_reentrant_on_one_thread():
+    x = torch.randn(2)
+    box = {}
+
+    def backend(x, depth=0):
+        return depth if depth == 2 else box["d"](x, depth=depth + 1)
+
+    d = _C.Dispatcher()
+    d._tt_bind(print)
+    d._tt_set_entries([(None, backend, _C.ENTRY_SERIALIZE)])
+    d._tt_mode = 1
+    box["d"] = d
+    assert d(x) == 2
+
+
+def test_layout_only_entry_binds_but_does_not_check_values():
+    a = torch.randn(2)
+    d = bound_dispatcher(_C.Signature((), {"a": a, "b": 1}, None, ("a", "b")), flags=_C.ENTRY_LAYOUT_ONLY)
+    n, names, values = d(torch.randn(5), b=2)  # another shape and value: the backend checks
+    assert (n, names, values[1]) == (0, ("a", "b"), 2)
+    assert d(torch.randn(5)) == "original"  # but not another layout
+
+
+def test_notify_is_called_once_per_reason_until_reset():
+    x = torch.randn(2, 3)
+    seen = []
+    d = bound_dispatcher(_C.Signature((x,), {}), counting()[0], _C.ENTRY_NO_AUTOGRAD)
+    d._tt_set_notify(seen.append)
+    for _ in range(3):
+        d(torch.randn(5))
+        d(x.clone().requires_grad_())
+    assert seen == ["no signature matched", "grad mode"]
+    assert (d._tt_fallbacks, d._tt_grad_fallbacks) == (3, 3)
+    d._tt_reset_untuned()
+    assert (d._tt_fallbacks, d._tt_grad_fallbacks) == (0, 0)
+    d(torch.randn(5))
+    assert seen[-1] == "no signature matched" and len(seen) == 3
+    d._tt_set_notify(None)
+    d(x.clone().requires_grad_())
+    assert len(seen) == 3
+
+
+def test_a_failing_notify_never_fails_the_call(monkeypatch):
+    x = torch.randn(2, 3)
+    d = bound_dispatcher(_C.Signature((x,), {}))
+    d._tt_set_notify(lambda reason: 1 / 0)
+    reported = []
+    monkeypatch.setattr(sys, "unraisablehook", reported.append)
+    assert d(torch.randn(5)) == "original"
+    assert len(reported) == 1 and reported[0].exc_type is ZeroDivisionError

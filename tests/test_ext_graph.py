@@ -364,3 +364,14 @@ def test_bad_lent_arguments_are_named():
         _C.GraphReplay(*args, replay=print, lent=(0, print, x, []))
     with pytest.raises(ValueError, match="lend item 0"):
         _C.GraphReplay(*args, replay=print, lent=(0, print, x, [(1, 2)]))
+
+
+def test_on_fallback_is_called_once_at_the_next_fallback():
+    replay, _, _ = make()
+    seen = []
+    replay.on_fallback = lambda: seen.append(replay.fallbacks)
+    replay(torch.randn(5), y=torch.randn(5))
+    replay(torch.randn(5), y=torch.randn(5))
+    assert seen == [1] and replay.on_fallback is None
+    with pytest.raises(TypeError):
+        replay.on_fallback = 3

@@ -24,6 +24,9 @@ def test_package_is_marked_typed():
 def test_stubs_name_every_public_member_and_nothing_else():
     tree = stub_tree()
     stubbed = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    constants = {node.target.id for node in tree.body if isinstance(node, ast.AnnAssign)}
+    stubbed |= constants
+    assert all(isinstance(getattr(_C, n, None), int) for n in constants), "stubbed constants the extension lacks"
     public = {name for name in dir(_C) if not name.startswith("_")}
     assert stubbed - {"Stats"} >= public, f"not in the stubs: {sorted(public - stubbed)}"
     assert not {n for n in stubbed if not hasattr(_C, n)}, "stubs of names the extension lacks"

@@ -26,7 +26,10 @@
 #if defined(__GNUC__) || defined(__clang__)
 #define TT_LIKELY(x) __builtin_expect(!!(x), 1)
 #define TT_UNLIKELY(x) __builtin_expect(!!(x), 0)
+/* for the few helpers of the per-call path that the compiler would keep out of line */
+#define TT_INLINE inline __attribute__((always_inline))
 #else
+#define TT_INLINE inline
 #define TT_LIKELY(x) (x)
 #define TT_UNLIKELY(x) (x)
 #endif
@@ -50,6 +53,8 @@ typedef struct TtState {
     TtGetter tensor_dtype;        /* torch.Tensor's getters of dtype, shape, device */
     TtGetter tensor_shape;
     TtGetter tensor_device;
+    TtGetter tensor_requires_grad;
+    PyObject *grad_enabled;       /* torch._C.is_grad_enabled; NULL until first needed */
     PyObject *str_dtype;
     PyObject *str_shape;
     PyObject *str_device;
@@ -57,6 +62,7 @@ typedef struct TtState {
     PyObject *str_tensor;         /* "Tensor" */
     PyObject *str_torch;          /* "torch" */
     PyObject *str_get_device;     /* "get_device" */
+    PyObject *str_requires_grad;  /* "requires_grad" */
 } TtState;
 
 extern PyModuleDef tt_module_def;

@@ -205,6 +205,7 @@ typedef struct {
     TtState *state;
     PyObject *signature;   /* a Signature */
     PyObject *original;    /* called for inputs that do not fit */
+    PyObject *on_fallback; /* NULL, or called once at the first fallback after it was set */
     PyObject *rebuild;     /* NULL, or called with the list of output copies */
     PyObject *keep;        /* kept alive with the graph (the graph object, its pool) */
     PyObject *get_stream;  /* driver mode: torch._C._cuda_getCurrentRawStream */
@@ -662,6 +663,28 @@ cleanup:
     return result;
 }
 
+/* Calls on_fallback once and forgets it. -1 when it raised a BaseException
+ * that is not an Exception; an Exception is reported as unraisable. */
+static int
+tt_graph_notify(TtGraphReplay *self)
+{
+    PyObject *notify = self->on_fallback; /* the reference moves here */
+    PyObject *done;                       /* new reference */
+    int rc = 0;
+
+    self->on_fallback = NULL;
+    done = PyObject_CallNoArgs(notify);
+    if (done == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_Exception))
+            PyErr_WriteUnraisable(notify);
+        else
+            rc = -1;
+    }
+    Py_XDECREF(done);
+    Py_DECREF(notify);
+    return rc;
+}
+
 static PyObject *
 tt_graph_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
                     PyObject *kwnames)
@@ -681,6 +704,8 @@ tt_graph_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
     }
     if (TT_UNLIKELY(!fits)) {
         self->fallbacks++;
+        if (TT_UNLIKELY(self->on_fallback != NULL) && tt_graph_notify(self) < 0)
+            goto cleanup;
         if (self->original == NULL) {
             PyErr_SetString(PyExc_RuntimeError, "GraphReplay has been cleared");
             goto cleanup;
@@ -1104,6 +1129,7 @@ tt_graph_traverse(TtGraphReplay *self, visitproc visit, void *arg)
     Py_VISIT(Py_TYPE(self));
     Py_VISIT(self->signature);
     Py_VISIT(self->original);
+    Py_VISIT(self->on_fallback);
     Py_VISIT(self->rebuild);
     Py_VISIT(self->keep);
     for (i = 0; i < self->ninputs; i++)
@@ -1166,6 +1192,7 @@ tt_graph_clear(TtGraphReplay *self)
     }
     Py_CLEAR(self->signature);
     Py_CLEAR(self->original);
+    Py_CLEAR(self->on_fallback);
     Py_CLEAR(self->rebuild);
     Py_CLEAR(self->keep);
     return 0;
@@ -1216,7 +1243,28 @@ tt_graph_driver_error(PyObject *cls, PyObject *unused)
     return PyUnicode_FromString(why);
 }
 
+static PyObject *
+tt_graph_get_on_fallback(TtGraphReplay *self, void *closure)
+{
+    (void)closure;
+    return Py_NewRef(self->on_fallback != NULL ? self->on_fallback : Py_None);
+}
+
+static int
+tt_graph_set_on_fallback(TtGraphReplay *self, PyObject *value, void *closure)
+{
+    (void)closure;
+    if (value != NULL && value != Py_None && !PyCallable_Check(value)) {
+        PyErr_SetString(PyExc_TypeError, "on_fallback must be a callable or None");
+        return -1;
+    }
+    Py_XSETREF(self->on_fallback, value == NULL || value == Py_None ? NULL : Py_NewRef(value));
+    return 0;
+}
+
 static PyGetSetDef tt_graph_getset[] = {
+    {"on_fallback", (getter)tt_graph_get_on_fallback, (setter)tt_graph_set_on_fallback,
+     "None, or called with no arguments at the next fallback, once (then None again).", NULL},
     {"replays", tt_get_counter, NULL, "Calls that replayed a recording.",
      TT_FIELD(TtGraphReplay, replays)},
     {"lent", tt_get_counter, NULL,

@@ -127,7 +127,9 @@ tt_state_tensor_type(TtState *st)
     }
     if (tt_getter_find((PyTypeObject *)tensor, st->str_dtype, &st->tensor_dtype) < 0 ||
         tt_getter_find((PyTypeObject *)tensor, st->str_shape, &st->tensor_shape) < 0 ||
-        tt_getter_find((PyTypeObject *)tensor, st->str_device, &st->tensor_device) < 0)
+        tt_getter_find((PyTypeObject *)tensor, st->str_device, &st->tensor_device) < 0 ||
+        tt_getter_find((PyTypeObject *)tensor, st->str_requires_grad,
+                       &st->tensor_requires_grad) < 0)
         goto cleanup;
     st->tensor_type = (PyTypeObject *)tensor;
     tensor = NULL;
@@ -180,7 +182,8 @@ tt_module_exec(PyObject *module)
         (st->str_name = tt_intern("__name__")) == NULL ||
         (st->str_tensor = tt_intern("Tensor")) == NULL ||
         (st->str_torch = tt_intern("torch")) == NULL ||
-        (st->str_get_device = tt_intern("get_device")) == NULL)
+        (st->str_get_device = tt_intern("get_device")) == NULL ||
+        (st->str_requires_grad = tt_intern("requires_grad")) == NULL)
         goto error;
 
     st->EngineError = PyErr_NewExceptionWithDoc(
@@ -214,6 +217,7 @@ tt_module_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->SignatureType);
     Py_VISIT(st->DispatcherType);
     Py_VISIT(st->tensor_type);
+    Py_VISIT(st->grad_enabled);
     return 0;
 }
 
@@ -235,6 +239,8 @@ tt_module_clear(PyObject *module)
     Py_CLEAR(st->str_tensor);
     Py_CLEAR(st->str_torch);
     Py_CLEAR(st->str_get_device);
+    Py_CLEAR(st->str_requires_grad);
+    Py_CLEAR(st->grad_enabled);
     return 0;
 }
 

@@ -133,29 +133,53 @@ class Signature:
     dtype, the same sizes except on dynamic axes, and the same device type and
     index (checked through is_<type> and get_device(), which allocate nothing).
     A plain value matches when it is the same object, or of the same type and
-    ==; a comparison that raises an Exception is a mismatch. Keyword names
-    match as a set (any order).
+    ==; a comparison that raises an Exception is a mismatch.
+    A call is first bound to the recorded layout (the positional count and the
+    keywords in the recorded order): keywords in any order, and, with
+    ``params`` (the names of forward's parameters that take a position, None
+    for a positional-only one), an argument given by position or by keyword
+    alike; then its values are matched. ValueError for params that name a
+    parameter twice or one the recorded call gives both ways.
     dynamic[i] (None or a sequence of axes, negative from the end) names the
     dynamic axes of argument i, counting positional arguments then keyword
     arguments in kwargs' order; for a tuple/list argument they apply to every
     tensor in it. ValueError for an axis out of range or axes of a non-tensor."""
-    def __init__(self, args: tuple, kwargs: Optional[dict], dynamic: Optional[Sequence[Optional[Sequence[int]]]] = None) -> None: ...
+    def __init__(self, args: tuple, kwargs: Optional[dict], dynamic: Optional[Sequence[Optional[Sequence[int]]]] = None,
+                 params: Optional[Sequence[Optional[str]]] = None) -> None: ...
     def matches(self, args: tuple, kwargs: dict) -> bool: ...
+    def bind(self, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        """The call in the recorded layout, or None when it cannot be laid out so
+        (values are not checked)."""
+    @property
+    def params(self) -> tuple[Optional[str], ...]: ...
 
 class Dispatcher:
     """Base type of torch_tweak.TunedModule: its __call__ is the per-call path of
     a tuned module (vectorcall).
     mode 0 (original): calls the original module.
     mode 1 (active): calls the backend of the first entry whose signature
-      matches the call (an entry with signature None matches every call), or the
-      original module when none does (counted in fallbacks).
+      matches the call (an entry with signature None matches every call), with
+      the call laid out as that signature was recorded (the caller's own
+      arguments when they already are: no copy), or the original module when
+      none does (counted in _tt_fallbacks). Entry flags (ENTRY_*): SERIALIZE
+      runs the entry's calls one at a time under its own re-entrant lock,
+      waited for without the GIL; NO_AUTOGRAD runs the original instead when
+      grad mode is on and an argument or a parameter in _tt_set_params requires
+      grad (counted in _tt_grad_fallbacks); LAYOUT_ONLY binds the layout but
+      leaves the values to the backend.
     mode 2 (record): calls recorder(*args, **kwargs) and returns its result.
     The index of the last matching entry is tried first when no earlier entry
     can match the same calls, so the first-match rule always holds.
     Subclasses on Python < 3.12 do not inherit vectorcall: call
     enable_vectorcall(cls) once per subclass."""
     def _tt_bind(self, original: Callable[..., Any]) -> None: ...
-    def _tt_set_entries(self, entries: Sequence[tuple[Optional[Signature], Callable[..., Any]]]) -> None: ...
+    def _tt_set_entries(self, entries: Sequence[tuple[Optional[Signature], Callable[..., Any]]
+                                                | tuple[Optional[Signature], Callable[..., Any], int]]) -> None: ...
+    def _tt_set_params(self, params: Optional[tuple[dict, ...]]) -> None:
+        """The module's parameter dicts (module._parameters of each submodule)."""
+    def _tt_set_notify(self, notify: Optional[Callable[[str], object]]) -> None:
+        """Called with the reason at the first untuned call per reason from now on."""
+    def _tt_reset_untuned(self) -> None: ...
     def _tt_set_recorder(self, recorder: Optional[Callable[..., Any]]) -> None: ...
     _tt_mode: int
     @property
@@ -166,9 +190,15 @@ class Dispatcher:
     @property
     def _tt_fallbacks(self) -> int: ...
     @property
+    def _tt_grad_fallbacks(self) -> int: ...
+    @property
     def _tt_calls(self) -> int:
         """Calls in every mode."""
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+ENTRY_SERIALIZE: int
+ENTRY_NO_AUTOGRAD: int
+ENTRY_LAYOUT_ONLY: int
 
 def enable_vectorcall(cls: type) -> bool:
     """Sets the vectorcall flag on a subclass of Dispatcher whose __call__ is
@@ -224,3 +254,5 @@ class GraphReplay:
     def original(self) -> Callable[..., Any]: ...
     @property
     def signature(self) -> Signature: ...
+    on_fallback: Optional[Callable[[], object]]
+    """Called once at the next fallback, then None again."""

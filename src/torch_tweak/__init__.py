@@ -25,6 +25,7 @@ from .strategy import (FirstWinsStrategy, HighestThroughputStrategy, OneBackendS
 from .tuning import tune
 from .tuning_cache import clear_cache
 from .report import ModuleResult, ModuleResults, SignatureResult
+from .status import ModelStatus, ModuleStatus, status
 from .tweak import DepthResult, TweakResult, tweak
 
 __version__ = "0.1.0"
@@ -66,7 +67,8 @@ def deactivate(model: nn.Module) -> int:
 
 __all__ = [
     "Backend", "BackendConfig", "CheckpointError", "DepthResult", "FirstWinsStrategy", "HighestThroughputStrategy",
-    "ModuleResult", "ModuleResults", "ModuleTree", "OneBackendStrategy", "Strategy", "TOLERANCES", "TunedModule",
-    "SignatureResult", "TweakResult", "activate", "backends", "clear_cache", "deactivate", "default_backends",
-    "default_strategy", "inspect", "installed", "load", "save", "tune", "tweak", "unwrap", "wrap",
+    "ModelStatus", "ModuleResult", "ModuleResults", "ModuleStatus", "ModuleTree", "OneBackendStrategy", "Strategy",
+    "TOLERANCES", "TunedModule", "SignatureResult", "TweakResult", "activate", "backends", "clear_cache",
+    "deactivate", "default_backends", "default_strategy", "inspect", "installed", "load", "save", "status", "tune",
+    "tweak", "unwrap", "wrap",
 ]

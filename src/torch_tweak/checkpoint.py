@@ -35,13 +35,13 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from . import _C
 from ._samples import resolve_device
 from .backends import Backend, InductorGraphBackend, TorchAOBackend, TorchInductorBackend
 from .cache import NotRegular, atomic_file, read_regular
-from .module import MODE_ACTIVE, installed, make_wrapper, install, resolve_paths, unwrap
+from .module import MODE_ACTIVE, arm_untuned, installed, make_wrapper, install, resolve_paths, unwrap
 from .serial import Unstorable, build_backend, class_path, decode, describe_backend, device_name, dumps, encode, loads
-from .signatures import MAX_CALLS_PER_SIGNATURE, MAX_SIGNATURES, OTHER, SignatureGroup
+from .signatures import (MAX_CALLS_PER_SIGNATURE, MAX_SIGNATURES, OTHER, SignatureGroup, forward_params,
+                         make_signature)
 from .tuning import apply_groups, model_class_name, rebuild_group
 
 FORMAT = "torch-tweak"
@@ -363,7 +363,7 @@ def load(model: nn.Module, path: str | os.PathLike, *, device: Any = None, trust
         manifest, plan, data = _read(path, default_max_bytes(model) if max_bytes is None else max_bytes, secret)
         _check_target(model, target, device is None, manifest, path)
         steps = _check_plan(model, plan, given, path)
-        groups = _groups(plan, data, target, path)
+        groups = _groups(plan, data, target, path, model)
     except (CheckpointError, FileNotFoundError):
         raise
     except Exception as exc:  # whatever a damaged file makes a reader raise is one error, and the model is as it was
@@ -405,6 +405,7 @@ def load(model: nn.Module, path: str | os.PathLike, *, device: Any = None, trust
         unwrap(model)
         raise
     SELECTED_DEPTHS[model] = plan.get("depth")
+    arm_untuned(model)
     return chosen
 
 
@@ -520,7 +521,8 @@ def _shape(value: Any) -> str:
     return "absent" if value is None else f"{value[1]}{value[0]}"
 
 
-def _groups(plan: dict, data: dict[str, bytes], device: torch.device, path: Any) -> list[list[SignatureGroup]]:
+def _groups(plan: dict, data: dict[str, bytes], device: torch.device, path: Any,
+            model: nn.Module) -> list[list[SignatureGroup]]:
     """The stored calls and outputs of every signature, tensors on `device`."""
     from safetensors import SafetensorError
     from safetensors.torch import load as load_tensors
@@ -551,8 +553,9 @@ def _groups(plan: dict, data: dict[str, bytes], device: torch.device, path: Any)
                 text, key = sig["text"][:400], sig["key"][:40]
                 if len(samples) != len(outputs):
                     raise ValueError("as many outputs as calls are needed")
+                params = forward_params(model.get_submodule(item["path"]) if item["path"] else model)
                 signature = None if key == "other" and text == OTHER else (
-                    _C.Signature(*samples[0]) if samples else False)
+                    make_signature(*samples[0], params) if samples else False)
             except (ValueError, TypeError, KeyError, RuntimeError) as exc:
                 raise CheckpointError(f"{path}: the stored calls of {item['path'] or '(root)'} are damaged: "
                                       f"{str(exc)[:200]}") from None

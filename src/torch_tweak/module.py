@@ -11,6 +11,7 @@ its identity and gets a subclass whose __call__ goes to its wrapper.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any, Iterable
 
@@ -21,6 +22,38 @@ from . import _C
 MODE_ORIGINAL = 0
 MODE_ACTIVE = 1
 MODE_RECORD = 2
+
+NO_MATCH = "no signature matched"
+GRAD_MODE = "grad mode"
+GRAPH_FALLBACK = "device graph fell back"
+UNTUNED_REASONS = (NO_MATCH, GRAD_MODE, GRAPH_FALLBACK)
+"""Why a call of a tuned module ran its original forward (TunedModule.tt_untuned)."""
+
+_HINTS = {
+    NO_MATCH: "the call fits none of its tuned input signatures (another shape, dtype, device, "
+              "plain value or argument); tt.tune on such calls adds a signature",
+    GRAD_MODE: "grad mode is on and an input or a weight requires grad, and its backend returns no "
+               "autograd outputs; call the model under torch.inference_mode() or torch.no_grad()",
+    GRAPH_FALLBACK: "the call does not fit the recorded device graph (another shape, dtype, device or "
+                    "plain value)",
+}
+
+logger = logging.getLogger("torch_tweak")
+
+
+def _notifier(wrapper: "TunedModule", reason: str | None = None) -> Any:
+    """What the dispatcher (or a GraphReplay, with `reason` fixed) calls at the first untuned
+    call per reason: one warning through the "torch_tweak" logger. Holds the wrapper weakly."""
+    ref = weakref.ref(wrapper)
+
+    def notify(given: str | None = None) -> None:
+        why = reason if reason is not None else given
+        w = ref()
+        name = (w.tt_name or "(root)") if w is not None else "a tuned module"
+        logger.warning("torch-tweak: %s ran its original forward (%s): %s. Further such calls are "
+                       "counted, not logged: see tt.status(model).", name, why, _HINTS.get(why, why))
+
+    return notify
 
 
 class TunedModule(_C.Dispatcher, nn.Module):
@@ -74,6 +107,28 @@ class TunedModule(_C.Dispatcher, nn.Module):
     @property
     def tt_active(self) -> bool:
         return self._tt_mode == MODE_ACTIVE
+
+    def _tt_graphs(self) -> list:
+        return [fn for _, fn in self._tt_entries if isinstance(fn, _C.GraphReplay)]
+
+    @property
+    def tt_untuned(self) -> dict[str, int]:
+        """Calls since tuning (or the last tt_reset_untuned) that ran the original forward
+        while the wrapper was active, by reason: "no signature matched", "grad mode" (see
+        Backend.supports_autograd), "device graph fell back"."""
+        base = self.__dict__.get("_tt_graph_base", {})
+        graph = sum(g.fallbacks - base.get(id(g), 0) for g in self._tt_graphs())
+        return {NO_MATCH: self._tt_fallbacks, GRAD_MODE: self._tt_grad_fallbacks, GRAPH_FALLBACK: graph}
+
+    def tt_reset_untuned(self, notify: bool = False) -> None:
+        """Sets the untuned counts to 0. notify: the first untuned call per reason from now
+        on logs one warning (logging.getLogger("torch_tweak")); False: none is logged."""
+        self._tt_reset_untuned()
+        self._tt_set_notify(_notifier(self) if notify else None)
+        graphs = self._tt_graphs()
+        self.__dict__["_tt_graph_base"] = {id(g): g.fallbacks for g in graphs}
+        for g in graphs:
+            g.on_fallback = _notifier(self, GRAPH_FALLBACK) if notify else None
 
     def extra_repr(self) -> str:
         backend = self.tt_backend.name if self.tt_backend is not None else "original"
@@ -205,6 +260,13 @@ def resolve_paths(model: nn.Module, modules: Any) -> list[str]:
                         "tt.unwrap(model) first" if wrapped else "wrap the modules of one cut")
                 raise ValueError(f"modules {a or '(root)'!r} and {b!r} overlap: one is inside the other; {hint}")
     return paths
+
+
+def arm_untuned(model: nn.Module) -> None:
+    """Inference starts: every wrapper of `model` counts its untuned calls from 0 and logs the
+    first one per reason (tuning's own calls are neither counted nor logged)."""
+    for wrapper in installed(model).values():
+        wrapper.tt_reset_untuned(notify=True)
 
 
 def set_mode(model: nn.Module, active: bool) -> int:

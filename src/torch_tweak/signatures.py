@@ -5,6 +5,12 @@ several signatures. Each gets its own copy of the strategy and its own backend; 
 dispatcher picks the entry whose ``_C.Signature`` fits a call and runs the original
 module for a call that fits none.
 
+A call binds by name: ``f(a, b)``, ``f(a, b=b)`` and ``f(b=b, a=a)`` are one signature
+(the names of forward's parameters go into the ``_C.Signature``), and the dispatcher hands
+the backend every call laid out as the signature's first recorded call was (the same
+positional count, the same keywords in the same order). Recorded calls are stored in that
+layout too, so a backend builds on one layout.
+
 Recording keeps up to MAX_CALLS_PER_SIGNATURE calls of each of the first
 MAX_SIGNATURES signatures. Calls of any further signature share one last group,
 "any other call", with no signature of its own: its backend serves every call that
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 from typing import Any
 
 import torch
@@ -76,15 +83,44 @@ def key_of(text: str) -> str:
     return hashlib.sha1(text.encode("utf-8")).hexdigest()[:12]
 
 
-def group_for(groups: list[SignatureGroup], args: tuple, kwargs: dict) -> SignatureGroup:
-    """The group a call belongs to; a new one is appended when none fits."""
+def forward_params(module: Any) -> tuple[str | None, ...]:
+    """The names of the parameters of ``module.forward`` that take a position, in order
+    (None for a positional-only one), up to ``*args`` or the first keyword-only one: what a
+    Signature binds a call by. () when forward has no inspectable signature."""
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError, AttributeError):
+        return ()
+    names: list[str | None] = []
+    for p in parameters:
+        if p.kind is inspect.Parameter.POSITIONAL_ONLY:
+            names.append(None)
+        elif p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD:
+            names.append(p.name)
+        else:
+            break
+    return tuple(names)
+
+
+def make_signature(args: tuple, kwargs: dict, params: tuple = ()) -> Any:
+    """The _C.Signature of one call, binding by the names in `params` (see forward_params);
+    without them when the call itself gives a parameter both ways (the original raises)."""
+    try:
+        return _C.Signature(args, kwargs, None, params)
+    except ValueError:
+        return _C.Signature(args, kwargs)
+
+
+def group_for(groups: list[SignatureGroup], args: tuple, kwargs: dict, params: tuple = ()) -> SignatureGroup:
+    """The group a call belongs to; a new one is appended when none fits. params: the
+    names of forward's positional parameters (forward_params)."""
     for group in groups:
         if group.signature is None or group.signature.matches(args, kwargs):
             return group
     signature = None
     if len(groups) < MAX_SIGNATURES:
         try:
-            signature = _C.Signature(args, kwargs)
+            signature = make_signature(args, kwargs, params)
         except Exception:  # an argument the dispatcher cannot describe: any other call
             signature = None
     text = describe_call(args, kwargs) if signature is not None else OTHER

@@ -13,9 +13,9 @@ from .backends.base import Backend, BackendUnavailable
 from .backends.inductor import shared_compiles
 from .cache import capture_build, log_path
 from .correctness import MismatchError, check
-from .module import MODE_ACTIVE, MODE_ORIGINAL, MODE_RECORD, TunedModule, installed
+from .module import MODE_ACTIVE, MODE_ORIGINAL, MODE_RECORD, TunedModule, arm_untuned, installed
 from .progress import Progress
-from .signatures import MAX_CALLS_PER_SIGNATURE, SignatureGroup, group_for
+from .signatures import MAX_CALLS_PER_SIGNATURE, SignatureGroup, forward_params, group_for
 from .strategy import Strategy, default_backends, default_strategy
 
 class TuneError(Exception):
@@ -45,10 +45,13 @@ def _recorder(wrapper: TunedModule) -> Callable[..., Any]:
     groups = wrapper.tt_signatures
     samples = wrapper.tt_samples
     outputs = wrapper.tt_outputs
+    params = forward_params(original)
 
     def recorder(*args: Any, **kwargs: Any) -> Any:
         out = original(*args, **kwargs)
-        group = group_for(groups, args, kwargs)
+        group = group_for(groups, args, kwargs, params)
+        if group.signature is not None:  # stored as the backend will be called: the recorded layout
+            args, kwargs = group.signature.bind(args, kwargs)
         if len(group.samples) < MAX_CALLS_PER_SIGNATURE:
             sample, result = (clone(args), clone(kwargs)), clone(out)
             group.samples.append(sample)
@@ -194,18 +197,37 @@ def tune_wrapper(wrapper: TunedModule, strategy: Strategy, device: torch.device,
         raise TuneError(f"{name}: {wrapper.tt_error}")
 
 
-def apply_groups(wrapper: TunedModule) -> list[SignatureGroup]:
-    """Gives the wrapper's dispatcher one (signature, callable) entry per signature group
-    that has a backend, and sets tt_backend (the first one's); returns those groups.
+def entry_flags(backend: Backend) -> int:
+    """The dispatcher's flags for an entry of `backend`: serialised when it is not
+    thread-safe, the original for calls autograd would record when it returns no
+    autograd outputs (see Backend.thread_safe, Backend.supports_autograd)."""
+    flags = 0
+    if not backend.thread_safe:
+        flags |= _C.ENTRY_SERIALIZE
+    if not backend.supports_autograd:
+        flags |= _C.ENTRY_NO_AUTOGRAD
+    return flags
 
-    A lone entry whose backend checks its inputs itself gets no signature: the call is
-    checked once, by the backend, instead of twice."""
+
+def apply_groups(wrapper: TunedModule) -> list[SignatureGroup]:
+    """Gives the wrapper's dispatcher one (signature, callable, flags) entry per signature
+    group that has a backend, and sets tt_backend (the first one's); returns those groups.
+
+    A lone entry whose backend checks its inputs itself only has its call laid out by its
+    signature: the values are checked once, by the backend, instead of twice. The
+    untuned counters start again from 0 (see TunedModule.tt_untuned)."""
     chosen = [g for g in wrapper.tt_signatures if g.backend is not None]
     if len(chosen) == 1 and chosen[0].backend.checks_inputs:
-        wrapper._tt_set_entries([(None, chosen[0].backend.callable)])
+        group = chosen[0]
+        flags = entry_flags(group.backend)
+        if group.signature is not None:
+            flags |= _C.ENTRY_LAYOUT_ONLY
+        wrapper._tt_set_entries([(group.signature, group.backend.callable, flags)])
     else:
-        wrapper._tt_set_entries([(g.signature, g.backend.callable) for g in chosen])
+        wrapper._tt_set_entries([(g.signature, g.backend.callable, entry_flags(g.backend)) for g in chosen])
+    wrapper._tt_set_params(tuple(m._parameters for m in wrapper._tt_original.modules()))
     wrapper.tt_backend = chosen[0].backend if chosen else None
+    wrapper.tt_reset_untuned()
     return chosen
 
 
@@ -286,6 +308,7 @@ def tune(model: nn.Module, dataset: Any, *, strategy: Strategy | None = None, de
         finally:
             release(wrapper)
     shown.close()
+    arm_untuned(model)
     return chosen
 
 

@@ -15,7 +15,8 @@ from torch import nn
 from . import _C, tuning_cache
 from ._samples import load_dataset, resolve_device, synchronizer
 from .inspecting import ModuleTree, trace
-from .module import MODE_ACTIVE, MODE_ORIGINAL, TunedModule, install, installed, make_wrapper, uninstall, unwrap
+from .module import (MODE_ACTIVE, MODE_ORIGINAL, TunedModule, arm_untuned, install, installed, make_wrapper,
+                     uninstall, unwrap)
 from .progress import Progress
 from .report import ModuleResult, ModuleResults, SignatureResult
 from .strategy import Strategy, default_backends, default_strategy
@@ -292,6 +293,7 @@ def tweak(model: nn.Module, dataset: Any, *, min_depth: int = 0, max_depth: int 
         if key is not None:
             result = _from_cache(model, tree, calls, device, strategy, key, parts, shown)
             if result is not None:
+                arm_untuned(model)
                 return result
     run_dataset = dataset_runner(model, calls)
     session = _Session(model, tree, run_dataset, strategy, device, measure, shown, depths)
@@ -327,6 +329,7 @@ def tweak(model: nn.Module, dataset: Any, *, min_depth: int = 0, max_depth: int 
         tuning_cache.write(key, tuning_cache.entry_of(parts, result.to_record(), result.modules, model))
     shown.line(f"selected depth {result.selected_depth}" if result.selected_depth is not None
                else "no depth beat the untuned model; it stays untuned")
+    arm_untuned(model)
     return result
 
 

@@ -54,6 +54,18 @@ class Backend(abc.ABC):
     """
 
     name = "backend"
+    thread_safe = True
+    """True when the built callable may run on several threads at once and give each call
+    its own right answer. The dispatcher runs the calls of a backend that says False one
+    at a time (a lock per module and signature), so say False whenever the callable keeps
+    per-call state in shared objects (static buffers, one request object, a cache filled
+    while running) and you have not made it safe yourself."""
+    supports_autograd = True
+    """True when the built callable returns outputs that autograd follows back to the
+    module's inputs and weights, as the original's are. For a backend that says False the
+    dispatcher runs the original forward for every call made with grad mode on whose
+    inputs or module weights require grad, so users' outputs keep requires_grad; those
+    calls are counted as untuned ("grad mode")."""
     checks_inputs = False
     """True when the built callable checks every call against what it was built for and
     runs the original module itself when a call does not fit (the device graph does). A

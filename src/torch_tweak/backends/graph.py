@@ -290,6 +290,10 @@ class DeviceGraphBackend(Backend):
     name = "DeviceGraph"
     config_class = DeviceGraphBackendConfig
     checks_inputs = True  # GraphReplay checks its signature and falls back by itself
+    # One set of static input and output buffers per recording: two calls at once would
+    # overwrite each other's inputs, or a lent output, so the dispatcher serialises them.
+    thread_safe = False
+    supports_autograd = False  # replayed outputs are detached
 
     def unavailable(self, device: torch.device) -> str | None:
         return graph_unavailable(device)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import threading
 from typing import Any, Callable, Sequence
 
 import torch
@@ -108,6 +109,14 @@ class OpenVINOBackend(Backend):
 
     name = "OpenVINO"
     config_class = OpenVINOBackendConfig
+    supports_autograd = False  # outputs come back from numpy arrays
+
+    @property
+    def thread_safe(self) -> bool:  # type: ignore[override]
+        """convert_model: yes, every thread gets its own infer request of the compiled model.
+        torch_compile: not shown (the openvino torch.compile backend's requests are its own),
+        so the dispatcher serialises its calls."""
+        return self.config.conversion == "convert_model"
 
     def unavailable(self, device: torch.device) -> str | None:
         ov = _import_openvino()
@@ -200,11 +209,21 @@ class OpenVINOBackend(Backend):
         out_slots = [i for i, leaf in enumerate(out_leaves) if isinstance(leaf, torch.Tensor)]
         out_constants = [None if i in out_slots else leaf for i, leaf in enumerate(out_leaves)]
         target = None if device.type == "cpu" else device
-        request = compiled
+        # An infer request runs one inference at a time ("Infer Request is busy"), and the
+        # compiled model's own __call__ shares one between all callers: each thread gets
+        # its own, made on its first call.
+        local = threading.local()
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            flat_in = pytree.tree_leaves((args, kwargs))
-            results = request([flat_in[i].detach().cpu().numpy() for i in slots]).to_tuple()
+            flat_in, in_spec = pytree.tree_flatten((args, kwargs))
+            if in_spec != spec:
+                # Another layout or structure than the converted one (only possible in the
+                # "any other call" group, which has no signature to bind calls to).
+                return module(*args, **kwargs)
+            request = getattr(local, "request", None)
+            if request is None:
+                request = local.request = compiled.create_infer_request()
+            results = request.infer([flat_in[i].detach().cpu().numpy() for i in slots]).to_tuple()
             out = list(out_constants)
             for slot, array in zip(out_slots, results):
                 tensor = torch.from_numpy(array)

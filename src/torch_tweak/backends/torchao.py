@@ -89,6 +89,8 @@ class TorchAOBackend(NeedsStorableSamples, Backend):
     name = "TorchAO"
     config_class = TorchAOBackendConfig
     opt_in = True
+    # Gradients would flow into the quantized copy, never into the model's own weights.
+    supports_autograd = False
 
     def check_device(self, device: torch.device) -> None:
         reason = device_refusal(self.config.mode, device)

@@ -1,0 +1,68 @@
+"""What a tuned model does at inference: per wrapped module, its backend and the calls that
+ran the original forward instead, by reason.
+
+    import torch_tweak as tt
+    print(tt.status(model))            # one row per tuned module
+    tt.status(model).untuned            # {reason: calls} summed over the model
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from .module import UNTUNED_REASONS, installed
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+                     for r in rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleStatus:
+    """One wrapped module at inference.
+
+    backend: its backends' names (joined by ", " when signatures differ), or None when it
+    runs its original forward. active: False after tt.deactivate. calls: calls of the
+    wrapper since it was made, in every mode. untuned: calls since tuning (or loading) that
+    ran the original forward while active, by reason: "no signature matched", "grad mode",
+    "device graph fell back" (see docs/backends.md).
+    """
+
+    path: str
+    backend: str | None
+    active: bool
+    calls: int
+    untuned: dict
+
+
+class ModelStatus(dict):
+    """{module path: ModuleStatus}; ``str()`` is a table, ``untuned`` the model's totals."""
+
+    @property
+    def untuned(self) -> dict[str, int]:
+        return {reason: sum(s.untuned.get(reason, 0) for s in self.values()) for reason in UNTUNED_REASONS}
+
+    def __str__(self) -> str:
+        rows = [["module", "backend", "active", "calls", *UNTUNED_REASONS]]
+        for path, s in sorted(self.items()):
+            rows.append([path or "(root)", s.backend or "original", "yes" if s.active else "no", str(s.calls),
+                         *(str(s.untuned.get(reason, 0)) for reason in UNTUNED_REASONS)])
+        return _table(rows) if len(rows) > 1 else "no tuned modules"
+
+
+def status(model: nn.Module) -> ModelStatus:
+    """The status of every wrapped module of `model` (see ModuleStatus); empty when none."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    result = ModelStatus()
+    for path, wrapper in installed(model).items():
+        names = list(dict.fromkeys(g.backend.name for g in wrapper.tt_signatures if g.backend is not None))
+        if not names and wrapper.tt_backend is not None:
+            names = [wrapper.tt_backend.name]
+        result[path] = ModuleStatus(path, ", ".join(names) or None, wrapper.tt_active, wrapper._tt_calls,
+                                    wrapper.tt_untuned)
+    return result

@@ -1,0 +1,129 @@
+"""Untuned calls are counted per module and reason, and the first one per (module, reason)
+logs one warning (issue 12); tt.status(model) shows them per module and summed."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import torch_tweak as tt
+from torch_tweak.backends import OpenVINOBackend, TorchEagerBackend
+
+from support import MLP
+
+HAS_OPENVINO = importlib.util.find_spec("openvino") is not None
+ZERO = {"no signature matched": 0, "grad mode": 0, "device graph fell back": 0}
+
+
+def tuned_mlp(backend=TorchEagerBackend):
+    torch.manual_seed(0)
+    model = MLP().eval()
+    tt.wrap(model, ["blocks.0", "blocks.1", "head"])
+    tt.tune(model, [torch.randn(8, 16)], strategy=tt.OneBackendStrategy(backend()))
+    return model
+
+
+def warnings_of(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "torch_tweak" and r.levelno == logging.WARNING]
+
+
+def test_tuning_own_calls_are_not_counted_and_matching_calls_are_not_either():
+    model = tuned_mlp()
+    with torch.no_grad():
+        model(torch.randn(8, 16))
+    status = tt.status(model)
+    assert set(status) == {"blocks.0", "blocks.1", "head"}
+    assert all(s.untuned == ZERO and s.backend == "TorchEager" and s.active for s in status.values())
+    assert status.untuned == ZERO
+
+
+def test_a_call_of_no_recorded_signature_is_counted_and_logged_once_per_module(caplog):
+    model = tuned_mlp()
+    caplog.set_level(logging.WARNING, logger="torch_tweak")
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(5, 16))  # another batch size
+    status = tt.status(model)
+    assert [status[p].untuned["no signature matched"] for p in ("blocks.0", "blocks.1", "head")] == [3, 3, 3]
+    assert status.untuned["no signature matched"] == 9
+    messages = warnings_of(caplog)
+    assert len(messages) == 3  # one per module, not one per call
+    assert all("no signature matched" in m and "tt.status" in m for m in messages)
+    assert {m.split(" ran ")[0].rsplit(" ", 1)[-1] for m in messages} == {"blocks.0", "blocks.1", "head"}
+    text = str(status)
+    assert "no signature matched" in text.splitlines()[0] and "blocks.0" in text
+
+
+def test_a_new_tune_starts_the_counts_and_the_warnings_again(caplog):
+    model = tuned_mlp()
+    caplog.set_level(logging.WARNING, logger="torch_tweak")
+    with torch.no_grad():
+        model(torch.randn(5, 16))
+    wrapper = tt.installed(model)["head"]
+    assert wrapper.tt_untuned["no signature matched"] == 1
+    tt.tune(model, [torch.randn(8, 16)], strategy=tt.OneBackendStrategy(TorchEagerBackend()))
+    assert wrapper.tt_untuned == ZERO
+    with torch.no_grad():
+        model(torch.randn(5, 16))
+    assert len(warnings_of(caplog)) == 6
+
+
+def test_deactivated_calls_are_not_untuned():
+    model = tuned_mlp()
+    tt.deactivate(model)
+    with torch.no_grad():
+        model(torch.randn(5, 16))
+    status = tt.status(model)
+    assert status.untuned == ZERO and not status["head"].active
+    assert status["head"].calls >= 1
+
+
+@pytest.mark.skipif(not HAS_OPENVINO, reason="openvino is not installed")
+def test_grad_mode_calls_of_a_backend_without_autograd_are_counted_and_logged(caplog):
+    model = tuned_mlp(OpenVINOBackend)
+    caplog.set_level(logging.WARNING, logger="torch_tweak")
+    x = torch.randn(8, 16)
+    for _ in range(2):
+        out = model(x)  # grad mode on, weights require grad: the original runs
+        assert out.requires_grad
+    with torch.inference_mode():
+        assert not model(x).requires_grad
+    status = tt.status(model)
+    assert status["head"].untuned["grad mode"] == 2 and status["head"].backend == "OpenVINO"
+    grad_warnings = [m for m in warnings_of(caplog) if "grad mode" in m]
+    assert len(grad_warnings) == 3 and "torch.inference_mode()" in grad_warnings[0]
+
+
+def test_status_of_a_model_without_wrappers_is_empty():
+    model = nn.Linear(2, 2)
+    assert tt.status(model) == {} and str(tt.status(model)) == "no tuned modules"
+    with pytest.raises(TypeError):
+        tt.status("model")
+
+
+def test_the_fast_path_passes_the_callers_arguments_untouched():
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, x, *, scale=1.0):
+            return x * scale
+
+    model = nn.Sequential(Probe())
+    tt.wrap(model, ["0"])
+    x = torch.randn(2, 3)
+    tt.tune(model, [((x,), {})], strategy=tt.OneBackendStrategy(TorchEagerBackend()))
+    wrapper = tt.installed(model)["0"]
+    backend = wrapper._tt_entries[0][1]
+
+    def spy(*args, **kwargs):
+        seen.append((args, kwargs))
+        return backend(*args, **kwargs)
+
+    wrapper._tt_set_entries([(wrapper._tt_entries[0][0], spy)])
+    with torch.no_grad():
+        model(x)
+    assert seen[0][0][0] is x and seen[0][1] == {}
