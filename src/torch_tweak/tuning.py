@@ -7,11 +7,11 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from . import _C
+from . import _C, isolation, model_state
 from ._samples import Call, clone, load_dataset, resolve_device, synchronizer
 from .backends.base import Backend, BackendUnavailable
 from .backends.inductor import shared_compiles
-from .cache import capture_build, log_path
+from .cache import BuildLog, capture_build, log_path
 from .correctness import MismatchError, check
 from .module import MODE_ACTIVE, MODE_ORIGINAL, MODE_RECORD, TunedModule, installed
 from .progress import Progress
@@ -101,6 +101,8 @@ def _reason(exc: BaseException) -> str:
         return "out of memory"
     if isinstance(exc, BackendUnavailable):
         return "unavailable"
+    if isinstance(exc, isolation.BuildCrashed):
+        return "crashed"
     if isinstance(exc, MismatchError):
         return "mismatch"
     if str(exc).startswith("dynamic shapes"):
@@ -117,7 +119,7 @@ def tune_group(wrapper: TunedModule, group: SignatureGroup, strategy: Strategy, 
     backends = strategy.fresh().candidates(device)
     sync = synchronizer(device)
     notes: list[dict] = [{} for _ in backends]
-    places = weight_places(module)
+    state = model_state.snapshot(module)
     label = wrapper.tt_name if len(wrapper.tt_signatures) == 1 else f"{wrapper.tt_name} {group.text}"
 
     def build_of(i: int, backend: Backend):
@@ -128,14 +130,7 @@ def tune_group(wrapper: TunedModule, group: SignatureGroup, strategy: Strategy, 
             title = f"{backend!r} for {wrapper.tt_name or '(root)'} of {model_class}, signature {group.text}"
             with capture_build(path, title) as log:
                 try:
-                    try:
-                        fn = backend.prepare(module, samples, device)
-                    finally:
-                        restore_places(places)  # weights a backend moved go back to their device
-                    worst = 0.0
-                    for j, (args, kwargs) in enumerate(samples):
-                        worst = max(worst, check(fn(*args, **kwargs), refs[j], backend.check_tolerance(),
-                                                 where=f"sample {j}"))
+                    worst = build_checked(backend, module, samples, refs, device, state, log)
                 except Exception as exc:
                     notes[i]["reason"] = _reason(exc)
                     if isinstance(exc, OUT_OF_MEMORY) and torch.cuda.is_initialized():
@@ -155,8 +150,11 @@ def tune_group(wrapper: TunedModule, group: SignatureGroup, strategy: Strategy, 
         return run
 
     candidates = [(b.name, build_of(i, b), run_of(b)) for i, b in enumerate(backends)]
-    with torch.no_grad(), shared_compiles(static=group.signature is not None):
-        index, reports = _C.choose(strategy.kind, candidates, len(samples), sync=sync, config=measure)
+    try:
+        with torch.no_grad(), shared_compiles(static=group.signature is not None):
+            index, reports = _C.choose(strategy.kind, candidates, len(samples), sync=sync, config=measure)
+    finally:
+        state.restore()  # measuring a train-mode module moves its batch-norm statistics
     group.report = [candidate_report(b, r, n) for b, r, n in zip(backends, reports, notes)]
     if index < 0:
         group.backend = None
@@ -308,17 +306,38 @@ def rebuild_group(wrapper: TunedModule, group: SignatureGroup, backend: Backend,
     (a saved plan or a tuning-cache entry chose it), and checks it against the recorded
     outputs. Raises when it fails to build or to match; returns the largest error."""
     module = wrapper._tt_original
-    places = weight_places(module)
+    state = model_state.snapshot(module)
     path = log_path(model_class, wrapper.tt_name, group.key, backend.name)
     title = f"{backend!r} for {wrapper.tt_name or '(root)'} of {model_class}, signature {group.text} (rebuilt)"
     with capture_build(path, title) as log, torch.no_grad(), shared_compiles(static=group.signature is not None):
-        try:
-            fn = backend.prepare(module, group.samples, device)
-        finally:
-            restore_places(places)
-        worst = 0.0
-        for j, (args, kwargs) in enumerate(group.samples):
-            worst = max(worst, check(fn(*args, **kwargs), group.outputs[j], backend.check_tolerance(),
-                                     where=f"sample {j}"))
+        worst = build_checked(backend, module, group.samples, group.outputs, device, state, log)
         log.outcome = f"rebuilt; passed the correctness check (largest relative error {worst:.3g})"
     return worst
+
+
+def build_checked(backend: Backend, module: nn.Module, samples: Sequence[Call], refs: Sequence[Any],
+                  device: torch.device, state: model_state.Snapshot, log: BuildLog) -> float:
+    """Builds `backend` for `module` (first in an isolated child when the backend asks for it)
+    and checks it on `samples` against `refs`; returns the largest error. Whatever the build
+    and the check changed in the module (training flags, parameters, buffers) is put back,
+    also when they raise, and written in the build log."""
+    if backend.isolate_build:
+        isolation.check(backend, module, samples, device, log.notes)  # raises BuildCrashed
+    try:
+        try:
+            fn = backend.prepare(module, samples, device)
+        finally:
+            put_back(state, log)  # before the check: weights a backend moved are back on their device
+        worst = 0.0
+        for j, (args, kwargs) in enumerate(samples):
+            worst = max(worst, check(fn(*args, **kwargs), refs[j], backend.check_tolerance(), where=f"sample {j}"))
+    finally:
+        put_back(state, log)
+    return worst
+
+
+def put_back(state: model_state.Snapshot, log: BuildLog) -> None:
+    changes = state.restore()
+    if changes:
+        log.notes.append(f"restored {len(changes)} changes the build made to the module:")
+        log.notes.extend(f"  {line}" for line in changes)

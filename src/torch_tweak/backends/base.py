@@ -53,6 +53,14 @@ class Backend(abc.ABC):
     runs the original module itself when a call does not fit (the device graph does). A
     module whose only entry is such a backend then skips the dispatcher's own check."""
     config_class: type[BackendConfig] = BackendConfig
+    isolate_build = False
+    """True when build runs native code that can crash the process (a segfault in a
+    compiler): tuning then first builds this candidate in a child process, once per module,
+    signature and library versions, and a crash there rejects it instead of killing the
+    user's process (see torch_tweak.isolation). Opt-in for a backend of your own."""
+    packages: tuple[str, ...] = ()
+    """Distribution names whose versions can change whether a build crashes (part of the
+    key of a stored isolation verdict), e.g. ("openvino",)."""
 
     def __init__(self, config: BackendConfig | None = None, **options: Any) -> None:
         if config is not None and options:

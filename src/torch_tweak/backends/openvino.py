@@ -103,6 +103,8 @@ class OpenVINOBackend(Backend):
 
     name = "OpenVINO"
     config_class = OpenVINOBackendConfig
+    isolate_build = True  # compile_model has segfaulted on some CPUs (docs/backends.md)
+    packages = ("openvino",)
 
     def unavailable(self, device: torch.device) -> str | None:
         ov = _import_openvino()
