@@ -10,7 +10,9 @@ in place (its version counter moved) cannot be put back, and restore() says so.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from typing import Iterator
 import torch
 from torch import nn
 
@@ -106,3 +108,13 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def snapshot(module: nn.Module, param_copy_limit: int = PARAM_COPY_LIMIT) -> Snapshot:
     return Snapshot(module, param_copy_limit)
+
+
+@contextlib.contextmanager
+def kept(module: nn.Module) -> Iterator[Snapshot]:
+    """The block runs on `module`; its state is put back when the block ends, however it ends."""
+    state = snapshot(module)
+    try:
+        yield state
+    finally:
+        state.restore()

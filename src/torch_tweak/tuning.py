@@ -269,20 +269,21 @@ def tune(model: nn.Module, dataset: Any, *, strategy: Strategy | None = None, de
             template.check_device(device)  # a backend this device cannot run fails here
     calls = load_dataset(dataset, device)
     shown = Progress(progress)
-    record(wrappers.values(), dataset_runner(model, calls))
-    chosen: dict[str, str | None] = {}
-    model_class = model_class_name(model)
-    for path, wrapper in wrappers.items():
-        template = templates[path] if templates[path] is not None else default_strategy(device)
-        try:
-            tune_wrapper(wrapper, template, device, measure, shown, model_class)
-            wrapper._tt_mode = MODE_ACTIVE
-            chosen[path] = wrapper.tt_backend.name
-        except TuneError:
-            wrapper._tt_mode = MODE_ORIGINAL
-            chosen[path] = None
-        finally:
-            release(wrapper)
+    with model_state.kept(model):  # recording a train-mode model moves its batch-norm statistics
+        record(wrappers.values(), dataset_runner(model, calls))
+        chosen: dict[str, str | None] = {}
+        model_class = model_class_name(model)
+        for path, wrapper in wrappers.items():
+            template = templates[path] if templates[path] is not None else default_strategy(device)
+            try:
+                tune_wrapper(wrapper, template, device, measure, shown, model_class)
+                wrapper._tt_mode = MODE_ACTIVE
+                chosen[path] = wrapper.tt_backend.name
+            except TuneError:
+                wrapper._tt_mode = MODE_ORIGINAL
+                chosen[path] = None
+            finally:
+                release(wrapper)
     shown.close()
     return chosen
 

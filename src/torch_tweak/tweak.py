@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _C, tuning_cache
+from . import _C, model_state, tuning_cache
 from ._samples import load_dataset, resolve_device, synchronizer
 from .inspecting import ModuleTree, trace
 from .module import MODE_ACTIVE, TunedModule, install, installed, make_wrapper, uninstall, unwrap
@@ -247,56 +247,60 @@ def tweak(model: nn.Module, dataset: Any, *, min_depth: int = 0, max_depth: int 
         warnings.warn("the model is in training mode: dropout and batch norm make outputs vary, and the "
                       "correctness check will reject backends; call model.eval() before tt.tweak",
                       stacklevel=2)
-    tree = ModuleTree(model, trace(model, calls))
-    depths = tree.depths(min_depth, max_depth)
-    shown = Progress(progress)
-    key = parts = None
-    if cache and not dry_run:
-        settings = {"min_depth": min_depth, "max_depth": max_depth, "tie_tolerance": float(tie_tolerance),
-                    "time_budget": time_budget, "measure": measure}
+    # Tracing, recording and measuring run the model in the mode the user left it in; in train
+    # mode that moves batch-norm statistics. They, and anything a build changed, are put back
+    # when the tweak ends, however it ends.
+    with model_state.kept(model):
+        tree = ModuleTree(model, trace(model, calls))
+        depths = tree.depths(min_depth, max_depth)
+        shown = Progress(progress)
+        key = parts = None
+        if cache and not dry_run:
+            settings = {"min_depth": min_depth, "max_depth": max_depth, "tie_tolerance": float(tie_tolerance),
+                        "time_budget": time_budget, "measure": measure}
+            try:
+                parts = tuning_cache.key_parts(model, calls, device, strategy, settings)
+                key = tuning_cache.key_of(parts)
+            except (Unstorable, ValueError, TypeError) as exc:
+                shown.line(f"not cached: a backend config has no JSON form ({exc})")
+            if key is not None:
+                result = _from_cache(model, tree, calls, device, strategy, key, parts, shown)
+                if result is not None:
+                    return result
+        run_dataset = dataset_runner(model, calls)
+        session = _Session(model, tree, run_dataset, strategy, device, measure, shown, depths)
+
+        def run(i: int) -> None:
+            args, kwargs = calls[i]
+            model(*args, **kwargs)
+
         try:
-            parts = tuning_cache.key_parts(model, calls, device, strategy, settings)
-            key = tuning_cache.key_of(parts)
-        except (Unstorable, ValueError, TypeError) as exc:
-            shown.line(f"not cached: a backend config has no JSON form ({exc})")
+            with torch.no_grad():
+                engine = _C.tweak(
+                    tree.tree, enter=session.enter, tune=session.tune, activate=session.activate,
+                    leave=session.leave, run=run, n_samples=len(calls), sync=synchronizer(device),
+                    min_depth=min_depth, max_depth=-1 if max_depth is None else max_depth,
+                    tie_tolerance=float(tie_tolerance),
+                    time_budget=None if time_budget is None else max(float(time_budget), 1e-9), dry_run=bool(dry_run),
+                    config=measure,
+                )
+        except BaseException:
+            unwrap(model)  # whatever happened, the model is as it was
+            raise
+        finally:
+            shown.close()
+        result = TweakResult(engine, tree, session.module_results())
+        kept = installed(model)
+        for wrapper in session.wrappers.values():
+            if kept.get(wrapper.tt_name) is not wrapper:
+                release(wrapper, keep_chosen=False)  # only the kept cut's calls are worth saving
+        if not dry_run:
+            SELECTED_DEPTHS[model] = result.selected_depth
         if key is not None:
-            result = _from_cache(model, tree, calls, device, strategy, key, parts, shown)
-            if result is not None:
-                return result
-    run_dataset = dataset_runner(model, calls)
-    session = _Session(model, tree, run_dataset, strategy, device, measure, shown, depths)
-
-    def run(i: int) -> None:
-        args, kwargs = calls[i]
-        model(*args, **kwargs)
-
-    try:
-        with torch.no_grad():
-            engine = _C.tweak(
-                tree.tree, enter=session.enter, tune=session.tune, activate=session.activate,
-                leave=session.leave, run=run, n_samples=len(calls), sync=synchronizer(device),
-                min_depth=min_depth, max_depth=-1 if max_depth is None else max_depth,
-                tie_tolerance=float(tie_tolerance),
-                time_budget=None if time_budget is None else max(float(time_budget), 1e-9), dry_run=bool(dry_run),
-                config=measure,
-            )
-    except BaseException:
-        unwrap(model)  # whatever happened, the model is as it was
-        raise
-    finally:
-        shown.close()
-    result = TweakResult(engine, tree, session.module_results())
-    kept = installed(model)
-    for wrapper in session.wrappers.values():
-        if kept.get(wrapper.tt_name) is not wrapper:
-            release(wrapper, keep_chosen=False)  # only the kept cut's calls are worth saving
-    if not dry_run:
-        SELECTED_DEPTHS[model] = result.selected_depth
-    if key is not None:
-        tuning_cache.write(key, tuning_cache.entry_of(parts, result.to_record(), result.modules, model))
-    shown.line(f"selected depth {result.selected_depth}" if result.selected_depth is not None
-               else "no depth beat the untuned model; it stays untuned")
-    return result
+            tuning_cache.write(key, tuning_cache.entry_of(parts, result.to_record(), result.modules, model))
+        shown.line(f"selected depth {result.selected_depth}" if result.selected_depth is not None
+                   else "no depth beat the untuned model; it stays untuned")
+        return result
 
 
 def _from_cache(model: nn.Module, tree: ModuleTree, calls: list, device: torch.device, strategy: Strategy | None,
