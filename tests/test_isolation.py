@@ -30,22 +30,29 @@ class SegfaultBackend(Backend):
     name = "Segfault"
     isolate_build = True
 
+    def die(self) -> None:
+        os.kill(os.getpid(), signal.SIGSEGV)
+
     def build(self, module, samples, device):
         if os.getpid() != PARENT:
-            os.kill(os.getpid(), signal.SIGSEGV)
-        raise AssertionError("the parent built a backend whose child crashed")
+            self.die()
+        raise AssertionError("the parent built a backend whose child died")
 
 
-class ExitBackend(Backend):
+class ExitBackend(SegfaultBackend):
     """Native code calling exit(3) in the middle of a build."""
 
     name = "Exit"
-    isolate_build = True
 
-    def build(self, module, samples, device):
-        if os.getpid() != PARENT:
-            os._exit(3)
-        raise AssertionError("the parent built a backend whose child exited")
+    def die(self) -> None:
+        os._exit(3)
+
+
+class SleepingBackend(SegfaultBackend):
+    name = "Sleeping"
+
+    def die(self) -> None:
+        time.sleep(60)
 
 
 class RaisingBackend(Backend):
@@ -56,16 +63,6 @@ class RaisingBackend(Backend):
 
     def build(self, module, samples, device):
         raise RuntimeError("cannot build this")
-
-
-class SleepingBackend(Backend):
-    name = "Sleeping"
-    isolate_build = True
-
-    def build(self, module, samples, device):
-        if os.getpid() != PARENT:
-            time.sleep(60)
-        return module
 
 
 @pytest.fixture

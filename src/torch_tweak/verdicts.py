@@ -20,7 +20,6 @@ import hashlib
 import importlib.metadata
 import json
 import os
-import platform
 import stat
 from pathlib import Path
 from typing import Any, Sequence
@@ -30,6 +29,7 @@ from torch import nn
 
 from ._samples import Call
 from .cache import atomic_file, cache_dir
+from .serial import device_name
 from .signatures import describe_call
 
 VERSION = 1
@@ -66,17 +66,6 @@ def _versions(names: Sequence[str]) -> dict[str, str | None]:
     return found
 
 
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def parts_of(backend: Any, module: nn.Module, samples: Sequence[Call], device: torch.device) -> dict[str, Any]:
     """Everything a build's crash can depend on, as plain JSON."""
     config = backend.config
@@ -90,7 +79,7 @@ def parts_of(backend: Any, module: nn.Module, samples: Sequence[Call], device: t
                     for name, t in list(module.named_parameters()) + list(module.named_buffers())],
         "calls": sorted({describe_call(args, kwargs) for args, kwargs in samples}),
         "device": str(device),
-        "cpu": _cpu(),
+        "cpu": device_name(torch.device("cpu")),
         "versions": _versions(getattr(backend, "packages", ())),
     }
     return json.loads(json.dumps(parts, sort_keys=True, default=repr))
