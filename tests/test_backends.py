@@ -337,7 +337,7 @@ def test_the_documented_user_backend_runs():
     tt.tune(model, data, measure=FAST)
     assert {r["backend"] for r in w.tt_report} == {"ChannelsLast", "TorchEager"}
     assert w.tt_report[0]["state"] == "measured", w.tt_report
-    assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert model[0].weight.is_contiguous()  # the backend converted a copy; the model is as it was
     assert relative_error(model, data, expected) < 1e-3
     with pytest.raises(TypeError, match="no option channels"):
         backend_class(channels=3)

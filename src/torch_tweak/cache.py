@@ -138,10 +138,16 @@ class BuildLog:
         self.path = path
         self.title = title
         self.outcome = ""
+        self.notes: list[str] = []
+        """What tuning did around the build: the isolated child, state it put back."""
 
     def write(self, lines: list[str], error: BaseException | None, seconds: float) -> None:
         text = [self.title, f"time: {seconds:.3f} s"]
         text.append(f"outcome: {self.outcome or ('failed' if error is not None else 'built')}")
+        if self.notes:
+            text.append("")
+            text.append("notes:")
+            text.extend(f"  {line}" for line in self.notes)
         if lines:
             text.append("")
             text.append("warnings and log records:")

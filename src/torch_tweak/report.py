@@ -15,7 +15,7 @@ class SignatureResult:
 
     candidates: one dict per candidate backend: "backend", "state" ("measured", "built",
     "failed", "not tried"), "latency_ms" (None unless measured), "error", "reason" ("",
-    "unavailable", "build failed", "dynamic shapes", "mismatch"), "max_error" (largest
+    "unavailable", "build failed", "crashed", "dynamic shapes", "mismatch"), "max_error" (largest
     relative error of the correctness check, or None), "tolerance" (on a mismatch).
     unstorable: recorded calls the chosen backend cannot store; they compile on first call.
     """
@@ -73,6 +73,8 @@ def status(candidate: dict, chosen: bool, unstorable: int) -> str:
         return "rejected for dynamic shapes: " + error.split("dynamic shapes: ", 1)[-1]
     if reason == "unavailable":
         return error.removeprefix("BackendUnavailable: ")
+    if reason == "crashed":
+        return error.removeprefix("BuildCrashed: ")
     if reason == "build failed":
         return f"failed to build: {error}"
     if reason == "out of memory":

@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
-from . import _C
+from . import _C, isolation, model_state
 from ._samples import Call, clone, load_dataset, resolve_device, synchronizer
 from .backends.base import Backend, BackendUnavailable
 from .backends.inductor import shared_compiles
-from .cache import capture_build, log_path
+from .cache import BuildLog, capture_build, log_path
 from .correctness import MismatchError, check
 from .module import MODE_ACTIVE, MODE_ORIGINAL, MODE_RECORD, TunedModule, arm_untuned, installed
 from .progress import Progress
+from .report import fold
 from .signatures import MAX_CALLS_PER_SIGNATURE, SignatureGroup, forward_params, group_for
 from .strategy import Strategy, default_backends, default_strategy
+
+logger = logging.getLogger("torch_tweak")
+
 
 class TuneError(Exception):
     """No backend of the strategy built and passed the check for a module."""
@@ -104,6 +110,8 @@ def _reason(exc: BaseException) -> str:
         return "out of memory"
     if isinstance(exc, BackendUnavailable):
         return "unavailable"
+    if isinstance(exc, isolation.BuildCrashed):
+        return "crashed"
     if isinstance(exc, MismatchError):
         return "mismatch"
     if str(exc).startswith("dynamic shapes"):
@@ -120,7 +128,7 @@ def tune_group(wrapper: TunedModule, group: SignatureGroup, strategy: Strategy, 
     backends = strategy.fresh().candidates(device)
     sync = synchronizer(device)
     notes: list[dict] = [{} for _ in backends]
-    places = weight_places(module)
+    state = model_state.snapshot(module)
     label = wrapper.tt_name if len(wrapper.tt_signatures) == 1 else f"{wrapper.tt_name} {group.text}"
 
     def build_of(i: int, backend: Backend):
@@ -129,17 +137,12 @@ def tune_group(wrapper: TunedModule, group: SignatureGroup, strategy: Strategy, 
                 progress.step(label, f"building {backend.name}")
             path = log_path(model_class, wrapper.tt_name, group.key, backend.name)
             title = f"{backend!r} for {wrapper.tt_name or '(root)'} of {model_class}, signature {group.text}"
+            started = time.monotonic()
             with capture_build(path, title) as log:
                 try:
-                    try:
-                        fn = backend.prepare(module, samples, device)
-                    finally:
-                        restore_places(places)  # weights a backend moved go back to their device
-                    worst = 0.0
-                    for j, (args, kwargs) in enumerate(samples):
-                        worst = max(worst, check(fn(*args, **kwargs), refs[j], backend.check_tolerance(),
-                                                 where=f"sample {j}"))
+                    worst = build_checked(backend, module, samples, refs, device, state, log)
                 except Exception as exc:
+                    notes[i]["build_s"] = time.monotonic() - started
                     notes[i]["reason"] = _reason(exc)
                     if isinstance(exc, OUT_OF_MEMORY) and torch.cuda.is_initialized():
                         torch.cuda.empty_cache()  # what the failed build cached goes back to the next candidate
@@ -148,6 +151,7 @@ def tune_group(wrapper: TunedModule, group: SignatureGroup, strategy: Strategy, 
                         log.outcome = f"failed the correctness check: {exc}"
                     raise
                 notes[i]["max_error"] = worst
+                notes[i]["build_s"] = time.monotonic() - started
                 log.outcome = f"built; passed the correctness check (largest relative error {worst:.3g})"
         return build
 
@@ -158,9 +162,17 @@ def tune_group(wrapper: TunedModule, group: SignatureGroup, strategy: Strategy, 
         return run
 
     candidates = [(b.name, build_of(i, b), run_of(b)) for i, b in enumerate(backends)]
-    with torch.no_grad(), shared_compiles(static=group.signature is not None):
-        index, reports = _C.choose(strategy.kind, candidates, len(samples), sync=sync, config=measure)
+    try:
+        with torch.no_grad(), shared_compiles(static=group.signature is not None):
+            index, reports = _C.choose(strategy.kind, candidates, len(samples), sync=sync, config=measure)
+    finally:
+        state.restore()  # measuring a train-mode module moves its batch-norm statistics
     group.report = [candidate_report(b, r, n) for b, r, n in zip(backends, reports, notes)]
+    for report, note in zip(group.report, notes):
+        logger.debug("%s: %s %s%s%s", label or "(root)", report["backend"], report["state"],
+                  f" in {note['build_s']:.2f} s" if "build_s" in note else "",
+                  f", {report['latency_ms']:.3f} ms" if report["latency_ms"] is not None
+                  else f": {fold(report['error'])}" if report["error"] else "")
     if index < 0:
         group.backend = None
         group.error = "no backend passed (" + "; ".join(
@@ -169,8 +181,6 @@ def tune_group(wrapper: TunedModule, group: SignatureGroup, strategy: Strategy, 
     group.backend = backends[index]
     group.error = ""
     group.unstorable = sum(not group.backend.can_store(s) for s in samples)
-    if progress is not None:
-        progress.step(label, f"chose {group.backend.name}")
 
 
 def tune_wrapper(wrapper: TunedModule, strategy: Strategy, device: torch.device,
@@ -293,20 +303,21 @@ def tune(model: nn.Module, dataset: Any, *, strategy: Strategy | None = None, de
             template.check_device(device)  # a backend this device cannot run fails here
     calls = load_dataset(dataset, device)
     shown = Progress(progress)
-    record(wrappers.values(), dataset_runner(model, calls))
-    chosen: dict[str, str | None] = {}
-    model_class = model_class_name(model)
-    for path, wrapper in wrappers.items():
-        template = templates[path] if templates[path] is not None else default_strategy(device)
-        try:
-            tune_wrapper(wrapper, template, device, measure, shown, model_class)
-            wrapper._tt_mode = MODE_ACTIVE
-            chosen[path] = wrapper.tt_backend.name
-        except TuneError:
-            wrapper._tt_mode = MODE_ORIGINAL
-            chosen[path] = None
-        finally:
-            release(wrapper)
+    with model_state.kept(model):  # recording a train-mode model moves its batch-norm statistics
+        record(wrappers.values(), dataset_runner(model, calls))
+        chosen: dict[str, str | None] = {}
+        model_class = model_class_name(model)
+        for path, wrapper in wrappers.items():
+            template = templates[path] if templates[path] is not None else default_strategy(device)
+            try:
+                tune_wrapper(wrapper, template, device, measure, shown, model_class)
+                wrapper._tt_mode = MODE_ACTIVE
+                chosen[path] = wrapper.tt_backend.name
+            except TuneError:
+                wrapper._tt_mode = MODE_ORIGINAL
+                chosen[path] = None
+            finally:
+                release(wrapper)
     shown.close()
     arm_untuned(model)
     return chosen
@@ -332,17 +343,39 @@ def rebuild_group(wrapper: TunedModule, group: SignatureGroup, backend: Backend,
     outputs. Raises when it fails to build or to match; returns the largest error.
     bounded: the backend's tolerance came from a file (capped, see correctness.MAX_TOLERANCES)."""
     module = wrapper._tt_original
-    places = weight_places(module)
+    state = model_state.snapshot(module)
     path = log_path(model_class, wrapper.tt_name, group.key, backend.name)
     title = f"{backend!r} for {wrapper.tt_name or '(root)'} of {model_class}, signature {group.text} (rebuilt)"
     with capture_build(path, title) as log, torch.no_grad(), shared_compiles(static=group.signature is not None):
-        try:
-            fn = backend.prepare(module, group.samples, device)
-        finally:
-            restore_places(places)
-        worst = 0.0
-        for j, (args, kwargs) in enumerate(group.samples):
-            worst = max(worst, check(fn(*args, **kwargs), group.outputs[j], backend.check_tolerance(),
-                                     where=f"sample {j}", bounded=bounded))
+        worst = build_checked(backend, module, group.samples, group.outputs, device, state, log, bounded)
         log.outcome = f"rebuilt; passed the correctness check (largest relative error {worst:.3g})"
     return worst
+
+
+def build_checked(backend: Backend, module: nn.Module, samples: Sequence[Call], refs: Sequence[Any],
+                  device: torch.device, state: model_state.Snapshot, log: BuildLog, bounded: bool = False) -> float:
+    """Builds `backend` for `module` (first in an isolated child when the backend asks for it)
+    and checks it on `samples` against `refs`; returns the largest error. Whatever the build
+    and the check changed in the module (training flags, parameters, buffers) is put back,
+    also when they raise, and written in the build log. bounded: the tolerance came from a file."""
+    if backend.isolate_build:
+        isolation.check(backend, module, samples, device, log.notes)  # raises BuildCrashed
+    try:
+        try:
+            fn = backend.prepare(module, samples, device)
+        finally:
+            put_back(state, log)  # before the check: weights a backend moved are back on their device
+        worst = 0.0
+        for j, (args, kwargs) in enumerate(samples):
+            worst = max(worst, check(fn(*args, **kwargs), refs[j], backend.check_tolerance(), where=f"sample {j}",
+                                     bounded=bounded))
+    finally:
+        put_back(state, log)
+    return worst
+
+
+def put_back(state: model_state.Snapshot, log: BuildLog) -> None:
+    changes = state.restore()
+    if changes:
+        log.notes.append(f"restored {len(changes)} changes the build made to the module:")
+        log.notes.extend(f"  {line}" for line in changes)

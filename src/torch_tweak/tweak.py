@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _C, tuning_cache
+from . import _C, model_state, tuning_cache
 from ._samples import load_dataset, resolve_device, synchronizer
 from .inspecting import ModuleTree, trace
 from .module import (MODE_ACTIVE, MODE_ORIGINAL, TunedModule, arm_untuned, install, installed, make_wrapper,
@@ -131,6 +131,19 @@ class TweakResult:
                         if self.baseline_ms is not None and self.tuned_ms else None)
         return self
 
+    def outcome(self) -> str:
+        """One line: what the tweak kept, and by how much (side by side)."""
+        if self.rows and all(r.latency_ms is None and not r.error for r in self.rows):
+            return "dry run: nothing built or measured"
+        side = self.confirmation
+        if self.selected_depth is not None:
+            how = "measured side by side" if side is not None and side["confirmed"] else "measured in turn"
+            return f"kept depth {self.selected_depth}, {self.speedup:.2f}x faster than untuned ({how})"
+        if side is not None:
+            return (f"depth {side['depth']} was within noise of the untuned model side by side "
+                    f"({side['speedup']:.2f}x): the model stays untuned")
+        return "no depth beat the untuned model: it stays untuned"
+
     def plot(self, path: Any, alternatives: dict[str, float] | None = None) -> str:
         """Writes a PNG chart of latency per depth against the untuned model (and any
         `alternatives` you measured, {label: ms}) to `path`; returns the path. Needs matplotlib."""
@@ -143,12 +156,12 @@ class TweakResult:
                 f"tuned_ms={self.tuned_ms}>")
 
 
-log = logging.getLogger("torch_tweak")
+logger = logging.getLogger("torch_tweak")
 
 
 def _engine_log(level: int, text: str) -> None:
     """The engine's lines: per-depth results at INFO, a depth skipped or not kept at WARNING."""
-    log.log(logging.WARNING if level else logging.INFO, text)
+    logger.log(logging.WARNING if level else logging.INFO, text)
 
 
 def _check_arguments(min_depth: Any, max_depth: Any, tie_tolerance: Any, time_budget: Any) -> None:
@@ -182,13 +195,17 @@ class _Session:
         self.wrappers: dict[int, TunedModule] = {}
         self.entered: list[int] = []
         self.shown: set[int] = set()
+        self.depth = -1
+        self.measuring = False  # a depth's end-to-end measurement was announced
+        self.applied = False    # the kept depth is entered again: what follows is the confirmation
         self.model_class = model_class_name(model)
 
     def enter(self, nodes: list[int], tune: list[bool]) -> None:
-        depth = self.tree.tree.depth(nodes[0]) if nodes else 0
-        depth = max(self.tree.tree.depth(n) for n in nodes) if nodes else depth
+        depth = max(self.tree.tree.depth(n) for n in nodes) if nodes else 0
+        self.depth = depth
+        self.progress.end_phase()
         if depth in self.shown:
-            self.progress.line(f"applying depth {depth}")
+            self.applied = True
         else:
             self.shown.add(depth)
             position = self.depths.index(depth) + 1 if depth in self.depths else len(self.depths)
@@ -216,9 +233,13 @@ class _Session:
             tune_wrapper(wrapper, strategy, self.device, self.measure, self.progress, self.model_class)
         finally:
             release(wrapper)
-            self.progress.finish_module()
+            chosen = wrapper.tt_backend.name if wrapper.tt_backend is not None else None
+            self.progress.finish_module(wrapper.tt_name, f"chose {chosen}" if chosen else "keeps its forward")
 
     def activate(self) -> None:
+        if not self.applied and not self.measuring:
+            self.measuring = True
+            self.progress.phase(f"depth {self.depth}: measuring the whole model")
         for node in self.entered:
             wrapper = self.wrappers[node]
             if wrapper.tt_backend is not None:
@@ -227,10 +248,15 @@ class _Session:
     def deactivate(self) -> None:
         """The entered cut back to the original forward, still wrapped: the untuned side of
         the engine's side-by-side confirmation."""
+        if not self.measuring:
+            self.measuring = True
+            self.progress.phase(f"depth {self.depth}: measuring it side by side with the untuned model")
         for node in self.entered:
             self.wrappers[node]._tt_mode = MODE_ORIGINAL
 
     def leave(self) -> None:
+        self.measuring = False
+        self.progress.end_phase()
         for node in reversed(self.entered):
             uninstall(self.model, self.wrappers[node])
         self.entered.clear()
@@ -278,59 +304,68 @@ def tweak(model: nn.Module, dataset: Any, *, min_depth: int = 0, max_depth: int 
         warnings.warn("the model is in training mode: dropout and batch norm make outputs vary, and the "
                       "correctness check will reject backends; call model.eval() before tt.tweak",
                       stacklevel=2)
-    tree = ModuleTree(model, trace(model, calls))
-    depths = tree.depths(min_depth, max_depth)
-    shown = Progress(progress)
-    key = parts = None
-    if cache and not dry_run:
-        settings = {"min_depth": min_depth, "max_depth": max_depth, "tie_tolerance": float(tie_tolerance),
-                    "time_budget": time_budget, "measure": measure}
+    # Tracing, recording and measuring run the model in the mode the user left it in; in train
+    # mode that moves batch-norm statistics. They, and anything a build changed, are put back
+    # when the tweak ends, however it ends.
+    with model_state.kept(model):
+        tree = ModuleTree(model, trace(model, calls))
+        depths = tree.depths(min_depth, max_depth)
+        shown = Progress(progress)
+        key = parts = None
+        if cache and not dry_run:
+            settings = {"min_depth": min_depth, "max_depth": max_depth, "tie_tolerance": float(tie_tolerance),
+                        "time_budget": time_budget, "measure": measure}
+            try:
+                parts = tuning_cache.key_parts(model, calls, device, strategy, settings)
+                key = tuning_cache.key_of(parts)
+            except (Unstorable, ValueError, TypeError) as exc:
+                logger.info("not cached: a backend config has no JSON form (%s)", exc)
+            if key is not None:
+                result = _from_cache(model, tree, calls, device, strategy, key, parts, shown)
+                if result is not None:
+                    arm_untuned(model)
+                    return result
+        run_dataset = dataset_runner(model, calls)
+        session = _Session(model, tree, run_dataset, strategy, device, measure, shown, depths)
+        modules = {n for d in depths for n in tree.tree.cut(d)}
+        shown.plan(len(modules) + len(depths) + 2)  # each module tuned once, each measurement
+        if not dry_run:
+            shown.phase("measuring the untuned model")
+
+        def run(i: int) -> None:
+            args, kwargs = calls[i]
+            model(*args, **kwargs)
+
         try:
-            parts = tuning_cache.key_parts(model, calls, device, strategy, settings)
-            key = tuning_cache.key_of(parts)
-        except (Unstorable, ValueError, TypeError) as exc:
-            shown.line(f"not cached: a backend config has no JSON form ({exc})")
+            with torch.no_grad():
+                engine = _C.tweak(
+                    tree.tree, enter=session.enter, tune=session.tune, activate=session.activate,
+                    leave=session.leave, deactivate=session.deactivate, log=_engine_log, run=run,
+                    n_samples=len(calls), sync=synchronizer(device),
+                    min_depth=min_depth, max_depth=-1 if max_depth is None else max_depth,
+                    tie_tolerance=float(tie_tolerance),
+                    time_budget=None if time_budget is None else max(float(time_budget), 1e-9), dry_run=bool(dry_run),
+                    config=measure,
+                )
+        except BaseException:
+            unwrap(model)  # whatever happened, the model is as it was
+            raise
+        finally:
+            shown.close()
+        result = TweakResult(engine, tree, session.module_results())
+        kept = installed(model)
+        for wrapper in session.wrappers.values():
+            if kept.get(wrapper.tt_name) is not wrapper:
+                release(wrapper, keep_chosen=False)  # only the kept cut's calls are worth saving
+        if not dry_run:
+            SELECTED_DEPTHS[model] = result.selected_depth
         if key is not None:
-            result = _from_cache(model, tree, calls, device, strategy, key, parts, shown)
-            if result is not None:
-                arm_untuned(model)
-                return result
-    run_dataset = dataset_runner(model, calls)
-    session = _Session(model, tree, run_dataset, strategy, device, measure, shown, depths)
-
-    def run(i: int) -> None:
-        args, kwargs = calls[i]
-        model(*args, **kwargs)
-
-    try:
-        with torch.no_grad():
-            engine = _C.tweak(
-                tree.tree, enter=session.enter, tune=session.tune, activate=session.activate,
-                leave=session.leave, deactivate=session.deactivate, log=_engine_log, run=run,
-                n_samples=len(calls), sync=synchronizer(device),
-                min_depth=min_depth, max_depth=-1 if max_depth is None else max_depth,
-                tie_tolerance=float(tie_tolerance),
-                time_budget=None if time_budget is None else max(float(time_budget), 1e-9), dry_run=bool(dry_run),
-                config=measure,
-            )
-    except BaseException:
-        unwrap(model)  # whatever happened, the model is as it was
-        raise
-    finally:
-        shown.close()
-    result = TweakResult(engine, tree, session.module_results())
-    kept = installed(model)
-    for wrapper in session.wrappers.values():
-        if kept.get(wrapper.tt_name) is not wrapper:
-            release(wrapper, keep_chosen=False)  # only the kept cut's calls are worth saving
-    if not dry_run:
-        SELECTED_DEPTHS[model] = result.selected_depth
-    if key is not None:
-        tuning_cache.write(key, tuning_cache.entry_of(parts, result.to_record(), result.modules, model))
-    shown.line(f"selected depth {result.selected_depth}" if result.selected_depth is not None
-               else "no depth beat the untuned model; it stays untuned")
-    arm_untuned(model)
-    return result
+            tuning_cache.write(key, tuning_cache.entry_of(parts, result.to_record(), result.modules, model))
+        outcome = result.outcome()
+        logger.info("tweak of %s: %s", session.model_class, outcome)
+        shown.finish(outcome)
+        arm_untuned(model)
+        return result
 
 
 def _from_cache(model: nn.Module, tree: ModuleTree, calls: list, device: torch.device, strategy: Strategy | None,
@@ -349,11 +384,9 @@ def _from_cache(model: nn.Module, tree: ModuleTree, calls: list, device: torch.d
     else:
         failure = tuning_cache.apply(entry, model, calls, device, strategy, model_class_name(model))
     if failure is not None:
-        shown.line(f"tuning cache entry dropped ({failure}); tuning afresh")
+        logger.warning("tuning cache entry %s dropped (%s); tuning afresh", key, failure)
         tuning_cache.drop(key)
         return None
     SELECTED_DEPTHS[model] = result.selected_depth
-    shown.close()
-    shown.line(f"selected depth {result.selected_depth} (cached)" if result.selected_depth is not None
-               else "the cached tweak left the model untuned")
+    shown.finish(f"{result.outcome()} (from the tuning cache)")
     return result

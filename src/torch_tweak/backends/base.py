@@ -74,6 +74,14 @@ class Backend(abc.ABC):
     opt_in = False
     """True for a backend that changes results on purpose (quantization): never a default,
     and tt.load builds it from a file only when the caller passes it in backends=."""
+    isolate_build = False
+    """True when build runs native code that can crash the process (a segfault in a
+    compiler): tuning then first builds this candidate in a child process, once per module,
+    signature and library versions, and a crash there rejects it instead of killing the
+    user's process (see torch_tweak.isolation). Opt-in for a backend of your own."""
+    packages: tuple[str, ...] = ()
+    """Distribution names whose versions can change whether a build crashes (part of the
+    key of a stored isolation verdict), e.g. ("openvino",)."""
 
     def __init__(self, config: BackendConfig | None = None, **options: Any) -> None:
         if config is not None and options:

@@ -110,6 +110,8 @@ class OpenVINOBackend(Backend):
     name = "OpenVINO"
     config_class = OpenVINOBackendConfig
     supports_autograd = False  # outputs come back from numpy arrays
+    isolate_build = True  # compile_model has segfaulted on some CPUs (docs/backends.md)
+    packages = ("openvino",)
 
     @property
     def thread_safe(self) -> bool:  # type: ignore[override]
