@@ -14,4 +14,5 @@ for variant in plain asan; do
 done
 
 echo "test: Python tests"
-.venv/bin/python -m pytest -q "$@"
+# -rs: every skipped test says why (no GPU here, a package that could not be installed...)
+.venv/bin/python -m pytest -q -rs "$@"

@@ -109,13 +109,16 @@ def test_encoder_tweak_with_inductor(encoder_tweak):
 def test_encoder_tweak_selection_rule(encoder_tweak):
     _, _, _, result = encoder_tweak
     measured = [r for r in result.rows if r.latency_ms is not None]
-    faster = [r for r in measured if r.latency_ms < result.baseline_ms]
+    faster = [r for r in measured if r.speedup > 1.0]  # against the search's own untuned measurement
     if not faster:
-        assert result.selected_depth is None
+        assert result.selected_depth is None and result.confirmation is None
         return
     best = min(r.latency_ms for r in faster)
     tied = [r.depth for r in faster if r.latency_ms <= best * 1.02]
-    assert result.selected_depth == min(tied)
+    side = result.confirmation  # the candidate, measured side by side with the untuned model
+    assert side["depth"] == min(tied)
+    assert result.selected_depth == (side["depth"] if side["confirmed"] else None)
+    assert side["confirmed"] == (side["speedup_low"] > 1.0)
 
 
 class Planted(torch.nn.Module):

@@ -81,12 +81,23 @@ cleanup:
     return;
 }
 
-void tw_buf_append_line(tw_buf *buf, const char *s)
+void tw_buf_append_line(tw_buf *buf, const char *s, size_t width)
 {
-    size_t n = strlen(s);
+    size_t n = strcspn(s, "\r\n");
+    int cut = s[n] != '\0' && s[n + strspn(s + n, "\r\n")] != '\0';
     size_t i;
 
-    if (!tw_buf_reserve(buf, n)) {
+    if (width < 8) {
+        width = 8;
+    }
+    if (n > width) {
+        /* cut at the last space that leaves room for " ...", never mid-word when one exists */
+        for (i = width - 4; i > 0 && s[i] != ' '; i--) {
+        }
+        n = i > 0 ? i : width - 4;
+        cut = 1;
+    }
+    if (!tw_buf_reserve(buf, n + 4)) {
         goto cleanup;
     }
     for (i = 0; i < n; i++) {
@@ -94,6 +105,10 @@ void tw_buf_append_line(tw_buf *buf, const char *s)
         buf->data[buf->len + i] = (c < 0x20 || c == 0x7f) ? ' ' : (char)c;
     }
     buf->len += n;
+    if (cut) {
+        memcpy(buf->data + buf->len, " ...", 4);
+        buf->len += 4;
+    }
     buf->data[buf->len] = '\0';
 cleanup:
     return;

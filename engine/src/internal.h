@@ -66,9 +66,11 @@ void tw_buf_appendf(tw_buf *buf, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)))
 #endif
     ;
-/* Appends `s` with every control character replaced by a space, so a
- * multi-line callback message keeps a table row on one line. */
-void tw_buf_append_line(tw_buf *buf, const char *s);
+/* Appends the first line of `s`, at most `width` bytes of it (cut at a space
+ * where there is one), with " ..." when anything was left out and control
+ * characters as spaces: a callback's long or multi-line message keeps a table
+ * row on one line. The whole message stays in the result (tw_row.error). */
+void tw_buf_append_line(tw_buf *buf, const char *s, size_t width);
 /* Gives the string away (NULL when an append failed) and resets buf. */
 char *tw_buf_take(tw_buf *buf);
 void tw_buf_dispose(tw_buf *buf);

@@ -255,7 +255,7 @@ static void tw_format_depth_row(tw_buf *buf, const tw_result *result, size_t i)
         break;
     case TW_ROW_SKIPPED:
         tw_buf_appendf(buf, "  skipped: ");
-        tw_buf_append_line(buf, row->error);
+        tw_buf_append_line(buf, row->error, 100);
         break;
     case TW_ROW_BUDGET:
         tw_buf_appendf(buf, "  time budget used up");

@@ -136,8 +136,41 @@ static void test_multi_line_error(void)
     ops.tune = multi_line_tune;
     CHECK_INT(tw_tweak_run(&m.host, m.tree, &cfg, &ops, &result, NULL), TW_OK);
     text = tw_result_format(result, NULL);
-    CHECK_LINE(text, "        0", "skipped: first line second line");
+    CHECK_LINE(text, "        0", "skipped: first line ...");
     CHECK_STR(fake_model_row(result, 0).error, "first line\nsecond line");
+    tw_free(text);
+    fake_model_teardown(&m, result);
+}
+
+/* A long message: the row shows its start, cut between words. */
+static tw_code long_tune(void *ctx, size_t node, tw_error *err)
+{
+    (void)ctx;
+    (void)node;
+    return tw_error_set(err, TW_ECALLBACK, "%s", "alpha beta gamma delta epsilon zeta eta theta "
+                        "iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon phi chi psi "
+                        "omega and then some more words that do not fit");
+}
+
+static void test_long_error_is_cut_between_words(void)
+{
+    fake_model m;
+    tw_tweak_config cfg = fake_model_config();
+    tw_tweak_ops ops;
+    tw_result *result = NULL;
+    char *text;
+    char line[512];
+
+    fake_model_setup(&m);
+    ops = fake_model_ops(&m);
+    ops.tune = long_tune;
+    CHECK_INT(tw_tweak_run(&m.host, m.tree, &cfg, &ops, &result, NULL), TW_OK);
+    text = tw_result_format(result, NULL);
+    CHECK(find_line(text, "        0", line, sizeof line) != NULL);
+    CHECK_HAS(line, "skipped: alpha beta");
+    CHECK_HAS(line, "rho sigma ...");
+    CHECK(strstr(line, "fit") == NULL);
+    CHECK_HAS(fake_model_row(result, 0).error, "do not fit");
     tw_free(text);
     fake_model_teardown(&m, result);
 }
@@ -176,6 +209,7 @@ static void test_accessors(void)
 
 int main(void)
 {
+    test_long_error_is_cut_between_words();
     test_table();
     test_budget_and_untuned();
     test_dry_run_table();

@@ -72,3 +72,8 @@ __all__ = [
     "deactivate", "default_backends", "default_strategy", "inspect", "installed", "load", "save", "status", "tune",
     "tweak", "unwrap", "wrap",
 ]
+
+
+def __dir__() -> list[str]:
+    """The public API only (dir(tt) and completion), not the names this module imports."""
+    return sorted(__all__ + ["__version__"])

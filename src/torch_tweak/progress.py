@@ -1,62 +1,106 @@
-"""What a tweak is doing: a progress bar on a terminal, plain log lines otherwise."""
+"""What a tweak is doing, for the person watching it.
+
+On a terminal: one status line that updates in place (step of total, depth, module,
+candidate, elapsed time, and the time left estimated from the steps done so far); lines
+that stay are printed above it. Elsewhere (a log file, a notebook's captured stderr): plain
+lines at the milestones only (a depth starts, a module is tuned, a measurement starts),
+each with the elapsed time. The last line says how long the whole tweak took and what it
+kept.
+
+This is a display, not a log: it never writes to ``logging`` (the library's records go
+there on their own, see docs/tweak.md), and ``progress=False`` turns it off alone. It is
+written here rather than with tqdm or rich: the steps are of very different lengths (a
+compile, a measurement), the estimate is over steps of several kinds, and a dependency for
+sixty lines of display is not worth its weight.
+"""
 
 from __future__ import annotations
 
-import logging
 import sys
-from typing import TextIO
+import time
+from typing import Callable, TextIO
 
-log = logging.getLogger("torch_tweak")
+
+def clock_text(seconds: float) -> str:
+    seconds = max(0, int(seconds + 0.5))
+    return f"{seconds // 60}:{seconds % 60:02d}"
 
 
 class Progress:
-    """Reports depth, module and backend. `enabled=False` silences it."""
+    """Steps of a tweak: each module to tune, and each end-to-end measurement."""
 
-    def __init__(self, enabled: bool = True, stream: TextIO | None = None) -> None:
+    def __init__(self, enabled: bool = True, stream: TextIO | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.enabled = enabled
         self.stream = stream if stream is not None else sys.stderr
         self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.depth_label = ""
-        self.done = 0
+        self.clock = clock
+        self.start = clock()
         self.total = 0
+        self.done = 0
+        self.depth_label = ""
         self.open_line = False
+        self.phase_open = False
+
+    def plan(self, steps: int) -> None:
+        """How many steps the whole tweak has (modules to tune and measurements)."""
+        self.total = max(steps, self.done)
+
+    def elapsed(self) -> float:
+        return self.clock() - self.start
+
+    def eta(self) -> str:
+        if self.done == 0 or self.total <= self.done:
+            return ""
+        left = self.elapsed() / self.done * (self.total - self.done)
+        return f", about {clock_text(left)} left"
+
+    def counter(self) -> str:
+        return f"[{self.done}/{self.total}] " if self.total else ""
 
     def start_depth(self, depth: int, position: int, count: int, modules: int, to_tune: int) -> None:
         self.depth_label = f"depth {depth} ({position}/{count})"
-        self.done = 0
-        self.total = to_tune
-        self.line(f"{self.depth_label}: {modules} modules, {to_tune} to tune")
+        noun = "module" if modules == 1 else "modules"
+        self.line(f"{self.depth_label}: {modules} {noun}, {to_tune} to tune")
 
     def step(self, module: str, what: str) -> None:
-        self.show(f"{self.depth_label}: {module or '(root)'}: {what}")
+        """A status the next one replaces (a terminal only: these come many a second)."""
+        if self.tty:
+            self.show(f"{self.depth_label}: {module or '(root)'}: {what}")
 
-    def finish_module(self) -> None:
+    def finish_module(self, module: str = "", what: str = "") -> None:
         self.done += 1
+        if what:
+            self.line(f"{self.depth_label}: {module or '(root)'}: {what}")
+
+    def phase(self, what: str) -> None:
+        """A measurement starts; the one before it, if any, is a step done."""
+        if self.phase_open:
+            self.done += 1
+        self.phase_open = True
+        self.line(what)
+
+    def end_phase(self) -> None:
+        if self.phase_open:
+            self.done += 1
+            self.phase_open = False
 
     def line(self, text: str) -> None:
-        """A message that stays."""
+        """A message that stays, with the step count and the time so far."""
         if not self.enabled:
             return
+        stamp = f"{self.counter()}{text} ({clock_text(self.elapsed())}{self.eta()})"
         if self.tty:
             self.clear()
-            self.stream.write(text + "\n")
-            self.stream.flush()
+            self.stream.write(stamp + "\n")
         else:
-            self.stream.write(f"torch-tweak: {text}\n")
-            self.stream.flush()
-        log.info(text)
+            self.stream.write(f"torch-tweak: {stamp}\n")
+        self.stream.flush()
 
     def show(self, text: str) -> None:
-        """A status that the next one replaces: a bar on a terminal, a log line otherwise."""
         if not self.enabled:
             return
-        if not self.tty:
-            self.line(text)
-            return
-        width = 20
-        filled = width * self.done // self.total if self.total else width
-        bar = "#" * filled + "-" * (width - filled)
-        status = f"[{bar}] {self.done}/{self.total} {text}"
+        status = f"{self.counter()}{text} | {clock_text(self.elapsed())} elapsed{self.eta()}"
         self.stream.write("\r\x1b[2K" + status[:160])
         self.stream.flush()
         self.open_line = True
@@ -66,6 +110,16 @@ class Progress:
             self.stream.write("\r\x1b[2K")
             self.stream.flush()
             self.open_line = False
+
+    def finish(self, text: str) -> None:
+        """The last line: how long it took and what it kept."""
+        self.end_phase()
+        self.done = max(self.done, self.total)
+        if not self.enabled:
+            return
+        self.clear()
+        self.stream.write(("" if self.tty else "torch-tweak: ") + f"tuned in {self.elapsed():.1f} s: {text}\n")
+        self.stream.flush()
 
     def close(self) -> None:
         self.clear()

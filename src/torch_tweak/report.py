@@ -43,18 +43,33 @@ class ModuleResult:
     signatures: tuple[SignatureResult, ...] = ()
 
     def rows(self) -> list[list[str]]:
+        """The table rows, every result folded to one line."""
         rows = []
         for s in self.signatures:
             for i, c in enumerate(s.candidates):
                 rows.append([self.path or "(root)" if not rows else "", s.text if i == 0 else "",
                              c["backend"], "-" if c["latency_ms"] is None else f"{c['latency_ms']:.3f}",
-                             status(c, c["backend"] == s.backend, s.unstorable)])
+                             fold(status(c, c["backend"] == s.backend, s.unstorable))])
             if not s.candidates:
-                rows.append([self.path or "(root)" if not rows else "", s.text, "-", "-", s.error])
+                rows.append([self.path or "(root)" if not rows else "", s.text, "-", "-", fold(s.error)])
         return rows
 
+    def errors(self) -> list[str]:
+        """Every candidate's error in full, one entry per candidate that has one."""
+        found = []
+        for s in self.signatures:
+            for c in s.candidates:
+                if c["error"]:
+                    found.append(f"{c['backend']} {s.text}:\n  " + c["error"].strip().replace("\n", "\n  "))
+            if not s.candidates and s.error:
+                found.append(f"{s.text}:\n  " + s.error.strip().replace("\n", "\n  "))
+        return found
+
     def __str__(self) -> str:
-        return table([HEADER] + self.rows())
+        """The module's table, then every error in full."""
+        text = table([HEADER] + self.rows())
+        errors = self.errors()
+        return text + ("\n\nerrors in full:\n" + "\n".join(errors) if errors else "")
 
 
 def status(candidate: dict, chosen: bool, unstorable: int) -> str:
@@ -82,6 +97,15 @@ def status(candidate: dict, chosen: bool, unstorable: int) -> str:
     return error or candidate["state"]
 
 
+def fold(text: str, width: int = 100) -> str:
+    """`text` on one line for a table: its first line, cut at a word before `width`."""
+    line = " ".join(text.split("\n", 1)[0].split())
+    if len(text.strip()) > len(line) or len(line) > width:
+        cut = line[:width - 4].rsplit(" ", 1)[0] if len(line) > width - 4 else line
+        return cut + " ..."
+    return line
+
+
 HEADER = ["module", "signature", "backend", "latency ms", "result"]
 
 
@@ -101,4 +125,8 @@ class ModuleResults(dict):
         rows = [HEADER]
         for result in self.values():
             rows.extend(result.rows())
-        return table(rows) if len(rows) > 1 else "no module was tuned"
+        if len(rows) == 1:
+            return "no module was tuned"
+        folded = [p for p, r in self.items() if any(" ..." in row[4] for row in r.rows())]
+        hint = f"\n(errors in full: print(result.modules[{folded[0]!r}]))" if folded else ""
+        return table(rows) + hint
