@@ -80,7 +80,9 @@ def test_result_shows_every_candidates_latency_or_why_it_lost(mlp, mlp_data):
                      "not installed (pip install missing)", "failed to build: RuntimeError: this backend cannot",
                      "failed the correctness check: error", "> 0.001", "rejected for dynamic shapes: argument 0 axis 0 varies", "chosen"):
         assert expected in text, (expected, text)
-    assert str(head).splitlines()[1].startswith("head") and len(str(head).splitlines()) == 6
+    table, errors = str(head).split("\n\nerrors in full:\n")
+    assert table.splitlines()[1].startswith("head") and len(table.splitlines()) == 6
+    assert "Broken (float32[8, 16]):" in errors and "this backend cannot" in errors
     assert text.count("TorchEager") == 3  # one row per module
 
 

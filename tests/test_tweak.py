@@ -73,7 +73,7 @@ def test_interrupt_leaves_model_unchanged(mlp, mlp_data):
 def test_progress_lines_when_not_a_terminal(mlp, mlp_data, capsys):
     tt.tweak(mlp, mlp_data, max_depth=1, strategy=tt.OneBackendStrategy(CountingBackend()), measure=FAST)
     err = capsys.readouterr().err
-    assert "torch-tweak: depth 0 (1/2)" in err and "depth 1 (2/2)" in err
+    assert "] depth 0 (1/2)" in err and "] depth 1 (2/2)" in err and err.startswith("torch-tweak: [0/")
     tt.unwrap(mlp)
     tt.tweak(mlp, mlp_data, max_depth=1, strategy=tt.OneBackendStrategy(CountingBackend()), measure=FAST,
              progress=False)
