@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 from torch import nn
@@ -30,6 +31,19 @@ class MLP(nn.Module):
 
 FAST = {"warmup_min": 1, "warmup_max": 3, "rounds_min": 3, "rounds_max": 5, "time_cap": 0.5}
 """A short measurement for tests that only check decisions, not speed."""
+
+
+class Slow(nn.Module):
+    """A layer whose forward waits 2 ms before its inner layer: what a backend that runs
+    only the inner layer skips, for a tweak that truly gets faster."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.002)
+        return self.inner(x)
 
 
 class CountingBackend(Backend):

@@ -14,19 +14,7 @@ from torch import nn
 
 import torch_tweak as tt
 from torch_tweak import _C, tuning_cache
-from support import FAST, MLP, BrokenBackend, CountingBackend
-
-
-class Slow(nn.Module):
-    """A layer whose forward waits 2 ms before its inner layer: what the Fast backend skips."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(0.002)
-        return self.inner(x)
+from support import FAST, MLP, BrokenBackend, CountingBackend, Slow
 
 
 class Net(nn.Module):

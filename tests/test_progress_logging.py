@@ -13,17 +13,7 @@ from torch import nn
 
 import torch_tweak as tt
 from torch_tweak.progress import Progress
-from support import FAST
-
-
-class Slow(nn.Module):
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(0.002)
-        return self.inner(x)
+from support import FAST, Slow
 
 
 class Skip(tt.Backend):

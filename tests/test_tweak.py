@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torch_tweak as tt
-from support import FAST, BrokenBackend, CountingBackend
+from support import FAST, BrokenBackend, CountingBackend, Slow
 from test_api import assert_unchanged, snapshot
 
 
@@ -158,15 +158,6 @@ def test_a_planted_slow_baseline_claims_no_speedup(mlp_data, caplog):
 
 
 def test_a_real_speedup_is_confirmed_side_by_side(mlp_data):
-    class Slow(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x):
-            time.sleep(0.002)
-            return self.inner(x)
-
     torch.manual_seed(0)
     model = torch.nn.Sequential(Slow(torch.nn.Linear(16, 16))).eval()
 

@@ -392,7 +392,8 @@ typedef struct tw_confirmation {
 
 /* Copies the confirmation into *out (all zero when none was measured). */
 void tw_result_confirmation(const tw_result *result, tw_confirmation *out);
-/* 1 when any measurement of the result spread more than TW_NOISY_SPREAD. */
+/* 1 when no speedup was confirmed and a measurement of the result spread more
+ * than TW_NOISY_SPREAD: the machine may have been too busy to decide. */
 int tw_result_noisy(const tw_result *result);
 
 /* The result table: one row per depth (depth, modules wrapped, latency in ms,

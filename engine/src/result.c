@@ -166,7 +166,11 @@ static double tw_result_max_spread(const tw_result *result)
 
 int tw_result_noisy(const tw_result *result)
 {
-    return result != NULL && tw_result_max_spread(result) > TW_NOISY_SPREAD;
+    /* a speedup confirmed in spite of the spread needs no excuse */
+    if (result == NULL || (result->confirmation.measured && result->confirmation.confirmed)) {
+        return 0;
+    }
+    return tw_result_max_spread(result) > TW_NOISY_SPREAD;
 }
 
 int tw_result_module(const tw_result *result, size_t node, const char **error)

@@ -455,6 +455,21 @@ static void test_depth_range(void)
     fake_model_teardown(&m, result);
 }
 
+/* The tweak of a fake model the caller set up, with the side-by-side
+ * confirmation; *c gets the confirmation and *text the table (tw_free it). */
+static tw_result *run_confirmed(fake_model *m, tw_confirmation *c, char **text)
+{
+    tw_tweak_config cfg = fake_model_config();
+    tw_tweak_ops ops = fake_model_ops(m);
+    tw_result *result = NULL;
+
+    ops.deactivate = model_deactivate;
+    CHECK_INT(tw_tweak_run(&m->host, m->tree, &cfg, &ops, &result, NULL), TW_OK);
+    tw_result_confirmation(result, c);
+    *text = tw_result_format(result, NULL);
+    return result;
+}
+
 /* The search's untuned measurements are slowed (a busy moment, planted): the
  * depth rows look 4x faster. Side by side, the kept cut is no faster than the
  * same cut deactivated, so no speedup is claimed and the model is left. */
@@ -462,7 +477,6 @@ static void test_planted_slow_baseline_is_not_a_speedup(void)
 {
     fake_model m;
     tw_tweak_config cfg = fake_model_config();
-    tw_tweak_ops ops;
     tw_result *result = NULL;
     tw_confirmation c;
     char *text;
@@ -470,24 +484,19 @@ static void test_planted_slow_baseline_is_not_a_speedup(void)
     fake_model_setup(&m);
     m.base_first = m.base_second = 3000;
     m.wrapped_latency = 700; /* what the untuned model really costs */
-    ops = fake_model_ops(&m);
-    CHECK_INT(tw_tweak_run(&m.host, m.tree, &cfg, &ops, &result, NULL), TW_OK);
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
     CHECK_INT((int)tw_result_selected(result), 2); /* without confirmation: claimed */
     fake_model_teardown(&m, result);
 
     fake_model_setup(&m);
     m.base_first = m.base_second = 3000;
     m.wrapped_latency = 700;
-    ops = fake_model_ops(&m);
-    ops.deactivate = model_deactivate;
-    CHECK_INT(tw_tweak_run(&m.host, m.tree, &cfg, &ops, &result, NULL), TW_OK);
+    result = run_confirmed(&m, &c, &text);
     CHECK_INT((int)tw_result_selected(result), -1);
     CHECK(!m.entered && !m.active); /* left: the model is as it was */
-    tw_result_confirmation(result, &c);
     CHECK(c.measured && !c.confirmed);
     CHECK_INT(c.depth, 2);
     CHECK(c.speedup_low <= 1.0 && c.speedup == 1.0);
-    text = tw_result_format(result, NULL);
     CHECK(text != NULL && strchr(text, '>') == NULL);
     CHECK_HAS(text, "within noise side by side");
     CHECK_HAS(text, "depth 2 was within noise of the untuned model measured side by side "
@@ -501,24 +510,18 @@ static void test_planted_slow_baseline_is_not_a_speedup(void)
 static void test_confirmed_speedup_is_kept(void)
 {
     fake_model m;
-    tw_tweak_config cfg = fake_model_config();
-    tw_tweak_ops ops;
-    tw_result *result = NULL;
+    tw_result *result;
     tw_confirmation c;
     char *text;
 
     fake_model_setup(&m);
     m.wrapped_latency = 1000;
-    ops = fake_model_ops(&m);
-    ops.deactivate = model_deactivate;
-    CHECK_INT(tw_tweak_run(&m.host, m.tree, &cfg, &ops, &result, NULL), TW_OK);
+    result = run_confirmed(&m, &c, &text);
     CHECK_INT((int)tw_result_selected(result), 2);
     CHECK(m.entered && m.active && m.deactivates > 0);
-    tw_result_confirmation(result, &c);
     CHECK(c.measured && c.confirmed);
     CHECK(c.speedup_low > 1.4 && c.speedup_low < 1.5 && c.tuned.median_ns == 700.0);
     CHECK(!tw_result_noisy(result));
-    text = tw_result_format(result, NULL);
     CHECK_HAS(text, "kept depth 2: 1.43x faster than untuned, measured side by side (0.001 ms, "
                     "spread 0%, against 0.001 ms, spread 0%; 1.43x to 1.43x)");
     tw_free(text);
@@ -530,9 +533,7 @@ static void test_confirmed_speedup_is_kept(void)
 static void test_noisy_measurements_are_named(void)
 {
     fake_model m;
-    tw_tweak_config cfg = fake_model_config();
-    tw_tweak_ops ops;
-    tw_result *result = NULL;
+    tw_result *result;
     tw_confirmation c;
     char *text;
 
@@ -541,15 +542,10 @@ static void test_noisy_measurements_are_named(void)
     m.lcg = 42;
     m.depth_latency[0] = m.depth_latency[1] = m.depth_latency[2] = 900;
     m.wrapped_latency = 1000;
-    cfg.measure.stop_when_decided = 1;
-    ops = fake_model_ops(&m);
-    ops.deactivate = model_deactivate;
-    CHECK_INT(tw_tweak_run(&m.host, m.tree, &cfg, &ops, &result, NULL), TW_OK);
+    result = run_confirmed(&m, &c, &text);
     CHECK(tw_result_noisy(result));
-    tw_result_confirmation(result, &c);
     CHECK(!c.measured || !c.confirmed);
     CHECK_INT((int)tw_result_selected(result), -1);
-    text = tw_result_format(result, NULL);
     CHECK_HAS(text, "the machine was busy; close other work and tweak again, or measure longer");
     tw_free(text);
     fake_model_teardown(&m, result);

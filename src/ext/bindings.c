@@ -1371,7 +1371,8 @@ static PyGetSetDef tt_result_getset[] = {
      "tuned, untuned, speedup, speedup_low, speedup_high), or None when none was measured.",
      NULL},
     {"noisy", (getter)tt_result_get_noisy, NULL,
-     "True when a measurement spread more than the engine's noisy limit (a busy machine).", NULL},
+     "True when no speedup was confirmed and a measurement spread more than the engine's noisy "
+     "limit (a busy machine may have hidden one).", NULL},
     {"baseline", (getter)tt_result_get_baseline, NULL,
      "The untuned model's statistics; None on a dry run.", NULL},
     {NULL, NULL, NULL, NULL, NULL}};

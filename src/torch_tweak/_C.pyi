@@ -97,7 +97,8 @@ class Result:
         "speedup_high"}; None when none was measured."""
     @property
     def noisy(self) -> bool:
-        """A measurement spread more than the engine's noisy limit (a busy machine)."""
+        """No speedup was confirmed, and a measurement spread more than the engine's noisy
+        limit (a busy machine may have hidden one)."""
     def module(self, node: int) -> tuple[int, str]:
         """(1 tuned, -1 failed, 0 never tuned; error)."""
     def format(self) -> str: ...

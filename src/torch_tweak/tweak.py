@@ -62,7 +62,8 @@ class TweakResult:
     confirmation: the best depth measured side by side with the untuned model, interleaved
     (docs/tweak.md): {"depth", "confirmed", "tuned", "untuned", "speedup", "speedup_low",
     "speedup_high"}, or None when no depth beat the untuned model in the search.
-    noisy: True when a measurement spread more than 25 % (a busy machine).
+    noisy: True when no speedup was confirmed and a measurement spread more than 25 % (a
+    busy machine may have hidden one).
     rows: a DepthResult per depth; untuned: the DepthResult of the untuned model.
     modules: a ModuleResult per tuned module, by path; ``print(result.modules)`` shows, per
     module and input signature, every candidate backend's latency or why it lost.
