@@ -66,7 +66,7 @@ def profiled_tweak(model: torch.nn.Module, data: list, share: bool, static: bool
     record_s = [0.0]
     real_prepare, real_check, real_tune = Backend.prepare, tuning.check, tweak_module.tune_wrapper
     real_enter = tweak_module._Session.enter
-    real_scope = tuning.shared_compiles
+    real_scope = tuning.build_scopes
 
     def timed(real: Any, charge: Any) -> Any:
         """`real`, with its wall time passed to charge(seconds, *args) after every call."""
@@ -103,9 +103,9 @@ def profiled_tweak(model: torch.nn.Module, data: list, share: bool, static: bool
     Backend.prepare, tuning.check, tweak_module.tune_wrapper = prepare, check, tune_wrapper  # type: ignore
     tweak_module._Session.enter = enter  # type: ignore[method-assign]
     if not share:
-        tuning.shared_compiles = lambda static: contextlib.nullcontext()  # type: ignore[assignment]
+        tuning.build_scopes = lambda backends, static: contextlib.nullcontext()  # type: ignore[assignment]
     elif not static:  # shared, but dynamic=None left to torch (automatic dynamic shapes)
-        tuning.shared_compiles = lambda static: real_scope(static=False)  # type: ignore[assignment]
+        tuning.build_scopes = lambda backends, static: real_scope(backends, static=False)  # type: ignore
     try:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -115,7 +115,7 @@ def profiled_tweak(model: torch.nn.Module, data: list, share: bool, static: bool
     finally:
         Backend.prepare, tuning.check, tweak_module.tune_wrapper = real_prepare, real_check, real_tune  # type: ignore
         tweak_module._Session.enter = real_enter  # type: ignore[method-assign]
-        tuning.shared_compiles = real_scope  # type: ignore[assignment]
+        tuning.build_scopes = real_scope  # type: ignore[assignment]
     metrics1, counters1 = compile_metrics(), compile_counters()
     phases = {k: [v[0] - metrics0.get(k, [0, 0.0])[0], round(v[1] - metrics0.get(k, [0, 0.0])[1], 3)]
               for k, v in metrics1.items()}

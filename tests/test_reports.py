@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torch_tweak as tt
-from torch_tweak import cache, signatures
+from torch_tweak import buildlog, signatures, storage
 from torch_tweak.backends import Backend, TorchEagerBackend
 from support import FAST, BrokenBackend, NoisyBackend
 
@@ -78,7 +78,9 @@ def test_result_shows_every_candidates_latency_or_why_it_lost(mlp, mlp_data):
     text = str(result.modules)
     for expected in ("module", "signature", "latency ms", "blocks.0", "head", "(float32[8, 16])",
                      "not installed (pip install missing)", "failed to build: RuntimeError: this backend cannot",
-                     "failed the correctness check: error", "> 0.001", "rejected for dynamic shapes: argument 0 axis 0 varies", "chosen"):
+                     "failed the correctness check: error", "> 0.001", "rejected for dynamic shapes: argument 0 axis 0 varies",
+                     "chosen" if result.selected_depth == 1 else "fastest here; its depth was not kept",
+                     "depth 1 (kept)" if result.selected_depth == 1 else "depth 1 (not kept)"):
         assert expected in text, (expected, text)
     table, errors = str(head).split("\n\nerrors in full:\n")
     assert table.splitlines()[1].startswith("head") and len(table.splitlines()) == 6
@@ -97,13 +99,13 @@ def test_build_logs_in_the_cache_folder(mlp, mlp_data, cache_folder, monkeypatch
     assert "outcome: failed" in broken and "Traceback" in broken and "this backend cannot build anything" in broken
     said = (folder / "Warning.log").read_text()
     assert "UserWarning: this backend has something to say" in said and "passed the correctness check" in said
-    assert cache.cache_dir() == cache_folder / "logs-test"
+    assert storage.cache_dir() == cache_folder / "logs-test"
 
 
 def test_cache_folder_default(monkeypatch):
     monkeypatch.delenv("TORCH_TWEAK_CACHE", raising=False)
-    assert str(cache.cache_dir()).endswith("/.cache/torch-tweak")
-    assert cache.log_path("M", "", "k", "B").parts[-3:] == ("_root", "k", "B.log")
+    assert str(storage.cache_dir()).endswith("/.cache/torch-tweak")
+    assert buildlog.log_path("M", "", "k", "B").parts[-3:] == ("_root", "k", "B.log")
 
 
 def test_weights_a_backend_moved_are_back_on_their_device(mlp, mlp_data):

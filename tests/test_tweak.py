@@ -173,3 +173,27 @@ def test_a_real_speedup_is_confirmed_side_by_side(mlp_data):
     assert side["confirmed"] and side["speedup_low"] > 1.0 and result.selected_depth == side["depth"]
     assert result.speedup == pytest.approx(side["speedup"]) and tt.installed(model)
     assert "kept depth" in str(result) and "measured side by side" in str(result)
+
+
+def test_module_table_is_grouped_by_depth_with_the_kept_depth_marked(mlp_data):
+    class SkipSleep(CountingBackend):
+        name = "SkipSleep"
+
+        def build(self, module, samples, device):
+            return getattr(module, "inner", module)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Slow(torch.nn.Linear(16, 16)), Slow(torch.nn.Linear(16, 4))).eval()
+    with torch.no_grad():
+        expected = [model(x) for x in mlp_data]
+    result = tt.tweak(model, mlp_data, strategy=tt.OneBackendStrategy(SkipSleep()), progress=False, measure=FAST,
+                      cache=False)
+    assert result.selected_depth == 1
+    lines = str(result.modules).splitlines()
+    assert lines[1].startswith("depth 0 (not kept)") and "fastest here; its depth was not kept" in lines[2]
+    kept = lines.index(next(line for line in lines if line.startswith("depth 1")))
+    assert lines[kept].startswith("depth 1 (kept)") and all("chosen" in line for line in lines[kept + 1:])
+    assert not result.modules[""].kept and result.modules[""].depths == (0,)
+    assert result.modules["0"].kept and result.modules["1"].depths == (1,)
+    with torch.no_grad():
+        assert all(torch.allclose(model(x), e) for x, e in zip(mlp_data, expected))

@@ -13,7 +13,7 @@ void tw_tweak_config_default(tw_tweak_config *cfg)
         goto cleanup;
     }
     cfg->min_depth = 0;
-    cfg->max_depth = 2;
+    cfg->max_depth = 1;
     cfg->tie_tolerance = 0.02;
     cfg->time_budget_ns = 0;
     cfg->dry_run = 0;

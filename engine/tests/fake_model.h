@@ -237,6 +237,7 @@ static inline tw_tweak_config fake_model_config(void)
     tw_tweak_config cfg;
 
     tw_tweak_config_default(&cfg);
+    cfg.max_depth = 2; /* the fake model's three depths */
     cfg.measure = fake_quick_config();
     return cfg;
 }

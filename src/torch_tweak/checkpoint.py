@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 from ._samples import resolve_device
-from .backends import Backend, InductorGraphBackend, TorchAOBackend, TorchInductorBackend
-from .cache import NotRegular, atomic_file, read_regular
+from .backends import Backend
+from .storage import NotRegular, atomic_file, read_regular
 from .module import MODE_ACTIVE, arm_untuned, installed, make_wrapper, install, resolve_paths, unwrap
 from .serial import Unstorable, build_backend, class_path, decode, describe_backend, device_name, dumps, encode, loads
 from .signatures import (MAX_CALLS_PER_SIGNATURE, MAX_SIGNATURES, OTHER, SignatureGroup, forward_params,
@@ -131,7 +131,7 @@ def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None =
                                      "outputs": []}
             if group.backend is not None:
                 entry["backend"] = describe_backend(group.backend)
-                inductor |= _uses_inductor(group.backend)
+                inductor |= group.backend.compiles_with_inductor
                 for sample, output in zip(group.samples, group.outputs):
                     if not group.backend.can_store(sample):
                         continue
@@ -166,12 +166,6 @@ def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None =
         warnings.warn(f"{path} is {len(data)} bytes, more than tt.load reads by default for this model "
                       f"({default_max_bytes(model)}: 4 x its weights + 256 MiB); load it with "
                       f"tt.load(model, path, max_bytes={len(data)})", stacklevel=2)
-
-
-def _uses_inductor(backend: Any) -> bool:
-    if isinstance(backend, TorchAOBackend):
-        return backend.config.compile
-    return isinstance(backend, (TorchInductorBackend, InductorGraphBackend))
 
 
 def _params(module: nn.Module) -> dict[str, list]:

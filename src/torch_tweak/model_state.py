@@ -1,4 +1,5 @@
-"""What a build must not change: a module's training flags, parameters and buffers.
+"""What a build must not change: a module's training flags, parameters and buffers; and
+where its weights are (weight_places, restore_places: weights a backend moved go back).
 
 snapshot(module) takes, cheaply, what restore() needs to put the module back exactly as it
 was: every submodule's training flag; every parameter and buffer object in its owner's
@@ -118,3 +119,36 @@ def kept(module: nn.Module) -> Iterator[Snapshot]:
         yield state
     finally:
         state.restore()
+
+
+Place = tuple[nn.Module, str, str, torch.Tensor, torch.Tensor]
+
+
+def weight_places(module: nn.Module) -> list[Place]:
+    """Every parameter and buffer of `module`: (owner, kind, name, tensor, its data).
+
+    Holding the data keeps the original storage: a backend that moves weights (to the
+    CPU, say) leaves it untouched, and restore_places puts it back without a copy."""
+    places = []
+    for owner in module.modules():
+        for kind in ("_parameters", "_buffers"):
+            for name, tensor in getattr(owner, kind).items():
+                if tensor is not None:
+                    places.append((owner, kind, name, tensor, tensor.data))
+    return places
+
+
+def restore_places(places: list[Place]) -> int:
+    """Puts back every parameter and buffer a backend moved to another device; returns how many."""
+    moved = 0
+    for owner, kind, name, tensor, data in places:
+        current = getattr(owner, kind).get(name)
+        if current is tensor and tensor.device == data.device:
+            continue
+        if current is not None and current is not tensor and current.device == data.device:
+            continue  # replaced on the same device: the backend's own business
+        if tensor.device != data.device:
+            tensor.data = data  # a parameter moved in place by module.to()
+        getattr(owner, kind)[name] = tensor
+        moved += 1
+    return moved

@@ -34,6 +34,8 @@ class ModuleResult:
 
     backend: the chosen backend's name (names joined by ", " when signatures differ), or None.
     candidates: every signature's candidate dicts, each with its "signature" text.
+    depths: the depths whose cut holds this module (a tweak's); kept: the model runs it now
+    (its depth was kept). A module of a depth not kept had a fastest backend, not a chosen one.
     """
 
     path: str
@@ -41,15 +43,20 @@ class ModuleResult:
     error: str
     candidates: tuple[dict, ...]
     signatures: tuple[SignatureResult, ...] = ()
+    depths: tuple[int, ...] = ()
+    kept: bool = True
 
     def rows(self) -> list[list[str]]:
         """The table rows, every result folded to one line."""
         rows = []
         for s in self.signatures:
             for i, c in enumerate(s.candidates):
+                text = status(c, c["backend"] == s.backend, s.unstorable)
+                if not self.kept and c["backend"] == s.backend:
+                    text = text.replace("chosen", "fastest here; its depth was not kept", 1)
                 rows.append([self.path or "(root)" if not rows else "", s.text if i == 0 else "",
                              c["backend"], "-" if c["latency_ms"] is None else f"{c['latency_ms']:.3f}",
-                             fold(status(c, c["backend"] == s.backend, s.unstorable))])
+                             fold(text)])
             if not s.candidates:
                 rows.append([self.path or "(root)" if not rows else "", s.text, "-", "-", fold(s.error)])
         return rows
@@ -119,12 +126,23 @@ def table(rows: list[list[str]]) -> str:
 
 
 class ModuleResults(dict):
-    """{path: ModuleResult}; ``str()`` is one table of every module, signature and candidate."""
+    """{path: ModuleResult}; ``str()`` is one table of every module, signature and candidate,
+    grouped by depth with the kept depth marked (kept_depth: None when none was kept)."""
+
+    kept_depth: int | None = None
 
     def __str__(self) -> str:
         rows = [HEADER]
+        depths = sorted({d for r in self.values() for d in r.depths})
+        for depth in depths:
+            rows.append([f"depth {depth}" + (" (kept)" if depth == self.kept_depth else " (not kept)"), "", "",
+                         "", ""])
+            for result in self.values():
+                if result.depths and result.depths[0] == depth:  # each module once, at its first depth
+                    rows.extend(result.rows())
         for result in self.values():
-            rows.extend(result.rows())
+            if not result.depths:
+                rows.extend(result.rows())
         if len(rows) == 1:
             return "no module was tuned"
         folded = [p for p, r in self.items() if any(" ..." in row[4] for row in r.rows())]

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -12,8 +13,7 @@ from torch import nn
 from . import _C, isolation, model_state
 from ._samples import Call, clone, load_dataset, resolve_device, synchronizer
 from .backends.base import Backend, BackendUnavailable
-from .backends.inductor import shared_compiles
-from .cache import BuildLog, capture_build, log_path
+from .buildlog import BuildLog, capture_build, log_path
 from .correctness import MismatchError, check
 from .module import MODE_ACTIVE, MODE_ORIGINAL, MODE_RECORD, TunedModule, arm_untuned, installed
 from .progress import Progress
@@ -69,37 +69,13 @@ def _recorder(wrapper: TunedModule) -> Callable[..., Any]:
     return recorder
 
 
-Place = tuple[nn.Module, str, str, torch.Tensor, torch.Tensor]
-
-
-def weight_places(module: nn.Module) -> list[Place]:
-    """Every parameter and buffer of `module`: (owner, kind, name, tensor, its data).
-
-    Holding the data keeps the original storage: a backend that moves weights (to the
-    CPU, say) leaves it untouched, and restore_places puts it back without a copy."""
-    places = []
-    for owner in module.modules():
-        for kind in ("_parameters", "_buffers"):
-            for name, tensor in getattr(owner, kind).items():
-                if tensor is not None:
-                    places.append((owner, kind, name, tensor, tensor.data))
-    return places
-
-
-def restore_places(places: list[Place]) -> int:
-    """Puts back every parameter and buffer a backend moved to another device; returns how many."""
-    moved = 0
-    for owner, kind, name, tensor, data in places:
-        current = getattr(owner, kind).get(name)
-        if current is tensor and tensor.device == data.device:
-            continue
-        if current is not None and current is not tensor and current.device == data.device:
-            continue  # replaced on the same device: the backend's own business
-        if tensor.device != data.device:
-            tensor.data = data  # a parameter moved in place by module.to()
-        getattr(owner, kind)[name] = tensor
-        moved += 1
-    return moved
+@contextlib.contextmanager
+def build_scopes(backends: Sequence[Backend], static: bool) -> Iterator[None]:
+    """Every distinct Backend.build_scope of `backends`, entered once each."""
+    with contextlib.ExitStack() as stack:
+        for scope in dict.fromkeys(type(b).build_scope for b in backends):
+            stack.enter_context(scope(static))
+        yield
 
 
 OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
@@ -163,7 +139,7 @@ def tune_group(wrapper: TunedModule, group: SignatureGroup, strategy: Strategy, 
 
     candidates = [(b.name, build_of(i, b), run_of(b)) for i, b in enumerate(backends)]
     try:
-        with torch.no_grad(), shared_compiles(static=group.signature is not None):
+        with torch.no_grad(), build_scopes(backends, static=group.signature is not None):
             index, reports = _C.choose(strategy.kind, candidates, len(samples), sync=sync, config=measure)
     finally:
         state.restore()  # measuring a train-mode module moves its batch-norm statistics
@@ -346,7 +322,7 @@ def rebuild_group(wrapper: TunedModule, group: SignatureGroup, backend: Backend,
     state = model_state.snapshot(module)
     path = log_path(model_class, wrapper.tt_name, group.key, backend.name)
     title = f"{backend!r} for {wrapper.tt_name or '(root)'} of {model_class}, signature {group.text} (rebuilt)"
-    with capture_build(path, title) as log, torch.no_grad(), shared_compiles(static=group.signature is not None):
+    with capture_build(path, title) as log, torch.no_grad(), build_scopes([backend], group.signature is not None):
         worst = build_checked(backend, module, group.samples, group.outputs, device, state, log, bounded)
         log.outcome = f"rebuilt; passed the correctness check (largest relative error {worst:.3g})"
     return worst

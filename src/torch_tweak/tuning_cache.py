@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ._samples import Call
-from .cache import atomic_file, cache_dir, read_regular
+from .storage import atomic_file, cache_dir, read_regular
 from .correctness import TOLERANCES
 from .module import MODE_ACTIVE, TunedModule, install, installed, make_wrapper, unwrap
 from .report import ModuleResult, ModuleResults, SignatureResult
@@ -201,7 +201,7 @@ def entry_of(parts: dict, record_: dict, modules: ModuleResults, model: nn.Modul
 
 def module_tree(result: ModuleResult) -> dict:
     return {"path": result.path, "backend": result.backend, "error": result.error,
-            "candidates": list(result.candidates),
+            "candidates": list(result.candidates), "depths": list(result.depths), "kept": result.kept,
             "signatures": [{"text": s.text, "key": s.key, "backend": s.backend, "error": s.error,
                             "candidates": list(s.candidates), "unstorable": s.unstorable}
                            for s in result.signatures]}
@@ -209,10 +209,13 @@ def module_tree(result: ModuleResult) -> dict:
 
 def module_results(entry: dict) -> ModuleResults:
     results = ModuleResults()
+    kept = [r["depth"] for r in entry["result"]["rows"] if r["selected"]]
+    results.kept_depth = kept[0] if kept else None
     for m in entry["modules"]:
         signatures = tuple(SignatureResult(s["text"], s["key"], s["backend"], s["error"], tuple(s["candidates"]),
                                            s["unstorable"]) for s in m["signatures"])
-        results[m["path"]] = ModuleResult(m["path"], m["backend"], m["error"], tuple(m["candidates"]), signatures)
+        results[m["path"]] = ModuleResult(m["path"], m["backend"], m["error"], tuple(m["candidates"]), signatures,
+                                          tuple(m["depths"]), bool(m["kept"]))
     return results
 
 

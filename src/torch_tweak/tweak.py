@@ -262,15 +262,23 @@ class _Session:
             uninstall(self.model, self.wrappers[node])
         self.entered.clear()
 
-    def module_results(self) -> ModuleResults:
+    def module_results(self, kept_depth: int | None) -> ModuleResults:
         results = ModuleResults()
+        results.kept_depth = kept_depth
+        kept = installed(self.model)
+        depths_of: dict[int, list[int]] = {}
+        for depth in self.depths:
+            for node in self.tree.tree.cut(depth):
+                depths_of.setdefault(node, []).append(depth)
         for node, wrapper in sorted(self.wrappers.items()):
             signatures = tuple(SignatureResult(g.text, g.key, g.backend.name if g.backend is not None else None,
                                                g.error, tuple(g.report), g.unstorable)
                                for g in wrapper.tt_signatures)
             names = list(dict.fromkeys(s.backend for s in signatures if s.backend is not None))
             results[wrapper.tt_name] = ModuleResult(wrapper.tt_name, ", ".join(names) or None, wrapper.tt_error,
-                                                    tuple(wrapper.tt_report), signatures)
+                                                    tuple(wrapper.tt_report), signatures,
+                                                    tuple(depths_of.get(node, ())),
+                                                    kept.get(wrapper.tt_name) is wrapper)
         return results
 
 
@@ -353,7 +361,9 @@ def tweak(model: nn.Module, dataset: Any, *, min_depth: int = 0, max_depth: int 
             raise
         finally:
             shown.close()
-        result = TweakResult(engine, tree, session.module_results())
+        selected = engine.selected
+        kept_depth = engine.rows[selected]["depth"] if selected >= 0 else None
+        result = TweakResult(engine, tree, session.module_results(kept_depth))
         kept = installed(model)
         for wrapper in session.wrappers.values():
             if kept.get(wrapper.tt_name) is not wrapper:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ._samples import Call
-from .cache import atomic_file, cache_dir
+from .storage import atomic_file, cache_dir
 from .serial import device_name
 from .signatures import describe_call
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 import copy
 import dataclasses
 from typing import Any, Callable, ClassVar, Sequence
@@ -80,6 +81,16 @@ class Backend(abc.ABC):
     signature and library versions, and a crash there rejects it instead of killing the
     user's process (see torch_tweak.isolation). Opt-in for a backend of your own."""
     packages: tuple[str, ...] = ()
+    compiles_with_inductor = False
+    """True when the built callable runs Inductor-compiled code: tt.save then keeps
+    Inductor's compiled-code cache in the file (applied only with trust_artifacts=True)."""
+
+    @staticmethod
+    def build_scope(static: bool) -> contextlib.AbstractContextManager:
+        """A context the builds of one module and input signature run in, entered once for
+        every candidate class that shares it (Inductor's share one torch.compile per
+        settings). static: every call the builds serve has the recorded shapes."""
+        return contextlib.nullcontext()
     """Distribution names whose versions can change whether a build crashes (part of the
     key of a stored isolation verdict), e.g. ("openvino",)."""
 

@@ -38,7 +38,7 @@ from .. import _C
 from .._samples import Call
 from ..schema import Count, Flag, OneOf
 from .base import Backend, BackendConfig
-from .inductor import compile_module
+from .inductor import compile_module, shared_compiles
 
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 
@@ -444,6 +444,8 @@ class InductorGraphBackend(DeviceGraphBackend):
 
     name = "InductorGraph"
     config_class = InductorGraphBackendConfig
+    compiles_with_inductor = True
+    build_scope = staticmethod(shared_compiles)
 
     def target(self, module: torch.nn.Module, samples: Sequence[Call], device: torch.device) -> Callable[..., Any]:
         cfg = self.config

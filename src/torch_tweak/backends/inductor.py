@@ -142,6 +142,8 @@ class TorchInductorBackend(NeedsStorableSamples, Backend):
 
     name = "TorchInductor"
     config_class = TorchInductorBackendConfig
+    compiles_with_inductor = True
+    build_scope = staticmethod(shared_compiles)
 
     def build(self, module: torch.nn.Module, samples: Sequence[Call], device: torch.device) -> Callable[..., Any]:
         cfg = self.config

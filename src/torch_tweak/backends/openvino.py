@@ -28,6 +28,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .._samples import Call, move, unstorable
+from ..model_state import restore_places, weight_places
 from ..schema import Name, OneOf
 from .base import Backend, BackendConfig
 
@@ -163,8 +164,6 @@ class OpenVINOBackend(Backend):
         return None
 
     def build(self, module: torch.nn.Module, samples: Sequence[Call], device: torch.device) -> Callable[..., Any]:
-        from ..tuning import restore_places, weight_places
-
         places = weight_places(module)
         try:
             if device.type != "cpu":

@@ -89,6 +89,10 @@ class TorchAOBackend(NeedsStorableSamples, Backend):
     name = "TorchAO"
     config_class = TorchAOBackendConfig
     opt_in = True
+
+    @property
+    def compiles_with_inductor(self) -> bool:  # type: ignore[override]
+        return self.config.compile
     # Gradients would flow into the quantized copy, never into the model's own weights.
     supports_autograd = False
 

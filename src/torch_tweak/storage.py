@@ -1,0 +1,105 @@
+"""Where torch-tweak keeps files, and how it writes and reads them safely.
+
+The folder is ``$TORCH_TWEAK_CACHE``, else ``~/.cache/torch-tweak``: the tuning cache
+(tuning_cache), the build logs (buildlog) and the isolation verdicts (verdicts) live there.
+Writes are atomic (a temporary file, synced, then renamed); reads of files that anyone could
+have put there are bounded and never block (read_regular).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import tempfile
+from pathlib import Path
+from typing import IO, Iterator
+
+CACHE_ENV = "TORCH_TWEAK_CACHE"
+
+
+def cache_dir() -> Path:
+    """The cache folder (not created here)."""
+    value = os.environ.get(CACHE_ENV)
+    return Path(value).expanduser() if value else Path.home() / ".cache" / "torch-tweak"
+
+
+class NotRegular(OSError):
+    """A path that is not a regular file (a FIFO, a device, a folder), or one too large."""
+
+
+def read_regular(path: Path | str, limit: int) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes; NotRegular for anything else.
+
+    Opened without blocking (a FIFO answers at once) and checked after opening (a link to
+    /dev/zero is refused, not read); reading stops past `limit` even if the file grows."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            kind = ("a folder" if stat.S_ISDIR(info.st_mode) else "a FIFO" if stat.S_ISFIFO(info.st_mode)
+                    else "a device" if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode) else "a special file")
+            raise NotRegular(f"{path} is {kind}, not a regular file")
+        if info.st_size > limit:
+            raise NotRegular(f"{path} is {info.st_size} bytes, more than the {limit} allowed here")
+        chunks, total = [], 0
+        while True:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:
+                raise NotRegular(f"{path} grew past the {limit} bytes allowed here while it was read")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where the system tells (Linux)."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: read by setting it, then put it back at once
+    os.umask(mask)
+    return mask
+
+
+def _new_file_mode(path: Path) -> int:
+    """The mode open() would give `path`: that of the file it replaces, else 0o666 less the umask."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return 0o666 & ~_umask()
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, mode: str = "wb", **open_args) -> Iterator[IO]:
+    """A file to write `path` through: a temporary file in the same folder, flushed, synced
+    and renamed over `path` when the block ends without an exception, removed when it
+    raises. So an interrupted write leaves any earlier file at `path` intact. The file gets
+    the mode a plain open() would give it (the umask, or the mode of the file it replaces)."""
+    folder = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, _new_file_mode(path))
+        with os.fdopen(fd, mode, **open_args) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # the rename itself is durable once the folder is synced
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
