@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import torch_tweak as tt
+from torch_tweak.module import is_wrapped
 from torch_tweak.backends import TorchEagerBackend, TorchInductorBackend
 from support import FAST, BrokenBackend, CountingBackend, NaNBackend, NoisyBackend
 
@@ -50,7 +51,9 @@ def test_wrap_tune_activate_deactivate(mlp, mlp_data):
     keys = list(mlp.state_dict())
     wrappers = tt.wrap(mlp, ["blocks.0", mlp.head], strategy=tt.OneBackendStrategy(CountingBackend()))
     assert [w.tt_name for w in wrappers] == ["blocks.0", "head"]
-    assert isinstance(mlp.blocks[0], tt.TunedModule) and mlp.head is wrappers[1]
+    head = mlp.head
+    assert is_wrapped(mlp.blocks[0]) and head.__dict__["_tt_root"] is wrappers[1]  # tuned in place
+    assert isinstance(head, nn.Linear) and type(head) is not nn.Linear
     assert list(mlp.state_dict()) == keys  # wrappers share parameters: keys unchanged
     chosen = tt.tune(mlp, mlp_data, measure=FAST)
     assert chosen == {"blocks.0": "Counting", "head": "Counting"}
@@ -67,7 +70,7 @@ def test_wrap_tune_activate_deactivate(mlp, mlp_data):
         assert backend.calls == calls + 1  # the original forward ran
         assert tt.activate(mlp) == 2
     tt.unwrap(mlp)
-    assert type(mlp.head) is nn.Linear and not tt.installed(mlp)
+    assert type(mlp.head) is nn.Linear and mlp.head is head and not tt.installed(mlp) and not is_wrapped(head)
 
 
 def test_wrap_root_keeps_identity(mlp, mlp_data):
@@ -185,7 +188,7 @@ def test_wrap_failure_midway_leaves_model_unchanged(mlp, mlp_data):
     with pytest.raises(ValueError, match="already wrapped"):
         tt.wrap(mlp, ["blocks.0", "head"])
     assert list(tt.installed(mlp)) == ["head"]
-    assert not isinstance(mlp.blocks[0], tt.TunedModule)
+    assert not is_wrapped(mlp.blocks[0]) and type(mlp.blocks[0]) is nn.Sequential
 
 
 def test_wrapping_inside_a_wrapped_module_says_to_unwrap_first(mlp):
@@ -193,3 +196,29 @@ def test_wrapping_inside_a_wrapped_module_says_to_unwrap_first(mlp):
     with pytest.raises(ValueError, match="wrapped already .*tt.unwrap\\(model\\) first"):
         tt.wrap(mlp, ["blocks.0"])
     assert list(tt.installed(mlp)) == [""]
+
+
+def test_a_reference_held_from_before_the_tweak_runs_the_tuned_backend(mlp, mlp_data):
+    held_block, held_head = mlp.blocks[0], mlp.head  # taken before tuning, as user code does
+    with torch.no_grad():
+        expected = [held_block(x) for x in mlp_data]
+    CountingBackend.builds = 0
+    result = tt.tweak(mlp, mlp_data, min_depth=1, max_depth=1, strategy=tt.OneBackendStrategy(CountingBackend()),
+                      progress=False, measure=FAST, cache=False)
+    wrappers = tt.installed(mlp)
+    if result.selected_depth is None:  # not kept: the held references are plain modules again
+        assert not wrappers and not is_wrapped(held_block)
+        tt.wrap(mlp, ["blocks.0", "blocks.1", "head"], strategy=tt.OneBackendStrategy(CountingBackend()))
+        tt.tune(mlp, mlp_data, measure=FAST)
+        wrappers = tt.installed(mlp)
+    assert mlp.blocks[0] is held_block and mlp.head is held_head  # the same objects, in place
+    backend = wrappers["blocks.0"].tt_backend
+    calls = backend.calls
+    with torch.no_grad():
+        got = [held_block(x) for x in mlp_data]
+    assert backend.calls == calls + len(mlp_data)  # the held reference went through the backend
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    tt.deactivate(mlp)
+    with torch.no_grad():
+        held_block(mlp_data[0])
+    assert backend.calls == calls + len(mlp_data)  # deactivated: the original forward

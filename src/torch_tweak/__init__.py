@@ -32,7 +32,9 @@ __version__ = "0.1.0"
 
 
 def wrap(model: nn.Module, modules: Any, *, strategy: Strategy | None = None) -> list[TunedModule]:
-    """Replaces each given module (paths or module objects) with a tuned-module wrapper.
+    """Gives each given module (paths or module objects) a tuned-module wrapper, in place:
+    the module stays the same object where it is, and its calls (also through a reference
+    taken before) go to the wrapper.
 
     The wrappers run the original forward until tt.tune tunes them. Every path is
     checked before anything changes. Returns the wrappers, in the order given.

@@ -1,12 +1,13 @@
 """The tuned-module wrapper and how it is put into, and taken out of, a model.
 
-A wrapper replaces a module inside its parent and is named by the module's full
-dotted path. Its call is the C dispatcher (torch_tweak._C.Dispatcher): in the
-original mode it calls the original module, in the active mode the chosen
-backend, in the record mode a recorder. The wrapper shares the original's
-parameters, buffers and children, so state_dict keys, .to() and .eval() see the
-model as before. The root of a model has no parent to be replaced in: it keeps
-its identity and gets a subclass whose __call__ goes to its wrapper.
+Tuning is in place: a tuned module stays the same object at the same place, with its
+parameters, buffers and children, and its class becomes a subclass of its own whose
+__call__ goes to its wrapper. So state_dict keys, .to(), .eval() and a reference to the
+module taken before the tweak all see the model as before, and that reference's calls run
+the tuned backend too. The wrapper is named by the module's full dotted path; its call is
+the C dispatcher (torch_tweak._C.Dispatcher): in the original mode it calls the original
+forward (through a view of the module of its own class), in the active mode the chosen
+backend, in the record mode a recorder.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def _call_root(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _root_class(cls: type) -> type:
-    """The subclass a wrapped root gets: the same module, its call sent to the wrapper."""
+    """The subclass a tuned module gets: the same module, its call sent to the wrapper."""
     sub = _ROOT_CLASSES.get(cls)
     if sub is None:
         sub = type(cls.__name__, (cls,), {"__call__": _call_root, "_tt_root_class": cls,
@@ -153,7 +154,8 @@ def _root_class(cls: type) -> type:
 
 
 def _root_view(model: nn.Module) -> nn.Module:
-    """An object of the root's own class sharing all its state: what backends build on."""
+    """An object of the module's own class sharing all its state: the original forward, what
+    backends build on."""
     view = object.__new__(type(model))
     view.__dict__ = model.__dict__
     return view
@@ -169,22 +171,28 @@ def installed(model: nn.Module) -> dict[str, TunedModule]:
 
 
 def make_wrapper(model: nn.Module, path: str) -> TunedModule:
-    target = _root_view(model) if path == "" else model.get_submodule(path)
-    return TunedModule(target, path)
+    return TunedModule(_root_view(model.get_submodule(path) if path else model), path)
+
+
+def is_wrapped(module: nn.Module) -> bool:
+    """Whether `module` is tuned in place (its calls go to a wrapper)."""
+    return "_tt_root" in module.__dict__
 
 
 def install(model: nn.Module, wrapper: TunedModule) -> None:
+    """Tunes the module at the wrapper's path in place: the module object stays where it is,
+    with its state, and its class becomes a subclass whose call goes to the wrapper, so a
+    reference to it held from before the tweak runs the tuned backend too."""
     path = wrapper.tt_name
     table = _REGISTRY.setdefault(model, {})
     if path in table:
         raise ValueError(f"module {path or '(root)'!r} is already wrapped")
-    if path == "":
-        model.__dict__["_tt_root"] = wrapper
-        model.__class__ = _root_class(type(model))
-    else:
-        parent_path, _, name = path.rpartition(".")
-        parent = model.get_submodule(parent_path)
-        parent._modules[name] = wrapper
+    module = model.get_submodule(path) if path else model
+    if is_wrapped(module):
+        raise ValueError(f"module {path or '(root)'!r} is tuned already (the same module object is also at "
+                         "another path of the model); tune it at one path")
+    module.__dict__["_tt_root"] = wrapper
+    module.__class__ = _root_class(type(module))
     table[path] = wrapper
 
 
@@ -194,13 +202,9 @@ def uninstall(model: nn.Module, wrapper: TunedModule) -> None:
     if table.get(path) is not wrapper:
         return
     wrapper._tt_mode = MODE_ORIGINAL
-    if path == "":
-        model.__class__ = type(model)._tt_root_class
-        del model.__dict__["_tt_root"]
-    else:
-        parent_path, _, name = path.rpartition(".")
-        parent = model.get_submodule(parent_path)
-        parent._modules[name] = wrapper._tt_original
+    module = model.get_submodule(path) if path else model
+    module.__class__ = type(module)._tt_root_class
+    del module.__dict__["_tt_root"]
     del table[path]
     if not table:
         _REGISTRY.pop(model, None)
@@ -249,7 +253,8 @@ def resolve_paths(model: nn.Module, modules: Any) -> list[str]:
     for path in paths:
         if path in table:
             raise ValueError(f"module {path or '(root)'!r} is already wrapped; tt.unwrap(model) first")
-        if isinstance(model.get_submodule(path) if path else model, TunedModule):
+        module = model.get_submodule(path) if path else model
+        if isinstance(module, TunedModule) or is_wrapped(module):
             raise ValueError(f"module {path!r} is a torch-tweak wrapper already")
     everything = sorted(set(paths) | set(table))
     for a in everything:
