@@ -100,6 +100,22 @@ def check(backend: Any, module: nn.Module, samples: Sequence[Call], device: torc
         raise BuildCrashed(f"{backend.name} did not finish building within {CHILD_TIMEOUT:.0f} s in its "
                            "isolated child (killed)")
     verdict = _verdict_of(backend.name, code, stages)
+    if verdict.crashed and how == "fork":
+        # A forked child inherits the parent's threads in whatever state they were (OpenVINO's
+        # and OpenMP's pools): it can abort where a fresh process would not. A crash seen there
+        # is believed only when a fresh interpreter crashes too.
+        notes.extend(_tail(output))
+        start = time.monotonic()
+        code, stages, output, timed_out = _run_child("spawn", backend, module, samples, device)
+        notes.append(f"isolation: the forked child crashed; a spawned child ran in {time.monotonic() - start:.3f} s "
+                     f"to confirm, exit status {code}, stages {' '.join(stages) or '-'}")
+        if "unsent" in stages:
+            notes.append("isolation: the module could not be sent to a fresh process; the fork's verdict stands")
+        elif timed_out:
+            raise BuildCrashed(f"{backend.name} did not finish building within {CHILD_TIMEOUT:.0f} s in its "
+                               "isolated child (killed)")
+        else:
+            verdict = _verdict_of(backend.name, code, stages)
     if verdict.crashed:
         notes.extend(_tail(output))
     stored = verdicts.write(parts, verdict)
