@@ -35,6 +35,8 @@ optional=()
 # torchao 0.18 is built for torch 2.11 and later; an older torch goes without.
 "$VPY" -c "import torchao" 2>/dev/null || ! "$VPY" -c "import sys, torch; v = torch.__version__.split('.'); sys.exit((int(v[0]), int(v[1])) < (2, 11))" 2>/dev/null || optional+=("torchao==0.18.0")
 "$VPY" -c "import matplotlib" 2>/dev/null || optional+=("matplotlib>=3.5")
+# transformers: its models are tested end to end (built from configs, nothing downloaded)
+"$VPY" -c "import transformers" 2>/dev/null || optional+=("transformers==5.24.0")
 if [ ${#optional[@]} -gt 0 ]; then
     echo "setup: installing the optional ${optional[*]}"
     if [ "${CI:-}" = true ]; then

@@ -7,6 +7,8 @@ arguments), or a pair ``(args_tuple, kwargs_dict)``.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from typing import Any, Iterable
 
 import torch
@@ -64,7 +66,8 @@ def move(value: Any, device: torch.device) -> Any:
 
 
 def clone(value: Any) -> Any:
-    """A copy of `value` whose tensors a later in-place operation cannot change."""
+    """A copy of `value` whose tensors a later in-place operation cannot change; a key/value
+    cache is copied whole (the model appends to it in place)."""
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
@@ -73,6 +76,22 @@ def clone(value: Any) -> Any:
         return [clone(v) for v in value]
     if type(value) is dict:
         return {k: clone(v) for k, v in value.items()}
+    if kv_cache_class(value) is not None:
+        return copy.deepcopy(value)
+    return value
+
+
+def fresh(value: Any) -> Any:
+    """`value` with every key/value cache in it copied, the rest shared: a recorded call to
+    replay, which leaves the recording as it was (a cache passed in grows at every call)."""
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(fresh(v) for v in value)
+    if isinstance(value, list):
+        return [fresh(v) for v in value]
+    if type(value) is dict:
+        return {k: fresh(v) for k, v in value.items()}
+    if kv_cache_class(value) is not None:
+        return copy.deepcopy(value)
     return value
 
 
@@ -109,6 +128,47 @@ UNSTORABLE_CLASSES = frozenset({"DynamicCache", "StaticCache", "HybridCache", "S
 """transformers' key/value caches, found by class name (transformers is never imported)."""
 
 
+def kv_cache_class(value: Any) -> str | None:
+    """The class name of a transformers key/value cache (a DynamicCache, say), or None.
+
+    Found by class name and module, so transformers is never imported here."""
+    if isinstance(value, (torch.Tensor, tuple, list, dict)) or value is None:
+        return None
+    for cls in type(value).__mro__:
+        if cls.__name__ in UNSTORABLE_CLASSES and (cls.__module__ or "").split(".")[0] == "transformers":
+            return type(value).__name__
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheRecord:
+    """A key/value cache written down: its class name and, per layer, its tensors. What a
+    saved file keeps of a cache in a module's outputs, compared by its tensors on load."""
+
+    cls: str
+    layers: tuple[tuple[torch.Tensor, ...], ...]
+
+
+def cache_layers(value: Any) -> tuple[str, list[tuple[torch.Tensor, ...]]] | None:
+    """(class name, per layer its key and value tensors) of a transformers cache or a
+    CacheRecord; None for anything else. Layers not filled yet have no tensors."""
+    if isinstance(value, CacheRecord):
+        return value.cls, list(value.layers)
+    name = kv_cache_class(value)
+    if name is None:
+        return None
+    parts = [getattr(value, a) for a in ("self_attention_cache", "cross_attention_cache") if hasattr(value, a)]
+    layers: list[tuple[torch.Tensor, ...]] = []
+    for part in parts or [value]:
+        if hasattr(part, "layers"):  # transformers 4.54 and later: one object per layer
+            layers.extend(tuple(t for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+                                if isinstance(t, torch.Tensor)) for layer in part.layers)
+        else:  # earlier releases: parallel lists
+            layers.extend(tuple(t for t in pair if isinstance(t, torch.Tensor))
+                          for pair in zip(getattr(part, "key_cache", []), getattr(part, "value_cache", [])))
+    return name, layers
+
+
 def unstorable(value: Any) -> str | None:
     """The class name of an object in `value` that a backend cannot store, or None.
 
@@ -123,7 +183,4 @@ def unstorable(value: Any) -> str | None:
         return next((n for n in map(unstorable, value) if n is not None), None)
     if isinstance(value, dict):
         return next((n for n in map(unstorable, value.values()) if n is not None), None)
-    for cls in type(value).__mro__:
-        if cls.__name__ in UNSTORABLE_CLASSES and (cls.__module__ or "").split(".")[0] == "transformers":
-            return type(value).__name__
-    return None
+    return kv_cache_class(value)

@@ -35,11 +35,12 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ._samples import resolve_device
+from ._samples import resolve_device, unstorable
 from .backends import Backend
 from .storage import NotRegular, atomic_file, read_regular
 from .module import MODE_ACTIVE, arm_untuned, installed, make_wrapper, install, resolve_paths, unwrap
-from .serial import Unstorable, build_backend, class_path, decode, describe_backend, device_name, dumps, encode, loads
+from .serial import (Unstorable, build_backend, class_path, decode, describe_backend, device_name, dumps, encode,
+                     known_types, loads)
 from .signatures import (MAX_CALLS_PER_SIGNATURE, MAX_SIGNATURES, OTHER, SignatureGroup, forward_params,
                          make_signature)
 from .tuning import apply_groups, model_class_name, rebuild_group
@@ -103,13 +104,17 @@ def default_max_bytes(model: nn.Module) -> int:
 # ------------------------------------------------------------------ save
 
 
-def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None = None) -> None:
+def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None = None,
+         strict: bool = False) -> None:
     """Writes the tuned model's plan, recorded calls and artifacts to `path`, atomically.
 
     The file is written to a temporary file in the same folder, synced, then renamed over
     `path`: an interrupted save leaves any earlier file at `path` as it was. key: a secret;
     the file then carries an HMAC-SHA256 of all its bytes, and tt.load(..., key=key) refuses
-    any file not sealed with it.
+    any file not sealed with it. Calls and outputs are stored with their tensors, tuples,
+    lists, dicts, named tuples, dataclasses (transformers' ModelOutputs) and key/value caches
+    in outputs; a recorded call that cannot be stored (a cache passed in is live state) is
+    named in a warning, or a ValueError with strict=True, before anything is written.
     """
     from . import __version__
     from .tweak import SELECTED_DEPTHS
@@ -117,6 +122,8 @@ def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None =
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     secret = _key_bytes(key)
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be True or False, not {strict!r}")
     wrappers = installed(model)
     if not wrappers and model not in SELECTED_DEPTHS:
         raise ValueError("nothing to save: the model has no torch-tweak wrappers; tune it first (tt.tweak)")
@@ -124,6 +131,7 @@ def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None =
     tensors: list[torch.Tensor] = []
     modules = []
     inductor = False
+    skipped: dict[tuple[str, str], set[str]] = {}
     for name, wrapper in sorted(wrappers.items()):
         signatures = []
         for group in wrapper.tt_signatures:
@@ -133,19 +141,31 @@ def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None =
                 entry["backend"] = describe_backend(group.backend)
                 inductor |= group.backend.compiles_with_inductor
                 for sample, output in zip(group.samples, group.outputs):
-                    if not group.backend.can_store(sample):
+                    live = unstorable(sample)  # a cache passed in is live state: no call replays it
+                    if live is not None or not group.backend.can_store(sample):
+                        skipped.setdefault((name, group.text), set()).add(live or "a value its backend cannot keep")
                         continue
                     mark = len(tensors)
                     try:
                         stored = encode(sample, tensors), encode(output, tensors)
-                    except Unstorable:
+                    except Unstorable as exc:
                         del tensors[mark:]
+                        skipped.setdefault((name, group.text), set()).add(str(exc))
                         continue
                     entry["samples"].append(stored[0])
                     entry["outputs"].append(stored[1])
             signatures.append(entry)
         modules.append({"path": name, "class": class_path(type(wrapper._tt_original)),
                         "params": _params(wrapper._tt_original), "signatures": signatures})
+    if skipped:
+        lines = "; ".join(f"{where or '(root)'} {text}: {', '.join(sorted(kinds))}"
+                          for (where, text), kinds in sorted(skipped.items()))
+        message = (f"some recorded calls cannot be stored in {path}, because they hold values that are live "
+                   f"state or have no stored form ({lines}); after tt.load, a signature with no stored call "
+                   "runs the original forward (or its backend compiles on its first call)")
+        if strict:
+            raise ValueError(message + "; save with strict=False to write the file anyway")
+        warnings.warn(message, stacklevel=2)
     plan = {"depth": SELECTED_DEPTHS.get(model) if wrappers else None, "modules": modules}
     members = {PLAN: dumps(plan), SAMPLES: _tensor_bytes(tensors)}
     if inductor:
@@ -320,7 +340,7 @@ def read_summary(path: str | os.PathLike, *, key: bytes | str | None = None,
 
 def load(model: nn.Module, path: str | os.PathLike, *, device: Any = None, trust_artifacts: bool = False,
          backends: Sequence[Backend] | None = None, key: bytes | str | None = None,
-         max_bytes: int | None = None) -> dict[str, str | None]:
+         max_bytes: int | None = None, types: Sequence[type] = ()) -> dict[str, str | None]:
     """Applies a file written by tt.save to a freshly built `model`, with no tuning.
 
     Every check (seal and hashes, versions, device, model class, module paths, classes and
@@ -339,6 +359,8 @@ def load(model: nn.Module, path: str | os.PathLike, *, device: Any = None, trust
     has free-form values (Inductor options, OpenVINO properties), which a file never holds.
     key: refuse the file unless tt.save sealed it with this key (HMAC-SHA256).
     max_bytes: the largest file to read (default: 4 x the model's weights + 256 MiB).
+    types: classes of your own (named tuples, dataclasses) that the stored calls and outputs
+    may be rebuilt as; transformers' ModelOutputs and torch.return_types need no listing.
     Returns {path: the backend of its first signature, or None}.
     """
     from .tweak import SELECTED_DEPTHS
@@ -349,6 +371,8 @@ def load(model: nn.Module, path: str | os.PathLike, *, device: Any = None, trust
     given = _given_backends(backends)
     if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 1):
         raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
+    if not all(isinstance(t, type) for t in types):
+        raise TypeError("types must be a list of classes (named tuples, dataclasses)")
     if installed(model):
         raise ValueError("the model already has torch-tweak wrappers; load into a freshly built model "
                          "(or tt.unwrap(model) first)")
@@ -357,7 +381,7 @@ def load(model: nn.Module, path: str | os.PathLike, *, device: Any = None, trust
         manifest, plan, data = _read(path, default_max_bytes(model) if max_bytes is None else max_bytes, secret)
         _check_target(model, target, device is None, manifest, path)
         steps = _check_plan(model, plan, given, path)
-        groups = _groups(plan, data, target, path, model)
+        groups = _groups(plan, data, target, path, model, known_types(types))
     except (CheckpointError, FileNotFoundError):
         raise
     except Exception as exc:  # whatever a damaged file makes a reader raise is one error, and the model is as it was
@@ -423,7 +447,9 @@ def _rebuild(wrapper: Any, group: SignatureGroup, backend: Any, device: torch.de
     """None when the backend was built again and matches the stored outputs, else why not."""
     if not group.samples:
         if group.key != "other" or group.text != OTHER:
-            return "no recorded call of it could be stored, and a signature is rebuilt from one"
+            return ("the file holds no recorded call of it (tt.save warned: its calls held live state such as "
+                    "a key/value cache passed in), and a backend is rebuilt and checked on one; tune this "
+                    "signature again here, or save from calls that pass no cache")
         _build_on_first_call(wrapper, group, backend, device)
         return None
     try:
@@ -516,7 +542,7 @@ def _shape(value: Any) -> str:
 
 
 def _groups(plan: dict, data: dict[str, bytes], device: torch.device, path: Any,
-            model: nn.Module) -> list[list[SignatureGroup]]:
+            model: nn.Module, types: dict[str, type]) -> list[list[SignatureGroup]]:
     """The stored calls and outputs of every signature, tensors on `device`."""
     from safetensors import SafetensorError
     from safetensors.torch import load as load_tensors
@@ -542,8 +568,8 @@ def _groups(plan: dict, data: dict[str, bytes], device: torch.device, path: Any,
                     raise ValueError(f"at most {MAX_CALLS_PER_SIGNATURE} stored calls per signature, in a list")
                 if type(sig.get("text")) is not str or type(sig.get("key")) is not str:
                     raise ValueError("a signature's text and key are strings")
-                samples = [_call(decode(s, tensors, place)) for s in stored]
-                outputs = [decode(o, tensors, place) for o in results]
+                samples = [_call(decode(s, tensors, place, types)) for s in stored]
+                outputs = [decode(o, tensors, place, types) for o in results]
                 text, key = sig["text"][:400], sig["key"][:40]
                 if len(samples) != len(outputs):
                     raise ValueError("as many outputs as calls are needed")

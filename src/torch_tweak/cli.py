@@ -201,6 +201,8 @@ def command_show(args: argparse.Namespace) -> int:
         signatures = module.get("signatures", [])
         for i, signature in enumerate(signatures):
             backend = (signature.get("backend") or {}).get("name", "original")
+            if signature.get("backend") and not signature.get("samples") and signature.get("key") != "other":
+                backend += " (no stored call: runs the original after load)"
             path = (module.get("path") or "(root)") if i == 0 else ""
             text = signature.get("text", "") if len(signatures) > 1 else ""
             print(f"  {path:<28} {backend:<18} {text}".rstrip())

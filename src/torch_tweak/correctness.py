@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from ._samples import cache_layers
+
 TOLERANCES: dict[torch.dtype, float] = {
     torch.float64: 1e-6,
     torch.float32: 1e-3,
@@ -59,9 +61,14 @@ def tolerance_for(dtype: torch.dtype, override: float | None = None, bounded: bo
 def check(out: Any, ref: Any, tolerance: float | None = None, where: str = "output", bounded: bool = False) -> float:
     """Raises MismatchError when `out` does not match `ref`; returns the largest error seen.
 
-    bounded: the tolerance came from a file, so it is capped by MAX_TOLERANCES."""
+    A transformers key/value cache (or its CacheRecord from a file) matches one of the same
+    class with as many layers and matching tensors in each: caches are values, never
+    compared by identity. bounded: the tolerance came from a file, capped by MAX_TOLERANCES."""
     if isinstance(ref, torch.Tensor):
         return check_tensor(out, ref, tolerance, where, bounded)
+    cache = cache_layers(ref)
+    if cache is not None:
+        return check_cache(out, cache, tolerance, where, bounded)
     if isinstance(ref, dict):
         if not isinstance(out, dict) or list(out.keys()) != list(ref.keys()):
             raise MismatchError(f"{where}: expected a dict with keys {list(ref.keys())}, got {describe(out)}")
@@ -80,6 +87,22 @@ def check(out: Any, ref: Any, tolerance: float | None = None, where: str = "outp
     if not equal:
         raise MismatchError(f"{where}: expected {ref!r}, got {out!r}")
     return 0.0
+
+
+def check_cache(out: Any, ref: tuple[str, list], tolerance: float | None, where: str, bounded: bool) -> float:
+    name, layers = ref
+    got = cache_layers(out)
+    if got is None or got[0] != name or len(got[1]) != len(layers):
+        raise MismatchError(f"{where}: expected a {name} of {len(layers)} layers, got "
+                            + (describe(out) if got is None else f"a {got[0]} of {len(got[1])} layers"))
+    worst = 0.0
+    for i, (mine, theirs) in enumerate(zip(got[1], layers)):
+        if len(mine) != len(theirs):
+            raise MismatchError(f"{where}: layer {i} holds {len(mine)} tensors, expected {len(theirs)}")
+        for j, (o, r) in enumerate(zip(mine, theirs)):
+            worst = max(worst, check_tensor(o, r, tolerance, f"{where} layer {i} {('keys', 'values')[j % 2]}",
+                                            bounded))
+    return worst
 
 
 def check_tensor(out: Any, ref: torch.Tensor, tolerance: float | None, where: str, bounded: bool = False) -> float:

@@ -15,10 +15,12 @@ import json
 import math
 import os
 import platform
+import sys
 from typing import Any, Sequence
 
 import torch
 
+from ._samples import CacheRecord, cache_layers
 from .backends.base import Backend, BackendConfig
 from .schema import FINGERPRINT, SUPPLIED as SUPPLIED_SPEC, fingerprint, is_fingerprint, spec_of
 
@@ -72,17 +74,46 @@ def encode(value: Any, tensors: list[torch.Tensor] | None = None) -> Any:
         return [encode(v, tensors) for v in value]
     if type(value) is dict and all(type(k) is str for k in value):
         return {"dict": {k: encode(v, tensors) for k, v in value.items()}}
+    cache = cache_layers(value)
+    if cache is not None:
+        return {"cache": {"class": cache[0], "layers": [[encode(t, tensors) for t in layer] for layer in cache[1]]}}
+    if isinstance(value, tuple) and (type(getattr(type(value), "_fields", None)) is tuple
+                                     or type(type(value).__dict__.get("n_fields")) is int):  # torch.return_types
+        return {"named": {"class": class_path(type(value)), "items": [encode(v, tensors) for v in value]}}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: encode(getattr(value, f.name), tensors) for f in dataclasses.fields(value)}
+        return {"object": {"class": class_path(type(value)), "fields": fields, "mapping": isinstance(value, dict)}}
     raise Unstorable(type(value).__name__)
 
 
-def decode(tree: Any, tensors: list[torch.Tensor] | None = None, place: Any = None) -> Any:
+def known_types(given: Sequence[type] = ()) -> dict[str, type]:
+    """The classes a stored output or call may be rebuilt as, by "module:QualName": the
+    caller's `given`, torch.return_types, and transformers' ModelOutput subclasses when
+    transformers is already imported. Nothing is imported for a name a file holds."""
+    found: dict[str, type] = {class_path(t): t for t in vars(torch.return_types).values() if isinstance(t, type)}
+    utils = sys.modules.get("transformers.utils")
+    base = getattr(utils, "ModelOutput", None)
+    todo = [base] if isinstance(base, type) else []
+    while todo:
+        cls = todo.pop()
+        found.setdefault(class_path(cls), cls)
+        todo.extend(cls.__subclasses__())
+    found.update({class_path(t): t for t in given})
+    return found
+
+
+def decode(tree: Any, tensors: list[torch.Tensor] | None = None, place: Any = None,
+           types: dict[str, type] | None = None) -> Any:
     """The value of a JSON tree made by encode; ValueError for anything else.
 
-    place(tensor, recorded device) -> tensor puts each referenced tensor where it goes."""
+    place(tensor, recorded device) -> tensor puts each referenced tensor where it goes.
+    types (known_types()): the classes a named tuple or dataclass may be rebuilt as; one not
+    among them comes back as a plain tuple, or a dict of its set fields when it is a mapping
+    (a ModelOutput), and a cache as a CacheRecord: what the correctness check compares."""
     if tree is None or type(tree) in (bool, int, float, str):
         return tree
     if type(tree) is list:
-        return [decode(v, tensors, place) for v in tree]
+        return [decode(v, tensors, place, types) for v in tree]
     if type(tree) is not dict or len(tree) not in (1, 2):
         raise ValueError(f"not a stored value: {str(tree)[:60]}")
     if "tensor" in tree:
@@ -92,9 +123,11 @@ def decode(tree: Any, tensors: list[torch.Tensor] | None = None, place: Any = No
         return tensors[index] if place is None else place(tensors[index], str(tree.get("device", "cpu")))
     (tag, inner), = tree.items()
     if tag == "tuple" and type(inner) is list:
-        return tuple(decode(v, tensors, place) for v in inner)
+        return tuple(decode(v, tensors, place, types) for v in inner)
     if tag == "dict" and type(inner) is dict:
-        return {k: decode(v, tensors, place) for k, v in inner.items()}
+        return {k: decode(v, tensors, place, types) for k, v in inner.items()}
+    if tag in ("cache", "named", "object") and type(inner) is dict and type(inner.get("class")) is str:
+        return _decode_object(tag, inner, tensors, place, types or {})
     if tag == "float" and inner in ("inf", "-inf", "nan"):
         return float(inner)
     if tag == "dtype" and type(inner) is str:
@@ -107,6 +140,37 @@ def decode(tree: Any, tensors: list[torch.Tensor] | None = None, place: Any = No
         except RuntimeError:
             pass
     raise ValueError(f"not a stored value: {str(tree)[:60]}")
+
+
+def _decode_object(tag: str, inner: dict, tensors: Any, place: Any, types: dict[str, type]) -> Any:
+    name = inner["class"]
+    if tag == "cache":
+        layers = inner.get("layers")
+        if type(layers) is not list or not all(type(layer) is list for layer in layers):
+            raise ValueError(f"a stored {name[:40]} has no list of layers")
+        decoded = tuple(tuple(decode(t, tensors, place) for t in layer) for layer in layers)
+        if not all(isinstance(t, torch.Tensor) for layer in decoded for t in layer):
+            raise ValueError(f"a stored {name[:40]} holds something else than tensors")
+        return CacheRecord(name[:60], decoded)
+    cls = types.get(name)
+    if tag == "named":
+        items = inner.get("items")
+        if type(items) is not list:
+            raise ValueError(f"a stored {name[:60]} has no list of items")
+        values = tuple(decode(v, tensors, place, types) for v in items)
+        if cls is None or not issubclass(cls, tuple):
+            return values
+        return cls(*values) if hasattr(cls, "_fields") else cls(values)  # a named tuple, or a structseq
+    fields = inner.get("fields")
+    if type(fields) is not dict:
+        raise ValueError(f"a stored {name[:60]} has no fields")
+    values = {k: decode(v, tensors, place, types) for k, v in fields.items()}
+    if cls is not None and dataclasses.is_dataclass(cls):
+        return cls(**values)
+    if inner.get("mapping") is True:
+        return {k: v for k, v in values.items() if v is not None}  # what a ModelOutput's keys() show
+    raise ValueError(f"the file holds a {name[:80]}, a class tt.load does not know: pass it, "
+                     f"tt.load(model, path, types=[{name.rpartition(':')[2][:40]}])")
 
 
 def dumps(tree: Any) -> bytes:

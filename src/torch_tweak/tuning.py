@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from . import _C, isolation, model_state
-from ._samples import Call, clone, load_dataset, resolve_device, synchronizer
+from ._samples import Call, clone, fresh, load_dataset, resolve_device, synchronizer, unstorable
 from .backends.base import Backend, BackendUnavailable
 from .buildlog import BuildLog, capture_build, log_path
 from .correctness import MismatchError, check
@@ -54,7 +54,11 @@ def _recorder(wrapper: TunedModule) -> Callable[..., Any]:
     params = forward_params(original)
 
     def recorder(*args: Any, **kwargs: Any) -> Any:
+        # the call is copied before it runs: a key/value cache passed in grows during it
+        before = fresh((args, kwargs)) if unstorable((args, kwargs)) is not None else None
         out = original(*args, **kwargs)
+        if before is not None:
+            args, kwargs = before
         group = group_for(groups, args, kwargs, params)
         if group.signature is not None:  # stored as the backend will be called: the recorded layout
             args, kwargs = group.signature.bind(args, kwargs)
@@ -131,9 +135,11 @@ def tune_group(wrapper: TunedModule, group: SignatureGroup, strategy: Strategy, 
                 log.outcome = f"built; passed the correctness check (largest relative error {worst:.3g})"
         return build
 
+    stateful = any(unstorable(s) is not None for s in samples)  # a cache passed in: copied per call
+
     def run_of(backend: Backend):
         def run(i: int) -> None:
-            args, kwargs = samples[i]
+            args, kwargs = fresh(samples[i]) if stateful else samples[i]
             backend.callable(*args, **kwargs)
         return run
 
@@ -338,11 +344,13 @@ def build_checked(backend: Backend, module: nn.Module, samples: Sequence[Call], 
         isolation.check(backend, module, samples, device, log.notes)  # raises BuildCrashed
     try:
         try:
-            fn = backend.prepare(module, samples, device)
+            # a key/value cache in a call grows at every call: each use gets its own copy
+            fn = backend.prepare(module, [fresh(s) for s in samples], device)
         finally:
             put_back(state, log)  # before the check: weights a backend moved are back on their device
         worst = 0.0
-        for j, (args, kwargs) in enumerate(samples):
+        for j, sample in enumerate(samples):
+            args, kwargs = fresh(sample)
             worst = max(worst, check(fn(*args, **kwargs), refs[j], backend.check_tolerance(), where=f"sample {j}",
                                      bounded=bounded))
     finally:
