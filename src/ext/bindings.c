@@ -21,17 +21,18 @@
  * trampolines. Lives on the C stack of the binding. */
 typedef struct TtCall {
     TtState *st;
-    PyObject *clock;   /* borrowed; NULL: the engine's monotonic clock */
-    PyObject *sync;    /* borrowed; NULL: nothing to wait for */
+    PyObject *clock;   /* new reference; NULL: the engine's monotonic clock */
+    PyObject *sync;    /* new reference; NULL: nothing to wait for */
     PyObject *stash;   /* new reference: stops everything, raised at the end */
     PyObject *failure; /* new reference: the latest Exception of a callback */
     uint64_t last_ns;  /* the clock's last reading, returned after a failure */
-    PyObject *log;     /* borrowed; NULL: the engine's lines go nowhere */
+    PyObject *log;     /* new reference; NULL: the engine's lines go nowhere */
     tw_host host;
 } TtCall;
 
 /* A runner's context: one callable to run samples (and one to build, for a
- * candidate). Borrowed references, held by the binding's arguments. */
+ * candidate). Borrowed references, held by the binding for the whole call
+ * (never by the caller's list, which a callback may clear). */
 typedef struct TtRun {
     TtCall *call;
     PyObject *run;
@@ -40,13 +41,16 @@ typedef struct TtRun {
 
 static uint64_t tt_clock_now(void *ctx);
 
+/* A callback may drop the caller's last reference to clock or sync (a
+ * **kwargs dict a C caller passed through): the call holds its own. Released
+ * by tt_call_release. */
 static void
 tt_call_init(TtCall *call, TtState *st, PyObject *clock, PyObject *sync)
 {
     memset(call, 0, sizeof(*call));
     call->st = st;
-    call->clock = clock == Py_None ? NULL : clock;
-    call->sync = sync == Py_None ? NULL : sync;
+    call->clock = clock == Py_None ? NULL : Py_NewRef(clock);
+    call->sync = sync == Py_None ? NULL : Py_NewRef(sync);
     call->host.ctx = call;
     call->host.now_ns = call->clock != NULL ? tt_clock_now : NULL;
 }
@@ -72,6 +76,9 @@ tt_call_release(TtCall *call)
 {
     Py_CLEAR(call->stash);
     Py_CLEAR(call->failure);
+    Py_CLEAR(call->clock);
+    Py_CLEAR(call->sync);
+    Py_CLEAR(call->log);
 }
 
 /* "ExcType: message" (or "ExcType" when the message is empty). New reference;
@@ -556,6 +563,7 @@ tt_py_measure(PyObject *module, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"run", "n_samples", "sync", "config", "clock", NULL};
     PyObject *run, *sync = Py_None, *config = Py_None, *clock = Py_None; /* borrowed */
+    PyObject *held = NULL; /* new reference: run, for the whole call */
     PyObject *result = NULL;
     Py_ssize_t n_samples;
     tw_measure_config cfg;
@@ -576,8 +584,9 @@ tt_py_measure(PyObject *module, PyObject *args, PyObject *kwargs)
         tt_check_measure_args(sync, clock, n_samples, config, &cfg) < 0)
         goto cleanup;
     tt_call_init(&call, call.st, clock, sync);
+    held = Py_NewRef(run);
     r.call = &call;
-    r.run = run;
+    r.run = held;
     r.build = NULL;
     tt_runner_init(&runner, &r, (size_t)n_samples);
     code = tw_measure(&call.host, &runner, &cfg, &stats, &err);
@@ -586,6 +595,7 @@ tt_py_measure(PyObject *module, PyObject *args, PyObject *kwargs)
     result = tt_stats_to_dict(&stats);
 cleanup:
     tt_call_release(&call);
+    Py_XDECREF(held);
     return result;
 }
 
@@ -596,7 +606,7 @@ tt_py_compare(PyObject *module, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"runs", "n_samples", "sync", "config", "clock", NULL};
     PyObject *runs_arg, *sync = Py_None, *config = Py_None, *clock = Py_None; /* borrowed */
-    PyObject *runs = NULL; /* new reference: runs as a fast sequence */
+    PyObject *runs = NULL; /* new reference: a tuple of runs, held while they are called */
     PyObject *list = NULL;
     PyObject *result = NULL;
     Py_ssize_t n_samples, n = 0, i;
@@ -613,7 +623,7 @@ tt_py_compare(PyObject *module, PyObject *args, PyObject *kwargs)
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "On|$OOO:compare", kwlist, &runs_arg,
                                      &n_samples, &sync, &config, &clock))
         goto cleanup;
-    if ((runs = PySequence_Fast(runs_arg, "runs must be a sequence of callables")) == NULL)
+    if ((runs = tt_sequence_tuple(runs_arg, "runs must be a sequence of callables")) == NULL)
         goto cleanup;
     n = PySequence_Fast_GET_SIZE(runs);
     for (i = 0; i < n; i++)
@@ -724,7 +734,7 @@ tt_py_choose(PyObject *module, PyObject *args, PyObject *kwargs)
     static char *kwlist[] = {"kind", "candidates", "n_samples", "sync", "config", "clock",
                              NULL};
     PyObject *kind, *cands_arg, *sync = Py_None, *config = Py_None, *clock = Py_None;
-    PyObject *cands = NULL; /* new reference: candidates as a fast sequence */
+    PyObject *cands = NULL; /* new reference: a tuple of the candidates, held while they run */
     PyObject *reports_list = NULL;
     PyObject *result = NULL;
     Py_ssize_t n_samples, n = 0, i;
@@ -745,7 +755,7 @@ tt_py_choose(PyObject *module, PyObject *args, PyObject *kwargs)
         goto cleanup;
     if (tt_strategy_parse(kind, &strategy) < 0)
         goto cleanup;
-    cands = PySequence_Fast(cands_arg, "candidates must be a sequence of (name, build, run)");
+    cands = tt_sequence_tuple(cands_arg, "candidates must be a sequence of (name, build, run)");
     if (cands == NULL)
         goto cleanup;
     n = PySequence_Fast_GET_SIZE(cands);
@@ -760,7 +770,8 @@ tt_py_choose(PyObject *module, PyObject *args, PyObject *kwargs)
         goto cleanup;
     tt_call_init(&call, call.st, clock, sync);
     for (i = 0; i < n; i++) {
-        /* the tuple is held by cands, and its name by the tuple */
+        /* the tuple is held by cands (our own tuple, not the caller's list),
+         * and its name, build and run by the tuple */
         PyObject *item = PySequence_Fast_GET_ITEM(cands, i);
         PyObject *name;
 
@@ -843,7 +854,7 @@ tt_tree_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"modules", NULL};
     PyObject *modules_arg;       /* borrowed */
-    PyObject *modules = NULL;    /* new reference: a fast sequence */
+    PyObject *modules = NULL;    /* new reference: a tuple */
     TtTree *self = NULL;
     TtState *st = (TtState *)PyType_GetModuleState(type);
     Py_ssize_t i, n;
@@ -853,7 +864,7 @@ tt_tree_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     memset(&err, 0, sizeof(err));
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O:Tree", kwlist, &modules_arg))
         goto error;
-    modules = PySequence_Fast(modules_arg, "modules must be a sequence of (path, calls, time_ns)");
+    modules = tt_sequence_tuple(modules_arg, "modules must be a sequence of (path, calls, time_ns)");
     if (modules == NULL)
         goto error;
     if ((self = (TtTree *)type->tp_alloc(type, 0)) == NULL)
@@ -1396,7 +1407,10 @@ static PyType_Spec tt_result_spec = {
 
 typedef struct TtTweak {
     TtCall *call;
-    PyObject *enter, *tune, *activate, *deactivate, *leave; /* borrowed; deactivate may be NULL */
+    /* new references, held for the whole call; deactivate may be NULL */
+    PyObject *enter, *tune, *activate, *deactivate, *leave;
+    PyObject *run;
+    PyObject *tree;
     TtRun model;
 } TtTweak;
 
@@ -1491,6 +1505,7 @@ tt_py_tweak(PyObject *module, PyObject *args, PyObject *kwargs)
     TtTweak tw;
 
     tt_call_init(&call, st, Py_None, Py_None);
+    memset(&tw, 0, sizeof(tw));
     memset(&err, 0, sizeof(err));
     tw_tweak_config_default(&cfg);
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!|$OOOOOOOiidOpOOOO:tweak", kwlist,
@@ -1546,16 +1561,18 @@ tt_py_tweak(PyObject *module, PyObject *args, PyObject *kwargs)
         goto cleanup;
 
     tt_call_init(&call, st, clock, sync);
-    call.log = log == Py_None ? NULL : log;
+    call.log = log == Py_None ? NULL : Py_NewRef(log);
     call.host.log = tt_call_log;
     tw.call = &call;
-    tw.enter = enter;
-    tw.tune = tune;
-    tw.activate = activate;
-    tw.deactivate = deactivate == Py_None ? NULL : deactivate;
-    tw.leave = leave;
+    tw.enter = Py_NewRef(enter);
+    tw.tune = Py_NewRef(tune);
+    tw.activate = Py_NewRef(activate);
+    tw.deactivate = deactivate == Py_None ? NULL : Py_NewRef(deactivate);
+    tw.leave = Py_NewRef(leave);
+    tw.run = Py_NewRef(run);
+    tw.tree = Py_NewRef(tree);
     tw.model.call = &call;
-    tw.model.run = run;
+    tw.model.run = tw.run;
     tw.model.build = NULL;
     memset(&ops, 0, sizeof(ops));
     ops.ctx = &tw;
@@ -1566,18 +1583,25 @@ tt_py_tweak(PyObject *module, PyObject *args, PyObject *kwargs)
     ops.leave = tt_tweak_leave;
     tt_runner_init(&ops.model, &tw.model, (size_t)n_samples);
 
-    code = tw_tweak_run(&call.host, ((TtTree *)tree)->tree, &cfg, &ops, &out, &err);
+    code = tw_tweak_run(&call.host, ((TtTree *)tw.tree)->tree, &cfg, &ops, &out, &err);
     if (tt_call_check(&call, code, &err) < 0)
         goto cleanup;
     if ((res_obj = (TtResult *)st->ResultType->tp_alloc(st->ResultType, 0)) == NULL)
         goto cleanup;
     res_obj->result = out;
-    res_obj->n_nodes = tw_tree_size(((TtTree *)tree)->tree);
+    res_obj->n_nodes = tw_tree_size(((TtTree *)tw.tree)->tree);
     out = NULL;
     result = (PyObject *)res_obj;
 cleanup:
     tw_result_destroy(out);
     tt_call_release(&call);
+    Py_XDECREF(tw.enter);
+    Py_XDECREF(tw.tune);
+    Py_XDECREF(tw.activate);
+    Py_XDECREF(tw.deactivate);
+    Py_XDECREF(tw.leave);
+    Py_XDECREF(tw.run);
+    Py_XDECREF(tw.tree);
     return result;
 }
 

@@ -166,7 +166,8 @@ tt_spec_mark_dynamic(TtArgSpec *spec, PyObject *dynamic, PyObject *where)
     Py_ssize_t i, n;
     int rc = -1;
 
-    axes = PySequence_Fast(dynamic, "dynamic axes must be a sequence of ints");
+    /* a tuple of our own: an axis's __index__ may change the caller's list */
+    axes = tt_sequence_tuple(dynamic, "dynamic axes must be a sequence of ints");
     if (axes == NULL)
         goto cleanup;
     n = PySequence_Fast_GET_SIZE(axes);
@@ -642,7 +643,7 @@ tt_signature_set_params(TtSignature *self, PyObject *params)
             goto cleanup;
         goto done;
     }
-    seq = PySequence_Fast(params, "Signature: params must be a sequence of str or None");
+    seq = tt_sequence_tuple(params, "Signature: params must be a sequence of str or None");
     if (seq == NULL)
         goto cleanup;
     n = PySequence_Fast_GET_SIZE(seq);
@@ -687,7 +688,7 @@ tt_signature_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     static char *kwlist[] = {"args", "kwargs", "dynamic", "params", NULL};
     PyObject *call_args, *call_kwargs, *dynamic = Py_None, *params = Py_None; /* borrowed */
     PyObject *items = NULL; /* new reference: kwargs' (name, value) pairs */
-    PyObject *dyn = NULL;   /* new reference: dynamic as a fast sequence */
+    PyObject *dyn = NULL;   /* new reference: dynamic as a tuple of our own */
     PyObject *where = NULL; /* new reference: the argument's name for errors */
     TtSignature *self = NULL;
     TtState *st;
@@ -716,7 +717,8 @@ tt_signature_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     if ((self->kwnames = PyTuple_New(nkw)) == NULL)
         goto error;
     if (dynamic != Py_None) {
-        dyn = PySequence_Fast(dynamic, "Signature: dynamic must be a sequence or None");
+        /* reading a tensor's metadata may run Python code that changes a list */
+        dyn = tt_sequence_tuple(dynamic, "Signature: dynamic must be a sequence or None");
         if (dyn == NULL)
             goto error;
         ndyn = PySequence_Fast_GET_SIZE(dyn);
@@ -1498,7 +1500,8 @@ tt_dispatcher_set_entries(TtDispatcher *self, PyObject *arg)
 
     if (st == NULL)
         goto cleanup;
-    seq = PySequence_Fast(arg, "_tt_set_entries: entries must be a sequence");
+    /* a tuple of our own: comparing signatures may run an __eq__ */
+    seq = tt_sequence_tuple(arg, "_tt_set_entries: entries must be a sequence");
     if (seq == NULL)
         goto cleanup;
     n = PySequence_Fast_GET_SIZE(seq);

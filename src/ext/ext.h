@@ -102,6 +102,12 @@ tt_tensor_attr(const TtState *st, PyObject *obj, const TtGetter *g, PyObject *na
 PyObject *tt_get_counter(PyObject *self, void *offset);
 PyObject *tt_get_object_or_none(PyObject *self, void *offset);
 
+/* `seq` as a tuple that the caller owns: the same tuple when it is one, else a
+ * copy of the list or iterable. Items read from it stay alive while Python
+ * code runs, even when that code clears or mutates the caller's list. `msg`
+ * is the TypeError when seq is not iterable. New reference. */
+PyObject *tt_sequence_tuple(PyObject *seq, const char *msg);
+
 /* The exception being raised, normalized with its traceback attached, cleared
  * from the thread state. New reference; NULL when none is set. */
 PyObject *tt_exception_fetch(void);

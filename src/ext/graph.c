@@ -512,6 +512,7 @@ tt_graph_run_driver(TtGraphReplay *self, const TtGraphRec *rec, PyObject *const 
     PyObject *results = NULL;    /* new reference: list of what the call returns */
     PyObject *result = NULL;
     TtCuStream stream;
+    PyObject **held = NULL;      /* per input: the argument (new reference) until the launch */
     TtCuDevicePtr *src = NULL;   /* per input: where to copy from, 0 to skip */
     TtCuDevicePtr *dst = NULL;   /* per leaf: where its copy goes, 0 for none */
     TtCuResult rc;
@@ -525,8 +526,9 @@ tt_graph_run_driver(TtGraphReplay *self, const TtGraphRec *rec, PyObject *const 
     if (stream == NULL && PyErr_Occurred())
         goto cleanup;
     src = PyMem_Calloc((size_t)self->ninputs + 1, sizeof(*src));
+    held = PyMem_Calloc((size_t)self->ninputs + 1, sizeof(*held));
     dst = PyMem_Calloc((size_t)self->nleaves + 1, sizeof(*dst));
-    if (src == NULL || dst == NULL) {
+    if (src == NULL || held == NULL || dst == NULL) {
         PyErr_NoMemory();
         goto cleanup;
     }
@@ -555,6 +557,9 @@ tt_graph_run_driver(TtGraphReplay *self, const TtGraphRec *rec, PyObject *const 
         }
         if (arg == in->buffer)
             continue;
+        /* an item of a list argument: Python code below may take it out of
+         * the list, and its memory must stay until the copy is queued */
+        held[i] = Py_NewRef(arg);
         dense = tt_graph_is_dense(self, arg);
         if (dense < 0)
             goto cleanup;
@@ -617,6 +622,9 @@ tt_graph_run_driver(TtGraphReplay *self, const TtGraphRec *rec, PyObject *const 
 cleanup:
     if (entered)
         tt_graph_leave_context(pushed);
+    for (i = 0; held != NULL && i < self->ninputs; i++)
+        Py_XDECREF(held[i]);
+    PyMem_Free(held);
     PyMem_Free(src);
     PyMem_Free(dst);
     Py_XDECREF(stream_obj);
@@ -645,7 +653,9 @@ tt_graph_run_callable(TtGraphReplay *self, const TtGraphRec *rec, PyObject *cons
         }
         if (arg == in->buffer)
             continue;
+        Py_INCREF(arg); /* held across copy_, which may run Python code */
         done = PyObject_CallMethodOneArg(in->buffer, self->str_copy_, arg);
+        Py_DECREF(arg);
         if (done == NULL)
             goto cleanup;
         Py_CLEAR(done);
@@ -692,6 +702,7 @@ tt_graph_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
     TtGraphReplay *self = (TtGraphReplay *)callable;
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     const TtGraphRec *rec;
+    PyObject *original; /* new reference: held across a fallback call */
     PyObject *result = NULL;
     int fits = 0, lend = 0;
 
@@ -710,7 +721,9 @@ tt_graph_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
             PyErr_SetString(PyExc_RuntimeError, "GraphReplay has been cleared");
             goto cleanup;
         }
-        result = PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+        original = Py_NewRef(self->original);
+        result = PyObject_Vectorcall(original, args, nargsf, kwnames);
+        Py_DECREF(original);
         goto cleanup;
     }
     self->busy = 1;
@@ -744,7 +757,8 @@ tt_graph_set_inputs(TtGraphReplay *self, PyObject *inputs)
     Py_ssize_t i, n;
     int rc = -1;
 
-    seq = PySequence_Fast(inputs, "GraphReplay: inputs must be a sequence");
+    /* a tuple of our own: __index__ and data_ptr() may run Python code */
+    seq = tt_sequence_tuple(inputs, "GraphReplay: inputs must be a sequence");
     if (seq == NULL)
         goto cleanup;
     n = PySequence_Fast_GET_SIZE(seq);
@@ -899,7 +913,7 @@ tt_graph_set_lend(TtGraphReplay *self, TtGraphRec *rec, PyObject *lend)
     Py_ssize_t i;
     int rc = -1;
 
-    seq = PySequence_Fast(lend, "GraphReplay: lent's lend must be a sequence");
+    seq = tt_sequence_tuple(lend, "GraphReplay: lent's lend must be a sequence");
     if (seq == NULL)
         goto cleanup;
     if (PySequence_Fast_GET_SIZE(seq) != self->nleaves) {

@@ -45,6 +45,18 @@ tt_exception_restore(PyObject *exc)
 #endif
 }
 
+/* ------------------------------------------------------------- sequences */
+
+PyObject *
+tt_sequence_tuple(PyObject *seq, const char *msg)
+{
+    PyObject *fast = PySequence_Fast(seq, msg); /* new reference: a list or a tuple */
+
+    if (fast != NULL && !PyTuple_CheckExact(fast))
+        Py_SETREF(fast, PySequence_Tuple(fast));
+    return fast;
+}
+
 /* ----------------------------------------------------------------- state */
 
 static TtState *
