@@ -15,7 +15,6 @@
 
 /* ====================================================== callback context */
 
-
 static uint64_t tt_clock_now(void *ctx);
 
 /* A callback may drop the caller's last reference to clock or sync (a
