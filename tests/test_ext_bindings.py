@@ -487,3 +487,117 @@ def test_callbacks_and_failures_keep_their_reference_counts():
             assert e.__cause__ is error
     error.__traceback__ = None  # the traceback holds frames, not our references
     assert [sys.getrefcount(o) for o in watched] == before
+
+
+# ------------------------------------------------- callbacks that free arguments
+# Python code run from inside a call may drop the last reference to what the
+# caller passed in a list: candidates, runs, a Signature's dynamic axes, a
+# GraphReplay's inputs. The extension holds its own references for the whole
+# call; before it did, these read freed memory. Each runs in a child, so a
+# crash fails one test, not pytest.
+
+_FREEING_PRELUDE = """
+import gc
+import os
+from torch_tweak import _C
+
+class Clock:
+    now = 0
+    def __call__(self):
+        return self.now
+
+clock = Clock()
+cfg = {"warmup_min": 0, "warmup_max": 0, "rounds_min": 2, "rounds_max": 2}
+
+kept = []
+
+class Trap:
+    def method(self, *args, **kwargs):
+        os._exit(86)
+
+def churn():
+    # Reuse what was freed: a call through a stale pointer then crashes, or
+    # reaches one of these traps and exits with 86.
+    gc.collect()
+    trap = Trap()
+    kept.append([(lambda *a, **k: os._exit(86)) for _ in range(300)])
+    kept.append([trap.method for _ in range(300)])
+    kept.append([bytearray(48) for _ in range(300)] + [(object(), i) for i in range(300)])
+"""
+
+_FREEING_SCRIPTS = {
+    "choose-clears-candidates": """
+cands = []
+def make(name):
+    def build():
+        cands.clear()
+        churn()
+    def run(i):
+        clock.now += 10
+    return (name + "-" + "x" * 40, build, run)
+cands.extend(make(n) for n in ("a", "b", "c"))
+winner, reports = _C.choose("highest-throughput", cands, 2, clock=clock, config=cfg)
+assert [r["state"] for r in reports] == ["measured"] * 3, reports
+assert [r["name"][:1] for r in reports] == ["a", "b", "c"]
+""",
+    "choose-run-mutates-candidates": """
+cands = []
+def run(i):
+    clock.now += 10
+    cands[:] = [(str(j), None, None) for j in range(5)]
+    churn()
+cands.extend(("n%d" % k, (lambda: None), (lambda i: run(i))) for k in range(3))
+winner, reports = _C.choose("highest-throughput", cands, 2, clock=clock, config=cfg)
+assert len(reports) == 3 and reports[0]["name"] == "n0"
+""",
+    "compare-clears-runs": """
+runs = []
+def make():
+    def run(i):
+        clock.now += 10
+        runs.clear()
+        churn()
+    return run
+runs.extend(make() for _ in range(3))
+stats = _C.compare(runs, 2, clock=clock, config=cfg)
+assert len(stats) == 3
+""",
+    "signature-clears-dynamic": """
+import torch
+dynamic = []
+class Sneaky(torch.Tensor):
+    @property
+    def dtype(self):
+        dynamic.clear()
+        churn()
+        return super().dtype
+x = torch.zeros(2, 3)
+dynamic.extend([None, [0], [1 + 0 * len(kept)]])
+sig = _C.Signature((torch.zeros(2, 3).as_subclass(Sneaky), x, x), None, dynamic)
+""",
+    "graph-replay-clears-inputs": """
+import torch
+inputs = []
+class Index:
+    def __index__(self):
+        inputs.clear()
+        churn()
+        return -1
+x, y = torch.zeros(2), torch.zeros(2)
+inputs.extend([(0, Index(), torch.zeros(2)), (1, -1, torch.zeros(2)), (2, -1, torch.zeros(2))])
+sig = _C.Signature((x, y, y), None)
+_C.GraphReplay(0, 0, sig, inputs, torch.zeros(2), lambda *a: None, replay=lambda: None)
+""",
+}
+
+
+@pytest.mark.parametrize("name", sorted(_FREEING_SCRIPTS))
+def test_callbacks_that_free_the_callers_arguments_do_not_crash(name):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _FREEING_PRELUDE + _FREEING_SCRIPTS[name]],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (
+        f"{name}: exit code {proc.returncode} (negative: killed by that signal)\n"
+        f"{proc.stderr[-3000:]}")

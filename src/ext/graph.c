@@ -8,10 +8,9 @@
  * outputs; a call that does not fit runs the original module instead.
  *
  * Two ways to launch:
- * - driver: the CUDA driver, reached through dlopen("libcuda.so.1") the first
- *   time a GraphReplay needs it, so the build needs no CUDA headers and the
- *   package imports without a GPU. Copies are cuMemcpyDtoDAsync and the launch
- *   cuGraphLaunch, both on torch's current stream of the graph's device.
+ * - driver: the CUDA driver through cuda.c's shim. Copies are
+ *   cuMemcpyDtoDAsync and the launch cuGraphLaunch, both on torch's current
+ *   stream of the graph's device.
  * - callable: a Python replay() (an XPU graph, or a torch without the raw exec
  *   handle); copies and output copies are then torch's copy_ and clone.
  *
@@ -27,138 +26,20 @@
  *   holds any of it, the call replays the copying recording instead.
  * So no later call ever overwrites a tensor the caller holds.
  */
-#include "ext.h"
+#include "graph.h"
 
-#include <dlfcn.h>
+#include "cuda.h"
+#include "signature.h"
+
 #include <string.h>
-
-/* ======================================================== CUDA driver */
-
-/* The few driver types and entry points used here, declared by hand: their
- * ABI is fixed since CUDA 4 (the _v2 names since 4.0/7.0). */
-typedef int TtCuResult; /* CUresult; 0 is CUDA_SUCCESS */
-typedef int TtCuDevice;
-typedef struct TtCuCtx *TtCuContext;
-typedef struct TtCuStream *TtCuStream;
-typedef struct TtCuGraphExec *TtCuGraphExec;
-typedef struct TtCuEvent *TtCuEvent;
-typedef unsigned long long TtCuDevicePtr;
-
-#define TT_CU_EVENT_DISABLE_TIMING 0x2u
-
-typedef struct TtCuda {
-    int tried;        /* dlopen attempted */
-    const char *error; /* static message when unusable; NULL when ready */
-    void *lib;
-    TtCuResult (*Init)(unsigned int);
-    TtCuResult (*DeviceGet)(TtCuDevice *, int);
-    TtCuResult (*DevicePrimaryCtxRetain)(TtCuContext *, TtCuDevice);
-    TtCuResult (*DevicePrimaryCtxRelease)(TtCuDevice);
-    TtCuResult (*CtxGetCurrent)(TtCuContext *);
-    TtCuResult (*CtxPushCurrent)(TtCuContext);
-    TtCuResult (*CtxPopCurrent)(TtCuContext *);
-    TtCuResult (*MemcpyDtoDAsync)(TtCuDevicePtr, TtCuDevicePtr, size_t, TtCuStream);
-    TtCuResult (*GraphLaunch)(TtCuGraphExec, TtCuStream);
-    TtCuResult (*EventCreate)(TtCuEvent *, unsigned int);
-    TtCuResult (*EventDestroy)(TtCuEvent);
-    TtCuResult (*EventRecord)(TtCuEvent, TtCuStream);
-    TtCuResult (*StreamWaitEvent)(TtCuStream, TtCuEvent, unsigned int);
-    TtCuResult (*StreamSynchronize)(TtCuStream);
-    TtCuResult (*GetErrorName)(TtCuResult, const char **);
-    TtCuResult (*GetErrorString)(TtCuResult, const char **);
-} TtCuda;
-
-/* Process-wide: the driver library is loaded once and never unloaded (torch
- * keeps it loaded too). Written only with the GIL held. */
-static TtCuda tt_cuda;
-
-/* The first of `names` that the library exports, or NULL. */
-static void *
-tt_cuda_symbol(void *lib, const char *const *names)
-{
-    void *fn = NULL;
-
-    for (; *names != NULL && fn == NULL; names++)
-        fn = dlsym(lib, *names);
-    return fn;
-}
-
-/* Loads the driver the first time; NULL when it is ready, else why not. */
-static const char *
-tt_cuda_load(void)
-{
-    static const char *const n_init[] = {"cuInit", NULL};
-    static const char *const n_dev[] = {"cuDeviceGet", NULL};
-    static const char *const n_retain[] = {"cuDevicePrimaryCtxRetain", NULL};
-    static const char *const n_release[] = {"cuDevicePrimaryCtxRelease_v2",
-                                            "cuDevicePrimaryCtxRelease", NULL};
-    static const char *const n_getctx[] = {"cuCtxGetCurrent", NULL};
-    static const char *const n_push[] = {"cuCtxPushCurrent_v2", "cuCtxPushCurrent", NULL};
-    static const char *const n_pop[] = {"cuCtxPopCurrent_v2", "cuCtxPopCurrent", NULL};
-    static const char *const n_copy[] = {"cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync", NULL};
-    static const char *const n_launch[] = {"cuGraphLaunch", NULL};
-    static const char *const n_evcreate[] = {"cuEventCreate", NULL};
-    static const char *const n_evdestroy[] = {"cuEventDestroy_v2", "cuEventDestroy", NULL};
-    static const char *const n_evrecord[] = {"cuEventRecord", NULL};
-    static const char *const n_wait[] = {"cuStreamWaitEvent", NULL};
-    static const char *const n_sync[] = {"cuStreamSynchronize", NULL};
-    static const char *const n_errname[] = {"cuGetErrorName", NULL};
-    static const char *const n_errstr[] = {"cuGetErrorString", NULL};
-    TtCuda c;
-
-    if (tt_cuda.tried)
-        return tt_cuda.error;
-    memset(&c, 0, sizeof(c));
-    c.tried = 1;
-    c.lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (c.lib == NULL) {
-        c.error = "the CUDA driver (libcuda.so.1) could not be loaded";
-        goto done;
-    }
-    *(void **)&c.Init = tt_cuda_symbol(c.lib, n_init);
-    *(void **)&c.DeviceGet = tt_cuda_symbol(c.lib, n_dev);
-    *(void **)&c.DevicePrimaryCtxRetain = tt_cuda_symbol(c.lib, n_retain);
-    *(void **)&c.DevicePrimaryCtxRelease = tt_cuda_symbol(c.lib, n_release);
-    *(void **)&c.CtxGetCurrent = tt_cuda_symbol(c.lib, n_getctx);
-    *(void **)&c.CtxPushCurrent = tt_cuda_symbol(c.lib, n_push);
-    *(void **)&c.CtxPopCurrent = tt_cuda_symbol(c.lib, n_pop);
-    *(void **)&c.MemcpyDtoDAsync = tt_cuda_symbol(c.lib, n_copy);
-    *(void **)&c.GraphLaunch = tt_cuda_symbol(c.lib, n_launch);
-    *(void **)&c.EventCreate = tt_cuda_symbol(c.lib, n_evcreate);
-    *(void **)&c.EventDestroy = tt_cuda_symbol(c.lib, n_evdestroy);
-    *(void **)&c.EventRecord = tt_cuda_symbol(c.lib, n_evrecord);
-    *(void **)&c.StreamWaitEvent = tt_cuda_symbol(c.lib, n_wait);
-    *(void **)&c.StreamSynchronize = tt_cuda_symbol(c.lib, n_sync);
-    *(void **)&c.GetErrorName = tt_cuda_symbol(c.lib, n_errname);
-    *(void **)&c.GetErrorString = tt_cuda_symbol(c.lib, n_errstr);
-    if (!c.Init || !c.DeviceGet || !c.DevicePrimaryCtxRetain || !c.DevicePrimaryCtxRelease ||
-        !c.CtxGetCurrent || !c.CtxPushCurrent || !c.CtxPopCurrent || !c.MemcpyDtoDAsync ||
-        !c.GraphLaunch || !c.EventCreate || !c.EventDestroy || !c.EventRecord ||
-        !c.StreamWaitEvent || !c.StreamSynchronize || !c.GetErrorName || !c.GetErrorString) {
-        c.error = "the CUDA driver (libcuda.so.1) lacks an entry point torch-tweak needs";
-        dlclose(c.lib);
-        c.lib = NULL;
-        goto done;
-    }
-    if (c.Init(0) != 0) {
-        c.error = "the CUDA driver failed to initialise (cuInit)";
-        goto done;
-    }
-done:
-    tt_cuda = c;
-    return tt_cuda.error;
-}
 
 /* Sets RuntimeError for a failed driver call; returns -1. */
 static int
 tt_cuda_raise(TtCuResult rc, const char *what)
 {
-    const char *name = NULL, *text = NULL;
+    const char *name, *text;
 
-    if (tt_cuda.GetErrorName == NULL || tt_cuda.GetErrorName(rc, &name) != 0)
-        name = NULL;
-    if (tt_cuda.GetErrorString == NULL || tt_cuda.GetErrorString(rc, &text) != 0)
-        text = NULL;
+    tt_cuda_describe(rc, &name, &text);
     PyErr_Format(PyExc_RuntimeError, "GraphReplay: %s failed: %s (%d): %s", what,
                  name != NULL ? name : "CUDA error", rc, text != NULL ? text : "no description");
     return -1;
@@ -208,15 +89,7 @@ typedef struct {
     PyObject *on_fallback; /* NULL, or called once at the first fallback after it was set */
     PyObject *rebuild;     /* NULL, or called with the list of output copies */
     PyObject *keep;        /* kept alive with the graph (the graph object, its pool) */
-    PyObject *get_stream;  /* driver mode: torch._C._cuda_getCurrentRawStream */
-    PyObject *empty_like;  /* driver mode: torch.empty_like */
-    PyObject *use_count;   /* with a lending recording: torch._C._storage_Use_Count */
     PyObject *device;      /* driver mode: the device index as an int */
-    PyObject *str_data_ptr;
-    PyObject *str_is_contiguous;
-    PyObject *str_copy_;
-    PyObject *str_clone;
-    PyObject *str_detach;
     Py_ssize_t ninputs;
     TtGraphInput *inputs;
     Py_ssize_t nleaves;    /* per recording: the same call has the same outputs */
@@ -267,14 +140,14 @@ cleanup:
 static int
 tt_graph_data_ptr(TtGraphReplay *self, PyObject *tensor, TtCuDevicePtr *ptr)
 {
-    return tt_graph_take_u64(tt_graph_call0(tensor, self->str_data_ptr), ptr);
+    return tt_graph_take_u64(tt_graph_call0(tensor, self->state->str_data_ptr), ptr);
 }
 
 /* 1 when tensor.is_contiguous(), 0 when not, -1 on error. */
 static int
 tt_graph_is_dense(TtGraphReplay *self, PyObject *tensor)
 {
-    PyObject *value = tt_graph_call0(tensor, self->str_is_contiguous); /* new reference */
+    PyObject *value = tt_graph_call0(tensor, self->state->str_is_contiguous); /* new reference */
     int rc = -1;
 
     if (value == NULL)
@@ -417,7 +290,7 @@ tt_graph_pack(TtGraphReplay *self, PyObject *copies)
 static int
 tt_graph_uses(TtGraphReplay *self, const TtGraphLeaf *leaf, unsigned long long *uses)
 {
-    return tt_graph_take_u64(PyObject_CallOneArg(self->use_count, leaf->cdata), uses);
+    return tt_graph_take_u64(PyObject_CallOneArg(self->state->storage_use_count, leaf->cdata), uses);
 }
 
 /* 1 when nothing the last lending call returned from `rec` is alive (every
@@ -459,9 +332,9 @@ tt_graph_results(TtGraphReplay *self, const TtGraphRec *rec, TtCuDevicePtr *dst)
         PyObject *item;
 
         if (leaf->cdata != NULL)
-            item = tt_graph_call0(leaf->value, self->str_detach);
+            item = tt_graph_call0(leaf->value, self->state->str_detach);
         else if (dst != NULL && leaf->is_tensor && leaf->dense)
-            item = PyObject_CallOneArg(self->empty_like, leaf->value);
+            item = PyObject_CallOneArg(self->state->empty_like, leaf->value);
         else {
             item = leaf->value;
             Py_INCREF(item);
@@ -493,7 +366,7 @@ tt_graph_clone_rest(TtGraphReplay *self, const TtGraphRec *rec, PyObject *result
 
         if (!leaf->is_tensor || leaf->cdata != NULL || (self->driver && leaf->dense))
             continue;
-        copy = tt_graph_call0(leaf->value, self->str_clone);
+        copy = tt_graph_call0(leaf->value, self->state->str_clone);
         if (copy == NULL)
             return -1;
         old = PyList_GET_ITEM(results, i);
@@ -512,21 +385,23 @@ tt_graph_run_driver(TtGraphReplay *self, const TtGraphRec *rec, PyObject *const 
     PyObject *results = NULL;    /* new reference: list of what the call returns */
     PyObject *result = NULL;
     TtCuStream stream;
+    PyObject **held = NULL;      /* per input: the argument (new reference) until the launch */
     TtCuDevicePtr *src = NULL;   /* per input: where to copy from, 0 to skip */
     TtCuDevicePtr *dst = NULL;   /* per leaf: where its copy goes, 0 for none */
     TtCuResult rc;
     Py_ssize_t i;
     int pushed = 0, entered = 0;
 
-    stream_obj = PyObject_CallOneArg(self->get_stream, self->device);
+    stream_obj = PyObject_CallOneArg(self->state->cuda_raw_stream, self->device);
     if (stream_obj == NULL)
         goto cleanup;
     stream = (TtCuStream)PyLong_AsVoidPtr(stream_obj);
     if (stream == NULL && PyErr_Occurred())
         goto cleanup;
     src = PyMem_Calloc((size_t)self->ninputs + 1, sizeof(*src));
+    held = PyMem_Calloc((size_t)self->ninputs + 1, sizeof(*held));
     dst = PyMem_Calloc((size_t)self->nleaves + 1, sizeof(*dst));
-    if (src == NULL || dst == NULL) {
+    if (src == NULL || held == NULL || dst == NULL) {
         PyErr_NoMemory();
         goto cleanup;
     }
@@ -555,6 +430,9 @@ tt_graph_run_driver(TtGraphReplay *self, const TtGraphRec *rec, PyObject *const 
         }
         if (arg == in->buffer)
             continue;
+        /* an item of a list argument: Python code below may take it out of
+         * the list, and its memory must stay until the copy is queued */
+        held[i] = Py_NewRef(arg);
         dense = tt_graph_is_dense(self, arg);
         if (dense < 0)
             goto cleanup;
@@ -564,7 +442,7 @@ tt_graph_run_driver(TtGraphReplay *self, const TtGraphRec *rec, PyObject *const 
             continue;
         }
         /* a strided view: torch's copy_ lays it out, on the same stream */
-        done = PyObject_CallMethodOneArg(in->buffer, self->str_copy_, arg);
+        done = PyObject_CallMethodOneArg(in->buffer, self->state->str_copy_, arg);
         if (done == NULL)
             goto cleanup;
         Py_DECREF(done);
@@ -617,6 +495,9 @@ tt_graph_run_driver(TtGraphReplay *self, const TtGraphRec *rec, PyObject *const 
 cleanup:
     if (entered)
         tt_graph_leave_context(pushed);
+    for (i = 0; held != NULL && i < self->ninputs; i++)
+        Py_XDECREF(held[i]);
+    PyMem_Free(held);
     PyMem_Free(src);
     PyMem_Free(dst);
     Py_XDECREF(stream_obj);
@@ -645,7 +526,9 @@ tt_graph_run_callable(TtGraphReplay *self, const TtGraphRec *rec, PyObject *cons
         }
         if (arg == in->buffer)
             continue;
-        done = PyObject_CallMethodOneArg(in->buffer, self->str_copy_, arg);
+        Py_INCREF(arg); /* held across copy_, which may run Python code */
+        done = PyObject_CallMethodOneArg(in->buffer, self->state->str_copy_, arg);
+        Py_DECREF(arg);
         if (done == NULL)
             goto cleanup;
         Py_CLEAR(done);
@@ -692,6 +575,7 @@ tt_graph_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
     TtGraphReplay *self = (TtGraphReplay *)callable;
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     const TtGraphRec *rec;
+    PyObject *original; /* new reference: held across a fallback call */
     PyObject *result = NULL;
     int fits = 0, lend = 0;
 
@@ -710,7 +594,9 @@ tt_graph_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
             PyErr_SetString(PyExc_RuntimeError, "GraphReplay has been cleared");
             goto cleanup;
         }
-        result = PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+        original = Py_NewRef(self->original);
+        result = PyObject_Vectorcall(original, args, nargsf, kwnames);
+        Py_DECREF(original);
         goto cleanup;
     }
     self->busy = 1;
@@ -744,7 +630,8 @@ tt_graph_set_inputs(TtGraphReplay *self, PyObject *inputs)
     Py_ssize_t i, n;
     int rc = -1;
 
-    seq = PySequence_Fast(inputs, "GraphReplay: inputs must be a sequence");
+    /* a tuple of our own: __index__ and data_ptr() may run Python code */
+    seq = tt_sequence_tuple(inputs, "GraphReplay: inputs must be a sequence");
     if (seq == NULL)
         goto cleanup;
     n = PySequence_Fast_GET_SIZE(seq);
@@ -899,7 +786,7 @@ tt_graph_set_lend(TtGraphReplay *self, TtGraphRec *rec, PyObject *lend)
     Py_ssize_t i;
     int rc = -1;
 
-    seq = PySequence_Fast(lend, "GraphReplay: lent's lend must be a sequence");
+    seq = tt_sequence_tuple(lend, "GraphReplay: lent's lend must be a sequence");
     if (seq == NULL)
         goto cleanup;
     if (PySequence_Fast_GET_SIZE(seq) != self->nleaves) {
@@ -940,13 +827,33 @@ cleanup:
     return rc;
 }
 
+/* *slot = attribute `name` of module `modname` (imported), once per module
+ * state: every GraphReplay of the module shares it. -1 on error. */
+static int
+tt_graph_torch_function(PyObject **slot, const char *modname, const char *name)
+{
+    PyObject *mod = NULL; /* new reference */
+    int rc = -1;
+
+    if (*slot != NULL) {
+        rc = 0;
+        goto cleanup;
+    }
+    if ((mod = PyImport_ImportModule(modname)) == NULL)
+        goto cleanup;
+    if ((*slot = PyObject_GetAttrString(mod, name)) == NULL)
+        goto cleanup;
+    rc = 0;
+cleanup:
+    Py_XDECREF(mod);
+    return rc;
+}
+
 /* Driver mode: loads the driver, retains the device's primary context and
  * looks up what a call needs from torch. -1 on error. */
 static int
 tt_graph_set_driver(TtGraphReplay *self, unsigned long long exec, PyObject *device)
 {
-    PyObject *torch = NULL;   /* new reference */
-    PyObject *torch_C = NULL; /* new reference */
     const char *why;
     long index;
     int rc = -1;
@@ -978,18 +885,12 @@ tt_graph_set_driver(TtGraphReplay *self, unsigned long long exec, PyObject *devi
     self->recs[TT_REC_COPY].exec = (TtCuGraphExec)(uintptr_t)exec;
     Py_INCREF(device);
     self->device = device;
-    if ((torch = PyImport_ImportModule("torch")) == NULL)
-        goto cleanup;
-    if ((torch_C = PyObject_GetAttrString(torch, "_C")) == NULL)
-        goto cleanup;
-    if ((self->get_stream = PyObject_GetAttrString(torch_C, "_cuda_getCurrentRawStream")) == NULL)
-        goto cleanup;
-    if ((self->empty_like = PyObject_GetAttrString(torch, "empty_like")) == NULL)
+    if (tt_graph_torch_function(&self->state->cuda_raw_stream, "torch._C",
+                                "_cuda_getCurrentRawStream") < 0 ||
+        tt_graph_torch_function(&self->state->empty_like, "torch", "empty_like") < 0)
         goto cleanup;
     rc = 0;
 cleanup:
-    Py_XDECREF(torch);
-    Py_XDECREF(torch_C);
     return rc;
 }
 
@@ -999,8 +900,7 @@ static int
 tt_graph_set_lent(TtGraphReplay *self, PyObject *lent)
 {
     TtGraphRec *rec = &self->recs[TT_REC_LEND];
-    PyObject *torch_C = NULL; /* new reference */
-    PyObject *replay;         /* borrowed */
+    PyObject *replay; /* borrowed */
     unsigned long long exec;
     int rc = -1;
 
@@ -1019,9 +919,8 @@ tt_graph_set_lent(TtGraphReplay *self, PyObject *lent)
                         "like the first: an exec handle, or a callable replay");
         goto cleanup;
     }
-    if ((torch_C = PyImport_ImportModule("torch._C")) == NULL ||
-        (self->use_count = PyObject_GetAttrString(torch_C, "_storage_Use_Count")) == NULL ||
-        (self->str_detach = PyUnicode_InternFromString("detach")) == NULL)
+    if (tt_graph_torch_function(&self->state->storage_use_count, "torch._C",
+                                "_storage_Use_Count") < 0)
         goto cleanup;
     rec->exec = (TtCuGraphExec)(uintptr_t)exec;
     rec->replay = replay != Py_None ? Py_NewRef(replay) : NULL;
@@ -1030,7 +929,6 @@ tt_graph_set_lent(TtGraphReplay *self, PyObject *lent)
         goto cleanup;
     rc = 0;
 cleanup:
-    Py_XDECREF(torch_C);
     return rc;
 }
 
@@ -1082,11 +980,6 @@ tt_graph_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     self->vectorcall = tt_graph_vectorcall;
     self->state = st;
     self->driver = exec != 0;
-    if ((self->str_data_ptr = PyUnicode_InternFromString("data_ptr")) == NULL ||
-        (self->str_is_contiguous = PyUnicode_InternFromString("is_contiguous")) == NULL ||
-        (self->str_copy_ = PyUnicode_InternFromString("copy_")) == NULL ||
-        (self->str_clone = PyUnicode_InternFromString("clone")) == NULL)
-        goto error;
     if (self->driver && tt_graph_set_driver(self, exec, device) < 0)
         goto error;
     self->signature = Py_NewRef(signature);
@@ -1209,15 +1102,7 @@ tt_graph_dealloc(TtGraphReplay *self)
         (void)tt_cuda.DevicePrimaryCtxRelease(self->cu_device);
         self->ctx = NULL;
     }
-    Py_CLEAR(self->get_stream);
-    Py_CLEAR(self->empty_like);
-    Py_CLEAR(self->use_count);
     Py_CLEAR(self->device);
-    Py_CLEAR(self->str_data_ptr);
-    Py_CLEAR(self->str_is_contiguous);
-    Py_CLEAR(self->str_copy_);
-    Py_CLEAR(self->str_clone);
-    Py_CLEAR(self->str_detach);
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
 }
@@ -1333,18 +1218,16 @@ static PyType_Spec tt_graph_spec = {
 };
 
 int
-tt_graph_exec(PyObject *module)
+tt_graph_exec(PyObject *module, TtState *st)
 {
-    PyObject *type = NULL; /* new reference */
     int rc = -1;
 
-    type = PyType_FromModuleAndSpec(module, &tt_graph_spec, NULL);
-    if (type == NULL)
-        goto cleanup;
-    if (PyModule_AddObjectRef(module, "GraphReplay", type) < 0)
-        goto cleanup;
+    st->GraphReplayType = (PyTypeObject *)PyType_FromModuleAndSpec(module, &tt_graph_spec, NULL);
+    if (st->GraphReplayType == NULL)
+        goto error;
+    if (PyModule_AddObjectRef(module, "GraphReplay", (PyObject *)st->GraphReplayType) < 0)
+        goto error;
     rc = 0;
-cleanup:
-    Py_XDECREF(type);
+error:
     return rc;
 }

@@ -1,0 +1,625 @@
+/*
+ * tree.c - the engine's tree of modules and the result of a tweak as Python
+ * types: Tree (tw_tree) and Result (tw_result).
+ */
+#include "tree.h"
+
+#include "call.h"
+
+#include <limits.h>
+#include <string.h>
+
+/* ================================================================= Tree */
+
+
+/* A non-negative int that fits uint64; -1 with ValueError naming `what`. */
+static int
+tt_uint64_arg(PyObject *value, const char *what, Py_ssize_t i, uint64_t *out)
+{
+    unsigned long long u;
+
+    if (PyBool_Check(value) || !PyLong_Check(value))
+        goto bad;
+    u = PyLong_AsUnsignedLongLong(value);
+    if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        goto bad;
+    }
+    *out = (uint64_t)u;
+    return 0;
+bad:
+    PyErr_Format(PyExc_ValueError, "modules[%zd]: %s must be an int >= 0, not %R", i, what,
+                 value);
+    return -1;
+}
+
+static PyObject *
+tt_tree_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"modules", NULL};
+    PyObject *modules_arg;       /* borrowed */
+    PyObject *modules = NULL;    /* new reference: a tuple */
+    TtTree *self = NULL;
+    TtState *st = (TtState *)PyType_GetModuleState(type);
+    Py_ssize_t i, n;
+    tw_error err;
+    tw_code code;
+
+    memset(&err, 0, sizeof(err));
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O:Tree", kwlist, &modules_arg))
+        goto error;
+    modules = tt_sequence_tuple(modules_arg, "modules must be a sequence of (path, calls, time_ns)");
+    if (modules == NULL)
+        goto error;
+    if ((self = (TtTree *)type->tp_alloc(type, 0)) == NULL)
+        goto error;
+    if ((self->tree = tw_tree_create(NULL, &err)) == NULL) {
+        tt_raise_code(st, TW_ENOMEM, err.msg, NULL);
+        goto error;
+    }
+    n = PySequence_Fast_GET_SIZE(modules);
+    for (i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(modules, i); /* borrowed */
+        const char *path;
+        Py_ssize_t path_len;
+        uint64_t calls, time_ns;
+
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3 ||
+            !PyUnicode_Check(PyTuple_GET_ITEM(item, 0))) {
+            PyErr_Format(PyExc_TypeError,
+                         "modules[%zd] must be a (path: str, calls: int, time_ns: int) tuple", i);
+            goto error;
+        }
+        if ((path = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(item, 0), &path_len)) == NULL)
+            goto error;
+        if ((Py_ssize_t)strlen(path) != path_len) {
+            PyErr_Format(PyExc_ValueError, "modules[%zd]: the path contains a NUL character", i);
+            goto error;
+        }
+        if (tt_uint64_arg(PyTuple_GET_ITEM(item, 1), "calls", i, &calls) < 0 ||
+            tt_uint64_arg(PyTuple_GET_ITEM(item, 2), "time_ns", i, &time_ns) < 0)
+            goto error;
+        code = tw_tree_add(self->tree, path, calls, time_ns, NULL, &err);
+        if (code != TW_OK) {
+            char msg[TW_MSG_SIZE + 32];
+            snprintf(msg, sizeof(msg), "modules[%zd]: %s", i, err.msg);
+            tt_raise_code(st, code, msg, NULL);
+            goto error;
+        }
+    }
+    code = tw_tree_finish(self->tree, &err);
+    if (code != TW_OK) {
+        tt_raise_code(st, code, err.msg, NULL);
+        goto error;
+    }
+    Py_DECREF(modules);
+    return (PyObject *)self;
+error:
+    Py_XDECREF(modules);
+    Py_XDECREF(self);
+    return NULL;
+}
+
+static void
+tt_tree_dealloc(TtTree *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+
+    tw_tree_destroy(self->tree);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static Py_ssize_t
+tt_tree_len(TtTree *self)
+{
+    return (Py_ssize_t)tw_tree_size(self->tree);
+}
+
+/* A node index below n_nodes from an int; -1 with IndexError/TypeError. Tree
+ * and Result index the same nodes, so they reject the same numbers alike. */
+static int
+tt_node_index(PyObject *arg, size_t n_nodes, size_t *out)
+{
+    Py_ssize_t i = PyNumber_AsSsize_t(arg, PyExc_IndexError);
+
+    if (i == -1 && PyErr_Occurred())
+        return -1;
+    if (i < 0 || (size_t)i >= n_nodes) {
+        PyErr_Format(PyExc_IndexError, "node index %zd out of range for a tree of %zu nodes", i,
+                     n_nodes);
+        return -1;
+    }
+    *out = (size_t)i;
+    return 0;
+}
+
+/* What the per-node methods of Tree read; one reader so that each checks its
+ * index the same way. */
+enum { TT_NODE_PATH, TT_NODE_DEPTH, TT_NODE_PARENT, TT_NODE_CHILD_COUNT, TT_NODE_CALLS,
+       TT_NODE_TIME_NS };
+
+/* Field `what` of node `arg`. New reference; NULL with an exception. */
+static PyObject *
+tt_tree_node_field(TtTree *self, PyObject *arg, int what)
+{
+    PyObject *result = NULL;
+    size_t i;
+
+    if (tt_node_index(arg, tw_tree_size(self->tree), &i) < 0)
+        goto cleanup;
+    switch (what) {
+    case TT_NODE_PATH:
+        result = PyUnicode_FromString(tw_tree_path(self->tree, i));
+        break;
+    case TT_NODE_DEPTH:
+        result = PyLong_FromLong(tw_tree_depth(self->tree, i));
+        break;
+    case TT_NODE_PARENT:
+        result = PyLong_FromLong(tw_tree_parent(self->tree, i));
+        break;
+    case TT_NODE_CHILD_COUNT:
+        result = PyLong_FromSize_t(tw_tree_child_count(self->tree, i));
+        break;
+    case TT_NODE_CALLS:
+        result = PyLong_FromUnsignedLongLong(tw_tree_calls(self->tree, i));
+        break;
+    default: /* TT_NODE_TIME_NS */
+        result = PyLong_FromUnsignedLongLong(tw_tree_time_ns(self->tree, i));
+        break;
+    }
+cleanup:
+    return result;
+}
+
+static PyObject *
+tt_tree_path(TtTree *self, PyObject *arg)
+{
+    return tt_tree_node_field(self, arg, TT_NODE_PATH);
+}
+
+static PyObject *
+tt_tree_depth(TtTree *self, PyObject *arg)
+{
+    return tt_tree_node_field(self, arg, TT_NODE_DEPTH);
+}
+
+static PyObject *
+tt_tree_parent(TtTree *self, PyObject *arg)
+{
+    return tt_tree_node_field(self, arg, TT_NODE_PARENT);
+}
+
+static PyObject *
+tt_tree_child_count(TtTree *self, PyObject *arg)
+{
+    return tt_tree_node_field(self, arg, TT_NODE_CHILD_COUNT);
+}
+
+static PyObject *
+tt_tree_calls(TtTree *self, PyObject *arg)
+{
+    return tt_tree_node_field(self, arg, TT_NODE_CALLS);
+}
+
+static PyObject *
+tt_tree_time_ns(TtTree *self, PyObject *arg)
+{
+    return tt_tree_node_field(self, arg, TT_NODE_TIME_NS);
+}
+
+static PyObject *
+tt_tree_find(TtTree *self, PyObject *arg)
+{
+    const char *path;
+    Py_ssize_t len;
+
+    if (!PyUnicode_Check(arg)) {
+        PyErr_Format(PyExc_TypeError, "find: the path must be a str, not %.100s",
+                     Py_TYPE(arg)->tp_name);
+        return NULL;
+    }
+    if ((path = PyUnicode_AsUTF8AndSize(arg, &len)) == NULL)
+        return NULL;
+    if ((Py_ssize_t)strlen(path) != len)
+        return PyLong_FromLong(-1); /* no path holds a NUL */
+    return PyLong_FromLong(tw_tree_find(self->tree, path));
+}
+
+static PyObject *
+tt_tree_cut(TtTree *self, PyObject *arg)
+{
+    TtState *st = (TtState *)PyType_GetModuleState(Py_TYPE(self));
+    size_t cap = tw_tree_size(self->tree) + 1, count = 0, i;
+    size_t *out = NULL;
+    PyObject *list = NULL;
+    PyObject *result = NULL;
+    long depth;
+    tw_error err;
+    tw_code code;
+
+    memset(&err, 0, sizeof(err));
+    depth = PyLong_AsLong(arg);
+    if (depth == -1 && PyErr_Occurred())
+        goto cleanup;
+    if (depth < INT_MIN || depth > INT_MAX) {
+        PyErr_Format(PyExc_ValueError, "cut: depth %ld is out of range", depth);
+        goto cleanup;
+    }
+    /* a cut holds at most every node, so one call is enough */
+    if ((out = PyMem_Calloc(cap, sizeof(size_t))) == NULL) {
+        PyErr_NoMemory();
+        goto cleanup;
+    }
+    code = tw_tree_cut(self->tree, (int)depth, out, cap, &count, &err);
+    if (code != TW_OK) {
+        tt_raise_code(st, code, err.msg, NULL);
+        goto cleanup;
+    }
+    if (count > cap) {
+        PyErr_SetString(st->EngineError, "cut: the engine returned more nodes than the tree has");
+        goto cleanup;
+    }
+    if ((list = PyList_New((Py_ssize_t)count)) == NULL)
+        goto cleanup;
+    for (i = 0; i < count; i++) {
+        PyObject *v = PyLong_FromSize_t(out[i]);
+        if (v == NULL)
+            goto cleanup;
+        PyList_SET_ITEM(list, (Py_ssize_t)i, v);
+    }
+    result = list;
+    list = NULL;
+cleanup:
+    PyMem_Free(out);
+    Py_XDECREF(list);
+    return result;
+}
+
+static PyObject *
+tt_tree_distinct_depths(TtTree *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"min_depth", "max_depth", NULL};
+    TtState *st = (TtState *)PyType_GetModuleState(Py_TYPE(self));
+    int min_depth = 0, max_depth = -1;
+    size_t cap, count = 0, i;
+    int *out = NULL;
+    PyObject *list = NULL;
+    PyObject *result = NULL;
+    tw_error err;
+    tw_code code;
+
+    memset(&err, 0, sizeof(err));
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|ii:distinct_depths", kwlist, &min_depth,
+                                     &max_depth))
+        goto cleanup;
+    /* distinct cuts are at distinct depths, and depths go to max_depth */
+    cap = (size_t)(tw_tree_max_depth(self->tree) + 2);
+    if ((out = PyMem_Calloc(cap, sizeof(int))) == NULL) {
+        PyErr_NoMemory();
+        goto cleanup;
+    }
+    code = tw_tree_distinct_depths(self->tree, min_depth, max_depth, out, cap, &count, &err);
+    if (code != TW_OK) {
+        tt_raise_code(st, code, err.msg, NULL);
+        goto cleanup;
+    }
+    if (count > cap) {
+        PyErr_SetString(st->EngineError,
+                        "distinct_depths: the engine returned more depths than the tree has");
+        goto cleanup;
+    }
+    if ((list = PyList_New((Py_ssize_t)count)) == NULL)
+        goto cleanup;
+    for (i = 0; i < count; i++) {
+        PyObject *v = PyLong_FromLong(out[i]);
+        if (v == NULL)
+            goto cleanup;
+        PyList_SET_ITEM(list, (Py_ssize_t)i, v);
+    }
+    result = list;
+    list = NULL;
+cleanup:
+    PyMem_Free(out);
+    Py_XDECREF(list);
+    return result;
+}
+
+/* A str from a tw_*_format string, which it frees. New reference. */
+static PyObject *
+tt_take_formatted(TtState *st, char *text, const tw_error *err)
+{
+    PyObject *result = NULL;
+
+    if (text == NULL) {
+        tt_raise_code(st, err->code != TW_OK ? err->code : TW_ENOMEM, err->msg, NULL);
+        goto cleanup;
+    }
+    result = PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "replace");
+cleanup:
+    tw_free(text);
+    return result;
+}
+
+static PyObject *
+tt_tree_format(TtTree *self, PyObject *unused)
+{
+    TtState *st = (TtState *)PyType_GetModuleState(Py_TYPE(self));
+    tw_error err;
+
+    (void)unused;
+    memset(&err, 0, sizeof(err));
+    return tt_take_formatted(st, tw_tree_format(self->tree, &err), &err);
+}
+
+static PyObject *
+tt_tree_get_max_depth(TtTree *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromLong(tw_tree_max_depth(self->tree));
+}
+
+static PyMethodDef tt_tree_methods[] = {
+    {"path", (PyCFunction)tt_tree_path, METH_O, "path(i) -> str"},
+    {"depth", (PyCFunction)tt_tree_depth, METH_O, "depth(i) -> int"},
+    {"parent", (PyCFunction)tt_tree_parent, METH_O, "parent(i) -> int; -1 for the root"},
+    {"child_count", (PyCFunction)tt_tree_child_count, METH_O, "child_count(i) -> int"},
+    {"calls", (PyCFunction)tt_tree_calls, METH_O, "calls(i) -> int"},
+    {"time_ns", (PyCFunction)tt_tree_time_ns, METH_O, "time_ns(i) -> int"},
+    {"find", (PyCFunction)tt_tree_find, METH_O, "find(path) -> int; -1 when absent"},
+    {"cut", (PyCFunction)tt_tree_cut, METH_O, "cut(depth) -> [node index]"},
+    {"distinct_depths", (PyCFunction)(void (*)(void))tt_tree_distinct_depths,
+     METH_VARARGS | METH_KEYWORDS, "distinct_depths(min_depth=0, max_depth=-1) -> [depth]"},
+    {"format", (PyCFunction)tt_tree_format, METH_NOARGS, "format() -> str"},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef tt_tree_getset[] = {
+    {"max_depth", (getter)tt_tree_get_max_depth, NULL, "Deepest depth of any node.", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyType_Slot tt_tree_slots[] = {
+    {Py_tp_doc, "Tree(modules): the tree of called modules; modules is a sequence of\n"
+                "(path, calls, time_ns), the root being \"\"."},
+    {Py_tp_new, tt_tree_new},
+    {Py_tp_dealloc, tt_tree_dealloc},
+    {Py_tp_methods, tt_tree_methods},
+    {Py_tp_getset, tt_tree_getset},
+    {Py_sq_length, tt_tree_len},
+    {0, NULL}};
+
+static PyType_Spec tt_tree_spec = {
+    .name = "torch_tweak._C.Tree",
+    .basicsize = sizeof(TtTree),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = tt_tree_slots,
+};
+
+/* =============================================================== Result */
+
+typedef struct {
+    PyObject_HEAD
+    tw_result *result; /* owned */
+    size_t n_nodes;    /* of the tree it was computed on */
+} TtResult;
+
+static const char *
+tt_row_state_name(tw_row_state state)
+{
+    switch (state) {
+    case TW_ROW_MEASURED:
+        return "measured";
+    case TW_ROW_SKIPPED:
+        return "skipped";
+    case TW_ROW_BUDGET:
+        return "budget";
+    case TW_ROW_DRY:
+        return "dry";
+    }
+    return "unknown";
+}
+
+static void
+tt_result_dealloc(TtResult *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+
+    tw_result_destroy(self->result);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyObject *
+tt_result_get_rows(TtResult *self, void *closure)
+{
+    TtState *st = (TtState *)PyType_GetModuleState(Py_TYPE(self));
+    size_t n = tw_result_row_count(self->result), i;
+    PyObject *list = NULL;
+    PyObject *stats = NULL; /* new reference */
+    PyObject *result = NULL;
+    tw_error err;
+    tw_row row;
+    tw_code code;
+
+    (void)closure;
+    memset(&err, 0, sizeof(err));
+    if ((list = PyList_New((Py_ssize_t)n)) == NULL)
+        goto cleanup;
+    for (i = 0; i < n; i++) {
+        PyObject *d;
+
+        memset(&row, 0, sizeof(row));
+        if ((code = tw_result_row(self->result, i, &row, &err)) != TW_OK) {
+            tt_raise_code(st, code, err.msg, NULL);
+            goto cleanup;
+        }
+        if ((stats = tt_stats_or_none(&row.stats, row.state == TW_ROW_MEASURED)) == NULL)
+            goto cleanup;
+        d = Py_BuildValue("{s:i,s:n,s:n,s:s,s:s,s:O}", "depth", row.depth, "modules",
+                          (Py_ssize_t)row.modules, "failed", (Py_ssize_t)row.failed, "state",
+                          tt_row_state_name(row.state), "error",
+                          row.error != NULL ? row.error : "", "stats", stats);
+        Py_CLEAR(stats);
+        if (d == NULL)
+            goto cleanup;
+        PyList_SET_ITEM(list, (Py_ssize_t)i, d);
+    }
+    result = list;
+    list = NULL;
+cleanup:
+    Py_XDECREF(stats);
+    Py_XDECREF(list);
+    return result;
+}
+
+static PyObject *
+tt_result_get_selected(TtResult *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromLong(tw_result_selected(self->result));
+}
+
+static PyObject *
+tt_result_get_baseline(TtResult *self, void *closure)
+{
+    tw_stats stats;
+    int measured = 0;
+
+    (void)closure;
+    memset(&stats, 0, sizeof(stats));
+    tw_result_baseline(self->result, &stats, &measured);
+    return tt_stats_or_none(&stats, measured);
+}
+
+static PyObject *
+tt_result_get_confirmation(TtResult *self, void *closure)
+{
+    tw_confirmation c;
+    PyObject *tuned = NULL, *untuned = NULL; /* new references */
+    PyObject *result = NULL;
+
+    (void)closure;
+    tw_result_confirmation(self->result, &c);
+    if (!c.measured)
+        Py_RETURN_NONE;
+    if ((tuned = tt_stats_to_dict(&c.tuned)) == NULL ||
+        (untuned = tt_stats_to_dict(&c.untuned)) == NULL)
+        goto cleanup;
+    result = Py_BuildValue("{s:i,s:O,s:O,s:O,s:d,s:d,s:d}", "depth", c.depth, "confirmed",
+                           c.confirmed ? Py_True : Py_False, "tuned", tuned, "untuned", untuned,
+                           "speedup", c.speedup, "speedup_low", c.speedup_low, "speedup_high",
+                           c.speedup_high);
+cleanup:
+    Py_XDECREF(tuned);
+    Py_XDECREF(untuned);
+    return result;
+}
+
+static PyObject *
+tt_result_get_noisy(TtResult *self, void *closure)
+{
+    (void)closure;
+    return PyBool_FromLong(tw_result_noisy(self->result));
+}
+
+static PyObject *
+tt_result_module(TtResult *self, PyObject *arg)
+{
+    const char *error = NULL;
+    size_t node;
+    int state;
+
+    if (tt_node_index(arg, self->n_nodes, &node) < 0)
+        return NULL;
+    state = tw_result_module(self->result, node, &error);
+    return Py_BuildValue("(is)", state, error != NULL ? error : "");
+}
+
+static PyObject *
+tt_result_format(TtResult *self, PyObject *unused)
+{
+    TtState *st = (TtState *)PyType_GetModuleState(Py_TYPE(self));
+    tw_error err;
+
+    (void)unused;
+    memset(&err, 0, sizeof(err));
+    return tt_take_formatted(st, tw_result_format(self->result, &err), &err);
+}
+
+static PyObject *
+tt_result_str(TtResult *self)
+{
+    return tt_result_format(self, NULL);
+}
+
+static PyMethodDef tt_result_methods[] = {
+    {"module", (PyCFunction)tt_result_module, METH_O,
+     "module(node) -> (1 tuned, -1 failed, 0 never tuned; error)"},
+    {"format", (PyCFunction)tt_result_format, METH_NOARGS, "format() -> the result table"},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef tt_result_getset[] = {
+    {"rows", (getter)tt_result_get_rows, NULL, "One dict per depth.", NULL},
+    {"selected", (getter)tt_result_get_selected, NULL,
+     "Index into rows, or -1 when the model stays untuned.", NULL},
+    {"confirmation", (getter)tt_result_get_confirmation, NULL,
+     "The kept depth measured side by side with the untuned model: a dict (depth, confirmed, "
+     "tuned, untuned, speedup, speedup_low, speedup_high), or None when none was measured.",
+     NULL},
+    {"noisy", (getter)tt_result_get_noisy, NULL,
+     "True when no speedup was confirmed and a measurement spread more than the engine's noisy "
+     "limit (a busy machine may have hidden one).", NULL},
+    {"baseline", (getter)tt_result_get_baseline, NULL,
+     "The untuned model's statistics; None on a dry run.", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyType_Slot tt_result_slots[] = {
+    {Py_tp_doc, "The result of tweak(); str() is the engine's table."},
+    {Py_tp_dealloc, tt_result_dealloc},
+    {Py_tp_methods, tt_result_methods},
+    {Py_tp_getset, tt_result_getset},
+    {Py_tp_str, tt_result_str},
+    {0, NULL}};
+
+static PyType_Spec tt_result_spec = {
+    .name = "torch_tweak._C.Result",
+    .basicsize = sizeof(TtResult),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = tt_result_slots,
+};
+
+/* ================================================================ module */
+
+PyObject *
+tt_result_new(TtState *st, tw_result *result, size_t n_nodes)
+{
+    TtResult *self = (TtResult *)st->ResultType->tp_alloc(st->ResultType, 0);
+
+    if (self == NULL) {
+        tw_result_destroy(result);
+        return NULL;
+    }
+    self->result = result;
+    self->n_nodes = n_nodes;
+    return (PyObject *)self;
+}
+
+int
+tt_tree_exec(PyObject *module, TtState *st)
+{
+    int rc = -1;
+
+    st->TreeType = (PyTypeObject *)PyType_FromModuleAndSpec(module, &tt_tree_spec, NULL);
+    if (st->TreeType == NULL)
+        goto error;
+    if (PyModule_AddObjectRef(module, "Tree", (PyObject *)st->TreeType) < 0)
+        goto error;
+    st->ResultType = (PyTypeObject *)PyType_FromModuleAndSpec(module, &tt_result_spec, NULL);
+    if (st->ResultType == NULL)
+        goto error;
+    if (PyModule_AddObjectRef(module, "Result", (PyObject *)st->ResultType) < 0)
+        goto error;
+    rc = 0;
+error:
+    return rc;
+}
+
