@@ -99,7 +99,10 @@ def test_encoder_tweak_with_inductor(encoder_tweak):
             assert c["latency_ms"] is not None or c["error"], (module.path, c)
     table = str(result.modules)
     assert table.splitlines()[0].split() == ["module", "signature", "backend", "latency", "ms", "result"]
-    assert len(table.splitlines()) == 1 + 3 * len(result.modules) and "(float32[8, 64, 256])" in table
+    headers = [line for line in table.splitlines() if line.startswith("depth ")]
+    assert headers == [f"depth 0 ({'kept' if result.selected_depth == 0 else 'not kept'})",
+                       f"depth 1 ({'kept' if result.selected_depth == 1 else 'not kept'})"]
+    assert len(table.splitlines()) == 1 + 2 + 3 * len(result.modules) and "(float32[8, 64, 256])" in table
     with torch.no_grad():
         for x, want in zip(data, expected):
             got = model(x)

@@ -57,9 +57,9 @@ def _recorder(wrapper: TunedModule) -> Callable[..., Any]:
         # the call is copied before it runs: a key/value cache passed in grows during it
         before = fresh((args, kwargs)) if unstorable((args, kwargs)) is not None else None
         out = original(*args, **kwargs)
+        group = group_for(groups, args, kwargs, params)  # the caller's own objects: what later calls match
         if before is not None:
             args, kwargs = before
-        group = group_for(groups, args, kwargs, params)
         if group.signature is not None:  # stored as the backend will be called: the recorded layout
             args, kwargs = group.signature.bind(args, kwargs)
         if len(group.samples) < MAX_CALLS_PER_SIGNATURE:
