@@ -68,28 +68,24 @@ def move(value: Any, device: torch.device) -> Any:
 def clone(value: Any) -> Any:
     """A copy of `value` whose tensors a later in-place operation cannot change; a key/value
     cache is copied whole (the model appends to it in place)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(clone(v) for v in value)
-    if isinstance(value, list):
-        return [clone(v) for v in value]
-    if type(value) is dict:
-        return {k: clone(v) for k, v in value.items()}
-    if kv_cache_class(value) is not None:
-        return copy.deepcopy(value)
-    return value
+    return _copied(value, tensors=True)
 
 
 def fresh(value: Any) -> Any:
     """`value` with every key/value cache in it copied, the rest shared: a recorded call to
     replay, which leaves the recording as it was (a cache passed in grows at every call)."""
+    return _copied(value, tensors=False)
+
+
+def _copied(value: Any, tensors: bool) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone() if tensors else value
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(fresh(v) for v in value)
+        return tuple(_copied(v, tensors) for v in value)
     if isinstance(value, list):
-        return [fresh(v) for v in value]
+        return [_copied(v, tensors) for v in value]
     if type(value) is dict:
-        return {k: fresh(v) for k, v in value.items()}
+        return {k: _copied(v, tensors) for k, v in value.items()}
     if kv_cache_class(value) is not None:
         return copy.deepcopy(value)
     return value
