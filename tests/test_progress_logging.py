@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import io
 import logging
-import time
 
-import pytest
 import torch
 from torch import nn
 

@@ -102,19 +102,25 @@ def pair_model(request):
     return backend_class, model, reference
 
 
+def started(pair_model, seed: int):
+    """(backend class, tuned model, untuned copy, its wrapper with fresh counts, a seeded
+    generator, the backend's device)."""
+    backend_class, model, reference = pair_model
+    wrapper = tt.installed(model)[""]
+    wrapper.tt_reset_untuned()
+    return backend_class, model, reference, wrapper, torch.Generator().manual_seed(seed), device_of(backend_class)
+
+
 def layouts(a, b):
     """Every way to pass a and b: (args, kwargs)."""
     return [((), {"a": a, "b": b}), ((), {"b": b, "a": a}), ((a, b), {}), ((a,), {"b": b})]
 
 
 def test_every_layout_gives_the_same_answer_and_is_tuned(pair_model):
-    backend_class, model, reference = pair_model
-    wrapper = tt.installed(model)[""]
-    wrapper.tt_reset_untuned()
-    g = torch.Generator().manual_seed(1)
+    backend_class, model, reference, wrapper, g, device = started(pair_model, 1)
     with torch.no_grad():
         for _ in range(20):
-            a, b = on(device_of(backend_class), torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g))
+            a, b = on(device, torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g))
             for args, kwargs in layouts(a, b):
                 close(model(*args, **kwargs), reference(*args, **kwargs), backend_class)
     # all 80 calls went to the backend: f(a, b), f(a, b=b) and f(b=b, a=a) are one signature
@@ -122,11 +128,7 @@ def test_every_layout_gives_the_same_answer_and_is_tuned(pair_model):
 
 
 def test_calls_the_backend_cannot_take_run_the_original_and_are_counted(pair_model):
-    backend_class, model, reference = pair_model
-    wrapper = tt.installed(model)[""]
-    wrapper.tt_reset_untuned()
-    g = torch.Generator().manual_seed(2)
-    device = device_of(backend_class)
+    backend_class, model, reference, wrapper, g, device = started(pair_model, 2)
     a, b, wide, a6, b6 = on(device, torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g),
                             torch.randn(8, 16, generator=g), torch.randn(6, 8, generator=g),
                             torch.randn(6, 8, generator=g))
@@ -148,11 +150,7 @@ def test_calls_the_backend_cannot_take_run_the_original_and_are_counted(pair_mod
 
 
 def test_grad_mode_keeps_autograd_outputs_and_gradients(pair_model):
-    backend_class, model, reference = pair_model
-    wrapper = tt.installed(model)[""]
-    wrapper.tt_reset_untuned()
-    g = torch.Generator().manual_seed(3)
-    device = device_of(backend_class)
+    backend_class, model, reference, wrapper, g, device = started(pair_model, 3)
     for args, kwargs in layouts(*on(device, torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g))):
         got, want = model(*args, **kwargs), reference(*args, **kwargs)  # grad mode on, weights need grad
         close(got, want, backend_class)
@@ -171,11 +169,7 @@ def test_grad_mode_keeps_autograd_outputs_and_gradients(pair_model):
 
 
 def test_eight_threads_get_their_own_answers(pair_model):
-    backend_class, model, reference = pair_model
-    wrapper = tt.installed(model)[""]
-    wrapper.tt_reset_untuned()
-    g = torch.Generator().manual_seed(4)
-    device = device_of(backend_class)
+    backend_class, model, reference, wrapper, g, device = started(pair_model, 4)
     inputs = [[on(device, torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)) for _ in range(10)]
               for _ in range(THREADS)]
     with torch.no_grad():
