@@ -163,6 +163,36 @@ cleanup:
 }
 
 PyObject *
+tt_py_default_tweak_config(PyObject *module, PyObject *unused)
+{
+    tw_tweak_config cfg;
+    PyObject *kinds = NULL; /* new reference */
+    PyObject *result = NULL;
+    const char *name;
+    int k;
+
+    (void)module;
+    (void)unused;
+    tw_tweak_config_default(&cfg);
+    for (k = 0; tw_strategy_name((tw_strategy_kind)k) != NULL; k++) {
+    }
+    if ((kinds = PyTuple_New(k)) == NULL)
+        goto cleanup;
+    for (k = 0; (name = tw_strategy_name((tw_strategy_kind)k)) != NULL; k++) {
+        PyObject *item = PyUnicode_FromString(name); /* new reference, stolen by the tuple */
+
+        if (item == NULL)
+            goto cleanup;
+        PyTuple_SET_ITEM(kinds, k, item);
+    }
+    result = Py_BuildValue("{s:i,s:i,s:d,s:O}", "min_depth", cfg.min_depth, "max_depth", cfg.max_depth,
+                           "tie_tolerance", cfg.tie_tolerance, "strategies", kinds);
+cleanup:
+    Py_XDECREF(kinds);
+    return result;
+}
+
+PyObject *
 tt_py_default_measure_config(PyObject *module, PyObject *unused)
 {
     tw_measure_config cfg;

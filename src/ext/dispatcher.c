@@ -808,7 +808,10 @@ tt_dispatcher_exec(PyObject *module, TtState *st)
         goto error;
     if (PyModule_AddIntConstant(module, "ENTRY_SERIALIZE", TT_ENTRY_SERIALIZE) < 0 ||
         PyModule_AddIntConstant(module, "ENTRY_NO_AUTOGRAD", TT_ENTRY_NO_AUTOGRAD) < 0 ||
-        PyModule_AddIntConstant(module, "ENTRY_LAYOUT_ONLY", TT_ENTRY_LAYOUT_ONLY) < 0)
+        PyModule_AddIntConstant(module, "ENTRY_LAYOUT_ONLY", TT_ENTRY_LAYOUT_ONLY) < 0 ||
+        PyModule_AddIntConstant(module, "MODE_ORIGINAL", TT_MODE_ORIGINAL) < 0 ||
+        PyModule_AddIntConstant(module, "MODE_ACTIVE", TT_MODE_ACTIVE) < 0 ||
+        PyModule_AddIntConstant(module, "MODE_RECORD", TT_MODE_RECORD) < 0)
         goto error;
     rc = 0;
 error:

@@ -61,6 +61,8 @@ tt_module_free(void *module)
 static PyMethodDef tt_module_methods[] = {
     {"default_measure_config", (PyCFunction)tt_py_default_measure_config, METH_NOARGS,
      "The engine's default measurement config as a dict."},
+    {"default_tweak_config", (PyCFunction)tt_py_default_tweak_config, METH_NOARGS,
+     "The engine's tweak defaults (min_depth, max_depth, tie_tolerance) and its strategy kinds."},
     {"measure", (PyCFunction)(void (*)(void))tt_py_measure, METH_VARARGS | METH_KEYWORDS,
      "measure(run, n_samples, *, sync=None, config=None, clock=None) -> stats"},
     {"compare", (PyCFunction)(void (*)(void))tt_py_compare, METH_VARARGS | METH_KEYWORDS,

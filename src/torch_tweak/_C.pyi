@@ -103,6 +103,14 @@ class Result:
         """(1 tuned, -1 failed, 0 never tuned; error)."""
     def format(self) -> str: ...
 
+MODE_ORIGINAL: int
+MODE_ACTIVE: int
+MODE_RECORD: int
+
+def default_tweak_config() -> dict[str, Any]:
+    """The engine's tweak defaults: {"min_depth", "max_depth", "tie_tolerance",
+    "strategies": the strategy kind names, in the engine's order}."""
+
 def tweak(tree: Tree, *,
           enter: Callable[[list[int], list[bool]], object],
           tune: Callable[[int], object],

@@ -20,9 +20,9 @@ from torch import nn
 
 from . import _C
 
-MODE_ORIGINAL = 0
-MODE_ACTIVE = 1
-MODE_RECORD = 2
+MODE_ORIGINAL = _C.MODE_ORIGINAL
+MODE_ACTIVE = _C.MODE_ACTIVE
+MODE_RECORD = _C.MODE_RECORD
 
 NO_MATCH = "no signature matched"
 GRAD_MODE = "grad mode"

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
+from . import _C
 from .backends import (Backend, DeviceGraphBackend, InductorGraphBackend, OpenVINOBackend, TorchEagerBackend,
                        TorchInductorBackend)
 
@@ -82,13 +83,13 @@ class Strategy:
 class FirstWinsStrategy(Strategy):
     """Keeps the first backend, in order, that builds and passes the correctness check."""
 
-    kind = "first-wins"
+    kind = _C.default_tweak_config()["strategies"][0]  # the engine's names
 
 
 class HighestThroughputStrategy(Strategy):
     """Builds and measures every backend (Torch Eager included) and keeps the fastest."""
 
-    kind = "highest-throughput"
+    kind = _C.default_tweak_config()["strategies"][1]
 
     def candidates(self, device: torch.device) -> list[Backend]:
         backends = super().candidates(device)
@@ -100,7 +101,7 @@ class HighestThroughputStrategy(Strategy):
 class OneBackendStrategy(Strategy):
     """Uses one backend; the module keeps its original forward when that backend fails."""
 
-    kind = "one-backend"
+    kind = _C.default_tweak_config()["strategies"][2]
 
     def __init__(self, backend: Backend) -> None:
         if isinstance(backend, (list, tuple)):

@@ -23,14 +23,16 @@ from .strategy import Strategy, default_backends, default_strategy
 from .serial import Unstorable
 from .tuning import check_measure, dataset_runner, model_class_name, record, release, tune_wrapper
 
-DEFAULT_MAX_DEPTH = 1
-"""The deepest cut tweak tries unless told: the model and its children. Depth 2 was the
+_DEFAULTS = _C.default_tweak_config()  # the engine owns every default of the depth search
+
+DEFAULT_MAX_DEPTH: int = _DEFAULTS["max_depth"]
+"""The deepest cut tweak tries unless told: 1, the model and its children. Depth 2 was the
 fastest on none of the benchmarked models (the GPU run that searched it,
 bench/results/runs/gpu-d149c65.json, and the CPU example) and took a third of the tuning
 time on ResNet-50 (bench/results/tuning_time.md); max_depth=2, or None for every depth,
 searches deeper."""
 
-DEFAULT_TIE_TOLERANCE = 0.02
+DEFAULT_TIE_TOLERANCE: float = _DEFAULTS["tie_tolerance"]
 """A depth within 2 % of the fastest counts as a tie; the shallowest tie wins."""
 
 SELECTED_DEPTHS: "weakref.WeakKeyDictionary[nn.Module, int | None]" = weakref.WeakKeyDictionary()
@@ -353,7 +355,7 @@ def tweak(model: nn.Module, dataset: Any, *, min_depth: int = 0, max_depth: int 
                     n_samples=len(calls), sync=synchronizer(device),
                     min_depth=min_depth, max_depth=-1 if max_depth is None else max_depth,
                     tie_tolerance=float(tie_tolerance),
-                    time_budget=None if time_budget is None else max(float(time_budget), 1e-9), dry_run=bool(dry_run),
+                    time_budget=None if time_budget is None else float(time_budget), dry_run=bool(dry_run),
                     config=measure,
                 )
         except BaseException:
