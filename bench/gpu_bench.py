@@ -230,14 +230,16 @@ def dispatcher_overhead(model: torch.nn.Module, data: list) -> list[dict]:
             continue
         args, kwargs = w.tt_samples[0]
         saved = w._tt_entries
-        w._tt_set_entries([(sig, noop) for sig, _ in saved])
+        flags = w._tt_entry_flags  # kept: what the real path does (layout only, locks, the grad rule)
+        w._tt_set_entries([(sig, noop, f) for (sig, _), f in zip(saved, flags)])
         try:
             env = {"w": w, "f": noop, "a": args, "k": kwargs}
             n = 20000
-            through = min(timeit.repeat("w(*a, **k)", globals=env, number=n, repeat=5)) / n * 1e9
-            direct = min(timeit.repeat("f(*a, **k)", globals=env, number=n, repeat=5)) / n * 1e9
+            with torch.no_grad():  # inference, as the latencies: the grad rule would send calls to the original
+                through = min(timeit.repeat("w(*a, **k)", globals=env, number=n, repeat=5)) / n * 1e9
+                direct = min(timeit.repeat("f(*a, **k)", globals=env, number=n, repeat=5)) / n * 1e9
         finally:
-            w._tt_set_entries(saved)
+            w._tt_set_entries([(sig, fn, f) for (sig, fn), f in zip(saved, flags)])
             release(w)
         rows.append({"module": path or "(root)", "backend": w.tt_backend.name,
                      "signatures": sum(sig is not None for sig, _ in saved),
@@ -534,7 +536,8 @@ def merge(paths: list[str], out_dir: str) -> None:
         md += ["## Columns that failed", ""] + [f"- {m} {d} {c}: {e}" for m, d, c, e in errors] + [""]
     md += ["## Dispatcher overhead per tuned module", "",
            "ns per call through the module's dispatcher minus ns per call of the same no-op backend "
-           "called directly, with the module's real arguments and the dispatcher's entries as tuning set "
+           "called directly, under torch.no_grad, with the module's real arguments and the dispatcher's "
+           "entries and their flags as tuning set "
            "them (their signature checks included); best of 5 timeit loops of 20000 calls.", "",
            "| model | dtype | modules | signature checks | median ns | max ns |", "|---|---|---:|---|---:|---:|"]
     for r in rows:

@@ -555,6 +555,8 @@ def test_entry_flags_are_checked():
     with pytest.raises(TypeError):
         d._tt_set_entries([(None, print, 1, 2)])
     assert {_C.ENTRY_SERIALIZE, _C.ENTRY_NO_AUTOGRAD, _C.ENTRY_LAYOUT_ONLY} == {1, 2, 4}
+    d._tt_set_entries([(None, print, _C.ENTRY_SERIALIZE | _C.ENTRY_NO_AUTOGRAD), (None, len), (None, abs, 0)])
+    assert d._tt_entry_flags == [3, 0, 0] and [fn for _, fn in d._tt_entries] == [print, len, abs]
 
 
 def test_no_autograd_entry_runs_the_original_when_autograd_would_record():

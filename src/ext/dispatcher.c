@@ -702,6 +702,33 @@ error:
     return NULL;
 }
 
+/* The flags of every entry, in order (0 where none were given). New reference. */
+static PyObject *
+tt_dispatcher_get_entry_flags(TtDispatcher *self, void *closure)
+{
+    PyObject *entries = self->entries; /* borrowed */
+    PyObject *list = NULL;
+    Py_ssize_t i, n;
+
+    (void)closure;
+    n = entries != NULL ? PyTuple_GET_SIZE(entries) : 0;
+    if ((list = PyList_New(n)) == NULL)
+        goto error;
+    for (i = 0; i < n; i++) {
+        PyObject *entry = PyTuple_GET_ITEM(entries, i);
+        PyObject *flags = PyTuple_GET_ITEM(entry, 3); /* see TtDispatcher.entries */
+        PyObject *value = flags == Py_None ? PyLong_FromLong(0) : Py_NewRef(flags);
+
+        if (value == NULL)
+            goto error;
+        PyList_SET_ITEM(list, i, value);
+    }
+    return list;
+error:
+    Py_XDECREF(list);
+    return NULL;
+}
+
 static PyGetSetDef tt_dispatcher_getset[] = {
     {"_tt_mode", (getter)tt_dispatcher_get_mode, (setter)tt_dispatcher_set_mode,
      "0 original, 1 active (backends by signature), 2 record.", NULL},
@@ -710,6 +737,8 @@ static PyGetSetDef tt_dispatcher_getset[] = {
      TT_FIELD(TtDispatcher, original)},
     {"_tt_entries", (getter)tt_dispatcher_get_entries, NULL,
      "A list of (signature or None, backend), as set.", NULL},
+    {"_tt_entry_flags", (getter)tt_dispatcher_get_entry_flags, NULL,
+     "A list of each entry's ENTRY_* flags (0 for none), as set.", NULL},
     {"_tt_calls", tt_get_counter, NULL, "Calls of this dispatcher, in every mode.",
      TT_FIELD(TtDispatcher, calls)},
     {"_tt_fallbacks", tt_get_counter, NULL,
