@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 import zipfile
 
 import pytest
@@ -88,7 +89,8 @@ def test_caches_are_compared_by_their_tensors(tuned_gpt2):
 def test_save_and_load_keep_transformers_outputs(tuned_gpt2, tmp_path):
     model, expected = tuned_gpt2
     path = tmp_path / "gpt2.tt"
-    with warnings_as_errors():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         tt.save(model, path, strict=True)  # every call stored: nothing to warn about
     plan = json.loads(zipfile.ZipFile(path).read("plan.json"))
     (sig,) = plan["modules"][0]["signatures"]
@@ -111,17 +113,6 @@ print(type(out).__name__)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "{'': 'TorchEager'}" in done.stdout and type(expected[0]).__name__ in done.stdout
     assert torch.equal(torch.load(tmp_path / "logits.pt"), expected[0].logits)
-
-
-class warnings_as_errors:
-    def __enter__(self):
-        import warnings
-        self.catch = warnings.catch_warnings()
-        self.catch.__enter__()
-        warnings.simplefilter("error")
-
-    def __exit__(self, *exc):
-        self.catch.__exit__(*exc)
 
 
 def test_a_cache_passed_in_is_named_when_it_cannot_be_saved(tmp_path):
