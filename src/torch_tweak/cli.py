@@ -218,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tweak = sub.add_parser("tweak", help="tune a model built by a factory function, on random inputs",
                            description="Builds a model by calling FACTORY (no arguments), makes random inputs "
-                                       "of the given shapes, runs tt.tweak with a progress bar, prints the table "
+                                       "of the given shapes, runs tt.tweak with its progress line, prints the table "
                                        "and saves the tuned model.")
     tweak.add_argument("factory", metavar="MODULE:FACTORY",
                        help="a function that returns the model: package.module:build or path/file.py:build")
@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     tweak.add_argument("--out", metavar="FILE", help="save the tuned model here (e.g. model.tt)")
     tweak.add_argument("--plot", metavar="PNG", help="write a chart of latency per depth")
     tweak.add_argument("--modules", action="store_true", help="also print every module's candidates")
-    tweak.add_argument("--quiet", action="store_true", help="no progress bar")
+    tweak.add_argument("--quiet", action="store_true", help="no progress display")
     tweak.set_defaults(run=command_tweak)
 
     show = sub.add_parser("show", help="print what a saved file holds",
