@@ -222,3 +222,18 @@ def test_a_reference_held_from_before_the_tweak_runs_the_tuned_backend(mlp, mlp_
     with torch.no_grad():
         held_block(mlp_data[0])
     assert backend.calls == calls + len(mlp_data)  # deactivated: the original forward
+
+
+def test_a_tuned_model_refuses_to_be_copied_with_a_clear_error(mlp, mlp_data):
+    import copy
+    import io
+    tt.wrap(mlp, ["blocks.0", "head"], strategy=tt.OneBackendStrategy(CountingBackend()))
+    tt.tune(mlp, mlp_data, measure=FAST)
+    for attempt in (lambda: copy.deepcopy(mlp), lambda: torch.save(mlp, io.BytesIO())):
+        with pytest.raises(TypeError, match="tuned by torch-tweak.*tt.save\\(model, path\\).*tt.unwrap\\(model\\)"):
+            attempt()
+    tt.unwrap(mlp)
+    twin = copy.deepcopy(mlp)  # untuned again: copies as any module
+    with torch.no_grad():
+        assert torch.equal(twin(mlp_data[0]), mlp(mlp_data[0]))
+    torch.save(mlp, io.BytesIO())

@@ -143,11 +143,18 @@ def _call_root(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return self.__dict__["_tt_root"](*args, **kwargs)
 
 
+def _refuse_copy(self: nn.Module, *args: Any) -> Any:
+    raise TypeError(f"{type(self).__name__} is tuned by torch-tweak, and a tuned module cannot be copied or "
+                    "pickled (torch.save(model), copy.deepcopy): save the tuning with tt.save(model, path), "
+                    "or tt.unwrap(model) first and tune the copy")
+
+
 def _root_class(cls: type) -> type:
     """The subclass a tuned module gets: the same module, its call sent to the wrapper."""
     sub = _ROOT_CLASSES.get(cls)
     if sub is None:
         sub = type(cls.__name__, (cls,), {"__call__": _call_root, "_tt_root_class": cls,
+                                          "__reduce_ex__": _refuse_copy, "__deepcopy__": _refuse_copy,
                                           "__module__": cls.__module__, "__qualname__": cls.__qualname__})
         _ROOT_CLASSES[cls] = sub
     return sub
