@@ -677,24 +677,39 @@ tt_dispatcher_set_mode(TtDispatcher *self, PyObject *value, void *closure)
     return 0;
 }
 
-/* The entries as given: a list of (signature or None, backend). New reference. */
+/* One entry's (signature or None, backend). New reference. */
 static PyObject *
-tt_dispatcher_get_entries(TtDispatcher *self, void *closure)
+tt_entry_pair(PyObject *entry)
+{
+    return PyTuple_Pack(2, PyTuple_GET_ITEM(entry, 0), PyTuple_GET_ITEM(entry, 1));
+}
+
+/* One entry's flags as an int, 0 where none were given (see TtDispatcher.entries). New reference. */
+static PyObject *
+tt_entry_flags(PyObject *entry)
+{
+    PyObject *flags = PyTuple_GET_ITEM(entry, 3); /* borrowed */
+
+    return flags == Py_None ? PyLong_FromLong(0) : Py_NewRef(flags);
+}
+
+/* A list of pick(entry) for every entry, in order. New reference. */
+static PyObject *
+tt_dispatcher_entries_list(TtDispatcher *self, PyObject *(*pick)(PyObject *entry))
 {
     PyObject *entries = self->entries; /* borrowed */
     PyObject *list = NULL;
     Py_ssize_t i, n;
 
-    (void)closure;
     n = entries != NULL ? PyTuple_GET_SIZE(entries) : 0;
     if ((list = PyList_New(n)) == NULL)
         goto error;
     for (i = 0; i < n; i++) {
-        PyObject *entry = PyTuple_GET_ITEM(entries, i);
-        PyObject *pair = PyTuple_Pack(2, PyTuple_GET_ITEM(entry, 0), PyTuple_GET_ITEM(entry, 1));
-        if (pair == NULL)
+        PyObject *item = pick(PyTuple_GET_ITEM(entries, i)); /* new reference, stolen by the list */
+
+        if (item == NULL)
             goto error;
-        PyList_SET_ITEM(list, i, pair);
+        PyList_SET_ITEM(list, i, item);
     }
     return list;
 error:
@@ -702,31 +717,18 @@ error:
     return NULL;
 }
 
-/* The flags of every entry, in order (0 where none were given). New reference. */
+static PyObject *
+tt_dispatcher_get_entries(TtDispatcher *self, void *closure)
+{
+    (void)closure;
+    return tt_dispatcher_entries_list(self, tt_entry_pair);
+}
+
 static PyObject *
 tt_dispatcher_get_entry_flags(TtDispatcher *self, void *closure)
 {
-    PyObject *entries = self->entries; /* borrowed */
-    PyObject *list = NULL;
-    Py_ssize_t i, n;
-
     (void)closure;
-    n = entries != NULL ? PyTuple_GET_SIZE(entries) : 0;
-    if ((list = PyList_New(n)) == NULL)
-        goto error;
-    for (i = 0; i < n; i++) {
-        PyObject *entry = PyTuple_GET_ITEM(entries, i);
-        PyObject *flags = PyTuple_GET_ITEM(entry, 3); /* see TtDispatcher.entries */
-        PyObject *value = flags == Py_None ? PyLong_FromLong(0) : Py_NewRef(flags);
-
-        if (value == NULL)
-            goto error;
-        PyList_SET_ITEM(list, i, value);
-    }
-    return list;
-error:
-    Py_XDECREF(list);
-    return NULL;
+    return tt_dispatcher_entries_list(self, tt_entry_flags);
 }
 
 static PyGetSetDef tt_dispatcher_getset[] = {
