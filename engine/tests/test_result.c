@@ -123,19 +123,28 @@ static tw_code multi_line_tune(void *ctx, size_t node, tw_error *err)
     return tw_error_set(err, TW_ECALLBACK, "first line\nsecond line");
 }
 
-static void test_multi_line_error(void)
+/* The tweak of the fake model whose every tune fails through `tune`; *text gets
+ * the table (tw_free it). The caller tears the model down with the result. */
+static tw_result *run_failing(fake_model *m, tw_code (*tune)(void *, size_t, tw_error *), char **text)
 {
-    fake_model m;
     tw_tweak_config cfg = fake_model_config();
     tw_tweak_ops ops;
     tw_result *result = NULL;
-    char *text;
 
-    fake_model_setup(&m);
-    ops = fake_model_ops(&m);
-    ops.tune = multi_line_tune;
-    CHECK_INT(tw_tweak_run(&m.host, m.tree, &cfg, &ops, &result, NULL), TW_OK);
-    text = tw_result_format(result, NULL);
+    fake_model_setup(m);
+    ops = fake_model_ops(m);
+    ops.tune = tune;
+    CHECK_INT(tw_tweak_run(&m->host, m->tree, &cfg, &ops, &result, NULL), TW_OK);
+    *text = tw_result_format(result, NULL);
+    return result;
+}
+
+static void test_multi_line_error(void)
+{
+    fake_model m;
+    char *text;
+    tw_result *result = run_failing(&m, multi_line_tune, &text);
+
     CHECK_LINE(text, "        0", "skipped: first line ...");
     CHECK_STR(fake_model_row(result, 0).error, "first line\nsecond line");
     tw_free(text);
@@ -155,17 +164,10 @@ static tw_code long_tune(void *ctx, size_t node, tw_error *err)
 static void test_long_error_is_cut_between_words(void)
 {
     fake_model m;
-    tw_tweak_config cfg = fake_model_config();
-    tw_tweak_ops ops;
-    tw_result *result = NULL;
     char *text;
     char line[512];
+    tw_result *result = run_failing(&m, long_tune, &text);
 
-    fake_model_setup(&m);
-    ops = fake_model_ops(&m);
-    ops.tune = long_tune;
-    CHECK_INT(tw_tweak_run(&m.host, m.tree, &cfg, &ops, &result, NULL), TW_OK);
-    text = tw_result_format(result, NULL);
     CHECK(find_line(text, "        0", line, sizeof line) != NULL);
     CHECK_HAS(line, "skipped: alpha beta");
     CHECK_HAS(line, "rho sigma ...");
