@@ -173,6 +173,15 @@ cleanup:
     return rc;
 }
 
+/* Whether `obj` is a value no keyer is asked about (None, a bool, int, float
+ * or str): the common plain arguments cost no call. */
+static int
+tt_spec_plain(PyObject *obj)
+{
+    return obj == Py_None || PyBool_Check(obj) || PyLong_CheckExact(obj) || PyFloat_CheckExact(obj) ||
+           PyUnicode_CheckExact(obj);
+}
+
 /* Fills `spec` for `obj`; depth 0 is an argument, depth 1 an item of a tuple
  * or list argument. dynamic: NULL or the axes to mark dynamic. */
 int
@@ -226,6 +235,21 @@ tt_spec_build(TtState *st, TtArgSpec *spec, PyObject *obj, int depth, PyObject *
                 PyErr_Format(PyExc_ValueError,
                              "dynamic axes given for %U, which is not a tensor", where);
             goto cleanup;
+        }
+        if (st->value_keyer != NULL && !tt_spec_plain(obj)) {
+            PyObject *key = PyObject_CallOneArg(st->value_keyer, obj); /* new reference */
+
+            if (key == NULL)
+                goto cleanup;
+            if (key != Py_None) {
+                spec->kind = TT_ARG_KEYED;
+                spec->value = key;
+                spec->device = st->value_keyer;
+                Py_INCREF(spec->device);
+                rc = 0;
+                goto cleanup;
+            }
+            Py_DECREF(key);
         }
         spec->kind = TT_ARG_VALUE;
         spec->value = obj;
@@ -322,6 +346,18 @@ tt_spec_match(TtState *st, const TtArgSpec *spec, PyObject *arg)
         }
         rc = 1;
         goto cleanup;
+    case TT_ARG_KEYED:
+        if (TT_UNLIKELY(spec->device == NULL || spec->value == NULL))
+            goto cleanup;
+        /* the keyer may run any Python: it reads the value's structure, never its identity */
+        if ((attr = PyObject_CallOneArg(spec->device, arg)) == NULL)
+            goto soft_error;
+        if (attr == Py_None)
+            goto cleanup;
+        rc = PyObject_RichCompareBool(attr, spec->value, Py_EQ);
+        if (rc < 0)
+            goto soft_error;
+        goto cleanup;
     default: /* TT_ARG_VALUE */
         if (arg == spec->value) {
             rc = 1;
@@ -375,6 +411,13 @@ tt_spec_overlap(const TtArgSpec *a, const TtArgSpec *b)
             if (!tt_spec_overlap(&a->items[i], &b->items[i]))
                 return 0;
         return 1;
+    case TT_ARG_KEYED:
+        rc = PyObject_RichCompareBool(a->value, b->value, Py_EQ);
+        if (rc < 0) {
+            PyErr_Clear();
+            return 1;
+        }
+        return rc;
     default:
         if (a->value == b->value)
             return 1;

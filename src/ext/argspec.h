@@ -9,13 +9,16 @@
 enum {
     TT_ARG_VALUE = 0,  /* compared with `is`, then same type and == */
     TT_ARG_TENSOR = 1, /* dtype by identity, shape per axis, device type and index */
-    TT_ARG_SEQ = 2     /* a tuple or list: same exact type, length, items */
+    TT_ARG_SEQ = 2,    /* a tuple or list: same exact type, length, items */
+    TT_ARG_KEYED = 3   /* a value the state's value_keyer gave a key for (a key/value
+                        * cache): another value fits when the keyer gives an equal key */
 };
 
 typedef struct TtArgSpec {
     int kind;
-    PyObject *value;         /* VALUE: the value; TENSOR: the dtype; SEQ: the exact type */
-    PyObject *device;        /* TENSOR: the torch.device */
+    PyObject *value;         /* VALUE: the value; TENSOR: the dtype; SEQ: the exact type;
+                              * KEYED: the key */
+    PyObject *device;        /* TENSOR: the torch.device; KEYED: the keyer */
     PyObject *device_flag;   /* TENSOR: "is_<device type>" when torch.Tensor has it, else
                               * NULL and the device is compared with == */
     TtGetter flag_get;       /* TENSOR: device_flag's getter on torch.Tensor */

@@ -72,6 +72,10 @@ static PyMethodDef tt_module_methods[] = {
      "-> (winner or -1, reports)"},
     {"tweak", (PyCFunction)(void (*)(void))tt_py_tweak, METH_VARARGS | METH_KEYWORDS,
      "tweak(tree, *, enter, tune, activate, leave, run, n_samples, ...) -> Result"},
+    {"set_value_keyer", (PyCFunction)tt_py_set_value_keyer, METH_O,
+     "set_value_keyer(fn or None)\n\n"
+     "fn(value) -> a key of the value's structure, or None. Signatures made afterwards\n"
+     "match a value fn keys (a key/value cache) by an equal key, not by identity."},
     {"enable_vectorcall", (PyCFunction)tt_py_enable_vectorcall, METH_O,
      "enable_vectorcall(cls) -> bool\n\n"
      "Sets the vectorcall flag on a Python subclass of Dispatcher whose __call__\n"

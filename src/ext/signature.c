@@ -425,6 +425,21 @@ static PyType_Spec tt_signature_spec = {
 
 /* ============================================================== module */
 
+PyObject *
+tt_py_set_value_keyer(PyObject *module, PyObject *keyer)
+{
+    TtState *st = (TtState *)PyModule_GetState(module);
+
+    if (st == NULL)
+        return NULL;
+    if (keyer != Py_None && !PyCallable_Check(keyer)) {
+        PyErr_SetString(PyExc_TypeError, "set_value_keyer takes a callable or None");
+        return NULL;
+    }
+    Py_XSETREF(st->value_keyer, keyer == Py_None ? NULL : Py_NewRef(keyer));
+    Py_RETURN_NONE;
+}
+
 int
 tt_signature_exec(PyObject *module, TtState *st)
 {

@@ -171,4 +171,9 @@ int tt_signature_overlap(const TtSignature *a, const TtSignature *b);
 /* Adds Signature to the module and fills st->SignatureType. -1 on error. */
 int tt_signature_exec(PyObject *module, TtState *st);
 
+/* set_value_keyer(fn or None): fn(value) -> a hashable key of the value's
+ * structure, or None for a value compared as itself. Signatures made after the
+ * call describe a value fn keys by its key (see TT_ARG_KEYED). */
+PyObject *tt_py_set_value_keyer(PyObject *module, PyObject *keyer);
+
 #endif /* TT_SIGNATURE_H */

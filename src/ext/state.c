@@ -58,6 +58,7 @@ tt_state_traverse(TtState *st, visitproc visit, void *arg)
     Py_VISIT(st->cuda_raw_stream);
     Py_VISIT(st->empty_like);
     Py_VISIT(st->storage_use_count);
+    Py_VISIT(st->value_keyer);
     return 0;
 }
 
@@ -75,6 +76,7 @@ tt_state_clear(TtState *st)
     Py_CLEAR(st->cuda_raw_stream);
     Py_CLEAR(st->empty_like);
     Py_CLEAR(st->storage_use_count);
+    Py_CLEAR(st->value_keyer);
     Py_CLEAR(st->str_dtype);
     Py_CLEAR(st->str_shape);
     Py_CLEAR(st->str_device);

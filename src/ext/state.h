@@ -27,6 +27,8 @@ typedef struct TtState {
     PyObject *cuda_raw_stream;    /* torch._C._cuda_getCurrentRawStream */
     PyObject *empty_like;         /* torch.empty_like */
     PyObject *storage_use_count;  /* torch._C._storage_Use_Count */
+    PyObject *value_keyer;        /* set_value_keyer's callable, or NULL: the structure key of a
+                                   * stateful plain value (a key/value cache), see argspec.h */
     PyObject *str_dtype;
     PyObject *str_shape;
     PyObject *str_device;

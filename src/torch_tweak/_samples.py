@@ -86,6 +86,11 @@ def _copied(value: Any, tensors: bool) -> Any:
         return [_copied(v, tensors) for v in value]
     if type(value) is dict:
         return {k: _copied(v, tensors) for k, v in value.items()}
+    if isinstance(value, dict) and hasattr(value, "to_tuple"):  # a transformers ModelOutput
+        copied = copy.copy(value)
+        for k, v in value.items():
+            copied[k] = _copied(v, tensors)
+        return copied
     if kv_cache_class(value) is not None:
         return copy.deepcopy(value)
     return value
@@ -163,6 +168,29 @@ def cache_layers(value: Any) -> tuple[str, list[tuple[torch.Tensor, ...]]] | Non
             layers.extend(tuple(t for t in pair if isinstance(t, torch.Tensor))
                           for pair in zip(getattr(part, "key_cache", []), getattr(part, "value_cache", [])))
     return name, layers
+
+
+def structure_key(value: Any) -> tuple | None:
+    """What a signature matches a key/value cache by: its class and, per layer, the shape,
+    dtype and device of each tensor (a layer not filled yet has none). None for any other
+    value, which a signature compares as itself."""
+    layers = cache_layers(value) if kv_cache_class(value) is not None else None
+    if layers is None:
+        return None
+    name, tensors = layers
+    return (name, tuple(tuple((tuple(t.shape), str(t.dtype), str(t.device)) for t in layer) for layer in tensors))
+
+
+def describe_cache(value: Any) -> str | None:
+    """A cache as a signature shows it: ``StaticCache(2 layers, bfloat16[1, 4, 160, 64])``."""
+    key = structure_key(value)
+    if key is None:
+        return None
+    name, layers = key
+    shapes = list(dict.fromkeys(f"{dtype.replace('torch.', '')}[{', '.join(map(str, shape))}]"
+                                for layer in layers for shape, dtype, _ in layer))
+    inner = f"{len(layers)} layers" + (", " + ", ".join(shapes[:2]) if shapes else ", empty")
+    return f"{name}({inner}{', ...' if len(shapes) > 2 else ''})"
 
 
 def unstorable(value: Any) -> str | None:

@@ -27,7 +27,9 @@ from typing import Any
 import torch
 
 from . import _C
-from ._samples import Call
+from ._samples import Call, describe_cache, structure_key
+
+_C.set_value_keyer(structure_key)  # a key/value cache fits a signature by its structure, not its identity
 
 MAX_SIGNATURES = 4
 MAX_CALLS_PER_SIGNATURE = 8
@@ -71,7 +73,7 @@ def describe_value(value: Any, depth: int = 0) -> str:
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
         text = repr(value)
         return text if len(text) <= 24 else text[:21] + "..."
-    return type(value).__name__
+    return describe_cache(value) or type(value).__name__
 
 
 def describe_call(args: tuple, kwargs: dict) -> str:
