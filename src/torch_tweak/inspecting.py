@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -63,11 +63,12 @@ class ModuleTree:
         return f"<ModuleTree of {type(self.model).__name__}: {len(self.tree)} called modules, depth {self.max_depth}>"
 
 
-def trace(model: nn.Module, calls: Sequence[Call]) -> "_C.Tree":
+def trace(model: nn.Module, calls: Sequence[Call] | None, runner: Callable[[], Any] | None = None) -> "_C.Tree":
     """Runs every call once with hooks on every module; the tree of those that ran.
 
     A sample the model rejects raises ValueError naming the sample; the hooks are
-    removed whatever happens, so the model is left as it was.
+    removed whatever happens, so the model is left as it was. runner: instead of `calls`,
+    a callable that runs the model (a workload, see torch_tweak.workload).
     """
     names: dict[int, str] = {}
     for path, module in model.named_modules():
@@ -94,7 +95,12 @@ def trace(model: nn.Module, calls: Sequence[Call]) -> "_C.Tree":
             handles.append(module.register_forward_pre_hook(pre))
             handles.append(module.register_forward_hook(post_of(path)))
         with torch.no_grad():
-            for i, (args, kwargs) in enumerate(calls):
+            if runner is not None:
+                try:
+                    runner()
+                except Exception as exc:
+                    raise ValueError(f"the workload failed ({type(exc).__name__}: {exc})") from exc
+            for i, (args, kwargs) in enumerate(calls or ()):
                 stack.clear()
                 try:
                     model(*args, **kwargs)
@@ -106,7 +112,7 @@ def trace(model: nn.Module, calls: Sequence[Call]) -> "_C.Tree":
     finally:
         for handle in handles:
             handle.remove()
-    counts.setdefault("", [len(calls), 0])
+    counts.setdefault("", [len(calls or ()), 0])
     order = [p for p in dict.fromkeys(names.values()) if p in counts]  # the model's own order
     return _C.Tree([(path, counts[path][0], counts[path][1]) for path in order])
 

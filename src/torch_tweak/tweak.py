@@ -18,10 +18,11 @@ from .inspecting import ModuleTree, trace
 from .module import (MODE_ACTIVE, MODE_ORIGINAL, TunedModule, arm_untuned, install, installed, make_wrapper,
                      uninstall, unwrap)
 from .progress import Progress
-from .report import ModuleResult, ModuleResults, SignatureResult
+from .report import ModuleResult, ModuleResults, SignatureResult, fold
 from .strategy import Strategy, default_backends, default_strategy
 from .serial import Unstorable
 from .tuning import check_measure, dataset_runner, model_class_name, record, release, tune_wrapper
+from .workload import TokenRow, Workload, choose_loop
 
 _DEFAULTS = _C.default_tweak_config()  # the engine owns every default of the depth search
 
@@ -70,9 +71,17 @@ class TweakResult:
     modules: a ModuleResult per tuned module, by path; ``print(result.modules)`` shows, per
     module and input signature, every candidate backend's latency or why it lost.
     cached: True when the result came from the tuning cache (no depth was measured again).
+    tokens: for a workload that calls generate(), a TokenRow (tokens per second, time to
+    first token) for the untuned model, each depth and the kept configuration; else None.
+    decode_loop: the decode loop kept behind generate() (torch_tweak.generation.LOOPS), or None;
+    loop_report: each decode-loop candidate's latency or why it lost.
     """
 
     cached = False
+    tokens: "list[TokenRow] | None" = None
+    tokens_per_run = 0
+    decode_loop: str | None = None
+    loop_report: "list[dict] | None" = None
 
     def __init__(self, engine: "_C.Result", tree: ModuleTree, modules: ModuleResults) -> None:
         self._engine = engine
@@ -103,8 +112,23 @@ class TweakResult:
 
     def __str__(self) -> str:
         if not self.cached:
-            return self._engine.format()
+            return self._engine.format() + self._tokens_table()
         return self._table + "\n(from the tuning cache: the figures are those of the tweak that measured them)"
+
+    def _tokens_table(self) -> str:
+        if not self.tokens:
+            return ""
+        width = max(len(r.label) for r in self.tokens)
+        lines = ["", f"generate(): {self.tokens_per_run} new tokens per run of the workload",
+                 f"  {'configuration':<{width}}  {'tokens/s':>10}  {'first token ms':>14}"]
+        for r in self.tokens:
+            rate = "-" if r.tokens_per_s is None else f"{r.tokens_per_s:,.1f}"
+            ttft = "-" if r.ttft_ms is None else f"{r.ttft_ms:.3f}"
+            lines.append(f"{'*' if r.kept else ' '} {r.label:<{width}}  {rate:>10}  {ttft:>14}")
+        for report in self.loop_report or ():
+            if report["state"] != "measured" and report["error"]:
+                lines.append(f"  {report['candidate']}: {fold(report['error'])}")
+        return "\n".join(lines)
 
     def to_record(self) -> dict:
         """The result as plain JSON (what the tuning cache keeps)."""
@@ -202,6 +226,7 @@ class _Session:
         self.measuring = False  # a depth's end-to-end measurement was announced
         self.applied = False    # the kept depth is entered again: what follows is the confirmation
         self.model_class = model_class_name(model)
+        self.on_measure = None  # called with the depth before its first measurement (a workload's TTFT)
 
     def enter(self, nodes: list[int], tune: list[bool]) -> None:
         depth = max(self.tree.tree.depth(n) for n in nodes) if nodes else 0
@@ -240,13 +265,16 @@ class _Session:
             self.progress.finish_module(wrapper.tt_name, f"chose {chosen}" if chosen else "keeps its forward")
 
     def activate(self) -> None:
-        if not self.applied and not self.measuring:
+        first = not self.applied and not self.measuring
+        if first:
             self.measuring = True
             self.progress.phase(f"depth {self.depth}: measuring the whole model")
         for node in self.entered:
             wrapper = self.wrappers[node]
             if wrapper.tt_backend is not None:
                 wrapper._tt_mode = MODE_ACTIVE
+        if first and self.on_measure is not None:
+            self.on_measure(self.depth)
 
     def deactivate(self) -> None:
         """The entered cut back to the original forward, still wrapped: the untuned side of
@@ -284,7 +312,7 @@ class _Session:
         return results
 
 
-def tweak(model: nn.Module, dataset: Any, *, min_depth: int = 0, max_depth: int | None = DEFAULT_MAX_DEPTH,
+def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_depth: int = 0, max_depth: int | None = DEFAULT_MAX_DEPTH,
           strategy: Strategy | None = None, tie_tolerance: float = DEFAULT_TIE_TOLERANCE,
           time_budget: float | None = None, dry_run: bool = False, device: Any = None,
           progress: bool = True, measure: dict | None = None, cache: bool = True) -> TweakResult:
@@ -293,7 +321,9 @@ def tweak(model: nn.Module, dataset: Any, *, min_depth: int = 0, max_depth: int 
     See the module docs and docs/tweak.md for the rules. ``measure`` overrides the
     engine's measurement settings (keys of torch_tweak._C.default_measure_config()).
     ``cache``: reuse and keep the result in the tuning cache (docs/cache.md); False neither
-    reads nor writes it.
+    reads nor writes it. ``workload``: instead of a dataset, a callable that runs the model,
+    e.g. ``lambda m: m.generate(ids, max_new_tokens=64)`` (docs/generate.md); what tweak
+    measures is then one run of it, and a workload is never cached.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
@@ -310,7 +340,18 @@ def tweak(model: nn.Module, dataset: Any, *, min_depth: int = 0, max_depth: int 
     if strategy is not None:
         strategy.check_device(device)  # so does a backend this device can never run
     check_measure(measure)
-    calls = load_dataset(dataset, device)
+    if workload is not None:
+        if dataset is not None:
+            raise TypeError("pass a dataset or a workload, not both: a workload is a callable that runs the model, "
+                            "e.g. workload=lambda m: m.generate(ids, max_new_tokens=64)")
+        job = Workload(model, workload, device)
+        calls = None
+    elif dataset is None:
+        raise TypeError("tt.tweak needs a dataset, e.g. tt.tweak(model, [x1, x2]), or a workload, "
+                        "e.g. tt.tweak(model, workload=lambda m: m.generate(ids, max_new_tokens=64))")
+    else:
+        job = None
+        calls = load_dataset(dataset, device)
     if model.training:
         warnings.warn("the model is in training mode: dropout and batch norm make outputs vary, and the "
                       "correctness check will reject backends; call model.eval() before tt.tweak",
@@ -319,11 +360,19 @@ def tweak(model: nn.Module, dataset: Any, *, min_depth: int = 0, max_depth: int 
     # mode that moves batch-norm statistics. They, and anything a build changed, are put back
     # when the tweak ends, however it ends.
     with model_state.kept(model):
-        tree = ModuleTree(model, trace(model, calls))
-        depths = tree.depths(min_depth, max_depth)
+        speaks_tokens = False
+        if job is not None:
+            job.record()
+            speaks_tokens = job.generates and not dry_run
         shown = Progress(progress)
+        if speaks_tokens:
+            # the decode loop first: the depths are then tuned and measured under it, and a
+            # loop's decode steps replay the untuned model, so module tuning serves the prefill
+            _choose_loop(job, device, measure, shown)
+        tree = ModuleTree(model, trace(model, calls, job.run if job is not None else None))
+        depths = tree.depths(min_depth, max_depth)
         key = parts = None
-        if cache and not dry_run:
+        if cache and not dry_run and job is None:
             settings = {"min_depth": min_depth, "max_depth": max_depth, "tie_tolerance": float(tie_tolerance),
                         "time_budget": time_budget, "measure": measure}
             try:
@@ -336,7 +385,7 @@ def tweak(model: nn.Module, dataset: Any, *, min_depth: int = 0, max_depth: int 
                 if result is not None:
                     arm_untuned(model)
                     return result
-        run_dataset = dataset_runner(model, calls)
+        run_dataset = dataset_runner(model, calls) if job is None else job.run
         session = _Session(model, tree, run_dataset, strategy, device, measure, shown, depths)
         modules = {n for d in depths for n in tree.tree.cut(d)}
         shown.plan(len(modules) + len(depths) + 2)  # each module tuned once, each measurement
@@ -347,19 +396,23 @@ def tweak(model: nn.Module, dataset: Any, *, min_depth: int = 0, max_depth: int 
             args, kwargs = calls[i]
             model(*args, **kwargs)
 
+        if speaks_tokens:
+            session.on_measure = job.check_depth
         try:
             with torch.no_grad():
                 engine = _C.tweak(
                     tree.tree, enter=session.enter, tune=session.tune, activate=session.activate,
-                    leave=session.leave, deactivate=session.deactivate, log=_engine_log, run=run,
-                    n_samples=len(calls), sync=synchronizer(device),
+                    leave=session.leave, deactivate=session.deactivate, log=_engine_log,
+                    run=run if job is None else lambda i: job.run(),
+                    n_samples=len(calls) if job is None else 1,
+                    sync=synchronizer(device),
                     min_depth=min_depth, max_depth=-1 if max_depth is None else max_depth,
                     tie_tolerance=float(tie_tolerance),
                     time_budget=None if time_budget is None else float(time_budget), dry_run=bool(dry_run),
                     config=measure,
                 )
         except BaseException:
-            unwrap(model)  # whatever happened, the model is as it was
+            unwrap(model)  # whatever happened, the model is as it was (the decode loop too)
             raise
         finally:
             shown.close()
@@ -372,6 +425,8 @@ def tweak(model: nn.Module, dataset: Any, *, min_depth: int = 0, max_depth: int 
                 release(wrapper, keep_chosen=False)  # only the kept cut's calls are worth saving
         if not dry_run:
             SELECTED_DEPTHS[model] = result.selected_depth
+        if speaks_tokens:
+            _speak_tokens(result, job)
         if key is not None:
             tuning_cache.write(key, tuning_cache.entry_of(parts, result.to_record(), result.modules, model))
         outcome = result.outcome()
@@ -379,6 +434,50 @@ def tweak(model: nn.Module, dataset: Any, *, min_depth: int = 0, max_depth: int 
         shown.finish(outcome)
         arm_untuned(model)
         return result
+
+
+def _choose_loop(job: Workload, device: torch.device, measure: dict | None, shown: Progress) -> None:
+    """A generate() workload: tweak's decode loops tried on the untuned model; the kept one
+    stays installed (tt.unwrap takes it out)."""
+    with torch.no_grad():
+        job.measure_ttft("untuned")
+    shown.phase("generate(): trying tweak's decode loops on the untuned model")
+    try:
+        job.loop, job.loop_report = choose_loop(job, device, measure)
+    finally:
+        shown.end_phase()
+    if job.loop is not None:
+        with torch.no_grad():
+            job.measure_ttft("loop")
+        logger.info("generate(): tweak's decode loop (%s) kept", job.loop)
+
+
+def _speak_tokens(result: TweakResult, job: Workload) -> None:
+    """The result's rows in tokens per second and time to first token."""
+    measured = {r["candidate"]: r["latency_ms"] for r in job.loop_report}
+    plain = measured.get("generate")
+    rows = [TokenRow("untuned", plain, job.tokens_per_s(plain), job.ttft.get("untuned"))]
+    loop = f"decode loop ({job.loop})" if job.loop is not None else None
+    if loop is not None:
+        rows.append(TokenRow(f"untuned + {loop}", measured[loop], job.tokens_per_s(measured[loop]),
+                             job.ttft.get("loop")))
+    on = f" + {loop}" if loop is not None else ""
+    for row in result.rows:
+        if row.latency_ms is not None:
+            rows.append(TokenRow(f"depth {row.depth}{on}", row.latency_ms, job.tokens_per_s(row.latency_ms),
+                                 job.ttft.get(row.depth)))
+    if result.selected_depth is None:
+        kept_label, latency = (f"untuned{on}", measured[loop] if loop is not None else plain)
+    else:
+        kept_label, latency = f"depth {result.selected_depth}{on}", result.tuned_ms
+    ttft = job.ttft.get("loop" if result.selected_depth is None and loop is not None
+                        else "untuned" if result.selected_depth is None else result.selected_depth)
+    rows.append(TokenRow(f"kept: {kept_label}", latency, job.tokens_per_s(latency), ttft, True))
+    result.tokens = rows
+    result.tokens_per_run = job.tokens
+    result.decode_loop = job.loop
+    result.loop_report = job.loop_report
+    logger.info("generate(): kept %s", kept_label)
 
 
 def _from_cache(model: nn.Module, tree: ModuleTree, calls: list, device: torch.device, strategy: Strategy | None,

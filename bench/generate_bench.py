@@ -1,0 +1,227 @@
+"""generate() on one GPU: tokens per second and time to first token, tweak against the
+ways a user runs a decoder today, with greedy decoding, batch 1, from one run.
+
+Columns (each on its own copy of the same random-weight model):
+    eager         model.generate(ids, max_new_tokens=N), transformers' default DynamicCache
+    static        transformers' static-cache path: cache_implementation="static", which on
+                  CUDA compiles the forward itself (its first call is its compile time)
+    manual        the manual recipe: model.forward = torch.compile(model.forward,
+                  mode="reduce-overhead") with a static cache (errors are reported)
+    tweak         tt.tweak(model, workload=lambda m: m.generate(ids, max_new_tokens=N,
+                  cache_implementation="static", disable_compile=True)) with default
+                  settings, then that same call; its first-call time is the tuning time
+
+Per column: the first call's wall time (compile or tuning), tokens per second (median of
+ROUNDS timed generate() calls, the device synchronised around each), time to first token
+(median of generate() with one new token), and whether its tokens equal the untuned model's
+tokens for the same call (for tweak: the untuned static-cache call without transformers'
+compile; for the others: eager's) and eager's tokens. Every compiling column starts cold.
+
+    python bench/generate_bench.py [--models gpt2,llama] [--dtypes bf16,fp32] [--new 128]
+                                   [--prompt 32] [--json PATH]
+    python bench/generate_bench.py --merge a.json ... [--out bench/results/generate.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+MODELS = {
+    "gpt2": "GPT-2 small (12 layers, 768 wide)",
+    "llama": "Llama-style, 8 layers, hidden 1024, 16 heads, 4 KV heads, MLP 2816",
+}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+COLUMNS = ("eager", "static", "manual", "tweak")
+ROUNDS = 7
+
+
+def build(name: str, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if name == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config())
+    else:
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                                             num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                                             max_position_embeddings=2048))
+    return model.eval().to("cuda", dtype)
+
+
+def cold() -> None:
+    folder = tempfile.mkdtemp(prefix="tt-gen-bench-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(folder, "triton")
+    torch._dynamo.reset()
+    try:
+        from torch._inductor.utils import clear_caches
+        clear_caches()
+    except ImportError:
+        pass
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, out
+
+
+def measure(generate: Callable[..., Any], new: int) -> dict:
+    """tokens/s and TTFT of a warmed generate()."""
+    runs = [timed(lambda: generate(new))[0] for _ in range(ROUNDS)]
+    firsts = [timed(lambda: generate(1))[0] for _ in range(ROUNDS)]
+    median = statistics.median(runs)
+    return {"tokens_per_s": new / median, "run_ms": median * 1e3, "ttft_ms": statistics.median(firsts) * 1e3,
+            "spread": (max(runs) - min(runs)) / median}
+
+
+def row(name: str, dtype_name: str, new: int, prompt: int, tweak_kwargs: dict) -> dict:
+    import torch_tweak as tt
+
+    dtype = DTYPES[dtype_name]
+    torch.manual_seed(1)
+    ids = torch.randint(100, 1000, (1, prompt), device="cuda")
+    out: dict = {"model": name, "dtype": dtype_name, "new_tokens": new, "prompt": prompt, "columns": {}}
+    base = build(name, dtype)
+    reference = None
+
+    def column(label: str, prepare: Callable[[torch.nn.Module], Callable[[int], Any]], ref_call=None) -> None:
+        nonlocal reference
+        subject = copy.deepcopy(base)
+        cold()
+        entry: dict = {}
+        generate = None
+        try:
+            first_s, generate = timed(lambda: prepare(subject))
+            t, tokens = timed(lambda: generate(new))
+            entry["first_call_s"] = first_s + t
+            entry.update(measure(generate, new))
+            if reference is None:
+                reference = tokens
+            entry["same_as_eager"] = bool(torch.equal(tokens, reference))
+            if ref_call is not None:
+                untuned = ref_call()
+                entry["same_as_untuned"] = bool(torch.equal(tokens, untuned))
+        except Exception as exc:
+            entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            traceback.print_exc()
+        out["columns"][label] = entry
+        print(name, dtype_name, label, json.dumps(entry), flush=True)
+        subject = generate = None  # the copy goes before the next column
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    def eager(model):
+        return lambda n: model.generate(ids, max_new_tokens=n, do_sample=False)
+
+    def static(model):
+        return lambda n: model.generate(ids, max_new_tokens=n, do_sample=False, cache_implementation="static")
+
+    def manual(model):
+        model.forward = torch.compile(model.forward, mode="reduce-overhead")
+        return lambda n: model.generate(ids, max_new_tokens=n, do_sample=False, cache_implementation="static",
+                                        disable_compile=True)
+
+    untuned_tokens: dict = {}
+
+    def tweak(model):
+        def call(m, n=new):
+            return m.generate(ids, max_new_tokens=n, do_sample=False, cache_implementation="static",
+                              disable_compile=True)
+        untuned_tokens["t"] = call(copy.deepcopy(base))
+        result = tt.tweak(model, workload=call, **tweak_kwargs)
+        out["tweak_result"] = str(result)
+        out["decode_loop"] = result.decode_loop
+        print(result, flush=True)
+        return lambda n: call(model, n)
+
+    column("eager", eager)
+    column("static", static)
+    column("manual", manual)
+    column("tweak", tweak, ref_call=lambda: untuned_tokens["t"])
+    return out
+
+
+def merge(paths: list[str], path_out: str) -> None:
+    rows = []
+    meta = None
+    for p in paths:
+        with open(p) as f:
+            data = json.load(f)
+        meta = meta or data.get("meta")
+        rows.extend(data["rows"])
+    lines = ["# generate(): tokens per second on one GPU", "",
+             "Written by `bench/generate_bench.py --merge` from " + ", ".join(f"`{os.path.basename(p)}`" for p in paths)
+             + ". Greedy decoding, batch 1, random weights; every compiling column starts cold.", ""]
+    if meta:
+        lines += [f"Machine: {meta.get('gpu')}, torch {meta.get('torch')}, transformers {meta.get('transformers')}.", ""]
+    lines += ["| model | dtype | column | tokens/s | vs eager | vs static | first token ms | first call s | "
+              "same tokens |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        cols = r["columns"]
+        eager = cols.get("eager", {}).get("tokens_per_s")
+        static = cols.get("static", {}).get("tokens_per_s")
+        for label in COLUMNS:
+            c = cols.get(label, {})
+            if "error" in c:
+                lines.append(f"| {r['model']} | {r['dtype']} | {label} | failed: {c['error'][:80]} | | | | | |")
+                continue
+            if "tokens_per_s" not in c:
+                continue
+            rate = c["tokens_per_s"]
+            same = "yes" if c.get("same_as_untuned", c.get("same_as_eager")) else "no"
+            if "same_as_untuned" in c:
+                same += f" (eager: {'yes' if c['same_as_eager'] else 'no'})"
+            lines.append(f"| {r['model']} | {r['dtype']} | {label} | {rate:,.0f} | "
+                         f"{rate / eager:.2f}x | " + (f"{rate / static:.2f}x" if static else "-") +
+                         f" | {c['ttft_ms']:.2f} | {c['first_call_s']:.1f} | {same} |")
+    lines.append("")
+    for r in rows:
+        if "tweak_result" in r:
+            lines += [f"tweak's result for {r['model']} {r['dtype']}:", "", "```", r["tweak_result"], "```", ""]
+    with open(path_out, "w") as f:
+        f.write("\n".join(lines))
+    print("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="gpt2,llama")
+    parser.add_argument("--dtypes", default="bf16,fp32")
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--tweak", default="{}", help="tt.tweak keyword arguments as JSON")
+    parser.add_argument("--json", default="generate.json")
+    parser.add_argument("--merge", nargs="*")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "generate.md"))
+    args = parser.parse_args()
+    if args.merge:
+        merge(args.merge, args.out)
+        return
+    import transformers
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version()}
+    rows = []
+    for name in args.models.split(","):
+        for dtype_name in args.dtypes.split(","):
+            rows.append(row(name, dtype_name, args.new, args.prompt, json.loads(args.tweak)))
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

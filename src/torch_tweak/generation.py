@@ -1,0 +1,488 @@
+"""tweak's own greedy decode loop, behind a transformers model's ``generate()``.
+
+Most of a generated token's time on a fast device is spent outside the model: transformers'
+loop prepares the inputs, runs the logits processors and the stopping criteria (which read
+the device every step), and keeps its books on the cache. For the plainest and most common
+call, greedy decoding of a decoder-only model with no logits processing, this module runs
+the same steps itself:
+
+- the prompt (prefill) goes through the model as the user's code would call it, so a tuned
+  model serves it with its tuned backends;
+- every decode step feeds the previous token and takes the argmax of the last logits, as
+  transformers does, with the cache the user's call would have used (a ``DynamicCache``, or
+  a ``StaticCache`` when the call asks for ``cache_implementation="static"``, sized by
+  transformers' own rule);
+- with a static cache on a device with graphs (CUDA), a whole decode step (forward, argmax,
+  the next input and the token's place in the output) is recorded once as a device graph and
+  replayed per token; the stopping rule is read every ``CHECK_EVERY`` steps, and tokens after
+  an end-of-sequence are replaced by the pad token exactly as transformers does.
+
+Any other call (sampling, beams, a logits processor, a streamer, a cache passed in, padding in
+the prompt, an encoder-decoder model...) runs transformers' ``generate`` unchanged; the
+reason is logged once and counted (``DecodeLoop.fallbacks``). tt.tweak keeps a loop only when
+it gave exactly the tokens of the untuned ``generate`` on every recorded call and measured
+faster end to end (see docs/generate.md).
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import inspect
+import logging
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .module import install as install_wrapper, installed, uninstall as uninstall_wrapper
+
+logger = logging.getLogger("torch_tweak")
+
+LOOPS = ("loop", "graph")
+"""The decode loops tweak tries: steps run one by one through the model; each step a device
+graph replay of the untuned forward (CUDA and a static cache only). A step graph of an
+Inductor build was tried too and dropped: its tokens differed from the untuned model's
+within a few steps on the benchmarked decoders (bench/results/generate.md), so it could
+never be kept, and its compile cost tuning time."""
+
+CHECK_EVERY = 16
+"""Graph replays between two reads of the stopping rule (each read waits for the device)."""
+
+_GENERATE_OPTIONS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus",
+                     "assistant_model", "streamer", "negative_prompt_ids", "negative_prompt_attention_mask",
+                     "use_model_defaults", "custom_generate", "tokenizer", "assistant_tokenizer")
+"""generate()'s own parameters: any of them given (not None) means a call the loop leaves alone."""
+
+_ALLOWED = {
+    # key: the values the loop serves (None: any value)
+    "max_new_tokens": None, "max_length": None, "eos_token_id": None, "pad_token_id": None,
+    "bos_token_id": None, "decoder_start_token_id": None, "transformers_version": None,
+    "_from_model_config": None, "_commit_hash": None, "temperature": None, "top_k": None, "top_p": None,
+    "max_cache_len": None, "disable_compile": None, "compile_config": None,
+    "do_sample": (False,), "num_beams": (1,), "num_return_sequences": (1,), "use_cache": (True,),
+    "cache_implementation": (None, "dynamic", "static"), "return_dict_in_generate": (False,),
+    "output_attentions": (False,), "output_hidden_states": (False,), "output_scores": (False,),
+    "output_logits": (False,),
+}
+"""Generation settings that leave greedy decoding as plain argmax, with the values that do.
+Sampling parameters (temperature, top_k, top_p) are ignored by transformers when do_sample is
+False, and so here."""
+
+
+@dataclasses.dataclass
+class Greedy:
+    """One generate() call the loop serves."""
+
+    input_ids: torch.Tensor
+    max_new: int
+    eos: tuple[int, ...]
+    pad: int | None
+    static: bool
+    max_cache_len: int | None
+
+
+def _config_class(model: nn.Module) -> Any:
+    config = getattr(model, "generation_config", None)
+    return None if config is None else type(config)
+
+
+def greedy_call(model: nn.Module, args: tuple, kwargs: dict) -> Greedy | str:
+    """The call as plain greedy decoding, or why the loop leaves it to transformers."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return "an encoder-decoder model"
+    config_class = _config_class(model)
+    if config_class is None:
+        return "the model has no generation_config"
+    kwargs = dict(kwargs)
+    if len(args) > 1:
+        return "positional arguments after the inputs"
+    ids = args[0] if args else kwargs.pop("inputs", None)
+    if ids is None:
+        ids = kwargs.pop("input_ids", None)
+    elif "input_ids" in kwargs:
+        return "the inputs given twice"
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+        return "inputs that are not a 2-D tensor of token ids"
+    if ids.shape[0] == 0 or ids.shape[1] == 0:
+        return "an empty prompt"
+    for name in _GENERATE_OPTIONS:
+        if kwargs.pop(name, None) is not None:
+            return f"generate's {name}"
+    given = kwargs.pop("generation_config", None)
+    config = copy.deepcopy(given if given is not None else model.generation_config)
+    mask = kwargs.pop("attention_mask", None)
+    try:
+        unused = config.update(**kwargs)
+    except Exception as exc:  # transformers refuses the settings: its generate says why
+        return f"settings transformers refuses ({type(exc).__name__})"
+    if unused:
+        return "model arguments " + ", ".join(sorted(unused))
+    try:
+        config.validate()
+    except Exception:
+        return "settings transformers refuses"
+    for key, value in config.to_diff_dict().items():
+        if key not in _ALLOWED:
+            return f"the generation setting {key}={value!r}"
+        allowed = _ALLOWED[key]
+        if allowed is not None and value not in allowed:
+            return f"the generation setting {key}={value!r}"
+    if config.do_sample or (config.num_beams or 1) != 1 or config.use_cache is False:
+        return "sampling, beams or no cache"
+    prompt = ids.shape[1]
+    max_new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt
+    if not isinstance(max_new, int) or max_new < 1:
+        return "no new token to generate"
+    eos = config.eos_token_id
+    eos = () if eos is None else (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)
+    pad = config.pad_token_id
+    if pad is None and eos:
+        pad = eos[0]  # what transformers does, with a warning of its own
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(ids.shape) or not bool(mask.all()):
+            return "an attention mask with padding"
+    elif config.pad_token_id is not None and config.pad_token_id not in eos and bool((ids == config.pad_token_id).any()):
+        return "the pad token in the prompt (transformers masks it)"
+    static = config.cache_implementation == "static"
+    return Greedy(ids, int(max_new), eos, pad, static, config.max_cache_len)
+
+
+def _cache_arg(model: nn.Module) -> str | None:
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    return None
+
+
+def _cache_classes(model: nn.Module) -> tuple[Any, Any]:
+    """transformers' DynamicCache and StaticCache, from the module the model's class lives in."""
+    import transformers  # only reached for a transformers model, which has imported it
+
+    return transformers.DynamicCache, transformers.StaticCache
+
+
+class _Plain:
+    """Inside the block the model is as it was before any tuning: its tuned modules are taken
+    out and put back after, in the mode they were in. What a device graph records must not
+    itself replay graphs, and Inductor must see plain modules."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.wrappers = list(installed(model).values())
+        self.modes: list[int] = []
+
+    def __enter__(self) -> None:
+        self.modes = [w._tt_mode for w in self.wrappers]
+        for w in reversed(self.wrappers):
+            uninstall_wrapper(self.model, w)
+
+    def __exit__(self, *exc: Any) -> None:
+        for w, mode in zip(self.wrappers, self.modes):
+            install_wrapper(self.model, w)
+            w._tt_mode = mode
+
+
+_PLAIN_STEP = (("input_ids", ("tensor", "torch.int64", 2)), ("cache", ("cache",)), ("use_cache", ("value", True)),
+               ("return_dict", ("value", True)))
+DEFAULT_LAYOUTS = {
+    "dynamic": {"prefill": _PLAIN_STEP, "decode": _PLAIN_STEP},
+    "static": {"prefill": _PLAIN_STEP,
+               "decode": _PLAIN_STEP[:2] + (("attention_mask", ("tensor", "torch.bool", 4)),) + _PLAIN_STEP[2:]},
+}
+"""The arguments the loop passes the model when it knows no better, per cache: what
+transformers passes a decoder for one sequence. tt.tweak gives the loop the layout the
+workload's own generate() calls used (Workload.layouts), so that the calls fit the
+signatures tuned on them."""
+
+
+def describe_argument(value: Any) -> tuple:
+    """One argument of a forward call as a layout holds it (plain JSON)."""
+    from ._samples import kv_cache_class
+
+    if isinstance(value, torch.Tensor):
+        return ("tensor", str(value.dtype), value.dim())
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return ("value", value)
+    if kv_cache_class(value) is not None:
+        return ("cache",)
+    return ("other", type(value).__name__)
+
+
+class LayoutError(Exception):
+    """A forward call the loop cannot lay out as the workload's generate() did."""
+
+
+def lay_out(layout: tuple, cache_arg: str, ids: torch.Tensor, cache: Any, start: Any, total: int | None,
+            mask: Callable[[], torch.Tensor] | None) -> dict:
+    """The keyword arguments of one forward call as `layout` says. start: the position of
+    ids' first token (an int, or a 0-d tensor inside a device graph); total: the length of the
+    sequence so far (a 2-D attention mask's width); mask: makes the 4-D boolean mask."""
+    batch, width = ids.shape
+    kwargs: dict[str, Any] = {}
+    for key, spec in layout:
+        kind = spec[0]
+        if key in ("input_ids",) and kind == "tensor":
+            kwargs[key] = ids
+        elif key == cache_arg and kind == "cache":
+            kwargs[key] = cache
+        elif key == "position_ids" and kind == "tensor" and spec[2] == 2:
+            kwargs[key] = (torch.arange(width, device=ids.device) + start).view(1, width).expand(batch, width)
+        elif key == "attention_mask" and kind == "tensor" and spec[2] == 2 and total is not None:
+            kwargs[key] = torch.ones(batch, total, dtype=getattr(torch, spec[1].split(".")[-1]), device=ids.device)
+        elif key == "attention_mask" and kind == "tensor" and spec[2] == 4 and spec[1] == "torch.bool" \
+                and mask is not None:
+            kwargs[key] = mask()
+        elif kind == "value":
+            kwargs[key] = spec[1]
+        else:
+            raise LayoutError(f"the argument {key} ({'/'.join(map(str, spec))})")
+    return kwargs
+
+
+def _logits(out: Any) -> torch.Tensor:
+    logits = getattr(out, "logits", None)
+    if logits is None:
+        logits = out[0] if isinstance(out, (tuple, list)) else out["logits"]
+    return logits
+
+
+class _StepGraph:
+    """One decode step recorded as a device graph, for one static cache (batch, length)."""
+
+    def __init__(self, loop: "DecodeLoop", cache: Any, batch: int, length: int, device: torch.device,
+                 prompt: Greedy) -> None:
+        self.cache = cache
+        self.length = length
+        self.token = torch.zeros(batch, 1, dtype=prompt.input_ids.dtype, device=device)
+        self.tokens = torch.zeros(batch, length + 1, dtype=prompt.input_ids.dtype, device=device)
+        self.step = torch.zeros(1, dtype=torch.int64, device=device)
+        self.position = torch.zeros((), dtype=torch.int64, device=device)
+        self.arange = torch.arange(length, device=device)
+        forward = loop.model
+        shape = (batch, 1, 1, length)
+
+        def mask() -> torch.Tensor:
+            return (self.arange <= self.position).view(1, 1, 1, length).expand(shape)
+
+        def step() -> None:
+            kwargs = lay_out(loop.layouts["decode"], loop.cache_arg, self.token, cache, self.position, None, mask)
+            out = forward(**kwargs)
+            nxt = _logits(out)[:, -1, :].argmax(-1)
+            self.token.copy_(nxt.view(batch, 1))
+            self.tokens.index_copy_(1, self.step, nxt.view(batch, 1))
+            self.step.add_(1)
+            self.position.add_(1)
+
+        # the warm-up runs write a step into the cache: the caller resets it afterwards
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream), _Plain(loop.model):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph), _Plain(loop.model):
+            step()
+
+    def run(self, first: torch.Tensor, prompt_len: int, max_new: int, finished: Callable[[int], bool]) -> torch.Tensor:
+        """Tokens 1..max_new-1 after `first`; returns the tokens buffer's first `max_new` columns
+        (or fewer when `finished` says every sequence ended)."""
+        self.token.copy_(first.view(-1, 1))
+        self.tokens[:, 0].copy_(first)
+        self.step.fill_(1)
+        self.position.fill_(prompt_len)
+        done = 1
+        while done < max_new:
+            burst = min(CHECK_EVERY, max_new - done)
+            for _ in range(burst):
+                self.graph.replay()
+            done += burst
+            if finished(done):
+                break
+        return self.tokens[:, :done]
+
+
+class DecodeLoop:
+    """tweak's greedy decode loop, installed as the model's ``generate`` (an attribute of the
+    instance: ``tt.unwrap`` removes it). ``kind`` is one of LOOPS."""
+
+    def __init__(self, model: nn.Module, kind: str, layouts: dict | None = None) -> None:
+        if kind not in LOOPS:
+            raise ValueError(f"kind must be one of {', '.join(LOOPS)}, not {kind!r}")
+        self.model = model
+        self.kind = kind
+        self.given = layouts
+        self.layouts = layouts if layouts is not None else DEFAULT_LAYOUTS["dynamic"]
+        self.cache_arg = next((k for k, spec in self.layouts["decode"] if spec[0] == "cache"), None)
+        if self.cache_arg is None or layouts is None:
+            self.cache_arg = _cache_arg(model)
+        self.original = type(model).generate.__get__(model)
+        self.fallbacks: collections.Counter[str] = collections.Counter()
+        self.calls = 0
+        self._graphs: dict[tuple, _StepGraph] = {}
+        self._previous_len: int = -1
+
+    _tt_decode_loop = True  # what tt.unwrap looks for
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a model with torch-tweak's decode loop cannot be pickled: save it with tt.save(model, "
+                        "path), or call tt.unwrap(model) first")
+
+    def __repr__(self) -> str:
+        return f"<torch-tweak decode loop ({self.kind}) of {type(self.model).__name__}.generate>"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = greedy_call(self.model, args, kwargs)
+        why = call if isinstance(call, str) else self.layout_problem(call)
+        if why is not None:
+            if why not in self.fallbacks:
+                logger.warning("torch-tweak: generate() ran transformers' own loop for %s; further such calls "
+                               "are counted in the model's decode loop (.fallbacks)", why)
+            self.fallbacks[why] += 1
+            return self.original(*args, **kwargs)
+        self.calls += 1
+        with torch.no_grad():
+            return self.decode(call)
+
+    def layout_problem(self, call: Greedy) -> str | None:
+        """Why the loop cannot make this call's forward calls as its layouts say, or None."""
+        if self.cache_arg is None:
+            return "the model's forward takes no cache"
+        if self.given is None:
+            self.layouts = DEFAULT_LAYOUTS["static" if call.static else "dynamic"]
+            if self.cache_arg != "cache":
+                self.layouts = {phase: tuple((self.cache_arg if k == "cache" else k, spec) for k, spec in layout)
+                                for phase, layout in self.layouts.items()}
+        ids = call.input_ids[:, :1]
+        for phase in ("prefill", "decode"):
+            mask = (lambda: ids) if phase == "decode" and call.static else None
+            try:
+                lay_out(self.layouts[phase], self.cache_arg, ids, None, 0, 1, mask)
+            except LayoutError as exc:
+                return f"{exc} of the {phase} calls"
+        return None
+
+
+    # -------------------------------------------------------------- decoding
+    def _new_cache(self, call: Greedy, length: int) -> Any:
+        dynamic, static = _cache_classes(self.model)
+        config = self.model.config.get_text_config(decoder=True) if hasattr(self.model.config, "get_text_config") \
+            else self.model.config
+        if call.static:
+            return static(config=config, max_cache_len=length)
+        return dynamic(config=config)
+
+    def _static_length(self, call: Greedy) -> int:
+        # transformers' rule: prompt + new tokens - 1, never shorter than an earlier call's,
+        # at least generation_config.max_cache_len
+        length = call.input_ids.shape[1] + call.max_new - 1
+        if call.max_cache_len is not None:
+            length = max(length, call.max_cache_len)
+        length = max(length, self._previous_len)
+        self._previous_len = length
+        return length
+
+    def decode(self, call: Greedy) -> torch.Tensor:
+        ids = call.input_ids
+        batch, prompt = ids.shape
+        device = ids.device
+        eos = torch.tensor(call.eos, dtype=ids.dtype, device=device) if call.eos else None
+        length = self._static_length(call) if call.static else 0
+        graphs = self.kind != "loop" and call.static and device.type == "cuda"
+        if graphs:
+            key = (batch, length, device, ids.dtype)
+            entry = self._graphs.get(key)
+            if entry is None:
+                cache = self._new_cache(call, length)
+                self._prefill(ids, cache)  # lays the cache out before the step is recorded
+                entry = _StepGraph(self, cache, batch, length, device, call)
+                self._graphs[key] = entry
+            cache = entry.cache
+            cache.reset()
+        else:
+            cache = self._new_cache(call, length)
+        first = self._prefill(ids, cache)
+        if graphs:
+            tokens = entry.run(first, prompt, call.max_new,
+                               lambda n: eos is not None and bool(_finished(entry.tokens[:, :n], eos).all()))
+        else:
+            tokens = self._steps(first, cache, call, prompt, eos)
+        return torch.cat([ids, _stop(tokens, eos, call.pad)], dim=1)
+
+    def _prefill(self, ids: torch.Tensor, cache: Any) -> torch.Tensor:
+        out = self.model(**lay_out(self.layouts["prefill"], self.cache_arg, ids, cache, 0, ids.shape[1], None))
+        return _logits(out)[:, -1, :].argmax(-1)
+
+    def _steps(self, first: torch.Tensor, cache: Any, call: Greedy, prompt: int,
+               eos: torch.Tensor | None) -> torch.Tensor:
+        tokens = [first]
+        nxt = first
+        batch = first.shape[0]
+        arange = torch.arange(self._previous_len, device=first.device) if call.static else None
+        unfinished = torch.ones(batch, dtype=torch.bool, device=first.device)
+        for step in range(1, call.max_new):
+            if eos is not None:
+                unfinished &= ~torch.isin(nxt, eos)
+                if not bool(unfinished.any()):
+                    break
+                nxt = torch.where(unfinished, nxt, torch.full_like(nxt, call.pad))
+            position = prompt + step - 1
+
+            def mask() -> torch.Tensor:
+                return (arange <= position).view(1, 1, 1, -1).expand(batch, 1, 1, arange.numel())
+
+            kwargs = lay_out(self.layouts["decode"], self.cache_arg, nxt.view(batch, 1), cache, position,
+                             position + 1, mask if arange is not None else None)
+            out = self.model(**kwargs)
+            nxt = _logits(out)[:, -1, :].argmax(-1)
+            tokens.append(nxt)
+        return torch.stack(tokens, dim=1)
+
+
+def _finished(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+    """Per sequence: whether an end-of-sequence token is among `tokens`."""
+    return torch.isin(tokens, eos).any(dim=1)
+
+
+def _stop(tokens: torch.Tensor, eos: torch.Tensor | None, pad: int | None) -> torch.Tensor:
+    """transformers' stopping rule on tokens decoded past it: after a sequence's first
+    end-of-sequence token, pad; the output ends at the step where the last sequence ended."""
+    if eos is None or tokens.shape[1] == 0:
+        return tokens
+    hit = torch.isin(tokens, eos)
+    ended = hit.cumsum(dim=1) > 0
+    after = ended.clone()
+    after[:, 1:] = ended[:, :-1]
+    after[:, 0] = False
+    tokens = torch.where(after, torch.full_like(tokens, pad if pad is not None else 0), tokens)
+    if bool(ended[:, -1].all()):
+        last = int(hit.float().argmax(dim=1).max())  # the step at which the last sequence ended
+        tokens = tokens[:, :last + 1]
+    return tokens
+
+
+def loop_of(model: nn.Module) -> DecodeLoop | None:
+    """The decode loop installed on `model`, or None."""
+    loop = model.__dict__.get("generate")
+    return loop if isinstance(loop, DecodeLoop) else None
+
+
+def install(model: nn.Module, loop: DecodeLoop) -> None:
+    object.__setattr__(model, "generate", loop)
+
+
+def uninstall(model: nn.Module) -> None:
+    if loop_of(model) is not None:
+        del model.__dict__["generate"]
+
+
+def can_generate(model: nn.Module) -> bool:
+    """Whether `model` is a transformers model with a generate() the loop may stand behind."""
+    generate = getattr(type(model), "generate", None)
+    return callable(generate) and _config_class(model) is not None and _cache_arg(model) is not None

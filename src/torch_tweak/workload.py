@@ -1,0 +1,234 @@
+"""Workloads: tuning a model for what a callable does with it, generate() above all.
+
+``tt.tweak(model, workload=lambda m: m.generate(ids, max_new_tokens=64))`` tunes the
+model for that callable instead of for a list of forward calls: tweak runs it to find the
+modules it calls and to record their calls (a decoder's prefill and its decode steps become
+separate input signatures), and what it measures per depth is one whole run of the
+callable. When the callable calls ``generate()`` of a transformers model, tweak also tries
+its own greedy decode loop (torch_tweak.generation) on the kept depth, and the result speaks
+in tokens: tokens per second and time to first token, per depth and untuned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from . import _C, generation
+from ._samples import synchronizer
+
+MAX_GENERATE_CALLS = 4
+"""generate() calls of the workload kept to check a decode loop's tokens against."""
+
+TTFT_RUNS = 5
+"""Timed prefills per measurement of the time to first token (their median is kept)."""
+
+
+@dataclasses.dataclass
+class GenerateCall:
+    """One generate() call of the workload: its arguments and the untuned model's tokens."""
+
+    args: tuple
+    kwargs: dict
+    tokens: torch.Tensor
+    prompt: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenRow:
+    """Tokens per second and time to first token of one configuration."""
+
+    label: str
+    latency_ms: float | None
+    tokens_per_s: float | None
+    ttft_ms: float | None
+    kept: bool = False
+
+
+class Workload:
+    """A callable the model is tuned for; ``fn(model)`` runs it once."""
+
+    def __init__(self, model: nn.Module, fn: Callable[[nn.Module], Any], device: torch.device) -> None:
+        if not callable(fn):
+            raise TypeError(f"workload must be a callable taking the model, e.g. lambda m: m.generate(ids), "
+                            f"not {type(fn).__name__}")
+        self.model = model
+        self.fn = fn
+        self.sync = synchronizer(device)  # None on a CPU (what the engine takes)
+        self._wait = self.sync if self.sync is not None else (lambda: None)
+        self.generate_calls: list[GenerateCall] = []
+        self.tokens = 0  # new tokens per run, from the recorded generate() calls
+        self.ttft: dict[Any, float] = {}  # configuration label -> ms
+        self.layouts: dict | None = None  # the forward calls of the first generate(): prefill, decode
+        self.loop: str | None = None  # the decode loop kept (generation.LOOPS), once chosen
+        self.loop_report: list[dict] = []
+
+    def run(self) -> Any:
+        return self.fn(self.model)
+
+    def record(self) -> None:
+        """Runs the workload once, untuned, keeping its generate() calls and their tokens."""
+        model = self.model
+        can = generation.can_generate(model)
+        original = type(model).generate.__get__(model) if can else None
+        calls = self.generate_calls
+        tokens = 0
+        forwards: list[tuple] = []  # the first generate()'s first two forward calls, described
+
+        def spy(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if len(forwards) < 2 and inside:
+                forwards.append(tuple(("", ("positional",)) for _ in args) +
+                                tuple((k, generation.describe_argument(v)) for k, v in kwargs.items()))
+
+        inside = False
+
+        def recorder(*args: Any, **kwargs: Any) -> Any:
+            nonlocal tokens, inside
+            inside = not calls
+            try:
+                out = original(*args, **kwargs)
+            finally:
+                inside = False
+            if isinstance(out, torch.Tensor) and out.dim() == 2:
+                prompt = _prompt_len(args, kwargs)
+                if prompt is not None:
+                    tokens += out.shape[0] * max(out.shape[1] - prompt, 0)
+                    if len(calls) < MAX_GENERATE_CALLS:
+                        calls.append(GenerateCall(args, dict(kwargs), out.clone(), prompt))
+            return out
+
+        handle = None
+        if can:
+            object.__setattr__(model, "generate", recorder)
+            handle = model.register_forward_pre_hook(spy, with_kwargs=True)
+        try:
+            with torch.no_grad():
+                self.run()
+        except Exception as exc:
+            raise ValueError(f"the workload failed on the untuned model ({type(exc).__name__}: {exc}); "
+                             "check that it runs as `workload(model)`") from exc
+        finally:
+            if can:
+                model.__dict__.pop("generate", None)
+                handle.remove()
+        self.tokens = tokens
+        if len(forwards) == 2:
+            self.layouts = {"prefill": forwards[0], "decode": forwards[1]}
+
+    @property
+    def generates(self) -> bool:
+        return bool(self.generate_calls) and self.tokens > 0
+
+    def measure_ttft(self, label: Any) -> None:
+        """The time to first token of the model as it is now: each recorded generate() call
+        with one new token, median of TTFT_RUNS, averaged over the calls."""
+        if not self.generates:
+            return
+        per_call = []
+        with torch.no_grad():
+            for call in self.generate_calls:
+                kwargs = dict(call.kwargs, max_new_tokens=1)
+                kwargs.pop("max_length", None)
+                times = []
+                for _ in range(TTFT_RUNS + 1):
+                    self._wait()
+                    start = time.perf_counter_ns()
+                    self.model.generate(*call.args, **kwargs)
+                    self._wait()
+                    times.append(time.perf_counter_ns() - start)
+                per_call.append(statistics.median(times[1:]))  # the first warms up
+        self.ttft[label] = sum(per_call) / len(per_call) / 1e6
+
+    def check_depth(self, depth: int) -> None:
+        """Before a depth is measured: its generate() tokens must be the untuned ones (a
+        backend within tolerance can still turn an argmax), then its time to first token."""
+        self.check_tokens()
+        self.measure_ttft(depth)
+
+    def tokens_per_s(self, latency_ms: float | None) -> float | None:
+        if latency_ms is None or latency_ms <= 0 or not self.tokens:
+            return None
+        return self.tokens / (latency_ms / 1e3)
+
+    def check_tokens(self) -> None:
+        """Raises MismatchError unless every recorded generate() call gives the untuned tokens."""
+        from .correctness import MismatchError
+
+        with torch.no_grad():
+            for i, call in enumerate(self.generate_calls):
+                got = self.model.generate(*call.args, **call.kwargs)
+                if not isinstance(got, torch.Tensor) or got.shape != call.tokens.shape:
+                    raise MismatchError(f"generate call {i}: {tuple(call.tokens.shape)} tokens expected, got "
+                                        f"{tuple(getattr(got, 'shape', ()))}")
+                differ = (got != call.tokens).nonzero()
+                if differ.numel():
+                    row, col = (int(v) for v in differ[0])
+                    raise MismatchError(f"generate call {i}: token {col - call.prompt} of sequence {row} is "
+                                        f"{int(got[row, col])}, untuned {int(call.tokens[row, col])}")
+
+
+def _prompt_len(args: tuple, kwargs: dict) -> int | None:
+    ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    return int(ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
+
+
+def choose_loop(workload: Workload, device: torch.device, measure: dict | None) -> tuple[str | None, list[dict]]:
+    """Tries tweak's decode loops on the model as tuned, keeps the fastest of them and
+    transformers' own generate() whose tokens are the untuned ones; returns the kept loop's
+    kind (None: transformers' loop) and a report per candidate."""
+    model = workload.model
+    first = workload.generate_calls[0]
+    call = generation.greedy_call(model, first.args, first.kwargs)
+    static = not isinstance(call, str) and call.static  # device graphs need a static cache
+    kinds = [k for k in generation.LOOPS if k == "loop" or (device.type == "cuda" and static)]
+    loops: dict[str, generation.DecodeLoop] = {}
+    notes: dict[str, str] = {}
+
+    def build_of(kind: str | None):
+        def build() -> None:
+            generation.uninstall(model)
+            if kind is None:
+                return
+            loop = generation.DecodeLoop(model, kind, workload.layouts)
+            generation.install(model, loop)
+            try:
+                workload.check_tokens()
+                if loop.fallbacks:
+                    reason = next(iter(loop.fallbacks))
+                    raise RuntimeError(f"the workload's generate() calls are not plain greedy decoding ({reason})")
+            except BaseException:
+                generation.uninstall(model)
+                raise
+            loops[kind] = loop
+        return build
+
+    def run_of(kind: str | None):
+        def run(i: int) -> None:
+            if kind is None:
+                generation.uninstall(model)
+            else:
+                generation.install(model, loops[kind])
+            workload.run()
+        return run
+
+    names = ["generate"] + [f"decode loop ({k})" for k in kinds]
+    candidates = [(name, build_of(kind), run_of(kind)) for name, kind in zip(names, [None] + kinds)]
+    try:
+        with torch.no_grad():
+            index, reports = _C.choose("highest-throughput", candidates, 1, sync=workload.sync, config=measure)
+    finally:
+        generation.uninstall(model)
+    kept = None if index <= 0 else kinds[index - 1]
+    if kept is not None:
+        generation.install(model, loops[kept])
+    out = []
+    for name, report in zip(names, reports):
+        stats = report.get("stats")
+        out.append({"candidate": name, "state": report["state"], "error": report.get("error", "") or notes.get(name, ""),
+                    "latency_ms": None if stats is None else stats["median_ns"] / 1e6})
+    return kept, out
