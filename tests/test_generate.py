@@ -1,0 +1,241 @@
+"""generate() workloads on the CPU: tt.tweak(model, workload=...), tweak's decode loop and its
+fallbacks. Every check compares greedy tokens with an untuned copy of the model. Models
+are tiny decoders built from configs with random weights; nothing is downloaded."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+import torch_tweak as tt
+from torch_tweak import generation
+from torch_tweak.backends.base import Backend
+from torch_tweak.correctness import MismatchError
+from torch_tweak.workload import Workload
+
+transformers = pytest.importorskip("transformers")
+
+EAGER = tt.OneBackendStrategy(tt.backends.TorchEagerBackend())
+QUICK = {"rounds_max": 6, "time_cap": 1.0}
+
+
+def build(kind: str = "llama", eos: int | None = None):
+    torch.manual_seed(0)
+    if kind == "llama":
+        config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=2, n_positions=128)
+        model = transformers.GPT2LMHeadModel(config)
+    if eos is not None:
+        model.generation_config.eos_token_id = eos
+        model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def prompt(batch: int = 1, seed: int = 0, length: int = 6) -> torch.Tensor:
+    return torch.randint(3, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def generate(model, ids, cache=None, **kwargs):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=10, do_sample=False, cache_implementation=cache, **kwargs)
+
+
+# ------------------------------------------------------------- the loop alone
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("cache", [None, "static"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_loop_gives_transformers_tokens(kind, cache, batch):
+    model = build(kind)
+    ids = prompt(batch)
+    expected = generate(model, ids, cache)
+    loop = generation.DecodeLoop(model, "loop")
+    generation.install(model, loop)
+    got = generate(model, ids, cache)
+    assert loop.calls == 1 and not loop.fallbacks  # the loop ran, not transformers'
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_the_loop_stops_and_pads_as_transformers_does(cache):
+    model = build("llama")
+    ids = prompt(2)
+    free = generate(model, ids, cache)
+    eos = int(free[0, ids.shape[1] + 3])  # a token the first sequence generates at step 3
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = 0
+    expected = generate(model, ids, cache)
+    loop = generation.DecodeLoop(model, "loop")
+    generation.install(model, loop)
+    got = generate(model, ids, cache)
+    assert loop.calls == 1 and torch.equal(got, expected)
+    one = prompt(1)
+    stop_early = generate(model, one, cache)  # one sequence: the output ends at its end-of-sequence
+    generation.uninstall(model)
+    assert torch.equal(stop_early, generate(model, one, cache))
+
+
+@pytest.mark.parametrize("why, kwargs", [
+    ("sampling", {"do_sample": True, "top_k": 5}),
+    ("beams", {"num_beams": 2}),
+    ("a repetition penalty", {"repetition_penalty": 1.3}),
+    ("a logits processor", {"logits_processor": "processors"}),
+    ("scores asked for", {"return_dict_in_generate": True, "output_scores": True}),
+    ("padding in the mask", {"attention_mask": "padded"}),
+])
+def test_calls_the_loop_does_not_serve_run_transformers_loop(why, kwargs):
+    model = build("llama")
+    ids = prompt(2)
+    if kwargs.get("logits_processor") == "processors":
+        kwargs = dict(kwargs, logits_processor=transformers.LogitsProcessorList(
+            [transformers.MinLengthLogitsProcessor(3, eos_token_id=2)]))
+    if kwargs.get("attention_mask") == "padded":
+        mask = torch.ones_like(ids)
+        mask[0, 0] = 0
+        kwargs = dict(kwargs, attention_mask=mask)
+    torch.manual_seed(5)
+    expected = model.generate(ids, max_new_tokens=6, **kwargs)
+    loop = generation.DecodeLoop(model, "loop")
+    generation.install(model, loop)
+    torch.manual_seed(5)
+    got = model.generate(ids, max_new_tokens=6, **kwargs)
+    assert loop.calls == 0 and sum(loop.fallbacks.values()) == 1, (why, loop.fallbacks)
+    if isinstance(expected, torch.Tensor):
+        assert torch.equal(got, expected)
+    else:
+        assert torch.equal(got.sequences, expected.sequences)
+
+
+def test_a_greedy_call_is_read_as_transformers_reads_it():
+    model = build("llama")
+    ids = prompt(1)
+    call = generation.greedy_call(model, (ids,), {"max_new_tokens": 4, "cache_implementation": "static"})
+    assert call.max_new == 4 and call.static and call.input_ids is ids
+    assert generation.greedy_call(model, (ids,), {"max_length": 9}).max_new == 3  # max_length counts the prompt
+    assert "no new token" in generation.greedy_call(model, (ids,), {"max_length": 6})
+    assert "not a 2-D tensor" in generation.greedy_call(model, (ids[0],), {})
+    assert "inputs given twice" in generation.greedy_call(model, (ids,), {"input_ids": ids})
+    assert "streamer" in generation.greedy_call(model, (ids,), {"streamer": object()})
+
+
+def test_a_loop_refuses_pickling_and_unwrap_takes_it_out():
+    model = build("llama")
+    generation.install(model, generation.DecodeLoop(model, "loop"))
+    with pytest.raises(TypeError, match="tt.save"):
+        pickle.dumps(model.__dict__["generate"])
+    tt.unwrap(model)
+    assert "generate" not in model.__dict__ and generation.loop_of(model) is None
+
+
+# ------------------------------------------------------------- tt.tweak(workload=)
+
+
+@pytest.fixture(scope="module")
+def tweaked():
+    """One tiny Llama tuned for a static-cache generate() workload, and its untuned copy."""
+    model = build("llama")
+    untuned = copy.deepcopy(model)
+    ids = prompt(2)
+
+    def workload(m):
+        return m.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static")
+
+    result = tt.tweak(model, workload=workload, strategy=EAGER, max_depth=0, measure=QUICK, progress=False)
+    return model, untuned, ids, result
+
+
+def test_a_tuned_decoder_generates_the_untuned_tokens(tweaked):
+    model, untuned, ids, result = tweaked
+    for batch, seed in ((2, 0), (2, 7), (1, 3)):  # the recorded prompt, another one, another batch
+        other = prompt(batch, seed)
+        assert torch.equal(generate(model, other, "static"), generate(untuned, other, "static"))
+    assert torch.equal(generate(model, ids), generate(untuned, ids))  # a DynamicCache call too
+
+
+def test_a_generate_workload_speaks_in_tokens(tweaked):
+    model, untuned, ids, result = tweaked
+    assert result.tokens_per_run == 2 * 8
+    labels = [row.label for row in result.tokens]
+    assert labels[0] == "untuned" and labels[-1].startswith("kept: ")
+    assert sum(row.kept for row in result.tokens) == 1
+    assert all(row.tokens_per_s is None or row.tokens_per_s > 0 for row in result.tokens)
+    assert all(row.ttft_ms is not None and row.ttft_ms > 0 for row in result.tokens)
+    text = str(result)
+    assert "tokens/s" in text and "first token ms" in text and "16 new tokens per run" in text
+    assert result.decode_loop in generation.LOOPS + (None,)
+    assert [r["candidate"] for r in result.loop_report] == ["generate", "decode loop (loop)"]  # no graphs on a CPU
+
+
+def test_decode_steps_of_a_static_cache_share_one_signature(tweaked):
+    model, untuned, ids, result = tweaked
+    root = result.modules[""]
+    texts = [s.text for s in root.signatures]
+    assert len(texts) == 2, texts  # the prefill and every decode step: the cache matched by its structure
+    assert all("StaticCache(2 layers" in t for t in texts)
+
+
+class NegatedLogits(Backend):
+    """Passes any check (its tolerance is huge) and turns every argmax into an argmin."""
+
+    name = "NegatedLogits"
+
+    def check_tolerance(self):
+        return 1e9
+
+    def build(self, module, samples, device):
+        def run(*args, **kwargs):
+            out = module(*args, **kwargs)
+            out["logits"] = -out["logits"]
+            return out
+        return run
+
+
+def test_a_depth_whose_tokens_differ_is_rejected():
+    model = build("gpt2")
+    untuned = copy.deepcopy(model)
+    ids = prompt(1)
+    result = tt.tweak(model, workload=lambda m: m.generate(ids, max_new_tokens=5, do_sample=False), max_depth=0,
+                      strategy=tt.OneBackendStrategy(NegatedLogits()), measure=QUICK, progress=False)
+    row = result.rows[0]
+    assert row.latency_ms is None and "token 0 of sequence 0" in row.error
+    assert result.selected_depth is None
+    assert torch.equal(generate(model, ids), generate(untuned, ids))
+
+
+def test_workload_arguments_are_checked():
+    model = build("llama")
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(TypeError, match="not both"):
+        tt.tweak(model, [prompt()], workload=lambda m: None)
+    with pytest.raises(TypeError, match="needs a dataset"):
+        tt.tweak(model)
+    with pytest.raises(TypeError, match="callable taking the model"):
+        tt.tweak(model, workload=42)
+
+    def broken(m):
+        raise RuntimeError("the workload is broken")
+
+    with pytest.raises(ValueError, match="the workload failed on the untuned model.*broken"):
+        tt.tweak(model, workload=broken, progress=False)
+    assert not tt.installed(model) and "generate" not in model.__dict__
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_token_check_names_the_first_difference():
+    model = build("llama")
+    ids = prompt(1)
+    job = Workload(model, lambda m: m.generate(ids, max_new_tokens=4, do_sample=False), torch.device("cpu"))
+    job.record()
+    assert job.tokens == 4 and len(job.generate_calls) == 1
+    job.check_tokens()  # the untuned model gives its own tokens
+    job.generate_calls[0].tokens[0, -2] += 1
+    with pytest.raises(MismatchError, match="token 2 of sequence 0"):
+        job.check_tokens()
