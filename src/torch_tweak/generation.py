@@ -81,6 +81,7 @@ class Greedy:
     pad: int | None
     static: bool
     max_cache_len: int | None
+    no_compile: bool = False  # disable_compile: transformers would not compile the forward itself
 
 
 def _config_class(model: nn.Module) -> Any:
@@ -146,7 +147,8 @@ def greedy_call(model: nn.Module, args: tuple, kwargs: dict) -> Greedy | str:
     elif config.pad_token_id is not None and config.pad_token_id not in eos and bool((ids == config.pad_token_id).any()):
         return "the pad token in the prompt (transformers masks it)"
     static = config.cache_implementation == "static"
-    return Greedy(ids, int(max_new), eos, pad, static, config.max_cache_len)
+    return Greedy(ids, int(max_new), eos, pad, static, config.max_cache_len,
+                  bool(getattr(config, "disable_compile", False)))
 
 
 def _cache_arg(model: nn.Module) -> str | None:

@@ -82,6 +82,7 @@ class TweakResult:
     tokens_per_run = 0
     decode_loop: str | None = None
     loop_report: "list[dict] | None" = None
+    hint = ""
 
     def __init__(self, engine: "_C.Result", tree: ModuleTree, modules: ModuleResults) -> None:
         self._engine = engine
@@ -128,6 +129,8 @@ class TweakResult:
         for report in self.loop_report or ():
             if report["state"] != "measured" and report["error"]:
                 lines.append(f"  {report['candidate']}: {fold(report['error'])}")
+        if self.hint:
+            lines.append(f"note: {self.hint}")
         return "\n".join(lines)
 
     def to_record(self) -> dict:
@@ -477,6 +480,7 @@ def _speak_tokens(result: TweakResult, job: Workload) -> None:
     result.tokens_per_run = job.tokens
     result.decode_loop = job.loop
     result.loop_report = job.loop_report
+    result.hint = job.hint
     logger.info("generate(): kept %s", kept_label)
 
 

@@ -67,6 +67,7 @@ class Workload:
         self.layouts: dict | None = None  # the forward calls of the first generate(): prefill, decode
         self.loop: str | None = None  # the decode loop kept (generation.LOOPS), once chosen
         self.loop_report: list[dict] = []
+        self.hint = ""  # what the user could change for a faster loop (docs/generate.md)
 
     def run(self) -> Any:
         return self.fn(self.model)
@@ -177,6 +178,19 @@ def _prompt_len(args: tuple, kwargs: dict) -> int | None:
     return int(ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
 
 
+def _hint(model: nn.Module, device: torch.device, call: Any) -> str:
+    if device.type != "cuda" or isinstance(call, str):
+        return ""
+    if not call.static:
+        return ("generate() used a DynamicCache: with cache_implementation=\"static\" (and disable_compile=True) "
+                "tweak can replay each decode step as a device graph (docs/generate.md)")
+    if not call.no_compile:  # transformers compiles the forward of a static-cache call unless told not to
+        return ("with a static cache on CUDA, transformers compiles the forward itself: pass disable_compile=True "
+                "to generate() so that tweak's loop, not transformers' compile, runs the decode steps "
+                "(docs/generate.md)")
+    return ""
+
+
 def choose_loop(workload: Workload, device: torch.device, measure: dict | None) -> tuple[str | None, list[dict]]:
     """Tries tweak's decode loops on the model as tuned, keeps the fastest of them and
     transformers' own generate() whose tokens are the untuned ones; returns the kept loop's
@@ -185,7 +199,10 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None) 
     first = workload.generate_calls[0]
     call = generation.greedy_call(model, first.args, first.kwargs)
     static = not isinstance(call, str) and call.static  # device graphs need a static cache
-    kinds = [k for k in generation.LOOPS if k == "loop" or (device.type == "cuda" and static)]
+    workload.hint = _hint(model, device, call)
+    # a device graph replay of a step does what the plain loop does with no launches from the
+    # host: where it can run, the plain loop is not worth a measurement (each is a whole run)
+    kinds = ["graph"] if device.type == "cuda" and static else ["loop"]
     loops: dict[str, generation.DecodeLoop] = {}
     notes: dict[str, str] = {}
 
