@@ -189,6 +189,19 @@ def merge(paths: list[str], path_out: str) -> None:
             lines.append(f"| {r['model']} | {r['dtype']} | {label} | {rate:,.0f} | "
                          f"{rate / eager:.2f}x | " + (f"{rate / static:.2f}x" if static else "-") +
                          f" | {c['ttft_ms']:.2f} | {c['first_call_s']:.1f} | {same} |")
+    lines += ["", "Targets (issue 16), per row: tweak's tokens/s against transformers' static-cache path (2x in "
+              "bf16) and eager (5x in bf16); tuning time (tweak's first call) against the static path's "
+              "first call (at most 3x); identical tokens.", "",
+              "| model | dtype | vs static | vs eager | tuning / static first call | identical tokens |",
+              "|---|---|---:|---:|---:|---|"]
+    for r in rows:
+        cols = r["columns"]
+        t, s, e = cols.get("tweak", {}), cols.get("static", {}), cols.get("eager", {})
+        if not all("tokens_per_s" in c for c in (t, s, e)):
+            continue
+        lines.append(f"| {r['model']} | {r['dtype']} | {t['tokens_per_s'] / s['tokens_per_s']:.2f}x | "
+                     f"{t['tokens_per_s'] / e['tokens_per_s']:.2f}x | {t['first_call_s'] / s['first_call_s']:.1f}x | "
+                     f"{'yes' if t.get('same_as_untuned') else 'no'} |")
     lines.append("")
     for r in rows:
         if "tweak_result" in r:
