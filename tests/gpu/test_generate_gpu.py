@@ -1,0 +1,75 @@
+"""tweak's decode loop on CUDA: each decode step a device graph replay with a static cache.
+Its tokens are compared with transformers' own generate() on an untuned copy."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import torch_tweak as tt
+from torch_tweak import generation
+
+transformers = pytest.importorskip("transformers")
+
+
+def build(kind: str, dtype=torch.float32):
+    torch.manual_seed(0)
+    if kind == "llama":
+        config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=2,
+                                                                     n_positions=256))
+    return model.eval().to("cuda", dtype)
+
+
+def generate(model, ids, n=40, **kwargs):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=n, do_sample=False, cache_implementation="static",
+                              disable_compile=True, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_step_graph_gives_transformers_tokens(kind, dtype):
+    model = build(kind, dtype)
+    untuned = copy.deepcopy(model)
+    loop = generation.DecodeLoop(model, "graph")
+    generation.install(model, loop)
+    for batch, length, seed in ((1, 7, 0), (2, 7, 1), (1, 7, 2), (1, 11, 3)):
+        ids = torch.randint(3, 256, (batch, length), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        assert torch.equal(generate(model, ids), generate(untuned, ids)), (batch, length)
+    assert loop.calls == 4 and not loop.fallbacks
+    # one graph per (batch, cache length): the third call reused the first's
+    assert 2 <= len(loop._graphs) <= 3
+
+
+def test_the_step_graph_stops_at_the_end_of_sequence():
+    model = build("llama")
+    ids = torch.randint(3, 256, (2, 6), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    free = generate(model, ids)
+    eos = int(free[0, 6 + 20])  # past the first check (16 steps): the rule is read every 16
+    expected = generate(model, ids, eos_token_id=eos, pad_token_id=0)
+    generation.install(model, generation.DecodeLoop(model, "graph"))
+    assert torch.equal(generate(model, ids, eos_token_id=eos, pad_token_id=0), expected)
+    one = ids[:1]
+    generation.uninstall(model)
+    expected = generate(model, one, eos_token_id=eos, pad_token_id=0)
+    generation.install(model, generation.DecodeLoop(model, "graph"))
+    assert torch.equal(generate(model, one, eos_token_id=eos, pad_token_id=0), expected)
+
+
+def test_a_generate_workload_keeps_the_graph_loop_on_cuda():
+    model = build("gpt2")
+    untuned = copy.deepcopy(model)
+    ids = torch.randint(3, 256, (1, 8), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    result = tt.tweak(model, workload=lambda m: generate(m, ids, 32), max_depth=0, progress=False,
+                      measure={"rounds_max": 8, "time_cap": 1.0},
+                      strategy=tt.OneBackendStrategy(tt.backends.TorchEagerBackend()))
+    assert result.decode_loop == "graph", str(result)
+    other = torch.randint(3, 256, (1, 8), device="cuda", generator=torch.Generator("cuda").manual_seed(6))
+    assert torch.equal(generate(model, other, 32), generate(untuned, other, 32))
+    assert any(row.label.startswith("untuned + decode loop (graph)") for row in result.tokens)
