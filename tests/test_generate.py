@@ -107,6 +107,7 @@ def test_calls_the_loop_does_not_serve_run_transformers_loop(why, kwargs):
     torch.manual_seed(5)
     got = model.generate(ids, max_new_tokens=6, **kwargs)
     assert loop.calls == 0 and sum(loop.fallbacks.values()) == 1, (why, loop.fallbacks)
+    assert "transformers' loop ran 1 for" in str(tt.status(model))
     if isinstance(expected, torch.Tensor):
         assert torch.equal(got, expected)
     else:

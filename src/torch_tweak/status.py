@@ -12,6 +12,7 @@ import dataclasses
 
 from torch import nn
 
+from .generation import loop_of
 from .module import UNTUNED_REASONS, installed
 
 
@@ -40,7 +41,11 @@ class ModuleStatus:
 
 
 class ModelStatus(dict):
-    """{module path: ModuleStatus}; ``str()`` is a table, ``untuned`` the model's totals."""
+    """{module path: ModuleStatus}; ``str()`` is a table, ``untuned`` the model's totals.
+    decode_loop: tweak's decode loop behind generate() (docs/generate.md), or None: its kind,
+    the calls it served and, by reason, those it left to transformers."""
+
+    decode_loop: dict | None = None
 
     @property
     def untuned(self) -> dict[str, int]:
@@ -51,7 +56,12 @@ class ModelStatus(dict):
         for path, s in sorted(self.items()):
             rows.append([path or "(root)", s.backend or "original", "yes" if s.active else "no", str(s.calls),
                          *(str(s.untuned.get(reason, 0)) for reason in UNTUNED_REASONS)])
-        return _table(rows) if len(rows) > 1 else "no tuned modules"
+        text = _table(rows) if len(rows) > 1 else "no tuned modules"
+        loop = self.decode_loop
+        if loop is not None:
+            text += (f"\ngenerate(): tweak's decode loop ({loop['kind']}) served {loop['calls']} calls" +
+                     "".join(f"; transformers' loop ran {n} for {why}" for why, n in loop["fallbacks"].items()))
+        return text
 
 
 def status(model: nn.Module) -> ModelStatus:
@@ -59,6 +69,9 @@ def status(model: nn.Module) -> ModelStatus:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     result = ModelStatus()
+    loop = loop_of(model)
+    if loop is not None:
+        result.decode_loop = {"kind": loop.kind, "calls": loop.calls, "fallbacks": dict(loop.fallbacks)}
     for path, wrapper in installed(model).items():
         names = list(dict.fromkeys(g.backend.name for g in wrapper.tt_signatures if g.backend is not None))
         if not names and wrapper.tt_backend is not None:
