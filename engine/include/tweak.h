@@ -3,7 +3,8 @@
  *
  * The engine sees a model as a tree of called modules named by dotted paths,
  * and backends and models as callbacks. It owns every decision of a tweak:
- * the cuts per depth, the measurement protocol and its statistics, the
+ * the cuts per depth, each module's search (its signature groups and
+ * candidates), the measurement protocol and its statistics, the
  * strategies' decision rules, the depth search and the result table.
  *
  * Conventions
@@ -440,8 +441,10 @@ typedef struct tw_result tw_result;
  *   - when the time budget (counted from this call's start) is used up, the
  *     depth is not started and its row says "time budget used up";
  *   - enter the cut (tune[i] set for modules not tuned at an earlier depth),
- *     tune those modules, and when every module of the cut has failed, leave
- *     and record the depth as skipped with the first module's error;
+ *     search those modules (tw_tune_module with ops->modules; the result
+ *     keeps each search, see tw_result_module_search), and when every module
+ *     of the cut has failed, leave and record the depth as skipped with the
+ *     first module's error (tw_module_result_error);
  *   - otherwise activate, measure the model, leave.
  * The untuned model is measured first, and again after the last depth when at
  * least one depth was measured; the lower of its measurements counts.
