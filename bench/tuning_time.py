@@ -63,8 +63,10 @@ def profiled_tweak(model: torch.nn.Module, data: list, share: bool, static: bool
 
     detail: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))  # module -> part -> s
     current = [""]  # the module being tuned
+    started = [0.0]  # when the engine began its search
     record_s = [0.0]
-    real_prepare, real_check, real_tune = Backend.prepare, tuning.check, tweak_module.tune_wrapper
+    real_prepare, real_check = Backend.prepare, tuning.check
+    real_groups, real_tuned = tuning.ModuleSearch.groups, tweak_module._Session.tuned
     real_enter = tweak_module._Session.enter
     real_scope = tuning.build_scopes
 
@@ -78,9 +80,16 @@ def profiled_tweak(model: torch.nn.Module, data: list, share: bool, static: bool
                 charge(time.perf_counter() - t0, *args)
         return call
 
-    def start_module(wrapper: Any, *args: Any, **kwargs: Any) -> Any:
-        current[0] = wrapper.tt_name
-        return real_tune(wrapper, *args, **kwargs)
+    def start_module(search: Any, node: int) -> Any:
+        """The engine starts a module's search (ModuleSearch.groups)."""
+        current[0] = search.wrapper_of(node).tt_name
+        started[0] = time.perf_counter()
+        return real_groups(search, node)
+
+    def end_module(session: Any, node: int) -> Any:
+        """The engine has committed the module's last group (_Session.tuned)."""
+        detail[session.wrappers[node].tt_name]["total"] += time.perf_counter() - started[0]
+        return real_tuned(session, node)
 
     def charge_build(seconds: float, backend: Any, *_: Any) -> None:
         detail[current[0]][backend.name] += seconds
@@ -88,19 +97,17 @@ def profiled_tweak(model: torch.nn.Module, data: list, share: bool, static: bool
     def charge_check(seconds: float, *_: Any) -> None:
         detail[current[0]]["check"] += seconds
 
-    def charge_module(seconds: float, wrapper: Any, *_: Any) -> None:
-        detail[wrapper.tt_name]["total"] += seconds
-
     def charge_record(seconds: float, *_: Any) -> None:
         record_s[0] += seconds
 
     prepare, check = timed(real_prepare, charge_build), timed(real_check, charge_check)
-    tune_wrapper, enter = timed(start_module, charge_module), timed(real_enter, charge_record)
+    enter = timed(real_enter, charge_record)
 
     mine = copy.deepcopy(model)
     cold_compiler("tweak")
     metrics0, counters0 = compile_metrics(), compile_counters()
-    Backend.prepare, tuning.check, tweak_module.tune_wrapper = prepare, check, tune_wrapper  # type: ignore
+    Backend.prepare, tuning.check = prepare, check  # type: ignore
+    tuning.ModuleSearch.groups, tweak_module._Session.tuned = start_module, end_module  # type: ignore
     tweak_module._Session.enter = enter  # type: ignore[method-assign]
     if not share:
         tuning.build_scopes = lambda backends, static: contextlib.nullcontext()  # type: ignore[assignment]
@@ -113,7 +120,8 @@ def profiled_tweak(model: torch.nn.Module, data: list, share: bool, static: bool
         torch.cuda.synchronize()
         total = time.perf_counter() - t0
     finally:
-        Backend.prepare, tuning.check, tweak_module.tune_wrapper = real_prepare, real_check, real_tune  # type: ignore
+        Backend.prepare, tuning.check = real_prepare, real_check  # type: ignore
+        tuning.ModuleSearch.groups, tweak_module._Session.tuned = real_groups, real_tuned  # type: ignore
         tweak_module._Session.enter = real_enter  # type: ignore[method-assign]
         tuning.build_scopes = real_scope  # type: ignore[assignment]
     metrics1, counters1 = compile_metrics(), compile_counters()

@@ -329,13 +329,27 @@ class FakeModel:
         self.log.append(("enter", tuple(nodes), tuple(tune)))
         self.entered = list(nodes)
 
-    def tune(self, node):
+    # the module search's callbacks: one signature group of one candidate per module
+    def groups(self, node):
         self.log.append(("tune", node))
+        return 1
+
+    def group(self, node, group):
+        return ("(x)", "first-wins", ("fake",), 1)
+
+    def build(self, node, group, candidate):
         if node == self.interrupt:
             raise KeyboardInterrupt("tune interrupted")
         if node in self.fail:
             raise ValueError(f"node {node} does not tune")
-        self.tuned.add(node)
+
+    def run_candidate(self, node, group, candidate, sample):
+        self.clock.now += 1
+
+    def commit(self, node, group, chosen):
+        self.log.append(("commit", node, chosen))
+        if chosen >= 0:
+            self.tuned.add(node)
 
     def activate(self):
         self.log.append(("activate",))
@@ -351,14 +365,22 @@ class FakeModel:
         self.clock.now += self.latency.get(on, 1000)
 
     def kwargs(self, **extra):
-        return dict(enter=self.enter, tune=self.tune, activate=self.activate, leave=self.leave,
+        return dict(enter=self.enter, modules=Modules(self), activate=self.activate, leave=self.leave,
                     run=self.run, n_samples=2, clock=self.clock, **extra)
+
+
+class Modules:
+    """The `modules` object of a tweak: the FakeModel's module-search callbacks."""
+
+    def __init__(self, model):
+        self.groups, self.group, self.build = model.groups, model.group, model.build
+        self.run, self.commit = model.run_candidate, model.commit
 
 
 def test_tweak_selects_the_shallowest_depth_within_the_tolerance():
     clock = FakeClock()
     model = FakeModel(clock, {frozenset([0]): 900, frozenset([1, 4]): 600, frozenset([2, 3, 4]): 590})
-    result = _C.tweak(_C.Tree(TREE_MODULES), **model.kwargs(max_depth=-1))
+    result = _C.tweak(_C.Tree(TREE_MODULES), **model.kwargs(max_depth=None))
     rows = result.rows
     assert [r["depth"] for r in rows] == [0, 1, 2]
     assert [r["modules"] for r in rows] == [1, 2, 3]
@@ -372,6 +394,15 @@ def test_tweak_selects_the_shallowest_depth_within_the_tolerance():
     # the selected cut stays entered and active at the end
     assert model.entered == [1, 4] and model.active
     assert [result.module(i)[0] for i in range(5)] == [1, 1, 1, 1, 1]
+    modules = result.modules
+    assert [m["node"] for m in modules] == [0, 1, 2, 3, 4]
+    assert [m["depths"] for m in modules] == [[0], [1], [2], [2], [1, 2]]
+    assert [m["kept"] for m in modules] == [False, True, False, False, True]
+    assert modules[4]["path"] == "head" and modules[4]["state"] == 1 and modules[4]["error"] == ""
+    assert modules[4]["groups"] == [{"text": "(x)", "strategy": "first-wins", "samples": 1, "chosen": 0,
+                                     "error": "", "candidates": [{"name": "fake", "state": "built",
+                                                                  "verdict": "chosen", "error": "",
+                                                                  "stats": None}]}]
     assert str(result) == result.format() and "enc" not in "" and len(result.format()) > 0
     with pytest.raises(IndexError):
         result.module(5)
@@ -404,6 +435,11 @@ def test_tweak_skips_a_depth_where_every_module_fails():
     assert state == -1 and "ValueError: node 2 does not tune" in error
     assert result.module(1) == (1, "")
     assert result.module(0)[0] == 0  # the root was never in a cut
+    failed = {m["node"]: m for m in result.modules}[2]
+    assert failed["state"] == -1 and failed["groups"][0]["chosen"] == -1
+    assert failed["error"] == "no backend passed (fake: ValueError: node 2 does not tune)"
+    assert failed["groups"][0]["candidates"][0]["verdict"] == "failed"
+    assert ("commit", 2, -1) in model.log
 
 
 def test_tweak_interrupt_propagates_and_leaves():
@@ -419,9 +455,10 @@ def test_tweak_interrupt_propagates_and_leaves():
 def test_tweak_dry_run_calls_nothing():
     clock = FakeClock()
     model = FakeModel(clock, {})
-    result = _C.tweak(_C.Tree(TREE_MODULES), **model.kwargs(dry_run=True, max_depth=-1))
+    result = _C.tweak(_C.Tree(TREE_MODULES), **model.kwargs(dry_run=True, max_depth=None))
     assert [r["state"] for r in result.rows] == ["dry"] * 3
     assert [r["modules"] for r in result.rows] == [1, 2, 3]
+    assert result.modules == []
     assert result.baseline is None and result.selected == -1
     assert model.log == [] and clock.now == 0
 
@@ -429,12 +466,12 @@ def test_tweak_dry_run_calls_nothing():
 def test_tweak_time_budget():
     clock = FakeClock()
     model = FakeModel(clock, {frozenset([0]): 10})
-    result = _C.tweak(_C.Tree(TREE_MODULES), **model.kwargs(time_budget=1e-9, max_depth=-1))
+    result = _C.tweak(_C.Tree(TREE_MODULES), **model.kwargs(time_budget=1e-9, max_depth=None))
     assert [r["state"] for r in result.rows] == ["budget"] * 3
     assert result.rows[0]["error"] == "time budget used up"
     assert result.selected == -1 and result.baseline is not None
     model = FakeModel(FakeClock(), {})
-    result = _C.tweak(_C.Tree(TREE_MODULES), **model.kwargs(time_budget=0, max_depth=-1))
+    result = _C.tweak(_C.Tree(TREE_MODULES), **model.kwargs(time_budget=0, max_depth=None))
     assert [r["state"] for r in result.rows] == ["budget"] * 3
     assert not any(e[0] == "enter" for e in model.log)
     for bad in (-1.0, float("inf"), "1"):
@@ -458,9 +495,127 @@ def test_tweak_argument_errors():
         _C.tweak(tree, **model.kwargs(tie_tolerance=-0.5))
     with pytest.raises(ValueError, match="rounds_max"):
         _C.tweak(tree, **model.kwargs(config={"rounds_max": "x"}))
-    with pytest.raises(TypeError, match="tune"):
-        _C.tweak(tree, **{**model.kwargs(), "tune": 3})
+    with pytest.raises(TypeError, match="modules must have callable .*no callable group$"):
+        _C.tweak(tree, **{**model.kwargs(), "modules": type("M", (), {"groups": lambda self, node: 1, "group": 2})()})
+    with pytest.raises(ValueError, match="max_depth must be an int >= 0 or None, got -1"):
+        _C.tweak(tree, **model.kwargs(max_depth=-1))
     assert model.log == []
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"min_depth": -1}, "min_depth must be an int >= 0, got -1"),
+    ({"min_depth": "0"}, "min_depth must be an int >= 0, got '0'"),
+    ({"min_depth": 2 ** 80}, "min_depth must be an int >= 0, got 1208925819614629174706176"),
+    ({"max_depth": -1}, "max_depth must be an int >= 0 or None, got -1"),
+    ({"max_depth": 1.0}, "max_depth must be an int >= 0 or None, got 1.0"),
+    ({"min_depth": 3, "max_depth": 1}, "min_depth \\(3\\) is greater than max_depth \\(1\\): lower min_depth or "
+                                       "raise max_depth"),
+    ({"min_depth": 3}, "min_depth \\(3\\) is greater than max_depth \\(1\\)"),  # the engine's default max_depth
+    ({"tie_tolerance": -0.1}, "tie_tolerance must be a fraction >= 0 \\(0.02 is 2 %\\), got -0.1$"),
+    ({"tie_tolerance": float("nan")}, "tie_tolerance must be a fraction >= 0 \\(0.02 is 2 %\\), got nan$"),
+    ({"tie_tolerance": "0.02"}, "tie_tolerance must be a fraction >= 0 \\(0.02 is 2 %\\), got '0.02'"),
+    ({"time_budget": -1}, "time_budget must be a number of seconds >= 0 or None, got -1$"),
+    ({"time_budget": "1"}, "time_budget must be a number of seconds >= 0 or None, got '1'"),
+    ({"time_budget": float("nan")}, "time_budget must be a number of seconds >= 0 or None, got nan"),
+    ({"time_budget": float("inf")}, "time_budget must be a finite number >= 0, not inf"),
+    ({"config": {"rounds_min": 0}}, "rounds_min"),
+])
+def test_check_tweak_config_raises_the_users_message(settings, message):
+    with pytest.raises(ValueError, match=message):
+        _C.check_tweak_config(**settings)
+    model = FakeModel(FakeClock(), {})
+    with pytest.raises(ValueError, match=message):  # tweak checks its settings by the same rules
+        _C.tweak(_C.Tree(TREE_MODULES), **model.kwargs(**settings))
+    assert model.log == []
+
+
+def test_check_tweak_config_accepts_what_tweak_accepts():
+    assert _C.check_tweak_config() is None
+    assert _C.check_tweak_config(min_depth=True, max_depth=None, tie_tolerance=0, time_budget=0,
+                                 config={"rounds_max": 10}) is None
+
+
+# ------------------------------------------------------------------ tune_module
+
+class Search:
+    """One module for tune_module: per group (text, kind, candidates), each candidate
+    (name, build error or None, ns per call); every callback logged."""
+
+    def __init__(self, clock, groups):
+        self.clock = clock
+        self.spec = groups
+        self.log = []
+
+    def groups(self, node):
+        self.log.append(("groups", node))
+        return len(self.spec)
+
+    def group(self, node, g):
+        text, kind, cands = self.spec[g]
+        self.log.append(("group", node, g))
+        return (text, kind, tuple(c[0] for c in cands), 2)
+
+    def build(self, node, g, c):
+        self.log.append(("build", g, c))
+        error = self.spec[g][2][c][1]
+        if isinstance(error, BaseException):
+            raise error
+
+    def run(self, node, g, c, sample):
+        self.clock.now += self.spec[g][2][c][2]
+
+    def commit(self, node, g, chosen):
+        self.log.append(("commit", node, g, chosen))
+
+
+def test_tune_module_runs_each_groups_strategy_and_reports_every_candidate():
+    clock = FakeClock()
+    search = Search(clock, [
+        ("(float32[8])", "highest-throughput",
+         [("Slow", None, 300), ("Fast", None, 100), ("Broken", ValueError("does not build"), 1)]),
+        ("(float32[1])", "first-wins", [("A", RuntimeError("no"), 1), ("B", None, 50), ("C", None, 10)]),
+    ])
+    result = _C.tune_module(search, 3, path="enc.0", clock=clock, config={"rounds_max": 5})
+    assert result["path"] == "enc.0" and result["state"] == 1 and result["error"] == ""
+    first, second = result["groups"]
+    assert first["text"] == "(float32[8])" and first["strategy"] == "highest-throughput"
+    assert first["chosen"] == 1 and first["samples"] == 2 and first["error"] == ""
+    assert [c["verdict"] for c in first["candidates"]] == ["slower", "chosen", "failed"]
+    assert [c["stats"]["median_ns"] for c in first["candidates"][:2]] == [300.0, 100.0]
+    assert first["candidates"][2] == {"name": "Broken", "state": "failed", "verdict": "failed",
+                                      "error": "ValueError: does not build", "stats": None}
+    assert [c["verdict"] for c in second["candidates"]] == ["failed", "chosen", "not tried"]
+    assert ("build", 1, 2) not in search.log  # first-wins stopped at B
+    assert [e for e in search.log if e[0] == "commit"] == [("commit", 3, 0, 1), ("commit", 3, 1, 1)]
+
+
+def test_tune_module_failures_say_why():
+    clock = FakeClock()
+    search = Search(clock, [("(x)", "first-wins", [("A", ValueError("bad"), 1), ("B", ValueError("worse"), 1)])])
+    result = _C.tune_module(search, 0, clock=clock)
+    assert result["state"] == -1 and result["path"] == ""
+    assert result["error"] == "no backend passed (A: ValueError: bad; B: ValueError: worse)"
+    assert result["groups"][0]["error"] == result["error"]
+    result = _C.tune_module(Search(clock, []), 0, path="head", clock=clock)
+    assert result["error"] == "the dataset never called head; there is nothing to tune it on"
+    bad = Search(clock, [("(x)", "nope", [("A", None, 1)])])
+    result = _C.tune_module(bad, 0, clock=clock)
+    assert result["state"] == -1 and "unknown strategy kind 'nope'" in result["groups"][0]["error"]
+    assert bad.log[-1] == ("commit", 0, 0, -1)  # a group that failed still ends with a commit
+    with pytest.raises(TypeError, match="object has no callable groups"):
+        _C.tune_module(object(), 0)
+    with pytest.raises(ValueError, match="node must be >= 0"):
+        _C.tune_module(search, -1)
+
+
+def test_tune_module_interrupt_commits_and_propagates():
+    clock = FakeClock()
+    search = Search(clock, [("(x)", "highest-throughput", [("A", None, 1), ("B", KeyboardInterrupt("stop"), 1),
+                                                          ("C", None, 1)])])
+    with pytest.raises(KeyboardInterrupt, match="stop"):
+        _C.tune_module(search, 5, clock=clock)
+    assert ("build", 0, 2) not in search.log
+    assert search.log[-1] == ("commit", 5, 0, -1)
 
 
 def test_callbacks_and_failures_keep_their_reference_counts():
@@ -526,6 +681,26 @@ def churn():
 """
 
 _FREEING_SCRIPTS = {
+    "tune-module-rebinds-its-callbacks": """
+class Search:
+    def groups(self, node):
+        return 2
+    def group(self, node, g):
+        return ("(x)" * 20, "highest-throughput", tuple("cand-%d-%s" % (i, "x" * 40) for i in range(3)), 2)
+    def build(self, node, g, c):
+        # drop every callback the binding was given, and the names it read
+        for name in ("groups", "group", "build", "run", "commit"):
+            setattr(self, name, None)
+        churn()
+    def run(self, node, g, c, sample):
+        clock.now += 10 * (c + 1)
+        churn()
+    def commit(self, node, g, chosen):
+        churn()
+result = _C.tune_module(Search(), 0, clock=clock, config=cfg)
+assert [g["chosen"] for g in result["groups"]] == [0, 0], result
+assert result["groups"][1]["candidates"][2]["name"].startswith("cand-2-"), result
+""",
     "choose-clears-candidates": """
 cands = []
 def make(name):

@@ -151,3 +151,72 @@ def test_a_backend_out_of_memory_is_rejected_and_the_next_one_tried(mlp, mlp_dat
     assert tt.tune(mlp, mlp_data) == {"head": "TorchEager"}
     hungry = next(r for r in w.tt_report if r["backend"] == "Hungry")
     assert hungry["reason"] == "out of memory" and "80.00 GiB" in hungry["error"]
+
+
+def test_result_modules_are_the_engines_result_read_once(mlp, mlp_data):
+    """result.modules is the engine's per-module model (_C.Result.modules) plus what only Python
+    knows of a build; nothing is rebuilt from the wrappers."""
+    untuned = [mlp(x).detach() for x in mlp_data]
+    strategy = tt.HighestThroughputStrategy([BrokenBackend(), NoisyBackend(), TorchEagerBackend()])
+    result = tt.tweak(mlp, mlp_data, min_depth=1, max_depth=1, strategy=strategy, progress=False, measure=FAST,
+                      cache=False)
+    engine = {m["path"]: m for m in result._engine.modules}
+    assert set(engine) == set(result.modules) == {"blocks.0", "blocks.1", "head"}
+    for path, module in result.modules.items():
+        found = engine[path]
+        assert module.error == found["error"] == ""
+        assert module.depths == tuple(found["depths"]) == (1,)
+        assert module.kept == found["kept"] == (result.selected_depth == 1)
+        (group,) = found["groups"]
+        (sig,) = module.signatures
+        assert sig.text == group["text"] and group["strategy"] == "highest-throughput"
+        assert [c["backend"] for c in sig.candidates] == [c["name"] for c in group["candidates"]]
+        assert [c["state"] for c in sig.candidates] == [c["state"] for c in group["candidates"]]
+        assert [c["verdict"] for c in group["candidates"]] == ["failed", "failed", "chosen"]
+        assert sig.candidates[2]["latency_ms"] == group["candidates"][2]["stats"]["median_ns"] / 1e6
+        assert sig.candidates[1]["reason"] == "mismatch"  # Python's note, joined to the engine's row
+        wrapper = tt.installed(mlp).get(path)
+        if wrapper is not None:  # the kept cut's wrappers carry the same
+            assert wrapper.tt_report == list(module.candidates) and wrapper.tt_error == module.error
+    with torch.no_grad():
+        assert all(torch.allclose(mlp(x), e) for x, e in zip(mlp_data, untuned))
+
+
+def test_tune_goes_through_the_engines_module_search(mlp, mlp_data, monkeypatch):
+    """tt.tune has no loop of its own over groups or candidates: one engine search per module."""
+    from torch_tweak import _C, tuning
+
+    untuned = [mlp(x).detach() for x in mlp_data]
+    searched = []
+    real = _C.tune_module
+
+    def spy(modules, node, **kwargs):
+        found = real(modules, node, **kwargs)
+        searched.append((kwargs["path"], found))
+        return found
+
+    monkeypatch.setattr(tuning._C, "tune_module", spy)
+    tt.wrap(mlp, ["blocks.0", "head"])
+    chosen = tt.tune(mlp, mlp_data, strategy=tt.FirstWinsStrategy([BrokenBackend(), TorchEagerBackend()]),
+                     measure=FAST)
+    assert chosen == {"blocks.0": "TorchEager", "head": "TorchEager"}
+    assert [path for path, _ in searched] == ["blocks.0", "head"]
+    for path, found in searched:
+        w = tt.installed(mlp)[path]
+        assert found["state"] == 1 and [c["verdict"] for c in found["groups"][0]["candidates"]] == ["failed", "chosen"]
+        assert [r["state"] for r in w.tt_report] == ["failed", "built"] and w.tt_report[0]["reason"] == "build failed"
+        assert w.tt_signatures[0].error == "" and w.tt_active
+    with torch.no_grad():
+        assert all(torch.allclose(mlp(x), e) for x, e in zip(mlp_data, untuned))
+
+
+def test_tune_failure_is_the_engines_explanation(mlp, mlp_data):
+    untuned = [mlp(x).detach() for x in mlp_data]
+    tt.wrap(mlp, ["head"])
+    chosen = tt.tune(mlp, mlp_data, strategy=tt.FirstWinsStrategy([BrokenBackend()]), measure=FAST)
+    w = tt.installed(mlp)["head"]
+    assert chosen == {"head": None} and not w.tt_active
+    assert w.tt_error.startswith("no backend passed (Broken: RuntimeError: this backend cannot")
+    assert w.tt_signatures[0].error == w.tt_error
+    with torch.no_grad():
+        assert all(torch.allclose(mlp(x), e) for x, e in zip(mlp_data, untuned))

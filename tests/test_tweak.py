@@ -200,3 +200,44 @@ def test_module_table_is_grouped_by_depth_with_the_kept_depth_marked(mlp_data):
     assert result.modules["0"].kept and result.modules["1"].depths == (1,)
     with torch.no_grad():
         assert all(torch.allclose(model(x), e) for x, e in zip(mlp_data, expected))
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"min_depth": -1}, "min_depth must be an int >= 0, got -1"),
+    ({"min_depth": 1.5}, "min_depth must be an int >= 0, got 1.5"),
+    ({"max_depth": -1}, "max_depth must be an int >= 0 or None, got -1"),
+    ({"min_depth": 3, "max_depth": 1}, "min_depth (3) is greater than max_depth (1): lower min_depth or raise max_depth"),
+    ({"tie_tolerance": -0.1}, "tie_tolerance must be a fraction >= 0 (0.02 is 2 %), got -0.1"),
+    ({"tie_tolerance": "2%"}, "tie_tolerance must be a fraction >= 0 (0.02 is 2 %), got '2%'"),
+    ({"time_budget": -1}, "time_budget must be a number of seconds >= 0 or None, got -1"),
+])
+def test_bad_settings_raise_the_engines_message_before_anything_runs(mlp, mlp_data, settings, message, monkeypatch):
+    import sys
+
+    tweak_module = sys.modules["torch_tweak.tweak"]  # the module, not the function tt.tweak
+    monkeypatch.setattr(tweak_module, "trace", lambda *a: pytest.fail("traced before the settings were checked"))
+    with pytest.raises(ValueError) as caught:
+        tt.tweak(mlp, mlp_data, progress=False, **settings)
+    assert str(caught.value) == message
+    assert not tt.installed(mlp)
+
+
+def test_interrupt_in_a_build_leaves_the_model_as_it_was(mlp, mlp_data):
+    """A KeyboardInterrupt inside a candidate's build: the engine commits the open group (its
+    build scopes close, grad mode comes back), leaves the cut, and the interrupt propagates."""
+    from torch_tweak.module import is_wrapped
+
+    class Interrupting(tt.Backend):
+        name = "Interrupting"
+
+        def build(self, module, samples, device):
+            raise KeyboardInterrupt("stop the tweak")
+
+    untuned = [mlp(x).detach() for x in mlp_data]
+    with pytest.raises(KeyboardInterrupt, match="stop the tweak"):
+        tt.tweak(mlp, mlp_data, strategy=tt.FirstWinsStrategy([Interrupting()]), progress=False, measure=FAST,
+                 cache=False)
+    assert torch.is_grad_enabled()
+    assert not tt.installed(mlp) and not any(is_wrapped(m) for m in mlp.modules())
+    with torch.no_grad():
+        assert all(torch.allclose(mlp(x), e) for x, e in zip(mlp_data, untuned))

@@ -3,7 +3,8 @@
  *
  * The engine sees a model as a tree of called modules named by dotted paths,
  * and backends and models as callbacks. It owns every decision of a tweak:
- * the cuts per depth, the measurement protocol and its statistics, the
+ * the cuts per depth, each module's search (its signature groups and
+ * candidates), the measurement protocol and its statistics, the
  * strategies' decision rules, the depth search and the result table.
  *
  * Conventions
@@ -263,16 +264,132 @@ tw_code tw_strategy_choose(const tw_host *host, tw_strategy_kind kind,
 /* "first-wins", "highest-throughput", "one-backend"; NULL when out of range. */
 const char *tw_strategy_name(tw_strategy_kind kind);
 
+/* "not tried", "failed", "built", "measured"; "unknown" when out of range. */
+const char *tw_candidate_state_name(tw_candidate_state state);
+
+/* Why a candidate of a group that chose `chosen` (-1: none) won or lost, as a
+ * static word: "chosen", "slower" (measured, a faster one won), "failed" (see
+ * its message), "not tried" (the rule stopped before it: first-wins found an
+ * earlier one, or the search was stopped), "built" (built, never measured). */
+const char *tw_candidate_verdict(const tw_candidate_report *report, int chosen);
+
+/* ----------------------------------------------------------- module search */
+
+/* One module's search: for each of its signature groups (the calls of one
+ * input signature), the group's candidates are built, checked, measured and
+ * chosen from by the group's strategy (tw_strategy_choose). The host describes
+ * the module and runs what the engine asks, through these callbacks; `node`
+ * is the caller's number for the module (a tree index in a tweak), passed back
+ * unchanged. Every callback may fail: TW_EINTERRUPT stops the search at once;
+ * any other code is a failure of that one step (see each).
+ *
+ * groups(node, *count): how many signature groups the module has. 0: it was
+ *   never called, and it fails ("the dataset never called ..."). Failing: the
+ *   module fails with its message, and no other callback is called.
+ * group(node, g, *info): begins group g (0 <= g < count, in order) and says
+ *   what it holds (tw_group_info, zeroed before the call). Failing, or an
+ *   info the strategy refuses (no candidates, one-backend with several): that
+ *   group fails with the message, and the search goes on with the next one.
+ * build(node, g, c): builds candidate c of group g and checks it against the
+ *   original (non-zero: rejected, err says why).
+ * run(node, g, c, sample): makes call `sample` (0 <= sample < n_samples) of
+ *   the group with built candidate c; what is measured.
+ * sync(): waits for the device (NULL: nothing to wait for).
+ * commit(node, g, chosen): ends group g with the index of the candidate its
+ *   strategy chose, or -1 for none: the host installs it (or keeps the original
+ *   forward). It follows every group() call, also one that failed, and also
+ *   when the search stops (then with -1), so a host can release what group()
+ *   took. Failing: the group counts as failed with its message (the host must
+ *   not keep what it was installing).
+ * The measurement uses cfg (NULL: the defaults). */
+typedef struct tw_group_info {
+    const char *text;         /* how the group reads in messages (its input
+                               * signature); NULL: "" */
+    tw_strategy_kind kind;    /* the strategy that chooses among its candidates */
+    size_t n_candidates;
+    const char *const *names; /* n_candidates names, NULL only when n_candidates
+                               * is 0; a NULL name reads "(unnamed)" */
+    size_t n_samples;         /* recorded calls, each measured run makes them all */
+} tw_group_info;              /* the strings are copied before the next callback */
+
+typedef struct tw_module_ops {
+    void *ctx;
+    tw_code (*groups)(void *ctx, size_t node, size_t *count, tw_error *err);
+    tw_code (*group)(void *ctx, size_t node, size_t group, tw_group_info *info,
+                     tw_error *err);
+    tw_code (*build)(void *ctx, size_t node, size_t group, size_t candidate, tw_error *err);
+    tw_code (*run)(void *ctx, size_t node, size_t group, size_t candidate, size_t sample,
+                   tw_error *err);
+    tw_code (*sync)(void *ctx, tw_error *err);
+    tw_code (*commit)(void *ctx, size_t node, size_t group, long chosen, tw_error *err);
+} tw_module_ops;
+
+/* What one module's search found: per group, per candidate. Read-only. */
+typedef struct tw_module_result tw_module_result;
+
+/* Searches one module (see tw_module_ops). path names it in messages ("" or
+ * NULL: "(root)"). On TW_OK, *out owns a new result (tw_module_result_destroy),
+ * tuned or failed: the module failed when no group chose a candidate. An
+ * interrupt (TW_EINTERRUPT) or running out of memory (TW_ENOMEM) stops the
+ * search, the group in progress is committed with -1, and *out is NULL.
+ * TW_EINVAL (nothing called) when ops, a callback other than sync, or out is
+ * NULL, or cfg is invalid. Not thread-safe; the callbacks run on the caller's
+ * thread. */
+tw_code tw_tune_module(const tw_host *host, const tw_module_ops *ops, size_t node,
+                       const char *path, const tw_measure_config *cfg,
+                       tw_module_result **out, tw_error *err);
+
+/* NULL is a no-op. */
+void tw_module_result_destroy(tw_module_result *module);
+
+/* 1: at least one group chose a candidate; -1: none did. 0 for NULL. */
+int tw_module_result_state(const tw_module_result *module);
+
+/* Why the module failed, "" when it did not: every failed group's error,
+ * joined by "; ", each after its text when there are several groups. Owned
+ * by the result; "" for NULL. */
+const char *tw_module_result_error(const tw_module_result *module);
+
+/* The name the module was searched under (path), owned by the result. */
+const char *tw_module_result_path(const tw_module_result *module);
+
+size_t tw_module_result_group_count(const tw_module_result *module);
+
+/* One group, as the search left it. Strings are owned by the result. */
+typedef struct tw_group_report {
+    const char *text;
+    tw_strategy_kind kind;
+    size_t n_samples;
+    size_t n_candidates;
+    long chosen;          /* the winner, or -1 */
+    const char *error;    /* "" when a candidate was chosen, else why not:
+                           * "no backend passed (name: error or state; ...)", or
+                           * the message of the step that failed */
+} tw_group_report;
+
+/* Copies group g into *out; TW_EINVAL when module or out is NULL or g is out
+ * of range. */
+tw_code tw_module_result_group(const tw_module_result *module, size_t g,
+                               tw_group_report *out, tw_error *err);
+
+/* Candidate c of group g: *name (owned by the result; may be NULL) and a copy
+ * of what happened to it in *report (may be NULL). TW_EINVAL when module is
+ * NULL or g or c is out of range. */
+tw_code tw_module_result_candidate(const tw_module_result *module, size_t g, size_t c,
+                                   const char **name, tw_candidate_report *report,
+                                   tw_error *err);
+
 /* ------------------------------------------------------------ depth search */
 
 /* What the tweak asks of its host, for one cut at a time:
  * enter(nodes, tune, n): wrap the modules of the cut (tree indices nodes[0..n))
  *   so that they run their original forward, and record samples for every
  *   node with tune[i] != 0 (by running the dataset once).
- * tune(node): tune one module of the entered cut; non-zero: it failed (err
- *   says why) and it keeps its original forward. Called once per node over
- *   the whole tweak: a module in several cuts is tuned at the first and
- *   reused after.
+ * modules: the module search's callbacks (tw_module_ops), which the engine
+ *   runs (tw_tune_module, with cfg->measure) for every node of the entered cut
+ *   with tune[i] != 0, node being its tree index: each module is searched once
+ *   over the whole tweak, at the first cut that holds it, and reused after. A
+ *   module that fails keeps its original forward.
  * activate(): switch the entered cut's tuned modules to their backends.
  * deactivate(): switch them back to their original forward, still wrapped
  *   (may be NULL: the kept depth is then not confirmed, see tw_tweak_run).
@@ -288,7 +405,7 @@ typedef struct tw_tweak_ops {
     void *ctx;
     tw_code (*enter)(void *ctx, const size_t *nodes, const int *tune, size_t n,
                      tw_error *err);
-    tw_code (*tune)(void *ctx, size_t node, tw_error *err);
+    tw_module_ops modules;
     tw_code (*activate)(void *ctx, tw_error *err);
     tw_code (*deactivate)(void *ctx, tw_error *err);
     tw_code (*leave)(void *ctx, tw_error *err);
@@ -309,14 +426,25 @@ typedef struct tw_tweak_config {
  * run, the default measurement. */
 void tw_tweak_config_default(tw_tweak_config *cfg);
 
+/* The rules a tweak config keeps, the one place they are written: TW_EINVAL,
+ * with the message a user reads, for cfg NULL, min_depth < 0 ("min_depth must
+ * be an int >= 0, got -1"), max_depth >= 0 below min_depth ("min_depth (3) is
+ * greater than max_depth (1): lower min_depth or raise max_depth"), a
+ * tie_tolerance that is negative or not finite ("tie_tolerance must be a
+ * fraction >= 0 (0.02 is 2 %), got -0.1"), or, unless dry_run, an invalid
+ * measurement config. tw_tweak_run checks it first. */
+tw_code tw_tweak_config_check(const tw_tweak_config *cfg, tw_error *err);
+
 typedef struct tw_result tw_result;
 
 /* The depth search. For every distinct cut from min_depth to max_depth:
  *   - when the time budget (counted from this call's start) is used up, the
  *     depth is not started and its row says "time budget used up";
  *   - enter the cut (tune[i] set for modules not tuned at an earlier depth),
- *     tune those modules, and when every module of the cut has failed, leave
- *     and record the depth as skipped with the first module's error;
+ *     search those modules (tw_tune_module with ops->modules; the result
+ *     keeps each search, see tw_result_module_search), and when every module
+ *     of the cut has failed, leave and record the depth as skipped with the
+ *     first module's error (tw_module_result_error);
  *   - otherwise activate, measure the model, leave.
  * The untuned model is measured first, and again after the last depth when at
  * least one depth was measured; the lower of its measurements counts.
@@ -374,6 +502,15 @@ void tw_result_baseline(const tw_result *result, tw_stats *stats, int *measured)
 /* Per module of the tree: 1 tuned, -1 failed, 0 never tuned; its error in
  * *error ("" when none, owned by the result). */
 int tw_result_module(const tw_result *result, size_t node, const char **error);
+
+/* What the search of module `node` found (see tw_module_result), owned by the
+ * result; NULL when it was never searched (or node is out of range). */
+const tw_module_result *tw_result_module_search(const tw_result *result, size_t node);
+
+/* Whether node lies in the cut of row i (0 when either is out of range): the
+ * depths a module was measured at, and with the selected row, whether the
+ * model runs its backend now. */
+int tw_result_row_has(const tw_result *result, size_t i, size_t node);
 
 /* A spread (see tw_stats) above this makes the result table say the machine
  * was too busy to measure well, and what to do. */

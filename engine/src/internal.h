@@ -99,6 +99,29 @@ void tw_stats_fill(double *values, size_t n, tw_stats *out);
 /* Whether tw_tree_finish has run. */
 int tw_tree_is_finished(const tw_tree *tree);
 
+/* ---------------------------------------------------------- module search */
+
+/* One signature group of a module's search. */
+typedef struct tw_group_entry {
+    char *text;                   /* never NULL once the group is begun */
+    tw_strategy_kind kind;
+    size_t n_samples;
+    size_t n_candidates;
+    char **names;                 /* n_candidates copies; an entry may be NULL */
+    tw_candidate_report *reports; /* n_candidates */
+    long chosen;
+    char *error;                  /* NULL: none */
+} tw_group_entry;
+
+struct tw_module_result {
+    tw_host host;
+    char *path;
+    int state;                    /* 1 tuned, -1 failed */
+    char *error;                  /* NULL: none */
+    size_t group_count;
+    tw_group_entry *groups;
+};
+
 /* ----------------------------------------------------------------- result */
 
 /* The result is built by the depth search and read through tweak.h. */
@@ -116,17 +139,14 @@ struct tw_result {
     int baseline_measured;
     tw_confirmation confirmation;
     size_t module_count;
-    int *module_state;        /* 1 tuned, -1 failed, 0 never tuned */
-    char **module_error;      /* NULL when none */
+    tw_module_result **modules;  /* per node: its search, NULL when never searched */
+    unsigned char *in_cut;       /* row_count * module_count: node in row's cut */
     int dry_run;
 };
 
-/* A result with `rows` empty rows and `modules` untouched modules. */
+/* A result with `rows` empty rows and `modules` unsearched modules. */
 tw_result *tw_result_create(const tw_host *host, size_t rows, size_t modules);
 /* Sets the error text of a row (truncated to TW_MSG_SIZE). */
 void tw_result_set_row_error(tw_result *result, size_t i, const char *msg);
-/* Records a module's failure message; TW_ENOMEM when it cannot be kept. */
-tw_code tw_result_set_module_error(tw_result *result, size_t node, const char *msg,
-                                   tw_error *err);
 
 #endif /* TW_INTERNAL_H */

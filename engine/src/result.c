@@ -22,9 +22,10 @@ tw_result *tw_result_create(const tw_host *host, size_t rows, size_t modules)
     result->host = *host;
     result->selected = -1;
     result->rows = tw_host_alloc_array(host, rows, sizeof *result->rows);
-    result->module_state = tw_host_alloc_array(host, modules, sizeof *result->module_state);
-    result->module_error = tw_host_alloc_array(host, modules, sizeof *result->module_error);
-    if (result->rows == NULL || result->module_state == NULL || result->module_error == NULL) {
+    result->modules = tw_host_alloc_array(host, modules, sizeof *result->modules);
+    result->in_cut = rows != 0 && modules > SIZE_MAX / rows
+                         ? NULL : tw_host_alloc_array(host, rows * modules, 1);
+    if (result->rows == NULL || result->modules == NULL || result->in_cut == NULL) {
         goto error;
     }
     result->row_count = rows;
@@ -35,8 +36,10 @@ tw_result *tw_result_create(const tw_host *host, size_t rows, size_t modules)
         result->rows[i].row.error = result->rows[i].error;
     }
     for (i = 0; i < modules; i++) {
-        result->module_state[i] = 0;
-        result->module_error[i] = NULL;
+        result->modules[i] = NULL;
+    }
+    if (rows * modules > 0) {
+        memset(result->in_cut, 0, rows * modules);
     }
     goto cleanup;
 error:
@@ -53,13 +56,13 @@ void tw_result_destroy(tw_result *result)
     if (result == NULL) {
         goto cleanup;
     }
-    /* module_count is only set once module_error exists and is cleared. */
+    /* module_count is only set once modules exists and is cleared. */
     for (i = 0; i < result->module_count; i++) {
-        tw_host_release(&result->host, result->module_error[i]);
+        tw_module_result_destroy(result->modules[i]);
     }
     tw_host_release(&result->host, result->rows);
-    tw_host_release(&result->host, result->module_state);
-    tw_host_release(&result->host, result->module_error);
+    tw_host_release(&result->host, result->modules);
+    tw_host_release(&result->host, result->in_cut);
     tw_host_release(&result->host, result);
 cleanup:
     return;
@@ -68,23 +71,6 @@ cleanup:
 void tw_result_set_row_error(tw_result *result, size_t i, const char *msg)
 {
     snprintf(result->rows[i].error, sizeof result->rows[i].error, "%s", msg);
-}
-
-tw_code tw_result_set_module_error(tw_result *result, size_t node, const char *msg,
-                                   tw_error *err)
-{
-    tw_code rc = TW_OK;
-    /* a copy: the callback's error slot is reused by the next call */
-    char *copy = tw_host_strdup(&result->host, msg);
-
-    if (copy == NULL) {
-        rc = tw_error_set(err, TW_ENOMEM, "out of memory keeping a module's error");
-        goto cleanup;
-    }
-    tw_host_release(&result->host, result->module_error[node]);
-    result->module_error[node] = copy;
-cleanup:
-    return rc;
 }
 
 size_t tw_result_row_count(const tw_result *result)
@@ -175,17 +161,127 @@ int tw_result_noisy(const tw_result *result)
 
 int tw_result_module(const tw_result *result, size_t node, const char **error)
 {
-    int state = 0;
-    const char *msg = "";
+    const tw_module_result *module = tw_result_module_search(result, node);
 
-    if (result != NULL && node < result->module_count) {
-        state = result->module_state[node];
-        msg = result->module_error[node] != NULL ? result->module_error[node] : "";
-    }
     if (error != NULL) {
-        *error = msg;
+        *error = tw_module_result_error(module);
     }
-    return state;
+    return tw_module_result_state(module);
+}
+
+const tw_module_result *tw_result_module_search(const tw_result *result, size_t node)
+{
+    return result != NULL && node < result->module_count ? result->modules[node] : NULL;
+}
+
+int tw_result_row_has(const tw_result *result, size_t i, size_t node)
+{
+    if (result == NULL || i >= result->row_count || node >= result->module_count) {
+        return 0;
+    }
+    return result->in_cut[i * result->module_count + node];
+}
+
+/* ---------------------------------------------------------- module search */
+
+void tw_module_result_destroy(tw_module_result *module)
+{
+    size_t g;
+    size_t c;
+    tw_group_entry *group;
+
+    if (module == NULL) {
+        goto cleanup;
+    }
+    /* group_count is only set once groups exists and is zeroed */
+    for (g = 0; g < module->group_count; g++) {
+        group = &module->groups[g];
+        for (c = 0; group->names != NULL && c < group->n_candidates; c++) {
+            tw_host_release(&module->host, group->names[c]);
+        }
+        tw_host_release(&module->host, group->names);
+        tw_host_release(&module->host, group->reports);
+        tw_host_release(&module->host, group->text);
+        tw_host_release(&module->host, group->error);
+    }
+    tw_host_release(&module->host, module->groups);
+    tw_host_release(&module->host, module->path);
+    tw_host_release(&module->host, module->error);
+    tw_host_release(&module->host, module);
+cleanup:
+    return;
+}
+
+int tw_module_result_state(const tw_module_result *module)
+{
+    return module != NULL ? module->state : 0;
+}
+
+const char *tw_module_result_error(const tw_module_result *module)
+{
+    return module != NULL && module->error != NULL ? module->error : "";
+}
+
+const char *tw_module_result_path(const tw_module_result *module)
+{
+    return module != NULL ? module->path : "";
+}
+
+size_t tw_module_result_group_count(const tw_module_result *module)
+{
+    return module != NULL ? module->group_count : 0;
+}
+
+tw_code tw_module_result_group(const tw_module_result *module, size_t g,
+                               tw_group_report *out, tw_error *err)
+{
+    tw_code rc = TW_OK;
+    const tw_group_entry *group;
+
+    if (module == NULL || out == NULL) {
+        rc = tw_error_set(err, TW_EINVAL, "%s is NULL", module == NULL ? "module" : "out");
+        goto cleanup;
+    }
+    if (g >= module->group_count) {
+        rc = tw_error_set(err, TW_EINVAL, "group %zu is out of range: the module has %zu groups",
+                          g, module->group_count);
+        goto cleanup;
+    }
+    group = &module->groups[g];
+    out->text = group->text != NULL ? group->text : "";
+    out->kind = group->kind;
+    out->n_samples = group->n_samples;
+    out->n_candidates = group->n_candidates;
+    out->chosen = group->chosen;
+    out->error = group->error != NULL ? group->error : "";
+cleanup:
+    return rc;
+}
+
+tw_code tw_module_result_candidate(const tw_module_result *module, size_t g, size_t c,
+                                   const char **name, tw_candidate_report *report,
+                                   tw_error *err)
+{
+    tw_code rc = TW_OK;
+    const tw_group_entry *group;
+
+    if (module == NULL) {
+        rc = tw_error_set(err, TW_EINVAL, "module is NULL");
+        goto cleanup;
+    }
+    if (g >= module->group_count || c >= module->groups[g].n_candidates) {
+        rc = tw_error_set(err, TW_EINVAL, "candidate %zu of group %zu is out of range", c, g);
+        goto cleanup;
+    }
+    group = &module->groups[g];
+    if (name != NULL) {
+        *name = group->names[c];
+    }
+    if (report != NULL) {
+        *report = group->reports[c];
+    }
+cleanup:
+    return rc;
 }
 
 /* ------------------------------------------------------------------ table */

@@ -226,3 +226,431 @@ tw_code tw_strategy_choose(const tw_host *host, tw_strategy_kind kind,
 cleanup:
     return rc;
 }
+
+const char *tw_candidate_state_name(tw_candidate_state state)
+{
+    const char *name = "unknown";
+
+    switch (state) {
+    case TW_CAND_NOT_TRIED: name = "not tried"; break;
+    case TW_CAND_FAILED: name = "failed"; break;
+    case TW_CAND_BUILT: name = "built"; break;
+    case TW_CAND_MEASURED: name = "measured"; break;
+    }
+    return name;
+}
+
+const char *tw_candidate_verdict(const tw_candidate_report *report, int chosen)
+{
+    const char *verdict = "not tried";
+
+    if (report == NULL) {
+        goto cleanup;
+    }
+    if (chosen && report->state != TW_CAND_FAILED && report->state != TW_CAND_NOT_TRIED) {
+        verdict = "chosen";
+    } else if (report->state == TW_CAND_MEASURED) {
+        verdict = "slower";
+    } else {
+        verdict = tw_candidate_state_name(report->state);
+    }
+cleanup:
+    return verdict;
+}
+
+/* ---------------------------------------------------------- module search */
+
+/* What one candidate's trampolines need to call the host back. */
+typedef struct tw_search_cand {
+    const tw_module_ops *ops;
+    size_t node;
+    size_t group;
+    size_t index;
+} tw_search_cand;
+
+static tw_code tw_search_build(void *ctx, tw_error *err)
+{
+    const tw_search_cand *c = ctx;
+
+    return c->ops->build(c->ops->ctx, c->node, c->group, c->index, err);
+}
+
+static tw_code tw_search_run(void *ctx, size_t sample, tw_error *err)
+{
+    const tw_search_cand *c = ctx;
+
+    return c->ops->run(c->ops->ctx, c->node, c->group, c->index, sample, err);
+}
+
+static tw_code tw_search_sync(void *ctx, tw_error *err)
+{
+    const tw_search_cand *c = ctx;
+
+    return c->ops->sync(c->ops->ctx, err);
+}
+
+/* A copy of a message into *slot (replacing what it held); TW_ENOMEM when it
+ * cannot be kept. */
+static tw_code tw_keep_text(const tw_host *host, char **slot, const char *text, tw_error *err)
+{
+    tw_code rc = TW_OK;
+    char *copy = tw_host_strdup(host, text != NULL ? text : "");
+
+    if (copy == NULL) {
+        rc = tw_error_set(err, TW_ENOMEM, "out of memory keeping a module's result");
+        goto cleanup;
+    }
+    tw_host_release(host, *slot);
+    *slot = copy;
+cleanup:
+    return rc;
+}
+
+/* Moves a built text into *slot as a host string (a tw_buf's text is freed
+ * with tw_free, a result's strings with the host's release). */
+static tw_code tw_keep_built_text(const tw_host *host, char **slot, tw_buf *buf, tw_error *err)
+{
+    tw_code rc;
+    char *text = tw_buf_take(buf);
+
+    if (text == NULL) {
+        rc = tw_error_set(err, TW_ENOMEM, "out of memory explaining a failed search");
+        goto cleanup;
+    }
+    rc = tw_keep_text(host, slot, text, err);
+cleanup:
+    tw_free(text);
+    return rc;
+}
+
+/* Copies what group() said into the group's entry. */
+static tw_code tw_keep_group_info(const tw_host *host, tw_group_entry *group,
+                                  const tw_group_info *info, tw_error *err)
+{
+    tw_code rc;
+    size_t c;
+
+    rc = tw_keep_text(host, &group->text, info->text, err);
+    if (rc != TW_OK || info->n_candidates == 0) {
+        goto cleanup;
+    }
+    group->names = tw_host_alloc_array(host, info->n_candidates, sizeof *group->names);
+    group->reports = tw_host_alloc_array(host, info->n_candidates, sizeof *group->reports);
+    if (group->names == NULL || group->reports == NULL) {
+        rc = tw_error_set(err, TW_ENOMEM, "out of memory keeping %zu candidates",
+                          info->n_candidates);
+        goto cleanup;
+    }
+    memset(group->reports, 0, info->n_candidates * sizeof *group->reports);
+    for (c = 0; c < info->n_candidates; c++) {
+        group->names[c] = NULL;
+    }
+    /* counted only now: destroy walks names[0..n_candidates) */
+    group->n_candidates = info->n_candidates;
+    for (c = 0; c < info->n_candidates && info->names != NULL; c++) {
+        if (info->names[c] == NULL) {
+            continue;
+        }
+        group->names[c] = tw_host_strdup(host, info->names[c]);
+        if (group->names[c] == NULL) {
+            rc = tw_error_set(err, TW_ENOMEM, "out of memory keeping a candidate's name");
+            goto cleanup;
+        }
+    }
+cleanup:
+    return rc;
+}
+
+/* "no backend passed (a: why; b: not tried)": why a group chose nothing. */
+static tw_code tw_explain_group(const tw_host *host, tw_group_entry *group, tw_error *err)
+{
+    tw_code rc = TW_OK;
+    tw_buf buf;
+    size_t c;
+
+    tw_buf_init(&buf, host);
+    tw_buf_appendf(&buf, "no backend passed (");
+    for (c = 0; c < group->n_candidates; c++) {
+        const tw_candidate_report *r = &group->reports[c];
+
+        tw_buf_appendf(&buf, "%s%s: %s", c > 0 ? "; " : "",
+                       group->names[c] != NULL ? group->names[c] : "(unnamed)",
+                       r->state == TW_CAND_FAILED && r->msg[0] != '\0'
+                           ? r->msg : tw_candidate_state_name(r->state));
+    }
+    tw_buf_appendf(&buf, ")");
+    rc = tw_keep_built_text(host, &group->error, &buf, err);
+    return rc;
+}
+
+/* Runs the group's strategy on its candidates. A failure of the rule itself
+ * (a refused info) fails the group; only TW_EINTERRUPT and TW_ENOMEM return. */
+static tw_code tw_choose_group(const tw_host *host, const tw_module_ops *ops, size_t node,
+                               size_t g, tw_group_entry *group, const tw_measure_config *cfg,
+                               tw_error *err)
+{
+    tw_code rc = TW_OK;
+    tw_candidate *cands = NULL;
+    tw_search_cand *ctxs = NULL;
+    tw_error cause;
+    size_t n = group->n_candidates;
+    size_t c;
+
+    if (n > 0) {
+        cands = tw_host_alloc_array(host, n, sizeof *cands);
+        ctxs = tw_host_alloc_array(host, n, sizeof *ctxs);
+        if (cands == NULL || ctxs == NULL) {
+            rc = tw_error_set(err, TW_ENOMEM, "out of memory choosing among %zu backends", n);
+            goto cleanup;
+        }
+    }
+    for (c = 0; c < n; c++) {
+        ctxs[c].ops = ops;
+        ctxs[c].node = node;
+        ctxs[c].group = g;
+        ctxs[c].index = c;
+        cands[c].name = group->names[c];
+        cands[c].ctx = &ctxs[c];
+        cands[c].build = tw_search_build;
+        cands[c].runner.ctx = &ctxs[c];
+        cands[c].runner.n_samples = group->n_samples;
+        cands[c].runner.run = tw_search_run;
+        cands[c].runner.sync = ops->sync != NULL ? tw_search_sync : NULL;
+        cands[c].runner.round = NULL;
+    }
+    tw_error_clear(&cause);
+    rc = tw_strategy_choose(host, group->kind, cands, n, cfg, &group->chosen, group->reports,
+                            &cause);
+    if (rc == TW_EINTERRUPT || rc == TW_ENOMEM) {
+        tw_error_set(err, rc, "%s", cause.msg);
+        goto cleanup;
+    }
+    if (rc != TW_OK) {
+        rc = tw_keep_text(host, &group->error, cause.msg, err);
+        goto cleanup;
+    }
+    if (group->chosen < 0) {
+        rc = tw_explain_group(host, group, err);
+    }
+cleanup:
+    tw_host_release(host, cands);
+    tw_host_release(host, ctxs);
+    return rc;
+}
+
+/* Commits group g; a failing commit fails the group with its message. */
+static tw_code tw_commit_group(const tw_host *host, const tw_module_ops *ops, size_t node,
+                               size_t g, tw_group_entry *group, long chosen, tw_error *err)
+{
+    tw_code rc;
+    tw_error cb_err;
+    char what[64];
+
+    tw_error_clear(&cb_err);
+    rc = ops->commit(ops->ctx, node, g, chosen, &cb_err);
+    if (rc == TW_OK) {
+        goto cleanup;
+    }
+    snprintf(what, sizeof what, "commit of group %zu", g);
+    tw_error_forward(&cb_err, rc, &cb_err, what);
+    if (rc == TW_EINTERRUPT) {
+        tw_error_set(err, rc, "%s", cb_err.msg);
+        goto cleanup;
+    }
+    group->chosen = -1;
+    rc = tw_keep_text(host, &group->error, cb_err.msg, err);
+cleanup:
+    return rc;
+}
+
+/* One group: begin it, choose, commit. Returns only what stops the search. */
+static tw_code tw_search_group(const tw_host *host, const tw_module_ops *ops, size_t node,
+                               size_t g, tw_group_entry *group, const tw_measure_config *cfg,
+                               tw_error *err)
+{
+    tw_code rc;
+    tw_code step;
+    tw_group_info info;
+    tw_error cb_err;
+    char what[64];
+
+    memset(&info, 0, sizeof info);
+    tw_error_clear(&cb_err);
+    step = ops->group(ops->ctx, node, g, &info, &cb_err);
+    if (step != TW_OK) {
+        snprintf(what, sizeof what, "group %zu", g);
+        tw_error_forward(&cb_err, step, &cb_err, what);
+        if (step == TW_EINTERRUPT) {
+            rc = tw_error_set(err, step, "%s", cb_err.msg);
+            goto commit;
+        }
+        rc = tw_keep_text(host, &group->error, cb_err.msg, err);
+        if (rc == TW_OK) {
+            rc = tw_keep_text(host, &group->text, "", err);
+        }
+        goto commit;
+    }
+    group->kind = info.kind;
+    group->n_samples = info.n_samples;
+    rc = tw_keep_group_info(host, group, &info, err);
+    if (rc == TW_OK) {
+        rc = tw_choose_group(host, ops, node, g, group, cfg, err);
+    }
+commit:
+    if (rc != TW_OK) {
+        /* stopping: the host still gets its commit, and the first error wins */
+        group->chosen = -1;
+        (void)ops->commit(ops->ctx, node, g, -1, &cb_err);
+    } else {
+        rc = tw_commit_group(host, ops, node, g, group, group->chosen, err);
+    }
+    return rc;
+}
+
+/* The module's error: every failed group's, after its text when several. */
+static tw_code tw_explain_module(tw_module_result *module, tw_error *err)
+{
+    tw_code rc = TW_OK;
+    tw_buf buf;
+    size_t g;
+    int first = 1;
+
+    tw_buf_init(&buf, &module->host);
+    for (g = 0; g < module->group_count; g++) {
+        const tw_group_entry *group = &module->groups[g];
+
+        if (group->error == NULL || group->error[0] == '\0') {
+            continue;
+        }
+        if (module->group_count > 1 && group->text != NULL && group->text[0] != '\0') {
+            tw_buf_appendf(&buf, "%s%s: %s", first ? "" : "; ", group->text, group->error);
+        } else {
+            tw_buf_appendf(&buf, "%s%s", first ? "" : "; ", group->error);
+        }
+        first = 0;
+    }
+    rc = tw_keep_built_text(&module->host, &module->error, &buf, err);
+    return rc;
+}
+
+static tw_code tw_check_module_ops(const tw_module_ops *ops, tw_module_result **out,
+                                   tw_error *err)
+{
+    tw_code rc = TW_OK;
+    const char *missing;
+
+    if (ops == NULL) {
+        rc = tw_error_set(err, TW_EINVAL, "ops is NULL: a module search needs its host's "
+                          "callbacks");
+        goto cleanup;
+    }
+    missing = ops->groups == NULL ? "groups" : ops->group == NULL ? "group"
+            : ops->build == NULL ? "build" : ops->run == NULL ? "run"
+            : ops->commit == NULL ? "commit" : NULL;
+    if (missing != NULL) {
+        rc = tw_error_set(err, TW_EINVAL, "ops.%s is NULL: every callback but sync is needed",
+                          missing);
+    } else if (out == NULL) {
+        rc = tw_error_set(err, TW_EINVAL, "out is NULL: the search needs a place for its result");
+    }
+cleanup:
+    return rc;
+}
+
+/* The search behind tw_tune_module, with a resolved host and a checked cfg. */
+static tw_code tw_search_module(const tw_host *host, const tw_module_ops *ops, size_t node,
+                                const char *path, const tw_measure_config *cfg,
+                                tw_module_result **out, tw_error *err)
+{
+    tw_code rc = TW_OK;
+    tw_code step;
+    tw_module_result *module = NULL;
+    tw_error cb_err;
+    size_t count = 0;
+    size_t g;
+
+    module = tw_host_alloc(host, sizeof *module);
+    if (module == NULL) {
+        rc = tw_error_set(err, TW_ENOMEM, "out of memory starting a module's search");
+        goto cleanup;
+    }
+    memset(module, 0, sizeof *module);
+    module->host = *host;
+    module->state = -1;
+    module->path = tw_host_strdup(host, path != NULL ? path : "");
+    if (module->path == NULL) {
+        rc = tw_error_set(err, TW_ENOMEM, "out of memory starting a module's search");
+        goto cleanup;
+    }
+    tw_error_clear(&cb_err);
+    step = ops->groups(ops->ctx, node, &count, &cb_err);
+    if (step != TW_OK) {
+        tw_error_forward(&cb_err, step, &cb_err, "groups");
+        if (step == TW_EINTERRUPT) {
+            rc = tw_error_set(err, step, "%s", cb_err.msg);
+            goto cleanup;
+        }
+        rc = tw_keep_text(host, &module->error, cb_err.msg, err);
+        goto cleanup;
+    }
+    if (count == 0) {
+        snprintf(cb_err.msg, sizeof cb_err.msg,
+                 "the dataset never called %s; there is nothing to tune it on",
+                 module->path[0] != '\0' ? module->path : "(root)");
+        rc = tw_keep_text(host, &module->error, cb_err.msg, err);
+        goto cleanup;
+    }
+    module->groups = tw_host_alloc_array(host, count, sizeof *module->groups);
+    if (module->groups == NULL) {
+        rc = tw_error_set(err, TW_ENOMEM, "out of memory keeping %zu signature groups", count);
+        goto cleanup;
+    }
+    memset(module->groups, 0, count * sizeof *module->groups);
+    module->group_count = count;
+    for (g = 0; g < count; g++) {
+        module->groups[g].chosen = -1;
+    }
+    for (g = 0; g < count; g++) {
+        rc = tw_search_group(host, ops, node, g, &module->groups[g], cfg, err);
+        if (rc != TW_OK) {
+            goto cleanup;
+        }
+        if (module->groups[g].chosen >= 0) {
+            module->state = 1;
+        }
+    }
+    rc = tw_explain_module(module, err);
+cleanup:
+    if (rc == TW_OK) {
+        *out = module;
+        module = NULL;
+    }
+    tw_module_result_destroy(module);
+    return rc;
+}
+
+tw_code tw_tune_module(const tw_host *host, const tw_module_ops *ops, size_t node,
+                       const char *path, const tw_measure_config *cfg,
+                       tw_module_result **out, tw_error *err)
+{
+    tw_code rc;
+    tw_host resolved;
+    tw_measure_config defaults;
+
+    tw_host_resolve(host, &resolved);
+    if (out != NULL) {
+        *out = NULL;
+    }
+    if (cfg == NULL) {
+        tw_measure_config_default(&defaults);
+        cfg = &defaults;
+    }
+    rc = tw_check_module_ops(ops, out, err);
+    if (rc == TW_OK) {
+        rc = tw_measure_config_check(cfg, err);
+    }
+    if (rc == TW_OK) {
+        rc = tw_search_module(&resolved, ops, node, path, cfg, out, err);
+    }
+    return rc;
+}

@@ -3,6 +3,7 @@
  */
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "internal.h"
@@ -46,7 +47,11 @@ static tw_code tw_check_ops(const tw_tweak_ops *ops, tw_error *err)
         rc = tw_error_set(err, TW_EINVAL, "ops is NULL: a tweak needs its host's callbacks");
         goto cleanup;
     }
-    missing = ops->enter == NULL ? "enter" : ops->tune == NULL ? "tune"
+    missing = ops->enter == NULL ? "enter" : ops->modules.groups == NULL ? "modules.groups"
+            : ops->modules.group == NULL ? "modules.group"
+            : ops->modules.build == NULL ? "modules.build"
+            : ops->modules.run == NULL ? "modules.run"
+            : ops->modules.commit == NULL ? "modules.commit"
             : ops->activate == NULL ? "activate" : ops->leave == NULL ? "leave"
             : ops->model.run == NULL ? "model.run" : NULL;
     if (missing != NULL) {
@@ -56,6 +61,84 @@ static tw_code tw_check_ops(const tw_tweak_ops *ops, tw_error *err)
                           "the dataset is empty: give the tweak at least one sample");
     }
 cleanup:
+    return rc;
+}
+
+/* A double as Python's repr() writes it: the shortest text that reads back
+ * the same, with ".0" when it would read as an int. */
+/* "1e-05" for "1e-05", "1e+16" for "1e+16": %e already writes two exponent
+ * digits at least, as Python does; only a mantissa's trailing zeros go. */
+static void tw_trim_exponent(char *text)
+{
+    char *e = strchr(text, 'e');
+    char *end;
+
+    if (e == NULL || strchr(text, '.') == NULL || strchr(text, '.') > e) {
+        goto cleanup;
+    }
+    end = e;
+    while (end[-1] == '0') {
+        end--;
+    }
+    if (end[-1] == '.') {
+        end--;
+    }
+    memmove(end, e, strlen(e) + 1);
+cleanup:
+    return;
+}
+
+static void tw_format_number(char *out, size_t size, double v)
+{
+    int precision;
+    int exponent;
+
+    if (isnan(v) || isinf(v)) {
+        snprintf(out, size, "%s", isnan(v) ? "nan" : v < 0 ? "-inf" : "inf");
+        goto cleanup;
+    }
+    for (precision = 1; precision < 17; precision++) {
+        snprintf(out, size, "%.*g", precision, v);
+        if (strtod(out, NULL) == v) {
+            break;
+        }
+    }
+    /* positional from 1e-4 up to 1e16, as Python writes it; %g would switch sooner */
+    exponent = v != 0.0 ? (int)floor(log10(fabs(v))) : 0;
+    if (exponent >= -4 && exponent < 16) {
+        snprintf(out, size, "%.*f", precision - 1 - exponent > 0 ? precision - 1 - exponent : 0, v);
+    } else {
+        snprintf(out, size, "%.*e", precision - 1, v);
+        tw_trim_exponent(out);
+    }
+    if (strpbrk(out, ".e") == NULL && strlen(out) + 2 < size) {
+        strcat(out, ".0");
+    }
+cleanup:
+    return;
+}
+
+tw_code tw_tweak_config_check(const tw_tweak_config *cfg, tw_error *err)
+{
+    tw_code rc = TW_OK;
+    char number[40];
+
+    if (cfg == NULL) {
+        rc = tw_error_set(err, TW_EINVAL, "cfg is NULL: give a config (tw_tweak_config_default)");
+    } else if (cfg->min_depth < 0) {
+        rc = tw_error_set(err, TW_EINVAL, "min_depth must be an int >= 0, got %d",
+                          cfg->min_depth);
+    } else if (cfg->max_depth >= 0 && cfg->min_depth > cfg->max_depth) {
+        rc = tw_error_set(err, TW_EINVAL,
+                          "min_depth (%d) is greater than max_depth (%d): lower min_depth or "
+                          "raise max_depth", cfg->min_depth, cfg->max_depth);
+    } else if (!isfinite(cfg->tie_tolerance) || cfg->tie_tolerance < 0) {
+        tw_format_number(number, sizeof number, cfg->tie_tolerance);
+        rc = tw_error_set(err, TW_EINVAL,
+                          "tie_tolerance must be a fraction >= 0 (0.02 is 2 %%), got %s", number);
+    } else if (!cfg->dry_run) {
+        rc = tw_measure_config_check(&cfg->measure, err);
+    }
     return rc;
 }
 
@@ -70,20 +153,9 @@ static tw_code tw_check_tweak(const tw_tree *tree, const tw_tweak_config *cfg,
         rc = tw_error_set(err, TW_EINVAL, "tree is NULL: build it with tw_tree_create");
     } else if (!tw_tree_is_finished(tree)) {
         rc = tw_error_set(err, TW_ESTATE, "the tree is not finished: call tw_tree_finish first");
-    } else if (cfg->min_depth < 0) {
-        rc = tw_error_set(err, TW_EINVAL, "min_depth (%d) is negative: the root is depth 0",
-                          cfg->min_depth);
-    } else if (cfg->max_depth >= 0 && cfg->min_depth > cfg->max_depth) {
-        rc = tw_error_set(err, TW_EINVAL,
-                          "min_depth (%d) is greater than max_depth (%d): lower min_depth or "
-                          "raise max_depth", cfg->min_depth, cfg->max_depth);
-    } else if (isnan(cfg->tie_tolerance) || cfg->tie_tolerance < 0) {
-        rc = tw_error_set(err, TW_EINVAL,
-                          "tie_tolerance (%g) must be a fraction >= 0, such as 0.02",
-                          cfg->tie_tolerance);
-    } else if (!cfg->dry_run) {
-        rc = tw_measure_config_check(&cfg->measure, err);
-        if (rc == TW_OK) {
+    } else {
+        rc = tw_tweak_config_check(cfg, err);
+        if (rc == TW_OK && !cfg->dry_run) {
             rc = tw_check_ops(ops, err);
         }
     }
@@ -131,7 +203,8 @@ static void tw_load_cut(tw_search *s, size_t i)
     row->failed = 0;
     for (k = 0; k < s->cut_size; k++) {
         /* failed modules are not retried, so they count at every depth */
-        row->failed += s->result->module_state[s->nodes[k]] < 0;
+        row->failed += tw_result_module(s->result, s->nodes[k], NULL) < 0;
+        s->result->in_cut[i * s->result->module_count + s->nodes[k]] = 1;
     }
 }
 
@@ -163,42 +236,37 @@ cleanup:
     return rc;
 }
 
-/* Tunes the modules of the entered cut that were never tried. A module that
- * fails keeps its forward; only TW_EINTERRUPT and TW_ENOMEM end the search. */
+/* Searches the modules of the entered cut that were never tried. A module that
+ * fails keeps its forward; only an interrupt or the engine's own failure (out
+ * of memory) ends the search. */
 static tw_code tw_tune_cut(tw_search *s, tw_error *err)
 {
     tw_code rc = TW_OK;
-    tw_code tuned;
-    tw_error cb_err;
+    tw_module_result *module = NULL;
     tw_error cause;
-    char what[TW_MSG_SIZE];
     size_t k;
     size_t node;
+    const char *path;
 
     for (k = 0; k < s->cut_size; k++) {
         if (!s->tune[k]) {
             continue;
         }
         node = s->nodes[k];
-        tw_error_clear(&cb_err);
-        tuned = s->ops->tune(s->ops->ctx, node, &cb_err);
-        if (tuned == TW_OK) {
-            s->result->module_state[node] = 1;
-            continue;
-        }
-        snprintf(what, sizeof what, "tuning module \"%s\"", tw_tree_path(s->tree, node));
-        tw_error_forward(&cause, tuned, &cb_err, what);
-        if (tuned == TW_EINTERRUPT) {
-            rc = tw_error_set(err, tuned, "%s", cause.msg);
-            goto cleanup;
-        }
-        s->result->module_state[node] = -1;
-        rc = tw_result_set_module_error(s->result, node, cause.msg, err);
+        path = tw_tree_path(s->tree, node);
+        tw_error_clear(&cause);
+        rc = tw_tune_module(s->host, &s->ops->modules, node, path, &s->cfg->measure, &module,
+                            &cause);
         if (rc != TW_OK) {
+            tw_error_forward(err, rc, &cause, "tuning a module");
             goto cleanup;
         }
-        tw_host_logf(s->host, 1, "module \"%s\" keeps its forward: %s",
-                     tw_tree_path(s->tree, node), cause.msg);
+        s->result->modules[node] = module;
+        if (tw_module_result_state(module) < 0) {
+            tw_host_logf(s->host, 1, "module \"%s\" keeps its forward: %s", path,
+                         tw_module_result_error(module));
+        }
+        module = NULL;
     }
 cleanup:
     return rc;
@@ -244,7 +312,7 @@ static tw_code tw_run_depth(tw_search *s, size_t i, int *measured, tw_error *err
 
     *measured = 0;
     for (k = 0; k < s->cut_size; k++) {
-        s->tune[k] = s->result->module_state[s->nodes[k]] == 0;
+        s->tune[k] = s->result->modules[s->nodes[k]] == NULL;
     }
     step = tw_enter_cut(s, &cause);
     if (step != TW_OK) {
@@ -262,7 +330,7 @@ static tw_code tw_run_depth(tw_search *s, size_t i, int *measured, tw_error *err
     }
     tw_load_cut(s, i);
     if (row->modules > 0 && row->failed == row->modules) {
-        tw_skip_row(s, i, s->result->module_error[s->nodes[0]]);
+        tw_skip_row(s, i, tw_module_result_error(tw_result_module_search(s->result, s->nodes[0])));
         goto leave;
     }
     tw_error_clear(&cause);

@@ -42,7 +42,8 @@ typedef struct fake_model {
     tw_code leave_rc;
     tw_code baseline_rc;
     /* what happened */
-    int tune_calls[MAX_NODES];
+    int tune_calls[MAX_NODES];        /* module searches started (groups()) */
+    long committed[MAX_NODES];        /* per node, the last commit's choice */
     int enters;
     int leaves;
     int activates;
@@ -94,7 +95,9 @@ static inline tw_code model_enter(void *ctx, const size_t *nodes, const int *tun
     return TW_OK;
 }
 
-static inline tw_code model_tune(void *ctx, size_t node, tw_error *err)
+/* The module search's groups(): "tuning" a module starts here; tune_rc[node]
+ * fails it before any group. Every module has one group of one candidate. */
+static inline tw_code model_groups(void *ctx, size_t node, size_t *count, tw_error *err)
 {
     fake_model *m = ctx;
     char text[64];
@@ -109,6 +112,63 @@ static inline tw_code model_tune(void *ctx, size_t node, tw_error *err)
         return tw_error_set(err, m->tune_rc[node], "no backend fits %s",
                             model_paths[node][0] ? model_paths[node] : "(root)");
     }
+    *count = 1;
+    return TW_OK;
+}
+
+static const char *const model_candidates[] = {"fake"};
+
+static inline tw_code model_group(void *ctx, size_t node, size_t group, tw_group_info *info,
+                                  tw_error *err)
+{
+    (void)ctx;
+    (void)node;
+    (void)group;
+    (void)err;
+    info->text = "(x)";
+    info->kind = TW_STRATEGY_FIRST_WINS;
+    info->n_candidates = 1;
+    info->names = model_candidates;
+    info->n_samples = 1;
+    return TW_OK;
+}
+
+static inline tw_code model_build(void *ctx, size_t node, size_t group, size_t cand,
+                                  tw_error *err)
+{
+    fake_model *m = ctx;
+
+    (void)group;
+    (void)cand;
+    (void)err;
+    CHECK(m->entered);
+    CHECK_INT(m->last_tune_flags[node], 1);
+    return TW_OK;
+}
+
+static inline tw_code model_cand_run(void *ctx, size_t node, size_t group, size_t cand,
+                                     size_t sample, tw_error *err)
+{
+    fake_model *m = ctx;
+
+    (void)node;
+    (void)group;
+    (void)cand;
+    (void)sample;
+    (void)err;
+    m->env.now += 10;
+    return TW_OK;
+}
+
+static inline tw_code model_commit(void *ctx, size_t node, size_t group, long chosen,
+                                   tw_error *err)
+{
+    fake_model *m = ctx;
+
+    (void)group;
+    (void)err;
+    CHECK(m->entered);
+    m->committed[node] = chosen;
     return TW_OK;
 }
 
@@ -220,7 +280,13 @@ static inline tw_tweak_ops fake_model_ops(fake_model *m)
 
     ops.ctx = m;
     ops.enter = model_enter;
-    ops.tune = model_tune;
+    ops.modules.ctx = m;
+    ops.modules.groups = model_groups;
+    ops.modules.group = model_group;
+    ops.modules.build = model_build;
+    ops.modules.run = model_cand_run;
+    ops.modules.sync = NULL;
+    ops.modules.commit = model_commit;
     ops.activate = model_activate;
     ops.deactivate = NULL;
     ops.leave = model_leave;

@@ -116,16 +116,19 @@ static void test_dry_run_table(void)
 }
 
 /* A multi-line callback message keeps its row on one line. */
-static tw_code multi_line_tune(void *ctx, size_t node, tw_error *err)
+static tw_code multi_line_tune(void *ctx, size_t node, size_t *count, tw_error *err)
 {
     (void)ctx;
     (void)node;
+    (void)count;
     return tw_error_set(err, TW_ECALLBACK, "first line\nsecond line");
 }
 
-/* The tweak of the fake model whose every tune fails through `tune`; *text gets
+/* The tweak of the fake model whose every module search fails in `tune` (its
+ * groups() callback); *text gets
  * the table (tw_free it). The caller tears the model down with the result. */
-static tw_result *run_failing(fake_model *m, tw_code (*tune)(void *, size_t, tw_error *), char **text)
+static tw_result *run_failing(fake_model *m, tw_code (*tune)(void *, size_t, size_t *, tw_error *),
+                              char **text)
 {
     tw_tweak_config cfg = fake_model_config();
     tw_tweak_ops ops;
@@ -133,7 +136,7 @@ static tw_result *run_failing(fake_model *m, tw_code (*tune)(void *, size_t, tw_
 
     fake_model_setup(m);
     ops = fake_model_ops(m);
-    ops.tune = tune;
+    ops.modules.groups = tune;
     CHECK_INT(tw_tweak_run(&m->host, m->tree, &cfg, &ops, &result, NULL), TW_OK);
     *text = tw_result_format(result, NULL);
     return result;
@@ -152,10 +155,11 @@ static void test_multi_line_error(void)
 }
 
 /* A long message: the row shows its start, cut between words. */
-static tw_code long_tune(void *ctx, size_t node, tw_error *err)
+static tw_code long_tune(void *ctx, size_t node, size_t *count, tw_error *err)
 {
     (void)ctx;
     (void)node;
+    (void)count;
     return tw_error_set(err, TW_ECALLBACK, "%s", "alpha beta gamma delta epsilon zeta eta theta "
                         "iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon phi chi psi "
                         "omega and then some more words that do not fit");

@@ -2,6 +2,8 @@
  * test_tweak.c - every rule of the depth search, on a fake model whose
  * latency depends on the cut that is entered and activated.
  */
+#include <math.h>
+
 #include "check.h"
 #include "fake.h"
 #include "fake_model.h"
@@ -570,8 +572,119 @@ static void test_interrupt_while_confirming(void)
     fake_model_teardown(&m, NULL);
 }
 
+/* The result keeps each module's search (per group, per candidate), which
+ * rows' cuts hold it, and what the host was told to install. */
+static void test_result_model(void)
+{
+    fake_model m;
+    tw_tweak_config cfg = fake_model_config();
+    tw_result *result = NULL;
+    const tw_module_result *search;
+    tw_group_report group;
+    tw_candidate_report report;
+    const char *name = NULL;
+
+    fake_model_setup(&m);
+    m.tune_rc[L1] = TW_ECALLBACK;
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
+    search = tw_result_module_search(result, L0);
+    CHECK(search != NULL);
+    CHECK_STR(tw_module_result_path(search), "layers.0");
+    CHECK_INT(tw_module_result_group_count(search), 1);
+    CHECK_INT(tw_module_result_group(search, 0, &group, NULL), TW_OK);
+    CHECK_STR(group.text, "(x)");
+    CHECK_INT(group.chosen, 0);
+    CHECK_INT(tw_module_result_candidate(search, 0, 0, &name, &report, NULL), TW_OK);
+    CHECK_STR(name, "fake");
+    CHECK_INT(report.state, TW_CAND_BUILT);
+    CHECK_INT(m.committed[L0], 0);
+    /* a module whose search failed keeps its error, and no groups */
+    search = tw_result_module_search(result, L1);
+    CHECK_INT(tw_module_result_state(search), -1);
+    CHECK_STR(tw_module_result_error(search), "no backend fits layers.1");
+    CHECK_INT(tw_module_result_group_count(search), 0);
+    /* the cuts: head lies in rows 1 and 2, the root in row 0 only */
+    CHECK_INT(tw_result_row_has(result, 0, ROOT), 1);
+    CHECK_INT(tw_result_row_has(result, 1, ROOT), 0);
+    CHECK_INT(tw_result_row_has(result, 1, HEAD), 1);
+    CHECK_INT(tw_result_row_has(result, 2, HEAD), 1);
+    CHECK_INT(tw_result_row_has(result, 0, HEAD), 0);
+    CHECK_INT(tw_result_row_has(result, 3, HEAD), 0);
+    CHECK_INT(tw_result_row_has(result, 0, 99), 0);
+    CHECK(tw_result_module_search(result, 99) == NULL);
+    fake_model_teardown(&m, result);
+
+    /* a dry run searches nothing, and still knows its cuts */
+    fake_model_setup(&m);
+    cfg.dry_run = 1;
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
+    CHECK(tw_result_module_search(result, ROOT) == NULL);
+    CHECK_INT(tw_result_row_has(result, 2, L0_MLP), 1);
+    fake_model_teardown(&m, result);
+}
+
+/* The config's rules and the messages a user reads. */
+static void test_config_check(void)
+{
+    tw_tweak_config cfg;
+    tw_error err;
+
+    tw_tweak_config_default(&cfg);
+    CHECK_INT(tw_tweak_config_check(&cfg, &err), TW_OK);
+    CHECK_INT(tw_tweak_config_check(NULL, &err), TW_EINVAL);
+    cfg.min_depth = -1;
+    CHECK_INT(tw_tweak_config_check(&cfg, &err), TW_EINVAL);
+    CHECK_STR(err.msg, "min_depth must be an int >= 0, got -1");
+    tw_tweak_config_default(&cfg);
+    cfg.min_depth = 3;
+    CHECK_INT(tw_tweak_config_check(&cfg, &err), TW_EINVAL);
+    CHECK_STR(err.msg, "min_depth (3) is greater than max_depth (1): lower min_depth or "
+                       "raise max_depth");
+    cfg.max_depth = -1; /* the deepest: any min_depth */
+    CHECK_INT(tw_tweak_config_check(&cfg, &err), TW_OK);
+    cfg.tie_tolerance = -0.1;
+    CHECK_INT(tw_tweak_config_check(&cfg, &err), TW_EINVAL);
+    CHECK_STR(err.msg, "tie_tolerance must be a fraction >= 0 (0.02 is 2 %), got -0.1");
+    cfg.tie_tolerance = -1.0;
+    tw_tweak_config_check(&cfg, &err);
+    CHECK_STR(err.msg, "tie_tolerance must be a fraction >= 0 (0.02 is 2 %), got -1.0");
+    cfg.tie_tolerance = NAN;
+    tw_tweak_config_check(&cfg, &err);
+    CHECK_STR(err.msg, "tie_tolerance must be a fraction >= 0 (0.02 is 2 %), got nan");
+    cfg.tie_tolerance = INFINITY;
+    tw_tweak_config_check(&cfg, &err);
+    CHECK_STR(err.msg, "tie_tolerance must be a fraction >= 0 (0.02 is 2 %), got inf");
+    cfg.tie_tolerance = -1e-20;
+    tw_tweak_config_check(&cfg, &err);
+    CHECK_STR(err.msg, "tie_tolerance must be a fraction >= 0 (0.02 is 2 %), got -1e-20");
+    /* as Python's repr() writes them */
+    cfg.tie_tolerance = -1e5;
+    tw_tweak_config_check(&cfg, &err);
+    CHECK_HAS(err.msg, "got -100000.0");
+    cfg.tie_tolerance = -1e16;
+    tw_tweak_config_check(&cfg, &err);
+    CHECK_HAS(err.msg, "got -1e+16");
+    cfg.tie_tolerance = -0.0001;
+    tw_tweak_config_check(&cfg, &err);
+    CHECK_HAS(err.msg, "got -0.0001");
+    cfg.tie_tolerance = -0.1 - 0.2;
+    tw_tweak_config_check(&cfg, &err);
+    CHECK_HAS(err.msg, "got -0.30000000000000004");
+    cfg.tie_tolerance = -1.5e-7;
+    tw_tweak_config_check(&cfg, &err);
+    CHECK_HAS(err.msg, "got -1.5e-07");
+    tw_tweak_config_default(&cfg);
+    cfg.measure.rounds_min = 0;
+    CHECK_INT(tw_tweak_config_check(&cfg, &err), TW_EINVAL);
+    CHECK_HAS(err.msg, "rounds_min");
+    cfg.dry_run = 1; /* a dry run measures nothing */
+    CHECK_INT(tw_tweak_config_check(&cfg, &err), TW_OK);
+}
+
 int main(void)
 {
+    test_result_model();
+    test_config_check();
     test_reuse();
     test_tie_prefers_shallow();
     test_fastest_outside_tolerance();

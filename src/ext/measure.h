@@ -10,6 +10,8 @@
 PyObject *tt_py_measure(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *tt_py_compare(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *tt_py_choose(PyObject *module, PyObject *args, PyObject *kwargs);
+PyObject *tt_py_tune_module(PyObject *module, PyObject *args, PyObject *kwargs);
+PyObject *tt_py_check_tweak_config(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *tt_py_tweak(PyObject *module, PyObject *args, PyObject *kwargs);
 
 #endif /* TT_MEASURE_H */

@@ -70,8 +70,13 @@ static PyMethodDef tt_module_methods[] = {
     {"choose", (PyCFunction)(void (*)(void))tt_py_choose, METH_VARARGS | METH_KEYWORDS,
      "choose(kind, candidates, n_samples, *, sync=None, config=None, clock=None)\n"
      "-> (winner or -1, reports)"},
+    {"tune_module", (PyCFunction)(void (*)(void))tt_py_tune_module, METH_VARARGS | METH_KEYWORDS,
+     "tune_module(modules, node, *, path='', sync=None, config=None, clock=None) -> dict"},
+    {"check_tweak_config", (PyCFunction)(void (*)(void))tt_py_check_tweak_config,
+     METH_VARARGS | METH_KEYWORDS,
+     "check_tweak_config(*, min_depth, max_depth, tie_tolerance, time_budget, config)"},
     {"tweak", (PyCFunction)(void (*)(void))tt_py_tweak, METH_VARARGS | METH_KEYWORDS,
-     "tweak(tree, *, enter, tune, activate, leave, run, n_samples, ...) -> Result"},
+     "tweak(tree, *, enter, modules, activate, leave, run, n_samples, ...) -> Result"},
     {"set_value_keyer", (PyCFunction)tt_py_set_value_keyer, METH_O,
      "set_value_keyer(fn or None)\n\n"
      "fn(value) -> a key of the value's structure, or None. Signatures made afterwards\n"

@@ -11,6 +11,17 @@
 
 /* ================================================================= Tree */
 
+/* d[key] = value, stealing value (which may be NULL: an error already set).
+ * -1 on error. */
+static int
+tt_dict_set_new(PyObject *d, const char *key, PyObject *value)
+{
+    int rc = value == NULL ? -1 : PyDict_SetItemString(d, key, value);
+
+    Py_XDECREF(value);
+    return rc;
+}
+
 
 /* A non-negative int that fits uint64; -1 with ValueError naming `what`. */
 static int
@@ -534,6 +545,151 @@ tt_result_module(TtResult *self, PyObject *arg)
     return Py_BuildValue("(is)", state, error != NULL ? error : "");
 }
 
+/* One candidate of a group as a dict. New reference. */
+static PyObject *
+tt_candidate_to_dict(const tw_module_result *module, size_t g, size_t c, long chosen)
+{
+    PyObject *stats = NULL; /* new reference */
+    PyObject *result = NULL;
+    tw_candidate_report report;
+    const char *name = NULL;
+    tw_error err;
+
+    memset(&err, 0, sizeof(err));
+    if (tw_module_result_candidate(module, g, c, &name, &report, &err) != TW_OK) {
+        PyErr_SetString(PyExc_IndexError, err.msg);
+        goto cleanup;
+    }
+    if ((stats = tt_stats_or_none(&report.stats, report.state == TW_CAND_MEASURED)) == NULL)
+        goto cleanup;
+    result = Py_BuildValue("{s:s,s:s,s:s,s:s,s:O}", "name", name != NULL ? name : "(unnamed)",
+                           "state", tw_candidate_state_name(report.state), "verdict",
+                           tw_candidate_verdict(&report, (long)c == chosen), "error",
+                           report.state == TW_CAND_FAILED ? report.msg : "", "stats", stats);
+cleanup:
+    Py_XDECREF(stats);
+    return result;
+}
+
+/* One group as a dict. New reference. */
+static PyObject *
+tt_group_to_dict(const tw_module_result *module, size_t g)
+{
+    PyObject *cands = NULL; /* new reference */
+    PyObject *result = NULL;
+    tw_group_report group;
+    tw_error err;
+    size_t c;
+
+    memset(&err, 0, sizeof(err));
+    if (tw_module_result_group(module, g, &group, &err) != TW_OK) {
+        PyErr_SetString(PyExc_IndexError, err.msg);
+        goto cleanup;
+    }
+    if ((cands = PyList_New((Py_ssize_t)group.n_candidates)) == NULL)
+        goto cleanup;
+    for (c = 0; c < group.n_candidates; c++) {
+        PyObject *d = tt_candidate_to_dict(module, g, c, group.chosen);
+
+        if (d == NULL)
+            goto cleanup;
+        PyList_SET_ITEM(cands, (Py_ssize_t)c, d);
+    }
+    result = Py_BuildValue("{s:s,s:s,s:n,s:l,s:s,s:O}", "text", group.text, "strategy",
+                           tw_strategy_name(group.kind) != NULL ? tw_strategy_name(group.kind)
+                                                                : "",
+                           "samples", (Py_ssize_t)group.n_samples, "chosen", group.chosen,
+                           "error", group.error, "candidates", cands);
+cleanup:
+    Py_XDECREF(cands);
+    return result;
+}
+
+PyObject *
+tt_module_result_to_dict(const tw_module_result *module)
+{
+    PyObject *groups = NULL; /* new reference */
+    PyObject *result = NULL;
+    size_t n = tw_module_result_group_count(module), g;
+
+    if ((groups = PyList_New((Py_ssize_t)n)) == NULL)
+        goto cleanup;
+    for (g = 0; g < n; g++) {
+        PyObject *d = tt_group_to_dict(module, g);
+
+        if (d == NULL)
+            goto cleanup;
+        PyList_SET_ITEM(groups, (Py_ssize_t)g, d);
+    }
+    result = Py_BuildValue("{s:s,s:i,s:s,s:O}", "path", tw_module_result_path(module), "state",
+                           tw_module_result_state(module), "error",
+                           tw_module_result_error(module), "groups", groups);
+cleanup:
+    Py_XDECREF(groups);
+    return result;
+}
+
+/* Every searched module, in node order, with the depths whose cut holds it
+ * and whether the model runs it now. New reference. */
+static PyObject *
+tt_result_get_modules(TtResult *self, void *closure)
+{
+    PyObject *list = NULL;
+    PyObject *depths = NULL; /* new reference */
+    PyObject *d = NULL;      /* new reference */
+    PyObject *result = NULL;
+    size_t rows = tw_result_row_count(self->result), node, i;
+    int rc;
+    long selected = tw_result_selected(self->result);
+    const tw_module_result *module;
+    tw_row row;
+
+    (void)closure;
+    if ((list = PyList_New(0)) == NULL)
+        goto cleanup;
+    for (node = 0; node < self->n_nodes; node++) {
+        if ((module = tw_result_module_search(self->result, node)) == NULL)
+            continue;
+        if ((depths = PyList_New(0)) == NULL)
+            goto cleanup;
+        for (i = 0; i < rows; i++) {
+            PyObject *depth; /* new reference */
+
+            if (!tw_result_row_has(self->result, i, node) ||
+                tw_result_row(self->result, i, &row, NULL) != TW_OK)
+                continue;
+            if ((depth = PyLong_FromLong(row.depth)) == NULL)
+                goto cleanup;
+            rc = PyList_Append(depths, depth);
+            Py_DECREF(depth);
+            if (rc < 0)
+                goto cleanup;
+        }
+        if ((d = tt_module_result_to_dict(module)) == NULL)
+            goto cleanup;
+        if (tt_dict_set_new(d, "node", PyLong_FromSize_t(node)) < 0)
+            goto cleanup;
+        rc = tt_dict_set_new(d, "depths", depths);
+        depths = NULL; /* stolen, also on failure */
+        if (rc < 0 || tt_dict_set_new(d, "kept",
+                                      PyBool_FromLong(selected >= 0 &&
+                                                      tw_result_row_has(self->result,
+                                                                        (size_t)selected,
+                                                                        node))) < 0)
+            goto cleanup;
+        if (PyList_Append(list, d) < 0)
+            goto cleanup;
+        Py_CLEAR(d);
+    }
+    result = list;
+    list = NULL;
+cleanup:
+    Py_XDECREF(list);
+    Py_XDECREF(depths);
+    Py_XDECREF(d);
+    return result;
+}
+
 static PyObject *
 tt_result_format(TtResult *self, PyObject *unused)
 {
@@ -570,6 +726,10 @@ static PyGetSetDef tt_result_getset[] = {
      "limit (a busy machine may have hidden one).", NULL},
     {"baseline", (getter)tt_result_get_baseline, NULL,
      "The untuned model's statistics; None on a dry run.", NULL},
+    {"modules", (getter)tt_result_get_modules, NULL,
+     "Every searched module, in node order: a dict (node, path, state, error, depths, kept, "
+     "groups) per module; per group (text, strategy, samples, chosen, error, candidates); per "
+     "candidate (name, state, verdict, error, stats).", NULL},
     {NULL, NULL, NULL, NULL, NULL}};
 
 static PyType_Slot tt_result_slots[] = {

@@ -79,6 +79,39 @@ def choose(kind: str,
     {"name", "state": "not tried"|"failed"|"built"|"measured", "error": str,
      "stats": Stats or None})."""
 
+ModuleReport = dict[str, Any]
+"""What a module's search found: {"path", "state": 1 tuned | -1 failed, "error",
+"groups": [{"text", "strategy", "samples", "chosen": index or -1, "error",
+"candidates": [{"name", "state": "not tried"|"failed"|"built"|"measured",
+"verdict": "chosen"|"slower"|"failed"|"not tried"|"built", "error",
+"stats": Stats or None}]}]}."""
+
+ModuleSearch = Any
+"""The callbacks of one module's search (tune_module, tweak's ``modules``): an
+object whose methods are read once per call, as bound methods. node is the
+caller's number for the module (a tree index in a tweak); g a signature group;
+c a candidate. A callback that raises an Exception fails that one step:
+- groups(node) -> int: how many signature groups; 0: never called (it fails).
+- group(node, g) -> (text, strategy kind, candidate names tuple, n_samples):
+  begins group g.
+- build(node, g, c): builds and checks candidate c; raise to reject it.
+- run(node, g, c, sample): makes recorded call `sample` with candidate c.
+- commit(node, g, chosen): ends group g with the chosen index or -1; follows
+  every group() call, also after an interrupt."""
+
+def tune_module(modules: ModuleSearch, node: int, *, path: str = "",
+                sync: Optional[Callable[[], object]] = None,
+                config: Optional[dict[str, Any]] = None,
+                clock: Optional[Callable[[], int]] = None) -> ModuleReport:
+    """tw_tune_module: the engine searches one module, group by group, with each
+    group's strategy. path names it in messages."""
+
+def check_tweak_config(*, min_depth: int = 0, max_depth: Optional[int] = 1,
+                       tie_tolerance: float = 0.02, time_budget: Optional[float] = None,
+                       config: Optional[dict[str, Any]] = None) -> None:
+    """Raises ValueError, with the message a user reads, for settings tweak would
+    refuse (tw_tweak_config_check and the forms Python gives them)."""
+
 class Result:
     """tw_result. str() is the engine's table."""
     @property
@@ -101,6 +134,10 @@ class Result:
         limit (a busy machine may have hidden one)."""
     def module(self, node: int) -> tuple[int, str]:
         """(1 tuned, -1 failed, 0 never tuned; error)."""
+    @property
+    def modules(self) -> list[ModuleReport]:
+        """Every searched module, in node order: a ModuleReport with "node", "depths"
+        (the rows' depths whose cut holds it) and "kept" (the kept cut holds it)."""
     def format(self) -> str: ...
 
 MODE_ORIGINAL: int
@@ -113,14 +150,14 @@ def default_tweak_config() -> dict[str, Any]:
 
 def tweak(tree: Tree, *,
           enter: Callable[[list[int], list[bool]], object],
-          tune: Callable[[int], object],
+          modules: ModuleSearch,
           activate: Callable[[], object],
           leave: Callable[[], object],
           run: Callable[[int], object],
           n_samples: int,
           sync: Optional[Callable[[], object]] = None,
           min_depth: int = 0,
-          max_depth: int = 2,
+          max_depth: Optional[int] = 1,
           tie_tolerance: float = 0.02,
           time_budget: Optional[float] = None,
           dry_run: bool = False,
@@ -128,10 +165,12 @@ def tweak(tree: Tree, *,
           clock: Optional[Callable[[], int]] = None,
           deactivate: Optional[Callable[[], object]] = None,
           log: Optional[Callable[[int, str], object]] = None) -> Result:
-    """tw_tweak_run. time_budget in seconds, >= 0 (None: none; 0: used up before
-    the first depth). max_depth -1: deepest. deactivate: switch the entered cut
-    back to the original forward (given: the kept depth is confirmed side by
-    side). log(level, text): the engine's lines, level 0 info, 1 warning."""
+    """tw_tweak_run. The engine searches every module of a cut it enters through
+    ``modules`` (see ModuleSearch). time_budget in seconds, >= 0 (None: none; 0:
+    used up before the first depth). max_depth None: deepest. The settings'
+    errors are check_tweak_config's. deactivate: switch the entered cut back to
+    the original forward (given: the kept depth is confirmed side by side).
+    log(level, text): the engine's lines, level 0 info, 1 warning."""
 
 class Signature:
     """What one call of a module looked like: the number of positional

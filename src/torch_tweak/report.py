@@ -79,6 +79,35 @@ class ModuleResult:
         return text + ("\n\nerrors in full:\n" + "\n".join(errors) if errors else "")
 
 
+def candidates_of(group: dict, notes: list[dict]) -> list[dict]:
+    """The candidate dicts of one signature group of the engine's result (a ``_C`` module
+    report's group), with what only Python knew of each build (notes: reason, max_error,
+    tolerance), in the form SignatureResult.candidates documents."""
+    found = []
+    for candidate, note in zip(group["candidates"], notes):
+        stats = candidate["stats"]
+        found.append({"backend": candidate["name"], "state": candidate["state"],
+                      "latency_ms": None if stats is None else stats["median_ns"] / 1e6,
+                      "error": candidate["error"], "reason": note.get("reason", ""),
+                      "max_error": note.get("max_error"), "tolerance": note.get("tolerance")})
+    return found
+
+
+def module_result(report: dict, signatures: list[tuple[str, str, list[dict], int]]) -> ModuleResult:
+    """The ModuleResult of one module of the engine's result (a ``_C.Result.modules`` entry).
+    signatures: per group, what only Python knows: (text, key, candidate dicts from
+    candidates_of, unstorable count)."""
+    groups = []
+    for found, (text, key, candidates, unstorable) in zip(report["groups"], signatures):
+        chosen = found["chosen"]
+        groups.append(SignatureResult(text, key, candidates[chosen]["backend"] if chosen >= 0 else None,
+                                      found["error"], tuple(candidates), unstorable))
+    names = list(dict.fromkeys(s.backend for s in groups if s.backend is not None))
+    return ModuleResult(report["path"], ", ".join(names) or None, report["error"],
+                        tuple(dict(c, signature=s.text) for s in groups for c in s.candidates), tuple(groups),
+                        tuple(report.get("depths", ())), bool(report.get("kept", True)))
+
+
 def status(candidate: dict, chosen: bool, unstorable: int) -> str:
     if chosen:
         note = f" ({unstorable} recorded calls not storable: compiles on first call)" if unstorable else ""

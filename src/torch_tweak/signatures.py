@@ -43,7 +43,7 @@ class SignatureGroup:
 
     signature: the _C.Signature the dispatcher matches, or None for "any other call".
     text: a readable form, e.g. ``(float32[8, 16], scale=2.0)``; key: a short stable hash.
-    report: one dict per candidate backend (see tuning.candidate_report).
+    report: one dict per candidate backend (see report.candidates_of).
     unstorable: recorded calls the chosen backend cannot store (they compile on first call).
     """
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -17,15 +18,11 @@ from .buildlog import BuildLog, capture_build, log_path
 from .correctness import MismatchError, check
 from .module import MODE_ACTIVE, MODE_ORIGINAL, MODE_RECORD, TunedModule, arm_untuned, installed
 from .progress import Progress
-from .report import fold
+from .report import candidates_of, fold
 from .signatures import MAX_CALLS_PER_SIGNATURE, SignatureGroup, forward_params, group_for
 from .strategy import Strategy, default_backends, default_strategy
 
 logger = logging.getLogger("torch_tweak")
-
-
-class TuneError(Exception):
-    """No backend of the strategy built and passed the check for a module."""
 
 
 def record(wrappers: Iterable[TunedModule], run_dataset: Callable[[], None]) -> None:
@@ -99,94 +96,141 @@ def _reason(exc: BaseException) -> str:
     return "build failed"
 
 
-def tune_group(wrapper: TunedModule, group: SignatureGroup, strategy: Strategy, device: torch.device,
-               measure: dict | None, progress: Progress | None, model_class: str) -> None:
-    """Picks a backend for the recorded calls of one signature: group.backend, or group.error."""
-    samples: Sequence[Call] = group.samples
-    refs = group.outputs
-    module = wrapper._tt_original
-    backends = strategy.fresh().candidates(device)
-    sync = synchronizer(device)
-    notes: list[dict] = [{} for _ in backends]
-    state = model_state.snapshot(module)
-    label = wrapper.tt_name if len(wrapper.tt_signatures) == 1 else f"{wrapper.tt_name} {group.text}"
+class ModuleSearch:
+    """The callbacks of the engine's module search (``_C.tune_module``, and ``_C.tweak``'s
+    ``modules``): the engine walks each module's signature groups and their candidates
+    and applies the strategy's rule; this builds, checks and runs what it asks for, and
+    installs what it chose.
 
-    def build_of(i: int, backend: Backend):
-        def build() -> None:
-            if progress is not None:
-                progress.step(label, f"building {backend.name}")
-            path = log_path(model_class, wrapper.tt_name, group.key, backend.name)
-            title = f"{backend!r} for {wrapper.tt_name or '(root)'} of {model_class}, signature {group.text}"
-            started = time.monotonic()
-            with capture_build(path, title) as log:
-                try:
-                    worst = build_checked(backend, module, samples, refs, device, state, log)
-                except Exception as exc:
-                    notes[i]["build_s"] = time.monotonic() - started
-                    notes[i]["reason"] = _reason(exc)
-                    if isinstance(exc, OUT_OF_MEMORY) and torch.cuda.is_initialized():
-                        torch.cuda.empty_cache()  # what the failed build cached goes back to the next candidate
-                    if isinstance(exc, MismatchError):
-                        notes[i]["max_error"], notes[i]["tolerance"] = exc.error, exc.tolerance
-                        log.outcome = f"failed the correctness check: {exc}"
-                    raise
-                notes[i]["max_error"] = worst
-                notes[i]["build_s"] = time.monotonic() - started
-                log.outcome = f"built; passed the correctness check (largest relative error {worst:.3g})"
-        return build
-
-    stateful = any(unstorable(s) is not None for s in samples)  # a cache passed in: copied per call
-
-    def run_of(backend: Backend):
-        def run(i: int) -> None:
-            args, kwargs = fresh(samples[i]) if stateful else samples[i]
-            backend.callable(*args, **kwargs)
-        return run
-
-    candidates = [(b.name, build_of(i, b), run_of(b)) for i, b in enumerate(backends)]
-    try:
-        with torch.no_grad(), build_scopes(backends, static=group.signature is not None):
-            index, reports = _C.choose(strategy.kind, candidates, len(samples), sync=sync, config=measure)
-    finally:
-        state.restore()  # measuring a train-mode module moves its batch-norm statistics
-    group.report = [candidate_report(b, r, n) for b, r, n in zip(backends, reports, notes)]
-    for report, note in zip(group.report, notes):
-        logger.debug("%s: %s %s%s%s", label or "(root)", report["backend"], report["state"],
-                  f" in {note['build_s']:.2f} s" if "build_s" in note else "",
-                  f", {report['latency_ms']:.3f} ms" if report["latency_ms"] is not None
-                  else f": {fold(report['error'])}" if report["error"] else "")
-    if index < 0:
-        group.backend = None
-        group.error = "no backend passed (" + "; ".join(
-            f"{r['backend']}: {r['error'] or r['state']}" for r in group.report) + ")"
-        return
-    group.backend = backends[index]
-    group.error = ""
-    group.unstorable = sum(not group.backend.can_store(s) for s in samples)
-
-
-def tune_wrapper(wrapper: TunedModule, strategy: Strategy, device: torch.device,
-                 measure: dict | None = None, progress: Progress | None = None,
-                 model_class: str = "Module") -> None:
-    """Picks a backend per recorded signature of one wrapper; raises TuneError when none passes.
-
-    On success the wrapper's dispatcher holds one entry (signature, backend) per
-    signature that found a backend; a call of any other signature runs the original
-    module. tt_backend is the first signature's backend. On failure the wrapper keeps
-    calling its original forward.
+    wrapper_of(node) and strategy_of(node): the module's wrapper (recorded) and strategy
+    template. done(node): called once a module's last group is committed (or at once when
+    it has none). notes[(node, group, candidate)]: what only Python knows of a build
+    (reason, max_error, tolerance, build_s), read with the engine's result (see absorb).
     """
-    name = wrapper.tt_name or "(root)"
-    groups: list[SignatureGroup] = wrapper.tt_signatures
-    if not groups:
-        raise TuneError(f"the dataset never called {name}; there is nothing to tune it on")
-    for group in groups:
-        tune_group(wrapper, group, strategy, device, measure, progress, model_class)
-    several = len(groups) > 1
+
+    def __init__(self, wrapper_of: Callable[[int], TunedModule], strategy_of: Callable[[int], Strategy],
+                 device: torch.device, progress: Progress | None, model_class: str,
+                 done: Callable[[int], None] | None = None) -> None:
+        self.wrapper_of = wrapper_of
+        self.strategy_of = strategy_of
+        self.device = device
+        self.progress = progress
+        self.model_class = model_class
+        self.done = done
+        self.notes: dict[tuple[int, int, int], dict] = {}
+        self._open: _OpenGroup | None = None
+
+    def groups(self, node: int) -> int:
+        count = len(self.wrapper_of(node).tt_signatures)
+        if count == 0 and self.done is not None:
+            self.done(node)
+        return count
+
+    def group(self, node: int, g: int) -> tuple[str, str, tuple[str, ...], int]:
+        wrapper = self.wrapper_of(node)
+        group = wrapper.tt_signatures[g]
+        strategy = self.strategy_of(node)
+        backends = strategy.fresh().candidates(self.device)
+        label = wrapper.tt_name if len(wrapper.tt_signatures) == 1 else f"{wrapper.tt_name} {group.text}"
+        module = wrapper._tt_original
+        state = model_state.snapshot(module)  # put back at commit, whatever the builds changed
+        stack = contextlib.ExitStack()  # closed at commit: the engine commits every group it began
+        try:
+            stack.enter_context(torch.no_grad())
+            stack.enter_context(build_scopes(backends, static=group.signature is not None))
+        except BaseException:
+            stack.close()
+            raise
+        stateful = any(unstorable(s) is not None for s in group.samples)  # a cache passed in: copied per call
+        self._open = _OpenGroup(node, g, group, backends, module, state, stack, stateful, label)
+        return (group.text, strategy.kind, tuple(b.name for b in backends), len(group.samples))
+
+    def build(self, node: int, g: int, c: int) -> None:
+        o = self._current(node, g)
+        backend, group, wrapper = o.backends[c], o.group, self.wrapper_of(node)
+        note = self.notes.setdefault((node, g, c), {})
+        if self.progress is not None:
+            self.progress.step(o.label, f"building {backend.name}")
+        path = log_path(self.model_class, wrapper.tt_name, group.key, backend.name)
+        title = f"{backend!r} for {wrapper.tt_name or '(root)'} of {self.model_class}, signature {group.text}"
+        started = time.monotonic()
+        with capture_build(path, title) as log:
+            try:
+                worst = build_checked(backend, o.module, group.samples, group.outputs, self.device, o.state, log)
+            except Exception as exc:
+                note["build_s"] = time.monotonic() - started
+                note["reason"] = _reason(exc)
+                if isinstance(exc, OUT_OF_MEMORY) and torch.cuda.is_initialized():
+                    torch.cuda.empty_cache()  # what the failed build cached goes back to the next candidate
+                if isinstance(exc, MismatchError):
+                    note["max_error"], note["tolerance"] = exc.error, exc.tolerance
+                    log.outcome = f"failed the correctness check: {exc}"
+                raise
+            note["max_error"] = worst
+            note["build_s"] = time.monotonic() - started
+            log.outcome = f"built; passed the correctness check (largest relative error {worst:.3g})"
+
+    def run(self, node: int, g: int, c: int, i: int) -> None:
+        o = self._open
+        sample = o.group.samples[i]
+        args, kwargs = fresh(sample) if o.stateful else sample
+        o.backends[c].callable(*args, **kwargs)
+
+    def commit(self, node: int, g: int, chosen: int) -> None:
+        o, self._open = self._open, None
+        if o is not None and (o.node, o.g) == (node, g):
+            try:
+                o.state.restore()  # measuring a train-mode module moves its batch-norm statistics
+            finally:
+                o.stack.close()
+            o.group.backend = o.backends[chosen] if chosen >= 0 else None
+            if o.group.backend is not None:
+                o.group.unstorable = sum(not o.group.backend.can_store(s) for s in o.group.samples)
+        wrapper = self.wrapper_of(node)
+        if g == len(wrapper.tt_signatures) - 1:
+            apply_groups(wrapper)
+            if self.done is not None:
+                self.done(node)
+
+    def _current(self, node: int, g: int) -> "_OpenGroup":
+        o = self._open
+        if o is None or (o.node, o.g) != (node, g):
+            raise RuntimeError(f"the engine asked for group {g} of node {node}, which is not open")
+        return o
+
+
+@dataclasses.dataclass
+class _OpenGroup:
+    """The signature group the engine is searching: its candidates and what to put back."""
+
+    node: int
+    g: int
+    group: SignatureGroup
+    backends: list[Backend]
+    module: nn.Module
+    state: model_state.Snapshot
+    stack: contextlib.ExitStack
+    stateful: bool
+    label: str
+
+
+def absorb(wrapper: TunedModule, report: dict, notes: dict[tuple[int, int, int], dict], node: int) -> None:
+    """Copies what the engine's search of one module found (a ``_C`` module report) onto the
+    wrapper's signature groups (report, error) and the wrapper (tt_report, tt_error), with
+    what only Python knew of each build; logs each candidate at DEBUG."""
+    groups = wrapper.tt_signatures
+    for g, (group, found) in enumerate(zip(groups, report["groups"])):
+        group.report = candidates_of(found, [notes.get((node, g, c), {}) for c in range(len(found["candidates"]))])
+        group.error = found["error"]
+        label = wrapper.tt_name if len(groups) == 1 else f"{wrapper.tt_name} {group.text}"
+        for c, candidate in enumerate(group.report):
+            note = notes.get((node, g, c), {})
+            logger.debug("%s: %s %s%s%s", label or "(root)", candidate["backend"], candidate["state"],
+                         f" in {note['build_s']:.2f} s" if "build_s" in note else "",
+                         f", {candidate['latency_ms']:.3f} ms" if candidate["latency_ms"] is not None
+                         else f": {fold(candidate['error'])}" if candidate["error"] else "")
     wrapper.tt_report = [dict(r, signature=g.text) for g in groups for r in g.report]
-    chosen = apply_groups(wrapper)
-    wrapper.tt_error = "; ".join(f"{g.text}: {g.error}" if several else g.error for g in groups if g.error)
-    if not chosen:
-        raise TuneError(f"{name}: {wrapper.tt_error}")
+    wrapper.tt_error = report["error"]
 
 
 def entry_flags(backend: Backend) -> int:
@@ -223,19 +267,6 @@ def apply_groups(wrapper: TunedModule) -> list[SignatureGroup]:
     return chosen
 
 
-def candidate_report(backend: Backend, report: dict, note: dict) -> dict:
-    stats = report.get("stats")
-    return {
-        "backend": backend.name,
-        "state": report["state"],
-        "latency_ms": None if stats is None else stats["median_ns"] / 1e6,
-        "error": report.get("error", ""),
-        "reason": note.get("reason", ""),
-        "max_error": note.get("max_error"),
-        "tolerance": note.get("tolerance"),
-    }
-
-
 def check_measure(measure: dict | None) -> None:
     """A measurement override names only known settings (values are checked by the engine)."""
     if measure is None:
@@ -263,7 +294,8 @@ def dataset_runner(model: nn.Module, calls: Sequence[Call]) -> Callable[[], None
 
 def tune(model: nn.Module, dataset: Any, *, strategy: Strategy | None = None, device: Any = None,
          measure: dict | None = None, progress: bool = False) -> dict[str, str | None]:
-    """Records samples for every wrapped module of `model` by running `dataset`, then tunes each.
+    """Records samples for every wrapped module of `model` by running `dataset`, then tunes each
+    with the engine's module search (the same as tt.tweak's).
 
     Returns {path: chosen backend name (of its first signature), or None when the module
     keeps its original forward}.
@@ -278,28 +310,28 @@ def tune(model: nn.Module, dataset: Any, *, strategy: Strategy | None = None, de
     if strategy is not None and not isinstance(strategy, Strategy):
         raise TypeError(f"strategy must be a torch_tweak strategy, not {type(strategy).__name__}")
     check_measure(measure)
-    templates = {path: strategy if strategy is not None else getattr(wrapper, "tt_strategy", None)
-                 for path, wrapper in wrappers.items()}
-    for template in templates.values():
+    paths = list(wrappers)
+    templates = [strategy if strategy is not None else getattr(wrappers[p], "tt_strategy", None) for p in paths]
+    for template in templates:
         if template is not None:
             template.check_device(device)  # a backend this device cannot run fails here
     calls = load_dataset(dataset, device)
     shown = Progress(progress)
+    search = ModuleSearch(lambda node: wrappers[paths[node]],
+                          lambda node: templates[node] if templates[node] is not None else default_strategy(device),
+                          device, shown, model_class_name(model))
+    chosen: dict[str, str | None] = {}
     with model_state.kept(model):  # recording a train-mode model moves its batch-norm statistics
         record(wrappers.values(), dataset_runner(model, calls))
-        chosen: dict[str, str | None] = {}
-        model_class = model_class_name(model)
-        for path, wrapper in wrappers.items():
-            template = templates[path] if templates[path] is not None else default_strategy(device)
+        for node, path in enumerate(paths):
+            wrapper = wrappers[path]
             try:
-                tune_wrapper(wrapper, template, device, measure, shown, model_class)
-                wrapper._tt_mode = MODE_ACTIVE
-                chosen[path] = wrapper.tt_backend.name
-            except TuneError:
-                wrapper._tt_mode = MODE_ORIGINAL
-                chosen[path] = None
+                report = _C.tune_module(search, node, path=path, sync=synchronizer(device), config=measure)
             finally:
                 release(wrapper)
+            absorb(wrapper, report, search.notes, node)
+            wrapper._tt_mode = MODE_ACTIVE if wrapper.tt_backend is not None else MODE_ORIGINAL
+            chosen[path] = wrapper.tt_backend.name if wrapper.tt_backend is not None else None
     shown.close()
     arm_untuned(model)
     return chosen

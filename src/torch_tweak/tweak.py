@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import warnings
 import weakref
 from typing import Any
@@ -18,10 +17,10 @@ from .inspecting import ModuleTree, trace
 from .module import (MODE_ACTIVE, MODE_ORIGINAL, TunedModule, arm_untuned, install, installed, make_wrapper,
                      uninstall, unwrap)
 from .progress import Progress
-from .report import ModuleResult, ModuleResults, SignatureResult, fold
+from .report import ModuleResults, fold, module_result
 from .strategy import Strategy, default_backends, default_strategy
 from .serial import Unstorable
-from .tuning import check_measure, dataset_runner, model_class_name, record, release, tune_wrapper
+from .tuning import ModuleSearch, absorb, check_measure, dataset_runner, model_class_name, record, release
 from .workload import TokenRow, Workload, choose_loop
 
 _DEFAULTS = _C.default_tweak_config()  # the engine owns every default of the depth search
@@ -194,23 +193,9 @@ def _engine_log(level: int, text: str) -> None:
     logger.log(logging.WARNING if level else logging.INFO, text)
 
 
-def _check_arguments(min_depth: Any, max_depth: Any, tie_tolerance: Any, time_budget: Any) -> None:
-    if not isinstance(min_depth, int) or min_depth < 0:
-        raise ValueError(f"min_depth must be an int >= 0, got {min_depth!r}")
-    if max_depth is not None:
-        if not isinstance(max_depth, int) or max_depth < 0:
-            raise ValueError(f"max_depth must be an int >= 0 or None, got {max_depth!r}")
-        if min_depth > max_depth:
-            raise ValueError(f"min_depth ({min_depth}) is greater than max_depth ({max_depth}): "
-                             "lower min_depth or raise max_depth")
-    if not isinstance(tie_tolerance, (int, float)) or not math.isfinite(tie_tolerance) or tie_tolerance < 0:
-        raise ValueError(f"tie_tolerance must be a fraction >= 0 (0.02 is 2 %), got {tie_tolerance!r}")
-    if time_budget is not None and (not isinstance(time_budget, (int, float)) or not time_budget >= 0):
-        raise ValueError(f"time_budget must be a number of seconds >= 0 or None, got {time_budget!r}")
-
-
 class _Session:
-    """The engine's callbacks for one tweak: enter, tune, activate and leave a cut."""
+    """The engine's callbacks for one tweak: enter, activate and leave a cut; the module
+    search's are ``search`` (tuning.ModuleSearch)."""
 
     def __init__(self, model: nn.Module, tree: ModuleTree, run_dataset, strategy: Strategy | None,
                  device: torch.device, measure: dict | None, progress: Progress, depths: list[int]) -> None:
@@ -230,6 +215,9 @@ class _Session:
         self.applied = False    # the kept depth is entered again: what follows is the confirmation
         self.model_class = model_class_name(model)
         self.on_measure = None  # called with the depth before its first measurement (a workload's TTFT)
+        self.search = ModuleSearch(lambda node: self.wrappers[node],
+                                   lambda node: strategy if strategy is not None else default_strategy(device),
+                                   device, progress, self.model_class, done=self.tuned)
 
     def enter(self, nodes: list[int], tune: list[bool]) -> None:
         depth = max(self.tree.tree.depth(n) for n in nodes) if nodes else 0
@@ -257,15 +245,12 @@ class _Session:
             self.leave()
             raise
 
-    def tune(self, node: int) -> None:
+    def tuned(self, node: int) -> None:
+        """The engine's search of this module is done (ModuleSearch.done)."""
         wrapper = self.wrappers[node]
-        strategy = self.strategy if self.strategy is not None else default_strategy(self.device)
-        try:
-            tune_wrapper(wrapper, strategy, self.device, self.measure, self.progress, self.model_class)
-        finally:
-            release(wrapper)
-            chosen = wrapper.tt_backend.name if wrapper.tt_backend is not None else None
-            self.progress.finish_module(wrapper.tt_name, f"chose {chosen}" if chosen else "keeps its forward")
+        release(wrapper)
+        chosen = wrapper.tt_backend.name if wrapper.tt_backend is not None else None
+        self.progress.finish_module(wrapper.tt_name, f"chose {chosen}" if chosen else "keeps its forward")
 
     def activate(self) -> None:
         first = not self.applied and not self.measuring
@@ -295,23 +280,17 @@ class _Session:
             uninstall(self.model, self.wrappers[node])
         self.entered.clear()
 
-    def module_results(self, kept_depth: int | None) -> ModuleResults:
+    def module_results(self, engine: "_C.Result", kept_depth: int | None) -> ModuleResults:
+        """The engine's result per module, read into the wrappers (see tuning.absorb) and into
+        the ModuleResults the user reads."""
         results = ModuleResults()
         results.kept_depth = kept_depth
-        kept = installed(self.model)
-        depths_of: dict[int, list[int]] = {}
-        for depth in self.depths:
-            for node in self.tree.tree.cut(depth):
-                depths_of.setdefault(node, []).append(depth)
-        for node, wrapper in sorted(self.wrappers.items()):
-            signatures = tuple(SignatureResult(g.text, g.key, g.backend.name if g.backend is not None else None,
-                                               g.error, tuple(g.report), g.unstorable)
-                               for g in wrapper.tt_signatures)
-            names = list(dict.fromkeys(s.backend for s in signatures if s.backend is not None))
-            results[wrapper.tt_name] = ModuleResult(wrapper.tt_name, ", ".join(names) or None, wrapper.tt_error,
-                                                    tuple(wrapper.tt_report), signatures,
-                                                    tuple(depths_of.get(node, ())),
-                                                    kept.get(wrapper.tt_name) is wrapper)
+        for report in engine.modules:
+            node = report["node"]
+            wrapper = self.wrappers[node]
+            absorb(wrapper, report, self.search.notes, node)
+            signatures = [(g.text, g.key, g.report, g.unstorable) for g in wrapper.tt_signatures]
+            results[wrapper.tt_name] = module_result(report, signatures)
         return results
 
 
@@ -330,7 +309,9 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
-    _check_arguments(min_depth, max_depth, tie_tolerance, time_budget)
+    # the engine's rules, raised before anything runs
+    _C.check_tweak_config(min_depth=min_depth, max_depth=max_depth, tie_tolerance=tie_tolerance,
+                          time_budget=time_budget)
     if not isinstance(cache, bool):
         raise TypeError(f"cache must be True or False, not {cache!r}; tt.clear_cache() empties the cache")
     if strategy is not None and not isinstance(strategy, Strategy):
@@ -404,15 +385,12 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
         try:
             with torch.no_grad():
                 engine = _C.tweak(
-                    tree.tree, enter=session.enter, tune=session.tune, activate=session.activate,
+                    tree.tree, enter=session.enter, modules=session.search, activate=session.activate,
                     leave=session.leave, deactivate=session.deactivate, log=_engine_log,
                     run=run if job is None else lambda i: job.run(),
-                    n_samples=len(calls) if job is None else 1,
-                    sync=synchronizer(device),
-                    min_depth=min_depth, max_depth=-1 if max_depth is None else max_depth,
-                    tie_tolerance=float(tie_tolerance),
-                    time_budget=None if time_budget is None else float(time_budget), dry_run=bool(dry_run),
-                    config=measure,
+                    n_samples=len(calls) if job is None else 1, sync=synchronizer(device),
+                    min_depth=min_depth, max_depth=max_depth, tie_tolerance=tie_tolerance,
+                    time_budget=time_budget, dry_run=bool(dry_run), config=measure,
                 )
         except BaseException:
             unwrap(model)  # whatever happened, the model is as it was (the decode loop too)
@@ -421,7 +399,7 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
             shown.close()
         selected = engine.selected
         kept_depth = engine.rows[selected]["depth"] if selected >= 0 else None
-        result = TweakResult(engine, tree, session.module_results(kept_depth))
+        result = TweakResult(engine, tree, session.module_results(engine, kept_depth))
         kept = installed(model)
         for wrapper in session.wrappers.values():
             if kept.get(wrapper.tt_name) is not wrapper:
