@@ -38,7 +38,7 @@ from torch import nn
 from ._samples import resolve_device, unstorable
 from .backends import Backend
 from .storage import NotRegular, atomic_file, read_regular
-from .module import MODE_ACTIVE, arm_untuned, installed, make_wrapper, install, resolve_paths, unwrap
+from .module import arm_untuned, installed, make_wrapper, install, resolve_paths, unwrap
 from .serial import (Unstorable, build_backend, class_path, decode, describe_backend, device_name, dumps, encode,
                      known_types, loads)
 from .signatures import (MAX_CALLS_PER_SIGNATURE, MAX_SIGNATURES, OTHER, SignatureGroup, forward_params,
@@ -417,8 +417,7 @@ def load(model: nn.Module, path: str | os.PathLike, *, device: Any = None, trust
             wrapper.tt_error = "; ".join(g.error for g in wrapper.tt_signatures if g.error)
             chosen[name] = wrapper.tt_backend.name if wrapper.tt_backend is not None else None
         for wrapper in wrappers:
-            if wrapper.tt_backend is not None:
-                wrapper._tt_mode = MODE_ACTIVE
+            wrapper.tt_activate()
     except BaseException:
         unwrap(model)
         raise

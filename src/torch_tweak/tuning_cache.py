@@ -34,7 +34,7 @@ from torch import nn
 from ._samples import Call
 from .storage import atomic_file, cache_dir, read_regular
 from .correctness import TOLERANCES
-from .module import MODE_ACTIVE, TunedModule, install, installed, make_wrapper, unwrap
+from .module import TunedModule, install, installed, make_wrapper, unwrap
 from .report import ModuleResult, ModuleResults, SignatureResult
 from .schema import fingerprint
 from .serial import Unstorable, class_path, describe_backend, device_name, dumps, loads
@@ -272,8 +272,7 @@ def apply(entry: dict, model: nn.Module, calls: Sequence[Call], device: torch.de
             wrapper.tt_report = list(report["candidates"])
             release(wrapper)
         for wrapper in wrappers:
-            if wrapper.tt_backend is not None:
-                wrapper._tt_mode = MODE_ACTIVE
+            wrapper.tt_activate()
         done = True
         return None
     except Exception as exc:  # whatever went wrong, a fresh tweak follows

@@ -15,8 +15,7 @@ from torch import nn
 from . import _C, model_state, tuning_cache
 from ._samples import load_dataset, resolve_device, synchronizer
 from .inspecting import ModuleTree, trace
-from .module import (MODE_ACTIVE, MODE_ORIGINAL, TunedModule, arm_untuned, install, installed, make_wrapper,
-                     uninstall, unwrap)
+from .module import TunedModule, arm_untuned, install, installed, make_wrapper, uninstall, unwrap
 from .progress import Progress
 from .report import ModuleResult, ModuleResults, SignatureResult
 from .strategy import Strategy, default_backends, default_strategy
@@ -244,9 +243,7 @@ class _Session:
             self.measuring = True
             self.progress.phase(f"depth {self.depth}: measuring the whole model")
         for node in self.entered:
-            wrapper = self.wrappers[node]
-            if wrapper.tt_backend is not None:
-                wrapper._tt_mode = MODE_ACTIVE
+            self.wrappers[node].tt_activate()
 
     def deactivate(self) -> None:
         """The entered cut back to the original forward, still wrapped: the untuned side of
@@ -255,7 +252,7 @@ class _Session:
             self.measuring = True
             self.progress.phase(f"depth {self.depth}: measuring it side by side with the untuned model")
         for node in self.entered:
-            self.wrappers[node]._tt_mode = MODE_ORIGINAL
+            self.wrappers[node].tt_deactivate()
 
     def leave(self) -> None:
         self.measuring = False
