@@ -6,7 +6,6 @@ import dataclasses
 import logging
 import math
 import warnings
-import weakref
 from typing import Any
 
 import torch
@@ -16,6 +15,7 @@ from . import _C, model_state, tuning_cache
 from ._samples import load_dataset, resolve_device, synchronizer
 from .inspecting import ModuleTree, trace
 from .module import TunedModule, arm_untuned, install, installed, make_wrapper, uninstall, unwrap
+from .plan import SELECTED_DEPTHS
 from .progress import Progress
 from .report import ModuleResult, ModuleResults, SignatureResult
 from .strategy import Strategy, default_backends, default_strategy
@@ -33,9 +33,6 @@ searches deeper."""
 
 DEFAULT_TIE_TOLERANCE: float = _DEFAULTS["tie_tolerance"]
 """A depth within 2 % of the fastest counts as a tie; the shallowest tie wins."""
-
-SELECTED_DEPTHS: "weakref.WeakKeyDictionary[nn.Module, int | None]" = weakref.WeakKeyDictionary()
-"""model -> the depth its last tweak (or tt.load) kept: what tt.save writes as the plan's depth."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,11 +389,10 @@ def _from_cache(model: nn.Module, tree: ModuleTree, calls: list, device: torch.d
         result = None
         failure = "the entry is damaged"
     else:
-        failure = tuning_cache.apply(entry, model, calls, device, strategy, model_class_name(model))
+        failure = tuning_cache.apply(entry, model, calls, device, strategy)
     if failure is not None:
         logger.warning("tuning cache entry %s dropped (%s); tuning afresh", key, failure)
         tuning_cache.drop(key)
         return None
-    SELECTED_DEPTHS[model] = result.selected_depth
     shown.finish(f"{result.outcome()} (from the tuning cache)")
     return result
