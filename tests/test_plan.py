@@ -203,3 +203,17 @@ def test_recording_puts_the_state_back_however_it_ends(mlp, mlp_data):
         mlp(mlp_data[0])
     assert len(seen) == 1  # the recorder is gone with the block
     assert not wrapper.tt_activate() and not wrapper.tt_active  # no backend: nothing to switch to
+
+
+def test_an_empty_plan_runs_nothing_and_keeps_the_model_untuned(mlp_data):
+    model = fresh_net()
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(args))
+    before, outputs = snapshot(model), answers(model, mlp_data)
+    calls.clear()
+    assert planning.apply(model, planning.Plan(None), device=torch.device("cpu"),
+                          calls=[((x,), {}) for x in mlp_data]) == []
+    assert calls == []  # nothing to record: the dataset is not run
+    assert planning.SELECTED_DEPTHS[model] is None  # what tt.save writes: an empty plan
+    assert_unchanged(model, before)
+    assert all(torch.equal(a, b) for a, b in zip(answers(model, mlp_data), outputs))

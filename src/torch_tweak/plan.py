@@ -116,7 +116,7 @@ def apply(model: nn.Module, plan: Plan, *, device: torch.device, calls: Sequence
     failures: list[RebuildFailed] = []
     wrappers = install_all(model, plan.paths)
     try:
-        if calls is not None:
+        if calls is not None and wrappers:
             record(wrappers, dataset_runner(model, calls))
         for wrapper, module in zip(wrappers, plan.modules):
             if calls is None:
