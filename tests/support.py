@@ -46,6 +46,18 @@ class Slow(nn.Module):
         return self.inner(x)
 
 
+class SlowNet(nn.Module):
+    """Two Slow layers: a backend that runs their inner layers makes depth 1 truly faster."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = Slow(nn.Linear(16, 16))
+        self.b = Slow(nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
 class CountingBackend(Backend):
     """Runs the module as it is and counts builds and calls."""
 

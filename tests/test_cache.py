@@ -14,17 +14,7 @@ from torch import nn
 
 import torch_tweak as tt
 from torch_tweak import _C, tuning_cache
-from support import FAST, MLP, BrokenBackend, CountingBackend, Slow
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = Slow(nn.Linear(16, 16))
-        self.b = Slow(nn.Linear(16, 4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(self.a(x))
+from support import FAST, MLP, BrokenBackend, CountingBackend, Slow, SlowNet as Net
 
 
 class Fast(CountingBackend):

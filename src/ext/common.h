@@ -12,8 +12,12 @@
  * measure    measure, compare, choose, tweak (measure.h)
  * argspec    one argument of a recorded call and its check (argspec.h)
  * signature  the Signature type (signature.h)
+ * guard      entry locks and the grad rule (guard.h)
+ * entries    the entry table and how a call finds its entry (entries.h)
  * dispatcher the Dispatcher type, the per-call path (dispatcher.h)
- * graph      the GraphReplay type, the device-graph replay path (graph.h)
+ * graph      the GraphReplay type, the device-graph replay path (graph.h);
+ *            its files share graph_replay.h: graph_call (a call),
+ *            graph_record (the recordings it holds), graph (the type)
  * module     module definition and init: calls every file's exec function
  *
  * Every name carries the prefix tt_ (TT_ for macros); structs are CamelCase.

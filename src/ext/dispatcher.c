@@ -6,114 +6,16 @@
  */
 #include "dispatcher.h"
 
-#include "signature.h"
-
-#include <string.h>
+#include "entries.h"
+#include "guard.h"
 
 /* =========================================================== Dispatcher */
 
 enum { TT_MODE_ORIGINAL = 0, TT_MODE_ACTIVE = 1, TT_MODE_RECORD = 2 };
 
-/* Per entry, what its backend cannot do (_tt_set_entries' flags). */
-enum {
-    TT_ENTRY_SERIALIZE = 1,   /* not thread-safe: one call at a time, under the entry's lock */
-    TT_ENTRY_NO_AUTOGRAD = 2, /* outputs carry no autograd history */
-    TT_ENTRY_LAYOUT_ONLY = 4  /* the backend checks the values itself: only bind the layout */
-};
-
 /* Why a call in active mode ran the original. */
 enum { TT_UNTUNED_NO_MATCH = 0, TT_UNTUNED_GRAD = 1 };
 static const char *const tt_untuned_reasons[] = {"no signature matched", "grad mode"};
-
-/* The lock of a serialised entry, in a capsule of the entries tuple: a call
- * that holds the tuple holds the lock object. Re-entrant for the thread that
- * holds it (a backend that calls its own module again must not deadlock);
- * owner and depth are read and written with the GIL held. */
-typedef struct TtEntryLock {
-    PyThread_type_lock lock;
-    unsigned long owner;
-    long depth;
-} TtEntryLock;
-
-static const char tt_entry_lock_name[] = "torch_tweak._C.EntryLock";
-
-static void
-tt_entry_lock_free(PyObject *capsule)
-{
-    TtEntryLock *l = PyCapsule_GetPointer(capsule, tt_entry_lock_name);
-
-    if (l != NULL) {
-        PyThread_free_lock(l->lock);
-        PyMem_Free(l);
-    }
-}
-
-/* A capsule of a new lock. New reference. */
-static PyObject *
-tt_entry_lock_new(void)
-{
-    TtEntryLock *l = PyMem_Calloc(1, sizeof(TtEntryLock));
-    PyObject *capsule = NULL;
-
-    if (l == NULL) {
-        PyErr_NoMemory();
-        goto cleanup;
-    }
-    if ((l->lock = PyThread_allocate_lock()) == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "cannot allocate a lock");
-        goto cleanup;
-    }
-    capsule = PyCapsule_New(l, tt_entry_lock_name, tt_entry_lock_free);
-    if (capsule != NULL)
-        l = NULL;
-cleanup:
-    if (l != NULL) {
-        if (l->lock != NULL)
-            PyThread_free_lock(l->lock);
-        PyMem_Free(l);
-    }
-    return capsule;
-}
-
-/* Takes the lock; 0, or -1 with an exception (a signal while waiting). The
- * holder may need the GIL to finish, so the wait happens without it, in
- * slices, so that Ctrl-C still reaches the main thread. */
-static int
-tt_entry_lock_acquire(TtEntryLock *l)
-{
-    unsigned long me = PyThread_get_thread_ident();
-    PyLockStatus got = PY_LOCK_FAILURE;
-    int rc = -1;
-
-    if (l->depth > 0 && l->owner == me) {
-        l->depth++;
-        rc = 0;
-        goto cleanup;
-    }
-    if (!PyThread_acquire_lock(l->lock, NOWAIT_LOCK)) {
-        while (got != PY_LOCK_ACQUIRED) {
-            Py_BEGIN_ALLOW_THREADS
-            got = PyThread_acquire_lock_timed(l->lock, 50000, 1);
-            Py_END_ALLOW_THREADS
-            if (got != PY_LOCK_ACQUIRED && PyErr_CheckSignals() < 0)
-                goto cleanup;
-        }
-    }
-    l->owner = me;
-    l->depth = 1;
-    rc = 0;
-cleanup:
-    return rc;
-}
-
-static void
-tt_entry_lock_release(TtEntryLock *l)
-{
-    if (--l->depth == 0) {
-        l->owner = 0;
-        PyThread_release_lock(l->lock);
-    }
-}
 
 typedef struct {
     PyObject_HEAD
@@ -121,13 +23,7 @@ typedef struct {
     TtState *state;      /* of the owning module; outlives the type, so this object */
     PyObject *original;  /* NULL until _tt_bind */
     PyObject *recorder;  /* NULL when none */
-    /* A tuple of (signature or None, backend, cacheable, flags, lock or None)
-     * tuples. cacheable: no earlier entry can match a call this one matches,
-     * so trying it first keeps first-match semantics. flags: TT_ENTRY_*, an
-     * int, None for 0 (one compare on the hot path); lock: a capsule of a TtEntryLock for TT_ENTRY_SERIALIZE. Replaced
-     * whole, never mutated: a call holds a reference while it walks, so a
-     * backend may set new entries. */
-    PyObject *entries;
+    PyObject *entries;   /* the entry table (entries.h) */
     PyObject *params;    /* NULL, or a tuple of the module's parameter dicts */
     PyObject *notify;    /* NULL, or called with a reason on its first untuned call */
     Py_ssize_t last;     /* index of the last matching entry */
@@ -137,181 +33,6 @@ typedef struct {
     unsigned long long fallbacks;      /* TT_UNTUNED_NO_MATCH */
     unsigned long long grad_fallbacks; /* TT_UNTUNED_GRAD */
 } TtDispatcher;
-
-/* The entry a call goes to: its backend (borrowed from the entries the caller
- * holds) and the call laid out for it. */
-typedef struct TtHit {
-    PyObject *backend;
-    PyObject *const *args;
-    size_t nargsf;
-    PyObject *kwnames;
-    Py_ssize_t n;        /* arguments in args */
-    long flags;
-    PyObject *lock;      /* the capsule, or NULL */
-} TtHit;
-
-/* 1 when `entry` takes the call, filling *hit; 0 when not; -1 on error. */
-static TT_INLINE int
-tt_entry_take(PyObject *entry, PyObject *const *args, size_t nargsf, PyObject *kwnames,
-              TtStack *stack, TtHit *hit)
-{
-    PyObject *sig = PyTuple_GET_ITEM(entry, 0);   /* borrowed */
-    PyObject *flag = PyTuple_GET_ITEM(entry, 3);  /* borrowed: None for no flags */
-    PyObject *const *bound = args;
-    long flags = TT_LIKELY(flag == Py_None) ? 0 : PyLong_AsLong(flag);
-    int rc = 1;
-
-    if (sig != Py_None) {
-        rc = tt_signature_bind((TtSignature *)sig, args, PyVectorcall_NARGS(nargsf), kwnames,
-                               stack, &bound);
-        if (TT_LIKELY(rc == 1) && !(flags & TT_ENTRY_LAYOUT_ONLY))
-            rc = tt_signature_match_bound((TtSignature *)sig, bound);
-        if (rc != 1)
-            goto cleanup;
-    }
-    hit->backend = PyTuple_GET_ITEM(entry, 1);
-    hit->flags = flags;
-    hit->lock = TT_LIKELY(flags == 0) ? NULL : PyTuple_GET_ITEM(entry, 4);
-    if (hit->lock == Py_None)
-        hit->lock = NULL;
-    if (TT_LIKELY(bound == args)) {
-        /* the caller's args, offset flag included, go through untouched */
-        hit->args = args;
-        hit->nargsf = nargsf;
-        hit->kwnames = kwnames;
-        hit->n = PyVectorcall_NARGS(nargsf) + (kwnames != NULL ? PyTuple_GET_SIZE(kwnames) : 0);
-    }
-    else {
-        hit->args = bound;
-        hit->nargsf = (size_t)((TtSignature *)sig)->nargs | PY_VECTORCALL_ARGUMENTS_OFFSET;
-        hit->kwnames = PyTuple_GET_SIZE(((TtSignature *)sig)->kwnames) > 0
-                           ? ((TtSignature *)sig)->kwnames : NULL;
-        hit->n = ((TtSignature *)sig)->nspecs;
-    }
-cleanup:
-    return rc;
-}
-
-/* 1 and *hit when an entry fits; 0 when none does; -1 on error. */
-static int
-tt_dispatcher_find(TtDispatcher *self, PyObject *entries, PyObject *const *args,
-                   size_t nargsf, PyObject *kwnames, TtStack *stack, TtHit *hit)
-{
-    Py_ssize_t n = PyTuple_GET_SIZE(entries);
-    Py_ssize_t tried = self->last, i;
-    PyObject *entry; /* borrowed */
-    int rc = 0;
-
-    if (TT_LIKELY(tried < n)) {
-        entry = PyTuple_GET_ITEM(entries, tried);
-        if (PyTuple_GET_ITEM(entry, 2) == Py_True) {
-            rc = tt_entry_take(entry, args, nargsf, kwnames, stack, hit);
-            if (TT_LIKELY(rc != 0))
-                goto cleanup;
-        }
-        else {
-            tried = -1;
-        }
-    }
-    for (i = 0; i < n; i++) {
-        if (i == tried)
-            continue;
-        rc = tt_entry_take(PyTuple_GET_ITEM(entries, i), args, nargsf, kwnames, stack, hit);
-        if (rc == 1)
-            self->last = i;
-        if (rc != 0)
-            goto cleanup;
-    }
-    rc = 0;
-cleanup:
-    return rc;
-}
-
-/* 1 when `obj`, a tensor or a tuple/list holding one, requires grad; 0 when
- * not; -1 on error. */
-static int
-tt_requires_grad(TtState *st, PyTypeObject *tensor_type, PyObject *obj, int depth)
-{
-    PyObject *flag = NULL; /* new reference */
-    Py_ssize_t i, n;
-    int rc = 0;
-
-    if (PyObject_TypeCheck(obj, tensor_type)) {
-        flag = tt_tensor_attr(st, obj, &st->tensor_requires_grad, st->str_requires_grad);
-        rc = flag == NULL ? -1 : PyObject_IsTrue(flag);
-    }
-    else if (depth == 0 && (PyTuple_Check(obj) || PyList_Check(obj))) {
-        n = PySequence_Fast_GET_SIZE(obj);
-        for (i = 0; i < n && rc == 0 && i < PySequence_Fast_GET_SIZE(obj); i++) {
-            PyObject *item = Py_NewRef(PySequence_Fast_GET_ITEM(obj, i));
-            rc = tt_requires_grad(st, tensor_type, item, 1);
-            Py_DECREF(item);
-        }
-    }
-    Py_XDECREF(flag);
-    return rc;
-}
-
-/* 1 when autograd would record the original's work on this call: grad mode
- * is on and an argument (or a tensor in a tuple/list argument) or a
- * parameter of the module requires grad; 0 when not; -1 on error. Read only
- * for an entry whose backend returns no autograd outputs. */
-static int
-tt_dispatcher_needs_grad(TtDispatcher *self, PyObject *const *args, Py_ssize_t n)
-{
-    TtState *st = self->state;
-    PyTypeObject *tensor_type = tt_state_tensor_type(st); /* borrowed */
-    PyObject *torch = NULL;   /* new reference */
-    PyObject *on = NULL;      /* new reference */
-    PyObject *params = NULL;  /* new reference: held while reading */
-    PyObject *key, *value;    /* borrowed */
-    Py_ssize_t i, pos;
-    int rc = -1;
-
-    if (tensor_type == NULL) {
-        rc = PyErr_Occurred() ? -1 : 0; /* torch not imported: nothing is a tensor */
-        goto cleanup;
-    }
-    if (TT_UNLIKELY(st->grad_enabled == NULL)) {
-        PyObject *c; /* new reference: torch._C */
-
-        if ((torch = PyImport_GetModule(st->str_torch)) == NULL) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_RuntimeError, "torch is not imported");
-            goto cleanup;
-        }
-        if ((c = PyObject_GetAttrString(torch, "_C")) == NULL)
-            goto cleanup;
-        st->grad_enabled = PyObject_GetAttrString(c, "is_grad_enabled");
-        Py_DECREF(c);
-        if (st->grad_enabled == NULL)
-            goto cleanup;
-    }
-    if ((on = PyObject_CallNoArgs(st->grad_enabled)) == NULL)
-        goto cleanup;
-    rc = 0;
-    if (TT_LIKELY(on != Py_True))
-        goto cleanup; /* no_grad, inference_mode: the usual inference call */
-    for (i = 0; i < n && rc == 0; i++)
-        rc = tt_requires_grad(st, tensor_type, args[i], 0);
-    params = Py_XNewRef(self->params);
-    for (i = 0; params != NULL && i < PyTuple_GET_SIZE(params) && rc == 0; i++) {
-        PyObject *dict = PyTuple_GET_ITEM(params, i); /* borrowed, held by params */
-
-        pos = 0;
-        while (rc == 0 && PyDict_Next(dict, &pos, &key, &value)) {
-            Py_INCREF(value);
-            if (value != Py_None)
-                rc = tt_requires_grad(st, tensor_type, value, 1);
-            Py_DECREF(value);
-        }
-    }
-cleanup:
-    Py_XDECREF(torch);
-    Py_XDECREF(on);
-    Py_XDECREF(params);
-    return rc;
-}
 
 /* Counts a call that ran the original for `reason`, and tells notify the
  * first time (after _tt_set_notify or _tt_reset_untuned). -1 when notify
@@ -371,13 +92,13 @@ tt_dispatcher_vectorcall(PyObject *callable, PyObject *const *args, size_t nargs
         }
         else {
             Py_INCREF(entries);
-            found = tt_dispatcher_find(self, entries, args, nargsf, kwnames, &stack, &hit);
+            found = tt_entries_find(entries, &self->last, args, nargsf, kwnames, &stack, &hit);
         }
         if (TT_UNLIKELY(found < 0))
             goto cleanup;
         if (TT_UNLIKELY(found && hit.flags != 0)) {
             if (hit.flags & TT_ENTRY_NO_AUTOGRAD) {
-                grad = tt_dispatcher_needs_grad(self, hit.args, hit.n);
+                grad = tt_needs_grad(self->state, self->params, hit.args, hit.n);
                 if (grad < 0)
                     goto cleanup;
                 if (grad) {
@@ -387,7 +108,7 @@ tt_dispatcher_vectorcall(PyObject *callable, PyObject *const *args, size_t nargs
                 }
             }
             if (found == 1 && hit.lock != NULL) {
-                TtEntryLock *l = PyCapsule_GetPointer(hit.lock, tt_entry_lock_name);
+                TtEntryLock *l = tt_entry_lock_get(hit.lock);
                 if (l == NULL || tt_entry_lock_acquire(l) < 0)
                     goto cleanup;
                 lock = l;
@@ -521,88 +242,13 @@ static PyObject *
 tt_dispatcher_set_entries(TtDispatcher *self, PyObject *arg)
 {
     TtState *st = tt_state_from_type(Py_TYPE(self)); /* borrowed */
-    PyObject *seq = NULL;     /* new reference */
-    PyObject *entries = NULL; /* new reference */
-    PyObject *result = NULL;
-    Py_ssize_t i, j, n;
+    PyObject *entries;                               /* new reference */
 
-    if (st == NULL)
-        goto cleanup;
-    /* a tuple of our own: comparing signatures may run an __eq__ */
-    seq = tt_sequence_tuple(arg, "_tt_set_entries: entries must be a sequence");
-    if (seq == NULL)
-        goto cleanup;
-    n = PySequence_Fast_GET_SIZE(seq);
-    if ((entries = PyTuple_New(n)) == NULL)
-        goto cleanup;
-    for (i = 0; i < n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i); /* borrowed */
-        PyObject *sig, *backend;                           /* borrowed */
-        PyObject *flags = NULL;                            /* new reference */
-        PyObject *lock = NULL;                             /* new reference */
-        PyObject *entry;
-        long bits = 0;
-        int cacheable = 1;
-
-        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) < 2 || PyTuple_GET_SIZE(item) > 3) {
-            PyErr_Format(PyExc_TypeError,
-                         "_tt_set_entries: entry %zd must be a (signature or None, backend[, "
-                         "flags]) tuple", i);
-            goto cleanup;
-        }
-        sig = PyTuple_GET_ITEM(item, 0);
-        backend = PyTuple_GET_ITEM(item, 1);
-        if (PyTuple_GET_SIZE(item) == 3) {
-            bits = PyLong_Check(PyTuple_GET_ITEM(item, 2)) ? PyLong_AsLong(PyTuple_GET_ITEM(item, 2))
-                                                           : -1;
-            if (bits == -1 && PyErr_Occurred())
-                goto cleanup;
-            if (bits < 0 || bits > (TT_ENTRY_SERIALIZE | TT_ENTRY_NO_AUTOGRAD |
-                                    TT_ENTRY_LAYOUT_ONLY)) {
-                PyErr_Format(PyExc_ValueError,
-                             "_tt_set_entries: entry %zd: flags must be an int of ENTRY_* bits", i);
-                goto cleanup;
-            }
-        }
-        if (sig != Py_None && !PyObject_TypeCheck(sig, st->SignatureType)) {
-            PyErr_Format(PyExc_TypeError,
-                         "_tt_set_entries: entry %zd: the signature must be a Signature or "
-                         "None, not %.100s", i, Py_TYPE(sig)->tp_name);
-            goto cleanup;
-        }
-        if (!PyCallable_Check(backend)) {
-            PyErr_Format(PyExc_TypeError,
-                         "_tt_set_entries: entry %zd: the backend must be callable, not %.100s",
-                         i, Py_TYPE(backend)->tp_name);
-            goto cleanup;
-        }
-        for (j = 0; j < i && cacheable; j++) {
-            PyObject *earlier = PyTuple_GET_ITEM(PyTuple_GET_ITEM(entries, j), 0);
-            if (earlier == Py_None || sig == Py_None ||
-                tt_signature_overlap((TtSignature *)earlier, (TtSignature *)sig))
-                cacheable = 0;
-        }
-        if ((flags = bits == 0 ? Py_NewRef(Py_None) : PyLong_FromLong(bits)) == NULL)
-            goto cleanup;
-        lock = (bits & TT_ENTRY_SERIALIZE) ? tt_entry_lock_new() : Py_NewRef(Py_None);
-        entry = lock == NULL ? NULL
-                             : PyTuple_Pack(5, sig, backend, cacheable ? Py_True : Py_False,
-                                            flags, lock);
-        Py_DECREF(flags);
-        Py_XDECREF(lock);
-        if (entry == NULL)
-            goto cleanup;
-        PyTuple_SET_ITEM(entries, i, entry);
-    }
+    if (st == NULL || (entries = tt_entries_new(st, arg)) == NULL)
+        return NULL;
     Py_XSETREF(self->entries, entries);
-    entries = NULL;
     self->last = 0;
-    result = Py_None;
-    Py_INCREF(result);
-cleanup:
-    Py_XDECREF(seq);
-    Py_XDECREF(entries);
-    return result;
+    Py_RETURN_NONE;
 }
 
 static PyObject *
@@ -677,58 +323,18 @@ tt_dispatcher_set_mode(TtDispatcher *self, PyObject *value, void *closure)
     return 0;
 }
 
-/* One entry's (signature or None, backend). New reference. */
-static PyObject *
-tt_entry_pair(PyObject *entry)
-{
-    return PyTuple_Pack(2, PyTuple_GET_ITEM(entry, 0), PyTuple_GET_ITEM(entry, 1));
-}
-
-/* One entry's flags as an int, 0 where none were given (see TtDispatcher.entries). New reference. */
-static PyObject *
-tt_entry_flags(PyObject *entry)
-{
-    PyObject *flags = PyTuple_GET_ITEM(entry, 3); /* borrowed */
-
-    return flags == Py_None ? PyLong_FromLong(0) : Py_NewRef(flags);
-}
-
-/* A list of pick(entry) for every entry, in order. New reference. */
-static PyObject *
-tt_dispatcher_entries_list(TtDispatcher *self, PyObject *(*pick)(PyObject *entry))
-{
-    PyObject *entries = self->entries; /* borrowed */
-    PyObject *list = NULL;
-    Py_ssize_t i, n;
-
-    n = entries != NULL ? PyTuple_GET_SIZE(entries) : 0;
-    if ((list = PyList_New(n)) == NULL)
-        goto error;
-    for (i = 0; i < n; i++) {
-        PyObject *item = pick(PyTuple_GET_ITEM(entries, i)); /* new reference, stolen by the list */
-
-        if (item == NULL)
-            goto error;
-        PyList_SET_ITEM(list, i, item);
-    }
-    return list;
-error:
-    Py_XDECREF(list);
-    return NULL;
-}
-
 static PyObject *
 tt_dispatcher_get_entries(TtDispatcher *self, void *closure)
 {
     (void)closure;
-    return tt_dispatcher_entries_list(self, tt_entry_pair);
+    return tt_entries_pairs(self->entries);
 }
 
 static PyObject *
 tt_dispatcher_get_entry_flags(TtDispatcher *self, void *closure)
 {
     (void)closure;
-    return tt_dispatcher_entries_list(self, tt_entry_flags);
+    return tt_entries_flags(self->entries);
 }
 
 static PyGetSetDef tt_dispatcher_getset[] = {

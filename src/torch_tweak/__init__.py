@@ -19,7 +19,7 @@ from .backends import Backend, BackendConfig
 from .checkpoint import CheckpointError, load, save
 from .correctness import TOLERANCES
 from .inspecting import ModuleTree, inspect
-from .module import TunedModule, install, installed, make_wrapper, resolve_paths, set_mode, unwrap
+from .module import TunedModule, install_all, installed, resolve_paths, set_mode, unwrap
 from .strategy import (FirstWinsStrategy, HighestThroughputStrategy, OneBackendStrategy, Strategy,
                        default_backends, default_strategy)
 from .tuning import tune
@@ -43,17 +43,9 @@ def wrap(model: nn.Module, modules: Any, *, strategy: Strategy | None = None) ->
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     if strategy is not None and not isinstance(strategy, Strategy):
         raise TypeError(f"strategy must be a torch_tweak strategy, not {type(strategy).__name__}")
-    paths = resolve_paths(model, modules)
-    wrappers = [make_wrapper(model, path) for path in paths]
-    done = []
-    try:
-        for wrapper in wrappers:
-            wrapper.__dict__["tt_strategy"] = strategy
-            install(model, wrapper)
-            done.append(wrapper.tt_name)
-    except BaseException:
-        unwrap(model, done)
-        raise
+    wrappers = install_all(model, resolve_paths(model, modules))
+    for wrapper in wrappers:
+        wrapper.__dict__["tt_strategy"] = strategy
     return wrappers
 
 

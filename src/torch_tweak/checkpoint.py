@@ -14,9 +14,9 @@ The file is a zip archive (docs/deployment.md):
 The zip comment, last in the file, holds the sha256 of every byte before it and, for a file
 saved with a key, their HMAC-SHA256.
 
-Loading reads the file once, bounded, checks it whole, then builds each backend again on the
-stored calls and checks it against the stored outputs; a signature whose rebuilt backend
-fails runs the original forward, with a warning.
+Loading reads the file once, bounded, checks it whole, then applies its plan (plan.apply): each
+backend is built again on the stored calls and checked against the stored outputs; a signature
+whose rebuilt backend fails runs the original forward, with a warning.
 """
 
 from __future__ import annotations
@@ -38,12 +38,13 @@ from torch import nn
 from ._samples import resolve_device, unstorable
 from .backends import Backend
 from .storage import NotRegular, atomic_file, read_regular
-from .module import MODE_ACTIVE, arm_untuned, installed, make_wrapper, install, resolve_paths, unwrap
+from .module import installed, own_class, resolve_paths
+from . import plan as planning
+from .plan import SELECTED_DEPTHS, ModulePlan, Plan, plan_of
 from .serial import (Unstorable, build_backend, class_path, decode, describe_backend, device_name, dumps, encode,
                      known_types, loads)
 from .signatures import (MAX_CALLS_PER_SIGNATURE, MAX_SIGNATURES, OTHER, SignatureGroup, forward_params,
                          make_signature)
-from .tuning import apply_groups, model_class_name, rebuild_group
 
 FORMAT = "torch-tweak"
 VERSION = 2
@@ -117,24 +118,24 @@ def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None =
     named in a warning, or a ValueError with strict=True, before anything is written.
     """
     from . import __version__
-    from .tweak import SELECTED_DEPTHS
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     secret = _key_bytes(key)
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be True or False, not {strict!r}")
-    wrappers = installed(model)
-    if not wrappers and model not in SELECTED_DEPTHS:
+    tuned = plan_of(model)
+    if not tuned.modules and model not in SELECTED_DEPTHS:
         raise ValueError("nothing to save: the model has no torch-tweak wrappers; tune it first (tt.tweak)")
     device = resolve_device(model, None)
     tensors: list[torch.Tensor] = []
     modules = []
     inductor = False
     skipped: dict[tuple[str, str], set[str]] = {}
-    for name, wrapper in sorted(wrappers.items()):
+    for planned in tuned.modules:
+        name = planned.path
         signatures = []
-        for group in wrapper.tt_signatures:
+        for group in planned.groups:
             entry: dict[str, Any] = {"text": group.text, "key": group.key, "backend": None, "samples": [],
                                      "outputs": []}
             if group.backend is not None:
@@ -155,8 +156,9 @@ def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None =
                     entry["samples"].append(stored[0])
                     entry["outputs"].append(stored[1])
             signatures.append(entry)
-        modules.append({"path": name, "class": class_path(type(wrapper._tt_original)),
-                        "params": _params(wrapper._tt_original), "signatures": signatures})
+        module = model.get_submodule(name) if name else model
+        modules.append({"path": name, "class": class_path(own_class(module)), "params": _params(module),
+                        "signatures": signatures})
     if skipped:
         lines = "; ".join(f"{where or '(root)'} {text}: {', '.join(sorted(kinds))}"
                           for (where, text), kinds in sorted(skipped.items()))
@@ -166,7 +168,7 @@ def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None =
         if strict:
             raise ValueError(message + "; save with strict=False to write the file anyway")
         warnings.warn(message, stacklevel=2)
-    plan = {"depth": SELECTED_DEPTHS.get(model) if wrappers else None, "modules": modules}
+    plan = {"depth": tuned.depth, "modules": modules}
     members = {PLAN: dumps(plan), SAMPLES: _tensor_bytes(tensors)}
     if inductor:
         artifacts = torch.compiler.save_cache_artifacts()
@@ -175,7 +177,7 @@ def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None =
     manifest = {
         "format": FORMAT, "version": VERSION, "torch": torch.__version__, "torch_tweak": __version__,
         "device": {"type": device.type, "name": device_name(device)},
-        "model": class_path(getattr(type(model), "_tt_root_class", type(model))),
+        "model": class_path(own_class(model)),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "members": {name: hashlib.sha256(data).hexdigest() for name, data in members.items()},
     }
@@ -363,8 +365,6 @@ def load(model: nn.Module, path: str | os.PathLike, *, device: Any = None, trust
     may be rebuilt as; transformers' ModelOutputs and torch.return_types need no listing.
     Returns {path: the backend of its first signature, or None}.
     """
-    from .tweak import SELECTED_DEPTHS
-
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     secret = _key_bytes(key)
@@ -393,38 +393,18 @@ def load(model: nn.Module, path: str | os.PathLike, *, device: Any = None, trust
         else:
             warnings.warn(f"{path}: its artifacts are for torch {manifest.get('torch')}, not {torch.__version__}; "
                           "they are not applied and the backends compile from scratch", stacklevel=2)
-    model_class = model_class_name(model)
-    chosen: dict[str, str | None] = {}
-    wrappers = []
-    try:
-        for (name, backends), module_groups in zip(steps, groups):
-            wrapper = make_wrapper(model, name)
-            install(model, wrapper)
-            wrappers.append(wrapper)
-            for group, backend in zip(module_groups, backends):
-                wrapper.tt_signatures.append(group)
-                if backend is None:
-                    continue
-                failure = _rebuild(wrapper, group, backend, target, model_class)
-                if failure is None:
-                    group.backend = backend
-                else:
-                    group.error = failure
-                    group.release()
-                    warnings.warn(f"tt.load: {name or '(root)'} {group.text}: {failure}; these calls run the "
-                                  "original forward", stacklevel=2)
-            apply_groups(wrapper)
-            wrapper.tt_error = "; ".join(g.error for g in wrapper.tt_signatures if g.error)
-            chosen[name] = wrapper.tt_backend.name if wrapper.tt_backend is not None else None
-        for wrapper in wrappers:
-            if wrapper.tt_backend is not None:
-                wrapper._tt_mode = MODE_ACTIVE
-    except BaseException:
-        unwrap(model)
-        raise
-    SELECTED_DEPTHS[model] = plan.get("depth")
-    arm_untuned(model)
-    return chosen
+    modules = []
+    for (name, backends), module_groups in zip(steps, groups):
+        for group, backend in zip(module_groups, backends):
+            group.backend = backend
+        modules.append(ModulePlan(name, module_groups))
+    failures = planning.apply(model, Plan(plan.get("depth"), modules), device=target, bounded=True, strict=False)
+    for failure in failures:
+        warnings.warn(f"tt.load: {failure.path or '(root)'} {failure.group.text}: {failure}; these calls run the "
+                      "original forward", stacklevel=2)
+    wrappers = installed(model)
+    return {m.path: None if wrappers[m.path].tt_backend is None else wrappers[m.path].tt_backend.name
+            for m in modules}
 
 
 def _given_backends(backends: Any) -> list[Backend]:
@@ -443,36 +423,6 @@ def _given_backends(backends: Any) -> list[Backend]:
     return items
 
 
-def _rebuild(wrapper: Any, group: SignatureGroup, backend: Any, device: torch.device, model_class: str) -> str | None:
-    """None when the backend was built again and matches the stored outputs, else why not."""
-    if not group.samples:
-        if group.key != "other" or group.text != OTHER:
-            return ("the file holds no recorded call of it (tt.save warned: its calls held live state such as "
-                    "a key/value cache passed in), and a backend is rebuilt and checked on one; tune this "
-                    "signature again here, or save from calls that pass no cache")
-        _build_on_first_call(wrapper, group, backend, device)
-        return None
-    try:
-        rebuild_group(wrapper, group, backend, device, model_class, bounded=True)
-    except Exception as exc:
-        return f"the rebuilt {backend.name} failed: {type(exc).__name__}: {exc}"
-    return None
-
-
-def _build_on_first_call(wrapper: Any, group: SignatureGroup, backend: Any, device: torch.device) -> None:
-    """A backend whose calls could not be stored builds on the first call it serves."""
-    module = wrapper._tt_original
-
-    def first(*args: Any, **kwargs: Any) -> Any:
-        fn = backend.callable
-        if fn is None or fn is first:
-            fn = backend.prepare(module, [(args, kwargs)], device)
-        return fn(*args, **kwargs)
-
-    backend.callable = first
-    backend.state = "built"
-
-
 def _check_target(model: nn.Module, target: torch.device, implicit: bool, manifest: dict, path: Any) -> None:
     """The file's device kind, torch release and model class against this model's."""
     saved = manifest.get("device") if type(manifest.get("device")) is dict else {}
@@ -481,7 +431,7 @@ def _check_target(model: nn.Module, target: torch.device, implicit: bool, manife
             f"{path} was tuned on {str(saved.get('type'))[:20]} ({str(saved.get('name'))[:60]}), and this model is "
             f"to run on {target.type}: a plan holds only for the device kind it was measured on; tune again here "
             "(tt.tweak)" + (" or move the model there first" if implicit else ""))
-    root = class_path(getattr(type(model), "_tt_root_class", type(model)))
+    root = class_path(own_class(model))
     if manifest.get("model") != root:
         raise CheckpointError(f"{path} is for another model: it was saved from a {str(manifest.get('model'))[:80]}, "
                               f"this is a {root}")
@@ -513,7 +463,7 @@ def _check_plan(model: nn.Module, plan: dict, given: list[Backend], path: Any) -
     for item in modules:
         name = item["path"]
         module = model.get_submodule(name) if name else model
-        cls = class_path(getattr(type(module), "_tt_root_class", type(module)))
+        cls = class_path(own_class(module))
         if item.get("class") != cls:
             raise CheckpointError(f"{path} is for another model: {name or '(root)'} is a {item.get('class')} "
                                   f"there, a {cls} here")

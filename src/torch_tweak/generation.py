@@ -177,17 +177,18 @@ class _Plain:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.wrappers = list(installed(model).values())
-        self.modes: list[int] = []
+        self.active: list[bool] = []
 
     def __enter__(self) -> None:
-        self.modes = [w._tt_mode for w in self.wrappers]
+        self.active = [w.tt_active for w in self.wrappers]
         for w in reversed(self.wrappers):
             uninstall_wrapper(self.model, w)
 
     def __exit__(self, *exc: Any) -> None:
-        for w, mode in zip(self.wrappers, self.modes):
+        for w, active in zip(self.wrappers, self.active):
             install_wrapper(self.model, w)
-            w._tt_mode = mode
+            if active:
+                w.tt_activate()
 
 
 _PLAIN_STEP = (("input_ids", ("tensor", "torch.int64", 2)), ("cache", ("cache",)), ("use_cache", ("value", True)),

@@ -12,9 +12,10 @@ backend, in the record mode a recorder.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from torch import nn
 
@@ -109,6 +110,33 @@ class TunedModule(_C.Dispatcher, nn.Module):
     def tt_active(self) -> bool:
         return self._tt_mode == MODE_ACTIVE
 
+    # The wrapper's three states (original, active, recording) are set here and nowhere else.
+
+    def tt_activate(self) -> bool:
+        """Calls go to the chosen backends (by signature); False, and no change, when the
+        wrapper has none (it keeps its original forward)."""
+        if self.tt_backend is None:
+            return False
+        self._tt_mode = MODE_ACTIVE
+        return True
+
+    def tt_deactivate(self) -> None:
+        """Calls go to the original forward; the backends stay, for tt_activate."""
+        self._tt_mode = MODE_ORIGINAL
+
+    @contextlib.contextmanager
+    def tt_record_with(self, recorder: Callable[..., Any]) -> Iterator[None]:
+        """Calls go to `recorder` inside the block; then the wrapper is back in the state it
+        was in, with no recorder, however the block ends."""
+        previous = self._tt_mode
+        try:
+            self._tt_set_recorder(recorder)
+            self._tt_mode = MODE_RECORD
+            yield
+        finally:
+            self._tt_mode = previous
+            self._tt_set_recorder(None)
+
     def _tt_graphs(self) -> list:
         return [fn for _, fn in self._tt_entries if isinstance(fn, _C.GraphReplay)]
 
@@ -160,6 +188,11 @@ def _root_class(cls: type) -> type:
     return sub
 
 
+def own_class(module: nn.Module) -> type:
+    """The module's own class: a tuned module's class is a subclass of it (see install)."""
+    return getattr(type(module), "_tt_root_class", type(module))
+
+
 def _root_view(model: nn.Module) -> nn.Module:
     """An object of the module's own class sharing all its state: the original forward, what
     backends build on."""
@@ -208,13 +241,28 @@ def uninstall(model: nn.Module, wrapper: TunedModule) -> None:
     table = _REGISTRY.get(model, {})
     if table.get(path) is not wrapper:
         return
-    wrapper._tt_mode = MODE_ORIGINAL
+    wrapper.tt_deactivate()
     module = model.get_submodule(path) if path else model
     module.__class__ = type(module)._tt_root_class
     del module.__dict__["_tt_root"]
     del table[path]
     if not table:
         _REGISTRY.pop(model, None)
+
+
+def install_all(model: nn.Module, paths: Iterable[str]) -> list[TunedModule]:
+    """A new wrapper installed at each path, in order; when one cannot be, none is (the
+    model is as it was) and the error is raised."""
+    wrappers = [make_wrapper(model, path) for path in paths]
+    done: list[str] = []
+    try:
+        for wrapper in wrappers:
+            install(model, wrapper)
+            done.append(wrapper.tt_name)
+    except BaseException:
+        unwrap(model, done)
+        raise
+    return wrappers
 
 
 def unwrap(model: nn.Module, paths: Iterable[str] | None = None) -> None:
@@ -288,6 +336,9 @@ def set_mode(model: nn.Module, active: bool) -> int:
     count = 0
     for wrapper in installed(model).values():
         if wrapper.tt_backend is not None:
-            wrapper._tt_mode = MODE_ACTIVE if active else MODE_ORIGINAL
+            if active:
+                wrapper.tt_activate()
+            else:
+                wrapper.tt_deactivate()
             count += 1
     return count

@@ -16,7 +16,7 @@ from ._samples import Call, clone, fresh, load_dataset, resolve_device, synchron
 from .backends.base import Backend, BackendUnavailable
 from .buildlog import BuildLog, capture_build, log_path
 from .correctness import MismatchError, check
-from .module import MODE_ACTIVE, MODE_ORIGINAL, MODE_RECORD, TunedModule, arm_untuned, installed
+from .module import TunedModule, arm_untuned, installed, own_class
 from .progress import Progress
 from .report import candidates_of, fold
 from .signatures import MAX_CALLS_PER_SIGNATURE, SignatureGroup, forward_params, group_for
@@ -28,19 +28,12 @@ logger = logging.getLogger("torch_tweak")
 def record(wrappers: Iterable[TunedModule], run_dataset: Callable[[], None]) -> None:
     """Runs the dataset once with `wrappers` recording their calls and original outputs,
     grouped by input signature (see torch_tweak.signatures)."""
-    wrappers = list(wrappers)
-    previous = [w._tt_mode for w in wrappers]
-    try:
+    with contextlib.ExitStack() as recording:
         for wrapper in wrappers:
             release(wrapper, keep_chosen=False)
             wrapper.tt_signatures.clear()
-            wrapper._tt_set_recorder(_recorder(wrapper))
-            wrapper._tt_mode = MODE_RECORD
+            recording.enter_context(wrapper.tt_record_with(_recorder(wrapper)))
         run_dataset()
-    finally:
-        for wrapper, mode in zip(wrappers, previous):
-            wrapper._tt_mode = mode
-            wrapper._tt_set_recorder(None)
 
 
 def _recorder(wrapper: TunedModule) -> Callable[..., Any]:
@@ -281,7 +274,7 @@ def check_measure(measure: dict | None) -> None:
 
 def model_class_name(model: nn.Module) -> str:
     """The model's own class name (a wrapped root's class is a subclass of the same name)."""
-    return getattr(type(model), "_tt_root_class", type(model)).__name__
+    return own_class(model).__name__
 
 
 def dataset_runner(model: nn.Module, calls: Sequence[Call]) -> Callable[[], None]:
@@ -330,7 +323,8 @@ def tune(model: nn.Module, dataset: Any, *, strategy: Strategy | None = None, de
             finally:
                 release(wrapper)
             absorb(wrapper, report, search.notes, node)
-            wrapper._tt_mode = MODE_ACTIVE if wrapper.tt_backend is not None else MODE_ORIGINAL
+            if not wrapper.tt_activate():
+                wrapper.tt_deactivate()
             chosen[path] = wrapper.tt_backend.name if wrapper.tt_backend is not None else None
     shown.close()
     arm_untuned(model)

@@ -34,13 +34,13 @@ from torch import nn
 from ._samples import Call
 from .storage import atomic_file, cache_dir, read_regular
 from .correctness import TOLERANCES
-from .module import MODE_ACTIVE, TunedModule, install, installed, make_wrapper, unwrap
+from . import plan as planning
+from .plan import ModulePlan, Plan, PlanError, RebuildFailed, plan_of
 from .report import ModuleResult, ModuleResults, SignatureResult
 from .schema import fingerprint
 from .serial import Unstorable, class_path, describe_backend, device_name, dumps, loads
-from .signatures import describe_call
+from .signatures import SignatureGroup, describe_call
 from .strategy import Strategy, default_strategy
-from .tuning import apply_groups, dataset_runner, rebuild_group, record, release
 
 ENTRY_VERSION = 2
 OPTIONAL_PACKAGES = ("openvino", "torchao")
@@ -186,11 +186,10 @@ def clear_cache() -> int:
 
 def entry_of(parts: dict, record_: dict, modules: ModuleResults, model: nn.Module) -> dict:
     """The entry of a finished tweak: its result, its module table, and what the model kept."""
-    plan = []
-    for path, wrapper in sorted(installed(model).items()):
-        plan.append({"path": path, "signatures": [
-            {"key": g.key, "text": g.text, "backend": None if g.backend is None else describe_backend(g.backend)}
-            for g in wrapper.tt_signatures]})
+    plan = [{"path": m.path, "signatures": [
+                {"key": g.key, "text": g.text, "backend": None if g.backend is None else describe_backend(g.backend)}
+                for g in m.groups]}
+            for m in plan_of(model).modules]
     failed = (not plan or any(m.error for m in modules.values())
               or any(row.get("error") for row in record_.get("rows", [])))
     return {"version": ENTRY_VERSION, "parts": parts,
@@ -230,54 +229,43 @@ def _matching(strategy: Strategy, device: torch.device, wanted: dict):
     return None
 
 
-def apply(entry: dict, model: nn.Module, calls: Sequence[Call], device: torch.device,
-          strategy: Strategy | None, model_class: str) -> str | None:
-    """Wraps the entry's modules and builds their backends again; None when that worked,
-    else why not (the model is then as it was)."""
-    plan = entry["plan"]
-    if not plan:
-        return None  # the cached tweak left the model untuned
+def plan_of_entry(entry: dict, strategy: Strategy | None, device: torch.device) -> Plan:
+    """The entry's Plan, each backend one of the tweak's own strategy's candidates with the
+    cached config (PlanError when the strategy has none). It holds no recorded calls: the
+    dataset is recorded again when it is applied."""
     template = strategy if strategy is not None else default_strategy(device)
     reports = {m["path"]: m for m in entry["modules"]}
-    wrappers: list[TunedModule] = []
-    done = False
+    modules = []
+    for item in entry["plan"]:
+        report = reports.get(item["path"], {"candidates": [], "error": "", "signatures": []})
+        stored = {s["key"]: s for s in report["signatures"]}
+        groups = []
+        for want in item["signatures"]:
+            backend = None
+            if want["backend"] is not None:
+                backend = _matching(template, device, want["backend"])
+                if backend is None:
+                    raise PlanError(f"the strategy has no backend {want['backend']['class']} with the cached config")
+            info = stored.get(want["key"], {})
+            groups.append(SignatureGroup(None, want["text"], want["key"], backend=backend, error=info.get("error", ""),
+                                         report=list(info.get("candidates", [])),
+                                         unstorable=info.get("unstorable", 0)))
+        modules.append(ModulePlan(item["path"], groups, report["error"], list(report["candidates"])))
+    return Plan(module_results(entry).kept_depth, modules)
+
+
+def apply(entry: dict, model: nn.Module, calls: Sequence[Call], device: torch.device,
+          strategy: Strategy | None) -> str | None:
+    """Applies the entry's plan (plan.apply: its modules wrapped, the dataset recorded once,
+    each backend built again and checked, no measurement); None when that worked, else why
+    not (the model is then as it was)."""
     try:
-        for item in plan:
-            wrapper = make_wrapper(model, item["path"])
-            install(model, wrapper)
-            wrappers.append(wrapper)
-        record(wrappers, dataset_runner(model, calls))
-        for wrapper, item in zip(wrappers, plan):
-            planned = item["signatures"]
-            if [g.key for g in wrapper.tt_signatures] != [s["key"] for s in planned]:
-                return f"{item['path'] or '(root)'} was called with other signatures"
-            report = reports.get(item["path"], {"candidates": [], "error": "", "signatures": []})
-            stored = {s["key"]: s for s in report["signatures"]}
-            for group, want in zip(wrapper.tt_signatures, planned):
-                if want["backend"] is not None:
-                    backend = _matching(template, device, want["backend"])
-                    if backend is None:
-                        return f"the strategy has no backend {want['backend']['class']} with the cached config"
-                    try:
-                        rebuild_group(wrapper, group, backend, device, model_class)
-                    except Exception as exc:
-                        return f"{backend.name} for {item['path'] or '(root)'} failed when built again: {exc}"
-                    group.backend = backend
-                info = stored.get(group.key, {})
-                group.report = list(info.get("candidates", []))
-                group.error = info.get("error", "")
-                group.unstorable = info.get("unstorable", 0)
-            apply_groups(wrapper)
-            wrapper.tt_error = report["error"]
-            wrapper.tt_report = list(report["candidates"])
-            release(wrapper)
-        for wrapper in wrappers:
-            if wrapper.tt_backend is not None:
-                wrapper._tt_mode = MODE_ACTIVE
-        done = True
-        return None
+        planning.apply(model, plan_of_entry(entry, strategy, device), device=device, calls=calls)
+    except RebuildFailed as failure:
+        return (f"{failure.backend.name} for {failure.path or '(root)'} failed when built again: "
+                f"{failure.cause if failure.cause is not None else failure}")
+    except PlanError as exc:
+        return str(exc)
     except Exception as exc:  # whatever went wrong, a fresh tweak follows
         return f"{type(exc).__name__}: {exc}"
-    finally:
-        if not done:
-            unwrap(model, [w.tt_name for w in wrappers])
+    return None

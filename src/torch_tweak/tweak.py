@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-import weakref
 from typing import Any
 
 import torch
@@ -14,8 +13,8 @@ from torch import nn
 from . import _C, model_state, tuning_cache
 from ._samples import load_dataset, resolve_device, synchronizer
 from .inspecting import ModuleTree, trace
-from .module import (MODE_ACTIVE, MODE_ORIGINAL, TunedModule, arm_untuned, install, installed, make_wrapper,
-                     uninstall, unwrap)
+from .module import TunedModule, arm_untuned, install, installed, make_wrapper, uninstall, unwrap
+from .plan import SELECTED_DEPTHS
 from .progress import Progress
 from .report import ModuleResults, fold, module_result
 from .strategy import Strategy, default_backends, default_strategy
@@ -34,9 +33,6 @@ searches deeper."""
 
 DEFAULT_TIE_TOLERANCE: float = _DEFAULTS["tie_tolerance"]
 """A depth within 2 % of the fastest counts as a tie; the shallowest tie wins."""
-
-SELECTED_DEPTHS: "weakref.WeakKeyDictionary[nn.Module, int | None]" = weakref.WeakKeyDictionary()
-"""model -> the depth its last tweak (or tt.load) kept: what tt.save writes as the plan's depth."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,9 +254,7 @@ class _Session:
             self.measuring = True
             self.progress.phase(f"depth {self.depth}: measuring the whole model")
         for node in self.entered:
-            wrapper = self.wrappers[node]
-            if wrapper.tt_backend is not None:
-                wrapper._tt_mode = MODE_ACTIVE
+            self.wrappers[node].tt_activate()
         if first and self.on_measure is not None:
             self.on_measure(self.depth)
 
@@ -271,7 +265,7 @@ class _Session:
             self.measuring = True
             self.progress.phase(f"depth {self.depth}: measuring it side by side with the untuned model")
         for node in self.entered:
-            self.wrappers[node]._tt_mode = MODE_ORIGINAL
+            self.wrappers[node].tt_deactivate()
 
     def leave(self) -> None:
         self.measuring = False
@@ -476,11 +470,10 @@ def _from_cache(model: nn.Module, tree: ModuleTree, calls: list, device: torch.d
         result = None
         failure = "the entry is damaged"
     else:
-        failure = tuning_cache.apply(entry, model, calls, device, strategy, model_class_name(model))
+        failure = tuning_cache.apply(entry, model, calls, device, strategy)
     if failure is not None:
         logger.warning("tuning cache entry %s dropped (%s); tuning afresh", key, failure)
         tuning_cache.drop(key)
         return None
-    SELECTED_DEPTHS[model] = result.selected_depth
     shown.finish(f"{result.outcome()} (from the tuning cache)")
     return result

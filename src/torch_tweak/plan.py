@@ -1,0 +1,192 @@
+"""A Plan: what tuning decided for a model, and the one way to apply it and to take it out.
+
+A Plan holds the depth kept and, per tuned module (by its dotted path), its input signatures
+in order, each with the backend chosen for it (an unbuilt Backend: its class and config are
+the choice; None: the signature runs the original forward) and the recorded calls and
+original outputs it is built on again and checked against. The tuning cache and tt.save /
+tt.load each store a Plan, each in its own encoding (tuning_cache.py, checkpoint.py); both
+apply it with apply(), and revert() takes it out.
+
+apply never measures and never chooses: it wraps the plan's modules in place, builds each
+chosen backend again, checks it against the recorded outputs, and only then gives the
+wrappers their dispatcher entries and switches them to their backends. On any error the
+model is left as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from ._samples import Call
+from .backends.base import Backend
+from .module import TunedModule, arm_untuned, install_all, installed, unwrap
+from .signatures import OTHER, SignatureGroup
+from .tuning import apply_groups, dataset_runner, model_class_name, rebuild_group, record, release
+
+SELECTED_DEPTHS: "weakref.WeakKeyDictionary[nn.Module, int | None]" = weakref.WeakKeyDictionary()
+"""model -> the depth its last tweak (or tt.load) kept: what tt.save writes as the plan's depth."""
+
+
+class PlanError(Exception):
+    """A plan that cannot be applied to this model; the model is as it was."""
+
+
+class RebuildFailed(PlanError):
+    """A chosen backend failed to build again, or its outputs did not match the recorded ones.
+
+    path: the module's path; group: its signature group; backend: the backend that failed;
+    cause: what it raised (None when there was no recorded call to build it on)."""
+
+    def __init__(self, path: str, group: SignatureGroup, backend: Backend, reason: str,
+                 cause: BaseException | None = None) -> None:
+        super().__init__(reason)
+        self.path = path
+        self.group = group
+        self.backend = backend
+        self.cause = cause
+
+
+@dataclasses.dataclass(eq=False)
+class ModulePlan:
+    """One tuned module: its path, its signature groups in recording order (each with its
+    signature, text, key, backend or None, recorded calls and outputs, and what tuning said
+    of it: error, report, unstorable), and the module's own error and candidate report."""
+
+    path: str
+    groups: list[SignatureGroup]
+    error: str = ""
+    report: list[dict] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(eq=False)
+class Plan:
+    """The depth kept (None: the model stays untuned) and the tuned modules."""
+
+    depth: int | None
+    modules: list[ModulePlan] = dataclasses.field(default_factory=list)
+
+    @property
+    def paths(self) -> list[str]:
+        return [m.path for m in self.modules]
+
+
+def _copy(group: SignatureGroup, backend: Backend | None) -> SignatureGroup:
+    """A group of its own (its lists copied, not its tensors) with `backend`."""
+    return dataclasses.replace(group, backend=backend, samples=list(group.samples), outputs=list(group.outputs),
+                               report=list(group.report))
+
+
+def plan_of(model: nn.Module) -> Plan:
+    """The plan `model` runs now: per wrapper installed in it, by path, its signature groups
+    with an unbuilt copy of each chosen backend and the recorded calls and outputs that tuning
+    kept (see tuning.release). Shares nothing mutable with the model's wrappers."""
+    modules = [ModulePlan(path, [_copy(g, None if g.backend is None else g.backend.fresh())
+                                 for g in wrapper.tt_signatures], wrapper.tt_error, list(wrapper.tt_report))
+               for path, wrapper in sorted(installed(model).items())]
+    return Plan(SELECTED_DEPTHS.get(model) if modules else None, modules)
+
+
+def apply(model: nn.Module, plan: Plan, *, device: torch.device, calls: Sequence[Call] | None = None,
+          bounded: bool = False, strict: bool = True) -> list[RebuildFailed]:
+    """Applies `plan` to `model`, with no measurement; returns the rebuilds that failed
+    (always empty when strict).
+
+    Each module of the plan gets a wrapper in place (none may be wrapped already). With
+    `calls` (the dataset, as calls) the wrappers record them first, and each module must have
+    been called with the plan's signatures, in order (else PlanError); without, the plan's own
+    recorded calls are used. Each chosen backend is built again (an unbuilt copy: the plan is
+    not changed and can be applied again) on its calls and checked against the recorded
+    outputs; bounded: its tolerance came from a file (capped, see correctness.MAX_TOLERANCES).
+    A group of "any other call" with no recorded call builds on its first call.
+
+    A rebuild that fails raises RebuildFailed when strict; else that signature runs the
+    original forward, with the reason in its group's error and in the list returned. Then
+    every wrapper gets its dispatcher entries, those with a backend are switched to it, the
+    plan's depth is what tt.save writes, and untuned calls count from 0.
+
+    On any error (the ones above, a KeyboardInterrupt...) every wrapper apply installed is
+    taken out and the error raised: the model is as it was. Recording runs the model: a caller
+    whose model is in training mode keeps its state (model_state.kept), as tt.tweak does."""
+    model_class = model_class_name(model)
+    failures: list[RebuildFailed] = []
+    wrappers = install_all(model, plan.paths)
+    try:
+        if calls is not None and wrappers:
+            record(wrappers, dataset_runner(model, calls))
+        for wrapper, module in zip(wrappers, plan.modules):
+            if calls is None:
+                wrapper.tt_signatures[:] = [_copy(g, None) for g in module.groups]
+            elif [g.key for g in wrapper.tt_signatures] != [g.key for g in module.groups]:
+                raise PlanError(f"{module.path or '(root)'} was called with other signatures")
+            errors = [module.error]
+            for group, planned in zip(wrapper.tt_signatures, module.groups):
+                group.error, group.report, group.unstorable = planned.error, list(planned.report), planned.unstorable
+                if planned.backend is None:
+                    continue
+                backend = planned.backend.fresh()
+                try:
+                    _build(wrapper, group, backend, device, model_class, bounded)
+                except RebuildFailed as failure:
+                    if strict:
+                        raise
+                    group.error = str(failure)
+                    group.release()
+                    failures.append(failure)
+                    errors.append(group.error)
+                    continue
+                group.backend = backend
+            apply_groups(wrapper)
+            wrapper.tt_error = "; ".join(e for e in errors if e)
+            wrapper.tt_report = list(module.report)
+            release(wrapper)
+        for wrapper in wrappers:
+            wrapper.tt_activate()
+    except BaseException:
+        unwrap(model, plan.paths)
+        raise
+    SELECTED_DEPTHS[model] = plan.depth
+    arm_untuned(model)
+    return failures
+
+
+def revert(model: nn.Module) -> None:
+    """Takes every wrapper out of `model`: each module is its original self again."""
+    unwrap(model)
+
+
+def _build(wrapper: TunedModule, group: SignatureGroup, backend: Backend, device: torch.device, model_class: str,
+           bounded: bool) -> None:
+    """Builds `backend` for one group on its recorded calls and checks it; RebuildFailed when
+    it fails to build or to match."""
+    if not group.samples:
+        if group.key != "other" or group.text != OTHER:
+            raise RebuildFailed(wrapper.tt_name, group, backend, (
+                "the file holds no recorded call of it (tt.save warned: its calls held live state such as "
+                "a key/value cache passed in), and a backend is rebuilt and checked on one; tune this "
+                "signature again here, or save from calls that pass no cache"))
+        _build_on_first_call(wrapper, backend, device)
+        return
+    try:
+        rebuild_group(wrapper, group, backend, device, model_class, bounded=bounded)
+    except Exception as exc:
+        raise RebuildFailed(wrapper.tt_name, group, backend,
+                            f"the rebuilt {backend.name} failed: {type(exc).__name__}: {exc}", exc) from exc
+
+
+def _build_on_first_call(wrapper: TunedModule, backend: Backend, device: torch.device) -> None:
+    """A backend whose calls could not be stored builds on the first call it serves."""
+    module = wrapper._tt_original
+
+    def first(*args: Any, **kwargs: Any) -> Any:
+        fn = backend.callable
+        if fn is None or fn is first:
+            fn = backend.prepare(module, [(args, kwargs)], device)
+        return fn(*args, **kwargs)
+
+    backend.callable = first
+    backend.state = "built"
