@@ -240,3 +240,88 @@ def test_token_check_names_the_first_difference():
     job.generate_calls[0].tokens[0, -2] += 1
     with pytest.raises(MismatchError, match="token 2 of sequence 0"):
         job.check_tokens()
+
+
+# ------------------------------------------------------------- tt.save / tt.load
+
+TESTS = __import__("os").path.dirname(__import__("os").path.abspath(__file__))
+
+
+def with_loop(kind: str = "llama"):
+    """A decoder with tweak's loop behind generate(), as tt.tweak leaves one that kept it
+    (the loop's checks are the workload's generate() calls and their untuned tokens)."""
+    from torch_tweak.plan import SELECTED_DEPTHS
+
+    model = build(kind)
+    ids = prompt(2)
+    job = Workload(model, lambda m: m.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static"),
+                   torch.device("cpu"))
+    job.record()
+    loop = generation.DecodeLoop(model, "loop", job.layouts)
+    loop.checks = [(c.args, c.kwargs, c.tokens) for c in job.generate_calls]
+    generation.install(model, loop)
+    SELECTED_DEPTHS[model] = None  # the depth tweak kept: none, the loop alone
+    return model, ids
+
+
+def test_a_saved_decode_loop_gives_the_untuned_tokens_in_a_new_process(tmp_path):
+    import subprocess
+    import sys
+
+    model, ids = with_loop()
+    path = tmp_path / "decoder.tt"
+    tt.save(model, path, strict=True)
+    others = [prompt(2, 11), prompt(1, 12, length=9)]
+    expected = [generate(build("llama"), p, "static") for p in [ids] + others]
+    torch.save({"prompts": [ids] + others, "expected": expected}, tmp_path / "expected.pt")
+    script = f"""
+import sys, torch, torch_tweak as tt
+sys.path.insert(0, {TESTS!r})
+from test_generate import build, generate
+model = build("llama")
+tt.load(model, {str(path)!r})
+data = torch.load({str(tmp_path / 'expected.pt')!r})
+got = [generate(model, p, "static") for p in data["prompts"]]
+assert all(torch.equal(g, e) for g, e in zip(got, data["expected"])), "tokens differ"
+print(tt.status(model))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "decode loop (loop) served 3 calls" in done.stdout  # installed again, and it served every call
+
+
+def test_a_decode_loop_whose_stored_tokens_differ_is_not_installed(tmp_path):
+    from torch_tweak import plan as planning
+
+    model, ids = with_loop()
+    fresh = build("llama")
+    loop_plan = generation.plan_loop(model)
+    loop_plan.checks[0][2][0, -1] += 1  # the stored tokens no longer are the model's
+    with pytest.warns(UserWarning, match="decode loop is not installed .*other tokens"):
+        planning.apply(fresh, planning.Plan(None, [], loop_plan), device=torch.device("cpu"), strict=False)
+    assert generation.loop_of(fresh) is None
+    assert torch.equal(generate(fresh, ids, "static"), generate(build("llama"), ids, "static"))
+    with pytest.raises(planning.PlanError, match="decode loop"):
+        planning.apply(fresh, planning.Plan(None, [], loop_plan), device=torch.device("cpu"), strict=True)
+    assert generation.loop_of(fresh) is None
+
+
+@pytest.mark.parametrize("edit", [
+    lambda g: g.update(kind="compiled by a stranger"),
+    lambda g: g.update(checks=[g["checks"][0]] * 9),
+    lambda g: g.update(layouts={"prefill": [["input_ids", ["tensor", "x" * 500, 2]]], "decode": []}),
+    lambda g: g.update(layouts={"prefill": [["input_ids", ["__import__('os')", 2]]], "decode": []}),
+    lambda g: g["checks"][0].update(tokens={"tensor": 10**9}),
+    lambda g: g.update(checks="all of them"),
+])
+def test_a_forged_decode_loop_entry_is_refused_whole(tmp_path, edit):
+    import forgery
+
+    model, ids = with_loop()
+    path = tmp_path / "decoder.tt"
+    tt.save(model, path)
+    fresh = build("llama")
+    forged = forgery.with_plan(tmp_path, "forged", forgery.members(path), lambda plan: edit(plan["generate"]))
+    with pytest.raises(tt.CheckpointError, match="decode loop|damaged"):
+        tt.load(fresh, forged)
+    assert generation.loop_of(fresh) is None and not tt.installed(fresh)

@@ -40,7 +40,9 @@ from .backends import Backend
 from .storage import NotRegular, atomic_file, read_regular
 from .module import installed, own_class, resolve_paths
 from . import plan as planning
+from .generation import LOOPS, LoopPlan, check_layouts
 from .plan import SELECTED_DEPTHS, ModulePlan, Plan, plan_of
+from .workload import MAX_GENERATE_CALLS
 from .serial import (Unstorable, build_backend, class_path, decode, describe_backend, device_name, dumps, encode,
                      known_types, loads)
 from .signatures import (MAX_CALLS_PER_SIGNATURE, MAX_SIGNATURES, OTHER, SignatureGroup, forward_params,
@@ -169,6 +171,8 @@ def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None =
             raise ValueError(message + "; save with strict=False to write the file anyway")
         warnings.warn(message, stacklevel=2)
     plan = {"depth": tuned.depth, "modules": modules}
+    if tuned.generate is not None:
+        plan["generate"] = _loop_entry(tuned.generate, tensors, path, strict)
     members = {PLAN: dumps(plan), SAMPLES: _tensor_bytes(tensors)}
     if inductor:
         artifacts = torch.compiler.save_cache_artifacts()
@@ -188,6 +192,26 @@ def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None =
         warnings.warn(f"{path} is {len(data)} bytes, more than tt.load reads by default for this model "
                       f"({default_max_bytes(model)}: 4 x its weights + 256 MiB); load it with "
                       f"tt.load(model, path, max_bytes={len(data)})", stacklevel=2)
+
+
+def _loop_entry(loop: LoopPlan, tensors: list[torch.Tensor], path: Any, strict: bool) -> dict:
+    """The decode loop as the plan's JSON: its kind, layouts and the generate() calls (with
+    their tokens) it is checked on again at load."""
+    checks = []
+    for args, kwargs, tokens in loop.checks:
+        mark = len(tensors)
+        try:
+            checks.append({"call": encode((tuple(args), dict(kwargs)), tensors), "tokens": encode(tokens, tensors)})
+        except Unstorable as exc:
+            del tensors[mark:]
+            message = (f"a generate() call of tweak's decode loop cannot be stored in {path} ({exc}); tt.load "
+                       "checks the loop on the stored calls and installs it only when one is stored")
+            if strict:
+                raise ValueError(message + "; save with strict=False to write the file anyway") from None
+            warnings.warn(message, stacklevel=3)
+    layouts = None if loop.layouts is None else {
+        phase: [[name, list(spec)] for name, spec in layout] for phase, layout in loop.layouts.items()}
+    return {"kind": loop.kind, "layouts": layouts, "checks": checks}
 
 
 def _params(module: nn.Module) -> dict[str, list]:
@@ -381,7 +405,9 @@ def load(model: nn.Module, path: str | os.PathLike, *, device: Any = None, trust
         manifest, plan, data = _read(path, default_max_bytes(model) if max_bytes is None else max_bytes, secret)
         _check_target(model, target, device is None, manifest, path)
         steps = _check_plan(model, plan, given, path)
-        groups = _groups(plan, data, target, path, model, known_types(types))
+        stored = _stored(data, target, path)
+        groups = _groups(plan, stored, path, model, known_types(types))
+        loop = _loop_plan(plan, stored, path, known_types(types))
     except (CheckpointError, FileNotFoundError):
         raise
     except Exception as exc:  # whatever a damaged file makes a reader raise is one error, and the model is as it was
@@ -398,7 +424,8 @@ def load(model: nn.Module, path: str | os.PathLike, *, device: Any = None, trust
         for group, backend in zip(module_groups, backends):
             group.backend = backend
         modules.append(ModulePlan(name, module_groups))
-    failures = planning.apply(model, Plan(plan.get("depth"), modules), device=target, bounded=True, strict=False)
+    failures = planning.apply(model, Plan(plan.get("depth"), modules, loop), device=target, bounded=True,
+                              strict=False)
     for failure in failures:
         warnings.warn(f"tt.load: {failure.path or '(root)'} {failure.group.text}: {failure}; these calls run the "
                       "original forward", stacklevel=2)
@@ -491,9 +518,8 @@ def _shape(value: Any) -> str:
     return "absent" if value is None else f"{value[1]}{value[0]}"
 
 
-def _groups(plan: dict, data: dict[str, bytes], device: torch.device, path: Any,
-            model: nn.Module, types: dict[str, type]) -> list[list[SignatureGroup]]:
-    """The stored calls and outputs of every signature, tensors on `device`."""
+def _stored(data: dict[str, bytes], device: torch.device, path: Any) -> tuple[list[torch.Tensor], Any]:
+    """The file's stored tensors, and how a decoded tensor is placed on `device`."""
     from safetensors import SafetensorError
     from safetensors.torch import load as load_tensors
 
@@ -508,6 +534,38 @@ def _groups(plan: dict, data: dict[str, bytes], device: torch.device, path: Any,
     def place(tensor: torch.Tensor, recorded: str) -> torch.Tensor:
         return tensor.to(device) if torch.device(recorded).type == device.type else tensor
 
+    return tensors, place
+
+
+def _loop_plan(plan: dict, stored: tuple, path: Any, types: dict[str, type]) -> LoopPlan | None:
+    """The plan's decode loop, checked: a known kind, plain layouts, at most
+    MAX_GENERATE_CALLS stored calls of (tensor ids, plain settings) and their tokens."""
+    entry = plan.get("generate")
+    if entry is None:
+        return None
+    tensors, place = stored
+    try:
+        if type(entry) is not dict or entry.get("kind") not in LOOPS:
+            raise ValueError("its kind is not one of torch-tweak's decode loops")
+        checks = entry.get("checks")
+        if type(checks) is not list or len(checks) > MAX_GENERATE_CALLS or not all(type(c) is dict for c in checks):
+            raise ValueError(f"at most {MAX_GENERATE_CALLS} stored generate() calls, in a list")
+        calls = []
+        for check in checks:
+            args, kwargs = _call(decode(check.get("call"), tensors, place, types))
+            tokens = decode(check.get("tokens"), tensors, place, types)
+            if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+                raise ValueError("a stored generate() call's tokens are a 2-D tensor")
+            calls.append((args, kwargs, tokens))
+        return LoopPlan(entry["kind"], check_layouts(entry.get("layouts")), calls)
+    except (ValueError, TypeError, KeyError, RuntimeError) as exc:
+        raise CheckpointError(f"{path}: the decode loop of its plan is damaged: {str(exc)[:200]}") from None
+
+
+def _groups(plan: dict, stored: tuple, path: Any,
+            model: nn.Module, types: dict[str, type]) -> list[list[SignatureGroup]]:
+    """The stored calls and outputs of every signature, tensors on their device."""
+    tensors, place = stored
     result = []
     for item in plan["modules"]:
         groups = []

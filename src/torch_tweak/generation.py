@@ -328,6 +328,7 @@ class DecodeLoop:
         self.original = type(model).generate.__get__(model)
         self.fallbacks: collections.Counter[str] = collections.Counter()
         self.calls = 0
+        self.checks: list[tuple[tuple, dict, torch.Tensor]] = []  # (args, kwargs, untuned tokens): what tt.save keeps
         self._graphs: dict[tuple, _StepGraph] = {}
         self._previous_len: int = -1
 
@@ -468,6 +469,76 @@ def _stop(tokens: torch.Tensor, eos: torch.Tensor | None, pad: int | None) -> to
         last = int(hit.float().argmax(dim=1).max())  # the step at which the last sequence ended
         tokens = tokens[:, :last + 1]
     return tokens
+
+
+@dataclasses.dataclass
+class LoopPlan:
+    """A decode loop as a Plan keeps it: its kind, the layouts of its forward calls (None: the
+    defaults) and the generate() calls, with their untuned tokens, it must reproduce exactly
+    before it is installed again (tt.load)."""
+
+    kind: str
+    layouts: dict | None
+    checks: list[tuple[tuple, dict, torch.Tensor]]
+
+
+def plan_loop(model: nn.Module) -> LoopPlan | None:
+    loop = loop_of(model)
+    return None if loop is None else LoopPlan(loop.kind, loop.given, list(loop.checks))
+
+
+def apply_loop(model: nn.Module, plan: LoopPlan) -> str | None:
+    """Installs the plan's loop when it gives every stored call's tokens; else leaves
+    generate() as it was and returns why."""
+    if not plan.checks:
+        return "no stored generate() call to check it on"
+    loop = DecodeLoop(model, plan.kind, plan.layouts)
+    loop.checks = list(plan.checks)
+    install(model, loop)
+    problem = None
+    try:
+        with torch.no_grad():
+            for i, (args, kwargs, tokens) in enumerate(plan.checks):
+                got = model.generate(*args, **kwargs)
+                if loop.fallbacks:
+                    problem = f"generate call {i} is not one it serves ({next(iter(loop.fallbacks))})"
+                elif not isinstance(got, torch.Tensor) or got.shape != tokens.shape or not torch.equal(got, tokens):
+                    problem = f"generate call {i} gave other tokens than the stored ones"
+                if problem is not None:
+                    break
+    except Exception as exc:
+        problem = f"{type(exc).__name__}: {str(exc)[:200]}"
+    finally:
+        if problem is not None or loop_of(model) is not loop:
+            uninstall(model)  # whatever happened (an interrupt too), generate() is as it was
+    loop.calls = 0
+    return problem
+
+
+def check_layouts(layouts: Any) -> dict | None:
+    """Layouts read from a file, as plain tuples, or ValueError: only names, kinds and plain
+    values, bounded."""
+    if layouts is None:
+        return None
+    if type(layouts) is not dict or set(layouts) != {"prefill", "decode"}:
+        raise ValueError("layouts name the prefill and decode calls")
+    out = {}
+    for phase, layout in layouts.items():
+        if type(layout) is not list or len(layout) > 32:
+            raise ValueError("a layout is a list of at most 32 arguments")
+        items = []
+        for item in layout:
+            if type(item) is not list or len(item) != 2 or type(item[0]) is not str or len(item[0]) > 64 \
+                    or type(item[1]) is not list or not item[1] or len(item[1]) > 3:
+                raise ValueError("an argument is [name, [kind, ...]]")
+            spec = item[1]
+            if spec[0] not in ("tensor", "value", "cache", "positional", "other") or \
+                    not all(v is None or type(v) in (bool, int, float, str) for v in spec) or \
+                    any(type(v) is str and len(v) > 64 for v in spec):
+                raise ValueError("an argument's kind is a short plain value")
+            items.append((item[0], tuple(spec)))
+        out[phase] = tuple(items)
+    return out
 
 
 def loop_of(model: nn.Module) -> DecodeLoop | None:

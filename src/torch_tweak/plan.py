@@ -16,6 +16,7 @@ model is left as it was.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 from typing import Any, Sequence
 
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from ._samples import Call
+from .generation import LoopPlan, apply_loop, plan_loop, uninstall as uninstall_loop
 from .backends.base import Backend
 from .module import TunedModule, arm_untuned, install_all, installed, unwrap
 from .signatures import OTHER, SignatureGroup
@@ -69,6 +71,7 @@ class Plan:
 
     depth: int | None
     modules: list[ModulePlan] = dataclasses.field(default_factory=list)
+    generate: LoopPlan | None = None  # tweak's decode loop behind generate() (docs/generate.md)
 
     @property
     def paths(self) -> list[str]:
@@ -88,7 +91,7 @@ def plan_of(model: nn.Module) -> Plan:
     modules = [ModulePlan(path, [_copy(g, None if g.backend is None else g.backend.fresh())
                                  for g in wrapper.tt_signatures], wrapper.tt_error, list(wrapper.tt_report))
                for path, wrapper in sorted(installed(model).items())]
-    return Plan(SELECTED_DEPTHS.get(model) if modules else None, modules)
+    return Plan(SELECTED_DEPTHS.get(model) if modules else None, modules, plan_loop(model))
 
 
 def apply(model: nn.Module, plan: Plan, *, device: torch.device, calls: Sequence[Call] | None = None,
@@ -146,8 +149,17 @@ def apply(model: nn.Module, plan: Plan, *, device: torch.device, calls: Sequence
             release(wrapper)
         for wrapper in wrappers:
             wrapper.tt_activate()
+        if plan.generate is not None:
+            problem = apply_loop(model, plan.generate)
+            if problem is not None:
+                if strict:
+                    raise PlanError(f"tweak's decode loop: {problem}")
+                warnings.warn(f"tweak's decode loop is not installed ({problem}): generate() runs transformers' "
+                              "own loop", stacklevel=3)
     except BaseException:
         unwrap(model, plan.paths)
+        if plan.generate is not None:
+            uninstall_loop(model)
         raise
     SELECTED_DEPTHS[model] = plan.depth
     arm_untuned(model)

@@ -242,6 +242,7 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None) 
         generation.uninstall(model)
     kept = None if index <= 0 else kinds[index - 1]
     if kept is not None:
+        loops[kept].checks = [(c.args, c.kwargs, c.tokens) for c in workload.generate_calls]  # what tt.save keeps
         generation.install(model, loops[kept])
     out = []
     for name, report in zip(names, reports):
