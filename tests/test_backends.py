@@ -311,12 +311,12 @@ def test_result_marks_a_backend_that_compiles_on_first_call(mlp_data):
         def forward(self, x, cache=None):
             return self.linear(x)
 
-    cache = DynamicCache()  # one object: a plain value matches by identity, so one signature
+    cache = DynamicCache()  # an empty cache in every call: one structure, so one signature
     data = [((x,), {"cache": cache}) for x in mlp_data]
     result = tt.tweak(Head().eval(), data, max_depth=0, strategy=tt.OneBackendStrategy(Storeless()),
                       progress=False, measure=FAST)
     (sig,) = result.modules[""].signatures
-    assert sig.text == "(float32[8, 16], cache=DynamicCache)"
+    assert sig.text == "(float32[8, 16], cache=DynamicCache(0 layers, empty))"
     assert sig.unstorable == 3 and "3 recorded calls not storable: compiles on first call" in str(result.modules)
 
 
