@@ -21,7 +21,7 @@ value raises ValueError naming it. ``clock`` is a callable returning an int of
 nanoseconds, used instead of the monotonic clock (for deterministic tests).
 """
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 Stats = dict[str, Any]
 
@@ -256,6 +256,11 @@ def enable_vectorcall(cls: type) -> bool:
     defined in Python; 3.12 does). Returns whether instances of cls are now
     called through vectorcall (False when cls overrides __call__). TypeError
     when cls is not a subclass of Dispatcher."""
+
+def set_value_keyer(fn: Optional[Callable[[object], Optional[Hashable]]]) -> None:
+    """fn(value) -> a key of the value's structure, or None. Signatures made
+    afterwards match a value that fn keys (a key/value cache) by an equal key,
+    not by identity. None removes the keyer."""
 
 class GraphReplay:
     """Replays a recorded device graph (the device-graph backend's per-call path).
