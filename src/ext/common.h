@@ -18,6 +18,7 @@
  * guard      entry locks and the grad rule (guard.h)
  * entries    the entry table and how a call finds its entry (entries.h)
  * dispatcher the Dispatcher type, the per-call path (dispatcher.h)
+ * rootcall   root_call: the __call__ of a module tuned in place (rootcall.h)
  * graph      the GraphReplay type, the device-graph replay path (graph.h);
  *            its files share graph_replay.h: graph_call (a call),
  *            graph_record (the recordings it holds), graph (the type)
