@@ -658,3 +658,53 @@ def test_a_failing_notify_never_fails_the_call(monkeypatch):
     monkeypatch.setattr(sys, "unraisablehook", reported.append)
     assert d(torch.randn(5)) == "original"
     assert len(reported) == 1 and reported[0].exc_type is ZeroDivisionError
+
+
+class RootCalled(nn.Module):
+    """A module shaped as one tuned in place: its class's __call__ is _C.root_call."""
+
+    __call__ = _C.root_call
+
+    def forward(self, x):
+        raise AssertionError("a module tuned in place runs its wrapper, not its forward")
+
+
+def test_root_call_sends_the_call_to_the_wrapper_with_its_arguments_as_they_came():
+    seen = []
+    m = RootCalled()
+    m.__dict__["_tt_root"] = lambda *args, **kwargs: seen.append((args, kwargs)) or "out"
+    assert m(1, 2, k=3) == "out" and seen == [((1, 2), {"k": 3})]
+    assert type(m).__call__ is _C.root_call
+    bound = m.__call__  # a method, as a Python function's would be
+    assert bound.__self__ is m and bound(4) == "out" and seen[-1] == ((4,), {})
+    assert _C.root_call(m, 5) == "out" and seen[-1] == ((5,), {})
+
+
+def test_root_call_refuses_a_module_without_its_wrapper_as_the_python_call_did():
+    with pytest.raises(KeyError, match="_tt_root"):
+        RootCalled()(1)
+    with pytest.raises(TypeError, match="self"):
+        _C.root_call()
+    with pytest.raises(TypeError):
+        type(_C.root_call)()
+    with pytest.raises(AttributeError):
+        _C.root_call(object())  # no __dict__
+
+
+def test_root_call_holds_the_wrapper_while_it_runs():
+    """A wrapper that takes itself out of the module during the call (tt.unwrap from
+    inside it) keeps running: the call holds its own reference."""
+    m = RootCalled()
+
+    class Root:
+        def __call__(self, x):
+            del m.__dict__["_tt_root"]
+            gc.collect()
+            return self.tag + x
+
+    m.__dict__["_tt_root"] = Root()
+    m.__dict__["_tt_root"].tag = 10
+    ref = weakref.ref(m.__dict__["_tt_root"])
+    assert m(1) == 11 and "_tt_root" not in m.__dict__
+    gc.collect()
+    assert ref() is None

@@ -1,6 +1,6 @@
 /*
  * call.h - the context of one engine call and what its bindings share
- * (call.c). Used by measure.c and tree.c.
+ * (call.c). Used by tree.c, result.c, measure.c and search.c.
  */
 #ifndef TT_CALL_H
 #define TT_CALL_H

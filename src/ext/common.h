@@ -8,13 +8,17 @@
  * state      the per-module state and torch.Tensor's getters (state.h)
  * call       the context of one engine call (call.h)
  * config     the engine's measurement config as a dict (config.h)
- * tree       the Tree and Result types (tree.h)
- * measure    measure, compare, choose, tweak (measure.h)
+ * tree       the Tree type (tree.h)
+ * result     the Result type: the engine's result model read (result.h)
+ * measure    measure, compare, choose; the argument checks every engine
+ *            binding shares (measure.h)
+ * search     tune_module, tweak and the check of its settings (search.h)
  * argspec    one argument of a recorded call and its check (argspec.h)
  * signature  the Signature type (signature.h)
  * guard      entry locks and the grad rule (guard.h)
  * entries    the entry table and how a call finds its entry (entries.h)
  * dispatcher the Dispatcher type, the per-call path (dispatcher.h)
+ * rootcall   root_call: the __call__ of a module tuned in place (rootcall.h)
  * graph      the GraphReplay type, the device-graph replay path (graph.h);
  *            its files share graph_replay.h: graph_call (a call),
  *            graph_record (the recordings it holds), graph (the type)

@@ -9,6 +9,9 @@
 #include "dispatcher.h"
 #include "graph.h"
 #include "measure.h"
+#include "result.h"
+#include "rootcall.h"
+#include "search.h"
 #include "signature.h"
 #include "tree.h"
 
@@ -31,8 +34,9 @@ tt_module_exec(PyObject *module)
         goto error;
     if (PyModule_AddObjectRef(module, "EngineError", st->EngineError) < 0)
         goto error;
-    if (tt_tree_exec(module, st) < 0 || tt_signature_exec(module, st) < 0 ||
-        tt_dispatcher_exec(module, st) < 0 || tt_graph_exec(module, st) < 0)
+    if (tt_tree_exec(module, st) < 0 || tt_result_exec(module, st) < 0 ||
+        tt_signature_exec(module, st) < 0 || tt_dispatcher_exec(module, st) < 0 ||
+        tt_graph_exec(module, st) < 0 || tt_root_call_exec(module, st) < 0)
         goto error;
     rc = 0;
 error:

@@ -1,5 +1,5 @@
 /*
- * tree.h - the Tree and Result types (tree.c).
+ * tree.h - the Tree type (tree.c), and what Result shares with it.
  */
 #ifndef TT_TREE_H
 #define TT_TREE_H
@@ -12,14 +12,13 @@ typedef struct {
     tw_tree *tree; /* owned, finished */
 } TtTree;
 
-/* A Result owning `result` (stolen, also on failure), computed on a tree of
- * n_nodes nodes. New reference. */
-PyObject *tt_result_new(TtState *st, tw_result *result, size_t n_nodes);
-/* What one module's search found, as a dict: {"path", "state", "error",
- * "groups": [{"text", "strategy", "samples", "chosen", "error", "candidates":
- * [{"name", "state", "verdict", "error", "stats"}]}]}. New reference. */
-PyObject *tt_module_result_to_dict(const tw_module_result *module);
-/* Adds Tree and Result to the module and fills their slots in st. -1 on error. */
+/* A node index below n_nodes from an int; -1 with IndexError/TypeError. Tree
+ * and Result index the same nodes, so they reject the same numbers alike. */
+int tt_node_index(PyObject *arg, size_t n_nodes, size_t *out);
+/* A str from a tw_*_format string (NULL: the error in err is raised), which it
+ * frees. New reference. */
+PyObject *tt_take_formatted(TtState *st, char *text, const tw_error *err);
+/* Adds Tree to the module and fills st->TreeType. -1 on error. */
 int tt_tree_exec(PyObject *module, TtState *st);
 
 #endif /* TT_TREE_H */

@@ -257,6 +257,17 @@ def enable_vectorcall(cls: type) -> bool:
     called through vectorcall (False when cls overrides __call__). TypeError
     when cls is not a subclass of Dispatcher."""
 
+def root_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """The __call__ of a module tuned in place (module.py, _root_class):
+    self.__dict__["_tt_root"](*args, **kwargs), the module's wrapper called with
+    the arguments as they came; KeyError('_tt_root') when self is not tuned. A
+    method descriptor: read on a module it is a bound method."""
+
+def set_value_keyer(fn: Optional[Callable[[object], Optional[Hashable]]]) -> None:
+    """fn(value) -> a key of the value's structure, or None. Signatures made
+    afterwards match a value that fn keys (a key/value cache) by an equal key,
+    not by identity. None removes the keyer."""
+
 class GraphReplay:
     """Replays a recorded device graph (the device-graph backend's per-call path).
 

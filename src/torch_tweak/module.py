@@ -167,8 +167,10 @@ class TunedModule(_C.Dispatcher, nn.Module):
 _ROOT_CLASSES: dict[type, type] = {}
 
 
-def _call_root(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return self.__dict__["_tt_root"](*args, **kwargs)
+# A tuned module's __call__: _call_root(module, *args, **kwargs) is
+# module.__dict__["_tt_root"](*args, **kwargs), in C (src/ext/rootcall.c), so a call of the
+# module reaches its wrapper's dispatcher without a Python frame in between.
+_call_root = _C.root_call
 
 
 def _refuse_copy(self: nn.Module, *args: Any) -> Any:

@@ -1,0 +1,395 @@
+/*
+ * result.c - the result of a tweak as a Python type: Result (tw_result), the
+ * engine's result model read into dicts, and one module's search result as a
+ * dict (tune_module's answer).
+ */
+#include "result.h"
+
+#include "call.h"
+#include "tree.h"
+
+#include <string.h>
+
+/* =============================================================== Result */
+
+/* d[key] = value, stealing value (which may be NULL: an error already set).
+ * -1 on error. */
+static int
+tt_dict_set_new(PyObject *d, const char *key, PyObject *value)
+{
+    int rc = value == NULL ? -1 : PyDict_SetItemString(d, key, value);
+
+    Py_XDECREF(value);
+    return rc;
+}
+
+typedef struct {
+    PyObject_HEAD
+    tw_result *result; /* owned */
+    size_t n_nodes;    /* of the tree it was computed on */
+} TtResult;
+
+static const char *
+tt_row_state_name(tw_row_state state)
+{
+    switch (state) {
+    case TW_ROW_MEASURED:
+        return "measured";
+    case TW_ROW_SKIPPED:
+        return "skipped";
+    case TW_ROW_BUDGET:
+        return "budget";
+    case TW_ROW_DRY:
+        return "dry";
+    }
+    return "unknown";
+}
+
+static void
+tt_result_dealloc(TtResult *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+
+    tw_result_destroy(self->result);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyObject *
+tt_result_get_rows(TtResult *self, void *closure)
+{
+    TtState *st = (TtState *)PyType_GetModuleState(Py_TYPE(self));
+    size_t n = tw_result_row_count(self->result), i;
+    PyObject *list = NULL;
+    PyObject *stats = NULL; /* new reference */
+    PyObject *result = NULL;
+    tw_error err;
+    tw_row row;
+    tw_code code;
+
+    (void)closure;
+    memset(&err, 0, sizeof(err));
+    if ((list = PyList_New((Py_ssize_t)n)) == NULL)
+        goto cleanup;
+    for (i = 0; i < n; i++) {
+        PyObject *d;
+
+        memset(&row, 0, sizeof(row));
+        if ((code = tw_result_row(self->result, i, &row, &err)) != TW_OK) {
+            tt_raise_code(st, code, err.msg, NULL);
+            goto cleanup;
+        }
+        if ((stats = tt_stats_or_none(&row.stats, row.state == TW_ROW_MEASURED)) == NULL)
+            goto cleanup;
+        d = Py_BuildValue("{s:i,s:n,s:n,s:s,s:s,s:O}", "depth", row.depth, "modules",
+                          (Py_ssize_t)row.modules, "failed", (Py_ssize_t)row.failed, "state",
+                          tt_row_state_name(row.state), "error",
+                          row.error != NULL ? row.error : "", "stats", stats);
+        Py_CLEAR(stats);
+        if (d == NULL)
+            goto cleanup;
+        PyList_SET_ITEM(list, (Py_ssize_t)i, d);
+    }
+    result = list;
+    list = NULL;
+cleanup:
+    Py_XDECREF(stats);
+    Py_XDECREF(list);
+    return result;
+}
+
+static PyObject *
+tt_result_get_selected(TtResult *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromLong(tw_result_selected(self->result));
+}
+
+static PyObject *
+tt_result_get_baseline(TtResult *self, void *closure)
+{
+    tw_stats stats;
+    int measured = 0;
+
+    (void)closure;
+    memset(&stats, 0, sizeof(stats));
+    tw_result_baseline(self->result, &stats, &measured);
+    return tt_stats_or_none(&stats, measured);
+}
+
+static PyObject *
+tt_result_get_confirmation(TtResult *self, void *closure)
+{
+    tw_confirmation c;
+    PyObject *tuned = NULL, *untuned = NULL; /* new references */
+    PyObject *result = NULL;
+
+    (void)closure;
+    tw_result_confirmation(self->result, &c);
+    if (!c.measured)
+        Py_RETURN_NONE;
+    if ((tuned = tt_stats_to_dict(&c.tuned)) == NULL ||
+        (untuned = tt_stats_to_dict(&c.untuned)) == NULL)
+        goto cleanup;
+    result = Py_BuildValue("{s:i,s:O,s:O,s:O,s:d,s:d,s:d}", "depth", c.depth, "confirmed",
+                           c.confirmed ? Py_True : Py_False, "tuned", tuned, "untuned", untuned,
+                           "speedup", c.speedup, "speedup_low", c.speedup_low, "speedup_high",
+                           c.speedup_high);
+cleanup:
+    Py_XDECREF(tuned);
+    Py_XDECREF(untuned);
+    return result;
+}
+
+static PyObject *
+tt_result_get_noisy(TtResult *self, void *closure)
+{
+    (void)closure;
+    return PyBool_FromLong(tw_result_noisy(self->result));
+}
+
+static PyObject *
+tt_result_module(TtResult *self, PyObject *arg)
+{
+    const char *error = NULL;
+    size_t node;
+    int state;
+
+    if (tt_node_index(arg, self->n_nodes, &node) < 0)
+        return NULL;
+    state = tw_result_module(self->result, node, &error);
+    return Py_BuildValue("(is)", state, error != NULL ? error : "");
+}
+
+/* One candidate of a group as a dict. New reference. */
+static PyObject *
+tt_candidate_to_dict(const tw_module_result *module, size_t g, size_t c, long chosen)
+{
+    PyObject *stats = NULL; /* new reference */
+    PyObject *result = NULL;
+    tw_candidate_report report;
+    const char *name = NULL;
+    tw_error err;
+
+    memset(&err, 0, sizeof(err));
+    if (tw_module_result_candidate(module, g, c, &name, &report, &err) != TW_OK) {
+        PyErr_SetString(PyExc_IndexError, err.msg);
+        goto cleanup;
+    }
+    if ((stats = tt_stats_or_none(&report.stats, report.state == TW_CAND_MEASURED)) == NULL)
+        goto cleanup;
+    result = Py_BuildValue("{s:s,s:s,s:s,s:s,s:O}", "name", name != NULL ? name : "(unnamed)",
+                           "state", tw_candidate_state_name(report.state), "verdict",
+                           tw_candidate_verdict(&report, (long)c == chosen), "error",
+                           report.state == TW_CAND_FAILED ? report.msg : "", "stats", stats);
+cleanup:
+    Py_XDECREF(stats);
+    return result;
+}
+
+/* One group as a dict. New reference. */
+static PyObject *
+tt_group_to_dict(const tw_module_result *module, size_t g)
+{
+    PyObject *cands = NULL; /* new reference */
+    PyObject *result = NULL;
+    tw_group_report group;
+    tw_error err;
+    size_t c;
+
+    memset(&err, 0, sizeof(err));
+    if (tw_module_result_group(module, g, &group, &err) != TW_OK) {
+        PyErr_SetString(PyExc_IndexError, err.msg);
+        goto cleanup;
+    }
+    if ((cands = PyList_New((Py_ssize_t)group.n_candidates)) == NULL)
+        goto cleanup;
+    for (c = 0; c < group.n_candidates; c++) {
+        PyObject *d = tt_candidate_to_dict(module, g, c, group.chosen);
+
+        if (d == NULL)
+            goto cleanup;
+        PyList_SET_ITEM(cands, (Py_ssize_t)c, d);
+    }
+    result = Py_BuildValue("{s:s,s:s,s:n,s:l,s:s,s:O}", "text", group.text, "strategy",
+                           tw_strategy_name(group.kind) != NULL ? tw_strategy_name(group.kind)
+                                                                : "",
+                           "samples", (Py_ssize_t)group.n_samples, "chosen", group.chosen,
+                           "error", group.error, "candidates", cands);
+cleanup:
+    Py_XDECREF(cands);
+    return result;
+}
+
+PyObject *
+tt_module_result_to_dict(const tw_module_result *module)
+{
+    PyObject *groups = NULL; /* new reference */
+    PyObject *result = NULL;
+    size_t n = tw_module_result_group_count(module), g;
+
+    if ((groups = PyList_New((Py_ssize_t)n)) == NULL)
+        goto cleanup;
+    for (g = 0; g < n; g++) {
+        PyObject *d = tt_group_to_dict(module, g);
+
+        if (d == NULL)
+            goto cleanup;
+        PyList_SET_ITEM(groups, (Py_ssize_t)g, d);
+    }
+    result = Py_BuildValue("{s:s,s:i,s:s,s:O}", "path", tw_module_result_path(module), "state",
+                           tw_module_result_state(module), "error",
+                           tw_module_result_error(module), "groups", groups);
+cleanup:
+    Py_XDECREF(groups);
+    return result;
+}
+
+/* Every searched module, in node order, with the depths whose cut holds it
+ * and whether the model runs it now. New reference. */
+static PyObject *
+tt_result_get_modules(TtResult *self, void *closure)
+{
+    PyObject *list = NULL;
+    PyObject *depths = NULL; /* new reference */
+    PyObject *d = NULL;      /* new reference */
+    PyObject *result = NULL;
+    size_t rows = tw_result_row_count(self->result), node, i;
+    int rc;
+    long selected = tw_result_selected(self->result);
+    const tw_module_result *module;
+    tw_row row;
+
+    (void)closure;
+    if ((list = PyList_New(0)) == NULL)
+        goto cleanup;
+    for (node = 0; node < self->n_nodes; node++) {
+        if ((module = tw_result_module_search(self->result, node)) == NULL)
+            continue;
+        if ((depths = PyList_New(0)) == NULL)
+            goto cleanup;
+        for (i = 0; i < rows; i++) {
+            PyObject *depth; /* new reference */
+
+            if (!tw_result_row_has(self->result, i, node) ||
+                tw_result_row(self->result, i, &row, NULL) != TW_OK)
+                continue;
+            if ((depth = PyLong_FromLong(row.depth)) == NULL)
+                goto cleanup;
+            rc = PyList_Append(depths, depth);
+            Py_DECREF(depth);
+            if (rc < 0)
+                goto cleanup;
+        }
+        if ((d = tt_module_result_to_dict(module)) == NULL)
+            goto cleanup;
+        if (tt_dict_set_new(d, "node", PyLong_FromSize_t(node)) < 0)
+            goto cleanup;
+        rc = tt_dict_set_new(d, "depths", depths);
+        depths = NULL; /* stolen, also on failure */
+        if (rc < 0 || tt_dict_set_new(d, "kept",
+                                      PyBool_FromLong(selected >= 0 &&
+                                                      tw_result_row_has(self->result,
+                                                                        (size_t)selected,
+                                                                        node))) < 0)
+            goto cleanup;
+        if (PyList_Append(list, d) < 0)
+            goto cleanup;
+        Py_CLEAR(d);
+    }
+    result = list;
+    list = NULL;
+cleanup:
+    Py_XDECREF(list);
+    Py_XDECREF(depths);
+    Py_XDECREF(d);
+    return result;
+}
+
+static PyObject *
+tt_result_format(TtResult *self, PyObject *unused)
+{
+    TtState *st = (TtState *)PyType_GetModuleState(Py_TYPE(self));
+    tw_error err;
+
+    (void)unused;
+    memset(&err, 0, sizeof(err));
+    return tt_take_formatted(st, tw_result_format(self->result, &err), &err);
+}
+
+static PyObject *
+tt_result_str(TtResult *self)
+{
+    return tt_result_format(self, NULL);
+}
+
+static PyMethodDef tt_result_methods[] = {
+    {"module", (PyCFunction)tt_result_module, METH_O,
+     "module(node) -> (1 tuned, -1 failed, 0 never tuned; error)"},
+    {"format", (PyCFunction)tt_result_format, METH_NOARGS, "format() -> the result table"},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef tt_result_getset[] = {
+    {"rows", (getter)tt_result_get_rows, NULL, "One dict per depth.", NULL},
+    {"selected", (getter)tt_result_get_selected, NULL,
+     "Index into rows, or -1 when the model stays untuned.", NULL},
+    {"confirmation", (getter)tt_result_get_confirmation, NULL,
+     "The kept depth measured side by side with the untuned model: a dict (depth, confirmed, "
+     "tuned, untuned, speedup, speedup_low, speedup_high), or None when none was measured.",
+     NULL},
+    {"noisy", (getter)tt_result_get_noisy, NULL,
+     "True when no speedup was confirmed and a measurement spread more than the engine's noisy "
+     "limit (a busy machine may have hidden one).", NULL},
+    {"baseline", (getter)tt_result_get_baseline, NULL,
+     "The untuned model's statistics; None on a dry run.", NULL},
+    {"modules", (getter)tt_result_get_modules, NULL,
+     "Every searched module, in node order: a dict (node, path, state, error, depths, kept, "
+     "groups) per module; per group (text, strategy, samples, chosen, error, candidates); per "
+     "candidate (name, state, verdict, error, stats).", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyType_Slot tt_result_slots[] = {
+    {Py_tp_doc, "The result of tweak(); str() is the engine's table."},
+    {Py_tp_dealloc, tt_result_dealloc},
+    {Py_tp_methods, tt_result_methods},
+    {Py_tp_getset, tt_result_getset},
+    {Py_tp_str, tt_result_str},
+    {0, NULL}};
+
+static PyType_Spec tt_result_spec = {
+    .name = "torch_tweak._C.Result",
+    .basicsize = sizeof(TtResult),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = tt_result_slots,
+};
+
+/* ================================================================ module */
+
+PyObject *
+tt_result_new(TtState *st, tw_result *result, size_t n_nodes)
+{
+    TtResult *self = (TtResult *)st->ResultType->tp_alloc(st->ResultType, 0);
+
+    if (self == NULL) {
+        tw_result_destroy(result);
+        return NULL;
+    }
+    self->result = result;
+    self->n_nodes = n_nodes;
+    return (PyObject *)self;
+}
+
+int
+tt_result_exec(PyObject *module, TtState *st)
+{
+    int rc = -1;
+
+    st->ResultType = (PyTypeObject *)PyType_FromModuleAndSpec(module, &tt_result_spec, NULL);
+    if (st->ResultType == NULL)
+        goto error;
+    if (PyModule_AddObjectRef(module, "Result", (PyObject *)st->ResultType) < 0)
+        goto error;
+    rc = 0;
+error:
+    return rc;
+}
