@@ -317,10 +317,3 @@ class GraphReplay:
     def signature(self) -> Signature: ...
     on_fallback: Optional[Callable[[], object]]
     """Called once at the next fallback, then None again."""
-
-
-def set_value_keyer(keyer: Optional[Callable[[Any], Optional[Hashable]]]) -> None:
-    """keyer(value) -> a key of the value's structure, or None. Signatures made afterwards
-    describe a value the keyer keys (a key/value cache) by its key, and a call's value fits
-    when the keyer gives an equal key: a cache matches by its structure, not its identity.
-    None removes the keyer. TypeError for anything else that is not callable."""
