@@ -282,16 +282,19 @@ class _StepGraph:
             self.step.add_(1)
             self.position.add_(1)
 
-        # the warm-up runs write a step into the cache: the caller resets it afterwards
+        # the warm-up runs write a step into the cache: the caller resets it afterwards. They
+        # run on the stream the step is then recorded on, so that what a library makes per
+        # stream on first use (cuBLAS's workspace) exists before the recording starts
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream), _Plain(loop.model):
             for _ in range(3):
                 step()
-        torch.cuda.current_stream(device).wait_stream(stream)
+        stream.synchronize()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), _Plain(loop.model):
+        with torch.cuda.graph(self.graph, stream=stream), _Plain(loop.model):
             step()
+        torch.cuda.current_stream(device).wait_stream(stream)
 
     def run(self, first: torch.Tensor, prompt_len: int, max_new: int, finished: Callable[[int], bool]) -> torch.Tensor:
         """Tokens 1..max_new-1 after `first`; returns the tokens buffer's first `max_new` columns
