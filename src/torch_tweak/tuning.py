@@ -105,7 +105,7 @@ def tune_group(wrapper: TunedModule, group: SignatureGroup, strategy: Strategy, 
     samples: Sequence[Call] = group.samples
     refs = group.outputs
     module = wrapper._tt_original
-    backends = strategy.fresh().candidates(device)
+    backends = strategy.fresh().candidates_for(module, samples, device)
     sync = synchronizer(device)
     notes: list[dict] = [{} for _ in backends]
     state = model_state.snapshot(module)
