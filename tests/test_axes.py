@@ -81,7 +81,7 @@ def test_variants_per_device_and_module():
     x = ((torch.randn(2, 8, 32),), {})
     for_net = names(cpu.candidates_for(net, [((images()[0],), {})], torch.device("cpu")))
     assert "TorchEager [channels_last]" in for_net and "TorchInductor [max-autotune]" not in for_net  # not heavy
-    heavy = tt.default_strategy("cpu").with_axes(tt.Axes("high", heavy=frozenset({id(attention)})))
+    heavy = tt.default_strategy("cpu").with_axes(tt.Axes("high", heavy=frozenset({axes.module_key(attention)})))
     for_attention = names(heavy.candidates_for(attention, [x], torch.device("cpu")))
     assert "TorchInductor [max-autotune]" in for_attention and not any("channels_last" in n for n in for_attention)
     on_cuda = tt.default_strategy("cuda").with_axes(tt.Axes("high"))
@@ -137,6 +137,21 @@ def test_channels_last_is_measured_against_the_plain_backend():
             assert sig.backend == min(measured, key=measured.get)
     after = outputs(model, data)
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(after, before))
+
+
+def test_max_autotune_goes_to_the_heavy_modules(mlp, mlp_data):
+    before = outputs(mlp, mlp_data)
+    result = tt.tweak(mlp, mlp_data, max_depth=1, strategy=tt.HighestThroughputStrategy([TorchInductorBackend()]),
+                      effort="high", progress=False, measure=FAST, cache=False)
+    root = {c["backend"]: c for c in result.modules[""].candidates}
+    assert root["TorchInductor [max-autotune]"]["state"] == "measured"  # the model itself is always heavy
+    assert root["TorchInductor [max-autotune]"]["max_error"] <= 1e-3
+    tree = result.tree
+    for path, module in result.modules.items():
+        tried = any(c["backend"] == "TorchInductor [max-autotune]" for c in module.candidates)
+        assert tried == (path == "" or tree.time_ms(path) >= axes.HEAVY_SHARE * tree.time_ms("")), path
+    after = outputs(mlp, mlp_data)
+    assert all(torch.allclose(a, b, rtol=1e-3, atol=1e-4) for a, b in zip(after, before))
 
 
 def test_precision_is_checked_against_the_users_tolerance(mlp, mlp_data):

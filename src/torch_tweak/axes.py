@@ -314,9 +314,9 @@ def check_precision(precision: Any, device: torch.device) -> dict[str, float]:
 class Axes:
     """Which variants a strategy adds to its backends, and to which modules.
 
-    effort: "default" or "high" (see EFFORTS). precision: {policy: tolerance} (see
-    PRECISIONS), opt-in. heavy: ids of the modules that get max-autotune variants (None:
-    every module)."""
+    effort: "default" or "high" (see EFFORTS). precision: ((policy, tolerance), ...) (see
+    PRECISIONS), opt-in. heavy: module_key of the modules that get max-autotune variants
+    (None: every module)."""
 
     effort: str = "default"
     precision: tuple[tuple[str, float], ...] = ()
@@ -369,7 +369,7 @@ class Axes:
         if rule == "conv":
             return has_conv(module)
         if rule == "heavy":
-            return self.heavy is None or id(module) in self.heavy
+            return self.heavy is None or module_key(module) in self.heavy
         if rule == "sdpa":
             return calls_sdpa(module, samples)
         if rule == "fp32":
@@ -379,14 +379,20 @@ class Axes:
         return True
 
 
+def module_key(module: torch.nn.Module) -> int:
+    """What names one module across its tuned-module views: a wrapped module's original (what
+    backends build on) is another object of its class sharing its __dict__."""
+    return id(module.__dict__)
+
+
 def heavy_modules(model: torch.nn.Module, tree: Any, share: float = HEAVY_SHARE) -> frozenset[int]:
-    """Ids of the modules whose inspected time is at least `share` of the model's."""
+    """module_key of the modules whose inspected time is at least `share` of the model's."""
     total = tree.time_ms("")
-    ids = set()
+    keys = set()
     for path in tree.paths:
         if path == "" or (total > 0 and tree.time_ms(path) >= share * total):
-            ids.add(id(model.get_submodule(path)))
-    return frozenset(ids)
+            keys.add(module_key(model.get_submodule(path) if path else model))
+    return frozenset(keys)
 
 
 def precision_backends(device: Any, precision: dict[str, float]) -> list[Any]:
