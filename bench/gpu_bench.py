@@ -755,7 +755,7 @@ def merge(paths: list[str], out_dir: str) -> None:
             frac = r.get("roofline_fraction", {})
             md.append(f"| {r['model']} | {r['dtype']} | {f['flops'] / 1e9:.1f} | {f['bytes_least'] / 1e6:.0f} | "
                       f"{f['bytes_op_by_op'] / 1e6:.0f} | {f['bound']} | {f['floor_ms']:.3f} | "
-                      + " | ".join(f"{frac[c] * 100:.1f}%" if c in frac else "-" for c in cols) + " |")
+                      + " | ".join(f"{frac[c] * 100:.3g}%" if c in frac else "-" for c in cols) + " |")
     md += ["", "## Targets", "",
            "| model | dtype | tweak <= best other | tweak < best other | tuning <= 3x reduce-overhead compile | dispatcher < 500 ns/module (max) |",
            "|---|---|---|---|---|---|"]
