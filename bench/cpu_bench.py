@@ -26,7 +26,7 @@ Weights are random, built from configs: nothing is downloaded.
 
     python bench/cpu_bench.py [--models resnet18,bert,encoder] [--columns ...] [--rounds 30]
                               [--json bench/results/runs/cpu-<commit>.json]
-    python bench/cpu_bench.py --report RUN.json [--out bench/results/cpu.md]
+    python bench/cpu_bench.py --report RUN.json [RUN2.json ...] [--out bench/results/cpu.md]
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples", "Tweak"))
 MODELS = ("resnet18", "bert", "encoder")
 COLUMNS = ("eager", "compile", "openvino", "tweak", "tweak-cl", "tweak-high", "tweak-bf16", "tweak-int8")
 SIZES = {
-    "resnet18": "ResNet-18 (torchvision), batch 1, 224x224",
+    "resnet18": "ResNet-18 (torchvision's, or the same architecture defined here), batch 1, 224x224",
     "bert": "BERT 4 layers, hidden 256, 4 heads, batch 1, seq 128",
     "encoder": "examples/Tweak encoder: batch 8, seq 64, d 256, 4 layers",
 }
@@ -73,8 +73,11 @@ def build(name: str) -> tuple[torch.nn.Module, list]:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     if name == "resnet18":
-        import torchvision
-        model = torchvision.models.resnet18(weights=None).eval()
+        try:
+            import torchvision
+            model = torchvision.models.resnet18(weights=None).eval()
+        except (ImportError, RuntimeError):  # no torchvision, or one built for another torch
+            model = ResNet18().eval()
         data = [torch.randn(1, 3, 224, 224, generator=g) for _ in range(N_SAMPLES)]
     elif name == "bert":
         import transformers
@@ -89,6 +92,52 @@ def build(name: str) -> tuple[torch.nn.Module, list]:
     else:
         raise ValueError(f"unknown model {name!r}; one of {', '.join(MODELS)}")
     return model, data
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                           if stride != 1 or cin != cout else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(self.bn2(self.conv2(out)) + identity)
+
+
+class ResNet18(torch.nn.Module):
+    """torchvision's resnet18 (BasicBlock, layers 2-2-2-2, the same modules and names), for a
+    machine whose torchvision cannot be imported with its torch."""
+
+    def __init__(self, classes: int = 1000) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        widths, cin = (64, 128, 256, 512), 64
+        for i, width in enumerate(widths):
+            stride = 1 if i == 0 else 2
+            setattr(self, f"layer{i + 1}", nn.Sequential(_Block(cin, width, stride), _Block(width, width, 1)))
+            cin = width
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(512, classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
 def call_of(sample: Any) -> tuple[tuple, dict]:
@@ -249,16 +298,19 @@ def environment() -> dict:
 # ------------------------------------------------------------------- report
 
 
-def report(path: str, out: str) -> None:
-    run = json.load(open(path))
-    env, rows = run["environment"], run["rows"]
+def report(paths: list[str], out: str) -> None:
+    runs = [json.load(open(p)) for p in paths]
+    run, path = runs[0], paths[0]
+    env, rows = run["environment"], [r for one in runs for r in one["rows"]]
     cols = [c for c in COLUMNS if any(c in r["ms"] or c in r["errors"] for r in rows)]
     md = ["# torch-tweak on the CPU", "",
           f"Produced by `python bench/cpu_bench.py` on {env['cpu']} ({env['cores']} cores, torch using "
           f"{env['torch_threads']} threads; torch {env['torch']}, Python {env['python']}, transformers "
           f"{env['transformers']}, torchvision {env['torchvision']}, OpenVINO {env['openvino']}, TorchAO "
-          f"{env['torchao']}; torch-tweak at commit {env['commit']}), one run "
-          f"([{os.path.relpath(path, os.path.dirname(out))}]({os.path.relpath(path, os.path.dirname(out))})), "
+          f"{env['torchao']}; torch-tweak at commit {env['commit']}), "
+          + ", ".join(f"[{os.path.relpath(p, os.path.dirname(out))}]({os.path.relpath(p, os.path.dirname(out))})"
+                      f" ({', '.join(r['model'] for r in one['rows'])})" for p, one in zip(paths, runs))
+          + " (each row from one run, its columns measured interleaved in that run), "
           f"fp32, random weights, {run['settings']['samples']} random calls per model cycled; per column "
           f"{run['settings']['warmup']} warm-up calls, then {run['settings']['rounds']} interleaved rounds of one call: "
           "the median, and the spread as the interquartile range over the median.", "",
@@ -324,7 +376,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--report", metavar="JSON", help="write cpu.md from a run file")
+    parser.add_argument("--report", metavar="JSON", nargs="+", help="write cpu.md from run files")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "cpu.md"))
     args = parser.parse_args()
     if args.report:
