@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -88,6 +89,13 @@ def test_variants_per_device_and_module():
     assert "DeviceGraph [sdpa=flash]" in names(on_cuda.candidates_for(attention, [x], torch.device("cuda")))
     assert not any("sdpa" in n for n in names(on_cuda.candidates_for(net, [((images()[0],), {})],
                                                                        torch.device("cuda"))))
+    (layout,) = [b for b in cpu.candidates_for(net, [((images()[0],), {})], torch.device("cpu"))
+                 if b.name == "TorchEager [channels_last]"]
+    data = images()
+    fn = layout.prepare(net, [((x,), {}) for x in data], torch.device("cpu"))
+    with torch.no_grad():  # the variant gives the module's answers, and the module is unchanged
+        assert all(torch.allclose(fn(x), y, rtol=1e-4, atol=1e-5) for x, y in zip(data, outputs(conv_net(), data)))
+    assert all(p.is_contiguous() for p in net.parameters())
 
 
 def test_lower_precision_is_opt_in_and_labelled():
@@ -97,6 +105,12 @@ def test_lower_precision_is_opt_in_and_labelled():
     assert names(asked) == ["TorchInductor [bf16 autocast]", "TorchEager [bf16 autocast]", "TorchAO [int8_weight_only]"]
     assert all(b.opt_in for b in asked) and [b.check_tolerance() for b in asked] == [0.05, 0.05, 0.1]
     assert axes.is_lower_precision_label("TorchEager [channels_last, bf16 autocast]")
+    net, data = conv_net(), images()
+    fn = asked[1].prepare(net, [((x,), {}) for x in data], torch.device("cpu"))
+    with torch.no_grad():  # float32 out as before, within the tolerance asked for
+        for x, y in zip(data, outputs(conv_net(), data)):
+            out = fn(x)
+            assert out.dtype == torch.float32 and 0 < (out - y).abs().max() <= 0.05 * y.abs().max()
     assert not axes.is_lower_precision_label("TorchInductor [max-autotune]")
 
 
@@ -215,3 +229,33 @@ def test_axes_survive_save_and_load_in_a_new_process(tmp_path, backend, precisio
     assert f"{{'stem': '{backend.name}'}}" in done.stdout
     loaded = torch.load(tmp_path / "out.pt")
     assert all(torch.equal(a, b) for a, b in zip(loaded, tuned))  # the same candidate, the same answers
+
+
+
+class WaitsWithoutAutocast(nn.Module):
+    """An MLP that waits 2 ms unless it runs under autocast: its bf16 candidate is faster for
+    sure, so the tweak keeps it and says so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_autocast_enabled("cpu"):
+            time.sleep(0.002)
+        return self.body(x)
+
+
+def test_a_kept_lower_precision_module_is_named_in_the_result(mlp_data):
+    torch.manual_seed(0)
+    model = WaitsWithoutAutocast().eval()
+    before = outputs(model, mlp_data)
+    result = tt.tweak(model, mlp_data, max_depth=0, strategy=tt.HighestThroughputStrategy(EAGER),
+                      precision={"bf16": 0.05}, progress=False, measure=FAST, cache=False)
+    assert result.selected_depth == 0 and result.lower_precision == {"": "TorchEager [bf16 autocast]"}
+    error = result.modules[""].signatures[0].candidates[1]["max_error"]
+    assert f"lower precision, as asked: (root) runs TorchEager [bf16 autocast] (largest relative error {error:.3g})" \
+        in str(result)
+    after = outputs(model, mlp_data)
+    assert all(a.dtype == b.dtype and torch.allclose(a, b, rtol=0.05, atol=0.05 * b.abs().max().item())
+               for a, b in zip(after, before))

@@ -117,12 +117,12 @@ class TweakResult:
         return found
 
     def precision_lines(self) -> list[str]:
-        """One line per kept module at a lower precision, with its largest error and tolerance."""
+        """One line per kept module at a lower precision, with the largest error of its check."""
         lines = []
         for path, label in self.lower_precision.items():
-            errors = [(c.get("max_error"), c.get("tolerance")) for s in self.modules[path].signatures
+            errors = [c.get("max_error") for s in self.modules[path].signatures
                       for c in s.candidates if c["backend"] == s.backend]
-            worst = max((e for e, _ in errors if e is not None), default=None)
+            worst = max((e for e in errors if e is not None), default=None)
             shown = "" if worst is None else f" (largest relative error {worst:.3g})"
             lines.append(f"lower precision, as asked: {path or '(root)'} runs {label}{shown}")
         return lines
