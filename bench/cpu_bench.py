@@ -300,16 +300,23 @@ def environment() -> dict:
 
 def report(paths: list[str], out: str) -> None:
     runs = [json.load(open(p)) for p in paths]
-    run, path = runs[0], paths[0]
-    env, rows = run["environment"], [r for one in runs for r in one["rows"]]
+    run = runs[0]
+    env = run["environment"]
+    by_model: dict[str, dict] = {}
+    for one in runs:  # a later run's row of a model replaces an earlier one's
+        for r in one["rows"]:
+            by_model[r["model"]] = r
+    rows = [by_model[m] for m in MODELS if m in by_model] + [r for m, r in by_model.items() if m not in MODELS]
+    kept = [(p, one, [r["model"] for r in one["rows"] if by_model[r["model"]] is r]) for p, one in zip(paths, runs)]
     cols = [c for c in COLUMNS if any(c in r["ms"] or c in r["errors"] for r in rows)]
     md = ["# torch-tweak on the CPU", "",
           f"Produced by `python bench/cpu_bench.py` on {env['cpu']} ({env['cores']} cores, torch using "
           f"{env['torch_threads']} threads; torch {env['torch']}, Python {env['python']}, transformers "
           f"{env['transformers']}, torchvision {env['torchvision']}, OpenVINO {env['openvino']}, TorchAO "
           f"{env['torchao']}; torch-tweak at commit {env['commit']}), "
-          + ", ".join(f"[{os.path.relpath(p, os.path.dirname(out))}]({os.path.relpath(p, os.path.dirname(out))})"
-                      f" ({', '.join(r['model'] for r in one['rows'])})" for p, one in zip(paths, runs))
+          + ", ".join(f"[{os.path.relpath(p, os.path.dirname(os.path.abspath(out)))}]"
+                      f"({os.path.relpath(p, os.path.dirname(os.path.abspath(out)))}) ({', '.join(models)}, at "
+                      f"{one['environment']['commit']})" for p, one, models in kept if models)
           + " (each row from one run, its columns measured interleaved in that run), "
           f"fp32, random weights, {run['settings']['samples']} random calls per model cycled; per column "
           f"{run['settings']['warmup']} warm-up calls, then {run['settings']['rounds']} interleaved rounds of one call: "
