@@ -11,8 +11,29 @@ after it (what a caller waits for, host overhead included).
     compile          torch.compile, default mode
     reduce-overhead  torch.compile(mode="reduce-overhead"); its compile time is the wall
                      time of its first three calls (compile, warm-up, recording)
-    max-autotune     torch.compile(mode="max-autotune-no-cudagraphs"), with --max-autotune
+    max-autotune     torch.compile(mode="max-autotune"): autotuned kernels and CUDA graphs;
+                     compile time as reduce-overhead's (first three calls)
+    max-autotune-no-cudagraphs
+                     torch.compile(mode="max-autotune-no-cudagraphs")
     tweak            the model tt.tweak returns (default settings), with its tuning time
+    tweak-high       tt.tweak(effort="high"): channels-last, SDPA kernels, max-autotune for
+                     heavy modules (with --tweak-variants high)
+    tweak-tf32, tweak-bf16
+                     tt.tweak(precision={"tf32": 1e-2}) / {"bf16": 0.05}: opt-in lower
+                     precision, fp32 rows only (with --tweak-variants tf32,bf16)
+
+A compiling column that has not finished within --compile-timeout seconds (the tweak
+columns: --tweak-timeout) is stopped (an alarm raised in the compiling thread;
+dynamo is reset before the next column) and reported as "did not finish compiling in N s".
+
+Roofline: per row, the FLOPs of one call (torch.utils.flop_counter.FlopCounterMode) and the
+bytes one call must move at the least (every parameter and buffer read once, the inputs read
+once, the outputs written once: a perfectly fused model), and also op by op (every aten op's
+tensor inputs read and outputs written, no fusion). The floor is max(FLOPs / peak compute,
+least bytes / peak bandwidth) against the H200's peaks: 989 TFLOP/s dense bf16/fp16 tensor,
+494 TFLOP/s TF32 tensor, 67 TFLOP/s fp32 without tensor cores (what fp32 rows run at under
+torch's default numerics), 4.8 TB/s HBM3e. Each column's roofline fraction is the floor over
+its latency.
 
 Every compiling column (compile, reduce-overhead, max-autotune, tweak) starts cold, as a
 user's first run does: a fresh Inductor and Triton cache folder, dynamo reset and
@@ -22,18 +43,23 @@ Weights are random, built from configs: nothing is downloaded. Writes JSON per r
 with --merge, bench/results/gpu.md (tables, targets) and gpu.png (if matplotlib is there).
 
     python bench/gpu_bench.py [--models encoder,bert,gpt2,vit,resnet50] [--dtypes fp32,bf16]
-                              [--quick] [--max-autotune] [--json PATH]
+                              [--rows encoder:fp32,bert:bf16] [--quick] [--max-autotune]
+                              [--compile-timeout S] [--tweak-variants high,tf32,bf16]
+                              [--tweak-timeout S] [--json PATH]
+    python bench/gpu_bench.py --cpu --rows encoder:fp32 --quick ...   # smoke run on the CPU
     python bench/gpu_bench.py --merge a.json b.json ... [--out-dir bench/results]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
 import os
 import platform
+import signal
 import statistics
 import sys
 import time
@@ -48,8 +74,16 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples", "Tweak"))
 
 MODELS = ("encoder", "bert", "gpt2", "vit", "resnet50")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-COLUMNS = ("eager", "graph", "compile", "reduce-overhead", "max-autotune", "tweak")
-ALTERNATIVES = ("eager", "graph", "compile", "reduce-overhead", "max-autotune")
+COLUMNS = ("eager", "graph", "compile", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "tweak",
+           "tweak-high", "tweak-tf32", "tweak-bf16")
+ALTERNATIVES = ("eager", "graph", "compile", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+TWEAK_VARIANTS = {"high": {"effort": "high"}, "tf32": {"precision": {"tf32": 1e-2}},
+                  "bf16": {"precision": {"bf16": 0.05}}}
+PEAK_FLOPS = {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12}
+"""H200 SXM dense peaks, FLOP/s: bf16/fp16 tensor cores, TF32 tensor cores, fp32 without them."""
+PEAK_BYTES = 4.8e12
+"""H200 HBM3e bandwidth, bytes/s."""
+DEVICE = "cuda"
 SIZES = {
     "encoder": "batch 8, seq 64, d 256, 4 layers",
     "bert": "BERT-base, batch 1, seq 128",
@@ -82,7 +116,7 @@ def build(name: str, dtype: torch.dtype) -> tuple[torch.nn.Module, list]:
     """The model (random weights, eval, on cuda in `dtype`) and N_SAMPLES calls of it."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
-    dev = "cuda"
+    dev = DEVICE
     if name == "encoder":
         import encoder
         model = encoder.build(dev, dtype)
@@ -113,6 +147,119 @@ def call_of(sample: Any) -> tuple[tuple, dict]:
     if isinstance(sample, dict):
         return (), sample
     return (sample,), {}
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+class CompileTimeout(Exception):
+    pass
+
+
+class deadline:
+    """Raises CompileTimeout in this (the main) thread when `seconds` pass, and again every
+    0.5 s until the block is left (tt.tweak's engine turns an exception in a build into that
+    candidate's failure and goes on: the repeats end it); any exception the block ends with
+    after the deadline, or none, becomes CompileTimeout. A compile that does not finish is
+    reported, not waited for."""
+
+    def __init__(self, seconds: float | None, what: str) -> None:
+        self.seconds = seconds
+        self.message = f"{what} did not finish compiling in {seconds or 0:.0f} s"
+        self.rang = False
+
+    def _ring(self, signum: int, frame: Any) -> None:
+        self.rang = True
+        raise CompileTimeout(self.message)
+
+    def __enter__(self) -> "deadline":
+        if self.seconds:
+            self.previous = signal.signal(signal.SIGALRM, self._ring)
+            signal.setitimer(signal.ITIMER_REAL, self.seconds, 0.5)
+        return self
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
+        if not self.seconds:
+            return False
+        while True:  # a ring can land here too: stop the timer before anything else
+            try:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                break
+            except CompileTimeout:
+                continue
+        signal.signal(signal.SIGALRM, self.previous)
+        if self.rang:
+            raise CompileTimeout(self.message) from exc
+        return False
+
+
+def preload_inductor() -> None:
+    """Imports Inductor's compiler and kernel modules and compiles a tiny function, with no
+    deadline: a compile stopped by one must not leave a module half imported (a later
+    compile then fails on it, e.g. "duplicate template name")."""
+    import importlib
+    import pkgutil
+    import torch._inductor.compile_fx  # noqa: F401
+    import torch._inductor.kernel as kernels
+    for info in pkgutil.walk_packages(kernels.__path__, kernels.__name__ + "."):
+        try:
+            importlib.import_module(info.name)
+        except Exception:  # a kernel this machine cannot import is one no compile will use
+            pass
+    lin = torch.nn.Linear(8, 8).to(DEVICE)
+    with torch.no_grad():
+        torch.compile(lin)(torch.randn(2, 8, device=DEVICE))
+    torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------- roofline
+
+
+def roofline(model: torch.nn.Module, data: list, dtype_name: str) -> dict:
+    """FLOPs and bytes of one call, and the time floor they set on an H200 (module docs)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import FlopCounterMode
+    import torch.utils._pytree as pytree
+
+    def nbytes(tree: Any) -> int:
+        seen, total = set(), 0
+        for t in pytree.tree_leaves(tree):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+                if key not in seen:
+                    seen.add(key)
+                    total += t.numel() * t.element_size()
+        return total
+
+    class OpBytes(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func not in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+                            torch.ops.aten.t.default, torch.ops.aten.detach.default):
+                OpBytes.total += nbytes((args, kwargs)) + nbytes(out)
+            return out
+
+    a, k = call_of(data[0])
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad():
+        with counter:
+            out = model(*a, **k)
+        with OpBytes():
+            model(*a, **k)
+    flops = counter.get_total_flops()
+    weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    least = weights + nbytes((a, k)) + nbytes(out)
+    peak = PEAK_FLOPS[dtype_name]
+    floor_s = max(flops / peak, least / PEAK_BYTES)
+    return {"flops": flops, "bytes_least": least, "bytes_weights": weights, "bytes_op_by_op": OpBytes.total,
+            "peak_flops": peak, "peak_bytes": PEAK_BYTES, "floor_ms": floor_s * 1e3,
+            "floor_ms_tf32": max(flops / PEAK_FLOPS["tf32"], least / PEAK_BYTES) * 1e3,
+            "bound": "compute" if flops / peak >= least / PEAK_BYTES else "memory",
+            "intensity": flops / least if least else None}
 
 
 # ----------------------------------------------------------------- columns
@@ -147,15 +294,22 @@ def whole_graph(model: torch.nn.Module, data: list) -> Callable[[int], Any]:
     return run
 
 
-def compiled(model: torch.nn.Module, data: list, mode: str | None) -> tuple[Callable[[int], Any], float]:
-    """torch.compile of a copy of the model; (run, seconds of its first three calls), cold."""
+def compiled(model: torch.nn.Module, data: list, mode: str | None,
+             timeout: float | None = None) -> tuple[Callable[[int], Any], float]:
+    """torch.compile of a copy of the model; (run, seconds of its first three calls), cold.
+    CompileTimeout when those calls take more than `timeout` seconds."""
     cold_compiler(mode or "default")
     fn = torch.compile(copy.deepcopy(model), mode=mode)
     t0 = time.perf_counter()
-    for i in range(3):
-        a, k = call_of(data[i % len(data)])
-        fn(*a, **k)
-    torch.cuda.synchronize()
+    try:
+        with deadline(timeout, f"torch.compile(mode={mode!r})"):
+            for i in range(3):
+                a, k = call_of(data[i % len(data)])
+                fn(*a, **k)
+            sync()
+    except CompileTimeout:
+        torch._dynamo.reset()
+        raise
     seconds = time.perf_counter() - t0
 
     def run(i: int) -> Any:
@@ -165,14 +319,20 @@ def compiled(model: torch.nn.Module, data: list, mode: str | None) -> tuple[Call
     return run, seconds
 
 
-def tweaked(model: torch.nn.Module, data: list, budget: float | None) -> tuple[Callable[[int], Any], float, Any, torch.nn.Module]:
+def tweaked(model: torch.nn.Module, data: list, budget: float | None, options: dict | None = None,
+            timeout: float | None = None) -> tuple[Callable[[int], Any], float, Any, torch.nn.Module]:
     import torch_tweak as tt
     mine = copy.deepcopy(model)
     cold_compiler("tweak")
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
-    result = tt.tweak(mine, data, progress=False, time_budget=budget, cache=False)
-    torch.cuda.synchronize()
+    try:
+        with deadline(timeout, f"tt.tweak({options or ''})"):  # tweak unwraps the model when stopped
+            result = tt.tweak(mine, data, progress=False, time_budget=budget, cache=False, **(options or {}))
+    except CompileTimeout:
+        torch._dynamo.reset()
+        raise
+    sync()
     seconds = time.perf_counter() - t0
 
     def run(i: int) -> Any:
@@ -192,13 +352,13 @@ def measure(runs: dict[str, Callable[[int], Any]], n_data: int, warmup: int, rou
         for name, run in runs.items():
             for i in range(warmup):
                 run(i)
-        torch.cuda.synchronize()
+        sync()
         for r in range(rounds):
             for name, run in runs.items():
-                torch.cuda.synchronize()
+                sync()
                 t0 = time.perf_counter_ns()
                 run(r)
-                torch.cuda.synchronize()
+                sync()
                 times[name].append((time.perf_counter_ns() - t0) / 1e6)
     out = {}
     for name, ts in times.items():
@@ -313,9 +473,14 @@ def bench_one(name: str, dtype_name: str, args: argparse.Namespace) -> dict:
                            "errors": {}, "compile_s": {}}
     torch._dynamo.reset()
     gc.collect()
-    torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
     model, data = build(name, dtype)
     runs: dict[str, Callable[[int], Any]] = {}
+    try:
+        row["roofline"] = roofline(model, data, dtype_name)
+    except Exception as exc:
+        row["errors"]["roofline"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
 
     def eager(i: int) -> Any:
         a, k = call_of(data[i % len(data)])
@@ -323,13 +488,19 @@ def bench_one(name: str, dtype_name: str, args: argparse.Namespace) -> dict:
 
     runs["eager"] = eager
     with torch.no_grad():
+        timeout = args.compile_timeout
         steps: list[tuple[str, Callable[[], Any]]] = [
             ("graph", lambda: whole_graph(model, data)),
-            ("compile", lambda: compiled(model, data, None)),
-            ("reduce-overhead", lambda: compiled(model, data, "reduce-overhead")),
+            ("compile", lambda: compiled(model, data, None, timeout)),
+            ("reduce-overhead", lambda: compiled(model, data, "reduce-overhead", timeout)),
         ]
         if args.max_autotune:
-            steps.append(("max-autotune", lambda: compiled(model, data, "max-autotune-no-cudagraphs")))
+            steps.append(("max-autotune", lambda: compiled(model, data, "max-autotune", timeout)))
+            steps.append(("max-autotune-no-cudagraphs",
+                          lambda: compiled(model, data, "max-autotune-no-cudagraphs", timeout)))
+        if DEVICE != "cuda":
+            row["errors"]["graph"] = "skipped: a CUDA graph needs CUDA (--cpu smoke run)"
+            steps = steps[1:]
         for column, make in steps:
             print(f"  {name} {dtype_name}: {column}", flush=True)
             try:
@@ -340,7 +511,7 @@ def bench_one(name: str, dtype_name: str, args: argparse.Namespace) -> dict:
                     runs[column] = made
             except Exception as exc:  # a column that cannot run is reported, not fatal
                 row["errors"][column] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-                torch.cuda.synchronize()
+                sync()
     print(f"  {name} {dtype_name}: tweak", flush=True)
     mine = None
     try:
@@ -348,7 +519,8 @@ def bench_one(name: str, dtype_name: str, args: argparse.Namespace) -> dict:
         if budget == "auto":
             budget = 3 * row["compile_s"]["reduce-overhead"] if "reduce-overhead" in row["compile_s"] else None
         row["tweak_budget_s"] = None if budget is None else float(budget)
-        runs["tweak"], row["tune_s"], result, mine = tweaked(model, data, row["tweak_budget_s"])
+        runs["tweak"], row["tune_s"], result, mine = tweaked(model, data, row["tweak_budget_s"],
+                                                             timeout=args.tweak_timeout)
         row["tweak_depth"] = result.selected_depth
         row["tweak_table"] = str(result)
         row["tweak_modules"] = {p: m.backend for p, m in result.modules.items()}
@@ -357,12 +529,41 @@ def bench_one(name: str, dtype_name: str, args: argparse.Namespace) -> dict:
     except Exception as exc:
         row["errors"]["tweak"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         traceback.print_exc()
+    for variant in [v for v in (args.tweak_variants or "").split(",") if v]:
+        options = TWEAK_VARIANTS[variant]
+        if "precision" in options and dtype_name != "fp32":
+            continue  # lower-precision policies are for fp32 models
+        if variant == "tf32" and DEVICE != "cuda":
+            continue
+        column = f"tweak-{variant}"
+        print(f"  {name} {dtype_name}: {column}", flush=True)
+        try:
+            runs[column], row["compile_s"][column], res, _ = tweaked(model, data, None, options, args.tweak_timeout)
+            row.setdefault("variants", {})[column] = {
+                "depth": res.selected_depth, "table": str(res), "lower_precision": res.lower_precision,
+                "chosen": {p: m.backend for p, m in res.modules.items() if m.kept and m.backend}}
+        except Exception as exc:
+            row["errors"][column] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            traceback.print_exc()
+    with torch.no_grad():  # every column's error against eager: its first output tensor, first sample
+        import torch.utils._pytree as pytree
+        first = lambda out: next(t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))  # noqa: E731
+        ref = first(runs["eager"](0)).float().clone()
+        row["max_error"] = {}
+        for column, run in runs.items():
+            try:
+                out = first(run(0)).float()
+                row["max_error"][column] = ((out - ref).abs().max() / ref.abs().max()).item()
+            except Exception as exc:
+                row["errors"][f"{column} error"] = f"{type(exc).__name__}: {exc}"
     print(f"  {name} {dtype_name}: measuring {', '.join(runs)}", flush=True)
     stats = measure(runs, len(data), args.warmup, args.rounds)
     for column, s in stats.items():
         row["ms"][column] = s["ms"]
         row["spread"][column] = [s["q25"], s["q75"]]
-    if mine is not None:
+        if "roofline" in row:
+            row.setdefault("roofline_fraction", {})[column] = row["roofline"]["floor_ms"] / s["ms"]
+    if mine is not None and DEVICE == "cuda":
         try:
             row["dispatch"] = dispatcher_overhead(mine, data)
         except Exception as exc:
@@ -389,7 +590,8 @@ def source_commit() -> str:
 
 def environment() -> dict:
     import torch_tweak
-    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+    info = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (smoke run)", "torch": torch.__version__,
+            "cuda": torch.version.cuda,
             "python": platform.python_version(), "torch_tweak": torch_tweak.__version__,
             "commit": source_commit(), "tweak_max_depth": sys.modules["torch_tweak.tweak"].DEFAULT_MAX_DEPTH}
     for mod in ("transformers", "timm", "torchvision"):
@@ -403,13 +605,20 @@ def environment() -> dict:
 def run(args: argparse.Namespace) -> None:
     models = [m for m in args.models.split(",") if m]
     dtypes = [d for d in args.dtypes.split(",") if d]
+    pairs = [(m, d) for m in models for d in dtypes]
+    if args.rows:
+        pairs = [tuple(r.split(":", 1)) for r in args.rows.split(",") if r]
     out = {"environment": environment(), "settings": {"warmup": args.warmup, "rounds": args.rounds,
-                                                       "samples": N_SAMPLES, "tweak_budget": args.tweak_budget},
+                                                       "samples": N_SAMPLES, "tweak_budget": args.tweak_budget,
+                                                       "compile_timeout": args.compile_timeout,
+                                                       "tweak_timeout": args.tweak_timeout,
+                                                       "tweak_variants": args.tweak_variants},
            "rows": []}
+    preload_inductor()
     if args.probe:
         out["replay_path"] = replay_path_probe()
-    for name in models:
-        for dtype_name in dtypes:
+    for name, dtype_name in pairs:
+        if True:
             t0 = time.perf_counter()
             try:
                 row = bench_one(name, dtype_name, args)
@@ -483,7 +692,7 @@ def merge(paths: list[str], out_dir: str) -> None:
             if c in ms:
                 cells.append(f"{ms[c]:.3f}")
             elif c in r.get("errors", {}):
-                cells.append("failed")
+                cells.append("not compiled in time" if r["errors"][c].startswith("CompileTimeout") else "failed")
             else:
                 cells.append("-")
         t = targets(r)
@@ -495,8 +704,8 @@ def merge(paths: list[str], out_dir: str) -> None:
            "tt.tweak (none: its defaults; with --tweak-budget auto, 3x reduce-overhead's compile time; "
            "the depth in progress when it runs out still finishes). tt.tweak runs with its other defaults"
            + (f" (max_depth {env['tweak_max_depth']})." if "tweak_max_depth" in env else "."), "",
-           "| model | dtype | compile | reduce-overhead | max-autotune | tweak budget | tweak tuning | tweak / reduce-overhead | tweak depth | backends at that depth |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "| model | dtype | compile | reduce-overhead | max-autotune | max-autotune-no-cudagraphs | tweak budget | tweak tuning | tweak / reduce-overhead | tweak depth | backends at that depth |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         cs = r.get("compile_s", {})
         t = targets(r)
@@ -506,13 +715,47 @@ def merge(paths: list[str], out_dir: str) -> None:
         chosen: dict[str, int] = {}
         for b in (selected or {}).values():
             chosen[str(b)] = chosen.get(str(b), 0) + 1
-        cells = [f"{cs[c]:.1f}" if c in cs else "-" for c in ("compile", "reduce-overhead", "max-autotune")]
+        cells = [f"{cs[c]:.1f}" if c in cs else ("timeout" if r.get("errors", {}).get(c, "").startswith("CompileTimeout")
+                                                  else "-")
+                 for c in ("compile", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")]
         tune = f"{r['tune_s']:.1f}" if r.get("tune_s") is not None else "-"
         ratio = f"{t['tune_ratio']:.2f}" if "tune_ratio" in t else "-"
         picks = ", ".join(f"{k} x{v}" for k, v in sorted(chosen.items()))
         budget = f"{r['tweak_budget_s']:.1f}" if r.get("tweak_budget_s") is not None else "none"
         md.append(f"| {r['model']} | {r['dtype']} | {' | '.join(cells)} | {budget} | {tune} | {ratio} | "
                   f"{r.get('tweak_depth', '-')} | {picks} |")
+    variants = [(r, c, v) for r in rows for c, v in (r.get("variants") or {}).items()]
+    if variants:
+        md += ["", "## tweak with the new axes and precision policies", "",
+               "tweak-high: effort=\"high\"; tweak-tf32 / tweak-bf16: the opt-in precision policy, with its "
+               "tolerance; error: the largest relative error of the first output against eager.", "",
+               "| model | dtype | column | ms | vs tweak | tuning s | error | kept depth | lower precision kept |",
+               "|---|---|---|---:|---:|---:|---:|---:|---|"]
+        for r, c, v in variants:
+            ms = r.get("ms", {})
+            vs = f"{ms['tweak'] / ms[c]:.2f}x" if c in ms and "tweak" in ms else "-"
+            err = r.get("max_error", {}).get(c)
+            md.append(f"| {r['model']} | {r['dtype']} | {c} | {ms[c]:.3f} | {vs} | {r['compile_s'].get(c, 0):.1f} | "
+                      f"{'-' if err is None else f'{err:.2g}'} | {v['depth']} | "
+                      f"{', '.join(sorted(set(v['lower_precision'].values()))) or 'none'} |"
+                      if c in ms else f"| {r['model']} | {r['dtype']} | {c} | failed | - | - | - | - | - |")
+    roof = [r for r in rows if r.get("roofline")]
+    if roof:
+        md += ["", "## Distance to the hardware (roofline)", "",
+               "FLOPs per call from torch.utils.flop_counter.FlopCounterMode; least bytes: every parameter and "
+               "buffer read once, the inputs read once and the outputs written once (op by op: every aten op's "
+               "tensor inputs read and outputs written, no fusion). Floor: max(FLOPs / peak compute, least bytes / "
+               "4.8 TB/s) with peak compute 989 TFLOP/s for bf16 and 67 TFLOP/s for fp32 (no tensor cores: torch's "
+               "default fp32 numerics; the TF32 floor at 494 TFLOP/s is in the run file). Each column: the floor "
+               "over its median latency, in percent.", "",
+               "| model | dtype | GFLOP | least MB | op-by-op MB | bound | floor ms | "
+               + " | ".join(cols) + " |", "|---|---|---:|---:|---:|---|---:|" + "---:|" * len(cols)]
+        for r in roof:
+            f = r["roofline"]
+            frac = r.get("roofline_fraction", {})
+            md.append(f"| {r['model']} | {r['dtype']} | {f['flops'] / 1e9:.1f} | {f['bytes_least'] / 1e6:.0f} | "
+                      f"{f['bytes_op_by_op'] / 1e6:.0f} | {f['bound']} | {f['floor_ms']:.3f} | "
+                      + " | ".join(f"{frac[c] * 100:.3g}%" if c in frac else "-" for c in cols) + " |")
     md += ["", "## Targets", "",
            "| model | dtype | tweak <= best other | tweak < best other | tuning <= 3x reduce-overhead compile | dispatcher < 500 ns/module (max) |",
            "|---|---|---|---|---|---|"]
@@ -593,8 +836,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--dtypes", default=",".join(DTYPES))
+    parser.add_argument("--rows", default="", help="model:dtype pairs instead of --models x --dtypes, "
+                        "e.g. encoder:fp32,bert:bf16")
     parser.add_argument("--quick", action="store_true", help="fewer warm-up calls and rounds")
-    parser.add_argument("--max-autotune", action="store_true", help="add torch.compile max-autotune-no-cudagraphs")
+    parser.add_argument("--max-autotune", action="store_true",
+                        help="add torch.compile mode max-autotune and max-autotune-no-cudagraphs")
+    parser.add_argument("--compile-timeout", type=float, default=600.0,
+                        help="seconds a compiling column may take before it is reported as not finished")
+    parser.add_argument("--tweak-variants", default="", help="comma list of high, tf32, bf16: tt.tweak with "
+                        "effort='high' / precision (fp32 rows)")
+    parser.add_argument("--tweak-timeout", type=float, default=None, help="seconds each tweak column may take")
+    parser.add_argument("--cpu", action="store_true", help="smoke run on the CPU (no CUDA graph column, no figures "
+                        "to compare): checks the code runs")
     parser.add_argument("--tweak-budget", default=None,
                         help="tt.tweak(time_budget=...): seconds, or 'auto' for 3x reduce-overhead's compile time")
     parser.add_argument("--probe", action="store_true", help="also time the replay path on a tiny graph")
@@ -606,8 +859,14 @@ def main() -> None:
     if args.merge:
         merge(args.merge, args.out_dir)
         return
-    if not torch.cuda.is_available():
-        sys.exit("gpu_bench needs a CUDA device")
+    unknown = sorted(set(v for v in args.tweak_variants.split(",") if v) - set(TWEAK_VARIANTS))
+    if unknown:
+        sys.exit(f"unknown tweak variant {', '.join(unknown)}; the variants are {', '.join(TWEAK_VARIANTS)}")
+    if args.cpu:
+        global DEVICE
+        DEVICE = "cpu"
+    elif not torch.cuda.is_available():
+        sys.exit("gpu_bench needs a CUDA device (or --cpu for a smoke run)")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     run(args)
 

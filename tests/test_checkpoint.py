@@ -133,8 +133,13 @@ def test_untuned_model_saves_an_empty_plan(tmp_path, mlp_data):
 def test_backend_configs_round_trip_through_json():
     backend = TorchEagerBackend(autocast_dtype=torch.bfloat16, tolerance=0.25)
     tree = json.loads(serial.dumps(serial.describe_backend(backend)))
-    rebuilt = serial.build_backend(tree)
+    with pytest.raises(ValueError, match="lower precision .* is opt-in"):  # autocast lowers precision: the caller's
+        serial.build_backend(tree)
+    rebuilt = serial.build_backend(tree, [TorchEagerBackend(autocast_dtype=torch.bfloat16, tolerance=0.25)])
     assert type(rebuilt) is TorchEagerBackend and rebuilt.config == backend.config
+    plain = TorchEagerBackend(memory_format="channels_last", tolerance=0.25)
+    rebuilt = serial.build_backend(json.loads(serial.dumps(serial.describe_backend(plain))))
+    assert type(rebuilt) is TorchEagerBackend and rebuilt.config == plain.config and rebuilt.name == plain.name
     custom = CountingBackend(tolerance=0.01)
     given = serial.build_backend(json.loads(serial.dumps(serial.describe_backend(custom))), [custom])
     assert type(given) is CountingBackend and given is not custom and given.config == custom.config

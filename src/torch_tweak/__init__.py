@@ -15,6 +15,7 @@ from typing import Any
 from torch import nn
 
 from . import backends
+from .axes import Axes, precision_backends
 from .backends import Backend, BackendConfig
 from .checkpoint import CheckpointError, load, save
 from .correctness import TOLERANCES
@@ -60,10 +61,10 @@ def deactivate(model: nn.Module) -> int:
 
 
 __all__ = [
-    "Backend", "BackendConfig", "CheckpointError", "DepthResult", "FirstWinsStrategy", "HighestThroughputStrategy",
+    "Axes", "Backend", "BackendConfig", "CheckpointError", "DepthResult", "FirstWinsStrategy", "HighestThroughputStrategy",
     "ModelStatus", "ModuleResult", "ModuleResults", "ModuleStatus", "ModuleTree", "OneBackendStrategy", "Strategy",
     "TOLERANCES", "TunedModule", "SignatureResult", "TweakResult", "activate", "backends", "clear_cache",
-    "deactivate", "default_backends", "default_strategy", "inspect", "installed", "load", "save", "status", "tune",
+    "deactivate", "default_backends", "default_strategy", "inspect", "installed", "load", "precision_backends", "save", "status", "tune",
     "tweak", "unwrap", "wrap",
 ]
 

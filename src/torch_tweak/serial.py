@@ -234,6 +234,11 @@ def build_backend(tree: Any, given: Sequence[Backend] = ()) -> Backend:
             names = {f.name for f in dataclasses.fields(cls.config_class)}
             mine = json.loads(dumps(config_tree(backend.config)))
             theirs = _normalized(cls, {k: v for k, v in config.items() if k in names})
+            try:  # a field the file does not name (a file older than the field) has its default
+                default = json.loads(dumps(config_tree(cls.config_class())))
+            except Exception:
+                default = {}
+            theirs = {**{k: default[k] for k in names - set(config) if k in default}, **theirs}
             if set(config) <= names and theirs == mine:
                 return backend.fresh()
             differ |= {k for k in set(mine) | set(config) if mine.get(k) != theirs.get(k)}
@@ -265,6 +270,10 @@ def build_backend(tree: Any, given: Sequence[Backend] = ()) -> Backend:
                                  f"{key}, tt.load(model, path, backends=[tt.backends.{short}({key}=...)])")
             raise ValueError(f"{short}: {key}={str(value)[:40]} is not {spec.describe()}")
         values[key] = value
+    if values.get("tf32") or values.get("autocast_dtype") is not None:
+        raise ValueError(f"{short} with lower precision ({str(tree.get('name', short))[:60]}) is opt-in: pass it "
+                         f"to load this file, tt.load(model, path, backends=tt.precision_backends(device, "
+                         f"{{policy: tolerance}})), or backends=[tt.backends.{short}(...)] as it was tuned")
     try:
         return cls(cls.config_class(**values))
     except (TypeError, ValueError) as exc:

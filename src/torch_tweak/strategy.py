@@ -11,6 +11,7 @@ from typing import Any, Sequence
 import torch
 
 from . import _C
+from .axes import Axes
 from .backends import (Backend, DeviceGraphBackend, InductorGraphBackend, OpenVINOBackend, TorchEagerBackend,
                        TorchInductorBackend)
 
@@ -48,6 +49,12 @@ class Strategy:
     """
 
     kind = ""
+    axes: Axes | None = None
+    """The variants this strategy adds to its backends (torch_tweak.axes.Axes); None: none.
+    tt.tweak sets it from effort= and precision=; with_axes() gives a copy with other axes."""
+    measures = False
+    """True for a strategy that measures every candidate and keeps the fastest: only such a
+    strategy can choose between variants of a backend."""
 
     def __init__(self, backends: Sequence[Backend] | None = None) -> None:
         if backends is not None:
@@ -65,9 +72,40 @@ class Strategy:
             backend.check_device(torch.device(device))
 
     def candidates(self, device: torch.device) -> list[Backend]:
-        """Fresh, unbuilt copies of this strategy's backends for one module."""
+        """Fresh, unbuilt copies of this strategy's backends, and every variant its axes add
+        to them (for any module: candidates_for keeps those that apply to one)."""
+        return [b for b, _ in self._candidates(device)]
+
+    def _bases(self, device: torch.device) -> list[Backend]:
         backends = self.backends if self.backends is not None else default_backends(device)
         return [b.fresh() for b in backends]
+
+    def _candidates(self, device: torch.device) -> list[tuple[Backend, str]]:
+        """(candidate, the rule of the modules it applies to; "" for every module)."""
+        bases = self._bases(device)
+        fresh = [(b, "") for b in bases]
+        if not self.axes:
+            return fresh
+        return fresh + self.axes.variants(bases, torch.device(device))
+
+    def candidates_for(self, module: torch.nn.Module, samples: Sequence[Any],
+                       device: torch.device) -> list[Backend]:
+        """The candidates for one module and its recorded calls: every backend, and the variants
+        of the axes that apply to it (channels-last for a module with a Conv2d, an SDPA kernel
+        for one that calls scaled_dot_product_attention, max-autotune for a heavy one...)."""
+        if not self.axes:
+            return self.candidates(device)
+        return [b for b, rule in self._candidates(device) if not rule or self.axes.applies(rule, module, samples)]
+
+    def with_axes(self, axes: Axes | None) -> "Strategy":
+        """A copy of this strategy that adds the variants of `axes` to its backends."""
+        if axes and not self.measures:
+            raise ValueError(f"{type(self).__name__} does not measure its candidates, so it cannot choose between "
+                             "variants (effort, precision): use tt.HighestThroughputStrategy(...) or leave "
+                             "strategy=None")
+        clone = self.fresh()
+        clone.axes = axes if axes else None
+        return clone
 
     def fresh(self) -> "Strategy":
         clone = object.__new__(type(self))
@@ -77,7 +115,8 @@ class Strategy:
 
     def __repr__(self) -> str:
         names = "defaults" if self.backends is None else ", ".join(b.name for b in self.backends)
-        return f"{type(self).__name__}({names})"
+        more = f", axes={self.axes}" if self.axes else ""
+        return f"{type(self).__name__}({names}{more})"
 
 
 class FirstWinsStrategy(Strategy):
@@ -90,9 +129,10 @@ class HighestThroughputStrategy(Strategy):
     """Builds and measures every backend (Torch Eager included) and keeps the fastest."""
 
     kind = _C.default_tweak_config()["strategies"][1]
+    measures = True
 
-    def candidates(self, device: torch.device) -> list[Backend]:
-        backends = super().candidates(device)
+    def _bases(self, device: torch.device) -> list[Backend]:
+        backends = super()._bases(device)
         if not any(isinstance(b, TorchEagerBackend) for b in backends):
             backends.append(TorchEagerBackend())
         return backends

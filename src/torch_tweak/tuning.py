@@ -123,9 +123,9 @@ class ModuleSearch:
         wrapper = self.wrapper_of(node)
         group = wrapper.tt_signatures[g]
         strategy = self.strategy_of(node)
-        backends = strategy.fresh().candidates(self.device)
-        label = wrapper.tt_name if len(wrapper.tt_signatures) == 1 else f"{wrapper.tt_name} {group.text}"
         module = wrapper._tt_original
+        backends = strategy.fresh().candidates_for(module, group.samples, self.device)
+        label = wrapper.tt_name if len(wrapper.tt_signatures) == 1 else f"{wrapper.tt_name} {group.text}"
         state = model_state.snapshot(module)  # put back at commit, whatever the builds changed
         stack = contextlib.ExitStack()  # closed at commit: the engine commits every group it began
         try:

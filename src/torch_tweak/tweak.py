@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _C, model_state, tuning_cache
+from . import _C, axes, model_state, tuning_cache
 from ._samples import load_dataset, resolve_device, synchronizer
 from .inspecting import ModuleTree, trace
 from .module import TunedModule, arm_untuned, install, installed, make_wrapper, uninstall, unwrap
@@ -108,8 +108,30 @@ class TweakResult:
 
     def __str__(self) -> str:
         if not self.cached:
-            return self._engine.format() + self._tokens_table()
+            return self._engine.format() + "".join("\n" + line for line in self.precision_lines()) + \
+                self._tokens_table()
         return self._table + "\n(from the tuning cache: the figures are those of the tweak that measured them)"
+
+    @property
+    def lower_precision(self) -> dict[str, str]:
+        """{path: candidate} of the kept modules that run at a lower precision (precision=...,
+        or a TorchAO backend you passed), by their labels: "TorchInductor [bf16 autocast]"."""
+        found = {}
+        for path, module in self.modules.items():
+            if module.kept and module.backend and axes.is_lower_precision_label(module.backend):
+                found[path] = module.backend
+        return found
+
+    def precision_lines(self) -> list[str]:
+        """One line per kept module at a lower precision, with the largest error of its check."""
+        lines = []
+        for path, label in self.lower_precision.items():
+            errors = [c.get("max_error") for s in self.modules[path].signatures
+                      for c in s.candidates if c["backend"] == s.backend]
+            worst = max((e for e in errors if e is not None), default=None)
+            shown = "" if worst is None else f" (largest relative error {worst:.3g})"
+            lines.append(f"lower precision, as asked: {path or '(root)'} runs {label}{shown}")
+        return lines
 
     def _tokens_table(self) -> str:
         if not self.tokens:
@@ -288,10 +310,11 @@ class _Session:
         return results
 
 
-def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_depth: int = 0, max_depth: int | None = DEFAULT_MAX_DEPTH,
-          strategy: Strategy | None = None, tie_tolerance: float = DEFAULT_TIE_TOLERANCE,
-          time_budget: float | None = None, dry_run: bool = False, device: Any = None,
-          progress: bool = True, measure: dict | None = None, cache: bool = True) -> TweakResult:
+def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_depth: int = 0,
+          max_depth: int | None = DEFAULT_MAX_DEPTH, strategy: Strategy | None = None,
+          tie_tolerance: float = DEFAULT_TIE_TOLERANCE, time_budget: float | None = None, dry_run: bool = False, device: Any = None,
+          progress: bool = True, measure: dict | None = None, cache: bool = True, effort: str = "default",
+          precision: dict[str, float] | None = None) -> TweakResult:
     """Tunes `model` in place at every depth from min_depth to max_depth and keeps the fastest.
 
     See the module docs and docs/tweak.md for the rules. ``measure`` overrides the
@@ -299,7 +322,11 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
     ``cache``: reuse and keep the result in the tuning cache (docs/cache.md); False neither
     reads nor writes it. ``workload``: instead of a dataset, a callable that runs the model,
     e.g. ``lambda m: m.generate(ids, max_new_tokens=64)`` (docs/generate.md); what tweak
-    measures is then one run of it, and a workload is never cached.
+    measures is then one run of it, and a workload is never cached ``effort``: "default", or "high" to also try
+    channels-last, every SDPA kernel (CUDA) and max-autotune for the heavy modules
+    (torch_tweak.axes). ``precision``: {policy: tolerance} of lower-precision candidates you
+    allow ("tf32", "bf16", "int8", "fp8"), each checked against its tolerance; None (the
+    default): none.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
@@ -318,6 +345,10 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
     if strategy is not None:
         strategy.check_device(device)  # so does a backend this device can never run
     check_measure(measure)
+    axes.check_effort(effort)
+    asked = axes.Axes(effort, tuple(sorted(axes.check_precision(precision, device).items())))
+    if asked:
+        (strategy if strategy is not None else default_strategy(device)).with_axes(asked)  # raises when it cannot
     if workload is not None:
         if dataset is not None:
             raise TypeError("pass a dataset or a workload, not both: a workload is a callable that runs the model, "
@@ -349,10 +380,15 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
             _choose_loop(job, device, measure, shown)
         tree = ModuleTree(model, trace(model, calls, job.run if job is not None else None))
         depths = tree.depths(min_depth, max_depth)
+        if asked:  # the axes' variants, max-autotune for the modules that take most of the time
+            strategy = (strategy if strategy is not None else default_strategy(device)).with_axes(
+                dataclasses.replace(asked, heavy=axes.heavy_modules(model, tree)))
         key = parts = None
         if cache and not dry_run and job is None:
             settings = {"min_depth": min_depth, "max_depth": max_depth, "tie_tolerance": float(tie_tolerance),
                         "time_budget": time_budget, "measure": measure}
+            if asked:
+                settings.update(effort=effort, precision=[list(p) for p in asked.precision])
             try:
                 parts = tuning_cache.key_parts(model, calls, device, strategy, settings)
                 key = tuning_cache.key_of(parts)

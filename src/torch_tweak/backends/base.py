@@ -110,6 +110,18 @@ class Backend(abc.ABC):
         self.config = config
         self.state = "new"
         self.callable: Callable[..., Any] | None = None
+        from .. import axes
+        parts = self.label_parts()
+        if parts:  # a candidate is a backend and its axes: "TorchInductor [channels_last]"
+            self.name = f"{type(self).name} [{', '.join(parts)}]"
+        if axes.lowers_precision(config):
+            self.opt_in = True  # lower precision on purpose: tt.load builds it only when the caller passes it
+
+    def label_parts(self) -> list[str]:
+        """What the candidate's name shows besides its backend: its axes (torch_tweak.axes),
+        e.g. ["channels_last"], ["bf16 autocast"]; empty for a backend as it is."""
+        from .. import axes
+        return axes.label_parts(self.config)
 
     def unavailable(self, device: torch.device) -> str | None:
         """Why this backend cannot run on `device`, or None when it can."""

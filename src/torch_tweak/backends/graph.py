@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from .. import _C
+from .. import _C, axes
 from .._samples import Call
 from ..schema import Count, Flag, OneOf
 from .base import Backend, BackendConfig
@@ -66,18 +66,25 @@ class DeviceGraphBackendConfig(BackendConfig):
     lend_outputs: record a second time and return that recording's outputs without a copy
     while the caller holds nothing from the last such call (see the module docstring);
     False: one recording, every output copied (less memory, a copy per output per call).
+    memory_format, sdpa_kernel, tf32, autocast_dtype: the candidate's axes (torch_tweak.axes),
+    recorded into the graph with the module's kernels.
     """
 
     warmup: int = 3
     share_pool: bool = False
     capture_error_mode: str = "global"
     lend_outputs: bool = True
+    memory_format: str | None = None
+    sdpa_kernel: str | None = None
+    tf32: bool = False
+    autocast_dtype: torch.dtype | None = None
 
     SCHEMA = {**BackendConfig.SCHEMA, "warmup": Count(1, 100), "share_pool": Flag(),
-              "capture_error_mode": OneOf(CAPTURE_ERROR_MODES), "lend_outputs": Flag()}
+              "capture_error_mode": OneOf(CAPTURE_ERROR_MODES), "lend_outputs": Flag(), **axes.AXIS_SCHEMA}
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        axes.check_fields(self)
         if not isinstance(self.warmup, int) or isinstance(self.warmup, bool) or self.warmup < 1:
             raise ValueError(f"warmup must be an int >= 1, got {self.warmup!r}")
         if not isinstance(self.share_pool, bool):
@@ -296,7 +303,10 @@ class DeviceGraphBackend(Backend):
     supports_autograd = False  # replayed outputs are detached
 
     def unavailable(self, device: torch.device) -> str | None:
-        return graph_unavailable(device)
+        return graph_unavailable(device) or axes.unavailable(self.config, device)
+
+    def check_tolerance(self) -> float | None:
+        return axes.tolerance(self.config)
 
     def target(self, module: torch.nn.Module, samples: Sequence[Call], device: torch.device) -> Callable[..., Any]:
         """What gets recorded: the module itself here; a compiled module in subclasses."""
@@ -306,7 +316,9 @@ class DeviceGraphBackend(Backend):
         api = _DeviceApi(device)
         slots = static_inputs(samples, api.device)
         with torch.no_grad(), api.mod.device(api.index):
-            target = self.target(module, samples, api.device)
+            # the axes' conversions and contexts run inside the recording
+            target = axes.build(self.config, module, samples, api.device,
+                                lambda m, s: self.target(m, s, api.device))
             static_args, static_kwargs, inputs = static_call(*samples[0], slots)
             self._warm_up(api, target, static_args, static_kwargs)
             graph, out = self._capture(api, target, static_args, static_kwargs, api.pool(self.config.share_pool))
@@ -453,5 +465,7 @@ class InductorGraphBackend(DeviceGraphBackend):
         if cfg.mode is None or cfg.mode == "default":
             options.setdefault("triton.cudagraphs", False)
             # compiled outside the warm-up and the capture; shared with an Inductor candidate
-            return compile_module(module, samples[:1], options=options, dynamic=False, fullgraph=cfg.fullgraph)
-        return compile_module(module, samples[:1], mode=cfg.mode, dynamic=False, fullgraph=cfg.fullgraph)
+            return compile_module(module, samples[:1], options=options, dynamic=False, fullgraph=cfg.fullgraph,
+                                  variant=tuple(axes.label_parts(cfg)))
+        return compile_module(module, samples[:1], mode=cfg.mode, dynamic=False, fullgraph=cfg.fullgraph,
+                              variant=tuple(axes.label_parts(cfg)))

@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from .. import axes
 from .._samples import Call
 from ..schema import Flag, OneOf
 from .base import Backend, BackendConfig, NeedsStorableSamples
@@ -19,7 +20,8 @@ MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cu
 
 @dataclasses.dataclass
 class TorchInductorBackendConfig(BackendConfig):
-    """The arguments of torch.compile: mode, options, dynamic, fullgraph.
+    """The arguments of torch.compile: mode, options, dynamic, fullgraph; and the candidate's
+    axes, memory_format, sdpa_kernel, tf32, autocast_dtype (torch_tweak.axes).
 
     dynamic=None (the default) compiles static shapes for a module's recorded input
     signatures (tweak serves each one its own build) and lets torch decide for the "any
@@ -29,13 +31,18 @@ class TorchInductorBackendConfig(BackendConfig):
     options: dict[str, Any] | None = None
     dynamic: bool | None = None
     fullgraph: bool = False
+    memory_format: str | None = None
+    sdpa_kernel: str | None = None
+    tf32: bool = False
+    autocast_dtype: torch.dtype | None = None
 
     # options reach Inductor's compiler command lines: never taken from a file
     SCHEMA = {**BackendConfig.SCHEMA, "mode": OneOf(MODES), "dynamic": OneOf((None, True, False)),
-              "fullgraph": Flag()}
+              "fullgraph": Flag(), **axes.AXIS_SCHEMA}
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        axes.check_fields(self)
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(map(str, MODES))}; got {self.mode!r}")
         if self.mode is not None and self.options:
@@ -70,13 +77,13 @@ def shared_compiles(static: bool) -> Iterator[None]:
 
 
 def _settings_key(module: torch.nn.Module, mode: str | None, options: dict | None, dynamic: bool | None,
-                  fullgraph: bool) -> tuple:
+                  fullgraph: bool, variant: tuple = ()) -> tuple:
     mode = None if mode == "default" else mode
     effective = dict(options or {})
     if mode is None:
         import torch._inductor.config as inductor_config
         effective.setdefault("triton.cudagraphs", bool(inductor_config.triton.cudagraphs))
-    return (id(module), mode, repr(sorted(effective.items())), dynamic, bool(fullgraph))
+    return (id(module), mode, repr(sorted(effective.items())), dynamic, bool(fullgraph), variant)
 
 
 def _limit_names() -> list[str]:
@@ -104,17 +111,18 @@ def _own_compile() -> Iterator[None]:
 
 def compile_module(module: torch.nn.Module, samples: Sequence[Call], *, mode: str | None = None,
                    options: dict | None = None, dynamic: bool | None = None,
-                   fullgraph: bool = False) -> Callable[..., Any]:
+                   fullgraph: bool = False, variant: tuple = ()) -> Callable[..., Any]:
     """torch.compile(module, backend="inductor", ...) compiled now on every sample, so no
     compile lands in a measurement. Inside shared_compiles(), the same settings on the same
     module give the same compiled module (or raise the same error) without compiling
-    again, and dynamic=None means dynamic=False for a static signature."""
+    again, and dynamic=None means dynamic=False for a static signature. variant: the axes
+    the compile runs under (torch_tweak.axes.label_parts), part of what must agree to share."""
     scope = _SCOPE.get()
     key = None
     if scope is not None:
         if dynamic is None and scope.static:
             dynamic = False
-        key = _settings_key(module, mode, options, dynamic, fullgraph)
+        key = _settings_key(module, mode, options, dynamic, fullgraph, variant)
         if key in scope.compiled:
             done = scope.compiled[key]
             if isinstance(done, BaseException):
@@ -145,7 +153,14 @@ class TorchInductorBackend(NeedsStorableSamples, Backend):
     compiles_with_inductor = True
     build_scope = staticmethod(shared_compiles)
 
+    def check_tolerance(self) -> float | None:
+        return axes.tolerance(self.config)
+
+    def unavailable(self, device: torch.device) -> str | None:
+        return axes.unavailable(self.config, device)
+
     def build(self, module: torch.nn.Module, samples: Sequence[Call], device: torch.device) -> Callable[..., Any]:
         cfg = self.config
-        return compile_module(module, samples, mode=cfg.mode, options=cfg.options, dynamic=cfg.dynamic,
-                              fullgraph=cfg.fullgraph)
+        variant = tuple(axes.label_parts(cfg))
+        return axes.build(cfg, module, samples, device, lambda m, s: compile_module(
+            m, s, mode=cfg.mode, options=cfg.options, dynamic=cfg.dynamic, fullgraph=cfg.fullgraph, variant=variant))

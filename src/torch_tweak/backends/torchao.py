@@ -96,6 +96,10 @@ class TorchAOBackend(NeedsStorableSamples, Backend):
     # Gradients would flow into the quantized copy, never into the model's own weights.
     supports_autograd = False
 
+    def label_parts(self) -> list[str]:
+        """The mode is the candidate's precision: "TorchAO [int8_weight_only]"."""
+        return [self.config.mode]
+
     def check_device(self, device: torch.device) -> None:
         reason = device_refusal(self.config.mode, device)
         if reason is not None:
