@@ -38,7 +38,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -48,6 +47,8 @@ import torch.utils._pytree as pytree
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples", "Tweak"))
+sys.path.insert(0, HERE)
+from gpu_bench import cold_compiler, source_commit  # noqa: E402  (one cold cache and one commit stamp for both benches)
 
 MODELS = ("resnet18", "bert", "encoder")
 COLUMNS = ("eager", "compile", "openvino", "tweak", "tweak-cl", "tweak-high", "tweak-bf16", "tweak-int8")
@@ -57,16 +58,6 @@ SIZES = {
     "encoder": "examples/Tweak encoder: batch 8, seq 64, d 256, 4 layers",
 }
 N_SAMPLES = 4
-
-
-def cold_compiler(tag: str) -> None:
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"tt-cpu-bench-{tag}-")
-    torch._dynamo.reset()
-    try:
-        from torch._inductor.utils import clear_caches
-        clear_caches()
-    except ImportError:
-        pass
 
 
 def build(name: str) -> tuple[torch.nn.Module, list]:
@@ -267,18 +258,6 @@ def bench_one(name: str, columns: list[str], args: argparse.Namespace) -> dict:
         row["ms"][column] = s["ms"]
         row["spread"][column] = [s["q25"], s["q75"], s["min"], s["max"]]
     return row
-
-
-def source_commit() -> str:
-    import subprocess
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+changes" if dirty else "")
 
 
 def environment() -> dict:
