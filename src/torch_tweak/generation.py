@@ -490,6 +490,26 @@ def plan_loop(model: nn.Module) -> LoopPlan | None:
     return None if loop is None else LoopPlan(loop.kind, loop.given, list(loop.checks))
 
 
+def prompt_length(args: tuple, kwargs: dict) -> int | None:
+    """The prompt length of a generate() call (its inputs' second axis), or None."""
+    ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    return int(ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
+
+
+def token_difference(i: int, got: Any, expected: torch.Tensor, prompt: int | None) -> str | None:
+    """How generate call i's output differs from the tokens it must give (the first
+    differing token, counted from the first new one), or None when they are the same."""
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return (f"generate call {i}: {tuple(expected.shape)} tokens expected, got "
+                f"{tuple(getattr(got, 'shape', ()))}")
+    differ = (got != expected).nonzero()
+    if not differ.numel():
+        return None
+    row, col = (int(v) for v in differ[0])
+    return (f"generate call {i}: token {col - (prompt or 0)} of sequence {row} is {int(got[row, col])}, "
+            f"untuned {int(expected[row, col])}")
+
+
 def apply_loop(model: nn.Module, plan: LoopPlan) -> str | None:
     """Installs the plan's loop when it gives every stored call's tokens; else leaves
     generate() as it was and returns why."""
@@ -505,8 +525,8 @@ def apply_loop(model: nn.Module, plan: LoopPlan) -> str | None:
                 got = model.generate(*args, **kwargs)
                 if loop.fallbacks:
                     problem = f"generate call {i} is not one it serves ({next(iter(loop.fallbacks))})"
-                elif not isinstance(got, torch.Tensor) or got.shape != tokens.shape or not torch.equal(got, tokens):
-                    problem = f"generate call {i} gave other tokens than the stored ones"
+                else:
+                    problem = token_difference(i, got, tokens, prompt_length(args, kwargs))
                 if problem is not None:
                     break
     except Exception as exc:

@@ -96,7 +96,7 @@ class Workload:
             finally:
                 inside = False
             if isinstance(out, torch.Tensor) and out.dim() == 2:
-                prompt = _prompt_len(args, kwargs)
+                prompt = generation.prompt_length(args, kwargs)
                 if prompt is not None:
                     tokens += out.shape[0] * max(out.shape[1] - prompt, 0)
                     if len(calls) < MAX_GENERATE_CALLS:
@@ -163,19 +163,9 @@ class Workload:
         with torch.no_grad():
             for i, call in enumerate(self.generate_calls):
                 got = self.model.generate(*call.args, **call.kwargs)
-                if not isinstance(got, torch.Tensor) or got.shape != call.tokens.shape:
-                    raise MismatchError(f"generate call {i}: {tuple(call.tokens.shape)} tokens expected, got "
-                                        f"{tuple(getattr(got, 'shape', ()))}")
-                differ = (got != call.tokens).nonzero()
-                if differ.numel():
-                    row, col = (int(v) for v in differ[0])
-                    raise MismatchError(f"generate call {i}: token {col - call.prompt} of sequence {row} is "
-                                        f"{int(got[row, col])}, untuned {int(call.tokens[row, col])}")
-
-
-def _prompt_len(args: tuple, kwargs: dict) -> int | None:
-    ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
-    return int(ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
+                problem = generation.token_difference(i, got, call.tokens, call.prompt)
+                if problem is not None:
+                    raise MismatchError(problem)
 
 
 def _hint(model: nn.Module, device: torch.device, call: Any) -> str:
@@ -204,7 +194,6 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None) 
     # host: where it can run, the plain loop is not worth a measurement (each is a whole run)
     kinds = ["graph"] if device.type == "cuda" and static else ["loop"]
     loops: dict[str, generation.DecodeLoop] = {}
-    notes: dict[str, str] = {}
 
     def build_of(kind: str | None):
         def build() -> None:
@@ -247,6 +236,6 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None) 
     out = []
     for name, report in zip(names, reports):
         stats = report.get("stats")
-        out.append({"candidate": name, "state": report["state"], "error": report.get("error", "") or notes.get(name, ""),
+        out.append({"candidate": name, "state": report["state"], "error": report.get("error", ""),
                     "latency_ms": None if stats is None else stats["median_ns"] / 1e6})
     return kept, out
