@@ -10,12 +10,17 @@ Columns (each on its own copy of the same random-weight model):
     tweak         tt.tweak(model, workload=lambda m: m.generate(ids, max_new_tokens=N,
                   cache_implementation="static", disable_compile=True)) with default
                   settings, then that same call; its first-call time is the tuning time
+    tweak-compiled
+                  tt.tweak on the static column's own call (transformers compiles its decode
+                  steps), then that call: the untuned tokens are then those of transformers'
+                  compiled kernels, and tweak's "compiled" loop runs that same compiled forward
 
 Per column: the first call's wall time (compile or tuning), tokens per second (median of
 ROUNDS timed generate() calls, the device synchronised around each), time to first token
 (median of generate() with one new token), and whether its tokens equal the untuned model's
 tokens for the same call (for tweak: the untuned static-cache call without transformers'
-compile; for the others: eager's) and eager's tokens. Every compiling column starts cold.
+compile; for tweak-compiled: the static column's, the untuned model on that same call; for
+the others: eager's) and eager's tokens. Every compiling column starts cold.
 
     python bench/generate_bench.py [--models gpt2,llama] [--dtypes bf16,fp32] [--new 128]
                                    [--prompt 32] [--json PATH]
@@ -43,7 +48,7 @@ MODELS = {
     "llama": "Llama-style, 8 layers, hidden 1024, 16 heads, 4 KV heads, MLP 2816",
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-COLUMNS = ("eager", "static", "manual", "tweak")
+COLUMNS = ("eager", "static", "manual", "tweak", "tweak-compiled")
 ROUNDS = 7
 
 
@@ -128,8 +133,14 @@ def row(name: str, dtype_name: str, new: int, prompt: int, tweak_kwargs: dict) -
     def eager(model):
         return lambda n: model.generate(ids, max_new_tokens=n, do_sample=False)
 
+    static_tokens: dict = {}
+
     def static(model):
-        return lambda n: model.generate(ids, max_new_tokens=n, do_sample=False, cache_implementation="static")
+        def call(n):
+            tokens = model.generate(ids, max_new_tokens=n, do_sample=False, cache_implementation="static")
+            static_tokens.setdefault(n, tokens)
+            return tokens
+        return call
 
     def manual(model):
         model.forward = torch.compile(model.forward, mode="reduce-overhead")
@@ -149,10 +160,21 @@ def row(name: str, dtype_name: str, new: int, prompt: int, tweak_kwargs: dict) -
         print(result, flush=True)
         return lambda n: call(model, n)
 
+    def tweak_compiled(model):
+        def call(m, n=new):
+            return m.generate(ids, max_new_tokens=n, do_sample=False, cache_implementation="static")
+        result = tt.tweak(model, workload=call, **tweak_kwargs)
+        out["tweak_compiled_result"] = str(result)
+        out["decode_loop_compiled"] = result.decode_loop
+        print(result, flush=True)
+        return lambda n: call(model, n)
+
     column("eager", eager)
     column("static", static)
     column("manual", manual)
     column("tweak", tweak, ref_call=lambda: untuned_tokens["t"])
+    if new in static_tokens:
+        column("tweak-compiled", tweak_compiled, ref_call=lambda: static_tokens[new])
     return out
 
 
@@ -192,20 +214,22 @@ def merge(paths: list[str], path_out: str) -> None:
     lines += ["", "Targets (issue 16), per row: tweak's tokens/s against transformers' static-cache path (2x in "
               "bf16) and eager (5x in bf16); tuning time (tweak's first call) against the static path's "
               "first call (at most 3x); identical tokens.", "",
-              "| model | dtype | vs static | vs eager | tuning / static first call | identical tokens |",
-              "|---|---|---:|---:|---:|---|"]
+              "| model | dtype | column | vs static | vs eager | tuning / static first call | identical tokens |",
+              "|---|---|---|---:|---:|---:|---|"]
     for r in rows:
         cols = r["columns"]
-        t, s, e = cols.get("tweak", {}), cols.get("static", {}), cols.get("eager", {})
-        if not all("tokens_per_s" in c for c in (t, s, e)):
-            continue
-        lines.append(f"| {r['model']} | {r['dtype']} | {t['tokens_per_s'] / s['tokens_per_s']:.2f}x | "
-                     f"{t['tokens_per_s'] / e['tokens_per_s']:.2f}x | {t['first_call_s'] / s['first_call_s']:.1f}x | "
-                     f"{'yes' if t.get('same_as_untuned') else 'no'} |")
+        for label in ("tweak", "tweak-compiled"):
+            t, s, e = cols.get(label, {}), cols.get("static", {}), cols.get("eager", {})
+            if not all("tokens_per_s" in c for c in (t, s, e)):
+                continue
+            lines.append(f"| {r['model']} | {r['dtype']} | {label} | {t['tokens_per_s'] / s['tokens_per_s']:.2f}x | "
+                         f"{t['tokens_per_s'] / e['tokens_per_s']:.2f}x | "
+                         f"{t['first_call_s'] / s['first_call_s']:.1f}x | {'yes' if t.get('same_as_untuned') else 'no'} |")
     lines.append("")
     for r in rows:
-        if "tweak_result" in r:
-            lines += [f"tweak's result for {r['model']} {r['dtype']}:", "", "```", r["tweak_result"], "```", ""]
+        for key, label in (("tweak_result", "tweak"), ("tweak_compiled_result", "tweak-compiled")):
+            if key in r:
+                lines += [f"{label}'s result for {r['model']} {r['dtype']}:", "", "```", r[key], "```", ""]
     with open(path_out, "w") as f:
         f.write("\n".join(lines))
     print("\n".join(lines))

@@ -325,3 +325,55 @@ def test_a_forged_decode_loop_entry_is_refused_whole(tmp_path, edit):
     with pytest.raises(tt.CheckpointError, match="decode loop|damaged"):
         tt.load(fresh, forged)
     assert generation.loop_of(fresh) is None and not tt.installed(fresh)
+
+
+# ------------------------------------------------- transformers' compiled decode steps
+
+
+def test_a_call_transformers_compiles_keeps_the_compiled_loop_and_its_tokens(tmp_path):
+    """A static-cache call that transformers compiles (here on a CPU, through its compile
+    config's _compile_all_devices): the untuned tokens are those of its compiled forward;
+    tweak's "compiled" loop runs that same forward, so the tokens match, nothing compiles
+    twice, and no module is tuned under it. One Inductor build per model, shared by the
+    checks below (they are slow on a CPU)."""
+    import torch._dynamo.utils as dynamo_utils
+    from transformers.generation.configuration_utils import CompileConfig
+
+    def compiling(model):
+        config = CompileConfig(mode="default")
+        config._compile_all_devices = True
+        model.generation_config.compile_config = config
+        return model
+
+    model = compiling(build("llama"))
+    untuned = copy.deepcopy(model)
+    ids = prompt(2)
+
+    def workload(m):
+        return m.generate(ids, max_new_tokens=20, do_sample=False, cache_implementation="static")
+
+    result = tt.tweak(model, workload=workload, measure=QUICK, progress=False)
+    assert result.decode_loop == "compiled", str(result)
+    assert [r["candidate"] for r in result.loop_report] == ["generate", "decode loop (compiled)"]
+    assert all(row.latency_ms is None and "transformers' compiled forward" in row.error for row in result.rows)
+    assert "generate() runs tweak's decode loop (compiled)" in result.outcome()
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        assert torch.equal(workload(model), workload(untuned))  # untuned: transformers' loop, compiled steps
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs  # the loop's calls fit what was compiled
+    # an end-of-sequence the first sequence reaches after the first read of the stopping rule
+    free = workload(untuned)
+    eos = int(free[0, ids.shape[1] + 17])
+    with torch.no_grad():
+        stop = dict(max_new_tokens=20, do_sample=False, cache_implementation="static", eos_token_id=eos,
+                    pad_token_id=0)
+        assert torch.equal(model.generate(ids, **stop), untuned.generate(ids, **stop))
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+    path = tmp_path / "decoder.tt"
+    tt.save(model, path, strict=True)
+    fresh = copy.deepcopy(untuned)
+    tt.load(fresh, path)
+    loop = generation.loop_of(fresh)
+    assert loop is not None and loop.kind == "compiled"
+    with torch.no_grad():
+        assert torch.equal(workload(fresh), free)

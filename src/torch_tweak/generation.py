@@ -15,7 +15,11 @@ the same steps itself:
 - with a static cache on a device with graphs (CUDA), a whole decode step (forward, argmax,
   the next input and the token's place in the output) is recorded once as a device graph and
   replayed per token; the stopping rule is read every ``CHECK_EVERY`` steps, and tokens after
-  an end-of-sequence are replaced by the pad token exactly as transformers does.
+  an end-of-sequence are replaced by the pad token exactly as transformers does;
+- when transformers itself would compile the decode steps (a static cache on CUDA without
+  ``disable_compile=True``), the ``compiled`` loop runs every decode step through the very
+  compiled forward transformers uses (``model.get_compiled_call``), so its kernels, and its
+  tokens, are those of the untuned call; only transformers' per-token bookkeeping goes.
 
 Any other call (sampling, beams, a logits processor, a streamer, a cache passed in, padding in
 the prompt, an encoder-decoder model...) runs transformers' ``generate`` unchanged; the
@@ -27,6 +31,7 @@ faster end to end (see docs/generate.md).
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -40,12 +45,13 @@ from .module import install as install_wrapper, installed, uninstall as uninstal
 
 logger = logging.getLogger("torch_tweak")
 
-LOOPS = ("loop", "graph")
+LOOPS = ("loop", "graph", "compiled")
 """The decode loops tweak tries: steps run one by one through the model; each step a device
-graph replay of the untuned forward (CUDA and a static cache only). A step graph of an
-Inductor build was tried too and dropped: its tokens differed from the untuned model's
-within a few steps on the benchmarked decoders (bench/results/generate.md), so it could
-never be kept, and its compile cost tuning time."""
+graph replay of the untuned forward (CUDA and a static cache only); each step through
+transformers' own compiled forward (calls transformers compiles: the untuned tokens are
+then those of its compiled kernels, which no other build reproduces). A step graph of a
+separate Inductor build was tried too and dropped: its tokens differed from the untuned
+eager model's within a few steps on the benchmarked decoders (bench/results/generate.md)."""
 
 CHECK_EVERY = 16
 """Graph replays between two reads of the stopping rule (each read waits for the device)."""
@@ -82,6 +88,7 @@ class Greedy:
     static: bool
     max_cache_len: int | None
     no_compile: bool = False  # disable_compile: transformers would not compile the forward itself
+    config: Any = None  # the call's GenerationConfig (what transformers' compile rule reads)
 
 
 def _config_class(model: nn.Module) -> Any:
@@ -148,7 +155,35 @@ def greedy_call(model: nn.Module, args: tuple, kwargs: dict) -> Greedy | str:
         return "the pad token in the prompt (transformers masks it)"
     static = config.cache_implementation == "static"
     return Greedy(ids, int(max_new), eos, pad, static, config.max_cache_len,
-                  bool(getattr(config, "disable_compile", False)))
+                  bool(getattr(config, "disable_compile", False)), config)
+
+
+def new_cache(model: nn.Module, static: bool, length: int) -> Any:
+    """A new cache as generate() makes one: a StaticCache of `length` positions, or a
+    DynamicCache (a static cache allocates its tensors on first use)."""
+    dynamic_class, static_class = _cache_classes(model)
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    return static_class(config=config, max_cache_len=length) if static else dynamic_class(config=config)
+
+
+def probe_cache(model: nn.Module, call: Greedy) -> Any:
+    """A cache of the kind the call uses, for transformers_compiles to look at."""
+    return new_cache(model, call.static, call.input_ids.shape[1] + call.max_new)
+
+
+def transformers_compiles(model: nn.Module, call: Greedy, cache: Any) -> bool:
+    """Whether transformers' generate() would run this call's decode steps through its
+    compiled forward (its own rule, asked of the model: a compileable cache, a device it
+    compiles on, no disable_compile...)."""
+    if not call.static or call.no_compile or call.config is None:
+        return False
+    rule = getattr(model, "_valid_auto_compile_criteria", None)
+    if rule is None or not callable(getattr(model, "get_compiled_call", None)):
+        return False
+    try:
+        return bool(rule({"cache": cache, "past_key_values": cache}, call.config))
+    except Exception:  # a transformers whose rule reads other arguments: not a call the loop compiles
+        return False
 
 
 def _cache_arg(model: nn.Module) -> str | None:
@@ -333,7 +368,9 @@ class DecodeLoop:
         self.calls = 0
         self.checks: list[tuple[tuple, dict, torch.Tensor]] = []  # (args, kwargs, untuned tokens): what tt.save keeps
         self._graphs: dict[tuple, _StepGraph] = {}
+        self._caches: dict[tuple, Any] = {}  # the compiled loop's static caches, per shape
         self._previous_len: int = -1
+        self.eager = False  # set by uncompiled(): the compiled loop's steps run the plain forward
 
     _tt_decode_loop = True  # what tt.unwrap looks for
 
@@ -377,14 +414,6 @@ class DecodeLoop:
 
 
     # -------------------------------------------------------------- decoding
-    def _new_cache(self, call: Greedy, length: int) -> Any:
-        dynamic, static = _cache_classes(self.model)
-        config = self.model.config.get_text_config(decoder=True) if hasattr(self.model.config, "get_text_config") \
-            else self.model.config
-        if call.static:
-            return static(config=config, max_cache_len=length)
-        return dynamic(config=config)
-
     def _static_length(self, call: Greedy) -> int:
         # transformers' rule: prompt + new tokens - 1, never shorter than an earlier call's,
         # at least generation_config.max_cache_len
@@ -401,23 +430,35 @@ class DecodeLoop:
         device = ids.device
         eos = torch.tensor(call.eos, dtype=ids.dtype, device=device) if call.eos else None
         length = self._static_length(call) if call.static else 0
-        graphs = self.kind != "loop" and call.static and device.type == "cuda"
+        graphs = self.kind == "graph" and call.static and device.type == "cuda"
         if graphs:
             key = (batch, length, device, ids.dtype)
             entry = self._graphs.get(key)
             if entry is None:
-                cache = self._new_cache(call, length)
+                cache = new_cache(self.model, call.static, length)
                 self._prefill(ids, cache)  # lays the cache out before the step is recorded
                 entry = _StepGraph(self, cache, batch, length, device, call)
                 self._graphs[key] = entry
             cache = entry.cache
             cache.reset()
+        elif self.kind == "compiled" and call.static:
+            # one cache per shape, reset between calls: its tensors keep their addresses, so the
+            # compiled forward's device graphs replay instead of recording again
+            key = (batch, length, device, ids.dtype)
+            cache = self._caches.get(key)
+            if cache is None:
+                cache = self._caches[key] = new_cache(self.model, True, length)
+            else:
+                cache.reset()
         else:
-            cache = self._new_cache(call, length)
+            cache = new_cache(self.model, call.static, length)
+        compiled = self.kind == "compiled" and not self.eager and transformers_compiles(self.model, call, cache)
         first = self._prefill(ids, cache)
         if graphs:
             tokens = entry.run(first, prompt, call.max_new,
                                lambda n: eos is not None and bool(_finished(entry.tokens[:, :n], eos).all()))
+        elif compiled:
+            tokens = self._compiled_steps(first, cache, call, prompt, eos)
         else:
             tokens = self._steps(first, cache, call, prompt, eos)
         return torch.cat([ids, _stop(tokens, eos, call.pad)], dim=1)
@@ -450,6 +491,38 @@ class DecodeLoop:
             nxt = _logits(out)[:, -1, :].argmax(-1)
             tokens.append(nxt)
         return torch.stack(tokens, dim=1)
+
+
+    def _compiled_steps(self, first: torch.Tensor, cache: Any, call: Greedy, prompt: int,
+                        eos: torch.Tensor | None) -> torch.Tensor:
+        """The decode steps through transformers' compiled forward, the one its generate()
+        would call (compiled once per model and compile config, and kept on the model). The
+        arguments are laid out as transformers lays them out, contiguous as its are, so that
+        the compiled forward's guards hold and nothing compiles again. The stopping rule is
+        read every CHECK_EVERY steps; tokens past an end-of-sequence are padded after."""
+        forward = self.model.get_compiled_call(getattr(call.config, "compile_config", None))
+        batch = first.shape[0]
+        length = self._previous_len
+        arange = torch.arange(length, device=first.device)
+        tokens = torch.empty(batch, call.max_new, dtype=first.dtype, device=first.device)
+        tokens[:, 0] = first
+        nxt = first
+        done = 1
+        while done < call.max_new:
+            if eos is not None and done % CHECK_EVERY == 0 and bool(_finished(tokens[:, :done], eos).all()):
+                break
+            position = prompt + done - 1
+
+            def mask() -> torch.Tensor:
+                return (arange <= position).view(1, 1, 1, length).expand(batch, 1, 1, length)
+
+            kwargs = lay_out(self.layouts["decode"], self.cache_arg, nxt.view(batch, 1), cache, position,
+                             position + 1, mask)
+            out = forward(**{k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+            nxt = _logits(out)[:, -1, :].argmax(-1)  # read before the next call reuses the output's memory
+            tokens[:, done] = nxt
+            done += 1
+        return tokens[:, :done]
 
 
 def _finished(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
@@ -562,6 +635,21 @@ def check_layouts(layouts: Any) -> dict | None:
             items.append((item[0], tuple(spec)))
         out[phase] = tuple(items)
     return out
+
+
+@contextlib.contextmanager
+def uncompiled(model: nn.Module) -> Any:
+    """Inside the block, the model's compiled loop (if any) runs its decode steps through the
+    plain forward: for hooks that must not be traced into transformers' compiled forward."""
+    loop = loop_of(model)
+    if loop is None:
+        yield
+        return
+    loop.eager = True
+    try:
+        yield
+    finally:
+        loop.eager = False
 
 
 def loop_of(model: nn.Module) -> DecodeLoop | None:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _C, axes, model_state, tuning_cache
+from . import _C, axes, generation, model_state, tuning_cache
 from ._samples import load_dataset, resolve_device, synchronizer
 from .inspecting import ModuleTree, trace
 from .module import TunedModule, arm_untuned, install, installed, make_wrapper, uninstall, unwrap
@@ -183,13 +183,15 @@ class TweakResult:
         if self.rows and all(r.latency_ms is None and not r.error for r in self.rows):
             return "dry run: nothing built or measured"
         side = self.confirmation
+        loop = f"; generate() runs tweak's decode loop ({self.decode_loop})" if self.decode_loop else ""
+        stays = "its modules stay untuned" if self.decode_loop else "the model stays untuned"
         if self.selected_depth is not None:
             how = "measured side by side" if side is not None and side["confirmed"] else "measured in turn"
-            return f"kept depth {self.selected_depth}, {self.speedup:.2f}x faster than untuned ({how})"
+            return f"kept depth {self.selected_depth}, {self.speedup:.2f}x faster than untuned ({how}){loop}"
         if side is not None:
             return (f"depth {side['depth']} was within noise of the untuned model side by side "
-                    f"({side['speedup']:.2f}x): the model stays untuned")
-        return "no depth beat the untuned model: it stays untuned"
+                    f"({side['speedup']:.2f}x): {stays}{loop}")
+        return f"no depth beat the untuned model: {stays}{loop}"
 
     def plot(self, path: Any, alternatives: dict[str, float] | None = None) -> str:
         """Writes a PNG chart of latency per depth against the untuned model (and any
@@ -233,6 +235,7 @@ class _Session:
         self.applied = False    # the kept depth is entered again: what follows is the confirmation
         self.model_class = model_class_name(model)
         self.on_measure = None  # called with the depth before its first measurement (a workload's TTFT)
+        self.refuse = ""  # why no depth can be tuned (each is then skipped with it)
         self.search = ModuleSearch(lambda node: self.wrappers[node],
                                    lambda node: strategy if strategy is not None else default_strategy(device),
                                    device, progress, self.model_class, done=self.tuned)
@@ -247,6 +250,8 @@ class _Session:
             self.shown.add(depth)
             position = self.depths.index(depth) + 1 if depth in self.depths else len(self.depths)
             self.progress.start_depth(depth, position, len(self.depths), len(nodes), sum(tune))
+        if self.refuse:
+            raise RuntimeError(self.refuse)
         try:
             for node in nodes:
                 wrapper = self.wrappers.get(node)
@@ -378,7 +383,9 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
             # the decode loop first: the depths are then tuned and measured under it, and a
             # loop's decode steps replay the untuned model, so module tuning serves the prefill
             _choose_loop(job, device, measure, shown)
-        tree = ModuleTree(model, trace(model, calls, job.run if job is not None else None))
+        compiled_loop = job is not None and job.loop == "compiled"
+        with generation.uncompiled(model):  # hooks traced into transformers' compiled forward compile it again
+            tree = ModuleTree(model, trace(model, calls, job.run if job is not None else None))
         depths = tree.depths(min_depth, max_depth)
         if asked:  # the axes' variants, max-autotune for the modules that take most of the time
             strategy = (strategy if strategy is not None else default_strategy(device)).with_axes(
@@ -412,6 +419,9 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
 
         if speaks_tokens:
             session.on_measure = job.check_depth
+        if compiled_loop:
+            session.refuse = ("the decode steps run transformers' compiled forward (decode loop \"compiled\"), "
+                              "which must see the model's own modules to give the untuned tokens")
         try:
             with torch.no_grad():
                 engine = _C.tweak(

@@ -80,11 +80,21 @@ class Workload:
         calls = self.generate_calls
         tokens = 0
         forwards: list[tuple] = []  # the first generate()'s first two forward calls, described
+        prepare = getattr(model, "prepare_inputs_for_generation", None) if can else None
+        own = model.__dict__.get("prepare_inputs_for_generation")  # one the user set on the instance
 
-        def spy(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if len(forwards) < 2 and inside:
-                forwards.append(tuple(("", ("positional",)) for _ in args) +
-                                tuple((k, generation.describe_argument(v)) for k, v in kwargs.items()))
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            # the forward's arguments as generate() prepares them; it adds return_dict=True to
+            # the call. Read here, not by a hook on the model: a hook would be traced into the
+            # forward that transformers compiles for a static cache, and compiled again
+            # once removed
+            inputs = prepare(*args, **kwargs)
+            if len(forwards) < 2 and inside and isinstance(inputs, dict):
+                layout = tuple((k, generation.describe_argument(v)) for k, v in inputs.items())
+                if "return_dict" not in inputs:
+                    layout += (("return_dict", ("value", True)),)
+                forwards.append(layout)
+            return inputs
 
         inside = False
 
@@ -103,10 +113,10 @@ class Workload:
                         calls.append(GenerateCall(args, dict(kwargs), out.clone(), prompt))
             return out
 
-        handle = None
         if can:
             object.__setattr__(model, "generate", recorder)
-            handle = model.register_forward_pre_hook(spy, with_kwargs=True)
+            if callable(prepare):
+                object.__setattr__(model, "prepare_inputs_for_generation", spy)
         try:
             with torch.no_grad():
                 self.run()
@@ -116,7 +126,9 @@ class Workload:
         finally:
             if can:
                 model.__dict__.pop("generate", None)
-                handle.remove()
+                model.__dict__.pop("prepare_inputs_for_generation", None)
+                if own is not None:
+                    object.__setattr__(model, "prepare_inputs_for_generation", own)
         self.tokens = tokens
         if len(forwards) == 2:
             self.layouts = {"prefill": forwards[0], "decode": forwards[1]}
@@ -174,10 +186,6 @@ def _hint(model: nn.Module, device: torch.device, call: Any) -> str:
     if not call.static:
         return ("generate() used a DynamicCache: with cache_implementation=\"static\" (and disable_compile=True) "
                 "tweak can replay each decode step as a device graph (docs/generate.md)")
-    if not call.no_compile:  # transformers compiles the forward of a static-cache call unless told not to
-        return ("with a static cache on CUDA, transformers compiles the forward itself: pass disable_compile=True "
-                "to generate() so that tweak's loop, not transformers' compile, runs the decode steps "
-                "(docs/generate.md)")
     return ""
 
 
@@ -191,8 +199,13 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None) 
     static = not isinstance(call, str) and call.static  # device graphs need a static cache
     workload.hint = _hint(model, device, call)
     # a device graph replay of a step does what the plain loop does with no launches from the
-    # host: where it can run, the plain loop is not worth a measurement (each is a whole run)
-    kinds = ["graph"] if device.type == "cuda" and static else ["loop"]
+    # host: where it can run, the plain loop is not worth a measurement (each is a whole run).
+    # Where transformers compiles the decode steps, the untuned tokens are its compiled
+    # kernels': only its own compiled forward gives them
+    if static and generation.transformers_compiles(model, call, generation.probe_cache(model, call)):
+        kinds = ["compiled"]
+    else:
+        kinds = ["graph"] if device.type == "cuda" and static else ["loop"]
     loops: dict[str, generation.DecodeLoop] = {}
 
     def build_of(kind: str | None):

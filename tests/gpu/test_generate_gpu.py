@@ -73,3 +73,49 @@ def test_a_generate_workload_keeps_the_graph_loop_on_cuda():
     other = torch.randint(3, 256, (1, 8), device="cuda", generator=torch.Generator("cuda").manual_seed(6))
     assert torch.equal(generate(model, other, 32), generate(untuned, other, 32))
     assert any(row.label.startswith("untuned + decode loop (graph)") for row in result.tokens)
+
+
+def compiled_generate(model, ids, n=40, **kwargs):
+    """The static-cache call as a user writes it: transformers compiles its decode steps."""
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=n, do_sample=False, cache_implementation="static", **kwargs)
+
+
+def test_the_compiled_loop_gives_the_tokens_of_transformers_compiled_steps():
+    import torch._dynamo.utils as dynamo_utils
+
+    model = build("llama", torch.bfloat16)
+    untuned = copy.deepcopy(model)
+    loop = generation.DecodeLoop(model, "compiled")
+    generation.install(model, loop)
+    graphs = None
+    for batch, length, seed in ((1, 7, 0), (1, 7, 1), (2, 7, 2), (1, 7, 3)):
+        ids = torch.randint(3, 256, (batch, length), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        assert torch.equal(compiled_generate(model, ids), compiled_generate(untuned, ids)), (batch, length, seed)
+        if seed == 2:
+            graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    # the last call had the first's shapes: the compiled forward's guards held, nothing compiled again
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+    assert loop.calls == 4 and not loop.fallbacks
+    # an end-of-sequence past the first read of the stopping rule
+    ids = torch.randint(3, 256, (2, 7), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    eos = int(compiled_generate(untuned, ids)[0, 7 + 20])
+    assert torch.equal(compiled_generate(model, ids, eos_token_id=eos, pad_token_id=0),
+                       compiled_generate(untuned, ids, eos_token_id=eos, pad_token_id=0))
+
+
+def test_a_compiled_static_workload_keeps_the_compiled_loop_and_saves_it(tmp_path):
+    model = build("llama", torch.bfloat16)
+    untuned = copy.deepcopy(model)
+    ids = torch.randint(3, 256, (1, 8), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    result = tt.tweak(model, workload=lambda m: compiled_generate(m, ids, 32), progress=False,
+                      measure={"rounds_max": 8, "time_cap": 1.0})
+    assert result.decode_loop == "compiled", str(result)
+    assert all(row.latency_ms is None and "compiled forward" in row.error for row in result.rows)
+    other = torch.randint(3, 256, (1, 8), device="cuda", generator=torch.Generator("cuda").manual_seed(6))
+    assert torch.equal(compiled_generate(model, other, 32), compiled_generate(untuned, other, 32))
+    tt.save(model, tmp_path / "decoder.tt")
+    fresh = copy.deepcopy(untuned)
+    tt.load(fresh, tmp_path / "decoder.tt")
+    assert generation.loop_of(fresh) is not None and generation.loop_of(fresh).kind == "compiled"
+    assert torch.equal(compiled_generate(fresh, other, 32), compiled_generate(untuned, other, 32))
