@@ -184,8 +184,8 @@ def _hint(model: nn.Module, device: torch.device, call: Any) -> str:
     if device.type != "cuda" or isinstance(call, str):
         return ""
     if not call.static:
-        return ("generate() used a DynamicCache: with cache_implementation=\"static\" (and disable_compile=True) "
-                "tweak can replay each decode step as a device graph (docs/generate.md)")
+        return ("generate() used a DynamicCache: with cache_implementation=\"static\" transformers compiles the "
+                "decode steps and tweak's loop runs them without transformers' per-token work (docs/generate.md)")
     return ""
 
 
