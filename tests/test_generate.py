@@ -369,11 +369,30 @@ def test_a_call_transformers_compiles_keeps_the_compiled_loop_and_its_tokens(tmp
                     pad_token_id=0)
         assert torch.equal(model.generate(ids, **stop), untuned.generate(ids, **stop))
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+    # saved, then loaded in a new process: the loop is checked and installed again there, and
+    # the forward it calls is that process's own compile of transformers' forward
+    import subprocess
+    import sys
+
     path = tmp_path / "decoder.tt"
     tt.save(model, path, strict=True)
-    fresh = copy.deepcopy(untuned)
-    tt.load(fresh, path)
-    loop = generation.loop_of(fresh)
-    assert loop is not None and loop.kind == "compiled"
-    with torch.no_grad():
-        assert torch.equal(workload(fresh), free)
+    torch.save({"ids": ids, "expected": free}, tmp_path / "expected.pt")
+    script = f"""
+import sys, torch, torch_tweak as tt
+sys.path.insert(0, {TESTS!r})
+from transformers.generation.configuration_utils import CompileConfig
+from test_generate import build
+model = build("llama")
+config = CompileConfig(mode="default")
+config._compile_all_devices = True
+model.generation_config.compile_config = config
+tt.load(model, {str(path)!r})
+data = torch.load({str(tmp_path / 'expected.pt')!r})
+with torch.no_grad():
+    got = model.generate(data["ids"], max_new_tokens=20, do_sample=False, cache_implementation="static")
+assert torch.equal(got, data["expected"]), "tokens differ"
+print(tt.status(model))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "decode loop (compiled) served 1 call" in done.stdout, done.stdout  # the load checked it, then it served ours

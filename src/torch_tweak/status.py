@@ -59,7 +59,8 @@ class ModelStatus(dict):
         text = _table(rows) if len(rows) > 1 else "no tuned modules"
         loop = self.decode_loop
         if loop is not None:
-            text += (f"\ngenerate(): tweak's decode loop ({loop['kind']}) served {loop['calls']} calls" +
+            calls = f"{loop['calls']} call" + ("" if loop["calls"] == 1 else "s")
+            text += (f"\ngenerate(): tweak's decode loop ({loop['kind']}) served {calls}" +
                      "".join(f"; transformers' loop ran {n} for {why}" for why, n in loop["fallbacks"].items()))
         return text
 
