@@ -48,6 +48,7 @@ with --merge, bench/results/gpu.md (tables, targets) and gpu.png (if matplotlib 
                               [--tweak-timeout S] [--json PATH]
     python bench/gpu_bench.py --cpu --rows encoder:fp32 --quick ...   # smoke run on the CPU
     python bench/gpu_bench.py --merge a.json b.json ... [--out-dir bench/results]
+    python bench/gpu_bench.py --cpu --roofline-of a.json ...   # the roofline of earlier runs' rows
 """
 
 from __future__ import annotations
@@ -245,7 +246,14 @@ def roofline(model: torch.nn.Module, data: list, dtype_name: str) -> dict:
 
     a, k = call_of(data[0])
     counter = FlopCounterMode(display=False)
-    with torch.no_grad():
+    # on a CPU, attention runs a fused kernel the counter has no formula for: the math
+    # kernel's matrix products count the same FLOPs (its op-by-op bytes then include the
+    # attention matrix, which a fused kernel never writes)
+    attention = contextlib.nullcontext()
+    if DEVICE == "cpu":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        attention = sdpa_kernel(SDPBackend.MATH)
+    with torch.no_grad(), attention:
         with counter:
             out = model(*a, **k)
         with OpBytes():
@@ -572,6 +580,34 @@ def bench_one(name: str, dtype_name: str, args: argparse.Namespace) -> dict:
     return row
 
 
+def add_roofline(paths: list[str]) -> None:
+    """For each run file, the same file with every row's roofline computed here (the FLOPs and
+    bytes of one call depend on the model and its inputs, not on the device that counts them)
+    and each measured column's roofline fraction from the run's own latencies; written beside
+    it as NAME-roofline.json."""
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        for row in data["rows"]:
+            if row.get("model") not in SIZES or row.get("dtype") not in DTYPES:
+                continue
+            model, rows_data = build(row["model"], DTYPES[row["dtype"]])
+            try:
+                row["roofline"] = roofline(model, rows_data, row["dtype"])
+            except Exception as exc:
+                row.setdefault("errors", {})["roofline"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                continue
+            row["roofline"]["counted_on"] = f"{DEVICE} at {source_commit()}, after the run"
+            row["roofline_fraction"] = {c: row["roofline"]["floor_ms"] / ms for c, ms in row.get("ms", {}).items()}
+            print(row["model"], row["dtype"], json.dumps({k: v for k, v in row["roofline"].items()}), flush=True)
+            del model, rows_data
+            gc.collect()
+        out = os.path.splitext(path)[0] + "-roofline.json"
+        with open(out, "w") as f:
+            json.dump(data, f, indent=1)
+        print("written:", out)
+
+
 def source_commit() -> str:
     """The commit of this checkout (with "+changes" when the tree differs from it), or "unknown".
     TT_BENCH_COMMIT names it instead, for a copied tree whose git metadata is not its own."""
@@ -853,6 +889,8 @@ def main() -> None:
     parser.add_argument("--probe", action="store_true", help="also time the replay path on a tiny graph")
     parser.add_argument("--json", default=os.path.join(HERE, "results", "gpu.json"))
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="write gpu.md and gpu.png from run files")
+    parser.add_argument("--roofline-of", nargs="+", metavar="JSON", help="add the roofline to earlier run files "
+                        "(counted on this machine, with --cpu on the CPU): writes NAME-roofline.json beside each")
     parser.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = parser.parse_args()
     args.warmup, args.rounds = (10, 30) if args.quick else (20, 100)
@@ -867,6 +905,9 @@ def main() -> None:
         DEVICE = "cpu"
     elif not torch.cuda.is_available():
         sys.exit("gpu_bench needs a CUDA device (or --cpu for a smoke run)")
+    if args.roofline_of:
+        add_roofline(args.roofline_of)
+        return
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     run(args)
 
