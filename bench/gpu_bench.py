@@ -22,6 +22,10 @@ after it (what a caller waits for, host overhead included).
                      tt.tweak(precision={"tf32": 1e-2}) / {"bf16": 0.05}: opt-in lower
                      precision, fp32 rows only (with --tweak-variants tf32,bf16)
 
+--columns runs only the compiling columns named (eager always runs). The run file is written
+after every column, so a run stopped at its time limit keeps the compile times it has (the
+row marked "partial"); latencies are measured, interleaved, once a row's columns are built.
+
 A compiling column that has not finished within --compile-timeout seconds (the tweak
 columns: --tweak-timeout) is stopped (an alarm raised in the compiling thread;
 dynamo is reset before the next column) and reported as "did not finish compiling in N s".
@@ -45,7 +49,7 @@ with --merge, bench/results/gpu.md (tables, targets) and gpu.png (if matplotlib 
     python bench/gpu_bench.py [--models encoder,bert,gpt2,vit,resnet50] [--dtypes fp32,bf16]
                               [--rows encoder:fp32,bert:bf16] [--quick] [--max-autotune]
                               [--compile-timeout S] [--tweak-variants high,tf32,bf16]
-                              [--tweak-timeout S] [--json PATH]
+                              [--tweak-timeout S] [--columns C,C...] [--json PATH]
     python bench/gpu_bench.py --cpu --rows encoder:fp32 --quick ...   # smoke run on the CPU
     python bench/gpu_bench.py --merge a.json b.json ... [--out-dir bench/results]
     python bench/gpu_bench.py --cpu --roofline-of a.json ...   # the roofline of earlier runs' rows
@@ -475,7 +479,8 @@ def replay_path_probe() -> list[dict]:
 # --------------------------------------------------------------------- run
 
 
-def bench_one(name: str, dtype_name: str, args: argparse.Namespace) -> dict:
+def bench_one(name: str, dtype_name: str, args: argparse.Namespace,
+              partial: Callable[[dict], None] = lambda row: None) -> dict:
     dtype = DTYPES[dtype_name]
     row: dict[str, Any] = {"model": name, "dtype": dtype_name, "size": SIZES[name], "ms": {}, "spread": {},
                            "errors": {}, "compile_s": {}}
@@ -509,6 +514,8 @@ def bench_one(name: str, dtype_name: str, args: argparse.Namespace) -> dict:
         if DEVICE != "cuda":
             row["errors"]["graph"] = "skipped: a CUDA graph needs CUDA (--cpu smoke run)"
             steps = steps[1:]
+        if args.columns:
+            steps = [(c, make) for c, make in steps if c in args.columns]
         for column, make in steps:
             print(f"  {name} {dtype_name}: {column}", flush=True)
             try:
@@ -520,23 +527,26 @@ def bench_one(name: str, dtype_name: str, args: argparse.Namespace) -> dict:
             except Exception as exc:  # a column that cannot run is reported, not fatal
                 row["errors"][column] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                 sync()
-    print(f"  {name} {dtype_name}: tweak", flush=True)
+            partial(row)
     mine = None
-    try:
-        budget = args.tweak_budget
-        if budget == "auto":
-            budget = 3 * row["compile_s"]["reduce-overhead"] if "reduce-overhead" in row["compile_s"] else None
-        row["tweak_budget_s"] = None if budget is None else float(budget)
-        runs["tweak"], row["tune_s"], result, mine = tweaked(model, data, row["tweak_budget_s"],
-                                                             timeout=args.tweak_timeout)
-        row["tweak_depth"] = result.selected_depth
-        row["tweak_table"] = str(result)
-        row["tweak_modules"] = {p: m.backend for p, m in result.modules.items()}
-        if result.selected_depth is not None:
-            row["tweak_selected"] = {p: row["tweak_modules"].get(p) for p in result.tree.cut(result.selected_depth)}
-    except Exception as exc:
-        row["errors"]["tweak"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-        traceback.print_exc()
+    if not args.columns or "tweak" in args.columns:
+        print(f"  {name} {dtype_name}: tweak", flush=True)
+        try:
+            budget = args.tweak_budget
+            if budget == "auto":
+                budget = 3 * row["compile_s"]["reduce-overhead"] if "reduce-overhead" in row["compile_s"] else None
+            row["tweak_budget_s"] = None if budget is None else float(budget)
+            runs["tweak"], row["tune_s"], result, mine = tweaked(model, data, row["tweak_budget_s"],
+                                                                 timeout=args.tweak_timeout)
+            row["tweak_depth"] = result.selected_depth
+            row["tweak_table"] = str(result)
+            row["tweak_modules"] = {p: m.backend for p, m in result.modules.items()}
+            if result.selected_depth is not None:
+                row["tweak_selected"] = {p: row["tweak_modules"].get(p) for p in result.tree.cut(result.selected_depth)}
+        except Exception as exc:
+            row["errors"]["tweak"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            traceback.print_exc()
+        partial(row)
     for variant in [v for v in (args.tweak_variants or "").split(",") if v]:
         options = TWEAK_VARIANTS[variant]
         if "precision" in options and dtype_name != "fp32":
@@ -553,6 +563,7 @@ def bench_one(name: str, dtype_name: str, args: argparse.Namespace) -> dict:
         except Exception as exc:
             row["errors"][column] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             traceback.print_exc()
+        partial(row)
     with torch.no_grad():  # every column's error against eager: its first output tensor, first sample
         import torch.utils._pytree as pytree
         first = lambda out: next(t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))  # noqa: E731
@@ -656,8 +667,13 @@ def run(args: argparse.Namespace) -> None:
     for name, dtype_name in pairs:
         if True:
             t0 = time.perf_counter()
+
+            def partial(row: dict) -> None:  # a run stopped at its limit keeps the compile times it has
+                with open(args.json, "w") as f:
+                    json.dump(dict(out, rows=out["rows"] + [dict(row, partial=True)]), f, indent=1)
+
             try:
-                row = bench_one(name, dtype_name, args)
+                row = bench_one(name, dtype_name, args, partial)
             except Exception as exc:
                 traceback.print_exc()
                 row = {"model": name, "dtype": dtype_name, "size": SIZES.get(name, ""), "ms": {},
@@ -875,6 +891,8 @@ def main() -> None:
     parser.add_argument("--rows", default="", help="model:dtype pairs instead of --models x --dtypes, "
                         "e.g. encoder:fp32,bert:bf16")
     parser.add_argument("--quick", action="store_true", help="fewer warm-up calls and rounds")
+    parser.add_argument("--columns", default="", help="only these compiling columns (eager always runs; tweak "
+                        "unless left out), e.g. reduce-overhead,max-autotune,tweak")
     parser.add_argument("--max-autotune", action="store_true",
                         help="add torch.compile mode max-autotune and max-autotune-no-cudagraphs")
     parser.add_argument("--compile-timeout", type=float, default=600.0,
@@ -894,6 +912,10 @@ def main() -> None:
     parser.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = parser.parse_args()
     args.warmup, args.rounds = (10, 30) if args.quick else (20, 100)
+    args.columns = [c for c in args.columns.split(",") if c]
+    unknown = sorted(set(args.columns) - set(COLUMNS))
+    if unknown:
+        sys.exit(f"unknown column {', '.join(unknown)}; the columns are {', '.join(COLUMNS)}")
     if args.merge:
         merge(args.merge, args.out_dir)
         return
