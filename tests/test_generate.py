@@ -327,6 +327,36 @@ def test_a_forged_decode_loop_entry_is_refused_whole(tmp_path, edit):
     assert generation.loop_of(fresh) is None and not tt.installed(fresh)
 
 
+def test_eight_threads_share_a_decode_loop_and_each_gets_its_untuned_tokens():
+    """Calls of different batch sizes and prompt lengths from eight threads at once: the
+    static cache length rule, and the graphs and caches a loop keeps, are shared by every
+    call; each thread must still get exactly the untuned tokens of its own prompt."""
+    import threading
+
+    model = build("llama")
+    prompts = [prompt(1 + i % 2, seed=i, length=4 + i % 5) for i in range(8)]
+    expected = [generate(model, p, "static") for p in prompts]
+    loop = generation.DecodeLoop(model, "loop")
+    generation.install(model, loop)
+    wrong, errors = [], []
+
+    def work(i: int) -> None:
+        try:
+            for _ in range(5):
+                if not torch.equal(generate(model, prompts[i], "static"), expected[i]):
+                    wrong.append(i)
+        except Exception as exc:  # noqa: BLE001 - every failure is reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and not wrong, (errors[:2], wrong)
+    assert loop.calls == 40 and not loop.fallbacks
+
+
 # ------------------------------------------------- transformers' compiled decode steps
 
 
@@ -368,6 +398,11 @@ def test_a_call_transformers_compiles_keeps_the_compiled_loop_and_its_tokens(tmp
         stop = dict(max_new_tokens=20, do_sample=False, cache_implementation="static", eos_token_id=eos,
                     pad_token_id=0)
         assert torch.equal(model.generate(ids, **stop), untuned.generate(ids, **stop))
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+    # the same call told not to compile: transformers runs eager steps, and so does the loop
+    with torch.no_grad():
+        eager = dict(max_new_tokens=20, do_sample=False, cache_implementation="static", disable_compile=True)
+        assert torch.equal(model.generate(ids, **eager), untuned.generate(ids, **eager))
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
     # saved, then loaded in a new process: the loop is checked and installed again there, and
     # the forward it calls is that process's own compile of transformers' forward

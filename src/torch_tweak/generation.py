@@ -36,6 +36,7 @@ import copy
 import dataclasses
 import inspect
 import logging
+import threading
 from typing import Any, Callable
 
 import torch
@@ -369,6 +370,7 @@ class DecodeLoop:
         self.checks: list[tuple[tuple, dict, torch.Tensor]] = []  # (args, kwargs, untuned tokens): what tt.save keeps
         self._graphs: dict[tuple, _StepGraph] = {}
         self._caches: dict[tuple, Any] = {}  # the compiled loop's static caches, per shape
+        self._lock = threading.Lock()
         self._previous_len: int = -1
         self.eager = False  # set by uncompiled(): the compiled loop's steps run the plain forward
 
@@ -390,8 +392,10 @@ class DecodeLoop:
                                "are counted in the model's decode loop (.fallbacks)", why)
             self.fallbacks[why] += 1
             return self.original(*args, **kwargs)
-        self.calls += 1
-        with torch.no_grad():
+        # one call at a time: the step graphs, the compiled loop's caches and the cache-length
+        # rule are shared by every call of the model
+        with self._lock, torch.no_grad():
+            self.calls += 1
             return self.decode(call)
 
     def layout_problem(self, call: Greedy) -> str | None:
@@ -458,9 +462,9 @@ class DecodeLoop:
             tokens = entry.run(first, prompt, call.max_new,
                                lambda n: eos is not None and bool(_finished(entry.tokens[:, :n], eos).all()))
         elif compiled:
-            tokens = self._compiled_steps(first, cache, call, prompt, eos)
+            tokens = self._compiled_steps(first, cache, call, prompt, eos, length)
         else:
-            tokens = self._steps(first, cache, call, prompt, eos)
+            tokens = self._steps(first, cache, call, prompt, eos, length)
         return torch.cat([ids, _stop(tokens, eos, call.pad)], dim=1)
 
     def _prefill(self, ids: torch.Tensor, cache: Any) -> torch.Tensor:
@@ -468,11 +472,11 @@ class DecodeLoop:
         return _logits(out)[:, -1, :].argmax(-1)
 
     def _steps(self, first: torch.Tensor, cache: Any, call: Greedy, prompt: int,
-               eos: torch.Tensor | None) -> torch.Tensor:
+               eos: torch.Tensor | None, length: int) -> torch.Tensor:
         tokens = [first]
         nxt = first
         batch = first.shape[0]
-        arange = torch.arange(self._previous_len, device=first.device) if call.static else None
+        arange = torch.arange(length, device=first.device) if call.static else None
         unfinished = torch.ones(batch, dtype=torch.bool, device=first.device)
         for step in range(1, call.max_new):
             if eos is not None:
@@ -494,7 +498,7 @@ class DecodeLoop:
 
 
     def _compiled_steps(self, first: torch.Tensor, cache: Any, call: Greedy, prompt: int,
-                        eos: torch.Tensor | None) -> torch.Tensor:
+                        eos: torch.Tensor | None, length: int) -> torch.Tensor:
         """The decode steps through transformers' compiled forward, the one its generate()
         would call (compiled once per model and compile config, and kept on the model). The
         arguments are laid out as transformers lays them out, contiguous as its are, so that
@@ -502,7 +506,6 @@ class DecodeLoop:
         read every CHECK_EVERY steps; tokens past an end-of-sequence are padded after."""
         forward = self.model.get_compiled_call(getattr(call.config, "compile_config", None))
         batch = first.shape[0]
-        length = self._previous_len
         arange = torch.arange(length, device=first.device)
         tokens = torch.empty(batch, call.max_new, dtype=first.dtype, device=first.device)
         tokens[:, 0] = first
