@@ -88,7 +88,6 @@ class Greedy:
     pad: int | None
     static: bool
     max_cache_len: int | None
-    no_compile: bool = False  # disable_compile: transformers would not compile the forward itself
     config: Any = None  # the call's GenerationConfig (what transformers' compile rule reads)
 
 
@@ -155,8 +154,7 @@ def greedy_call(model: nn.Module, args: tuple, kwargs: dict) -> Greedy | str:
     elif config.pad_token_id is not None and config.pad_token_id not in eos and bool((ids == config.pad_token_id).any()):
         return "the pad token in the prompt (transformers masks it)"
     static = config.cache_implementation == "static"
-    return Greedy(ids, int(max_new), eos, pad, static, config.max_cache_len,
-                  bool(getattr(config, "disable_compile", False)), config)
+    return Greedy(ids, int(max_new), eos, pad, static, config.max_cache_len, config)
 
 
 def new_cache(model: nn.Module, static: bool, length: int) -> Any:
@@ -176,7 +174,7 @@ def transformers_compiles(model: nn.Module, call: Greedy, cache: Any) -> bool:
     """Whether transformers' generate() would run this call's decode steps through its
     compiled forward (its own rule, asked of the model: a compileable cache, a device it
     compiles on, no disable_compile...)."""
-    if not call.static or call.no_compile or call.config is None:
+    if not call.static or call.config is None:
         return False
     rule = getattr(model, "_valid_auto_compile_criteria", None)
     if rule is None or not callable(getattr(model, "get_compiled_call", None)):
@@ -495,7 +493,6 @@ class DecodeLoop:
             nxt = _logits(out)[:, -1, :].argmax(-1)
             tokens.append(nxt)
         return torch.stack(tokens, dim=1)
-
 
     def _compiled_steps(self, first: torch.Tensor, cache: Any, call: Greedy, prompt: int,
                         eos: torch.Tensor | None, length: int) -> torch.Tensor:
