@@ -389,6 +389,8 @@ def test_a_call_transformers_compiles_keeps_the_compiled_loop_and_its_tokens(tmp
     assert [r["candidate"] for r in result.loop_report] == ["generate", "decode loop (compiled)"]
     assert all(row.latency_ms is None and "transformers' compiled forward" in row.error for row in result.rows)
     assert "generate() runs tweak's decode loop (compiled)" in result.outcome()
+    table = str(result)  # the depth table's last line says what is kept, not "it stays untuned"
+    assert "it stays untuned" not in table and "its modules stay untuned; generate() runs" in table, table
     graphs = dynamo_utils.counters["stats"]["unique_graphs"]
     with torch.no_grad():
         assert torch.equal(workload(model), workload(untuned))  # untuned: transformers' loop, compiled steps

@@ -108,7 +108,12 @@ class TweakResult:
 
     def __str__(self) -> str:
         if not self.cached:
-            return self._engine.format() + "".join("\n" + line for line in self.precision_lines()) + \
+            table = self._engine.format()
+            if self.decode_loop:  # the engine knows depths only: what stays untuned is the modules
+                table = table.replace(": it stays untuned\n",
+                                      f": its modules stay untuned; generate() runs tweak's decode "
+                                      f"loop ({self.decode_loop})\n")
+            return table + "".join("\n" + line for line in self.precision_lines()) + \
                 self._tokens_table()
         return self._table + "\n(from the tuning cache: the figures are those of the tweak that measured them)"
 
