@@ -22,9 +22,12 @@ after it (what a caller waits for, host overhead included).
                      tt.tweak(precision={"tf32": 1e-2}) / {"bf16": 0.05}: opt-in lower
                      precision, fp32 rows only (with --tweak-variants tf32,bf16)
 
---columns runs only the compiling columns named (eager always runs). The run file is written
-after every column, so a run stopped at its time limit keeps the compile times it has (the
-row marked "partial"); latencies are measured, interleaved, once a row's columns are built.
+--columns runs only the columns named, in that order (eager always runs; tweak-high,
+tweak-tf32 and tweak-bf16 may be named there too). Each column, once built, is measured at
+once beside eager (5 warm-up calls, 20 interleaved rounds), and the run file is written after
+every column, so a run stopped at its time limit keeps the compile times and these first
+latencies it has (the row marked "partial"; --merge shows those latencies, marked). Once a
+row's columns are all built they are measured together, interleaved, for its figures.
 
 A compiling column that has not finished within --compile-timeout seconds (the tweak
 columns: --tweak-timeout) is stopped (an alarm raised in the compiling thread;
@@ -475,6 +478,25 @@ def replay_path_probe() -> list[dict]:
 # --------------------------------------------------------------------- run
 
 
+def columns_of(args: argparse.Namespace, dtype_name: str) -> list[str]:
+    """The columns of a row, in the order they are built: --columns as given, or every
+    alternative (the max-autotune ones with --max-autotune), tweak, then --tweak-variants.
+    Lower-precision variants are for fp32 rows only, tf32 for CUDA only."""
+    if args.columns:
+        wanted = [c for c in args.columns if c != "eager"]
+    else:
+        wanted = [c for c in ALTERNATIVES[1:] if args.max_autotune or not c.startswith("max-autotune")]
+        wanted += ["tweak"] + [f"tweak-{v}" for v in (args.tweak_variants or "").split(",") if v]
+    keep = []
+    for c in wanted:
+        if c in ("tweak-tf32", "tweak-bf16") and dtype_name != "fp32":
+            continue
+        if c == "tweak-tf32" and DEVICE != "cuda":
+            continue
+        keep.append(c)
+    return keep
+
+
 def bench_one(name: str, dtype_name: str, args: argparse.Namespace,
               partial: Callable[[dict], None] = lambda row: None) -> dict:
     dtype = DTYPES[dtype_name]
@@ -496,69 +518,58 @@ def bench_one(name: str, dtype_name: str, args: argparse.Namespace,
         return model(*a, **k)
 
     runs["eager"] = eager
-    with torch.no_grad():
-        timeout = args.compile_timeout
-        steps: list[tuple[str, Callable[[], Any]]] = [
-            ("graph", lambda: whole_graph(model, data)),
-            ("compile", lambda: compiled(model, data, None, timeout)),
-            ("reduce-overhead", lambda: compiled(model, data, "reduce-overhead", timeout)),
-        ]
-        if args.max_autotune:
-            steps.append(("max-autotune", lambda: compiled(model, data, "max-autotune", timeout)))
-            steps.append(("max-autotune-no-cudagraphs",
-                          lambda: compiled(model, data, "max-autotune-no-cudagraphs", timeout)))
-        if DEVICE != "cuda":
-            row["errors"]["graph"] = "skipped: a CUDA graph needs CUDA (--cpu smoke run)"
-            steps = steps[1:]
-        if args.columns:
-            steps = [(c, make) for c, make in steps if c in args.columns]
-        for column, make in steps:
-            print(f"  {name} {dtype_name}: {column}", flush=True)
-            try:
-                made = make()
+    timeout = args.compile_timeout
+    makers: dict[str, Callable[[], Any]] = {
+        "graph": lambda: whole_graph(model, data),
+        "compile": lambda: compiled(model, data, None, timeout),
+        "reduce-overhead": lambda: compiled(model, data, "reduce-overhead", timeout),
+        "max-autotune": lambda: compiled(model, data, "max-autotune", timeout),
+        "max-autotune-no-cudagraphs": lambda: compiled(model, data, "max-autotune-no-cudagraphs", timeout),
+    }
+    mine = None
+    for column in columns_of(args, dtype_name):
+        print(f"  {name} {dtype_name}: {column}", flush=True)
+        try:
+            if column == "graph" and DEVICE != "cuda":
+                raise RuntimeError("skipped: a CUDA graph needs CUDA (--cpu smoke run)")
+            if column == "tweak":
+                budget = args.tweak_budget
+                if budget == "auto":
+                    budget = 3 * row["compile_s"]["reduce-overhead"] if "reduce-overhead" in row["compile_s"] else None
+                row["tweak_budget_s"] = None if budget is None else float(budget)
+                runs["tweak"], row["tune_s"], result, mine = tweaked(model, data, row["tweak_budget_s"],
+                                                                     timeout=args.tweak_timeout)
+                row["tweak_depth"] = result.selected_depth
+                row["tweak_table"] = str(result)
+                row["tweak_modules"] = {p: m.backend for p, m in result.modules.items()}
+                if result.selected_depth is not None:
+                    row["tweak_selected"] = {p: row["tweak_modules"].get(p)
+                                             for p in result.tree.cut(result.selected_depth)}
+            elif column.startswith("tweak-"):
+                options = TWEAK_VARIANTS[column[len("tweak-"):]]
+                runs[column], row["compile_s"][column], res, _ = tweaked(model, data, None, options,
+                                                                         args.tweak_timeout)
+                row.setdefault("variants", {})[column] = {
+                    "depth": res.selected_depth, "table": str(res), "lower_precision": res.lower_precision,
+                    "chosen": {p: m.backend for p, m in res.modules.items() if m.kept and m.backend}}
+            else:
+                with torch.no_grad():
+                    made = makers[column]()
                 if isinstance(made, tuple):
                     runs[column], row["compile_s"][column] = made
                 else:
                     runs[column] = made
-            except Exception as exc:  # a column that cannot run is reported, not fatal
-                row["errors"][column] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-                sync()
-            partial(row)
-    mine = None
-    if not args.columns or "tweak" in args.columns:
-        print(f"  {name} {dtype_name}: tweak", flush=True)
-        try:
-            budget = args.tweak_budget
-            if budget == "auto":
-                budget = 3 * row["compile_s"]["reduce-overhead"] if "reduce-overhead" in row["compile_s"] else None
-            row["tweak_budget_s"] = None if budget is None else float(budget)
-            runs["tweak"], row["tune_s"], result, mine = tweaked(model, data, row["tweak_budget_s"],
-                                                                 timeout=args.tweak_timeout)
-            row["tweak_depth"] = result.selected_depth
-            row["tweak_table"] = str(result)
-            row["tweak_modules"] = {p: m.backend for p, m in result.modules.items()}
-            if result.selected_depth is not None:
-                row["tweak_selected"] = {p: row["tweak_modules"].get(p) for p in result.tree.cut(result.selected_depth)}
-        except Exception as exc:
-            row["errors"]["tweak"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-            traceback.print_exc()
-        partial(row)
-    for variant in [v for v in (args.tweak_variants or "").split(",") if v]:
-        options = TWEAK_VARIANTS[variant]
-        if "precision" in options and dtype_name != "fp32":
-            continue  # lower-precision policies are for fp32 models
-        if variant == "tf32" and DEVICE != "cuda":
-            continue
-        column = f"tweak-{variant}"
-        print(f"  {name} {dtype_name}: {column}", flush=True)
-        try:
-            runs[column], row["compile_s"][column], res, _ = tweaked(model, data, None, options, args.tweak_timeout)
-            row.setdefault("variants", {})[column] = {
-                "depth": res.selected_depth, "table": str(res), "lower_precision": res.lower_precision,
-                "chosen": {p: m.backend for p, m in res.modules.items() if m.kept and m.backend}}
-        except Exception as exc:
+        except Exception as exc:  # a column that cannot run is reported, not fatal
             row["errors"][column] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-            traceback.print_exc()
+            if column.startswith("tweak"):
+                traceback.print_exc()
+            sync()
+        if column in runs:  # a first latency now, paired with eager: a row cut short keeps it
+            try:
+                first = measure({"eager": eager, column: runs[column]}, len(data), 5, 20)
+                row.setdefault("early", {})[column] = {"ms": first[column]["ms"], "eager_ms": first["eager"]["ms"]}
+            except Exception as exc:
+                row["errors"][f"{column} early"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         partial(row)
     with torch.no_grad():  # every column's error against eager: its first output tensor, first sample
         import torch.utils._pytree as pytree
@@ -704,12 +715,28 @@ def targets(row: dict) -> dict:
     return t
 
 
+def first_only(row: dict) -> None:
+    """A row its run's time limit cut short has no interleaved figures: its columns' first
+    latencies (each measured beside eager right after its build) stand in, eager's the median
+    of its pairings, and the row is marked."""
+    if row.get("ms") or not row.get("early"):
+        return
+    early = row["early"]
+    row["ms"] = {c: e["ms"] for c, e in early.items()}
+    row["ms"]["eager"] = statistics.median(e["eager_ms"] for e in early.values())
+    row["first_only"] = True
+    if row.get("roofline"):
+        row["roofline_fraction"] = {c: row["roofline"]["floor_ms"] / ms for c, ms in row["ms"].items()}
+
+
 def merge(paths: list[str], out_dir: str) -> None:
     runs = [json.load(open(p)) for p in paths]
     rows = [r for run in runs for r in run["rows"]]
     order = {m: i for i, m in enumerate(MODELS)}
     rows.sort(key=lambda r: (order.get(r["model"], len(order)), list(DTYPES).index(r["dtype"])
                              if r["dtype"] in DTYPES else len(DTYPES)))
+    for r in rows:
+        first_only(r)
     env = runs[0]["environment"]
     settings = runs[0]["settings"]
     probe = next((r["replay_path"] for r in runs if r.get("replay_path")), None)
@@ -746,7 +773,12 @@ def merge(paths: list[str], out_dir: str) -> None:
         t = targets(r)
         vs_eager = f"{ms['eager'] / ms['tweak']:.2f}x" if "tweak" in ms and "eager" in ms else "-"
         vs_best = (f"{ms[t['best_alt']] / ms['tweak']:.2f}x ({t['best_alt']})" if "best_alt" in t else "-")
-        md.append(f"| {r['model']} | {r['dtype']} | " + " | ".join(cells) + f" | {vs_eager} | {vs_best} |")
+        mark = " *" if r.get("first_only") else ""
+        md.append(f"| {r['model']}{mark} | {r['dtype']} | " + " | ".join(cells) + f" | {vs_eager} | {vs_best} |")
+    if any(r.get("first_only") for r in rows):
+        md += ["", "\\* a row its run's time limit stopped before the final measurement: each latency is the "
+               "column's first one, measured beside eager right after its build (5 warm-up calls, 20 interleaved "
+               "rounds); eager's is the median of its pairings. Columns left empty were not reached."]
     md += ["", "## Tuning and compile time (s)", "",
            "Compile time: the wall time of the first three calls. tweak budget: the time_budget given to "
            "tt.tweak (none: its defaults; with --tweak-budget auto, 3x reduce-overhead's compile time; "
@@ -887,8 +919,8 @@ def main() -> None:
     parser.add_argument("--rows", default="", help="model:dtype pairs instead of --models x --dtypes, "
                         "e.g. encoder:fp32,bert:bf16")
     parser.add_argument("--quick", action="store_true", help="fewer warm-up calls and rounds")
-    parser.add_argument("--columns", default="", help="only these compiling columns (eager always runs; tweak "
-                        "unless left out), e.g. reduce-overhead,max-autotune,tweak")
+    parser.add_argument("--columns", default="", help="only these columns, built in this order (eager always "
+                        "runs), e.g. reduce-overhead,tweak,max-autotune,tweak-high")
     parser.add_argument("--max-autotune", action="store_true",
                         help="add torch.compile mode max-autotune and max-autotune-no-cudagraphs")
     parser.add_argument("--compile-timeout", type=float, default=600.0,
