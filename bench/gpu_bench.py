@@ -356,6 +356,22 @@ def tweaked(model: torch.nn.Module, data: list, budget: float | None, options: d
 # ---------------------------------------------------------------- measuring
 
 
+def output_error(reference: Callable[[int], Any], run: Callable[[int], Any]) -> float:
+    """Largest absolute difference of `run`'s first output tensor from `reference`'s, on the
+    first sample, over the reference's largest magnitude; the device synchronised after."""
+    import torch.utils._pytree as pytree
+
+    def first(out: Any) -> torch.Tensor:
+        return next(t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+
+    with torch.no_grad():
+        ref = first(reference(0)).float().clone()
+        out = first(run(0)).float()
+        error = ((out - ref).abs().max() / ref.abs().max()).item()
+    sync()
+    return error
+
+
 def measure(runs: dict[str, Callable[[int], Any]], n_data: int, warmup: int, rounds: int) -> dict[str, dict]:
     """Median (and quartiles) of one synchronised call per round, the columns interleaved."""
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -567,21 +583,18 @@ def bench_one(name: str, dtype_name: str, args: argparse.Namespace,
         if column in runs:  # a first latency now, paired with eager: a row cut short keeps it
             try:
                 first = measure({"eager": eager, column: runs[column]}, len(data), 5, 20)
-                row.setdefault("early", {})[column] = {"ms": first[column]["ms"], "eager_ms": first["eager"]["ms"]}
+                row.setdefault("early", {})[column] = {"ms": first[column]["ms"], "eager_ms": first["eager"]["ms"],
+                                                       "error": output_error(eager, runs[column])}
             except Exception as exc:
                 row["errors"][f"{column} early"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         partial(row)
-    with torch.no_grad():  # every column's error against eager: its first output tensor, first sample
-        import torch.utils._pytree as pytree
-        first = lambda out: next(t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))  # noqa: E731
-        ref = first(runs["eager"](0)).float().clone()
-        row["max_error"] = {}
-        for column, run in runs.items():
-            try:
-                out = first(run(0)).float()
-                row["max_error"][column] = ((out - ref).abs().max() / ref.abs().max()).item()
-            except Exception as exc:
-                row["errors"][f"{column} error"] = f"{type(exc).__name__}: {exc}"
+    row["max_error"] = {}
+    for column, run in runs.items():  # every column's error against eager, each synchronised: a
+        try:                          # device error is laid at the column that raised it
+            row["max_error"][column] = output_error(eager, run)
+        except Exception as exc:
+            row["errors"][f"{column} error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    partial(row)
     print(f"  {name} {dtype_name}: measuring {', '.join(runs)}", flush=True)
     stats = measure(runs, len(data), args.warmup, args.rounds)
     for column, s in stats.items():
@@ -675,22 +688,32 @@ def run(args: argparse.Namespace) -> None:
         if True:
             t0 = time.perf_counter()
 
+            last: dict[str, dict] = {}
+
             def partial(row: dict) -> None:  # a run stopped at its limit keeps the compile times it has
+                last["row"] = row
                 with open(args.json, "w") as f:
                     json.dump(dict(out, rows=out["rows"] + [dict(row, partial=True)]), f, indent=1)
 
+            dead = False
             try:
                 row = bench_one(name, dtype_name, args, partial)
-            except Exception as exc:
+            except Exception as exc:  # what the row had built and measured so far is kept
                 traceback.print_exc()
-                row = {"model": name, "dtype": dtype_name, "size": SIZES.get(name, ""), "ms": {},
-                       "errors": {"all": f"{type(exc).__name__}: {exc}"}, "compile_s": {}}
+                row = dict(last.get("row") or {"model": name, "dtype": dtype_name, "size": SIZES.get(name, ""),
+                                               "compile_s": {}, "errors": {}}, partial=True, ms={})
+                row["errors"] = dict(row.get("errors", {}), all=f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
+                # a device error is sticky: nothing after it in this process can run
+                dead = DEVICE == "cuda" and "CUDA error" in str(exc)
             row["wall_s"] = time.perf_counter() - t0
             out["rows"].append(row)
             print(json.dumps({k: row.get(k) for k in ("model", "dtype", "ms", "compile_s", "tune_s", "errors",
                                                        "tweak_depth", "wall_s")}), flush=True)
             with open(args.json, "w") as f:  # after every row: a run stopped at its limit keeps what it did
                 json.dump(out, f, indent=1)
+            if dead:
+                print("the device is in an error state: the rows left need a new process", flush=True)
+                break
     print(f"written: {args.json}")
 
 
@@ -725,6 +748,9 @@ def first_only(row: dict) -> None:
     row["ms"] = {c: e["ms"] for c, e in early.items()}
     row["ms"]["eager"] = statistics.median(e["eager_ms"] for e in early.values())
     row["first_only"] = True
+    for c, e in early.items():
+        if e.get("error") is not None:
+            row.setdefault("max_error", {}).setdefault(c, e["error"])
     if row.get("roofline"):
         row["roofline_fraction"] = {c: row["roofline"]["floor_ms"] / ms for c, ms in row["ms"].items()}
 
