@@ -45,8 +45,9 @@ AUTOTUNE_MODE = "max-autotune-no-cudagraphs"
 
 EFFORTS = ("default", "high")
 """tt.tweak(effort=...): "default" tries the backends alone (today's tuning time); "high" also
-tries channels-last variants for modules with convolutions, every SDPA kernel for modules that
-call scaled_dot_product_attention (CUDA only) and Inductor's max-autotune for the heavy modules."""
+tries, for the heavy modules (HEAVY_SHARE), channels-last variants where they have convolutions,
+every SDPA kernel where they call scaled_dot_product_attention (CUDA only) and Inductor's
+max-autotune."""
 
 PRECISIONS = ("tf32", "bf16", "int8", "fp8")
 """tt.tweak(precision={policy: tolerance}): "tf32" (float32 matmuls in TF32; CUDA), "bf16"
@@ -54,8 +55,14 @@ PRECISIONS = ("tf32", "bf16", "int8", "fp8")
 of compute capability 8.9 or newer)."""
 
 HEAVY_SHARE = 0.2
-"""A module is heavy, and gets max-autotune candidates with effort="high", when its time in
-the inspected run is at least this share of the whole model's (the model itself always is)."""
+"""A module is heavy, and gets effort="high"'s variants (channels-last, SDPA kernels,
+max-autotune), when its time in the inspected run is at least this share of the whole model's
+(the model itself always is). A light module's variant could gain at most its own small share,
+and each costs a build (often a compile): the tuning time of effort="high" then grows with the
+few heavy modules, not with the model's many small ones."""
+
+EFFORT_RULES = ("conv", "sdpa", "heavy")
+"""The rules of effort="high"'s variants: each applies to heavy modules only."""
 
 AXIS_SCHEMA = {"memory_format": OneOf(LAYOUTS), "sdpa_kernel": OneOf(SDPA_KERNELS), "tf32": Flag(),
                "autocast_dtype": DType(AUTOCAST_DTYPES)}
@@ -315,7 +322,7 @@ class Axes:
     """Which variants a strategy adds to its backends, and to which modules.
 
     effort: "default" or "high" (see EFFORTS). precision: ((policy, tolerance), ...) (see
-    PRECISIONS), opt-in. heavy: module_key of the modules that get max-autotune variants
+    PRECISIONS), opt-in. heavy: module_key of the modules that get effort="high"'s variants
     (None: every module)."""
 
     effort: str = "default"
@@ -366,10 +373,10 @@ class Axes:
         return out
 
     def applies(self, rule: str, module: torch.nn.Module, samples: Sequence[Call]) -> bool:
+        if rule in EFFORT_RULES and not (self.heavy is None or module_key(module) in self.heavy):
+            return False  # effort goes where the time is: a light module's variants could gain little
         if rule == "conv":
             return has_conv(module)
-        if rule == "heavy":
-            return self.heavy is None or module_key(module) in self.heavy
         if rule == "sdpa":
             return calls_sdpa(module, samples)
         if rule == "fp32":
