@@ -538,6 +538,10 @@ int tw_result_noisy(const tw_result *result);
  * speedup against untuned, status or error) and one for the untuned model,
  * the selected row marked with '>'. Free with tw_free(). */
 char *tw_result_format(const tw_result *result, tw_error *err);
+/* The same table; `untuned` (NULL: "it stays untuned") ends its last line when no
+ * depth is kept, for a caller that keeps something else, e.g. "its modules stay
+ * untuned; generate() runs tweak's decode loop (graph)". */
+char *tw_result_format_as(const tw_result *result, const char *untuned, tw_error *err);
 
 #ifdef __cplusplus
 }

@@ -367,7 +367,7 @@ static void tw_format_depth_row(tw_buf *buf, const tw_result *result, size_t i)
     tw_buf_appendf(buf, "\n");
 }
 
-static void tw_format_summary(tw_buf *buf, const tw_result *result)
+static void tw_format_summary(tw_buf *buf, const tw_result *result, const char *untuned)
 {
     const tw_row *row;
     const tw_confirmation *c = &result->confirmation;
@@ -382,8 +382,8 @@ static void tw_format_summary(tw_buf *buf, const tw_result *result)
                        c->untuned.spread * 100.0, c->speedup_low, c->speedup_high);
     } else if (c->measured) {
         tw_buf_appendf(buf, "depth %d was within noise of the untuned model measured side by "
-                       "side (%.2fx, from %.2fx to %.2fx): it stays untuned\n", c->depth,
-                       c->speedup, c->speedup_low, c->speedup_high);
+                       "side (%.2fx, from %.2fx to %.2fx): %s\n", c->depth,
+                       c->speedup, c->speedup_low, c->speedup_high, untuned);
     } else if (result->selected >= 0) {
         row = &result->rows[result->selected].row;
         tw_buf_appendf(buf, "selected depth %d: %.2fx faster than untuned (%.3f ms against "
@@ -392,11 +392,16 @@ static void tw_format_summary(tw_buf *buf, const tw_result *result)
                            ? result->baseline.median_ns / row->stats.median_ns : 0.0,
                        row->stats.median_ns / 1e6, result->baseline.median_ns / 1e6);
     } else {
-        tw_buf_appendf(buf, "no depth beat the untuned model: it stays untuned\n");
+        tw_buf_appendf(buf, "no depth beat the untuned model: %s\n", untuned);
     }
 }
 
 char *tw_result_format(const tw_result *result, tw_error *err)
+{
+    return tw_result_format_as(result, NULL, err);
+}
+
+char *tw_result_format_as(const tw_result *result, const char *untuned, tw_error *err)
 {
     tw_buf buf;
     char *text = NULL;
@@ -424,7 +429,7 @@ char *tw_result_format(const tw_result *result, tw_error *err)
     /* the untuned model wraps nothing: its module columns stay empty */
     tw_buf_appendf(&buf, TW_TABLE_ROW "%s\n", "", "untuned", "-", "-", latency, spread, speedup,
                    result->baseline_measured ? "" : "  not measured");
-    tw_format_summary(&buf, result);
+    tw_format_summary(&buf, result, untuned != NULL ? untuned : "it stays untuned");
     if (tw_result_noisy(result)) {
         tw_buf_appendf(&buf, "the measurements spread by up to %.0f%%: the machine was busy; close "
                        "other work and tweak again, or measure longer (measure={\"rounds_max\": "

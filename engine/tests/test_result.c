@@ -90,6 +90,11 @@ static void test_budget_and_untuned(void)
     CHECK(text != NULL && strchr(text, '>') == NULL);
     CHECK_HAS(text, "no depth beat the untuned model: it stays untuned");
     tw_free(text);
+    /* a caller that keeps something else names what stays untuned */
+    text = tw_result_format_as(result, "its modules stay untuned; a loop runs", NULL);
+    CHECK_HAS(text, "no depth beat the untuned model: its modules stay untuned; a loop runs\n");
+    CHECK(text != NULL && strstr(text, "it stays untuned") == NULL);
+    tw_free(text);
     fake_model_teardown(&m, result);
 }
 

@@ -307,26 +307,36 @@ cleanup:
 }
 
 static PyObject *
-tt_result_format(TtResult *self, PyObject *unused)
+tt_result_format(TtResult *self, PyObject *args, PyObject *kwargs)
 {
+    static char *keywords[] = {"untuned", NULL};
     TtState *st = (TtState *)PyType_GetModuleState(Py_TYPE(self));
+    const char *untuned = NULL;
     tw_error err;
 
-    (void)unused;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|z:format", keywords, &untuned)) {
+        return NULL;
+    }
     memset(&err, 0, sizeof(err));
-    return tt_take_formatted(st, tw_result_format(self->result, &err), &err);
+    return tt_take_formatted(st, tw_result_format_as(self->result, untuned, &err), &err);
 }
 
 static PyObject *
 tt_result_str(TtResult *self)
 {
-    return tt_result_format(self, NULL);
+    TtState *st = (TtState *)PyType_GetModuleState(Py_TYPE(self));
+    tw_error err;
+
+    memset(&err, 0, sizeof(err));
+    return tt_take_formatted(st, tw_result_format(self->result, &err), &err);
 }
 
 static PyMethodDef tt_result_methods[] = {
     {"module", (PyCFunction)tt_result_module, METH_O,
      "module(node) -> (1 tuned, -1 failed, 0 never tuned; error)"},
-    {"format", (PyCFunction)tt_result_format, METH_NOARGS, "format() -> the result table"},
+    {"format", (PyCFunction)(void (*)(void))tt_result_format, METH_VARARGS | METH_KEYWORDS,
+     "format(untuned=None) -> the result table; untuned: what its last line says stays untuned "
+     "when no depth is kept (None: \"it stays untuned\")"},
     {NULL, NULL, 0, NULL}};
 
 static PyGetSetDef tt_result_getset[] = {

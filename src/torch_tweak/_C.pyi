@@ -138,7 +138,9 @@ class Result:
     def modules(self) -> list[ModuleReport]:
         """Every searched module, in node order: a ModuleReport with "node", "depths"
         (the rows' depths whose cut holds it) and "kept" (the kept cut holds it)."""
-    def format(self) -> str: ...
+    def format(self, untuned: Optional[str] = None) -> str:
+        """The result table; `untuned` ends its last line when no depth is kept (None:
+        "it stays untuned")."""
 
 MODE_ORIGINAL: int
 MODE_ACTIVE: int

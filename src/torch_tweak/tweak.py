@@ -108,11 +108,9 @@ class TweakResult:
 
     def __str__(self) -> str:
         if not self.cached:
-            table = self._engine.format()
-            if self.decode_loop:  # the engine knows depths only: what stays untuned is the modules
-                table = table.replace(": it stays untuned\n",
-                                      f": its modules stay untuned; generate() runs tweak's decode "
-                                      f"loop ({self.decode_loop})\n")
+            # the engine knows depths only: with a decode loop kept, what stays untuned is the modules
+            table = self._engine.format(untuned=f"its modules stay untuned; generate() runs tweak's decode "
+                                        f"loop ({self.decode_loop})" if self.decode_loop else None)
             return table + "".join("\n" + line for line in self.precision_lines()) + \
                 self._tokens_table()
         return self._table + "\n(from the tuning cache: the figures are those of the tweak that measured them)"
