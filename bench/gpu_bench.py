@@ -912,7 +912,8 @@ def merge(paths: list[str], out_dir: str) -> None:
             n_rows += 1
             n_lt += bool(t["lt_best"])
         yes = lambda v: "-" if v is None else ("yes" if v else "NO")  # noqa: E731
-        md.append(f"| {r['model']} | {r['dtype']} | {yes(t.get('le_best'))} | {yes(t.get('lt_best'))} | "
+        md.append(f"| {r['model']}{' *' if r.get('first_only') else ''} | {r['dtype']} | {yes(t.get('le_best'))} | "
+                  f"{yes(t.get('lt_best'))} | "
                   f"{yes(t['tune_ratio'] <= 3 if 'tune_ratio' in t else None)}"
                   f"{' (%.2fx)' % t['tune_ratio'] if 'tune_ratio' in t else ''} | "
                   f"{yes(t['dispatch_max_ns'] < 500 if 'dispatch_max_ns' in t else None)}"
