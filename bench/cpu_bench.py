@@ -1,9 +1,10 @@
 """torch-tweak against the alternatives on this machine's CPU, model by model, fp32.
 
 Every column gets the same inputs (a few random calls of one shape, cycled), the same
-warm-up and the same statistic: the median over interleaved rounds (A, B, C, A, B, C...)
-of one call (what a caller waits for, Python overhead included), with the interquartile
-range as the spread.
+warm-up and the same statistic: the median over interleaved rounds of one call (what a caller
+waits for, Python overhead included), the order rotated by one each round (A, B, C, then
+B, C, A, then C, A, B...) so that no column always runs right after the same one; the
+interquartile range is the spread.
 
     eager        the model as it is
     compile      torch.compile, default mode; its compile time is the wall time of its
@@ -200,10 +201,14 @@ def measure(runs: dict[str, Callable[[int], Any]], warmup: int, rounds: int) -> 
         for run in runs.values():
             for i in range(warmup):
                 run(i)
+        names = list(runs)
         for r in range(rounds):
-            for name, run in runs.items():
+            # each round starts one column further on: every column follows every other equally
+            # often (what runs just before a call, e.g. torch's OpenMP threads still spinning
+            # after eager's last parallel region, slows it)
+            for name in names[r % len(names):] + names[:r % len(names)]:
                 t0 = time.perf_counter_ns()
-                run(r)
+                runs[name](r)
                 times[name].append((time.perf_counter_ns() - t0) / 1e6)
     out = {}
     for name, ts in times.items():

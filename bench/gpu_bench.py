@@ -2,7 +2,7 @@
 
 For each model and dtype, every column gets the same inputs (a dataset of a few random
 calls of one shape, cycled), the same warm-up and the same statistic: the median over
-interleaved rounds (A, B, C, A, B, C...) of one call, the device synchronised before and
+interleaved rounds (A, B, C, then B, C, A, then C, A, B...) of one call, the device synchronised before and
 after it (what a caller waits for, host overhead included).
 
     eager            the model as it is
@@ -56,7 +56,7 @@ run's variants, each against the default tweak measured interleaved with it in i
     python bench/gpu_bench.py [--models encoder,bert,gpt2,vit,resnet50] [--dtypes fp32,bf16]
                               [--rows encoder:fp32,bert:bf16] [--quick] [--max-autotune]
                               [--compile-timeout S] [--tweak-variants high,tf32,bf16]
-                              [--tweak-timeout S] [--columns C,C...] [--json PATH]
+                              [--tweak-timeout S] [--columns C,C...] [--mark-step] [--json PATH]
     python bench/gpu_bench.py --cpu --rows encoder:fp32 --quick ...   # smoke run on the CPU
     python bench/gpu_bench.py --merge a.json b.json ... [--out-dir bench/results]
     python bench/gpu_bench.py --cpu --roofline-of a.json ...   # the roofline of earlier runs' rows
@@ -317,10 +317,13 @@ def whole_graph(model: torch.nn.Module, data: list) -> Callable[[int], Any]:
     return run
 
 
-def compiled(model: torch.nn.Module, data: list, mode: str | None,
-             timeout: float | None = None) -> tuple[Callable[[int], Any], float]:
+def compiled(model: torch.nn.Module, data: list, mode: str | None, timeout: float | None = None,
+             mark_step: bool = False) -> tuple[Callable[[int], Any], float]:
     """torch.compile of a copy of the model; (run, seconds of its first three calls), cold.
-    CompileTimeout when those calls take more than `timeout` seconds."""
+    CompileTimeout when those calls take more than `timeout` seconds. mark_step: a mode with
+    CUDA graph trees is told that each measured call begins a new step
+    (torch.compiler.cudagraph_mark_step_begin), as torch advises when several compiled
+    functions share the trees."""
     cold_compiler(mode or "default")
     fn = torch.compile(copy.deepcopy(model), mode=mode)
     t0 = time.perf_counter()
@@ -331,8 +334,12 @@ def compiled(model: torch.nn.Module, data: list, mode: str | None,
         sync()
     seconds = time.perf_counter() - t0
 
+    step = mark_step and mode in ("reduce-overhead", "max-autotune")
+
     def run(i: int) -> Any:
         a, k = call_of(data[i % len(data)])
+        if step:
+            torch.compiler.cudagraph_mark_step_begin()
         return fn(*a, **k)
 
     return run, seconds
@@ -377,18 +384,20 @@ def output_error(reference: Callable[[int], Any], run: Callable[[int], Any]) -> 
 
 
 def measure(runs: dict[str, Callable[[int], Any]], n_data: int, warmup: int, rounds: int) -> dict[str, dict]:
-    """Median (and quartiles) of one synchronised call per round, the columns interleaved."""
+    """Median (and quartiles) of one synchronised call per round, the columns interleaved, the
+    order rotated by one each round."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     with torch.no_grad():
         for name, run in runs.items():
             for i in range(warmup):
                 run(i)
         sync()
-        for r in range(rounds):
-            for name, run in runs.items():
+        names = list(runs)
+        for r in range(rounds):  # each round starts one column further on: none always follows the same one
+            for name in names[r % len(names):] + names[:r % len(names)]:
                 sync()
                 t0 = time.perf_counter_ns()
-                run(r)
+                runs[name](r)
                 sync()
                 times[name].append((time.perf_counter_ns() - t0) / 1e6)
     out = {}
@@ -542,8 +551,8 @@ def bench_one(name: str, dtype_name: str, args: argparse.Namespace,
     makers: dict[str, Callable[[], Any]] = {
         "graph": lambda: whole_graph(model, data),
         "compile": lambda: compiled(model, data, None, timeout),
-        "reduce-overhead": lambda: compiled(model, data, "reduce-overhead", timeout),
-        "max-autotune": lambda: compiled(model, data, "max-autotune", timeout),
+        "reduce-overhead": lambda: compiled(model, data, "reduce-overhead", timeout, args.mark_step),
+        "max-autotune": lambda: compiled(model, data, "max-autotune", timeout, args.mark_step),
         "max-autotune-no-cudagraphs": lambda: compiled(model, data, "max-autotune-no-cudagraphs", timeout),
     }
     mine = None
@@ -683,7 +692,8 @@ def run(args: argparse.Namespace) -> None:
                                                        "samples": N_SAMPLES, "tweak_budget": args.tweak_budget,
                                                        "compile_timeout": args.compile_timeout,
                                                        "tweak_timeout": args.tweak_timeout,
-                                                       "tweak_variants": args.tweak_variants},
+                                                       "tweak_variants": args.tweak_variants,
+                                                       "mark_step": args.mark_step},
            "rows": []}
     preload_inductor()
     if args.probe:
@@ -992,6 +1002,8 @@ def main() -> None:
                         help="add torch.compile mode max-autotune and max-autotune-no-cudagraphs")
     parser.add_argument("--compile-timeout", type=float, default=600.0,
                         help="seconds a compiling column may take before it is reported as not finished")
+    parser.add_argument("--mark-step", action="store_true", help="call torch.compiler.cudagraph_mark_step_begin() "
+                        "before each measured call of reduce-overhead and max-autotune (their CUDA graph trees)")
     parser.add_argument("--tweak-variants", default="", help="comma list of high, tf32, bf16: tt.tweak with "
                         "effort='high' / precision (fp32 rows)")
     parser.add_argument("--tweak-timeout", type=float, default=None, help="seconds each tweak column may take")
