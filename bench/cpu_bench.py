@@ -1,10 +1,11 @@
 """torch-tweak against the alternatives on this machine's CPU, model by model, fp32.
 
 Every column gets the same inputs (a few random calls of one shape, cycled), the same
-warm-up and the same statistic: the median over interleaved rounds of one call (what a caller
-waits for, Python overhead included), the order rotated by one each round (A, B, C, then
-B, C, A, then C, A, B...) so that no column always runs right after the same one; the
-interquartile range is the spread.
+warm-up and the same statistic: the median of 30 timed calls (what a caller waits for, Python
+overhead included), taken in blocks of 5 consecutive calls of one column, each opened by 2
+untimed calls, the blocks interleaved (A, B, C, then B, C, A...) so that drift falls on all
+columns alike and no call is timed in the wake of another column; the interquartile range is
+the spread.
 
     eager        the model as it is
     compile      torch.compile, default mode; its compile time is the wall time of its
@@ -195,21 +196,37 @@ def has_conv(model: torch.nn.Module) -> bool:
 # ---------------------------------------------------------------- measuring
 
 
+BLOCK = 5
+"""Timed calls of one column in a row, after SETTLE untimed ones."""
+SETTLE = 2
+"""Untimed calls that open each block: on a 2-core machine what ran just before (torch's OpenMP
+threads still spinning after eager, OpenVINO's workers) slows a call by up to 1.5x, and more
+than one call later (two identical OpenVINO tweaks of BERT measured 5.0 and 6.8 ms interleaved
+call by call with eager, 4.5 and 4.5 ms without it)."""
+
+
 def measure(runs: dict[str, Callable[[int], Any]], warmup: int, rounds: int) -> dict[str, dict]:
+    """`rounds` timed calls per column, in blocks of BLOCK consecutive calls of one column,
+    each opened by SETTLE untimed calls; the blocks interleaved (A, B, C, A, B, C...), the
+    order rotated by one each time, so that drift falls on all columns alike and none is
+    timed in the wake of another."""
     times: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
     with torch.no_grad():
         for run in runs.values():
             for i in range(warmup):
                 run(i)
-        names = list(runs)
-        for r in range(rounds):
-            # each round starts one column further on: every column follows every other equally
-            # often (what runs just before a call, e.g. torch's OpenMP threads still spinning
-            # after eager's last parallel region, slows it)
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                t0 = time.perf_counter_ns()
-                runs[name](r)
-                times[name].append((time.perf_counter_ns() - t0) / 1e6)
+        i = 0
+        while min(len(t) for t in times.values()) < rounds:
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                run = runs[name]
+                for j in range(SETTLE):
+                    run(i + j)
+                for j in range(min(BLOCK, rounds - len(times[name]))):
+                    t0 = time.perf_counter_ns()
+                    run(i + j)
+                    times[name].append((time.perf_counter_ns() - t0) / 1e6)
+            i += 1
     out = {}
     for name, ts in times.items():
         q = statistics.quantiles(ts, n=4)
@@ -303,7 +320,8 @@ def report(paths: list[str], out: str) -> None:
                       f"{one['environment']['commit']})" for p, one, models in kept if models)
           + " (each row from one run, its columns measured interleaved in that run), "
           f"fp32, random weights, {run['settings']['samples']} random calls per model cycled; per column "
-          f"{run['settings']['warmup']} warm-up calls, then {run['settings']['rounds']} interleaved rounds of one call: "
+          f"{run['settings']['warmup']} warm-up calls, then {run['settings']['rounds']} timed calls "
+          f"{'in interleaved blocks of ' + str(run['settings']['block']) + ' (each after 2 untimed calls)' if run['settings'].get('block') else 'in interleaved rounds of one call'}: "
           "the median, and the spread as the interquartile range over the median.", "",
           "The machine is shared: other work ran on its cores during the run (load average before and after "
           "each model's measurement below), so read the figures as ratios within a row, measured interleaved, "
@@ -379,7 +397,7 @@ def main() -> None:
     unknown = sorted(set(columns) - set(COLUMNS))
     if unknown:
         sys.exit(f"unknown column {', '.join(unknown)}; the columns are {', '.join(COLUMNS)}")
-    out = {"environment": environment(), "settings": {"warmup": args.warmup, "rounds": args.rounds,
+    out = {"environment": environment(), "settings": {"warmup": args.warmup, "rounds": args.rounds, "block": BLOCK,
                                                        "samples": N_SAMPLES, "columns": columns}, "rows": []}
     for name in [m for m in args.models.split(",") if m]:
         t0 = time.perf_counter()
