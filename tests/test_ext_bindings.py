@@ -90,7 +90,7 @@ def test_default_measure_config():
     cfg = _C.default_measure_config()
     assert cfg == {"warmup_min": 2, "warmup_max": 20, "warmup_patience": 2, "warmup_gain": 0.02,
                    "rounds_min": 5, "rounds_max": 50, "rel_spread": 0.05, "time_cap": 5.0,
-                   "stop_when_decided": True}
+                   "stop_when_decided": True, "settle": 1}
 
 
 def test_measure_on_a_fake_clock():
@@ -219,7 +219,7 @@ def test_compare_interleaves_and_reports_each():
     runs = [clock.runner(lambda i, k=k: order.append(k) or (k + 1) * 1000) for k in range(3)]
     stats = _C.compare(runs, 1, clock=clock)
     assert [s["median_ns"] for s in stats] == [1000.0, 2000.0, 3000.0]
-    assert order[-3:] == [0, 1, 2]  # the measured rounds go A, B, C
+    assert order[-6:] == [0, 0, 1, 1, 2, 2]  # the measured rounds go A, B, C, each opened by an untimed call
     with pytest.raises(ValueError):
         _C.compare([], 1, clock=clock)
     with pytest.raises(TypeError):
@@ -234,13 +234,40 @@ def test_compare_stops_once_the_fastest_is_clear_unless_told_not_to():
         count["n"] += 1
         return 3000 if count["n"] % 2 else 5000
 
-    cfg = {"warmup_min": 0, "warmup_max": 0, "rounds_min": 4, "rounds_max": 20}
+    # settle 0: every call of `noisy` is timed, so its rounds alternate 3 and 5 us
+    cfg = {"warmup_min": 0, "warmup_max": 0, "rounds_min": 4, "rounds_max": 20, "settle": 0}
     fast, slow = _C.compare([clock.runner(1000), clock.runner(noisy)], 1, clock=clock, config=cfg)
     assert fast["stopped_by"] == slow["stopped_by"] == "decided" and fast["rounds"] == 4
     assert fast["median_ns"] == 1000.0 and slow["spread"] > 0.05
     cfg["stop_when_decided"] = False
     fast, slow = _C.compare([clock.runner(1000), clock.runner(noisy)], 1, clock=clock, config=cfg)
     assert fast["stopped_by"] == "rounds" and fast["rounds"] == 20
+
+
+def test_compared_rounds_open_with_untimed_calls():
+    """A compared runner's round opens with `settle` untimed calls: a first call slowed by the
+    runner before it (here every call that follows the other runner takes 9 us) is left out."""
+    clock = FakeClock()
+    last = {"who": None}
+    calls = {"a": 0, "b": 0}
+
+    def runner(name):
+        def run(i):
+            calls[name] += 1
+            woke = last["who"] not in (None, name)
+            last["who"] = name
+            return 9000 if woke else 1000
+        return run
+
+    cfg = {"warmup_min": 0, "warmup_max": 0, "rounds_min": 5, "rounds_max": 5, "stop_when_decided": False}
+    a, b = _C.compare([clock.runner(runner("a")), clock.runner(runner("b"))], 2, clock=clock, config=cfg)
+    assert a["median_ns"] == b["median_ns"] == 1000.0  # the slow first call of each round was not timed
+    assert calls == {"a": 5 * 3, "b": 5 * 3}
+    calls.update(a=0, b=0)
+    a, b = _C.compare([clock.runner(runner("a")), clock.runner(runner("b"))], 2, clock=clock,
+                      config=dict(cfg, settle=0))
+    assert a["median_ns"] == b["median_ns"] == 5000.0  # (9 + 1) / 2 us: the wake is in every round
+    assert calls == {"a": 5 * 2, "b": 5 * 2}
 
 
 # ----------------------------------------------------------------------- choose

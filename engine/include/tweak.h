@@ -161,6 +161,10 @@ typedef struct tw_runner {
  *    With stop_when_decided (the default), a comparison of two or more
  *    runners (tw_measure_compare) also stops, after rounds_min, as soon as one
  *    runner is clearly the fastest: its q75 is below every other runner's q25.
+ *    In a comparison, each measured round of a runner is opened by `settle`
+ *    untimed calls (sample 0, the device waited for): what the runner before
+ *    it left running (a thread pool still spinning on a small CPU) slows its
+ *    first calls, and would fall on whichever runner comes next.
  * 3. The statistic is the median of the measured rounds.
  * time_cap_ns bounds warm-up plus measurement (0: no cap); the cap is checked
  * between rounds, so at least one measured round is always taken.
@@ -176,11 +180,12 @@ typedef struct tw_measure_config {
     double rel_spread;
     uint64_t time_cap_ns;
     uint32_t stop_when_decided; /* 0: a comparison runs until the spread rule or the caps */
+    uint32_t settle;            /* untimed calls opening each compared runner's round */
 } tw_measure_config;
 
 /* Fills *cfg with the documented defaults:
  * warmup 2..20 rounds, patience 2, gain 0.02; rounds 5..50, rel_spread 0.05,
- * time cap 5 s, stop_when_decided 1. */
+ * time cap 5 s, stop_when_decided 1, settle 1. */
 void tw_measure_config_default(tw_measure_config *cfg);
 
 typedef enum tw_stop {

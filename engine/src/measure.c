@@ -23,6 +23,7 @@ void tw_measure_config_default(tw_measure_config *cfg)
     cfg->rel_spread = 0.05;
     cfg->time_cap_ns = 5000000000ull;
     cfg->stop_when_decided = 1;
+    cfg->settle = 1;
 cleanup:
     return;
 }
@@ -119,10 +120,11 @@ cleanup:
     return rc;
 }
 
-/* One round: every sample once, each timed as sync, clock, run, sync, clock.
- * *value gets the mean latency per call. */
-static tw_code tw_run_round(const tw_host *host, const tw_runner *runner, double *value,
-                            tw_error *err)
+/* One round: `settle` untimed calls of sample 0, then every sample once, each
+ * timed as sync, clock, run, sync, clock. *value gets the mean latency per
+ * timed call. */
+static tw_code tw_run_round(const tw_host *host, const tw_runner *runner, uint32_t settle,
+                            double *value, tw_error *err)
 {
     tw_code rc = TW_OK;
     tw_error cb_err;
@@ -137,6 +139,14 @@ static tw_code tw_run_round(const tw_host *host, const tw_runner *runner, double
         rc = runner->round(runner->ctx, &cb_err);
         if (rc != TW_OK) {
             tw_error_forward(err, rc, &cb_err, "preparing a round");
+            goto cleanup;
+        }
+    }
+    for (i = 0; i < settle; i++) {
+        tw_error_clear(&cb_err);
+        rc = runner->run(runner->ctx, 0, &cb_err);
+        if (rc != TW_OK) {
+            tw_error_forward(err, rc, &cb_err, "untimed call opening a round");
             goto cleanup;
         }
     }
@@ -191,7 +201,7 @@ static tw_code tw_warm_up(const tw_host *host, const tw_runner *runner,
         if (cfg->time_cap_ns != 0 && tw_elapsed(host, start) >= cfg->time_cap_ns) {
             break;
         }
-        rc = tw_run_round(host, runner, &value, err);
+        rc = tw_run_round(host, runner, 0, &value, err);
         if (rc != TW_OK) {
             goto cleanup;
         }
@@ -344,9 +354,11 @@ tw_code tw_measure_runners(const tw_host *host, const tw_runner *runners, size_t
         if (rc != TW_OK) {
             goto cleanup;
         }
-        /* Interleaved: drift in the clock falls on every runner alike. */
+        /* Interleaved: drift in the clock falls on every runner alike; each
+         * round opened by untimed calls, so none is timed in another's wake. */
         for (i = 0; i < n; i++) {
-            rc = tw_run_round(host, &runners[i], &series.values[i * series.cap + rounds], err);
+            rc = tw_run_round(host, &runners[i], n >= 2 ? cfg->settle : 0,
+                              &series.values[i * series.cap + rounds], err);
             if (rc != TW_OK) {
                 *failed = i;
                 goto cleanup;

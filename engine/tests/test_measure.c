@@ -16,6 +16,7 @@ static tw_measure_config base_config(void)
     cfg.warmup_min = 0;
     cfg.warmup_max = 0;
     cfg.time_cap_ns = 0;
+    cfg.settle = 0;
     return cfg;
 }
 
@@ -337,6 +338,52 @@ static void test_compare_interleaves(void)
     CHECK_INT(st[0].warmup_rounds, 2);
 }
 
+/* In a comparison each measured round opens with `settle` untimed calls of
+ * its runner, which the round's value leaves out; warm-up rounds and a lone
+ * runner get none. */
+static void test_compare_settles(void)
+{
+    static const uint64_t a_script[] = {100};
+    static const uint64_t b_script[] = {300};
+    fake_env env;
+    fake_runner fa;
+    fake_runner fb;
+    tw_measure_config cfg = base_config();
+    tw_stats st[2];
+    tw_stats one;
+    size_t i;
+    int shape = 1;
+
+    cfg.warmup_min = 1;
+    cfg.warmup_max = 1;
+    cfg.rounds_min = 4;
+    cfg.rounds_max = 4;
+    cfg.settle = 1;
+    fake_env_init(&env);
+    {
+        tw_host host = fake_host(&env);
+        tw_runner runners[2];
+
+        fake_runner_init(&fa, &env, 1, a_script, 1, 2);
+        fake_runner_init(&fb, &env, 2, b_script, 1, 2);
+        runners[0] = fake_runner_of(&fa);
+        runners[1] = fake_runner_of(&fb);
+        CHECK_INT(tw_measure_compare(&host, runners, 2, &cfg, st, NULL), TW_OK);
+    }
+    /* warm-up: 2 calls each; then per round 1 untimed + 2 timed calls each */
+    CHECK_INT(env.log_len, 4 + 4 * 2 * 3);
+    for (i = 4; i < env.log_len; i++) {
+        shape = shape && env.log[i] == (((i - 4) / 3) % 2 == 0 ? 1 : 2);
+    }
+    CHECK(shape);
+    CHECK_INT(fa.calls, 2 + 4 * 3);
+    CHECK_NEAR(st[0].median_ns, 100, 1e-9);
+    CHECK_NEAR(st[1].median_ns, 300, 1e-9);
+    /* a lone runner: no untimed calls */
+    CHECK_INT(measure_script(&env, &fa, a_script, 1, 2, &cfg, &one), TW_OK);
+    CHECK_INT(fa.calls, 1 * 2 + 4 * 2);
+}
+
 /* Comparison stops on spread only when every runner is quiet (the rule for
  * a clear fastest is off here: it would stop this one early). */
 static void test_compare_waits_for_all(void)
@@ -414,6 +461,7 @@ int main(void)
     test_invalid();
     test_callback_error();
     test_compare_interleaves();
+    test_compare_settles();
     test_compare_waits_for_all();
     test_compare_stops_when_decided();
     return CHECK_SUMMARY("test_measure");

@@ -27,6 +27,7 @@ static const TtConfigKey tt_config_keys[] = {
     {"rel_spread", TT_KEY_FRACTION, offsetof(tw_measure_config, rel_spread)},
     {"time_cap", TT_KEY_SECONDS, offsetof(tw_measure_config, time_cap_ns)},
     {"stop_when_decided", TT_KEY_BOOL, offsetof(tw_measure_config, stop_when_decided)},
+    {"settle", TT_KEY_U32, offsetof(tw_measure_config, settle)},
 };
 #define TT_CONFIG_KEYS (sizeof(tt_config_keys) / sizeof(tt_config_keys[0]))
 
@@ -150,7 +151,7 @@ tt_config_from_dict(PyObject *dict, tw_measure_config *cfg)
             PyErr_Format(PyExc_ValueError,
                          "unknown measure config key %R; the keys are warmup_min, warmup_max, "
                          "warmup_patience, warmup_gain, rounds_min, rounds_max, rel_spread, "
-                         "time_cap, stop_when_decided",
+                         "time_cap, stop_when_decided, settle",
                          key);
             goto cleanup;
         }
