@@ -803,3 +803,19 @@ def test_callbacks_that_free_the_callers_arguments_do_not_crash(name):
     assert proc.returncode == 0, (
         f"{name}: exit code {proc.returncode} (negative: killed by that signal)\n"
         f"{proc.stderr[-3000:]}")
+
+
+def test_the_untimed_opening_call_is_for_a_cpu():
+    """tt.tweak opens compared rounds with an untimed call on a CPU only (thread pools spin
+    there); on another device it sets settle 0, unless measure= names it."""
+    import torch
+
+    from torch_tweak.tuning import measure_for
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert measure_for(cpu, None) is None and measure_for(cpu, {"rounds_min": 3}) == {"rounds_min": 3}
+    assert measure_for(cuda, None) == {"settle": 0}
+    assert measure_for(cuda, {"rounds_min": 3}) == {"rounds_min": 3, "settle": 0}
+    assert measure_for(cuda, {"settle": 2}) == {"settle": 2}
+    given = {"rounds_min": 3}
+    measure_for(cuda, given)
+    assert given == {"rounds_min": 3}  # the caller's dict is not changed

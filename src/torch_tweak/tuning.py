@@ -272,6 +272,16 @@ def check_measure(measure: dict | None) -> None:
         raise ValueError(f"unknown measurement setting {', '.join(unknown)}; known: {', '.join(sorted(known))}")
 
 
+def measure_for(device: torch.device, measure: dict | None) -> dict | None:
+    """The measurement settings tuning on `device` uses: `measure` as given, and on a device
+    other than the CPU no untimed call opening each compared round (settle 0) unless
+    `measure` names it. The call exists for a CPU, where a candidate's thread pool still
+    spinning slows the next candidate's first call; a GPU's host side only launches."""
+    if torch.device(device).type == "cpu" or (measure is not None and "settle" in measure):
+        return measure
+    return {**(measure or {}), "settle": 0}
+
+
 def model_class_name(model: nn.Module) -> str:
     """The model's own class name (a wrapped root's class is a subclass of the same name)."""
     return own_class(model).__name__

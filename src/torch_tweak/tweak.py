@@ -19,7 +19,8 @@ from .progress import Progress
 from .report import ModuleResults, fold, module_result
 from .strategy import Strategy, default_backends, default_strategy
 from .serial import Unstorable
-from .tuning import ModuleSearch, absorb, check_measure, dataset_runner, model_class_name, record, release
+from .tuning import (ModuleSearch, absorb, check_measure, dataset_runner, measure_for, model_class_name, record,
+                     release)
 from .workload import TokenRow, Workload, choose_loop
 
 _DEFAULTS = _C.default_tweak_config()  # the engine owns every default of the depth search
@@ -353,6 +354,7 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
     if strategy is not None:
         strategy.check_device(device)  # so does a backend this device can never run
     check_measure(measure)
+    measuring = measure_for(device, measure)
     axes.check_effort(effort)
     asked = axes.Axes(effort, tuple(sorted(axes.check_precision(precision, device).items())))
     if asked:
@@ -385,7 +387,7 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
         if speaks_tokens:
             # the decode loop first: the depths are then tuned and measured under it, and a
             # loop's decode steps replay the untuned model, so module tuning serves the prefill
-            _choose_loop(job, device, measure, shown)
+            _choose_loop(job, device, measuring, shown)
         compiled_loop = job is not None and job.loop == "compiled"
         with generation.uncompiled(model):  # hooks traced into transformers' compiled forward compile it again
             tree = ModuleTree(model, trace(model, calls, job.run if job is not None else None))
@@ -410,7 +412,7 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
                     arm_untuned(model)
                     return result
         run_dataset = dataset_runner(model, calls) if job is None else job.run
-        session = _Session(model, tree, run_dataset, strategy, device, measure, shown, depths)
+        session = _Session(model, tree, run_dataset, strategy, device, measuring, shown, depths)
         modules = {n for d in depths for n in tree.tree.cut(d)}
         shown.plan(len(modules) + len(depths) + 2)  # each module tuned once, each measurement
         if not dry_run:
@@ -433,7 +435,7 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
                     run=run if job is None else lambda i: job.run(),
                     n_samples=len(calls) if job is None else 1, sync=synchronizer(device),
                     min_depth=min_depth, max_depth=max_depth, tie_tolerance=tie_tolerance,
-                    time_budget=time_budget, dry_run=bool(dry_run), config=measure,
+                    time_budget=time_budget, dry_run=bool(dry_run), config=measuring,
                 )
         except BaseException:
             unwrap(model)  # whatever happened, the model is as it was (the decode loop too)
