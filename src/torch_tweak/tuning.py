@@ -329,7 +329,8 @@ def tune(model: nn.Module, dataset: Any, *, strategy: Strategy | None = None, de
         for node, path in enumerate(paths):
             wrapper = wrappers[path]
             try:
-                report = _C.tune_module(search, node, path=path, sync=synchronizer(device), config=measure)
+                report = _C.tune_module(search, node, path=path, sync=synchronizer(device),
+                                        config=measure_for(device, measure))
             finally:
                 release(wrapper)
             absorb(wrapper, report, search.notes, node)
