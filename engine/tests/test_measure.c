@@ -288,23 +288,31 @@ typedef struct pair_script {
     size_t len;
 } pair_script;
 
-static tw_code compare_pair(fake_env *env, fake_runner *fa, fake_runner *fb, pair_script a,
-                            pair_script b, const tw_measure_config *cfg, tw_stats st[2])
+static tw_code compare_pair_of(fake_env *env, fake_runner *fa, fake_runner *fb, pair_script a,
+                               pair_script b, size_t n_samples, const tw_measure_config *cfg,
+                               tw_stats st[2])
 {
     tw_runner runners[2];
     tw_host host;
 
     fake_env_init(env);
     host = fake_host(env);
-    fake_runner_init(fa, env, 1, a.script, a.len, 1);
-    fake_runner_init(fb, env, 2, b.script, b.len, 1);
+    fake_runner_init(fa, env, 1, a.script, a.len, n_samples);
+    fake_runner_init(fb, env, 2, b.script, b.len, n_samples);
     runners[0] = fake_runner_of(fa);
     runners[1] = fake_runner_of(fb);
     return tw_measure_compare(&host, runners, 2, cfg, st, NULL);
 }
 
-/* Warm-up runs each runner alone; measured rounds alternate A, B, A, B. */
-static void test_compare_interleaves(void)
+static tw_code compare_pair(fake_env *env, fake_runner *fa, fake_runner *fb, pair_script a,
+                            pair_script b, const tw_measure_config *cfg, tw_stats st[2])
+{
+    return compare_pair_of(env, fa, fb, a, b, 1, cfg, st);
+}
+
+/* Warm-up runs each runner alone (2 rounds); measured rounds alternate A, B,
+ * A, B, each opened by `settle` untimed calls that its value leaves out. */
+static void check_interleaving(size_t n_samples, uint32_t settle)
 {
     static const uint64_t fast[] = {100};
     static const uint64_t slow[] = {300};
@@ -313,6 +321,8 @@ static void test_compare_interleaves(void)
     fake_runner fb;
     tw_measure_config cfg = base_config();
     tw_stats st[2];
+    size_t round_len = settle + n_samples;
+    size_t warm = 2 * n_samples;
     size_t i;
     int alternates = 1;
 
@@ -320,15 +330,16 @@ static void test_compare_interleaves(void)
     cfg.warmup_max = 2;
     cfg.rounds_min = 6;
     cfg.rounds_max = 6;
-    CHECK_INT(compare_pair(&env, &fa, &fb, (pair_script){fast, 1}, (pair_script){slow, 1}, &cfg, st),
+    cfg.settle = settle;
+    CHECK_INT(compare_pair_of(&env, &fa, &fb, (pair_script){fast, 1}, (pair_script){slow, 1},
+                              n_samples, &cfg, st),
               TW_OK);
-    CHECK_INT(env.log_len, 4 + 12);
-    CHECK_INT(env.log[0], 1);
-    CHECK_INT(env.log[1], 1);
-    CHECK_INT(env.log[2], 2);
-    CHECK_INT(env.log[3], 2);
-    for (i = 4; i < env.log_len; i++) {
-        alternates = alternates && env.log[i] == ((i - 4) % 2 == 0 ? 1 : 2);
+    CHECK_INT(env.log_len, 2 * warm + 2 * 6 * round_len);
+    for (i = 0; i < 2 * warm; i++) {
+        alternates = alternates && env.log[i] == (i < warm ? 1 : 2);
+    }
+    for (i = 2 * warm; i < env.log_len; i++) {
+        alternates = alternates && env.log[i] == (((i - 2 * warm) / round_len) % 2 == 0 ? 1 : 2);
     }
     CHECK(alternates);
     CHECK_NEAR(st[0].median_ns, 100, 1e-9);
@@ -338,50 +349,24 @@ static void test_compare_interleaves(void)
     CHECK_INT(st[0].warmup_rounds, 2);
 }
 
-/* In a comparison each measured round opens with `settle` untimed calls of
- * its runner, which the round's value leaves out; warm-up rounds and a lone
- * runner get none. */
-static void test_compare_settles(void)
+static void test_compare_interleaves(void)
 {
-    static const uint64_t a_script[] = {100};
-    static const uint64_t b_script[] = {300};
+    static const uint64_t fast[] = {100};
     fake_env env;
-    fake_runner fa;
-    fake_runner fb;
+    fake_runner fr;
     tw_measure_config cfg = base_config();
-    tw_stats st[2];
     tw_stats one;
-    size_t i;
-    int shape = 1;
 
-    cfg.warmup_min = 1;
-    cfg.warmup_max = 1;
+    check_interleaving(1, 0);
+    check_interleaving(2, 1);
+    check_interleaving(3, 2);
+    /* a lone runner: no untimed calls */
     cfg.rounds_min = 4;
     cfg.rounds_max = 4;
     cfg.settle = 1;
     fake_env_init(&env);
-    {
-        tw_host host = fake_host(&env);
-        tw_runner runners[2];
-
-        fake_runner_init(&fa, &env, 1, a_script, 1, 2);
-        fake_runner_init(&fb, &env, 2, b_script, 1, 2);
-        runners[0] = fake_runner_of(&fa);
-        runners[1] = fake_runner_of(&fb);
-        CHECK_INT(tw_measure_compare(&host, runners, 2, &cfg, st, NULL), TW_OK);
-    }
-    /* warm-up: 2 calls each; then per round 1 untimed + 2 timed calls each */
-    CHECK_INT(env.log_len, 4 + 4 * 2 * 3);
-    for (i = 4; i < env.log_len; i++) {
-        shape = shape && env.log[i] == (((i - 4) / 3) % 2 == 0 ? 1 : 2);
-    }
-    CHECK(shape);
-    CHECK_INT(fa.calls, 2 + 4 * 3);
-    CHECK_NEAR(st[0].median_ns, 100, 1e-9);
-    CHECK_NEAR(st[1].median_ns, 300, 1e-9);
-    /* a lone runner: no untimed calls */
-    CHECK_INT(measure_script(&env, &fa, a_script, 1, 2, &cfg, &one), TW_OK);
-    CHECK_INT(fa.calls, 1 * 2 + 4 * 2);
+    CHECK_INT(measure_script(&env, &fr, fast, 1, 2, &cfg, &one), TW_OK);
+    CHECK_INT(fr.calls, 4 * 2);
 }
 
 /* Comparison stops on spread only when every runner is quiet (the rule for
@@ -461,7 +446,6 @@ int main(void)
     test_invalid();
     test_callback_error();
     test_compare_interleaves();
-    test_compare_settles();
     test_compare_waits_for_all();
     test_compare_stops_when_decided();
     return CHECK_SUMMARY("test_measure");
