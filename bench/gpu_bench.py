@@ -43,8 +43,10 @@ torch's default numerics), 4.8 TB/s HBM3e. Each column's roofline fraction is th
 its latency.
 
 Every compiling column (compile, reduce-overhead, max-autotune, tweak) starts cold, as a
-user's first run does: a fresh Inductor and Triton cache folder, dynamo reset and
-Inductor's in-memory caches cleared, and tweak's own tuning cache off (cache=False).
+user's first run does: a fresh Inductor and Triton cache folder, Inductor's in-memory caches
+cleared, and tweak's own tuning cache off (cache=False). Each torch.compile column is a new
+torch.compile, whose code dynamo hands to no other; a tweak column also resets dynamo, since
+tweak's candidates share their backend from one tweak to the next.
 
 Weights are random, built from configs: nothing is downloaded. Writes JSON per run and,
 with --merge, bench/results/gpu.md (tables, targets) and gpu.png (if matplotlib is there).
@@ -350,6 +352,11 @@ def tweaked(model: torch.nn.Module, data: list, budget: float | None, options: d
     import torch_tweak as tt
     mine = copy.deepcopy(model)
     cold_compiler("tweak")
+    # dynamo reset too: tweak's Inductor candidates of an earlier tweak column share their
+    # backend, so dynamo would hand this tweak their compiled code and its tuning time would
+    # not be a first run's (ResNet-18 on a CPU: 62.6 s cold, 22.7 s the second time). The
+    # columns built before recompile at their next call, in the warm-up, uncounted.
+    torch._dynamo.reset()
     sync()
     t0 = time.perf_counter()
     with deadline(timeout, f"tt.tweak({options or ''})"):  # tweak unwraps the model when stopped
@@ -508,14 +515,17 @@ def replay_path_probe() -> list[dict]:
 
 
 def columns_of(args: argparse.Namespace, dtype_name: str) -> list[str]:
-    """The columns of a row, in the order they are built: --columns as given, or every
-    alternative (the max-autotune ones with --max-autotune), tweak, then --tweak-variants.
+    """The columns of a row, in the order they are built: --columns as given, or the
+    alternatives, tweak, --tweak-variants, then the max-autotune ones (with --max-autotune).
     Lower-precision variants are for fp32 rows only, tf32 for CUDA only."""
     if args.columns:
         wanted = [c for c in args.columns if c != "eager"]
     else:
-        wanted = [c for c in ALTERNATIVES[1:] if args.max_autotune or not c.startswith("max-autotune")]
+        # max-autotune last: a tweak column resets dynamo, and a column built before it compiles
+        # again at its next call (for max-autotune: autotunes again, minutes of wall time)
+        wanted = [c for c in ALTERNATIVES[1:] if not c.startswith("max-autotune")]
         wanted += ["tweak"] + [f"tweak-{v}" for v in (args.tweak_variants or "").split(",") if v]
+        wanted += [c for c in ALTERNATIVES if c.startswith("max-autotune") and args.max_autotune]
     keep = []
     for c in wanted:
         if c in ("tweak-tf32", "tweak-bf16") and dtype_name != "fp32":
@@ -811,7 +821,8 @@ def merge(paths: list[str], out_dir: str) -> None:
           f"{settings['samples']} random calls per model cycled; per column {settings['warmup']} warm-up calls, then "
           f"the median of {settings['rounds']} interleaved rounds of one synchronised call.", "",
           "", "Every compiling column (compile, reduce-overhead, max-autotune, tweak) starts cold: a fresh "
-          "Inductor and Triton cache folder, dynamo reset, Inductor's in-memory caches cleared, tweak's "
+          "Inductor and Triton cache folder, dynamo reset (before each tweak column; each torch.compile "
+          "column is its own), Inductor's in-memory caches cleared, tweak's "
           "tuning cache off. The first compile of the run (the first row's compile column) also pays the "
           "compiler's one-time start in the process.", "",
           "The graph column returns its static output (the next call overwrites it, held or not); tweak's "
