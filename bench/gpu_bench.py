@@ -1034,6 +1034,10 @@ def main() -> None:
     unknown = sorted(set(args.columns) - set(COLUMNS))
     if unknown:
         sys.exit(f"unknown column {', '.join(unknown)}; the columns are {', '.join(COLUMNS)}")
+    autotuned = [i for i, c in enumerate(args.columns) if c.startswith("max-autotune")]
+    if autotuned and any(c.startswith("tweak") for c in args.columns[autotuned[0]:]):
+        sys.exit("--columns: put the max-autotune columns after the tweak ones (a tweak column resets dynamo, "
+                 "and a max-autotune column built before it would autotune again when next called)")
     if args.merge:
         merge(args.merge, args.out_dir)
         return
