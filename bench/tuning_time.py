@@ -105,6 +105,7 @@ def profiled_tweak(model: torch.nn.Module, data: list, share: bool, static: bool
 
     mine = copy.deepcopy(model)
     cold_compiler("tweak")
+    torch._dynamo.reset()  # cold_compiler leaves dynamo be; an earlier tweak's compiled code would serve this one
     metrics0, counters0 = compile_metrics(), compile_counters()
     Backend.prepare, tuning.check = prepare, check  # type: ignore
     tuning.ModuleSearch.groups, tweak_module._Session.tuned = start_module, end_module  # type: ignore
