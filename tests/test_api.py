@@ -170,6 +170,7 @@ def test_backend_options_are_checked():
         (lambda m, d: tt.tweak(m, d, measure={"rounds": 3}, progress=False), "unknown measurement setting"),
         (lambda m, d: tt.tweak(m, d, measure={"stop_when_decided": 1}, progress=False),
          "stop_when_decided.*True or False"),
+        (lambda m, d: tt.tweak(m, d, measure={"settle": 101}, progress=False), "settle \\(101\\) is more than 100"),
         (lambda m, d: tt.wrap(m, ["blocks.7"]), "not a module of this model"),
         (lambda m, d: tt.wrap(m, ["blocks.0", "blocks.0.1"]), "overlap"),
         (lambda m, d: tt.wrap(m, [nn.Linear(2, 2)]), "not a module of this model"),

@@ -183,6 +183,10 @@ typedef struct tw_measure_config {
     uint32_t settle;            /* untimed calls opening each compared runner's round */
 } tw_measure_config;
 
+/* The most untimed calls a round may open with (the time cap is checked
+ * between rounds only). */
+#define TW_SETTLE_MAX 100u
+
 /* Fills *cfg with the documented defaults:
  * warmup 2..20 rounds, patience 2, gain 0.02; rounds 5..50, rel_spread 0.05,
  * time cap 5 s, stop_when_decided 1, settle 1. */

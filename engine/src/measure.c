@@ -49,6 +49,11 @@ tw_code tw_measure_config_check(const tw_measure_config *cfg, tw_error *err)
         rc = tw_error_set(err, TW_EINVAL,
                           "warmup_gain (%g) must be a fraction >= 0, such as 0.02",
                           cfg->warmup_gain);
+    } else if (cfg->settle > TW_SETTLE_MAX) {
+        rc = tw_error_set(err, TW_EINVAL,
+                          "settle (%u) is more than %u untimed calls per round: the time cap "
+                          "is checked between rounds only; use 0 to %u",
+                          (unsigned)cfg->settle, (unsigned)TW_SETTLE_MAX, (unsigned)TW_SETTLE_MAX);
     } else if (isnan(cfg->rel_spread) || cfg->rel_spread < 0) {
         rc = tw_error_set(err, TW_EINVAL,
                           "rel_spread (%g) must be a fraction >= 0, such as 0.05",

@@ -237,6 +237,11 @@ static void test_invalid(void)
     CHECK_INT(tw_measure(&host, &runner, &cfg, &st, &err), TW_EINVAL);
     CHECK_HAS(err.msg, "rel_spread");
     cfg = base_config();
+    cfg.settle = TW_SETTLE_MAX + 1;
+    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, &err), TW_EINVAL);
+    CHECK_HAS(err.msg, "settle (101) is more than 100");
+    CHECK_INT(fr.calls, 0);
+    cfg = base_config();
     runner.n_samples = 0;
     CHECK_INT(tw_measure(&host, &runner, &cfg, &st, &err), TW_EINVAL);
     CHECK_HAS(err.msg, "empty");
