@@ -306,29 +306,34 @@ cleanup:
     return result;
 }
 
+/* The result table, `untuned` (NULL: the engine's words) ending its last line
+ * when no depth is kept. */
 static PyObject *
-tt_result_format(TtResult *self, PyObject *args, PyObject *kwargs)
+tt_result_text(TtResult *self, const char *untuned)
 {
-    static char *keywords[] = {"untuned", NULL};
     TtState *st = (TtState *)PyType_GetModuleState(Py_TYPE(self));
-    const char *untuned = NULL;
     tw_error err;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|z:format", keywords, &untuned)) {
-        return NULL;
-    }
     memset(&err, 0, sizeof(err));
     return tt_take_formatted(st, tw_result_format_as(self->result, untuned, &err), &err);
 }
 
 static PyObject *
+tt_result_format(TtResult *self, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"untuned", NULL};
+    const char *untuned = NULL;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|z:format", keywords, &untuned)) {
+        return NULL;
+    }
+    return tt_result_text(self, untuned);
+}
+
+static PyObject *
 tt_result_str(TtResult *self)
 {
-    TtState *st = (TtState *)PyType_GetModuleState(Py_TYPE(self));
-    tw_error err;
-
-    memset(&err, 0, sizeof(err));
-    return tt_take_formatted(st, tw_result_format(self->result, &err), &err);
+    return tt_result_text(self, NULL);
 }
 
 static PyMethodDef tt_result_methods[] = {

@@ -331,11 +331,11 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
     ``cache``: reuse and keep the result in the tuning cache (docs/cache.md); False neither
     reads nor writes it. ``workload``: instead of a dataset, a callable that runs the model,
     e.g. ``lambda m: m.generate(ids, max_new_tokens=64)`` (docs/generate.md); what tweak
-    measures is then one run of it, and a workload is never cached. ``effort``: "default", or "high" to also
-    try, on the heavy modules (the model and those taking at least 20 % of its time), channels-last, every
-    SDPA kernel (CUDA) and max-autotune (torch_tweak.axes). ``precision``: {policy: tolerance} of lower-precision candidates you
-    allow ("tf32", "bf16", "int8", "fp8"), each checked against its tolerance; None (the
-    default): none.
+    measures is then one run of it, and a workload is never cached. ``effort``: "default", or
+    "high" to also try, on the heavy modules (the model and those taking at least 20 % of its
+    time), channels-last, every SDPA kernel (CUDA) and max-autotune (torch_tweak.axes).
+    ``precision``: {policy: tolerance} of lower-precision candidates you allow ("tf32",
+    "bf16", "int8", "fp8"), each checked against its tolerance; None (the default): none.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
