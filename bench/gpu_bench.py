@@ -803,23 +803,45 @@ def main_rows(rows: list[dict]) -> list[dict]:
     return sorted(best.values(), key=row_order)
 
 
-def merge(paths: list[str], out_dir: str) -> None:
+def commits_of(rows: list[dict]) -> str:
+    """'commits 5c15d42 (7 rows) and f052825 (3 rows)', or 'commit 5c15d42': the commits that
+    measured these rows, in order of first use."""
+    count: dict[str, int] = {}
+    for r in rows:
+        count[r["commit"]] = count.get(r["commit"], 0) + 1
+    if len(count) == 1:
+        return f"commit {next(iter(count))}"
+    each = [f"{c} ({n} row{'s' if n > 1 else ''})" for c, n in count.items()]
+    return "commits " + ", ".join(each[:-1]) + " and " + each[-1]
+
+
+def merge(paths: list[str], out_dir: str, notes: str | None = None) -> None:
+    """gpu.md and gpu.png from run files. Each row keeps its run's commit and settings; the main
+    tables take, per model and dtype, the run with the most alternative columns. NOTES, a
+    markdown file of hand-written findings (default: gpu-notes.md in OUT_DIR, if there is one),
+    is appended as it is."""
     runs = [json.load(open(p)) for p in paths]
+    for run_ in runs:
+        for r in run_["rows"]:
+            r.setdefault("commit", run_["environment"].get("commit", "unknown"))
+            r.setdefault("run_settings", run_["settings"])
     every = [r for run in runs for r in run["rows"]]
     for r in every:
         first_only(r)
     rows = main_rows(every)
     env = runs[0]["environment"]
     settings = runs[0]["settings"]
+    protocols = sorted({(r["run_settings"]["warmup"], r["run_settings"]["rounds"]) for r in rows})
+    protocol = " or ".join(f"{w} warm-up calls, then the median of {n} interleaved rounds" for w, n in protocols)
     probe = next((r["replay_path"] for r in runs if r.get("replay_path")), None)
     md = ["# torch-tweak on the GPU", "",
           f"Produced by `python bench/gpu_bench.py` on one {env['gpu']} (torch {env['torch']}, CUDA {env['cuda']}, "
           f"Python {env['python']}, transformers {env['transformers']}, timm {env['timm']}, "
-          f"torchvision {env['torchvision']}; torch-tweak at commit {env.get('commit', 'unknown')}), "
-          f"{len(paths)} run(s) merged with `--merge` (each run a machine of "
+          f"torchvision {env['torchvision']}; torch-tweak at {commits_of(rows)}: the run column names each "
+          f"row's), {len(paths)} run(s) merged with `--merge` (each run a machine of "
           f"that kind, not necessarily the same one: compare columns within a row). Random weights, "
-          f"{settings['samples']} random calls per model cycled; per column {settings['warmup']} warm-up calls, then "
-          f"the median of {settings['rounds']} interleaved rounds of one synchronised call.", "",
+          f"{settings['samples']} random calls per model cycled; per column {protocol} of one synchronised "
+          f"call (each run's choice is in its file's settings).", "",
           "", "Every compiling column (compile, reduce-overhead, max-autotune, tweak) starts cold: a fresh "
           "Inductor and Triton cache folder, dynamo reset (before each tweak column; each torch.compile "
           "column is its own), Inductor's in-memory caches cleared, tweak's "
@@ -831,8 +853,8 @@ def merge(paths: list[str], out_dir: str) -> None:
           "(docs/device-graph.md).", "",
           "## Latency (ms per call, median) and speedup against eager", ""]
     cols = [c for c in COLUMNS if any(c in r.get("ms", {}) or c in r.get("errors", {}) for r in rows)]
-    md.append("| model | dtype | " + " | ".join(cols) + " | tweak vs eager | tweak vs best other |")
-    md.append("|---|---|" + "---:|" * len(cols) + "---:|---:|")
+    md.append("| model | dtype | " + " | ".join(cols) + " | tweak vs eager | tweak vs best other | run |")
+    md.append("|---|---|" + "---:|" * len(cols) + "---:|---:|---|")
     for r in rows:
         ms = r.get("ms", {})
         cells = []
@@ -847,7 +869,8 @@ def merge(paths: list[str], out_dir: str) -> None:
         vs_eager = f"{ms['eager'] / ms['tweak']:.2f}x" if "tweak" in ms and "eager" in ms else "-"
         vs_best = (f"{ms[t['best_alt']] / ms['tweak']:.2f}x ({t['best_alt']})" if "best_alt" in t else "-")
         mark = " *" if r.get("first_only") else ""
-        md.append(f"| {r['model']}{mark} | {r['dtype']} | " + " | ".join(cells) + f" | {vs_eager} | {vs_best} |")
+        md.append(f"| {r['model']}{mark} | {r['dtype']} | " + " | ".join(cells) + f" | {vs_eager} | {vs_best} | "
+                  f"{r['commit']} |")
     if any(r.get("first_only") for r in rows):
         md += ["", "\\* a row its run's time limit stopped before the final measurement: each latency is the "
                "column's first one, measured beside eager right after its build (5 warm-up calls, 20 interleaved "
@@ -884,13 +907,14 @@ def merge(paths: list[str], out_dir: str) -> None:
                "tolerance; tweak ms and tuning s: the default tweak of the same run, measured interleaved with "
                "the variant; error: the largest relative error of the first output against eager.", "",
                "| model | dtype | column | ms | tweak ms | vs tweak | tuning s | tweak tuning s | error | kept depth "
-               "| lower precision kept |",
-               "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+               "| lower precision kept | run |",
+               "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
         for r, c, v in variants:
             ms = r.get("ms", {})
             mark = " *" if r.get("first_only") else ""
             if c not in ms:
-                md.append(f"| {r['model']}{mark} | {r['dtype']} | {c} | failed | - | - | - | - | - | - | - |")
+                md.append(f"| {r['model']}{mark} | {r['dtype']} | {c} | failed | - | - | - | - | - | - | - | "
+                          f"{r['commit']} |")
                 continue
             plain = f"{ms['tweak']:.3f}" if "tweak" in ms else "-"
             vs = f"{ms['tweak'] / ms[c]:.2f}x" if "tweak" in ms else "-"
@@ -898,14 +922,20 @@ def merge(paths: list[str], out_dir: str) -> None:
             tune = f"{r['tune_s']:.1f}" if r.get("tune_s") is not None else "-"
             md.append(f"| {r['model']}{mark} | {r['dtype']} | {c} | {ms[c]:.3f} | {plain} | {vs} | "
                       f"{r['compile_s'].get(c, 0):.1f} | {tune} | {'-' if err is None else f'{err:.2g}'} | "
-                      f"{v['depth']} | {', '.join(sorted(set(v['lower_precision'].values()))) or 'none'} |")
+                      f"{v['depth']} | {', '.join(sorted(set(v['lower_precision'].values()))) or 'none'} | "
+                      f"{r['commit']} |")
         high = [(r, r["ms"]["tweak"] / r["ms"]["tweak-high"]) for r, c, _ in variants
                 if c == "tweak-high" and "tweak" in r.get("ms", {}) and "tweak-high" in r.get("ms", {})]
         if high:
             md += ["", f"effort=\"high\" is at least 1.25x faster than the default tweak of its run on "
                        f"{sum(x >= 1.25 for _, x in high)} of {len(high)} rows (target: half of the bench's "
-                       f"{len(MODELS) * len(DTYPES)}); its tuning took {min(r['compile_s']['tweak-high'] for r, _ in high):.0f} "
-                       f"to {max(r['compile_s']['tweak-high'] for r, _ in high):.0f} s."]
+                       f"{len(MODELS) * len(DTYPES)}; it ran {min(x for _, x in high):.2f}x to "
+                       f"{max(x for _, x in high):.2f}x); its tuning took "
+                       f"{min(r['compile_s']['tweak-high'] for r, _ in high):.0f} "
+                       f"to {max(r['compile_s']['tweak-high'] for r, _ in high):.0f} s"
+                       + (f", {min(r['compile_s']['tweak-high'] / r['tune_s'] for r, _ in high):.1f}x to "
+                          f"{max(r['compile_s']['tweak-high'] / r['tune_s'] for r, _ in high):.1f}x the default's"
+                          if all(r.get("tune_s") for r, _ in high) else "") + "."]
     roof = [r for r in rows if r.get("roofline")]
     if roof:
         md += ["", "## Distance to the hardware (roofline)", "",
@@ -968,6 +998,12 @@ def merge(paths: list[str], out_dir: str) -> None:
     for r in rows:
         if r.get("tweak_table"):
             md += [f"{r['model']} {r['dtype']}:", "```", r["tweak_table"], "```", ""]
+    if notes is None and os.path.exists(os.path.join(out_dir, "gpu-notes.md")):
+        notes = os.path.join(out_dir, "gpu-notes.md")
+    if notes:
+        with open(notes) as f:
+            md += ["", f.read().rstrip()]
+        print(f"appended: {notes}")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "gpu.md"), "w") as f:
         f.write("\n".join(md) + "\n")
@@ -1027,6 +1063,8 @@ def main() -> None:
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="write gpu.md and gpu.png from run files")
     parser.add_argument("--roofline-of", nargs="+", metavar="JSON", help="add the roofline to earlier run files "
                         "(counted on this machine, with --cpu on the CPU): writes NAME-roofline.json beside each")
+    parser.add_argument("--notes", default=None, help="with --merge: a markdown file appended to gpu.md "
+                        "(default: gpu-notes.md in --out-dir, if there is one)")
     parser.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = parser.parse_args()
     args.warmup, args.rounds = (10, 30) if args.quick else (20, 100)
@@ -1039,7 +1077,7 @@ def main() -> None:
         sys.exit("--columns: put the max-autotune columns after the tweak ones (a tweak column resets dynamo, "
                  "and a max-autotune column built before it would autotune again when next called)")
     if args.merge:
-        merge(args.merge, args.out_dir)
+        merge(args.merge, args.out_dir, args.notes)
         return
     unknown = sorted(set(v for v in args.tweak_variants.split(",") if v) - set(TWEAK_VARIANTS))
     if unknown:
