@@ -1,6 +1,6 @@
 /*
  * call.h - the context of one engine call and what its bindings share
- * (call.c). Used by tree.c, result.c, measure.c and search.c.
+ * (call.c). Used by tree.c, result.c, measure.c, search.c and depth.c.
  */
 #ifndef TT_CALL_H
 #define TT_CALL_H

@@ -12,7 +12,8 @@
  * result     the Result type: the engine's result model read (result.h)
  * measure    measure, compare, choose; the argument checks every engine
  *            binding shares (measure.h)
- * search     tune_module, tweak and the check of its settings (search.h)
+ * search     tune_module, the module callbacks' trampolines (search.h)
+ * depth      tweak and the check of its settings (depth.h)
  * argspec    one argument of a recorded call and its check (argspec.h)
  * signature  the Signature type (signature.h)
  * guard      entry locks and the grad rule (guard.h)

@@ -11,6 +11,7 @@
 #include "measure.h"
 #include "result.h"
 #include "rootcall.h"
+#include "depth.h"
 #include "search.h"
 #include "signature.h"
 #include "tree.h"

@@ -1,10 +1,10 @@
 /*
- * search.c - the engine's searches seen from Python: tune_module (one module's
- * search over its signature groups and candidates), tweak (the depth search)
- * and the check of a tweak's settings, with the trampolines from the engine's
- * module and tweak callbacks into Python. Each parses its arguments, holds its
- * own references to every callable for the whole call (a callback may clear the
- * caller's list or rebind a method), and runs the engine through call.c.
+ * search.c - the engine's module search seen from Python: tune_module (one
+ * module's search over its signature groups and candidates), with the
+ * trampolines from the engine's module callbacks into Python; the depth search
+ * (depth.c) uses the same trampolines. tune_module parses its arguments, holds
+ * its own references to every callable for the whole call (a callback may clear
+ * the caller's list or rebind a method), and runs the engine through call.c.
  */
 #include "search.h"
 
@@ -20,21 +20,11 @@
 
 /* ======================================================== module search */
 
-/* The module search's callbacks: the bound methods of a `modules` object,
- * fetched once and held for the whole call (a callback may rebind them). */
-typedef struct TtModules {
-    TtCall *call;
-    PyObject *groups, *group, *build, *run, *commit; /* new references */
-    PyObject *info;        /* new reference: group()'s answer, held while its
-                            * strings are the engine's */
-    const char **names;    /* PyMem: the names of the group in progress */
-} TtModules;
-
 static const char *const tt_module_methods[] = {"groups", "group", "build", "run", "commit"};
 
 /* Fetches the callbacks of `modules`; -1 with TypeError naming the one that is
  * missing or not callable. */
-static int
+int
 tt_modules_init(TtModules *m, TtCall *call, PyObject *modules)
 {
     PyObject **slots[] = {&m->groups, &m->group, &m->build, &m->run, &m->commit};
@@ -56,7 +46,7 @@ tt_modules_init(TtModules *m, TtCall *call, PyObject *modules)
     return 0;
 }
 
-static void
+void
 tt_modules_release(TtModules *m)
 {
     Py_CLEAR(m->groups);
@@ -246,7 +236,7 @@ tt_modules_commit(void *ctx, size_t node, size_t group, long chosen, tw_error *e
     return tt_call_invoke_ints(m->call, m->commit, ints, 3, 1, err);
 }
 
-static void
+void
 tt_module_ops_init(tw_module_ops *ops, TtModules *m)
 {
     ops->ctx = m;
@@ -298,287 +288,5 @@ cleanup:
     tw_module_result_destroy(out);
     tt_modules_release(&m);
     tt_call_release(&call);
-    return result;
-}
-
-/* ============================================================ arguments */
-
-/* The Python forms of a tweak's settings into cfg (which holds the defaults):
- * what cannot be said in the engine's types is refused here; the rules on the
- * values are the engine's (tw_tweak_config_check), applied after. Each
- * argument is borrowed and may be NULL (not given). -1 with ValueError. */
-static int
-tt_tweak_settings(PyObject *min_depth, PyObject *max_depth, PyObject *tie, PyObject *budget,
-                  tw_tweak_config *cfg)
-{
-    long v;
-    double d;
-
-    if (min_depth != NULL) {
-        v = PyLong_Check(min_depth) ? PyLong_AsLong(min_depth) : -1;
-        if ((v == -1 && PyErr_Occurred()) || !PyLong_Check(min_depth) || v < INT_MIN ||
-            v > INT_MAX) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_ValueError, "min_depth must be an int >= 0, got %R", min_depth);
-            return -1;
-        }
-        cfg->min_depth = (int)v;
-    }
-    if (max_depth != NULL) {
-        v = max_depth == Py_None ? -1 : PyLong_Check(max_depth) ? PyLong_AsLong(max_depth) : -2;
-        if (max_depth != Py_None && (v < 0 || v > INT_MAX)) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_ValueError, "max_depth must be an int >= 0 or None, got %R",
-                         max_depth);
-            return -1;
-        }
-        cfg->max_depth = (int)v;
-    }
-    if (tie != NULL) {
-        d = PyLong_Check(tie) || PyFloat_Check(tie) ? PyFloat_AsDouble(tie) : -1.0;
-        if (!(PyLong_Check(tie) || PyFloat_Check(tie)) || (d == -1.0 && PyErr_Occurred())) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_ValueError,
-                         "tie_tolerance must be a fraction >= 0 (0.02 is 2 %%), got %R", tie);
-            return -1;
-        }
-        cfg->tie_tolerance = d;
-    }
-    if (budget != NULL && budget != Py_None) {
-        d = PyLong_Check(budget) || PyFloat_Check(budget) ? PyFloat_AsDouble(budget) : NAN;
-        if (!(d >= 0)) { /* not a number, negative or NaN */
-            PyErr_Clear();
-            PyErr_Format(PyExc_ValueError,
-                         "time_budget must be a number of seconds >= 0 or None, got %R", budget);
-            return -1;
-        }
-        if (PyBool_Check(budget)) {
-            PyObject *f = PyFloat_FromDouble(d); /* new reference: True is 1 second */
-            int rc = f == NULL ? -1 : tt_seconds_to_ns(f, "time_budget", &cfg->time_budget_ns);
-            Py_XDECREF(f);
-            if (rc < 0)
-                return -1;
-        } else if (tt_seconds_to_ns(budget, "time_budget", &cfg->time_budget_ns) < 0) {
-            return -1;
-        }
-        /* 0 ns would read as "no budget" to the engine; a budget of 0 s is one
-         * that is used up before the first depth */
-        if (cfg->time_budget_ns == 0)
-            cfg->time_budget_ns = 1;
-    }
-    return 0;
-}
-
-/* cfg from the defaults and the settings, checked by the engine's rules. */
-static int
-tt_tweak_config(TtState *st, PyObject *min_depth, PyObject *max_depth, PyObject *tie,
-                PyObject *budget, int dry_run, PyObject *config, tw_tweak_config *cfg)
-{
-    tw_error err;
-    tw_code code;
-
-    memset(&err, 0, sizeof(err));
-    tw_tweak_config_default(cfg);
-    if (tt_tweak_settings(min_depth, max_depth, tie, budget, cfg) < 0 ||
-        tt_config_from_dict(config, &cfg->measure) < 0)
-        return -1;
-    cfg->dry_run = dry_run;
-    code = tw_tweak_config_check(cfg, &err);
-    if (code != TW_OK) {
-        tt_raise_code(st, code, err.msg, NULL);
-        return -1;
-    }
-    return 0;
-}
-
-PyObject *
-tt_py_check_tweak_config(PyObject *module, PyObject *args, PyObject *kwargs)
-{
-    static char *kwlist[] = {"min_depth", "max_depth", "tie_tolerance", "time_budget", "config",
-                             NULL};
-    PyObject *min_depth = NULL, *max_depth = NULL, *tie = NULL, *budget = NULL;
-    PyObject *config = Py_None; /* all borrowed */
-    tw_tweak_config cfg;
-
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$OOOOO:check_tweak_config", kwlist,
-                                     &min_depth, &max_depth, &tie, &budget, &config))
-        return NULL;
-    if (tt_tweak_config((TtState *)PyModule_GetState(module), min_depth, max_depth, tie, budget,
-                        0, config, &cfg) < 0)
-        return NULL;
-    Py_RETURN_NONE;
-}
-
-/* ================================================================ tweak */
-
-typedef struct TtTweak {
-    TtCall *call;
-    /* new references, held for the whole call; deactivate may be NULL */
-    PyObject *enter, *activate, *deactivate, *leave;
-    PyObject *run;
-    PyObject *tree;
-    TtModules modules;
-    TtRun model;
-} TtTweak;
-
-static tw_code
-tt_tweak_enter(void *ctx, const size_t *nodes, const int *tune, size_t n, tw_error *err)
-{
-    TtTweak *tw = (TtTweak *)ctx;
-    PyObject *args[2] = {NULL, NULL}; /* new references: nodes, tune */
-    size_t i;
-    tw_code code;
-
-    if (TT_UNLIKELY(tw->call->stash != NULL)) {
-        code = tw_error_set(err, TW_EINTERRUPT, "interrupted");
-        goto cleanup;
-    }
-    if ((args[0] = PyList_New((Py_ssize_t)n)) == NULL ||
-        (args[1] = PyList_New((Py_ssize_t)n)) == NULL)
-        goto fail;
-    for (i = 0; i < n; i++) {
-        PyObject *node = PyLong_FromSize_t(nodes[i]);
-        PyObject *flag = tune[i] ? Py_True : Py_False;
-
-        if (node == NULL)
-            goto fail;
-        PyList_SET_ITEM(args[0], (Py_ssize_t)i, node);
-        Py_INCREF(flag);
-        PyList_SET_ITEM(args[1], (Py_ssize_t)i, flag);
-    }
-    code = tt_call_invoke(tw->call, tw->enter, args, 2, 0, err);
-    goto cleanup;
-fail:
-    code = tt_call_fail(tw->call, err);
-cleanup:
-    Py_XDECREF(args[0]);
-    Py_XDECREF(args[1]);
-    return code;
-}
-
-static tw_code
-tt_tweak_activate(void *ctx, tw_error *err)
-{
-    TtTweak *tw = (TtTweak *)ctx;
-
-    return tt_call_invoke(tw->call, tw->activate, NULL, 0, 0, err);
-}
-
-static tw_code
-tt_tweak_deactivate(void *ctx, tw_error *err)
-{
-    TtTweak *tw = (TtTweak *)ctx;
-
-    return tt_call_invoke(tw->call, tw->deactivate, NULL, 0, 0, err);
-}
-
-static tw_code
-tt_tweak_leave(void *ctx, tw_error *err)
-{
-    TtTweak *tw = (TtTweak *)ctx;
-
-    /* even after an interrupt: leave() is what puts the user's model back */
-    return tt_call_invoke(tw->call, tw->leave, NULL, 0, 1, err);
-}
-
-PyObject *
-tt_py_tweak(PyObject *module, PyObject *args, PyObject *kwargs)
-{
-    static char *kwlist[] = {"tree", "enter", "modules", "activate", "leave", "run", "n_samples",
-                             "sync", "min_depth", "max_depth", "tie_tolerance", "time_budget",
-                             "dry_run", "config", "clock", "deactivate", "log", NULL};
-    TtState *st = (TtState *)PyModule_GetState(module);
-    PyObject *tree = NULL, *enter = NULL, *modules = NULL, *activate = NULL, *leave = NULL;
-    PyObject *run = NULL, *n_obj = NULL, *sync = Py_None, *min_depth = NULL, *max_depth = NULL;
-    PyObject *tie = NULL, *budget = NULL, *config = Py_None, *clock = Py_None;
-    PyObject *deactivate = Py_None, *log = Py_None; /* all borrowed */
-    PyObject *result = NULL;
-    Py_ssize_t n_samples = 0;
-    int dry_run = 0;
-    tw_tweak_config cfg;
-    tw_tweak_ops ops;
-    tw_result *out = NULL;
-    tw_error err;
-    tw_code code;
-    TtCall call;
-    TtTweak tw;
-
-    tt_call_init(&call, st, Py_None, Py_None);
-    memset(&tw, 0, sizeof(tw));
-    memset(&err, 0, sizeof(err));
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!|$OOOOOOOOOOOpOOOO:tweak", kwlist,
-                                     st->TreeType, &tree, &enter, &modules, &activate, &leave,
-                                     &run, &n_obj, &sync, &min_depth, &max_depth, &tie, &budget,
-                                     &dry_run, &config, &clock, &deactivate, &log))
-        goto cleanup;
-    {
-        /* keyword-only and required: PyArg_Parse* has no format for that */
-        PyObject *required[] = {enter, modules, activate, leave, run, n_obj};
-        const char *names[] = {"enter", "modules", "activate", "leave", "run", "n_samples"};
-        size_t k;
-
-        for (k = 0; k < sizeof(required) / sizeof(required[0]); k++) {
-            if (required[k] == NULL) {
-                PyErr_Format(PyExc_TypeError,
-                             "tweak() missing required keyword argument '%s'", names[k]);
-                goto cleanup;
-            }
-            if (k != 1 && k < 5 && tt_check_callable(required[k], names[k], 0) < 0)
-                goto cleanup;
-        }
-    }
-    if (PyBool_Check(n_obj) || !PyLong_Check(n_obj)) {
-        PyErr_Format(PyExc_TypeError, "n_samples must be an int, not %.100s",
-                     Py_TYPE(n_obj)->tp_name);
-        goto cleanup;
-    }
-    n_samples = PyLong_AsSsize_t(n_obj);
-    if ((n_samples == -1 && PyErr_Occurred()) || tt_check_n_samples(n_samples) < 0)
-        goto cleanup;
-    if (tt_check_callable(sync, "sync", 1) < 0 || tt_check_callable(clock, "clock", 1) < 0 ||
-        tt_check_callable(deactivate, "deactivate", 1) < 0 || tt_check_callable(log, "log", 1) < 0)
-        goto cleanup;
-    if (tt_tweak_config(st, min_depth, max_depth, tie, budget, dry_run, config, &cfg) < 0)
-        goto cleanup;
-
-    tt_call_init(&call, st, clock, sync);
-    call.log = log == Py_None ? NULL : Py_NewRef(log);
-    call.host.log = tt_call_log;
-    if (tt_modules_init(&tw.modules, &call, modules) < 0)
-        goto cleanup;
-    tw.call = &call;
-    tw.enter = Py_NewRef(enter);
-    tw.activate = Py_NewRef(activate);
-    tw.deactivate = deactivate == Py_None ? NULL : Py_NewRef(deactivate);
-    tw.leave = Py_NewRef(leave);
-    tw.run = Py_NewRef(run);
-    tw.tree = Py_NewRef(tree);
-    tw.model.call = &call;
-    tw.model.run = tw.run;
-    tw.model.build = NULL;
-    memset(&ops, 0, sizeof(ops));
-    ops.ctx = &tw;
-    ops.enter = tt_tweak_enter;
-    tt_module_ops_init(&ops.modules, &tw.modules);
-    ops.activate = tt_tweak_activate;
-    ops.deactivate = tw.deactivate != NULL ? tt_tweak_deactivate : NULL;
-    ops.leave = tt_tweak_leave;
-    tt_runner_init(&ops.model, &tw.model, (size_t)n_samples);
-
-    code = tw_tweak_run(&call.host, ((TtTree *)tw.tree)->tree, &cfg, &ops, &out, &err);
-    if (tt_call_check(&call, code, &err) < 0)
-        goto cleanup;
-    result = tt_result_new(st, out, tw_tree_size(((TtTree *)tw.tree)->tree));
-    out = NULL; /* stolen, even on failure */
-cleanup:
-    tw_result_destroy(out);
-    tt_modules_release(&tw.modules);
-    tt_call_release(&call);
-    Py_XDECREF(tw.enter);
-    Py_XDECREF(tw.activate);
-    Py_XDECREF(tw.deactivate);
-    Py_XDECREF(tw.leave);
-    Py_XDECREF(tw.run);
-    Py_XDECREF(tw.tree);
     return result;
 }
