@@ -47,12 +47,11 @@ import traceback
 from typing import Any, Callable
 
 import torch
-import torch.utils._pytree as pytree
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples", "Tweak"))
 sys.path.insert(0, HERE)
-from gpu_bench import cold_compiler, source_commit  # noqa: E402  (one cold cache and one commit stamp for both benches)
+from gpu_bench import call_of, cold_compiler, first_tensor, source_commit  # noqa: E402  (one cold cache, one commit stamp and one sample convention for both benches)
 
 MODELS = ("resnet18", "bert", "encoder")
 COLUMNS = ("eager", "compile", "openvino", "tweak", "tweak-cl", "tweak-high", "tweak-bf16", "tweak-int8")
@@ -133,14 +132,6 @@ class ResNet18(torch.nn.Module):
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         return self.fc(torch.flatten(self.avgpool(x), 1))
-
-
-def call_of(sample: Any) -> tuple[tuple, dict]:
-    return ((), sample) if isinstance(sample, dict) else ((sample,), {})
-
-
-def first_tensor(out: Any) -> torch.Tensor:
-    return next(t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
 
 
 def runner(fn: Callable[..., Any], data: list) -> Callable[[int], Any]:

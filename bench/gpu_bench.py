@@ -162,9 +162,17 @@ def build(name: str, dtype: torch.dtype) -> tuple[torch.nn.Module, list]:
 
 
 def call_of(sample: Any) -> tuple[tuple, dict]:
+    """A sample as (args, kwargs): a dict is keyword arguments, anything else the one argument."""
     if isinstance(sample, dict):
         return (), sample
     return (sample,), {}
+
+
+def first_tensor(out: Any) -> torch.Tensor:
+    """The first tensor of an output, whatever holds it (a tuple, a dict, a ModelOutput)."""
+    import torch.utils._pytree as pytree
+
+    return next(t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
 
 
 def sync() -> None:
@@ -377,14 +385,9 @@ def tweaked(model: torch.nn.Module, data: list, budget: float | None, options: d
 def output_error(reference: Callable[[int], Any], run: Callable[[int], Any]) -> float:
     """Largest absolute difference of `run`'s first output tensor from `reference`'s, on the
     first sample, over the reference's largest magnitude; the device synchronised after."""
-    import torch.utils._pytree as pytree
-
-    def first(out: Any) -> torch.Tensor:
-        return next(t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
-
     with torch.no_grad():
-        ref = first(reference(0)).float().clone()
-        out = first(run(0)).float()
+        ref = first_tensor(reference(0)).float().clone()
+        out = first_tensor(run(0)).float()
         error = ((out - ref).abs().max() / ref.abs().max()).item()
     sync()
     return error
