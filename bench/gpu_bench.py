@@ -765,6 +765,21 @@ def targets(row: dict) -> dict:
     return t
 
 
+def variant_floor_ms(row: dict, column: str) -> float | None:
+    """The roofline floor of a tweak column in the numerics it runs in: the row's own floor for
+    the default tweak and effort="high" (same numerics), the TF32 peak for tweak-tf32, the bf16
+    peak for tweak-bf16 (autocast: bf16 tensor-core math; the weights are still read as they
+    are stored, so the least bytes stay the row's)."""
+    f = row.get("roofline")
+    if not f:
+        return None
+    if column == "tweak-tf32":
+        return f["floor_ms_tf32"]
+    if column == "tweak-bf16":
+        return max(f["flops"] / PEAK_FLOPS["bf16"], f["bytes_least"] / f["peak_bytes"]) * 1e3
+    return f["floor_ms"]
+
+
 def first_only(row: dict) -> None:
     """A row its run's time limit cut short has no interleaved figures: its columns' first
     latencies (each measured beside eager right after its build) stand in, eager's the median
@@ -804,6 +819,10 @@ def main_rows(rows: list[dict]) -> list[dict]:
         if key not in best or weight(r) >= weight(best[key]):
             best[key] = r
     return sorted(best.values(), key=row_order)
+
+
+def floor_cell(floor_ms: float | None, ms: float) -> str:
+    return "-" if floor_ms is None else f"{floor_ms / ms * 100:.3g}% ({floor_ms:.3f})"
 
 
 def commits_of(rows: list[dict]) -> str:
@@ -908,15 +927,17 @@ def merge(paths: list[str], out_dir: str, notes: str | None = None) -> None:
         md += ["", "## tweak with the new axes and precision policies", "",
                "tweak-high: effort=\"high\"; tweak-tf32 / tweak-bf16: the opt-in precision policy, with its "
                "tolerance; tweak ms and tuning s: the default tweak of the same run, measured interleaved with "
-               "the variant; error: the largest relative error of the first output against eager.", "",
+               "the variant; error: the largest relative error of the first output against eager; of floor: the "
+               "roofline floor of the numerics the column runs in (the row's own for tweak-high, the TF32 peak for "
+               "tweak-tf32, the bf16 peak for tweak-bf16; the least bytes always the row's) over its latency.", "",
                "| model | dtype | column | ms | tweak ms | vs tweak | tuning s | tweak tuning s | error | kept depth "
-               "| lower precision kept | run |",
-               "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+               "| lower precision kept | of floor (floor ms) | run |",
+               "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|"]
         for r, c, v in variants:
             ms = r.get("ms", {})
             mark = " *" if r.get("first_only") else ""
             if c not in ms:
-                md.append(f"| {r['model']}{mark} | {r['dtype']} | {c} | failed | - | - | - | - | - | - | - | "
+                md.append(f"| {r['model']}{mark} | {r['dtype']} | {c} | failed | - | - | - | - | - | - | - | - | "
                           f"{r['commit']} |")
                 continue
             plain = f"{ms['tweak']:.3f}" if "tweak" in ms else "-"
@@ -926,7 +947,7 @@ def merge(paths: list[str], out_dir: str, notes: str | None = None) -> None:
             md.append(f"| {r['model']}{mark} | {r['dtype']} | {c} | {ms[c]:.3f} | {plain} | {vs} | "
                       f"{r['compile_s'].get(c, 0):.1f} | {tune} | {'-' if err is None else f'{err:.2g}'} | "
                       f"{v['depth']} | {', '.join(sorted(set(v['lower_precision'].values()))) or 'none'} | "
-                      f"{r['commit']} |")
+                      f"{floor_cell(variant_floor_ms(r, c), ms[c])} | {r['commit']} |")
         high = [(r, r["ms"]["tweak"] / r["ms"]["tweak-high"]) for r, c, _ in variants
                 if c == "tweak-high" and "tweak" in r.get("ms", {}) and "tweak-high" in r.get("ms", {})]
         if high:
