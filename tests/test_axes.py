@@ -262,3 +262,41 @@ def test_a_kept_lower_precision_module_is_named_in_the_result(mlp_data):
     after = outputs(model, mlp_data)
     assert all(a.dtype == b.dtype and torch.allclose(a, b, rtol=0.05, atol=0.05 * b.abs().max().item())
                for a, b in zip(after, before))
+
+
+class SlowToBuild(TorchEagerBackend):
+    """Torch Eager whose build takes a while, like a compile: the clock moves during a depth."""
+
+    name = "SlowToBuild"
+    delay = 1.5
+
+    def build(self, module, samples, device):
+        time.sleep(self.delay)
+        return super().build(module, samples, device)
+
+
+@pytest.mark.parametrize("budget, variant_built", [(1.0, False), (600.0, True)])
+def test_no_variant_is_built_once_the_time_budget_is_used_up(budget, variant_built):
+    """effort= and precision= variants can each cost a long compile (max-autotune: minutes on a
+    GPU); once time_budget is used up, the depth in progress still finishes, but with the
+    strategy's backends only. A budget that is not used up builds every variant as before."""
+    model, data = conv_net(), images()
+    before = outputs(model, data)
+    started = time.monotonic()
+    result = tt.tweak(model, data, max_depth=1, strategy=tt.HighestThroughputStrategy([SlowToBuild(), EAGER[0]]),
+                      effort="high", time_budget=budget, progress=False, measure=FAST, cache=False)
+    took = time.monotonic() - started
+    root = {c["backend"]: c for c in result.modules[""].candidates}
+    assert root["SlowToBuild"]["state"] == "measured" and root["TorchEager"]["state"] == "measured"
+    layout = root["TorchEager [channels_last]"]
+    if variant_built:
+        assert layout["state"] == "measured" and layout["max_error"] < 1e-3
+        assert result.rows[1].depth == 1 and result.rows[1].error == ""  # depth 1 ran too
+    else:
+        # the slow build used the budget up: the variant after it was not built, nor depth 1 started
+        assert layout["state"] == "failed" and layout["reason"] == "time budget"
+        assert "not built: the time budget was used up first" in str(result.modules[""])
+        assert result.rows[1].depth == 1 and result.rows[1].error == "time budget used up"
+        assert took < 10 * SlowToBuild.delay  # one slow build at depth 0, nothing after the budget
+    after = outputs(model, data)  # kept or not, the same answers
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(after, before))

@@ -15,7 +15,9 @@ class SignatureResult:
 
     candidates: one dict per candidate backend: "backend", "state" ("measured", "built",
     "failed", "not tried"), "latency_ms" (None unless measured), "error", "reason" ("",
-    "unavailable", "build failed", "crashed", "dynamic shapes", "mismatch"), "max_error" (largest
+    "unavailable", "build failed", "crashed", "dynamic shapes", "mismatch", "out of memory",
+    "time budget": a variant of effort= or precision= not built because tt.tweak's time_budget
+    was used up first), "max_error" (largest
     relative error of the correctness check, or None), "tolerance" (on a mismatch).
     unstorable: recorded calls the chosen backend cannot store; they compile on first call.
     """
@@ -130,6 +132,8 @@ def status(candidate: dict, chosen: bool, unstorable: int) -> str:
         return f"failed to build: {error}"
     if reason == "out of memory":
         return f"ran out of device memory: {error}"
+    if reason == "time budget":
+        return "not built: the time budget was used up first"
     return error or candidate["state"]
 
 

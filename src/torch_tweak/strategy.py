@@ -93,9 +93,16 @@ class Strategy:
         """The candidates for one module and its recorded calls: every backend, and the variants
         of the axes that apply to it (channels-last for a module with a Conv2d, an SDPA kernel
         for one that calls scaled_dot_product_attention, max-autotune for a heavy one...)."""
+        return [b for b, _ in self.variants_marked_for(module, samples, device)]
+
+    def variants_marked_for(self, module: torch.nn.Module, samples: Sequence[Any],
+                            device: torch.device) -> list[tuple[Backend, bool]]:
+        """candidates_for's list, each with whether it is a variant an axis added (effort or
+        precision) rather than one of the strategy's backends: the backends come first."""
         if not self.axes:
-            return self.candidates(device)
-        return [b for b, rule in self._candidates(device) if not rule or self.axes.applies(rule, module, samples)]
+            return [(b, False) for b in self.candidates(device)]
+        return [(b, bool(rule)) for b, rule in self._candidates(device)
+                if not rule or self.axes.applies(rule, module, samples)]
 
     def with_axes(self, axes: Axes | None) -> "Strategy":
         """A copy of this strategy that adds the variants of `axes` to its backends."""

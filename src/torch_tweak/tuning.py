@@ -75,7 +75,13 @@ def build_scopes(backends: Sequence[Backend], static: bool) -> Iterator[None]:
 OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
+class BudgetSkip(Exception):
+    """A variant not built: the tweak's time budget was used up before its turn."""
+
+
 def _reason(exc: BaseException) -> str:
+    if isinstance(exc, BudgetSkip):
+        return "time budget"
     if isinstance(exc, OUT_OF_MEMORY):
         return "out of memory"
     if isinstance(exc, BackendUnavailable):
@@ -99,17 +105,21 @@ class ModuleSearch:
     template. done(node): called once a module's last group is committed (or at once when
     it has none). notes[(node, group, candidate)]: what only Python knows of a build
     (reason, max_error, tolerance, build_s), read with the engine's result (see absorb).
+    deadline: a time.monotonic() value (the tweak's time_budget) after which no variant of
+    effort= or precision= is built; the strategy's own backends still are, so every module of
+    the depth in progress still gets a choice. None: no deadline.
     """
 
     def __init__(self, wrapper_of: Callable[[int], TunedModule], strategy_of: Callable[[int], Strategy],
                  device: torch.device, progress: Progress | None, model_class: str,
-                 done: Callable[[int], None] | None = None) -> None:
+                 done: Callable[[int], None] | None = None, deadline: float | None = None) -> None:
         self.wrapper_of = wrapper_of
         self.strategy_of = strategy_of
         self.device = device
         self.progress = progress
         self.model_class = model_class
         self.done = done
+        self.deadline = deadline
         self.notes: dict[tuple[int, int, int], dict] = {}
         self._open: _OpenGroup | None = None
 
@@ -124,7 +134,9 @@ class ModuleSearch:
         group = wrapper.tt_signatures[g]
         strategy = self.strategy_of(node)
         module = wrapper._tt_original
-        backends = strategy.fresh().candidates_for(module, group.samples, self.device)
+        marked = strategy.fresh().variants_marked_for(module, group.samples, self.device)
+        backends = [b for b, _ in marked]
+        variants = frozenset(i for i, (_, variant) in enumerate(marked) if variant)
         label = wrapper.tt_name if len(wrapper.tt_signatures) == 1 else f"{wrapper.tt_name} {group.text}"
         state = model_state.snapshot(module)  # put back at commit, whatever the builds changed
         stack = contextlib.ExitStack()  # closed at commit: the engine commits every group it began
@@ -135,13 +147,17 @@ class ModuleSearch:
             stack.close()
             raise
         stateful = any(unstorable(s) is not None for s in group.samples)  # a cache passed in: copied per call
-        self._open = _OpenGroup(node, g, group, backends, module, state, stack, stateful, label)
+        self._open = _OpenGroup(node, g, group, backends, module, state, stack, stateful, label, variants)
         return (group.text, strategy.kind, tuple(b.name for b in backends), len(group.samples))
 
     def build(self, node: int, g: int, c: int) -> None:
         o = self._current(node, g)
         backend, group, wrapper = o.backends[c], o.group, self.wrapper_of(node)
         note = self.notes.setdefault((node, g, c), {})
+        if c in o.variants and self.deadline is not None and time.monotonic() >= self.deadline:
+            note["reason"], note["build_s"] = "time budget", 0.0
+            raise BudgetSkip("not built: the time budget was used up before this variant's turn (the backends "
+                             "alone still are); a larger time_budget, or None, tries every variant")
         if self.progress is not None:
             self.progress.step(o.label, f"building {backend.name}")
         path = log_path(self.model_class, wrapper.tt_name, group.key, backend.name)
@@ -205,6 +221,7 @@ class _OpenGroup:
     stack: contextlib.ExitStack
     stateful: bool
     label: str
+    variants: frozenset[int] = frozenset()  # the candidates an axis added (see ModuleSearch.deadline)
 
 
 def absorb(wrapper: TunedModule, report: dict, notes: dict[tuple[int, int, int], dict], node: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import warnings
 from typing import Any
 
@@ -333,8 +334,8 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
     e.g. ``lambda m: m.generate(ids, max_new_tokens=64)`` (docs/generate.md); what tweak
     measures is then one run of it, and a workload is never cached. ``effort``: "default", or
     "high" to also try, on the heavy modules (the model and those taking at least 20 % of its
-    time), channels-last, every SDPA kernel (CUDA) and max-autotune (torch_tweak.axes).
-    ``precision``: {policy: tolerance} of lower-precision candidates you allow ("tf32",
+    time), channels-last, every SDPA kernel (CUDA) and max-autotune (torch_tweak.axes); once
+    ``time_budget`` is used up, the variants not built yet are left out. ``precision``: {policy: tolerance} of lower-precision candidates you allow ("tf32",
     "bf16", "int8", "fp8"), each checked against its tolerance; None (the default): none.
     """
     if not isinstance(model, nn.Module):
@@ -427,6 +428,10 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
         if compiled_loop:
             session.refuse = ("the decode steps run transformers' compiled forward (decode loop \"compiled\"), "
                               "which must see the model's own modules to give the untuned tokens")
+        if time_budget is not None and not dry_run:
+            # the engine's budget counts from here too: once it is used up, no variant of effort= or
+            # precision= is built any more (one max-autotune compile can take minutes)
+            session.search.deadline = time.monotonic() + float(time_budget)
         try:
             with torch.no_grad():
                 engine = _C.tweak(
