@@ -58,7 +58,8 @@ run's variants, each against the default tweak measured interleaved with it in i
     python bench/gpu_bench.py [--models encoder,bert,gpt2,vit,resnet50] [--dtypes fp32,bf16]
                               [--rows encoder:fp32,bert:bf16] [--quick] [--max-autotune]
                               [--compile-timeout S] [--tweak-variants high,tf32,bf16]
-                              [--tweak-timeout S] [--columns C,C...] [--mark-step] [--json PATH]
+                              [--tweak-timeout S] [--variant-budget S|auto] [--columns C,C...] [--mark-step]
+                              [--json PATH]
     python bench/gpu_bench.py --cpu --rows encoder:fp32 --quick ...   # smoke run on the CPU
     python bench/gpu_bench.py --merge a.json b.json ... [--out-dir bench/results]
     python bench/gpu_bench.py --cpu --roofline-of a.json ...   # the roofline of earlier runs' rows
@@ -589,9 +590,13 @@ def bench_one(name: str, dtype_name: str, args: argparse.Namespace,
                                              for p in result.tree.cut(result.selected_depth)}
             elif column.startswith("tweak-"):
                 options = TWEAK_VARIANTS[column[len("tweak-"):]]
-                runs[column], row["compile_s"][column], res, _ = tweaked(model, data, None, options,
+                budget = args.variant_budget
+                if budget == "auto":
+                    budget = 3 * row["compile_s"]["reduce-overhead"] if "reduce-overhead" in row["compile_s"] else None
+                budget = None if budget is None else float(budget)
+                runs[column], row["compile_s"][column], res, _ = tweaked(model, data, budget, options,
                                                                          args.tweak_timeout)
-                row.setdefault("variants", {})[column] = {
+                row.setdefault("variants", {})[column] = {"budget_s": budget,
                     "depth": res.selected_depth, "table": str(res), "lower_precision": res.lower_precision,
                     "chosen": {p: m.backend for p, m in res.modules.items() if m.kept and m.backend}}
             else:
@@ -706,6 +711,7 @@ def run(args: argparse.Namespace) -> None:
                                                        "compile_timeout": args.compile_timeout,
                                                        "tweak_timeout": args.tweak_timeout,
                                                        "tweak_variants": args.tweak_variants,
+                                                       "variant_budget": args.variant_budget,
                                                        "mark_step": args.mark_step},
            "rows": []}
     preload_inductor()
@@ -926,7 +932,8 @@ def merge(paths: list[str], out_dir: str, notes: str | None = None) -> None:
     if variants:
         md += ["", "## tweak with the new axes and precision policies", "",
                "tweak-high: effort=\"high\"; tweak-tf32 / tweak-bf16: the opt-in precision policy, with its "
-               "tolerance; tweak ms and tuning s: the default tweak of the same run, measured interleaved with "
+               "tolerance; tuning s: the variant's, with the time_budget it was given if any (--variant-budget); "
+               "tweak ms and tuning s: the default tweak of the same run, measured interleaved with "
                "the variant; error: the largest relative error of the first output against eager; of floor: the "
                "roofline floor of the numerics the column runs in (the row's own for tweak-high, the TF32 peak for "
                "tweak-tf32, the bf16 peak for tweak-bf16; the least bytes always the row's) over its latency.", "",
@@ -944,8 +951,9 @@ def merge(paths: list[str], out_dir: str, notes: str | None = None) -> None:
             vs = f"{ms['tweak'] / ms[c]:.2f}x" if "tweak" in ms else "-"
             err = r.get("max_error", {}).get(c)
             tune = f"{r['tune_s']:.1f}" if r.get("tune_s") is not None else "-"
+            given = v.get("budget_s")
             md.append(f"| {r['model']}{mark} | {r['dtype']} | {c} | {ms[c]:.3f} | {plain} | {vs} | "
-                      f"{r['compile_s'].get(c, 0):.1f} | {tune} | {'-' if err is None else f'{err:.2g}'} | "
+                      f"{r['compile_s'].get(c, 0):.1f}{'' if given is None else f' (budget {given:.0f})'} | {tune} | {'-' if err is None else f'{err:.2g}'} | "
                       f"{v['depth']} | {', '.join(sorted(set(v['lower_precision'].values()))) or 'none'} | "
                       f"{floor_cell(variant_floor_ms(r, c), ms[c])} | {r['commit']} |")
         high = [(r, r["ms"]["tweak"] / r["ms"]["tweak-high"]) for r, c, _ in variants
@@ -1082,6 +1090,10 @@ def main() -> None:
                         "to compare): checks the code runs")
     parser.add_argument("--tweak-budget", default=None,
                         help="tt.tweak(time_budget=...): seconds, or 'auto' for 3x reduce-overhead's compile time")
+    parser.add_argument("--variant-budget", default=None,
+                        help="time_budget of the tweak-high / tweak-tf32 / tweak-bf16 columns: seconds, or 'auto' "
+                             "for 3x reduce-overhead's compile time (that column built before them); the variants "
+                             "not built when it runs out are left out")
     parser.add_argument("--probe", action="store_true", help="also time the replay path on a tiny graph")
     parser.add_argument("--json", default=os.path.join(HERE, "results", "gpu.json"))
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="write gpu.md and gpu.png from run files")
