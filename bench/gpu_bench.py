@@ -870,7 +870,9 @@ def merge(paths: list[str], out_dir: str, notes: str | None = None) -> None:
           f"that kind, not necessarily the same one: compare columns within a row). Random weights, "
           f"{settings['samples']} random calls per model cycled; per column {protocol} of one synchronised "
           f"call (each run's choice is in its file's settings).", "",
-          "", "Every compiling column (compile, reduce-overhead, max-autotune, tweak) starts cold: a fresh "
+          "Run files, relative to this report, in the order `--merge` took them (the same command on them "
+          "writes this report again): " + ", ".join(f"`{os.path.relpath(p, out_dir)}`" for p in paths)
+          + ".", "", "Every compiling column (compile, reduce-overhead, max-autotune, tweak) starts cold: a fresh "
           "Inductor and Triton cache folder, dynamo reset (before each tweak column; each torch.compile "
           "column is its own), Inductor's in-memory caches cleared, tweak's "
           "tuning cache off. The first compile of the run (the first row's compile column) also pays the "
