@@ -105,21 +105,21 @@ class ModuleSearch:
     template. done(node): called once a module's last group is committed (or at once when
     it has none). notes[(node, group, candidate)]: what only Python knows of a build
     (reason, max_error, tolerance, build_s), read with the engine's result (see absorb).
-    deadline: a time.monotonic() value (the tweak's time_budget) after which no variant of
-    effort= or precision= is built; the strategy's own backends still are, so every module of
+    deadline: None, or a time.monotonic() value (tt.tweak's time_budget) after which no variant
+    of effort= or precision= is built; the strategy's own backends still are, so every module of
     the depth in progress still gets a choice. None: no deadline.
     """
 
     def __init__(self, wrapper_of: Callable[[int], TunedModule], strategy_of: Callable[[int], Strategy],
                  device: torch.device, progress: Progress | None, model_class: str,
-                 done: Callable[[int], None] | None = None, deadline: float | None = None) -> None:
+                 done: Callable[[int], None] | None = None) -> None:
         self.wrapper_of = wrapper_of
         self.strategy_of = strategy_of
         self.device = device
         self.progress = progress
         self.model_class = model_class
         self.done = done
-        self.deadline = deadline
+        self.deadline: float | None = None  # tt.tweak sets it from time_budget
         self.notes: dict[tuple[int, int, int], dict] = {}
         self._open: _OpenGroup | None = None
 
