@@ -518,6 +518,15 @@ def replay_path_probe() -> list[dict]:
 # --------------------------------------------------------------------- run
 
 
+def budget_of(given: str | None, row: dict) -> float | None:
+    """A --tweak-budget / --variant-budget as seconds: a number, or "auto" for 3x the row's
+    reduce-overhead compile time (None when that column was not built before)."""
+    if given == "auto":
+        ro = row["compile_s"].get("reduce-overhead")
+        return None if ro is None else 3 * ro
+    return None if given is None else float(given)
+
+
 def columns_of(args: argparse.Namespace, dtype_name: str) -> list[str]:
     """The columns of a row, in the order they are built: --columns as given, or the
     alternatives, tweak, --tweak-variants, then the max-autotune ones (with --max-autotune).
@@ -576,10 +585,7 @@ def bench_one(name: str, dtype_name: str, args: argparse.Namespace,
             if column == "graph" and DEVICE != "cuda":
                 raise RuntimeError("skipped: a CUDA graph needs CUDA (--cpu smoke run)")
             if column == "tweak":
-                budget = args.tweak_budget
-                if budget == "auto":
-                    budget = 3 * row["compile_s"]["reduce-overhead"] if "reduce-overhead" in row["compile_s"] else None
-                row["tweak_budget_s"] = None if budget is None else float(budget)
+                row["tweak_budget_s"] = budget_of(args.tweak_budget, row)
                 runs["tweak"], row["tune_s"], result, mine = tweaked(model, data, row["tweak_budget_s"],
                                                                      timeout=args.tweak_timeout)
                 row["tweak_depth"] = result.selected_depth
@@ -590,10 +596,7 @@ def bench_one(name: str, dtype_name: str, args: argparse.Namespace,
                                              for p in result.tree.cut(result.selected_depth)}
             elif column.startswith("tweak-"):
                 options = TWEAK_VARIANTS[column[len("tweak-"):]]
-                budget = args.variant_budget
-                if budget == "auto":
-                    budget = 3 * row["compile_s"]["reduce-overhead"] if "reduce-overhead" in row["compile_s"] else None
-                budget = None if budget is None else float(budget)
+                budget = budget_of(args.variant_budget, row)
                 runs[column], row["compile_s"][column], res, _ = tweaked(model, data, budget, options,
                                                                          args.tweak_timeout)
                 row.setdefault("variants", {})[column] = {"budget_s": budget,
