@@ -1,0 +1,152 @@
+"""Which Inductor settings make a whole model faster inside tweak's device graph, on one GPU.
+
+A study for effort="high": each knob set is one candidate, tt.tweak at depth 0 with
+tt.OneBackendStrategy(tt.InductorGraphBackend(options=...)) (what the default tweak keeps
+on most rows of bench/results/gpu.md), built cold (fresh Inductor and Triton caches, dynamo
+reset), checked by tweak against the untuned model, then measured with gpu_bench's protocol
+(warm-up, median of interleaved rounds of one synchronised call), beside eager and the
+plain InductorGraph candidate of the same run.
+
+    python bench/inductor_knobs.py --rows encoder:bf16,gpt2:bf16 --json knobs.json
+
+Knob sets (--knobs, comma list; "+" joins knobs into one set):
+    base      no options (Inductor's defaults)
+    pdl       triton.enable_pdl: programmatic dependent launch (Hopper and newer), the
+              next kernel's launch overlaps the end of the one before
+    combo     combo_kernels: independent small kernels fused side by side into one
+    cdt       coordinate_descent_tuning: each kernel's block sizes tuned by measurement
+    freezing  freezing: weights taken as constants (folds, e.g., a batch norm into its conv)
+    cl        the candidate's memory_format="channels_last" (models with convolutions)
+A knob this torch does not have is reported as that candidate's error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_bench  # noqa: E402
+
+KNOBS = {"pdl": {"triton.enable_pdl": True}, "combo": {"combo_kernels": True},
+         "cdt": {"coordinate_descent_tuning": True}, "freezing": {"freezing": True}}
+
+
+def candidate(spec: str) -> Any:
+    import torch_tweak as tt
+    options: dict[str, Any] = {}
+    layout = None
+    for knob in spec.split("+"):
+        if knob == "base":
+            continue
+        if knob == "cl":
+            layout = "channels_last"
+            continue
+        options.update(KNOBS[knob])
+    from torch_tweak.backends import InductorGraphBackend
+    return InductorGraphBackend(options=options or None, memory_format=layout)
+
+
+def study(name: str, dtype_name: str, specs: list[str], warmup: int, rounds: int) -> dict:
+    import torch_tweak as tt
+    row: dict[str, Any] = {"model": name, "dtype": dtype_name, "size": gpu_bench.SIZES[name], "build_s": {},
+                           "errors": {}, "kept": {}, "error": {}}
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+    model, data = gpu_bench.build(name, gpu_bench.DTYPES[dtype_name])
+
+    def eager(i: int) -> Any:
+        a, k = gpu_bench.call_of(data[i % len(data)])
+        return model(*a, **k)
+
+    runs = {"eager": eager}
+    for spec in specs:
+        print(f"  {name} {dtype_name}: {spec}", flush=True)
+        mine = copy.deepcopy(model)
+        gpu_bench.cold_compiler(spec)
+        torch._dynamo.reset()
+        try:
+            backend = candidate(spec)
+            t0 = time.perf_counter()
+            result = tt.tweak(mine, data, strategy=tt.OneBackendStrategy(backend), max_depth=0, progress=False,
+                              cache=False)
+            gpu_bench.sync()
+            row["build_s"][spec] = time.perf_counter() - t0
+            module = result.modules.get("")
+            row["kept"][spec] = None if module is None else module.backend
+            if result.selected_depth is None or module is None or not module.backend:
+                row["errors"][spec] = "not kept: " + str(result).splitlines()[-1][:300]
+                continue
+        except Exception as exc:
+            traceback.print_exc()
+            row["errors"][spec] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            continue
+
+        def run(i: int, mine: torch.nn.Module = mine) -> Any:
+            a, k = gpu_bench.call_of(data[i % len(data)])
+            return mine(*a, **k)
+
+        try:
+            row["error"][spec] = gpu_bench.output_error(eager, run)
+            runs[spec] = run
+        except Exception as exc:
+            row["errors"][spec] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            if "CUDA error" in str(exc):
+                raise
+    print(f"  {name} {dtype_name}: measuring {', '.join(runs)}", flush=True)
+    stats = gpu_bench.measure(runs, len(data), warmup, rounds)
+    row["ms"] = {k: v["ms"] for k, v in stats.items()}
+    row["spread"] = {k: [v["q25"], v["q75"]] for k, v in stats.items()}
+    base = row["ms"].get("base")
+    if base:
+        row["vs_base"] = {k: base / v for k, v in row["ms"].items()}
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", required=True, help="model:dtype pairs, e.g. encoder:bf16,gpt2:bf16")
+    p.add_argument("--knobs", default="base,pdl,combo,cdt,freezing,pdl+combo+cdt+freezing",
+                   help="comma list of knob sets (module docs)")
+    p.add_argument("--conv-knobs", default="cl,cl+pdl+combo+cdt+freezing",
+                   help="knob sets added for models with convolutions")
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=100)
+    p.add_argument("--json", required=True)
+    args = p.parse_args()
+    out: dict[str, Any] = {"environment": gpu_bench.environment(), "settings": vars(args), "rows": []}
+    gpu_bench.preload_inductor()
+    for pair in args.rows.split(","):
+        name, dtype_name = pair.split(":", 1)
+        specs = args.knobs.split(",")
+        if name == "resnet50":
+            specs += [s for s in args.conv_knobs.split(",") if s]
+        t0 = time.perf_counter()
+        try:
+            row = study(name, dtype_name, specs, args.warmup, args.rounds)
+        except Exception as exc:
+            traceback.print_exc()
+            row = {"model": name, "dtype": dtype_name, "errors": {"all": f"{type(exc).__name__}: {exc}"}}
+        row["wall_s"] = time.perf_counter() - t0
+        out["rows"].append(row)
+        print(json.dumps({k: row.get(k) for k in ("model", "dtype", "ms", "vs_base", "build_s", "error", "errors")}),
+              flush=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        if "CUDA error" in str(row.get("errors", {}).get("all", "")):
+            break
+    print("written:", args.json)
+
+
+if __name__ == "__main__":
+    main()
