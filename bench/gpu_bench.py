@@ -38,9 +38,11 @@ bytes one call must move at the least (every parameter and buffer read once, the
 once, the outputs written once: a perfectly fused model), and also op by op (every aten op's
 tensor inputs read and outputs written, no fusion). The floor is max(FLOPs / peak compute,
 least bytes / peak bandwidth) against the H200's peaks: 989 TFLOP/s dense bf16/fp16 tensor,
-494 TFLOP/s TF32 tensor, 67 TFLOP/s fp32 without tensor cores (what fp32 rows run at under
-torch's default numerics), 4.8 TB/s HBM3e. Each column's roofline fraction is the floor over
-its latency.
+494 TFLOP/s TF32 tensor, 67 TFLOP/s fp32 without tensor cores, 4.8 TB/s HBM3e. An fp32 row's
+FLOPs count at the peak of the numerics torch gives them by default: its convolutions at the
+TF32 peak (cuDNN's default, torch.backends.cudnn.allow_tf32), its matrix products at the fp32
+one (torch.backends.cuda.matmul.allow_tf32 is off). Each column's roofline fraction is the
+floor over its latency.
 
 Every compiling column (compile, reduce-overhead, max-autotune, tweak) starts cold, as a
 user's first run does: a fresh Inductor and Triton cache folder, Inductor's in-memory caches
@@ -285,15 +287,30 @@ def roofline(model: torch.nn.Module, data: list, dtype_name: str) -> dict:
         with OpBytes():
             model(*a, **k)
     flops = counter.get_total_flops()
+    conv = sum(n for op, n in counter.get_flop_counts().get("Global", {}).items() if "convolution" in str(op))
     weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     least = weights + nbytes((a, k)) + nbytes(out)
     peak = PEAK_FLOPS[dtype_name]
-    floor_s = max(flops / peak, least / PEAK_BYTES)
-    return {"flops": flops, "bytes_least": least, "bytes_weights": weights, "bytes_op_by_op": OpBytes.total,
-            "peak_flops": peak, "peak_bytes": PEAK_BYTES, "floor_ms": floor_s * 1e3,
+    out_ = {"flops": flops, "flops_conv": conv, "bytes_least": least, "bytes_weights": weights,
+            "bytes_op_by_op": OpBytes.total, "peak_flops": peak, "peak_bytes": PEAK_BYTES,
+            # torch's defaults: an fp32 convolution runs in TF32 (cuDNN), an fp32 matrix product does not
+            "conv_tf32": dtype_name == "fp32" and torch.backends.cudnn.allow_tf32,
+            "matmul_tf32": dtype_name == "fp32" and torch.backends.cuda.matmul.allow_tf32,
             "floor_ms_tf32": max(flops / PEAK_FLOPS["tf32"], least / PEAK_BYTES) * 1e3,
-            "bound": "compute" if flops / peak >= least / PEAK_BYTES else "memory",
             "intensity": flops / least if least else None}
+    return dict(out_, **floor_of(out_))
+
+
+def floor_of(f: dict) -> dict:
+    """floor_ms and bound of a roofline: the FLOPs at the peak of the numerics torch runs them in
+    by default (conv_tf32 / matmul_tf32: a convolution / the other FLOPs at the TF32 peak), against
+    the least bytes at peak bandwidth."""
+    conv = f.get("flops_conv", 0)
+    conv_peak = PEAK_FLOPS["tf32"] if f.get("conv_tf32") else f["peak_flops"]
+    rest_peak = PEAK_FLOPS["tf32"] if f.get("matmul_tf32") else f["peak_flops"]
+    compute_s = conv / conv_peak + (f["flops"] - conv) / rest_peak
+    memory_s = f["bytes_least"] / f["peak_bytes"]
+    return {"floor_ms": max(compute_s, memory_s) * 1e3, "bound": "compute" if compute_s >= memory_s else "memory"}
 
 
 # ----------------------------------------------------------------- columns
@@ -645,16 +662,19 @@ def bench_one(name: str, dtype_name: str, args: argparse.Namespace,
     return row
 
 
-def add_roofline(paths: list[str]) -> None:
+def add_roofline(paths: list[str], only: set[tuple[str, str]] | None = None) -> None:
     """For each run file, the same file with every row's roofline computed here (the FLOPs and
     bytes of one call depend on the model and its inputs, not on the device that counts them)
     and each measured column's roofline fraction from the run's own latencies; written beside
-    it as NAME-roofline.json."""
+    it as NAME-roofline.json, or over it when it is such a file already. only: (model, dtype)
+    of the rows to count again (--rows); the others keep what they have."""
     for path in paths:
         with open(path) as f:
             data = json.load(f)
         for row in data["rows"]:
             if row.get("model") not in SIZES or row.get("dtype") not in DTYPES:
+                continue
+            if only is not None and (row["model"], row["dtype"]) not in only:
                 continue
             model, rows_data = build(row["model"], DTYPES[row["dtype"]])
             try:
@@ -667,7 +687,7 @@ def add_roofline(paths: list[str]) -> None:
             print(row["model"], row["dtype"], json.dumps({k: v for k, v in row["roofline"].items()}), flush=True)
             del model, rows_data
             gc.collect()
-        out = os.path.splitext(path)[0] + "-roofline.json"
+        out = path if path.endswith("-roofline.json") else os.path.splitext(path)[0] + "-roofline.json"
         with open(out, "w") as f:
             json.dump(data, f, indent=1)
         print("written:", out)
@@ -979,8 +999,9 @@ def merge(paths: list[str], out_dir: str, notes: str | None = None) -> None:
                "FLOPs per call from torch.utils.flop_counter.FlopCounterMode; least bytes: every parameter and "
                "buffer read once, the inputs read once and the outputs written once (op by op: every aten op's "
                "tensor inputs read and outputs written, no fusion). Floor: max(FLOPs / peak compute, least bytes / "
-               "4.8 TB/s) with peak compute 989 TFLOP/s for bf16 and 67 TFLOP/s for fp32 (no tensor cores: torch's "
-               "default fp32 numerics; the TF32 floor at 494 TFLOP/s is in the run file). Each column: the floor "
+               "4.8 TB/s) with peak compute 989 TFLOP/s for bf16; for fp32, torch's default numerics: matrix products "
+               "at 67 TFLOP/s (no tensor cores), convolutions at the TF32 peak of 494 TFLOP/s (cuDNN's default; the "
+               "conv GFLOP column) (the floor with every FLOP in TF32 is in the run file). Each column: the floor "
                "over its median latency, in percent.", "",
                "| model | dtype | GFLOP | least MB | op-by-op MB | bound | floor ms | "
                + " | ".join(cols) + " |", "|---|---|---:|---:|---:|---|---:|" + "---:|" * len(cols)]
@@ -1103,7 +1124,8 @@ def main() -> None:
     parser.add_argument("--json", default=os.path.join(HERE, "results", "gpu.json"))
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="write gpu.md and gpu.png from run files")
     parser.add_argument("--roofline-of", nargs="+", metavar="JSON", help="add the roofline to earlier run files "
-                        "(counted on this machine, with --cpu on the CPU): writes NAME-roofline.json beside each")
+                        "(counted on this machine, with --cpu on the CPU; with --rows, those rows only): writes "
+                        "NAME-roofline.json beside each, or over it when it is one")
     parser.add_argument("--notes", default=None, help="with --merge: a markdown file appended to gpu.md "
                         "(default: gpu-notes.md in --out-dir, if there is one)")
     parser.add_argument("--out-dir", default=os.path.join(HERE, "results"))
@@ -1129,7 +1151,8 @@ def main() -> None:
     elif not torch.cuda.is_available():
         sys.exit("gpu_bench needs a CUDA device (or --cpu for a smoke run)")
     if args.roofline_of:
-        add_roofline(args.roofline_of)
+        add_roofline(args.roofline_of, {tuple(r.split(":", 1)) for r in args.rows.split(",") if r}
+                     if args.rows else None)
         return
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     run(args)
