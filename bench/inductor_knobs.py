@@ -8,6 +8,7 @@ reset), checked by tweak against the untuned model, then measured with gpu_bench
 plain InductorGraph candidate of the same run.
 
     python bench/inductor_knobs.py --rows encoder:bf16,gpt2:bf16 --json knobs.json
+    python bench/inductor_knobs.py --report runs/knobs-*.json --out knobs.md   # the table
 
 Knob sets (--knobs, comma list; "+" joins knobs into one set):
     base      no options (Inductor's defaults)
@@ -85,7 +86,8 @@ def study(name: str, dtype_name: str, specs: list[str], warmup: int, rounds: int
             module = result.modules.get("")
             row["kept"][spec] = None if module is None else module.backend
             if result.selected_depth is None or module is None or not module.backend:
-                row["errors"][spec] = "not kept: " + str(result).splitlines()[-1][:300]
+                why = (module.error if module is not None and module.error else str(result).splitlines()[-1])
+                row["errors"][spec] = "not kept: " + why[:300]
                 continue
         except Exception as exc:
             traceback.print_exc()
@@ -113,18 +115,67 @@ def study(name: str, dtype_name: str, specs: list[str], warmup: int, rounds: int
     return row
 
 
+def report(paths: list[str], out: str) -> None:
+    """knobs.md from run files: per row, each knob set's latency, its speedup over the plain
+    candidate of the same run, its build time and its error against eager."""
+    runs = [json.load(open(p)) for p in paths]
+    env = runs[0]["environment"]
+    md = ["# Inductor settings inside tweak's device graph", "",
+          f"Produced by `python bench/inductor_knobs.py` on one {env['gpu']} (torch {env['torch']}, CUDA "
+          f"{env['cuda']}; torch-tweak at {', '.join(sorted({r['environment']['commit'] for r in runs}))}) from "
+          + ", ".join(f"`{os.path.relpath(p, os.path.dirname(out) or '.')}`" for p in paths) + ". The same "
+          "command on them writes this report again.", "",
+          "Each knob set is one candidate: tt.tweak at depth 0 with "
+          "tt.OneBackendStrategy(InductorGraphBackend(options=...)), built cold, checked by tweak against the "
+          "untuned model, then measured with gpu_bench's protocol (warm-up calls, then the median of interleaved "
+          "rounds of one synchronised call) beside eager and the plain candidate (base) of the same run. "
+          "Knobs: pdl = triton.enable_pdl, combo = combo_kernels, cdt = coordinate_descent_tuning, "
+          "freezing = freezing, cl = memory_format channels_last.", "",
+          "| model | dtype | knobs | ms | vs base | build s | error | note |",
+          "|---|---|---|---:|---:|---:|---:|---|"]
+    best = []
+    for run in runs:
+        for r in run["rows"]:
+            ms = r.get("ms", {})
+            for spec in [s for s in r.get("build_s", {})] + [s for s in r.get("errors", {})
+                                                             if s not in r.get("build_s", {})]:
+                note = r.get("errors", {}).get(spec, "")
+                cells = (f"{ms[spec]:.3f} | {ms['base'] / ms[spec]:.2f}x" if spec in ms and "base" in ms
+                         else "- | -")
+                build = f"{r['build_s'][spec]:.1f}" if spec in r.get("build_s", {}) else "-"
+                err = r.get("error", {}).get(spec)
+                md.append(f"| {r['model']} | {r['dtype']} | {spec} | {cells} | {build} | "
+                          f"{'-' if err is None else f'{err:.2g}'} | {note} |")
+            others = {s: ms["base"] / v for s, v in ms.items() if s not in ("eager", "base") and "base" in ms}
+            if others:
+                top = max(others, key=others.get)
+                best.append(f"{r['model']} {r['dtype']}: {top} {others[top]:.2f}x")
+    md += ["", "Best knob set per row, against the plain candidate: " + "; ".join(best) + "."]
+    with open(out, "w") as f:
+        f.write("\n".join(md) + "\n")
+    print("written:", out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", required=True, help="model:dtype pairs, e.g. encoder:bf16,gpt2:bf16")
+    p.add_argument("--report", nargs="+", metavar="JSON", help="write --out from run files instead of running")
+    p.add_argument("--out", default="knobs.md")
+    p.add_argument("--rows", help="model:dtype pairs, e.g. encoder:bf16,gpt2:bf16")
     p.add_argument("--knobs", default="base,pdl,combo,cdt,freezing,pdl+combo+cdt+freezing",
                    help="comma list of knob sets (module docs)")
     p.add_argument("--conv-knobs", default="cl,cl+pdl+combo+cdt+freezing",
                    help="knob sets added for models with convolutions")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--rounds", type=int, default=100)
-    p.add_argument("--json", required=True)
+    p.add_argument("--json")
     args = p.parse_args()
-    out: dict[str, Any] = {"environment": gpu_bench.environment(), "settings": vars(args), "rows": []}
+    if args.report:
+        report(args.report, args.out)
+        return
+    if not args.rows or not args.json:
+        p.error("--rows and --json are needed for a run (or --report to write the table)")
+    settings = {k: v for k, v in vars(args).items() if k in ("rows", "knobs", "conv_knobs", "warmup", "rounds")}
+    out: dict[str, Any] = {"environment": gpu_bench.environment(), "settings": settings, "rows": []}
     gpu_bench.preload_inductor()
     for pair in args.rows.split(","):
         name, dtype_name = pair.split(":", 1)

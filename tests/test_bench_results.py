@@ -31,3 +31,19 @@ def test_gpu_report_is_regenerated_from_the_run_files_it_names(tmp_path):
     assert "appended: ./gpu-notes.md" in out.stdout
     again = (tmp_path / "gpu.md").read_text()
     assert again == published, "gpu.md is not what its run files give: regenerate it with gpu_bench.py --merge"
+
+
+def test_knob_study_report_is_regenerated_from_its_run_files(tmp_path):
+    with open(os.path.join(RESULTS, "knobs.md")) as f:
+        published = f.read()
+    line = next(ln for ln in published.splitlines() if ln.startswith("Produced by"))
+    named = re.findall(r"`([^`]+\.json)`", line)
+    assert named and all(os.path.exists(os.path.join(RESULTS, p)) for p in named), named
+    for p in named:
+        os.makedirs(os.path.dirname(tmp_path / p), exist_ok=True)
+        shutil.copy(os.path.join(RESULTS, p), tmp_path / p)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "inductor_knobs.py"), "--report", *named,
+                          "--out", "knobs.md"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "knobs.md").read_text() == published, \
+        "knobs.md is not what its run files give: regenerate it with inductor_knobs.py --report"
