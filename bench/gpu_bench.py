@@ -55,7 +55,10 @@ with --merge, bench/results/gpu.md (tables, targets) and gpu.png (if matplotlib 
 A row may come from several runs (one with the max-autotune columns, one with tweak's
 variants, when both do not fit one run's time limit): the main tables take, per model and
 dtype, the run with the most alternative columns measured; the variants table takes every
-run's variants, each against the default tweak measured interleaved with it in its own run.
+run's variants, each against the default tweak measured interleaved with it in its own run;
+a column the main row lacks, measured in another run beside that run's tweak (say
+--columns tweak,max-autotune-no-cudagraphs for one slow compile), shows in a table of its own
+against that tweak.
 
     python bench/gpu_bench.py [--models encoder,bert,gpt2,vit,resnet50] [--dtypes fp32,bf16]
                               [--rows encoder:fp32,bert:bf16] [--quick] [--max-autotune]
@@ -850,6 +853,28 @@ def main_rows(rows: list[dict]) -> list[dict]:
     return sorted(best.values(), key=row_order)
 
 
+def elsewhere(every: list[dict], rows: list[dict]) -> list[tuple[dict, str]]:
+    """(run row, column) for each alternative column that a main row lacks and another run of the
+    same model and dtype measured beside its own tweak (e.g. a run of the max-autotune columns
+    alone): shown in a table of their own, each against the tweak of its run."""
+    main = {(r["model"], r["dtype"]): r for r in rows}
+    out = []
+    for r in sorted(every, key=row_order):
+        m = main.get((r["model"], r["dtype"]))
+        if m is None or r is m or "tweak" not in r.get("ms", {}):
+            continue
+        out += [(r, c) for c in ALTERNATIVES[1:] if c in r["ms"] and c not in m.get("ms", {})
+                and not any(x is not r and c in x.get("ms", {}) and "tweak" in x.get("ms", {})
+                            and out_later(x, r, every) for x in every if (x["model"], x["dtype"]) == (r["model"], r["dtype"]))]
+    return out
+
+
+def out_later(x: dict, r: dict, every: list[dict]) -> bool:
+    """Whether run row x, rather than r, is the one to show for a column both measured: the
+    one whose figures are final interleaved ones, then the later in the merge."""
+    return (not x.get("first_only"), every.index(x)) > (not r.get("first_only"), every.index(r))
+
+
 def floor_cell(floor_ms: float | None, ms: float) -> str:
     return "-" if floor_ms is None else f"{floor_ms / ms * 100:.3g}% ({floor_ms:.3f})"
 
@@ -928,6 +953,19 @@ def merge(paths: list[str], out_dir: str, notes: str | None = None) -> None:
         md += ["", "\\* a row its run's time limit stopped before the final measurement: each latency is the "
                "column's first one, measured beside eager right after its build (5 warm-up calls, 20 interleaved "
                "rounds); eager's is the median of its pairings. Columns left empty were not reached."]
+    extra = elsewhere(every, rows)
+    if extra:
+        md += ["", "### Columns measured in another run", "",
+               "A column a row above lacks, measured in another run of the same model and dtype, beside that "
+               "run's own tweak (the ratio is within that run).", "",
+               "| model | dtype | column | ms | tweak ms (same run) | tweak vs it | compile s | run |",
+               "|---|---|---|---:|---:|---:|---:|---|"]
+        for r, c in extra:
+            ms = r["ms"]
+            cs = r.get("compile_s", {}).get(c)
+            md.append(f"| {r['model']}{' *' if r.get('first_only') else ''} | {r['dtype']} | {c} | {ms[c]:.3f} | "
+                      f"{ms['tweak']:.3f} | {ms[c] / ms['tweak']:.2f}x | {'-' if cs is None else f'{cs:.1f}'} | "
+                      f"{r['commit']} |")
     md += ["", "## Tuning and compile time (s)", "",
            "Compile time: the wall time of the first three calls. tweak budget: the time_budget given to "
            "tt.tweak (none: its defaults; with --tweak-budget auto, 3x reduce-overhead's compile time; "
@@ -1029,7 +1067,12 @@ def merge(paths: list[str], out_dir: str, notes: str | None = None) -> None:
                   f"{' (%.0f ns)' % t['dispatch_max_ns'] if 'dispatch_max_ns' in t else ''}"
                   f"{'' if all('signatures' in x for x in r.get('dispatch') or []) else ', no signature check'} |")
     md += ["", f"tweak is strictly faster than the best other column on {n_lt} of {n_rows} model/dtype rows "
-               f"(target: at least half).", ""]
+               f"(target: at least half)."]
+    if extra:
+        faster = sum(r["ms"]["tweak"] < r["ms"][c] for r, c in extra)
+        md += ["", f"Of the columns measured in another run, tweak is faster than {faster} of {len(extra)} "
+                   f"beside it in their run."]
+    md += [""]
     errors = [(r["model"], r["dtype"], c, e) for r in rows for c, e in r.get("errors", {}).items()]
     if errors:
         md += ["## Columns that failed", ""] + [f"- {m} {d} {c}: {e}" for m, d, c, e in errors] + [""]
