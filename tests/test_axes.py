@@ -77,6 +77,7 @@ def test_variants_per_device_and_module():
     cuda = names(tt.default_strategy("cuda").with_axes(tt.Axes("high")).candidates("cuda"))
     assert {f"InductorGraph [sdpa={k}]" for k in ("flash", "efficient", "cudnn", "math")} <= set(cuda)
     assert "InductorGraph [max-autotune]" in cuda
+    assert "InductorGraph [combo kernels]" in cuda and not any("combo" in n for n in listed)  # CUDA only
 
     net, attention = conv_net(), Attention().eval()
     x = ((torch.randn(2, 8, 32),), {})
@@ -92,6 +93,9 @@ def test_variants_per_device_and_module():
     assert "DeviceGraph [sdpa=flash]" in names(on_cuda.candidates_for(attention, [x], torch.device("cuda")))
     assert not any("sdpa" in n for n in names(on_cuda.candidates_for(net, [((images()[0],), {})],
                                                                        torch.device("cuda"))))
+    light_cuda = tt.default_strategy("cuda").with_axes(tt.Axes("high", heavy=frozenset()))
+    assert not any("combo" in n or "max-autotune" in n
+                   for n in names(light_cuda.candidates_for(attention, [x], torch.device("cuda"))))
     (layout,) = [b for b in heavy.candidates_for(net, [((images()[0],), {})], torch.device("cpu"))
                  if b.name == "TorchEager [channels_last]"]
     data = images()
@@ -300,3 +304,23 @@ def test_no_variant_is_built_once_the_time_budget_is_used_up(budget, variant_bui
         assert took < 10 * SlowToBuild.delay  # one slow build at depth 0, nothing after the budget
     after = outputs(model, data)  # kept or not, the same answers
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(after, before))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Inductor in a device graph needs CUDA")
+def test_combo_kernels_give_the_models_answers_and_survive_save_and_load(tmp_path):
+    from torch_tweak.backends import InductorGraphBackend
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Attention(), nn.LayerNorm(32), nn.Linear(32, 32), nn.GELU()).cuda().eval()
+    data = [torch.randn(2, 8, 32, device="cuda") for _ in range(2)]
+    before = outputs(model, data)
+    backend = InductorGraphBackend(combo_kernels=True)
+    tt.wrap(model, ["0", "2"], strategy=tt.OneBackendStrategy(backend))
+    assert tt.tune(model, data, measure=FAST) == {"0": backend.name, "2": backend.name}
+    tuned = outputs(model, data)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(tuned, before))
+    tt.save(model, tmp_path / "m.tt")
+    torch.manual_seed(0)
+    fresh = nn.Sequential(Attention(), nn.LayerNorm(32), nn.Linear(32, 32), nn.GELU()).cuda().eval()
+    assert tt.load(fresh, tmp_path / "m.tt") == {"0": backend.name, "2": backend.name}
+    assert all(torch.equal(a, b) for a, b in zip(outputs(fresh, data), tuned))

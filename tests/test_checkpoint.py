@@ -414,6 +414,11 @@ def test_inductor_options_and_openvino_properties_never_reach_a_file():
         assert type(serial.build_backend(tree, [backend])) is type(backend)  # the caller's own, copied
     plain = json.loads(serial.dumps(serial.describe_backend(tt.backends.TorchInductorBackend(mode="max-autotune"))))
     assert serial.build_backend(plain).config.mode == "max-autotune"  # schema values are taken from the file
+    combo = json.loads(serial.dumps(serial.describe_backend(tt.backends.InductorGraphBackend(combo_kernels=True))))
+    assert serial.build_backend(combo).config.combo_kernels is True  # a closed field: it reaches a file
+    combo["config"]["combo_kernels"] = "yes"
+    with pytest.raises(ValueError, match="combo_kernels"):
+        serial.build_backend(combo)
 
 
 def test_every_built_in_config_declares_its_schema():

@@ -111,6 +111,11 @@ def test_config_is_checked():
     with pytest.raises(ValueError, match="either mode or options"):
         InductorGraphBackend(mode="max-autotune-no-cudagraphs", options={"a": 1})
     assert isinstance(InductorGraphBackend(warmup=2).config, InductorGraphBackendConfig)
+    with pytest.raises(ValueError, match="combo_kernels must be True or False"):
+        InductorGraphBackend(combo_kernels="yes")
+    with pytest.raises(ValueError, match="combo_kernels goes with the default mode only"):
+        InductorGraphBackend(mode="max-autotune-no-cudagraphs", combo_kernels=True)
+    assert InductorGraphBackend(combo_kernels=True).name == "InductorGraph [combo kernels]"
     with pytest.raises(TypeError, match="has no option"):
         DeviceGraphBackend(pool=True)
 

@@ -18,7 +18,8 @@ tt.load and the tuning cache like the rest of the config:
                     precision)
 
 Kernel autotuning is Inductor's own ``mode="max-autotune-no-cudagraphs"``, a field the
-Inductor configs already have. A strategy's Axes (below) says which variants it adds to
+Inductor configs already have; fewer kernels per replay is Inductor's combo_kernels option,
+the ``combo_kernels`` field of Inductor-in-a-device-graph configs. A strategy's Axes (below) says which variants it adds to
 its backends, and to which modules; tt.tweak builds it from ``effort`` and ``precision``.
 A variant that lowers precision is opt-in: never a default, checked against the
 tolerance the user gave, labelled in every result, and built from a file only when the
@@ -46,8 +47,8 @@ AUTOTUNE_MODE = "max-autotune-no-cudagraphs"
 EFFORTS = ("default", "high")
 """tt.tweak(effort=...): "default" tries the backends alone (today's tuning time); "high" also
 tries, for the heavy modules (HEAVY_SHARE), channels-last variants where they have convolutions,
-every SDPA kernel where they call scaled_dot_product_attention (CUDA only) and Inductor's
-max-autotune."""
+every SDPA kernel where they call scaled_dot_product_attention (CUDA only), Inductor's
+max-autotune, and Inductor in a device graph with combo kernels (CUDA only)."""
 
 PRECISIONS = ("tf32", "bf16", "int8", "fp8")
 """tt.tweak(precision={policy: tolerance}): "tf32" (float32 matmuls in TF32; CUDA), "bf16"
@@ -99,6 +100,8 @@ def label_parts(config: Any) -> list[str]:
         parts.append(f"sdpa={config.sdpa_kernel}")
     if getattr(config, "mode", None) in ("max-autotune", AUTOTUNE_MODE):
         parts.append("max-autotune")
+    if getattr(config, "combo_kernels", False):
+        parts.append("combo kernels")
     if getattr(config, "tf32", False):
         parts.append("tf32")
     if getattr(config, "autocast_dtype", None) is not None:
@@ -342,7 +345,7 @@ class Axes:
         cuda = device.type == "cuda"
         axis_kinds = (TorchEagerBackend, TorchInductorBackend, DeviceGraphBackend)
         plain = [b for b in backends if isinstance(b, axis_kinds) and not has_axes(b.config)
-                 and getattr(b.config, "mode", None) in (None, "default")]
+                 and getattr(b.config, "mode", None) in (None, "default") and not getattr(b.config, "combo_kernels", False)]
 
         def variant(b: Any, rule: str, **fields: Any) -> None:
             out.append((type(b)(dataclasses.replace(b.config, **fields)), rule))
@@ -355,6 +358,9 @@ class Axes:
                 if isinstance(b, TorchInductorBackend) or (isinstance(b, InductorGraphBackend)
                                                            and AUTOTUNE_MODE in INDUCTOR_GRAPH_MODES):
                     variant(b, "heavy", mode=AUTOTUNE_MODE, options=None)
+            for b in plain:  # fewer kernels per replay: what the small-batch rows pay for (bench/results/knobs.md)
+                if isinstance(b, InductorGraphBackend) and cuda:
+                    variant(b, "heavy", combo_kernels=True)
             if cuda:
                 for kernel in SDPA_KERNELS[1:]:
                     for b in plain:

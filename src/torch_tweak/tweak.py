@@ -334,7 +334,8 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
     e.g. ``lambda m: m.generate(ids, max_new_tokens=64)`` (docs/generate.md); what tweak
     measures is then one run of it, and a workload is never cached. ``effort``: "default", or
     "high" to also try, on the heavy modules (the model and those taking at least 20 % of its
-    time), channels-last, every SDPA kernel (CUDA) and max-autotune (torch_tweak.axes).
+    time), channels-last, every SDPA kernel (CUDA), max-autotune and combo kernels (CUDA)
+    (torch_tweak.axes).
     ``precision``: {policy: tolerance} of lower-precision candidates you allow ("tf32",
     "bf16", "int8", "fp8"), each checked against its tolerance; None (the default): none.
     Once ``time_budget`` is used up, the variants of either not built yet are left out.

@@ -430,14 +430,18 @@ INDUCTOR_GRAPH_MODES = (None, "default", "max-autotune-no-cudagraphs")
 class InductorGraphBackendConfig(DeviceGraphBackendConfig):
     """A device graph of the module compiled by torch.compile (Inductor): mode (no
     cudagraphs mode: the graph here is the device graph), options, fullgraph. The
-    compiled module is specialised to the recorded shapes (dynamic=False)."""
+    compiled module is specialised to the recorded shapes (dynamic=False). combo_kernels:
+    Inductor's combo_kernels option (independent small kernels fused side by side, fewer
+    kernels per replay; default mode only), a field of its own so that a file can hold it."""
 
     mode: str | None = None
     options: dict[str, Any] | None = None
     fullgraph: bool = False
+    combo_kernels: bool = False
 
     # options reach Inductor's compiler command lines: never taken from a file
-    SCHEMA = {**DeviceGraphBackendConfig.SCHEMA, "mode": OneOf(INDUCTOR_GRAPH_MODES), "fullgraph": Flag()}
+    SCHEMA = {**DeviceGraphBackendConfig.SCHEMA, "mode": OneOf(INDUCTOR_GRAPH_MODES), "fullgraph": Flag(),
+              "combo_kernels": Flag()}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -448,6 +452,11 @@ class InductorGraphBackendConfig(DeviceGraphBackendConfig):
             raise ValueError("torch.compile takes either mode or options, not both")
         if self.options is not None and not isinstance(self.options, dict):
             raise ValueError(f"options must be a dict, got {type(self.options).__name__}")
+        if not isinstance(self.combo_kernels, bool):
+            raise ValueError(f"combo_kernels must be True or False, got {self.combo_kernels!r}")
+        if self.combo_kernels and self.mode not in (None, "default"):
+            raise ValueError(f"combo_kernels goes with the default mode only (an option of torch.compile, which "
+                             f"takes either mode or options), got mode={self.mode!r}")
 
 
 class InductorGraphBackend(DeviceGraphBackend):
@@ -464,6 +473,8 @@ class InductorGraphBackend(DeviceGraphBackend):
         options = dict(cfg.options or {})
         if cfg.mode is None or cfg.mode == "default":
             options.setdefault("triton.cudagraphs", False)
+            if cfg.combo_kernels:
+                options["combo_kernels"] = True
             # compiled outside the warm-up and the capture; shared with an Inductor candidate
             return compile_module(module, samples[:1], options=options, dynamic=False, fullgraph=cfg.fullgraph,
                                   variant=tuple(axes.label_parts(cfg)))
