@@ -115,6 +115,8 @@ def test_config_is_checked():
         InductorGraphBackend(combo_kernels="yes")
     with pytest.raises(ValueError, match="combo_kernels goes with the default mode only"):
         InductorGraphBackend(mode="max-autotune-no-cudagraphs", combo_kernels=True)
+    with pytest.raises(ValueError, match="disagree"):
+        InductorGraphBackend(combo_kernels=True, options={"combo_kernels": False})
     assert InductorGraphBackend(combo_kernels=True).name == "InductorGraph [combo kernels]"
     with pytest.raises(TypeError, match="has no option"):
         DeviceGraphBackend(pool=True)

@@ -454,6 +454,8 @@ class InductorGraphBackendConfig(DeviceGraphBackendConfig):
             raise ValueError(f"options must be a dict, got {type(self.options).__name__}")
         if not isinstance(self.combo_kernels, bool):
             raise ValueError(f"combo_kernels must be True or False, got {self.combo_kernels!r}")
+        if self.combo_kernels and (self.options or {}).get("combo_kernels", True) is not True:
+            raise ValueError("combo_kernels=True and options={'combo_kernels': ...} disagree: give one of them")
         if self.combo_kernels and self.mode not in (None, "default"):
             raise ValueError(f"combo_kernels goes with the default mode only (an option of torch.compile, which "
                              f"takes either mode or options), got mode={self.mode!r}")
