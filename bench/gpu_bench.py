@@ -863,9 +863,10 @@ def elsewhere(every: list[dict], rows: list[dict]) -> list[tuple[dict, str]]:
         m = main.get((r["model"], r["dtype"]))
         if m is None or r is m or "tweak" not in r.get("ms", {}):
             continue
+        same = [x for x in every if x is not r and (x["model"], x["dtype"]) == (r["model"], r["dtype"])
+                and "tweak" in x.get("ms", {})]
         out += [(r, c) for c in ALTERNATIVES[1:] if c in r["ms"] and c not in m.get("ms", {})
-                and not any(x is not r and c in x.get("ms", {}) and "tweak" in x.get("ms", {})
-                            and out_later(x, r, every) for x in every if (x["model"], x["dtype"]) == (r["model"], r["dtype"]))]
+                and not any(c in x["ms"] and out_later(x, r, every) for x in same)]
     return out
 
 

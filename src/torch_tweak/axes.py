@@ -19,11 +19,11 @@ tt.load and the tuning cache like the rest of the config:
 
 Kernel autotuning is Inductor's own ``mode="max-autotune-no-cudagraphs"``, a field the
 Inductor configs already have; fewer kernels per replay is Inductor's combo_kernels option,
-the ``combo_kernels`` field of Inductor-in-a-device-graph configs. A strategy's Axes (below) says which variants it adds to
-its backends, and to which modules; tt.tweak builds it from ``effort`` and ``precision``.
-A variant that lowers precision is opt-in: never a default, checked against the
-tolerance the user gave, labelled in every result, and built from a file only when the
-caller passes it to tt.load (see precision_backends).
+the ``combo_kernels`` field of Inductor-in-a-device-graph configs. A strategy's Axes
+(below) says which variants it adds to its backends, and to which modules; tt.tweak builds
+it from ``effort`` and ``precision``. A variant that lowers precision is opt-in: never a
+default, checked against the tolerance the user gave, labelled in every result, and built
+from a file only when the caller passes it to tt.load (see precision_backends).
 """
 
 from __future__ import annotations
@@ -345,7 +345,8 @@ class Axes:
         cuda = device.type == "cuda"
         axis_kinds = (TorchEagerBackend, TorchInductorBackend, DeviceGraphBackend)
         plain = [b for b in backends if isinstance(b, axis_kinds) and not has_axes(b.config)
-                 and getattr(b.config, "mode", None) in (None, "default") and not getattr(b.config, "combo_kernels", False)]
+                 and getattr(b.config, "mode", None) in (None, "default")
+                 and not getattr(b.config, "combo_kernels", False)]
 
         def variant(b: Any, rule: str, **fields: Any) -> None:
             out.append((type(b)(dataclasses.replace(b.config, **fields)), rule))
