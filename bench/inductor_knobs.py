@@ -1,7 +1,7 @@
 """Which Inductor settings make a whole model faster inside tweak's device graph, on one GPU.
 
 A study for effort="high": each knob set is one candidate, tt.tweak at depth 0 with
-tt.OneBackendStrategy(tt.InductorGraphBackend(options=...)) (what the default tweak keeps
+tt.OneBackendStrategy(InductorGraphBackend(options=...)) (what the default tweak keeps
 on most rows of bench/results/gpu.md), built cold (fresh Inductor and Triton caches, dynamo
 reset), checked by tweak against the untuned model, then measured with gpu_bench's protocol
 (warm-up, median of interleaved rounds of one synchronised call), beside eager and the
@@ -42,8 +42,13 @@ KNOBS = {"pdl": {"triton.enable_pdl": True}, "combo": {"combo_kernels": True},
          "cdt": {"coordinate_descent_tuning": True}, "freezing": {"freezing": True}}
 
 
+def why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+
+
 def candidate(spec: str) -> Any:
-    import torch_tweak as tt
+    from torch_tweak.backends import InductorGraphBackend
+
     options: dict[str, Any] = {}
     layout = None
     for knob in spec.split("+"):
@@ -53,7 +58,6 @@ def candidate(spec: str) -> Any:
             layout = "channels_last"
             continue
         options.update(KNOBS[knob])
-    from torch_tweak.backends import InductorGraphBackend
     return InductorGraphBackend(options=options or None, memory_format=layout)
 
 
@@ -91,7 +95,7 @@ def study(name: str, dtype_name: str, specs: list[str], warmup: int, rounds: int
                 continue
         except Exception as exc:
             traceback.print_exc()
-            row["errors"][spec] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            row["errors"][spec] = why(exc)
             continue
 
         def run(i: int, mine: torch.nn.Module = mine) -> Any:
@@ -102,7 +106,7 @@ def study(name: str, dtype_name: str, specs: list[str], warmup: int, rounds: int
             row["error"][spec] = gpu_bench.output_error(eager, run)
             runs[spec] = run
         except Exception as exc:
-            row["errors"][spec] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            row["errors"][spec] = why(exc)
             if "CUDA error" in str(exc):
                 raise
     print(f"  {name} {dtype_name}: measuring {', '.join(runs)}", flush=True)
@@ -187,7 +191,7 @@ def main() -> None:
             row = study(name, dtype_name, specs, args.warmup, args.rounds)
         except Exception as exc:
             traceback.print_exc()
-            row = {"model": name, "dtype": dtype_name, "errors": {"all": f"{type(exc).__name__}: {exc}"}}
+            row = {"model": name, "dtype": dtype_name, "errors": {"all": why(exc)}}
         row["wall_s"] = time.perf_counter() - t0
         out["rows"].append(row)
         print(json.dumps({k: row.get(k) for k in ("model", "dtype", "ms", "vs_base", "build_s", "error", "errors")}),
