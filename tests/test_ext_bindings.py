@@ -819,3 +819,97 @@ def test_the_untimed_opening_call_is_for_a_cpu():
     given = {"rounds_min": 3}
     measure_for(cuda, given)
     assert given == {"rounds_min": 3}  # the caller's dict is not changed
+
+
+# ------------------------------------------------------------------ replay_steps
+
+
+def python_steps(replay, start, stop, every, finished):
+    """The graph decode loop as it was written in Python (generation.py before the loop
+    moved into the extension): the reference replay_steps must match call for call."""
+    done = start
+    while done < stop:
+        burst = min(every, stop - done)
+        for _ in range(burst):
+            replay()
+        done += burst
+        if finished is not None and finished(done):
+            break
+    return done
+
+
+class StepLog:
+    """A replay and a finished callback that log every call; finished is true from `end` on."""
+
+    def __init__(self, end):
+        self.calls = []
+        self.end = end
+
+    def replay(self):
+        self.calls.append("replay")
+
+    def finished(self, done):
+        self.calls.append(done)
+        return self.end is not None and done >= self.end
+
+
+@pytest.mark.parametrize("start,stop,every", [(1, 1, 16), (1, 2, 16), (1, 40, 16), (0, 33, 16), (1, 17, 16),
+                                              (3, 50, 1), (1, 100, 7), (5, 2, 4)])
+@pytest.mark.parametrize("end", [None, 1, 17, 20, 1000])
+def test_replay_steps_replays_and_asks_exactly_as_the_python_loop_did(start, stop, every, end):
+    ours, ref = StepLog(end), StepLog(end)
+    got = _C.replay_steps(ours.replay, start, stop, every, ours.finished)
+    want = python_steps(ref.replay, start, stop, every, ref.finished)
+    assert (got, ours.calls) == (want, ref.calls)
+    plain, ref_plain = StepLog(None), StepLog(None)
+    assert _C.replay_steps(plain.replay, start, stop, every) == python_steps(ref_plain.replay, start, stop, every,
+                                                                              None)
+    assert plain.calls == ref_plain.calls and all(c == "replay" for c in plain.calls)
+
+
+def test_replay_steps_refuses_bad_arguments_before_any_replay():
+    log = StepLog(None)
+    for args, error, words in [((42, 1, 5, 2), TypeError, "replay must be callable, not int"),
+                               ((log.replay, 1, 5, 2, "x"), TypeError, "finished must be callable or None"),
+                               ((log.replay, 1, 5, 0), ValueError, "every must be >= 1"),
+                               ((log.replay, -1, 5, 2), ValueError, "must be >= 0, got -1 and 5"),
+                               ((log.replay, 1, -5, 2), ValueError, "must be >= 0")]:
+        with pytest.raises(error, match=words):
+            _C.replay_steps(*args)
+    with pytest.raises(TypeError):
+        _C.replay_steps(log.replay, 1, "5", 2)
+    assert log.calls == []
+
+
+@pytest.mark.parametrize("raised", [RuntimeError, KeyboardInterrupt])
+def test_replay_steps_stops_at_the_first_failure_and_keeps_its_references(raised):
+    import sys
+
+    count = [0]
+
+    def replay():
+        count[0] += 1
+        if count[0] == 5:
+            raise raised("replay failed")
+
+    before = sys.getrefcount(replay)
+    with pytest.raises(raised, match="replay failed"):
+        _C.replay_steps(replay, 1, 100, 3, lambda done: False)
+    assert count[0] == 5 and sys.getrefcount(replay) == before
+
+    def finished(done):
+        if done >= 7:
+            raise raised("finished failed")
+        return False
+
+    count[0] = 10
+    with pytest.raises(raised, match="finished failed"):
+        _C.replay_steps(replay, 1, 100, 3, finished)
+    assert count[0] == 10 + 6  # two bursts of 3, then finished(7) raised
+
+    class Undecided:
+        def __bool__(self):
+            raise ValueError("no truth value")
+
+    with pytest.raises(ValueError, match="no truth value"):
+        _C.replay_steps(lambda: None, 1, 10, 2, lambda done: Undecided())

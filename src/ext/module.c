@@ -14,6 +14,7 @@
 #include "depth.h"
 #include "search.h"
 #include "signature.h"
+#include "steps.h"
 #include "tree.h"
 
 static PyModuleDef tt_module_def;
@@ -86,6 +87,11 @@ static PyMethodDef tt_module_methods[] = {
      "set_value_keyer(fn or None)\n\n"
      "fn(value) -> a key of the value's structure, or None. Signatures made afterwards\n"
      "match a value fn keys (a key/value cache) by an equal key, not by identity."},
+    {"replay_steps", (PyCFunction)(void (*)(void))tt_py_replay_steps, METH_VARARGS | METH_KEYWORDS,
+     "replay_steps(replay, start, stop, every, finished=None) -> int\n\n"
+     "A decode loop's tokens start..stop-1: replay() once per token, in bursts of\n"
+     "`every`; after each burst, finished(tokens so far) (None: never) ends the loop\n"
+     "when true. Returns the tokens so far (stop, or fewer when finished said so)."},
     {"enable_vectorcall", (PyCFunction)tt_py_enable_vectorcall, METH_O,
      "enable_vectorcall(cls) -> bool\n\n"
      "Sets the vectorcall flag on a Python subclass of Dispatcher whose __call__\n"

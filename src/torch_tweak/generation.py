@@ -14,8 +14,9 @@ the same steps itself:
   transformers' own rule);
 - with a static cache on a device with graphs (CUDA), a whole decode step (forward, argmax,
   the next input and the token's place in the output) is recorded once as a device graph and
-  replayed per token; the stopping rule is read every ``CHECK_EVERY`` steps, and tokens after
-  an end-of-sequence are replaced by the pad token exactly as transformers does;
+  replayed per token by the extension's loop (``_C.replay_steps``: no Python runs per token);
+  the stopping rule is read every ``CHECK_EVERY`` steps, and tokens after an end-of-sequence
+  are replaced by the pad token exactly as transformers does;
 - when transformers itself would compile the decode steps (a static cache on CUDA without
   ``disable_compile=True``), the ``compiled`` loop runs every decode step through the very
   compiled forward transformers uses (``model.get_compiled_call``), so its kernels, and its
@@ -42,6 +43,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from . import _C
 from .module import install as install_wrapper, installed, uninstall as uninstall_wrapper
 
 logger = logging.getLogger("torch_tweak")
@@ -337,14 +339,7 @@ class _StepGraph:
         self.tokens[:, 0].copy_(first)
         self.step.fill_(1)
         self.position.fill_(prompt_len)
-        done = 1
-        while done < max_new:
-            burst = min(CHECK_EVERY, max_new - done)
-            for _ in range(burst):
-                self.graph.replay()
-            done += burst
-            if finished(done):
-                break
+        done = _C.replay_steps(self.graph.replay, 1, max_new, CHECK_EVERY, finished)
         return self.tokens[:, :done]
 
 
