@@ -913,3 +913,22 @@ def test_replay_steps_stops_at_the_first_failure_and_keeps_its_references(raised
 
     with pytest.raises(ValueError, match="no truth value"):
         _C.replay_steps(lambda: None, 1, 10, 2, lambda done: Undecided())
+
+
+def test_replay_steps_stays_interruptible_when_no_python_runs_per_token():
+    """A replay that runs no Python code (torch's is C++) never reaches the interpreter's own
+    check for signals: Ctrl-C during a long decode must still stop the loop."""
+    import functools
+    import os
+    import subprocess
+    import time
+
+    replay = functools.partial(sum, range(100))  # C only; about 40 s for the steps below
+    killer = subprocess.Popen(["sh", "-c", f"sleep 0.5; kill -INT {os.getpid()}"])
+    start = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _C.replay_steps(replay, 0, 40_000_000, 1 << 30)
+    finally:
+        killer.wait()
+    assert time.monotonic() - start < 20
