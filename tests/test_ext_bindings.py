@@ -833,7 +833,7 @@ def python_steps(replay, start, stop, every, finished):
         for _ in range(burst):
             replay()
         done += burst
-        if finished is not None and finished(done):
+        if finished(done):
             break
     return done
 
@@ -861,23 +861,20 @@ def test_replay_steps_replays_and_asks_exactly_as_the_python_loop_did(start, sto
     got = _C.replay_steps(ours.replay, start, stop, every, ours.finished)
     want = python_steps(ref.replay, start, stop, every, ref.finished)
     assert (got, ours.calls) == (want, ref.calls)
-    plain, ref_plain = StepLog(None), StepLog(None)
-    assert _C.replay_steps(plain.replay, start, stop, every) == python_steps(ref_plain.replay, start, stop, every,
-                                                                              None)
-    assert plain.calls == ref_plain.calls and all(c == "replay" for c in plain.calls)
 
 
 def test_replay_steps_refuses_bad_arguments_before_any_replay():
     log = StepLog(None)
-    for args, error, words in [((42, 1, 5, 2), TypeError, "replay must be callable, not int"),
-                               ((log.replay, 1, 5, 2, "x"), TypeError, "finished must be callable or None"),
-                               ((log.replay, 1, 5, 0), ValueError, "every must be >= 1"),
-                               ((log.replay, -1, 5, 2), ValueError, "must be >= 0, got -1 and 5"),
-                               ((log.replay, 1, -5, 2), ValueError, "must be >= 0")]:
+    for args, error, words in [((42, 1, 5, 2, log.finished), TypeError, "replay must be callable, not int"),
+                               ((log.replay, 1, 5, 2, "x"), TypeError, "finished must be callable, not str"),
+                               ((log.replay, 1, 5, 0, log.finished), ValueError, "every must be >= 1"),
+                               ((log.replay, -1, 5, 2, log.finished), ValueError, "must be >= 0, got -1 and 5"),
+                               ((log.replay, 1, -5, 2, log.finished), ValueError, "must be >= 0")]:
         with pytest.raises(error, match=words):
             _C.replay_steps(*args)
-    with pytest.raises(TypeError):
-        _C.replay_steps(log.replay, 1, "5", 2)
+    for args in [(log.replay, 1, "5", 2, log.finished), (log.replay, 1, 5, 2)]:
+        with pytest.raises(TypeError):
+            _C.replay_steps(*args)
     assert log.calls == []
 
 
@@ -928,7 +925,7 @@ def test_replay_steps_stays_interruptible_when_no_python_runs_per_token():
     start = time.monotonic()
     try:
         with pytest.raises(KeyboardInterrupt):
-            _C.replay_steps(replay, 0, 40_000_000, 1 << 30)
+            _C.replay_steps(replay, 0, 40_000_000, 1 << 30, lambda done: False)
     finally:
         killer.wait()
     assert time.monotonic() - start < 20

@@ -88,9 +88,9 @@ static PyMethodDef tt_module_methods[] = {
      "fn(value) -> a key of the value's structure, or None. Signatures made afterwards\n"
      "match a value fn keys (a key/value cache) by an equal key, not by identity."},
     {"replay_steps", (PyCFunction)(void (*)(void))tt_py_replay_steps, METH_VARARGS | METH_KEYWORDS,
-     "replay_steps(replay, start, stop, every, finished=None) -> int\n\n"
+     "replay_steps(replay, start, stop, every, finished) -> int\n\n"
      "A decode loop's tokens start..stop-1: replay() once per token, in bursts of\n"
-     "`every`; after each burst, finished(tokens so far) (None: never) ends the loop\n"
+     "`every`; after each burst, finished(tokens so far) ends the loop\n"
      "when true. Returns the tokens so far (stop, or fewer when finished said so)."},
     {"enable_vectorcall", (PyCFunction)tt_py_enable_vectorcall, METH_O,
      "enable_vectorcall(cls) -> bool\n\n"

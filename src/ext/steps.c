@@ -32,21 +32,20 @@ PyObject *
 tt_py_replay_steps(PyObject *module, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"replay", "start", "stop", "every", "finished", NULL};
-    PyObject *replay, *finished = Py_None;
+    PyObject *replay, *finished;
     PyObject *res, *arg; /* new references */
     Py_ssize_t start, stop, every, done, burst;
     int ended;
 
     (void)module;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Onnn|O:replay_steps", kwlist, &replay, &start,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OnnnO:replay_steps", kwlist, &replay, &start,
                                      &stop, &every, &finished))
         return NULL;
     if (!PyCallable_Check(replay))
         return PyErr_Format(PyExc_TypeError, "replay_steps: replay must be callable, not %.100s",
                             Py_TYPE(replay)->tp_name);
-    if (finished != Py_None && !PyCallable_Check(finished))
-        return PyErr_Format(PyExc_TypeError,
-                            "replay_steps: finished must be callable or None, not %.100s",
+    if (!PyCallable_Check(finished))
+        return PyErr_Format(PyExc_TypeError, "replay_steps: finished must be callable, not %.100s",
                             Py_TYPE(finished)->tp_name);
     if (start < 0 || stop < 0)
         return PyErr_Format(PyExc_ValueError,
@@ -62,8 +61,6 @@ tt_py_replay_steps(PyObject *module, PyObject *args, PyObject *kwargs)
         if (tt_steps_burst(replay, burst) < 0)
             return NULL;
         done += burst;
-        if (finished == Py_None)
-            continue;
         if ((arg = PyLong_FromSsize_t(done)) == NULL)
             return NULL;
         res = PyObject_CallOneArg(finished, arg);

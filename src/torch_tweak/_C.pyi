@@ -253,11 +253,11 @@ ENTRY_NO_AUTOGRAD: int
 ENTRY_LAYOUT_ONLY: int
 
 def replay_steps(replay: Callable[[], object], start: int, stop: int, every: int,
-                 finished: Optional[Callable[[int], object]] = None) -> int:
+                 finished: Callable[[int], object]) -> int:
     """The per-token loop of a graph decode loop: for tokens start..stop-1,
     replay() once each, in bursts of `every`, checking for signals before each
-    replay; after each burst finished(tokens so far) (None: never asked) ends
-    the loop when true. Returns the tokens so far: stop, or fewer when finished
+    replay; after each burst finished(tokens so far) ends the loop when
+    true. Returns the tokens so far: stop, or fewer when finished
     said so. TypeError for a replay or finished that is not callable,
     ValueError for start or stop < 0 or every < 1; an exception a replay or
     finished raises propagates and no replay follows it."""
