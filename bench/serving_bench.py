@@ -1,0 +1,364 @@
+"""Serving a stream of requests whose shapes vary: torch-tweak against the one-line alternatives.
+
+A service does not see the shapes a model was tuned on: a vision service sees every batch
+size its batcher forms, an embedding service every batch size and every padded length. Each
+row here is such a stream, with random weights built from configs:
+
+    resnet50  torchvision ResNet-50, 224x224, 100 requests of batch 1-16
+    vit       timm ViT-B/16, 224x224, 100 requests of batch 1-16
+    bert      BERT-base, 120 requests of batch 1/2/4/8, each row a random length 8-256, the
+              batch padded to its longest row (padding id 0) with its attention mask
+    (--cpu: resnet18 at 112x112 with batch 1-8, and a 4-layer BERT of width 256 with batch
+    1/2/4 and lengths 8-128: a table for this machine's CPU, with OpenVINO's dynamic shapes)
+
+Columns, each on a copy of the same model and the same requests:
+
+    eager            the model as it is
+    compile          torch.compile, default mode (torch's automatic dynamic shapes)
+    dynamic          torch.compile(dynamic=True)
+    reduce-overhead  torch.compile(mode="reduce-overhead") (cuda)
+    openvino         openvino.convert_model with dynamic shapes, compiled for the CPU (--cpu)
+    tweak            tt.tweak on the first 8 requests of the stream (the samples a user has),
+                     its defaults, cache=False
+
+Passes, per column, one after the other (a column's passes run before the next column is
+built; dynamo is reset and the compiler caches are fresh before each build, as a user's first
+run is):
+
+    cold   the build (compile, tuning) plus the stream served once: what a user waits for
+           before the service is warm; tweak's tuning time is also given alone
+    warm   the same stream again (median of --rounds passes)
+    new    a stream of shapes the first did not have (vision: batch 17-24 outside the range
+           seen; bert: lengths the first stream never padded to), first sight and warm
+
+Each request is timed whole, the device synchronised after it (a service waits for each
+answer); a pass's figure is the sum over its requests. Every column's output is checked
+against eager's on the valid positions (bert: the rows' unpadded tokens; last_hidden_state),
+as the largest absolute difference over eager's largest magnitude, over both streams.
+
+    python bench/serving_bench.py [--rows resnet50:bf16,bert:bf16] [--columns ...] [--rounds 3]
+                                  [--json bench/results/runs/serving-<commit>.json]
+    python bench/serving_bench.py --cpu [--rows resnet18:fp32,bert:fp32]
+    python bench/serving_bench.py --report RUN.json [...] [--out bench/results/serving.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from gpu_bench import cold_compiler, first_tensor, source_commit  # noqa: E402  (one cold cache and commit stamp for every bench)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+CUDA_COLUMNS = ("eager", "compile", "dynamic", "reduce-overhead", "tweak")
+CPU_COLUMNS = ("eager", "compile", "dynamic", "openvino", "tweak")
+N_TUNE = 8
+DEVICE = "cuda"
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------ streams
+
+
+class Request:
+    """One call: its keyword or positional arguments and, for masked rows, the mask of the
+    valid positions of its first output."""
+
+    def __init__(self, args: tuple, kwargs: dict, valid: torch.Tensor | None = None) -> None:
+        self.args, self.kwargs, self.valid = args, kwargs, valid
+
+    def shape(self) -> tuple:
+        t = self.args[0] if self.args else self.kwargs["input_ids"]
+        return tuple(t.shape)
+
+
+def vision_stream(n: int, sizes: list[int], side: int, dtype: torch.dtype, seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    return [Request((torch.randn(rng.choice(sizes), 3, side, side, generator=g).to(DEVICE, dtype),), {})
+            for _ in range(n)]
+
+
+def text_stream(n: int, batches: list[int], lengths: list[int], vocab: int, seed: int) -> list[Request]:
+    """Batches of rows of random lengths, padded to the batch's longest with id 0, with their
+    attention mask; the valid positions are the rows' own tokens."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        rows = [rng.choice(lengths) for _ in range(rng.choice(batches))]
+        width = max(rows)
+        ids = torch.randint(1, vocab, (len(rows), width), generator=g)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for r, length in enumerate(rows):
+            mask[r, :length] = 1
+        ids = ids * mask
+        out.append(Request((), {"input_ids": ids.to(DEVICE), "attention_mask": mask.to(DEVICE)},
+                           mask.to(DEVICE).bool()))
+    return out
+
+
+def build(name: str, dtype: torch.dtype, seed: int) -> tuple[torch.nn.Module, list[Request], list[Request], str]:
+    """The model (random weights, eval), the stream, the new-shapes stream, and their description."""
+    torch.manual_seed(0)
+    if name in ("resnet50", "resnet18", "vit"):
+        if name == "vit":
+            import timm
+            model = timm.create_model("vit_base_patch16_224", pretrained=False)
+        else:
+            import torchvision
+            model = getattr(torchvision.models, name)(weights=None)
+        side = 224 if DEVICE == "cuda" or name == "vit" else 112
+        top = 16 if DEVICE == "cuda" else 8
+        model = model.to(DEVICE, dtype).eval()
+        stream = vision_stream(100 if DEVICE == "cuda" else 40, list(range(1, top + 1)), side, dtype, seed)
+        new = vision_stream(len(stream) // 2, list(range(top + 1, top + 9)), side, dtype, seed + 1)
+        what = f"{name}, {side}x{side}, {len(stream)} requests of batch 1-{top}; new: batch {top + 1}-{top + 8}"
+    elif name == "bert":
+        import transformers
+        if DEVICE == "cuda":
+            config, batches, top, n = transformers.BertConfig(), [1, 2, 4, 8], 256, 120
+        else:
+            config = transformers.BertConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                                             intermediate_size=1024)
+            batches, top, n = [1, 2, 4], 128, 40
+        model = transformers.BertModel(config, add_pooling_layer=False).to(DEVICE, dtype).eval()
+        rng = random.Random(seed)
+        seen = sorted(rng.sample(range(8, top + 1), (top - 7) // 2))
+        unseen = sorted(set(range(8, top + 1)) - set(seen))
+        stream = text_stream(n, batches, seen, config.vocab_size, seed)
+        widths = {r.shape()[1] for r in stream}
+        new = [r for r in text_stream(4 * n, batches, unseen, config.vocab_size, seed + 1)
+               if r.shape()[1] not in widths][: n // 2]
+        what = (f"BERT {config.num_hidden_layers} layers, width {config.hidden_size}, {len(stream)} requests of batch "
+                f"{'/'.join(map(str, batches))}, rows of length 8-{top} padded to the longest (attention mask); "
+                f"new: {len(new)} requests padded to lengths the stream never had")
+    else:
+        raise ValueError(f"unknown row {name!r}")
+    return model, stream, new, what
+
+
+def call(fn: Callable[..., Any], r: Request) -> Any:
+    return fn(*r.args, **r.kwargs)
+
+
+# ------------------------------------------------------------------ columns
+
+
+def compiled(model: torch.nn.Module, **options: Any) -> Callable[..., Any]:
+    return torch.compile(copy.deepcopy(model), **options)
+
+
+def openvino_dynamic(model: torch.nn.Module, sample: Request) -> Callable[..., Any]:
+    """openvino.convert_model with every input dimension dynamic, compiled for the CPU with the
+    latency hint; returns the outputs as torch tensors in the model's output order."""
+    import openvino as ov
+    example = sample.kwargs if sample.kwargs else sample.args
+    names = list(sample.kwargs) if sample.kwargs else None
+    ranks = [t.dim() for t in (sample.kwargs.values() if sample.kwargs else sample.args)]
+    shapes = [ov.PartialShape([-1] * r) for r in ranks]
+    inputs = list(zip(names, shapes)) if names else shapes
+    converted = ov.convert_model(copy.deepcopy(model), example_input=example, input=inputs)
+    compiled_model = ov.Core().compile_model(converted, "CPU", {"PERFORMANCE_HINT": "LATENCY"})
+    request = compiled_model.create_infer_request()
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        feed = [t.numpy() for t in (kwargs.values() if kwargs else args)]
+        out = request.infer(feed)
+        return tuple(torch.from_numpy(out[o]) for o in compiled_model.outputs)
+
+    return run
+
+
+def serve(fn: Callable[..., Any], stream: list[Request]) -> float:
+    """Seconds to serve the stream: each request timed whole, the device synchronised after it."""
+    total = 0.0
+    with torch.no_grad():
+        for r in stream:
+            sync()
+            t0 = time.perf_counter()
+            call(fn, r)
+            sync()
+            total += time.perf_counter() - t0
+    return total
+
+
+def references(model: torch.nn.Module, streams: list[list[Request]]) -> list[list[torch.Tensor]]:
+    with torch.no_grad():
+        return [[first_tensor(call(model, r)).float().clone() for r in s] for s in streams]
+
+
+def error_of(fn: Callable[..., Any], streams: list[list[Request]], refs: list[list[torch.Tensor]]) -> float:
+    """Largest |out - eager| over eager's largest magnitude, on the valid positions of every request."""
+    worst = 0.0
+    with torch.no_grad():
+        for s, rs in zip(streams, refs):
+            for r, ref in zip(s, rs):
+                out = first_tensor(call(fn, r)).float().to(ref.device)
+                diff = (out - ref).abs()
+                if r.valid is not None:
+                    diff, ref = diff[r.valid], ref[r.valid]
+                worst = max(worst, (diff.max() / ref.abs().max().clamp_min(1e-30)).item())
+    sync()
+    return worst
+
+
+def bench_row(name: str, dtype_name: str, columns: list[str], rounds: int, seed: int,
+              partial: Callable[[dict], None] = lambda row: None) -> dict:
+    dtype = DTYPES[dtype_name]
+    model, stream, new, what = build(name, dtype, seed)
+    refs = references(model, [stream, new])
+    row: dict[str, Any] = {"model": name, "dtype": dtype_name, "stream": what, "device": DEVICE,
+                           "shapes": len({r.shape() for r in stream}), "new_shapes": len({r.shape() for r in new}),
+                           "cold_s": {}, "warm_s": {}, "new_first_s": {}, "new_s": {}, "error": {}, "errors": {}}
+    for column in columns:
+        print(f"  {name} {dtype_name}: {column}", flush=True)
+        torch._dynamo.reset()
+        gc.collect()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+        cold_compiler(column)
+        try:
+            sync()
+            t0 = time.perf_counter()
+            if column == "eager":
+                fn: Callable[..., Any] = model
+            elif column == "compile":
+                fn = compiled(model)
+            elif column == "dynamic":
+                fn = compiled(model, dynamic=True)
+            elif column == "reduce-overhead":
+                fn = compiled(model, mode="reduce-overhead")
+            elif column == "openvino":
+                fn = openvino_dynamic(model, stream[0])
+            elif column == "tweak":
+                import torch_tweak as tt
+                fn = copy.deepcopy(model)
+                tuned = [r.kwargs if r.kwargs else r.args[0] for r in stream[:N_TUNE]]
+                result = tt.tweak(fn, tuned, progress=False, cache=False)
+                sync()
+                row["tune_s"] = time.perf_counter() - t0
+                row["tweak_table"] = str(result)
+            else:
+                raise ValueError(f"unknown column {column!r}")
+            row["cold_s"][column] = time.perf_counter() - t0 + serve(fn, stream)
+            row["error"][column] = error_of(fn, [stream, new], refs) if column != "eager" else 0.0
+            row["warm_s"][column] = statistics.median(serve(fn, stream) for _ in range(rounds))
+            row["new_first_s"][column] = serve(fn, new)
+            row["new_s"][column] = statistics.median(serve(fn, new) for _ in range(rounds))
+            if column == "tweak":
+                row["tweak_status"] = str(tt.status(fn))
+        except Exception as exc:  # a column that cannot serve the stream is reported, not fatal
+            traceback.print_exc()
+            row["errors"][column] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        finally:
+            fn = None  # type: ignore[assignment]
+        print(f"    {json.dumps({k: row[k].get(column) for k in ('cold_s', 'warm_s', 'new_first_s', 'new_s', 'error')})}",
+              flush=True)
+        partial(row)
+    return row
+
+
+# ------------------------------------------------------------------ report
+
+
+def cell(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.3f}"
+
+
+def report(paths: list[str], out: str) -> None:
+    """serving.md from run files: per pass, one table of every row's columns, and tweak's
+    ratio to the best other column of the same run."""
+    runs = [json.load(open(p)) for p in paths]
+    lines = ["# Serving streams of varying shapes", "",
+             "Written by `bench/serving_bench.py --report` from the run files below; the protocol is the script's "
+             "docstring. Seconds for the whole stream (each request synchronised), lower is better; *vs best* is the "
+             "best other column over tweak, in the same run.", ""]
+    for run in runs:
+        lines.append(f"- `{os.path.basename(run['path'])}`: {run['environment']}")
+    for key, title in (("cold_s", "Cold: build (compile, tuning) and the stream served once"),
+                       ("warm_s", "Warm: the same stream again (median of rounds)"),
+                       ("new_first_s", "New shapes, first sight"), ("new_s", "New shapes, warm")):
+        lines += ["", f"## {title}", ""]
+        columns = sorted({c for run in runs for row in run["rows"] for c in row[key]},
+                         key=lambda c: (CUDA_COLUMNS + CPU_COLUMNS).index(c))
+        lines.append("| row | " + " | ".join(columns) + " | tweak vs best other |")
+        lines.append("|---|" + "---:|" * (len(columns) + 1))
+        for run in runs:
+            for row in run["rows"]:
+                got = row[key]
+                others = [v for c, v in got.items() if c != "tweak"]
+                ratio = f"{min(others) / got['tweak']:.2f}x" if "tweak" in got and others else "-"
+                lines.append(f"| {row['model']} {row['dtype']} ({row['device']}) | "
+                             + " | ".join(cell(got.get(c)) for c in columns) + f" | {ratio} |")
+    lines += ["", "## Rows, errors and tuning", ""]
+    for run in runs:
+        for row in run["rows"]:
+            errs = ", ".join(f"{c} {e:.1e}" for c, e in row["error"].items() if c != "eager")
+            lines.append(f"- **{row['model']} {row['dtype']} ({row['device']})**: {row['stream']}; {row['shapes']} "
+                         f"shapes, {row['new_shapes']} new. Largest error against eager on valid positions: {errs}. "
+                         + (f"tweak's tuning alone: {row['tune_s']:.1f} s. " if "tune_s" in row else "")
+                         + "".join(f"{c} failed: {e}. " for c, e in row["errors"].items()))
+    with open(out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {out}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="")
+    parser.add_argument("--columns", default="")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--report", nargs="+", metavar="JSON")
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "serving.md"))
+    args = parser.parse_args()
+    if args.report:
+        report(args.report, args.out)
+        return
+    global DEVICE
+    if args.cpu:
+        DEVICE = "cpu"
+    elif not torch.cuda.is_available():
+        sys.exit("serving_bench needs a CUDA device (or --cpu)")
+    default_rows = "resnet18:fp32,bert:fp32" if args.cpu else "resnet50:bf16,bert:bf16,vit:bf16,resnet50:fp32,bert:fp32"
+    rows = [r.split(":") for r in (args.rows or default_rows).split(",") if r]
+    columns = [c for c in args.columns.split(",") if c] or list(CPU_COLUMNS if args.cpu else CUDA_COLUMNS)
+    path = args.json or os.path.join(HERE, "results", "runs", f"serving-{source_commit()}-{DEVICE}.json")
+    import platform
+
+    import torch_tweak
+    run = {"path": path, "environment": f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else platform.processor() or 'CPU'}"
+           f", torch {torch.__version__}, torch-tweak {torch_tweak.__version__} at {source_commit()}", "rows": []}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    def save(row: dict | None = None) -> None:  # after every column: a run stopped at its limit keeps them
+        with open(path, "w") as f:
+            json.dump(dict(run, rows=run["rows"] + ([row] if row else [])), f, indent=1)
+
+    for name, dtype_name in rows:
+        run["rows"].append(bench_row(name, dtype_name, columns, args.rounds, args.seed, save))
+        save()
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
