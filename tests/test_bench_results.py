@@ -80,3 +80,18 @@ def test_a_column_measured_in_another_run_shows_against_that_runs_tweak(tmp_path
     # the main table still takes the run with the most columns; the lone run does not replace it
     main_line = next(ln for ln in md.splitlines() if ln.startswith("| resnet50 | fp32 | 3.676"))
     assert main_line.endswith("| 5c15d42 |")
+
+
+def test_serving_report_is_regenerated_from_its_run_files(tmp_path):
+    with open(os.path.join(RESULTS, "serving.md")) as f:
+        published = f.read()
+    named = re.findall(r"^- `(runs/[^`]+\.json)`", published, flags=re.M)
+    assert named and all(os.path.exists(os.path.join(RESULTS, p)) for p in named), named
+    for p in named:
+        os.makedirs(os.path.dirname(tmp_path / p), exist_ok=True)
+        shutil.copy(os.path.join(RESULTS, p), tmp_path / p)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "serving_bench.py"), "--report", *named,
+                          "--out", "serving.md"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "serving.md").read_text() == published, \
+        "serving.md is not what its run files give: regenerate it with serving_bench.py --report"
