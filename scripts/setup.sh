@@ -28,10 +28,11 @@ if [ ${#need[@]} -gt 0 ]; then
     echo "setup: installing ${need[*]}"
     "$VPY" -m pip install -q "${need[@]}"
 fi
-# Optional: the extras openvino, torchao and plot, so their backends and tests run. Where they
+# Optional: the extras openvino, onnxruntime, torchao and plot, so their backends and tests run. Where they
 # cannot be installed (no network), torch-tweak works without them and their tests skip.
 optional=()
 "$VPY" -c "import openvino" 2>/dev/null || optional+=("openvino>=2024.0")
+"$VPY" -c "import onnxruntime, onnx, onnxscript" 2>/dev/null || optional+=("onnxruntime>=1.17" "onnx>=1.15" "onnxscript>=0.2")
 # torchao 0.18 is built for torch 2.11 and later; an older torch goes without.
 "$VPY" -c "import torchao" 2>/dev/null || ! "$VPY" -c "import sys, torch; v = torch.__version__.split('.'); sys.exit((int(v[0]), int(v[1])) < (2, 11))" 2>/dev/null || optional+=("torchao==0.18.0")
 "$VPY" -c "import matplotlib" 2>/dev/null || optional+=("matplotlib>=3.5")

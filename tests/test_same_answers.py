@@ -1,6 +1,6 @@
 """The same answers as the untuned model, every call (issue 12): a differential harness.
 
-For every backend available here (Torch Eager, Torch Inductor, OpenVINO when installed; on
+For every backend available here (Torch Eager, Torch Inductor, OpenVINO and ONNX Runtime when installed; on
 a CUDA machine also the device graph and Inductor in a device graph, on the GPU) a model is
 tuned with tt.wrap + tt.tune + tt.OneBackendStrategy(backend) on keyword calls,
 then called in many ways: keyword order, positional/keyword mix, non-contiguous inputs,
@@ -21,10 +21,11 @@ import torch
 from torch import nn
 
 import torch_tweak as tt
-from torch_tweak.backends import (Backend, DeviceGraphBackend, InductorGraphBackend, OpenVINOBackend,
-                                  TorchEagerBackend, TorchInductorBackend)
+from torch_tweak.backends import (Backend, DeviceGraphBackend, InductorGraphBackend, ONNXRuntimeBackend,
+                                  OpenVINOBackend, TorchEagerBackend, TorchInductorBackend)
 
 HAS_OPENVINO = importlib.util.find_spec("openvino") is not None
+HAS_ORT = all(importlib.util.find_spec(name) is not None for name in ("onnxruntime", "onnx"))
 NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 BACKENDS = [
@@ -32,6 +33,8 @@ BACKENDS = [
     pytest.param(TorchInductorBackend, id="inductor"),
     pytest.param(OpenVINOBackend, id="openvino",
                  marks=pytest.mark.skipif(not HAS_OPENVINO, reason="openvino is not installed")),
+    pytest.param(ONNXRuntimeBackend, id="onnxruntime",
+                 marks=pytest.mark.skipif(not HAS_ORT, reason="onnxruntime is not installed")),
     pytest.param(DeviceGraphBackend, id="device-graph", marks=NO_CUDA),
     pytest.param(InductorGraphBackend, id="inductor-graph", marks=NO_CUDA),
 ]
@@ -88,7 +91,7 @@ def tuned(model: nn.Module, samples: list, backend_class: type) -> tuple[nn.Modu
 
 
 def close(got, want, backend_class) -> None:
-    tol = 1e-4 if backend_class in (OpenVINOBackend, InductorGraphBackend) else 1e-5
+    tol = 1e-4 if backend_class in (OpenVINOBackend, ONNXRuntimeBackend, InductorGraphBackend) else 1e-5
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     assert got.requires_grad == want.requires_grad
 

@@ -43,7 +43,7 @@ from .signatures import SignatureGroup, describe_call
 from .strategy import Strategy, default_strategy
 
 ENTRY_VERSION = 2
-OPTIONAL_PACKAGES = ("openvino", "torchao")
+OPTIONAL_PACKAGES = ("openvino", "torchao", "onnxruntime")
 """Their presence changes which default backends build, so their versions are in the key."""
 MAX_ENTRY_BYTES = 16 << 20
 """A larger entry is not read: a miss."""

@@ -5,11 +5,12 @@ from .eager import TorchEagerBackend, TorchEagerBackendConfig
 from .graph import (DeviceGraphBackend, DeviceGraphBackendConfig, InductorGraphBackend,
                     InductorGraphBackendConfig)
 from .inductor import TorchInductorBackend, TorchInductorBackendConfig
+from .onnxruntime import ONNXRuntimeBackend, ONNXRuntimeBackendConfig
 from .openvino import OpenVINOBackend, OpenVINOBackendConfig
 from .torchao import TorchAOBackend, TorchAOBackendConfig
 
 BUILT_IN = (TorchEagerBackend, TorchInductorBackend, DeviceGraphBackend, InductorGraphBackend, OpenVINOBackend,
-            TorchAOBackend)
+            TorchAOBackend, ONNXRuntimeBackend)
 """torch-tweak's own backends: the only classes tt.load builds from a name in a file."""
 
 __all__ = [
@@ -20,6 +21,8 @@ __all__ = [
     "DeviceGraphBackendConfig",
     "InductorGraphBackend",
     "InductorGraphBackendConfig",
+    "ONNXRuntimeBackend",
+    "ONNXRuntimeBackendConfig",
     "OpenVINOBackend",
     "OpenVINOBackendConfig",
     "TorchAOBackend",

@@ -1,0 +1,213 @@
+"""ONNX Runtime: the module exported to ONNX in memory and run by an InferenceSession.
+
+An optional dependency: ``pip install torch-tweak[onnxruntime]`` (onnxruntime, onnx and
+onnxscript, which torch's dynamo exporter needs). Without it the backend reports "not
+installed" and strategies move on.
+
+The module is exported with ``torch.onnx.export`` from the recorded calls of one signature:
+the dynamo exporter by default, the TorchScript exporter where the dynamo one fails (or when
+``exporter="torchscript"``). An input dimension that differs between the recorded calls is
+exported dynamic, the others static; plain (non-tensor) arguments are baked in, as with
+OpenVINO. The ONNX model lives in memory only: a saved tuned model keeps the backend's name
+and config, and tt.load exports the module again; no ONNX file is ever read.
+
+Calls: inputs pass as numpy arrays that share the CPU tensors' memory (a contiguous CPU tensor
+is not copied), outputs come back as tensors sharing ORT's arrays. ``InferenceSession.run`` may
+be called from several threads at once (ONNX Runtime documents concurrent Run calls on one
+session as safe), so the backend is thread-safe. The CPU provider only: a module on another
+device is reported unavailable (ONNX Runtime's CUDA provider is not wired here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import io
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from .._samples import Call, unstorable
+from ..schema import Count, OneOf
+from .base import Backend, BackendConfig
+
+OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
+EXECUTION_MODES = ("sequential", "parallel")
+EXPORTERS = ("dynamo", "torchscript")
+MAX_THREADS = 1024
+
+
+@dataclasses.dataclass
+class ONNXRuntimeBackendConfig(BackendConfig):
+    """graph_optimization_level: ONNX Runtime's graph optimizations ("disable", "basic",
+    "extended", "all"). intra_op_threads / inter_op_threads: the session's thread pools
+    (0: ONNX Runtime's default). execution_mode: "sequential" or "parallel" (operators of
+    independent branches at once). exporter: "dynamo" (torch.onnx.export(dynamo=True), falling
+    back to the TorchScript exporter where it fails) or "torchscript" (that one alone)."""
+
+    graph_optimization_level: str = "all"
+    intra_op_threads: int = 0
+    inter_op_threads: int = 0
+    execution_mode: str = "sequential"
+    exporter: str = "dynamo"
+
+    SCHEMA = {**BackendConfig.SCHEMA, "graph_optimization_level": OneOf(OPTIMIZATION_LEVELS),
+              "intra_op_threads": Count(0, MAX_THREADS), "inter_op_threads": Count(0, MAX_THREADS),
+              "execution_mode": OneOf(EXECUTION_MODES), "exporter": OneOf(EXPORTERS)}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.graph_optimization_level not in OPTIMIZATION_LEVELS:
+            raise ValueError(f"graph_optimization_level must be one of {', '.join(OPTIMIZATION_LEVELS)}; "
+                             f"got {self.graph_optimization_level!r}")
+        for field in ("intra_op_threads", "inter_op_threads"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_THREADS:
+                raise ValueError(f"{field} must be a whole number from 0 (ONNX Runtime's default) to {MAX_THREADS}; "
+                                 f"got {value!r}")
+        if self.execution_mode not in EXECUTION_MODES:
+            raise ValueError(f"execution_mode must be one of {', '.join(EXECUTION_MODES)}; got {self.execution_mode!r}")
+        if self.exporter not in EXPORTERS:
+            raise ValueError(f"exporter must be one of {', '.join(EXPORTERS)}; got {self.exporter!r}")
+
+
+def _import(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+class _Flat(torch.nn.Module):
+    """The module called with its input tensors as a flat tuple and its output tensors returned
+    as one: the form an exported ONNX model takes and gives."""
+
+    def __init__(self, module: torch.nn.Module, leaves: list, spec: Any, slots: list[int]) -> None:
+        super().__init__()
+        self.inner = module
+        self.leaves = leaves
+        self.spec = spec
+        self.slots = slots
+
+    def forward(self, *tensors: torch.Tensor) -> tuple:
+        leaves = list(self.leaves)
+        for slot, tensor in zip(self.slots, tensors):
+            leaves[slot] = tensor
+        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        out = self.inner(*args, **kwargs)
+        return tuple(t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+
+
+def _varying(samples: Sequence[Call], slots: list[int]) -> list[set[int]]:
+    """Per input tensor, the dimensions whose size differs between the recorded calls."""
+    shapes = [[tuple(leaves[i].shape) for i in slots] for leaves in (pytree.tree_leaves(s) for s in samples)]
+    out: list[set[int]] = []
+    for k in range(len(slots)):
+        first = shapes[0][k]
+        if any(len(s[k]) != len(first) for s in shapes):
+            raise ValueError("ONNX Runtime: the recorded calls give one input tensors of different ranks")
+        out.append({d for d in range(len(first)) if any(s[k][d] != first[d] for s in shapes)})
+    return out
+
+
+class ONNXRuntimeBackend(Backend):
+    """ONNX Runtime on the CPU: the module exported to ONNX in memory and run by an
+    InferenceSession; an optional package: "not installed" when it is missing."""
+
+    name = "ONNXRuntime"
+    config_class = ONNXRuntimeBackendConfig
+    supports_autograd = False  # outputs come back from numpy arrays
+    thread_safe = True  # concurrent InferenceSession.run calls are safe (see the module docs)
+    packages = ("onnxruntime", "onnx", "onnxscript")
+
+    def unavailable(self, device: torch.device) -> str | None:
+        if _import("onnxruntime") is None or _import("onnx") is None:
+            return "not installed (pip install torch-tweak[onnxruntime])"
+        if device.type != "cpu":
+            return f"the ONNX Runtime backend runs on the CPU, not on {device.type}"
+        return None
+
+    def can_store(self, sample: Call) -> bool:
+        return unstorable(sample) is None  # the export traces the module on its recorded calls
+
+    def session_options(self) -> Any:
+        ort = importlib.import_module("onnxruntime")
+        cfg = self.config
+        options = ort.SessionOptions()
+        options.graph_optimization_level = {
+            "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[cfg.graph_optimization_level]
+        options.intra_op_num_threads = cfg.intra_op_threads
+        options.inter_op_num_threads = cfg.inter_op_threads
+        options.execution_mode = (ort.ExecutionMode.ORT_PARALLEL if cfg.execution_mode == "parallel"
+                                  else ort.ExecutionMode.ORT_SEQUENTIAL)
+        options.log_severity_level = 3  # errors only: its warnings are not the user's business
+        return options
+
+    def export(self, flat: torch.nn.Module, example: tuple, varying: list[set[int]]) -> bytes:
+        """The ONNX model of `flat` on `example`, as bytes; `varying`: the dynamic dimensions per input."""
+        names = [f"in_{i}" for i in range(len(example))]
+        failure = None
+        if self.config.exporter == "dynamo" and _import("onnxscript") is not None:
+            from torch.export import Dim
+            dynamic = tuple({d: Dim.DYNAMIC for d in dims} or None for dims in varying)
+            try:
+                with warnings.catch_warnings(), torch.no_grad():
+                    warnings.simplefilter("ignore")
+                    program = torch.onnx.export(flat, example, dynamo=True, input_names=names, verbose=False,
+                                                dynamic_shapes=dynamic if any(varying) else None)
+                return program.model_proto.SerializeToString()
+            except Exception as exc:  # the TorchScript exporter takes some modules the dynamo one cannot
+                failure = exc
+        buffer = io.BytesIO()
+        try:
+            with warnings.catch_warnings(), torch.no_grad():
+                warnings.simplefilter("ignore")
+                torch.onnx.export(flat, example, buffer, dynamo=False, input_names=names,
+                                  dynamic_axes={n: sorted(d) for n, d in zip(names, varying) if d})
+        except Exception as exc:
+            if failure is not None:
+                raise RuntimeError(f"ONNX export failed: dynamo exporter: {type(failure).__name__}: "
+                                   f"{str(failure).splitlines()[0] if str(failure) else ''}; TorchScript exporter: "
+                                   f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+            raise
+        return buffer.getvalue()
+
+    def build(self, module: torch.nn.Module, samples: Sequence[Call], device: torch.device) -> Callable[..., Any]:
+        ort = importlib.import_module("onnxruntime")
+        leaves, spec = pytree.tree_flatten(samples[0])
+        slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        if not slots:
+            raise ValueError("ONNX Runtime needs at least one tensor argument to export the module")
+        for i in slots:
+            if leaves[i].dtype == torch.bfloat16:
+                raise ValueError("ONNX Runtime: bfloat16 inputs cannot cross to ONNX Runtime as numpy arrays")
+        constants = [None if i in slots else leaf for i, leaf in enumerate(leaves)]
+        flat = _Flat(module, constants, spec, slots).eval()
+        example = tuple(leaves[i].detach() for i in slots)
+        model = self.export(flat, example, _varying(samples, slots))
+        session = ort.InferenceSession(model, self.session_options(), providers=["CPUExecutionProvider"])
+        inputs = [i.name for i in session.get_inputs()]
+        if len(inputs) != len(slots):  # an exporter that dropped an input the module ignores
+            raise ValueError(f"ONNX Runtime: the exported model takes {len(inputs)} inputs, the module {len(slots)}")
+        with torch.no_grad():
+            out_leaves, out_spec = pytree.tree_flatten(module(*samples[0][0], **samples[0][1]))
+        out_slots = [i for i, leaf in enumerate(out_leaves) if isinstance(leaf, torch.Tensor)]
+        out_constants = [None if i in out_slots else leaf for i, leaf in enumerate(out_leaves)]
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            flat_in, in_spec = pytree.tree_flatten((args, kwargs))
+            if in_spec != spec:  # another layout than the exported one: the module itself answers
+                return module(*args, **kwargs)
+            feed = {name: flat_in[i].detach().contiguous().numpy() for name, i in zip(inputs, slots)}
+            results = session.run(None, feed)
+            out = list(out_constants)
+            for slot, array in zip(out_slots, results):
+                out[slot] = torch.from_numpy(array)
+            return pytree.tree_unflatten(out, out_spec)
+
+        return run
