@@ -12,7 +12,12 @@ the spread.
                  first three calls
     openvino     the whole model through torch-tweak's OpenVINOBackend (convert_model,
                  LATENCY hint, the model's precision); its build time as compile time
+    onnxruntime  the whole model through torch-tweak's ONNXRuntimeBackend (the dynamo
+                 exporter, TorchScript where it fails; the CPU provider, its defaults); its
+                 export and session time as compile time
     tweak        tt.tweak with its defaults
+    tweak-ort    tt.tweak with the default backends plus ONNX Runtime: what ONNX Runtime
+                 would bring as a default, and what it costs in tuning time
     tweak-cl     tt.tweak with the default backends plus their channels-last variants
                  (Inductor, Eager): what channels-last alone costs in tuning time
                  (models with a Conv2d only)
@@ -54,7 +59,8 @@ sys.path.insert(0, HERE)
 from gpu_bench import call_of, cold_compiler, first_tensor, source_commit  # noqa: E402  (one cold cache, one commit stamp and one sample convention for both benches)
 
 MODELS = ("resnet18", "bert", "encoder")
-COLUMNS = ("eager", "compile", "openvino", "tweak", "tweak-cl", "tweak-high", "tweak-bf16", "tweak-int8")
+COLUMNS = ("eager", "compile", "openvino", "onnxruntime", "tweak", "tweak-ort", "tweak-cl", "tweak-high", "tweak-bf16",
+           "tweak-int8")
 SIZES = {
     "resnet18": "ResNet-18 (torchvision's, or the same architecture defined here), batch 1, 224x224",
     "bert": "BERT 4 layers, hidden 256, 4 heads, batch 1, seq 128",
@@ -176,6 +182,13 @@ def openvino(model: torch.nn.Module, data: list) -> tuple[Callable[..., Any], fl
     return fn, time.perf_counter() - t0
 
 
+def onnxruntime(model: torch.nn.Module, data: list) -> tuple[Callable[..., Any], float]:
+    from torch_tweak.backends import ONNXRuntimeBackend
+    t0 = time.perf_counter()
+    fn = ONNXRuntimeBackend().prepare(copy.deepcopy(model), [call_of(d) for d in data], torch.device("cpu"))
+    return fn, time.perf_counter() - t0
+
+
 def tweaked(model: torch.nn.Module, data: list, column: str) -> tuple[Callable[..., Any], float, Any]:
     import torch_tweak as tt
     mine = copy.deepcopy(model)
@@ -185,6 +198,9 @@ def tweaked(model: torch.nn.Module, data: list, column: str) -> tuple[Callable[.
         options["strategy"] = tt.HighestThroughputStrategy(
             tt.default_backends("cpu") + [TorchInductorBackend(memory_format="channels_last"),
                                           TorchEagerBackend(memory_format="channels_last")])
+    elif column == "tweak-ort":
+        from torch_tweak.backends import ONNXRuntimeBackend
+        options["strategy"] = tt.HighestThroughputStrategy(tt.default_backends("cpu") + [ONNXRuntimeBackend()])
     elif column == "tweak-high":
         options["effort"] = "high"
     elif column == "tweak-bf16":
@@ -267,6 +283,8 @@ def bench_one(name: str, columns: list[str], args: argparse.Namespace) -> dict:
                     fns[column], row["compile_s"][column] = compiled(model, data)
                 elif column == "openvino":
                     fns[column], row["compile_s"][column] = openvino(model, data)
+                elif column == "onnxruntime":
+                    fns[column], row["compile_s"][column] = onnxruntime(model, data)
                 else:
                     fns[column], row["compile_s"][column], result = tweaked(model, data, column)
                     row["tweak"][column] = {
@@ -300,7 +318,7 @@ def environment() -> dict:
     info = {"cpu": device_name(torch.device("cpu")), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version(), "torch_tweak": torch_tweak.__version__,
             "commit": source_commit()}
-    for mod in ("transformers", "torchvision", "openvino", "torchao"):
+    for mod in ("transformers", "torchvision", "openvino", "torchao", "onnxruntime"):
         try:
             info[mod] = __import__(mod).__version__
         except Exception:
@@ -326,7 +344,7 @@ def report(paths: list[str], out: str) -> None:
           f"Produced by `python bench/cpu_bench.py` on {env['cpu']} ({env['cores']} cores, torch using "
           f"{env['torch_threads']} threads; torch {env['torch']}, Python {env['python']}, transformers "
           f"{env['transformers']}, torchvision {env['torchvision']}, OpenVINO {env['openvino']}, TorchAO "
-          f"{env['torchao']}; torch-tweak at commit {env['commit']}), "
+          f"{env['torchao']}{', ONNX Runtime ' + env['onnxruntime'] if env.get('onnxruntime') else ''}; torch-tweak at commit {env['commit']}), "
           + ", ".join(f"[{os.path.relpath(p, os.path.dirname(os.path.abspath(out)))}]"
                       f"({os.path.relpath(p, os.path.dirname(os.path.abspath(out)))}) ({', '.join(models)}, at "
                       f"{one['environment']['commit']})" for p, one, models in kept if models)
