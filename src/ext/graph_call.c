@@ -118,8 +118,8 @@ tt_graph_span(TtGraphReplay *self, PyObject *tensor, size_t nbytes, TtCuDevicePt
         goto cleanup;
     if (*ptr < base || nbytes > size || *ptr - base > size - nbytes) {
         PyErr_Format(PyExc_ValueError,
-                     "GraphReplay: a tensor's data_ptr() %#llx and %zu bytes from it do not lie "
-                     "in its storage (%#llx, %llu bytes); give plain tensors", *ptr, nbytes,
+                     "GraphReplay: a tensor's data_ptr() %llu and %zu bytes from it do not lie "
+                     "in its storage (at %llu, %llu bytes); give plain tensors", *ptr, nbytes,
                      base, size);
         goto cleanup;
     }
