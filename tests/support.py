@@ -96,3 +96,14 @@ class BrokenBackend(Backend):
 
     def build(self, module, samples, device):
         raise RuntimeError("this backend cannot build anything")
+
+
+def run_in_child(code: str, timeout: float = 120) -> None:
+    """Runs `code` in a fresh interpreter and fails unless it exits 0: a case that used to
+    crash the process (a segfault) fails the test instead of killing pytest."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (
+        f"exit code {proc.returncode} (negative: killed by that signal)\n{proc.stdout[-2000:]}\n"
+        f"{proc.stderr[-3000:]}")

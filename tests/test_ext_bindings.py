@@ -777,6 +777,18 @@ x = torch.zeros(2, 3)
 dynamic.extend([None, [0], [1 + 0 * len(kept)]])
 sig = _C.Signature((torch.zeros(2, 3).as_subclass(Sneaky), x, x), None, dynamic)
 """,
+    "value-keyer-replaces-itself": """
+class Cache:
+    pass
+def keyer(value):
+    _C.set_value_keyer(None)  # drops the last reference to this function while it runs
+    churn()
+    return ("cache",)
+_C.set_value_keyer(keyer)
+del keyer
+sig = _C.Signature((Cache(),), None)
+assert sig.matches((Cache(),), {})
+""",
     "graph-replay-clears-inputs": """
 import torch
 inputs = []

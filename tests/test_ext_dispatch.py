@@ -708,3 +708,101 @@ def test_root_call_holds_the_wrapper_while_it_runs():
     assert m(1) == 11 and "_tt_root" not in m.__dict__
     gc.collect()
     assert ref() is None
+
+
+# ------------------------------------------ self-reference: refused, never a crash
+# Each case runs in a child interpreter: before these checks they overflowed the C stack
+# (a segfault), which would have killed pytest.
+
+_CYCLE_PRELUDE = """
+import pytest
+from torch_tweak import _C
+a, b = _C.Dispatcher(), _C.Dispatcher()
+"""
+
+_SELF_REFERENCE = {
+    "bind-itself": """
+with pytest.raises(ValueError, match="_tt_bind: the callable is this Dispatcher, so a call of it would never end"):
+    a._tt_bind(a)
+    a(1)  # before the check: unbounded recursion in C, a segfault
+assert a._tt_original is None
+""",
+    "entry-is-itself": """
+a._tt_bind(print)
+with pytest.raises(ValueError, match="_tt_set_entries: the backend is this Dispatcher"):
+    a._tt_set_entries([(None, a)])
+    a._tt_mode = _C.MODE_ACTIVE
+    a(1)
+assert a._tt_entries == []
+""",
+    "recorder-is-itself": """
+with pytest.raises(ValueError, match="_tt_set_recorder: the callable is this Dispatcher"):
+    a._tt_set_recorder(a)
+    a._tt_mode = _C.MODE_RECORD
+    a(1)
+a._tt_mode = _C.MODE_RECORD
+with pytest.raises(RuntimeError, match="no recorder"):
+    a(1)
+""",
+    "originals-in-a-circle": """
+a._tt_bind(b)
+with pytest.raises(ValueError, match="_tt_bind: the callable leads back to this Dispatcher through other"):
+    b._tt_bind(a)
+    a(1)
+c = _C.Dispatcher()
+b._tt_bind(c)
+with pytest.raises(ValueError, match="leads back"):
+    c._tt_set_recorder(a)
+    c._tt_mode = _C.MODE_RECORD
+    a(1)
+""",
+    "entries-in-a-circle": """
+a._tt_bind(print)
+a._tt_set_entries([(None, b, _C.ENTRY_SERIALIZE)])
+with pytest.raises(ValueError, match="_tt_set_entries: the backend leads back"):
+    b._tt_set_entries([(None, a)])
+    a._tt_mode = b._tt_mode = _C.MODE_ACTIVE
+    a(1)
+a._tt_mode = b._tt_mode = _C.MODE_ORIGINAL
+with pytest.raises(ValueError, match="_tt_bind: the callable leads back"):
+    b._tt_bind(a)
+    a._tt_mode = _C.MODE_ACTIVE
+    a(1)
+""",
+    "root-call-to-the-module-itself": """
+class M:
+    __call__ = _C.root_call
+m = M()
+m._tt_root = m
+with pytest.raises(ValueError, match="_tt_root is the module itself"):
+    m(1)
+""",
+    "root-call-leading-back-is-a-recursion-error": """
+class M:
+    __call__ = _C.root_call
+m = M()
+m._tt_root = m.__call__  # root_call bound to m: leads back to m
+with pytest.raises(RecursionError, match="root_call"):
+    m(1)
+""",
+}
+
+
+@pytest.mark.parametrize("name", sorted(_SELF_REFERENCE))
+def test_a_dispatcher_that_would_call_itself_is_refused_not_a_crash(name):
+    from support import run_in_child
+
+    run_in_child(_CYCLE_PRELUDE + _SELF_REFERENCE[name])
+
+
+def test_dispatchers_that_call_each_other_without_a_circle_still_work():
+    a, b, c = _C.Dispatcher(), _C.Dispatcher(), _C.Dispatcher()
+    c._tt_bind(lambda x: x + 1)
+    b._tt_bind(c)
+    b._tt_set_entries([(None, c)])
+    a._tt_bind(b)
+    a._tt_set_recorder(c)
+    a._tt_set_entries([(None, b), (None, c)])
+    b._tt_mode = a._tt_mode = _C.MODE_ACTIVE
+    assert a(1) == 2 and b(2) == 3
+    a._tt_bind(b)  # the same link again is no circle

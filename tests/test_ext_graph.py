@@ -375,3 +375,75 @@ def test_on_fallback_is_called_once_at_the_next_fallback():
     assert seen == [1] and replay.on_fallback is None
     with pytest.raises(TypeError):
         replay.on_fallback = 3
+
+
+# ------------------------------------- foreign addresses: refused, never a crash
+# torch._C._storage_Use_Count reads whatever address it is given, so before these checks a
+# lend item's bogus address was a segfault; each case runs in a child interpreter.
+
+_LEND_PRELUDE = """
+import pytest
+import torch
+from torch_tweak import _C
+x, out1, out2 = torch.zeros(2), torch.zeros(2), torch.zeros(2)
+args = (0, 0, _C.Signature((x,), {}), [(0, -1, x)], out1, print)
+def make(spec):
+    return _C.GraphReplay(*args, replay=print, lent=(0, print, out2, [spec]))
+"""
+
+_FOREIGN_LENDS = {
+    "a-bogus-address": """
+with pytest.raises(ValueError, match="lend item 0 .*its address is not that storage's _cdata"):
+    make((out2.untyped_storage(), 12345, 2))
+""",
+    "another-storage's-address": """
+with pytest.raises(ValueError, match="its address is not that storage's _cdata"):
+    make((out2.untyped_storage(), x.untyped_storage()._cdata, 2))
+""",
+    "a-storage-that-is-not-the-output's": """
+other = torch.zeros(2).untyped_storage()
+with pytest.raises(ValueError, match="the storage is not the output's own"):
+    make((other, other._cdata, 2))
+""",
+    "not-a-storage": """
+for fake in (None, 12345, "storage", out2):
+    with pytest.raises(ValueError, match="its storage is not a torch storage"):
+        make((fake, out2.untyped_storage()._cdata, 2))
+""",
+    "an-address-that-only-compares-equal": """
+class Address(int):
+    pass
+storage = out2.untyped_storage()
+with pytest.raises(ValueError, match="its address is not"):
+    make((storage, Address(storage._cdata), 2))
+""",
+}
+
+
+@pytest.mark.parametrize("name", sorted(_FOREIGN_LENDS))
+def test_a_lend_item_naming_memory_not_the_outputs_own_is_refused(name):
+    from support import run_in_child
+
+    run_in_child(_LEND_PRELUDE + _FOREIGN_LENDS[name])
+
+
+def test_an_original_that_leads_back_is_a_recursion_error_not_a_crash():
+    from support import run_in_child
+
+    run_in_child("""
+import pytest
+import torch
+from torch_tweak import _C
+x = torch.zeros(2)
+d = _C.Dispatcher()
+g = _C.GraphReplay(0, 0, _C.Signature((x,), {}), [(0, -1, x)], x, d, replay=print)
+d._tt_bind(g)  # a GraphReplay is not a Dispatcher link: only the call can stop this
+with pytest.raises(RecursionError):
+    g("does not fit")
+""")
+
+
+def test_an_input_item_below_minus_one_is_refused():
+    x = torch.zeros(2)
+    with pytest.raises(ValueError, match="input 0's item must be an index >= 0, or -1"):
+        _C.GraphReplay(0, 0, _C.Signature(((x,),), {}), [(0, -7, x)], x, print, replay=print)

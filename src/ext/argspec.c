@@ -237,18 +237,22 @@ tt_spec_build(TtState *st, TtArgSpec *spec, PyObject *obj, int depth, PyObject *
             goto cleanup;
         }
         if (st->value_keyer != NULL && !tt_spec_plain(obj)) {
-            PyObject *key = PyObject_CallOneArg(st->value_keyer, obj); /* new reference */
+            /* held: the keyer may replace itself (set_value_keyer) while it runs */
+            PyObject *keyer = Py_NewRef(st->value_keyer);
+            PyObject *key = PyObject_CallOneArg(keyer, obj); /* new reference */
 
-            if (key == NULL)
+            if (key == NULL) {
+                Py_DECREF(keyer);
                 goto cleanup;
+            }
             if (key != Py_None) {
                 spec->kind = TT_ARG_KEYED;
                 spec->value = key;
-                spec->device = st->value_keyer;
-                Py_INCREF(spec->device);
+                spec->device = keyer; /* the reference moves here */
                 rc = 0;
                 goto cleanup;
             }
+            Py_DECREF(keyer);
             Py_DECREF(key);
         }
         spec->kind = TT_ARG_VALUE;

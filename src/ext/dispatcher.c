@@ -9,6 +9,8 @@
 #include "entries.h"
 #include "guard.h"
 
+#include <string.h>
+
 /* =========================================================== Dispatcher */
 
 enum { TT_MODE_ORIGINAL = 0, TT_MODE_ACTIVE = 1, TT_MODE_RECORD = 2 };
@@ -136,9 +138,14 @@ tt_dispatcher_vectorcall(PyObject *callable, PyObject *const *args, size_t nargs
                             : "Dispatcher has no original module (_tt_bind)");
         goto cleanup;
     }
+    /* a chain of callables that leads back here (a backend that calls this
+     * module) is a RecursionError, never an overflow of the C stack */
+    if (TT_UNLIKELY(Py_EnterRecursiveCall(" in a tuned module's dispatcher")))
+        goto cleanup;
     Py_INCREF(target);
     result = PyObject_Vectorcall(target, args, nargsf, kwnames);
     Py_DECREF(target);
+    Py_LeaveRecursiveCall();
 cleanup:
     if (TT_UNLIKELY(lock != NULL))
         tt_entry_lock_release(lock);
@@ -206,6 +213,83 @@ tt_dispatcher_dealloc(TtDispatcher *self)
     Py_DECREF(tp);
 }
 
+/* One link of the walk below: 1 when `o` is `self`; else queues `o` when it
+ * is a Dispatcher not queued before; 0, or -1 on error. */
+static int
+tt_dispatcher_visit(TtDispatcher *self, PyObject *o, PyObject *todo, PyObject *seen)
+{
+    PyObject *key = NULL; /* new reference */
+    int rc = -1, known;
+
+    if (o == (PyObject *)self) {
+        rc = 1;
+        goto cleanup;
+    }
+    if (o == NULL || !PyObject_TypeCheck(o, self->state->DispatcherType)) {
+        rc = 0;
+        goto cleanup;
+    }
+    if ((key = PyLong_FromVoidPtr(o)) == NULL || (known = PySet_Contains(seen, key)) < 0)
+        goto cleanup;
+    if (!known && (PySet_Add(seen, key) < 0 || PyList_Append(todo, o) < 0))
+        goto cleanup;
+    rc = 0;
+cleanup:
+    Py_XDECREF(key);
+    return rc;
+}
+
+/* 1 when a call of `start` may call `self` again through Dispatchers alone
+ * (an original, a recorder or an entry's backend that is a Dispatcher, whose
+ * own original... is this one), 0 when not, -1 on error. Reads only the
+ * objects' fields and entry tuples: no Python code runs while it walks. */
+static int
+tt_dispatcher_reaches(TtDispatcher *self, PyObject *start)
+{
+    PyObject *todo = NULL; /* new reference: Dispatchers still to read */
+    PyObject *seen = NULL; /* new reference: the addresses of those ever queued */
+    TtDispatcher *d;       /* held while read: a reference taken from todo */
+    Py_ssize_t n, i;
+    int rc = -1;
+
+    if ((todo = PyList_New(0)) == NULL || (seen = PySet_New(NULL)) == NULL)
+        goto cleanup;
+    rc = tt_dispatcher_visit(self, start, todo, seen);
+    while (rc == 0 && (n = PyList_GET_SIZE(todo)) > 0) {
+        d = (TtDispatcher *)Py_NewRef(PyList_GET_ITEM(todo, n - 1));
+        rc = PyList_SetSlice(todo, n - 1, n, NULL);
+        if (rc == 0)
+            rc = tt_dispatcher_visit(self, d->original, todo, seen);
+        if (rc == 0)
+            rc = tt_dispatcher_visit(self, d->recorder, todo, seen);
+        for (i = 0; rc == 0 && d->entries != NULL && i < PyTuple_GET_SIZE(d->entries); i++)
+            rc = tt_dispatcher_visit(self, PyTuple_GET_ITEM(PyTuple_GET_ITEM(d->entries, i), 1),
+                                     todo, seen);
+        Py_DECREF(d);
+    }
+cleanup:
+    Py_XDECREF(todo);
+    Py_XDECREF(seen);
+    return rc;
+}
+
+/* -1 with ValueError when calling `target` from this dispatcher (as its
+ * `what`) could call it again without end; 0 when it cannot. */
+static int
+tt_dispatcher_refuse_cycle(TtDispatcher *self, PyObject *target, const char *what)
+{
+    int reaches = tt_dispatcher_reaches(self, target);
+
+    if (reaches > 0)
+        PyErr_Format(PyExc_ValueError,
+                     "%s: the %s %s this Dispatcher%s, so a call of it would never end; "
+                     "a Dispatcher may not call itself", what,
+                     strcmp(what, "_tt_set_entries") == 0 ? "backend" : "callable",
+                     target == (PyObject *)self ? "is" : "leads back to",
+                     target == (PyObject *)self ? "" : " through other Dispatchers");
+    return reaches != 0 ? -1 : 0;
+}
+
 static PyObject *
 tt_dispatcher_bind(TtDispatcher *self, PyObject *original)
 {
@@ -214,6 +298,8 @@ tt_dispatcher_bind(TtDispatcher *self, PyObject *original)
                      Py_TYPE(original)->tp_name);
         return NULL;
     }
+    if (tt_dispatcher_refuse_cycle(self, original, "_tt_bind") < 0)
+        return NULL;
     Py_INCREF(original);
     Py_XSETREF(self->original, original);
     Py_RETURN_NONE;
@@ -228,6 +314,8 @@ tt_dispatcher_set_recorder(TtDispatcher *self, PyObject *recorder)
                      Py_TYPE(recorder)->tp_name);
         return NULL;
     }
+    if (recorder != Py_None && tt_dispatcher_refuse_cycle(self, recorder, "_tt_set_recorder") < 0)
+        return NULL;
     if (recorder == Py_None) {
         Py_CLEAR(self->recorder);
     }
@@ -244,8 +332,17 @@ tt_dispatcher_set_entries(TtDispatcher *self, PyObject *arg)
     TtState *st = tt_state_from_type(Py_TYPE(self)); /* borrowed */
     PyObject *entries;                               /* new reference */
 
+    Py_ssize_t i;
+
     if (st == NULL || (entries = tt_entries_new(st, arg)) == NULL)
         return NULL;
+    for (i = 0; i < PyTuple_GET_SIZE(entries); i++) {
+        if (tt_dispatcher_refuse_cycle(self, PyTuple_GET_ITEM(PyTuple_GET_ITEM(entries, i), 1),
+                                       "_tt_set_entries") < 0) {
+            Py_DECREF(entries);
+            return NULL;
+        }
+    }
     Py_XSETREF(self->entries, entries);
     self->last = 0;
     Py_RETURN_NONE;

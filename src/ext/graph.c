@@ -59,6 +59,8 @@ tt_graph_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
             PyErr_SetString(PyExc_RuntimeError, "GraphReplay needs torch imported");
         goto error;
     }
+    if (tt_graph_storage_api(st) < 0)
+        goto error;
     if (!PyObject_TypeCheck(signature, st->SignatureType)) {
         PyErr_Format(PyExc_TypeError, "GraphReplay: signature must be a Signature, not %.100s",
                      Py_TYPE(signature)->tp_name);
@@ -129,8 +131,10 @@ tt_graph_traverse(TtGraphReplay *self, visitproc visit, void *arg)
     Py_VISIT(self->on_fallback);
     Py_VISIT(self->rebuild);
     Py_VISIT(self->keep);
-    for (i = 0; i < self->ninputs; i++)
+    for (i = 0; i < self->ninputs; i++) {
         Py_VISIT(self->inputs[i].buffer);
+        Py_VISIT(self->inputs[i].memory);
+    }
     for (r = 0; r < TT_RECS; r++) {
         TtGraphRec *rec = &self->recs[r];
 
@@ -139,6 +143,7 @@ tt_graph_traverse(TtGraphReplay *self, visitproc visit, void *arg)
         for (i = 0; rec->leaves != NULL && i < self->nleaves; i++) {
             Py_VISIT(rec->leaves[i].value);
             Py_VISIT(rec->leaves[i].storage);
+            Py_VISIT(rec->leaves[i].memory);
         }
     }
     return 0;
@@ -175,13 +180,14 @@ tt_graph_clear(TtGraphReplay *self)
     for (i = 0; i < ninputs; i++) {
         Py_CLEAR(inputs[i].name);
         Py_CLEAR(inputs[i].buffer);
+        Py_CLEAR(inputs[i].memory);
     }
     PyMem_Free(inputs);
     for (r = 0; r < TT_RECS; r++) {
         for (i = 0; recs[r].leaves != NULL && i < nleaves; i++) {
             Py_CLEAR(recs[r].leaves[i].value);
             Py_CLEAR(recs[r].leaves[i].storage);
-            Py_CLEAR(recs[r].leaves[i].cdata);
+            Py_CLEAR(recs[r].leaves[i].memory);
         }
         PyMem_Free(recs[r].leaves);
         Py_CLEAR(recs[r].outputs);

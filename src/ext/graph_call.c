@@ -77,6 +77,60 @@ tt_graph_nbytes(PyObject *tensor, size_t *nbytes)
     return 0;
 }
 
+PyObject *
+tt_graph_storage_of(TtGraphReplay *self, PyObject *tensor)
+{
+    PyObject *storage = PyObject_CallOneArg(self->state->tensor_storage, tensor);
+
+    if (storage != NULL && !PyObject_TypeCheck(storage, (PyTypeObject *)self->state->storage_type)) {
+        PyErr_Format(PyExc_TypeError, "GraphReplay: a tensor's untyped_storage() gave a %.100s, "
+                     "not a torch storage", Py_TYPE(storage)->tp_name);
+        Py_CLEAR(storage);
+    }
+    return storage;
+}
+
+PyObject *
+tt_graph_storage_address(TtGraphReplay *self, PyObject *storage)
+{
+    PyObject *get = self->state->storage_cdata; /* a getset descriptor of StorageBase */
+
+    return Py_TYPE(get)->tp_descr_get(get, storage, self->state->storage_type);
+}
+
+int
+tt_graph_span(TtGraphReplay *self, PyObject *tensor, size_t nbytes, TtCuDevicePtr *ptr,
+              PyObject **memory)
+{
+    PyObject *storage = NULL; /* new reference */
+    unsigned long long base, size;
+    int rc = -1;
+
+    *memory = NULL;
+    if (tt_graph_data_ptr(self, tensor, ptr) < 0)
+        goto cleanup;
+    if ((storage = tt_graph_storage_of(self, tensor)) == NULL)
+        goto cleanup;
+    /* the storage's own memory, read through StorageBase: no subclass or
+     * torch function can change these two */
+    if (tt_graph_take_u64(PyObject_CallOneArg(self->state->storage_data_ptr, storage), &base) < 0 ||
+        tt_graph_take_u64(PyObject_CallOneArg(self->state->storage_nbytes, storage), &size) < 0)
+        goto cleanup;
+    if (*ptr < base || nbytes > size || *ptr - base > size - nbytes) {
+        PyErr_Format(PyExc_ValueError,
+                     "GraphReplay: a tensor's data_ptr() %llu and %zu bytes from it do not lie "
+                     "in its storage (at %llu, %llu bytes); give plain tensors", *ptr, nbytes,
+                     base, size);
+        goto cleanup;
+    }
+    *memory = storage;
+    storage = NULL;
+    rc = 0;
+cleanup:
+    Py_XDECREF(storage);
+    return rc;
+}
+
 /* The argument an input slot reads from the call: borrowed, or NULL with
  * RuntimeError when the call does not have it (the signature matched it, so
  * it cannot happen). */
@@ -200,7 +254,15 @@ tt_graph_pack(TtGraphReplay *self, PyObject *copies)
 int
 tt_graph_uses(TtGraphReplay *self, const TtGraphLeaf *leaf, unsigned long long *uses)
 {
-    return tt_graph_take_u64(PyObject_CallOneArg(self->state->storage_use_count, leaf->cdata), uses);
+    PyObject *address = tt_graph_storage_address(self, leaf->storage); /* new reference */
+    int rc = -1;
+
+    if (address == NULL)
+        goto cleanup;
+    rc = tt_graph_take_u64(PyObject_CallOneArg(self->state->storage_use_count, address), uses);
+cleanup:
+    Py_XDECREF(address);
+    return rc;
 }
 
 /* 1 when nothing the last lending call returned from `rec` is alive (every
@@ -215,7 +277,7 @@ tt_graph_rec_free(TtGraphReplay *self, const TtGraphRec *rec)
     for (i = 0; i < self->nleaves; i++) {
         const TtGraphLeaf *leaf = &rec->leaves[i];
 
-        if (leaf->cdata == NULL)
+        if (leaf->storage == NULL)
             continue;
         if (tt_graph_uses(self, leaf, &uses) < 0)
             return -1;
@@ -225,12 +287,15 @@ tt_graph_rec_free(TtGraphReplay *self, const TtGraphRec *rec)
     return 1;
 }
 
-/* What a call returns from `rec`, leaf by leaf: plain values as they are, aliases of lent outputs, and for copied outputs either
- * a fresh tensor whose address goes in dst[i] (driver mode, contiguous) or
- * the static output as a placeholder that tt_graph_clone_rest replaces.
- * New reference, or NULL. */
+/* What a call returns from `rec`, leaf by leaf: plain values as they are,
+ * aliases of lent outputs, and for copied outputs either a fresh tensor whose
+ * address goes in dst[i] and whose storage in memory[i] (a new reference:
+ * it keeps that memory alive until the copy is queued) (driver mode,
+ * contiguous) or the static output as a placeholder that tt_graph_clone_rest
+ * replaces. New reference, or NULL. */
 static PyObject *
-tt_graph_results(TtGraphReplay *self, const TtGraphRec *rec, TtCuDevicePtr *dst)
+tt_graph_results(TtGraphReplay *self, const TtGraphRec *rec, TtCuDevicePtr *dst,
+                 PyObject **memory)
 {
     PyObject *results = PyList_New(self->nleaves);
     Py_ssize_t i;
@@ -241,7 +306,7 @@ tt_graph_results(TtGraphReplay *self, const TtGraphRec *rec, TtCuDevicePtr *dst)
         const TtGraphLeaf *leaf = &rec->leaves[i];
         PyObject *item;
 
-        if (leaf->cdata != NULL)
+        if (leaf->storage != NULL)
             item = tt_graph_call0(leaf->value, self->state->str_detach);
         else if (dst != NULL && leaf->is_tensor && leaf->dense)
             item = PyObject_CallOneArg(self->state->empty_like, leaf->value);
@@ -252,8 +317,8 @@ tt_graph_results(TtGraphReplay *self, const TtGraphRec *rec, TtCuDevicePtr *dst)
         if (item == NULL)
             goto error;
         PyList_SET_ITEM(results, i, item);
-        if (dst != NULL && leaf->cdata == NULL && leaf->is_tensor && leaf->dense &&
-            tt_graph_data_ptr(self, item, &dst[i]) < 0)
+        if (dst != NULL && leaf->storage == NULL && leaf->is_tensor && leaf->dense &&
+            tt_graph_span(self, item, leaf->nbytes, &dst[i], &memory[i]) < 0)
             goto error;
     }
     return results;
@@ -274,7 +339,7 @@ tt_graph_clone_rest(TtGraphReplay *self, const TtGraphRec *rec, PyObject *result
         const TtGraphLeaf *leaf = &rec->leaves[i];
         PyObject *copy, *old;
 
-        if (!leaf->is_tensor || leaf->cdata != NULL || (self->driver && leaf->dense))
+        if (!leaf->is_tensor || leaf->storage != NULL || (self->driver && leaf->dense))
             continue;
         copy = tt_graph_call0(leaf->value, self->state->str_clone);
         if (copy == NULL)
@@ -295,9 +360,12 @@ tt_graph_run_driver(TtGraphReplay *self, const TtGraphRec *rec, PyObject *const 
     PyObject *results = NULL;    /* new reference: list of what the call returns */
     PyObject *result = NULL;
     TtCuStream stream;
-    PyObject **held = NULL;      /* per input: the argument (new reference) until the launch */
+    PyObject **held = NULL;      /* per input: the argument and its storage (new references)
+                                  * until the copies are queued; then per leaf the storage of
+                                  * its copy */
     TtCuDevicePtr *src = NULL;   /* per input: where to copy from, 0 to skip */
     TtCuDevicePtr *dst = NULL;   /* per leaf: where its copy goes, 0 for none */
+    Py_ssize_t nheld = 2 * self->ninputs + self->nleaves;
     TtCuResult rc;
     Py_ssize_t i;
     int pushed = 0, entered = 0;
@@ -309,7 +377,7 @@ tt_graph_run_driver(TtGraphReplay *self, const TtGraphRec *rec, PyObject *const 
     if (stream == NULL && PyErr_Occurred())
         goto cleanup;
     src = PyMem_Calloc((size_t)self->ninputs + 1, sizeof(*src));
-    held = PyMem_Calloc((size_t)self->ninputs + 1, sizeof(*held));
+    held = PyMem_Calloc((size_t)nheld + 1, sizeof(*held));
     dst = PyMem_Calloc((size_t)self->nleaves + 1, sizeof(*dst));
     if (src == NULL || held == NULL || dst == NULL) {
         PyErr_NoMemory();
@@ -339,12 +407,13 @@ tt_graph_run_driver(TtGraphReplay *self, const TtGraphRec *rec, PyObject *const 
             continue;
         /* an item of a list argument: Python code below may take it out of
          * the list, and its memory must stay until the copy is queued */
-        held[i] = Py_NewRef(arg);
+        held[2 * i] = Py_NewRef(arg);
         dense = tt_graph_is_dense(self, arg);
         if (dense < 0)
             goto cleanup;
         if (TT_LIKELY(dense)) {
-            if (tt_graph_data_ptr(self, arg, &src[i]) < 0)
+            /* the copy reads nbytes from there: they must be the argument's */
+            if (tt_graph_span(self, arg, self->inputs[i].nbytes, &src[i], &held[2 * i + 1]) < 0)
                 goto cleanup;
             continue;
         }
@@ -376,7 +445,7 @@ tt_graph_run_driver(TtGraphReplay *self, const TtGraphRec *rec, PyObject *const 
     self->launched = 1;
     tt_graph_leave_context(pushed);
     entered = 0;
-    if ((results = tt_graph_results(self, rec, dst)) == NULL)
+    if ((results = tt_graph_results(self, rec, dst, held + 2 * self->ninputs)) == NULL)
         goto cleanup;
     for (i = 0; i < self->nleaves; i++) {
         if (dst[i] == 0 || rec->leaves[i].nbytes == 0)
@@ -402,7 +471,7 @@ tt_graph_run_driver(TtGraphReplay *self, const TtGraphRec *rec, PyObject *const 
 cleanup:
     if (entered)
         tt_graph_leave_context(pushed);
-    for (i = 0; held != NULL && i < self->ninputs; i++)
+    for (i = 0; held != NULL && i < nheld; i++)
         Py_XDECREF(held[i]);
     PyMem_Free(held);
     PyMem_Free(src);
@@ -437,7 +506,7 @@ tt_graph_run_callable(TtGraphReplay *self, const TtGraphRec *rec, PyObject *cons
             goto cleanup;
         Py_CLEAR(done);
     }
-    if ((results = tt_graph_results(self, rec, NULL)) == NULL)
+    if ((results = tt_graph_results(self, rec, NULL, NULL)) == NULL)
         goto cleanup;
     if ((done = PyObject_CallNoArgs(rec->replay)) == NULL)
         goto cleanup;
@@ -498,9 +567,13 @@ tt_graph_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
             PyErr_SetString(PyExc_RuntimeError, "GraphReplay has been cleared");
             goto cleanup;
         }
+        /* an original that leads back here is a RecursionError, not a stack overflow */
+        if (TT_UNLIKELY(Py_EnterRecursiveCall(" in a GraphReplay's fallback")))
+            goto cleanup;
         original = Py_NewRef(self->original);
         result = PyObject_Vectorcall(original, args, nargsf, kwnames);
         Py_DECREF(original);
+        Py_LeaveRecursiveCall();
         goto cleanup;
     }
     self->busy = 1;

@@ -55,6 +55,11 @@ tt_graph_set_inputs(TtGraphReplay *self, PyObject *inputs)
         in->item = PyNumber_AsSsize_t(PyTuple_GET_ITEM(slot, 1), PyExc_OverflowError);
         if (in->item == -1 && PyErr_Occurred())
             goto cleanup;
+        if (in->item < -1) {
+            PyErr_Format(PyExc_ValueError,
+                         "GraphReplay: input %zd's item must be an index >= 0, or -1 for none", i);
+            goto cleanup;
+        }
         if (!PyObject_TypeCheck(buffer, self->state->tensor_type)) {
             PyErr_Format(PyExc_TypeError, "GraphReplay: input %zd's buffer must be a tensor", i);
             goto cleanup;
@@ -71,8 +76,8 @@ tt_graph_set_inputs(TtGraphReplay *self, PyObject *inputs)
                              "GraphReplay: input %zd's static buffer must be contiguous", i);
                 goto cleanup;
             }
-            if (tt_graph_data_ptr(self, buffer, &in->dst) < 0 ||
-                tt_graph_nbytes(buffer, &in->nbytes) < 0)
+            if (tt_graph_nbytes(buffer, &in->nbytes) < 0 ||
+                tt_graph_span(self, buffer, in->nbytes, &in->dst, &in->memory) < 0)
                 goto cleanup;
         }
     }
@@ -148,11 +153,63 @@ tt_graph_set_outputs(TtGraphReplay *self, TtGraphRec *rec, PyObject *outputs, Py
         leaf->dense = tt_graph_is_dense(self, value);
         if (leaf->dense < 0)
             return -1;
-        if (leaf->dense && (tt_graph_data_ptr(self, value, &leaf->src) < 0 ||
-                            tt_graph_nbytes(value, &leaf->nbytes) < 0))
+        if (leaf->dense && (tt_graph_nbytes(value, &leaf->nbytes) < 0 ||
+                            tt_graph_span(self, value, leaf->nbytes, &leaf->src,
+                                          &leaf->memory) < 0))
             return -1;
     }
     return 0;
+}
+
+/* 1 when `storage` is a torch storage, at `address`, and the storage of the
+ * tensor `value`; 0 when not, with ValueError saying which; -1 on error.
+ * Nothing a replay reads of a lent leaf comes from the caller but through
+ * this check: the address passed to torch._C._storage_Use_Count is always
+ * read back from a storage this object holds. */
+static int
+tt_graph_lend_storage_ok(TtGraphReplay *self, Py_ssize_t i, PyObject *value, PyObject *storage,
+                         PyObject *address)
+{
+    PyObject *own = NULL;       /* new reference: the tensor's storage */
+    PyObject *at = NULL;        /* new reference: storage's address */
+    PyObject *own_at = NULL;    /* new reference: own's address */
+    const char *why = NULL;
+    int rc = -1, same;
+
+    if (!PyObject_TypeCheck(storage, (PyTypeObject *)self->state->storage_type)) {
+        why = "its storage is not a torch storage";
+        rc = 0;
+        goto cleanup;
+    }
+    if ((at = tt_graph_storage_address(self, storage)) == NULL)
+        goto cleanup;
+    if ((same = PyObject_RichCompareBool(at, address, Py_EQ)) < 0)
+        goto cleanup;
+    if (!same || !PyLong_CheckExact(address)) {
+        why = "its address is not that storage's _cdata";
+        rc = 0;
+        goto cleanup;
+    }
+    if ((own = tt_graph_storage_of(self, value)) == NULL ||
+        (own_at = tt_graph_storage_address(self, own)) == NULL)
+        goto cleanup;
+    if ((same = PyObject_RichCompareBool(own_at, at, Py_EQ)) < 0)
+        goto cleanup;
+    if (!same) {
+        why = "the storage is not the output's own (untyped_storage())";
+        rc = 0;
+        goto cleanup;
+    }
+    rc = 1;
+cleanup:
+    if (why != NULL)
+        PyErr_Format(PyExc_ValueError,
+                     "GraphReplay: lend item %zd must be (output.untyped_storage(), its _cdata, "
+                     "use count): %s", i, why);
+    Py_XDECREF(own);
+    Py_XDECREF(at);
+    Py_XDECREF(own_at);
+    return rc;
 }
 
 /* Marks the lending recording's leaves that may be lent, from `lend`: per
@@ -189,15 +246,17 @@ tt_graph_set_lend(TtGraphReplay *self, TtGraphRec *rec, PyObject *lend)
         uses = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(spec, 2));
         if (uses == (unsigned long long)-1 && PyErr_Occurred())
             goto cleanup;
-        leaf->cdata = Py_NewRef(PyTuple_GET_ITEM(spec, 1));
+        if (tt_graph_lend_storage_ok(self, i, leaf->value, PyTuple_GET_ITEM(spec, 0),
+                                     PyTuple_GET_ITEM(spec, 1)) <= 0)
+            goto cleanup;
+        leaf->storage = Py_NewRef(PyTuple_GET_ITEM(spec, 0));
         /* the count must hold now, with nothing lent yet; a leaf off it is copied */
         if (tt_graph_uses(self, leaf, &now) < 0)
             goto cleanup;
         if (now != uses) {
-            Py_CLEAR(leaf->cdata);
+            Py_CLEAR(leaf->storage);
             continue;
         }
-        leaf->storage = Py_NewRef(PyTuple_GET_ITEM(spec, 0));
         leaf->uses = uses;
         rec->lends = 1;
     }
@@ -226,6 +285,50 @@ tt_graph_torch_function(PyObject **slot, const char *modname, const char *name)
     rc = 0;
 cleanup:
     Py_XDECREF(mod);
+    return rc;
+}
+
+int
+tt_graph_storage_api(TtState *st)
+{
+    PyObject *base = NULL; /* new reference: torch._C.StorageBase */
+    PyObject *tensor = NULL; /* new reference: torch._C.TensorBase */
+    int rc = -1;
+
+    if (st->storage_type != NULL) {
+        rc = 0;
+        goto cleanup;
+    }
+    if (tt_graph_torch_function(&base, "torch._C", "StorageBase") < 0 ||
+        tt_graph_torch_function(&tensor, "torch._C", "TensorBase") < 0)
+        goto cleanup;
+    if (!PyType_Check(base)) {
+        PyErr_SetString(PyExc_TypeError, "GraphReplay: torch._C.StorageBase is not a type");
+        goto cleanup;
+    }
+    /* the descriptors themselves, read on the types: called with the object,
+     * they run torch's own code whatever the object's class says */
+    if ((st->storage_cdata = PyObject_GetAttrString(base, "_cdata")) == NULL ||
+        (st->storage_data_ptr = PyObject_GetAttrString(base, "data_ptr")) == NULL ||
+        (st->storage_nbytes = PyObject_GetAttrString(base, "nbytes")) == NULL ||
+        (st->tensor_storage = PyObject_GetAttrString(tensor, "untyped_storage")) == NULL)
+        goto cleanup;
+    if (Py_TYPE(st->storage_cdata)->tp_descr_get == NULL) {
+        PyErr_SetString(PyExc_TypeError, "GraphReplay: torch._C.StorageBase._cdata is not a "
+                        "descriptor");
+        goto cleanup;
+    }
+    st->storage_type = Py_NewRef(base);
+    rc = 0;
+cleanup:
+    if (rc < 0 && st->storage_type == NULL) {
+        Py_CLEAR(st->storage_cdata);
+        Py_CLEAR(st->storage_data_ptr);
+        Py_CLEAR(st->storage_nbytes);
+        Py_CLEAR(st->tensor_storage);
+    }
+    Py_XDECREF(base);
+    Py_XDECREF(tensor);
     return rc;
 }
 

@@ -16,18 +16,21 @@ typedef struct TtGraphInput {
     PyObject *name;       /* keyword: the interned name; else NULL */
     Py_ssize_t item;      /* index in a tuple/list argument, or -1 */
     PyObject *buffer;     /* the static tensor */
-    TtCuDevicePtr dst;    /* its data_ptr() */
+    PyObject *memory;     /* driver mode: its storage, which holds the memory dst points into */
+    TtCuDevicePtr dst;    /* its data_ptr(), checked to lie in memory */
     size_t nbytes;
 } TtGraphInput;
 
 typedef struct TtGraphLeaf {
     PyObject *value;      /* a static output tensor, or a plain value returned as is */
-    PyObject *storage;    /* lent: its storage object, held so the count below stays known */
-    PyObject *cdata;      /* lent: the storage's address, for torch._C._storage_Use_Count */
+    PyObject *storage;    /* lent: the value's storage object, held so the count below stays
+                           * known; its address (read from it, never given) is what
+                           * torch._C._storage_Use_Count reads. NULL: not lent */
     unsigned long long uses; /* lent: the storage's use count while no alias of it is out */
+    PyObject *memory;     /* driver mode, dense: the storage src points into */
     int is_tensor;
     int dense;            /* contiguous: copied byte for byte */
-    TtCuDevicePtr src;
+    TtCuDevicePtr src;    /* checked to lie in memory */
     size_t nbytes;
 } TtGraphLeaf;
 
@@ -37,7 +40,7 @@ typedef struct TtGraphRec {
     PyObject *replay;     /* callable mode: called to launch */
     PyObject *outputs;    /* as given: a tensor, a tuple, or a list */
     TtGraphLeaf *leaves;  /* nleaves of them */
-    int lends;            /* some leaf is lent (cdata set): the recording is in use */
+    int lends;            /* some leaf is lent (storage set): the recording is in use */
 } TtGraphRec;
 
 enum { TT_REC_COPY = 0, TT_REC_LEND = 1, TT_RECS = 2 };
@@ -83,6 +86,20 @@ int tt_graph_data_ptr(TtGraphReplay *self, PyObject *tensor, TtCuDevicePtr *ptr)
 int tt_graph_is_dense(TtGraphReplay *self, PyObject *tensor);
 /* tensor.nbytes into *nbytes. -1 on error. */
 int tt_graph_nbytes(PyObject *tensor, size_t *nbytes);
+/* Looks up, once, what a replay reads of a storage through torch's own types
+ * (StorageBase, TensorBase), never through a subclass. -1 on error. */
+int tt_graph_storage_api(TtState *st);
+/* The storage of `tensor` (TensorBase.untyped_storage), checked to be a torch
+ * storage. New reference, or NULL. */
+PyObject *tt_graph_storage_of(TtGraphReplay *self, PyObject *tensor);
+/* The address of a torch storage (StorageBase._cdata): a new reference, or NULL. */
+PyObject *tt_graph_storage_address(TtGraphReplay *self, PyObject *storage);
+/* tensor.data_ptr() into *ptr, checked so that `nbytes` bytes from it lie in
+ * the memory of the tensor's storage; that storage (it keeps the memory
+ * alive) into *memory, a new reference. The only way a device address gets
+ * into a GraphReplay. -1 with ValueError when they do not lie in it. */
+int tt_graph_span(TtGraphReplay *self, PyObject *tensor, size_t nbytes, TtCuDevicePtr *ptr,
+                  PyObject **memory);
 /* The use count of a lent leaf's storage, into *uses. -1 on error. */
 int tt_graph_uses(TtGraphReplay *self, const TtGraphLeaf *leaf, unsigned long long *uses);
 /* A call: the replay when it fits the recording, else the original. */

@@ -44,8 +44,19 @@ tt_root_call_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf
         goto cleanup;
     }
     Py_INCREF(root);
+    if (TT_UNLIKELY(root == args[0])) {
+        PyErr_SetString(PyExc_ValueError,
+                        "root_call: the module's _tt_root is the module itself, so a call would "
+                        "never end; _tt_root must be its wrapper");
+        goto cleanup;
+    }
+    /* a _tt_root that leads back to the module is a RecursionError, never an
+     * overflow of the C stack */
+    if (TT_UNLIKELY(Py_EnterRecursiveCall(" in root_call")))
+        goto cleanup;
     /* args[0] is the caller's, not ours to lend: no PY_VECTORCALL_ARGUMENTS_OFFSET */
     result = PyObject_Vectorcall(root, args + 1, (size_t)(nargs - 1), kwnames);
+    Py_LeaveRecursiveCall();
 cleanup:
     Py_XDECREF(root);
     Py_XDECREF(dict);

@@ -58,6 +58,11 @@ tt_state_traverse(TtState *st, visitproc visit, void *arg)
     Py_VISIT(st->cuda_raw_stream);
     Py_VISIT(st->empty_like);
     Py_VISIT(st->storage_use_count);
+    Py_VISIT(st->storage_type);
+    Py_VISIT(st->storage_cdata);
+    Py_VISIT(st->storage_data_ptr);
+    Py_VISIT(st->storage_nbytes);
+    Py_VISIT(st->tensor_storage);
     Py_VISIT(st->value_keyer);
     return 0;
 }
@@ -76,6 +81,11 @@ tt_state_clear(TtState *st)
     Py_CLEAR(st->cuda_raw_stream);
     Py_CLEAR(st->empty_like);
     Py_CLEAR(st->storage_use_count);
+    Py_CLEAR(st->storage_type);
+    Py_CLEAR(st->storage_cdata);
+    Py_CLEAR(st->storage_data_ptr);
+    Py_CLEAR(st->storage_nbytes);
+    Py_CLEAR(st->tensor_storage);
     Py_CLEAR(st->value_keyer);
     Py_CLEAR(st->str_dtype);
     Py_CLEAR(st->str_shape);

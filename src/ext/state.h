@@ -27,6 +27,11 @@ typedef struct TtState {
     PyObject *cuda_raw_stream;    /* torch._C._cuda_getCurrentRawStream */
     PyObject *empty_like;         /* torch.empty_like */
     PyObject *storage_use_count;  /* torch._C._storage_Use_Count */
+    PyObject *storage_type;       /* torch._C.StorageBase, and what a replay reads of a storage */
+    PyObject *storage_cdata;      /* through it, never through a subclass: StorageBase._cdata */
+    PyObject *storage_data_ptr;   /* StorageBase.data_ptr */
+    PyObject *storage_nbytes;     /* StorageBase.nbytes */
+    PyObject *tensor_storage;     /* torch._C.TensorBase.untyped_storage */
     PyObject *value_keyer;        /* set_value_keyer's callable, or NULL: the structure key of a
                                    * stateful plain value (a key/value cache), see argspec.h */
     PyObject *str_dtype;

@@ -221,7 +221,12 @@ class Dispatcher:
     The index of the last matching entry is tried first when no earlier entry
     can match the same calls, so the first-match rule always holds.
     Subclasses on Python < 3.12 do not inherit vectorcall: call
-    enable_vectorcall(cls) once per subclass."""
+    enable_vectorcall(cls) once per subclass.
+    A Dispatcher never calls itself: _tt_bind, _tt_set_recorder and
+    _tt_set_entries raise ValueError for a callable that is this Dispatcher or
+    leads back to it through other Dispatchers' originals, recorders or
+    backends, and a call that comes back through anything else (a Python
+    function, a GraphReplay) raises RecursionError at the interpreter's limit."""
     def _tt_bind(self, original: Callable[..., Any]) -> None: ...
     def _tt_set_entries(self, entries: Sequence[tuple[Optional[Signature], Callable[..., Any]]
                                                 | tuple[Optional[Signature], Callable[..., Any], int]]) -> None: ...
@@ -272,8 +277,9 @@ def enable_vectorcall(cls: type) -> bool:
 def root_call(self: Any, *args: Any, **kwargs: Any) -> Any:
     """The __call__ of a module tuned in place (module.py, _root_class):
     self.__dict__["_tt_root"](*args, **kwargs), the module's wrapper called with
-    the arguments as they came; KeyError('_tt_root') when self is not tuned. A
-    method descriptor: read on a module it is a bound method."""
+    the arguments as they came; KeyError('_tt_root') when self is not tuned,
+    ValueError when _tt_root is self, RecursionError when it leads back to self.
+    A method descriptor: read on a module it is a bound method."""
 
 def set_value_keyer(fn: Optional[Callable[[object], Optional[Hashable]]]) -> None:
     """fn(value) -> a key of the value's structure, or None. Signatures made
@@ -297,13 +303,17 @@ class GraphReplay:
       clone for the copies (XPU graphs; torch without a raw exec handle).
     inputs: (position or keyword name, index in a tuple/list argument or -1,
       static tensor) per input tensor of the recorded call.
+    Device addresses come only from tensors: each data_ptr() the driver copies
+      to or from is checked to lie, with the bytes copied, in that tensor's
+      storage, which is held until the copy is queued (ValueError otherwise).
     outputs: a tensor, or a tuple or list of tensors and plain values; with
       ``rebuild``, a list of them, and a call returns rebuild(list of copies).
     keep: anything that must live as long as the graph (the graph object).
     lent: a second recording of the same call on the same static inputs,
       (exec_handle or 0, replay or None, outputs, lend); lend holds per output
       None (always copied) or (storage, storage._cdata, use count with no alias
-      of it out).
+      of it out), where storage is that output's untyped_storage() (ValueError
+      otherwise); the address is read from the storage held, never from the int.
     """
     def __init__(self, exec_handle: int, device: int, signature: Signature,
                  inputs: Sequence[tuple[int | str, int, Any]], outputs: Any,
