@@ -51,7 +51,7 @@ def _run(script: str, env: dict[str, str], timeout: float = 300) -> subprocess.C
     env = dict(env, PYTHONPATH=os.pathsep.join([str(HERE)] + [p for p in sys.path if p]))
     env.pop("TT_TEST_PARENT_PID", None)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(MODEL) + textwrap.dedent(script)], env=env,
-                          capture_output=True, text=True, timeout=timeout)
+                          cwd=env["HOME"], capture_output=True, text=True, timeout=timeout)
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
