@@ -108,8 +108,9 @@ for where, nth in [("telemetry", 6), ("decoder", 1)]:
     hits += attempt("tweak", where, nth, tweak)
 
 # tt.load builds OpenVINO again from a file: the same Ctrl-C there
-tuned = build()
-tweak(tuned)
+tuned = build()  # a file that surely holds OpenVINO builds (a tweak may keep the model untuned)
+tt.wrap(tuned, ["0", "2"], strategy=tt.OneBackendStrategy(OpenVINOBackend()))
+assert set(tt.tune(tuned, data, measure=FAST).values()) == {"OpenVINO"}
 tt.save(tuned, "tuned.pt")
 for where, nth in [("decoder", 3), ("telemetry", 6)]:
     hits += attempt("load", where, nth, lambda model: tt.load(model, "tuned.pt"))

@@ -236,12 +236,12 @@ def _fork(backend: Any, module: nn.Module, samples: Sequence[Call], device: torc
           status: Path, output: Path) -> tuple[Callable[[], int | None], Callable[[], None]]:
     sys.stdout.flush()
     sys.stderr.flush()
-    parent = os.getpid()
+    parent, prctl = os.getpid(), _prctl()
     pid = os.fork()
     if pid == 0:  # the child: never returns into the caller
         code = 70
         try:
-            _die_with(parent)
+            _die_with(parent, prctl)
             signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C at the terminal ends it too
             out = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             os.dup2(out, 1)
@@ -307,16 +307,26 @@ def _none() -> None:
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with(parent: int) -> None:
+def _prctl() -> Callable[..., int] | None:
+    """libc's prctl on Linux, else None; looked up before a fork (the loader's lock may be held
+    by another thread at the moment of the fork, and a forked child must not need it)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def _die_with(parent: int, prctl: Callable[..., int] | None) -> None:
     """Makes this child die when `parent` (the tuning process) does: the kernel sends SIGKILL
     on Linux (PR_SET_PDEATHSIG), elsewhere a thread polls the parent's pid. A parent already
     gone (it died before this ran) ends the child at once."""
     armed = False
-    if sys.platform.startswith("linux"):
+    if prctl is not None:
         try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            armed = libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
-        except (OSError, AttributeError):
+            armed = prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+        except Exception:
             armed = False
     if os.getppid() != parent:
         os._exit(0)
@@ -363,7 +373,7 @@ def _build_and_run(backend: Any, module: nn.Module, samples: Sequence[Call], dev
 def _spawned_main(payload: str, status: str, parent: str | None = None) -> int:
     """The spawned child's entry point (python -m torch_tweak.isolation PAYLOAD STATUS PARENT_PID)."""
     if parent is not None:
-        _die_with(int(parent))
+        _die_with(int(parent), _prctl())
     try:
         given = torch.load(payload, weights_only=False)  # written by our own parent, in its private folder
     except Exception as exc:
