@@ -4,9 +4,13 @@ on, and the verdict is kept on disk (torch_tweak.isolation, torch_tweak.verdicts
 from __future__ import annotations
 
 import _thread
+import contextlib
 import copy
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -291,3 +295,246 @@ def test_a_crash_only_a_fork_sees_is_not_believed(monkeypatch, children):
     with torch.no_grad():
         for x in data:
             torch.testing.assert_close(model(x), untuned(x))
+
+
+# --- verdicts from another host (issue 26, defect 10) ---------------------------------------
+
+CPU_NAME = "model name\t: AMD EPYC 7B13\n"
+
+
+def _cpuinfo(tmp_path, name, flags):
+    path = tmp_path / name
+    path.write_text(f"processor\t: 0\nvendor_id\t: AuthenticAMD\n{CPU_NAME}flags\t\t: {flags}\n\n")
+    return str(path)
+
+
+class Avx512OnlyCrash(Backend):
+    """Segfaults in its child only on a CPU whose flags have avx512f (the host's "cpuinfo" the
+    test sets); raises instead in the test process, so a verdict served from another host fails
+    the test rather than killing pytest."""
+
+    name = "Avx512OnlyCrash"
+    isolate_build = True
+
+    def build(self, module, samples, device):
+        with open(os.environ["TT_CPUINFO"]) as f:  # a spawned child sees the test's host too
+            avx512 = "avx512f" in f.read().split()
+        if avx512:
+            if os.getpid() != PARENT:
+                os.kill(os.getpid(), signal.SIGSEGV)
+            raise AssertionError("the build segfaults on this host: a verdict from another host was served")
+        return module
+
+
+def test_a_verdict_from_a_host_of_the_same_cpu_name_but_another_instruction_set_is_not_served(
+        monkeypatch, tmp_path, children):
+    plain = _cpuinfo(tmp_path, "plain", "fpu sse sse2 avx avx2 fma")
+    avx512 = _cpuinfo(tmp_path, "avx512", "fpu sse sse2 avx avx2 fma avx512f avx512bw")
+    monkeypatch.setattr(verdicts, "CPUINFO", plain, raising=False)
+    parts = _parts()
+    monkeypatch.setattr(verdicts, "CPUINFO", avx512, raising=False)
+    other = _parts()
+    assert verdicts.key_of(parts) != verdicts.key_of(other)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert verdicts.key_of(_parts()) != verdicts.key_of(other)  # torch's CPU capability alone differs
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    torch.manual_seed(0)
+    model = MLP().eval()
+    untuned = copy.deepcopy(model)
+    data = [torch.randn(8, 16) for _ in range(2)]
+    # the host where the build works: "did not crash" is stored
+    monkeypatch.setattr(verdicts, "CPUINFO", plain, raising=False)
+    monkeypatch.setenv("TT_CPUINFO", plain)
+    _tweak(copy.deepcopy(untuned), data, [Avx512OnlyCrash(), TorchEagerBackend()])
+    assert children == ["fork"]
+    # the other host, same CPU name: its own child runs, sees the crash, rejects the candidate
+    monkeypatch.setattr(verdicts, "CPUINFO", avx512, raising=False)
+    monkeypatch.setenv("TT_CPUINFO", avx512)
+    result = _tweak(model, data, [Avx512OnlyCrash(), TorchEagerBackend()])
+    crashed = _candidate(result, "", "Avx512OnlyCrash")
+    assert crashed["reason"] == "crashed" and "signal 11, SIGSEGV" in crashed["error"], crashed
+    assert children[1:] == ["fork", "spawn"]
+    with torch.no_grad():
+        for x in data:
+            torch.testing.assert_close(model(x), untuned(x))
+
+
+def test_a_verdict_of_the_former_format_is_not_served():
+    module = nn.Linear(4, 4)
+    samples = [((torch.randn(2, 4),), {})]
+    parts = verdicts.parts_of(SegfaultBackend(), module, samples, torch.device("cpu"))
+    # what the format before instruction-set keys wrote: the CPU by its model name, versions only
+    from torch_tweak.serial import device_name
+    former = {"version": 1, "backend": parts["backend"], "config": parts["config"], "modules": parts["modules"],
+              "tensors": parts["tensors"], "calls": parts["calls"], "device": "cpu",
+              "cpu": device_name(torch.device("cpu")),
+              "versions": {"torch": torch.__version__, "torch_tweak": tt.__version__}}
+    text = json.dumps({"parts": former, "crashed": False, "reason": ""}, sort_keys=True)
+    verdicts.folder().mkdir(parents=True, exist_ok=True)
+    verdicts.path_of(verdicts.key_of(former)).write_text(text)
+    assert verdicts.read(parts) is None
+    verdicts.path_of(verdicts.key_of(parts)).write_text(text)  # even at the new key's place
+    assert verdicts.read(parts) is None
+
+
+# --- a hung child, an orphaned child (issue 26, defect 11) -----------------------------------
+
+HANG = """
+import os, sys, time
+import torch
+import torch_tweak as tt
+from torch_tweak import isolation, verdicts
+from torch_tweak.backends import TorchEagerBackend
+from hang_support import Hangs
+from support import FAST, MLP
+
+os.environ["TT_HANG_PARENT"] = str(os.getpid())
+isolation.FLOOR = float(sys.argv[1])  # a small bound for the test (not used before the bound existed)
+for how in ("fork", "spawn"):  # earlier children took 0.1 s per unit of size
+    getattr(verdicts, "record_rate", lambda *args: None)(Hangs(), how, 0.1)
+torch.manual_seed(0)
+model = MLP().eval()
+data = [torch.randn(8, 16) for _ in range(2)]
+start = time.monotonic()
+result = tt.tweak(model, data, max_depth=0, strategy=tt.HighestThroughputStrategy([Hangs(), TorchEagerBackend()]),
+                  measure=FAST, progress=False, cache=False)
+candidate = next(c for s in result.modules[""].signatures for c in s.candidates if c["backend"] == "Hangs")
+print("elapsed", round(time.monotonic() - start, 1), candidate["reason"], "|", candidate["error"], flush=True)
+"""
+
+
+def _hang_process(tmp_path, floor, **env):
+    here = os.path.dirname(os.path.abspath(__file__))
+    environ = {k: v for k, v in os.environ.items() if k != "TT_TEST_PARENT_PID"}
+    environ.update(PYTHONPATH=os.pathsep.join([here] + [p for p in sys.path if p]),
+                   TORCH_TWEAK_CACHE=str(tmp_path / "cache"), **env)
+    script = tmp_path / "hang.py"
+    script.write_text(HANG)
+    return subprocess.Popen([sys.executable, str(script), str(floor)], env=environ, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_a_hung_child_is_killed_within_its_bound(tmp_path):
+    # a recorded fast build: the bound is its multiple, far below the 600 s cap
+    proc = _hang_process(tmp_path, 2.0, TORCH_TWEAK_ISOLATION="fork")
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        orphans = _children(proc.pid)
+        proc.kill()
+        out = proc.communicate()[0]
+        for pid in orphans:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)  # the hung child this test made
+        pytest.fail(f"the hung child was not killed within 120 s (the cap is {isolation.CAP:.0f} s):\n{out[-2000:]}")
+    assert proc.returncode == 0, out[-3000:]
+    elapsed = next(line for line in out.splitlines() if line.startswith("elapsed"))
+    assert "crashed" in elapsed and "did not finish building within 2 s" in elapsed and "hung" in elapsed, elapsed
+    assert float(elapsed.split()[1]) < 100
+
+
+class ForkOnlyHang(Backend):
+    """Hangs in a forked child only, as OpenVINO's thread pool once did after fork; builds in a
+    fresh interpreter and in the tuning process."""
+
+    name = "ForkOnlyHang"
+    isolate_build = True
+
+    def build(self, module, samples, device):
+        if os.getpid() != PARENT and os.environ.get("TT_FRESH") != "1":
+            while True:
+                time.sleep(1)
+        return module
+
+
+def test_a_hang_only_a_fork_sees_is_not_believed(monkeypatch, children):
+    monkeypatch.setattr(isolation, "FLOOR", 1.0)
+    verdicts.record_rate(ForkOnlyHang(), "fork", 0.1)
+    real = isolation._run_child
+
+    def run(how, *args):
+        monkeypatch.setenv("TT_FRESH", "1" if how == "spawn" else "0")
+        return real(how, *args)
+
+    monkeypatch.setattr(isolation, "_run_child", run)
+    torch.manual_seed(0)
+    model = MLP().eval()
+    untuned = copy.deepcopy(model)
+    data = [torch.randn(8, 16) for _ in range(2)]
+    start = time.monotonic()
+    result = _tweak(model, data, [ForkOnlyHang(), TorchEagerBackend()])
+    assert time.monotonic() - start < 120
+    assert children[:2] == ["fork", "spawn"]
+    assert _candidate(result, "", "ForkOnlyHang")["reason"] != "crashed"  # the fresh interpreter built it
+    with torch.no_grad():
+        for x in data:
+            torch.testing.assert_close(model(x), untuned(x))
+
+
+def test_the_bound_scales_with_the_expected_build_time(monkeypatch):
+    backend, small, big = SegfaultBackend(), nn.Linear(4, 4), nn.Linear(2048, 2048)  # about 4.2 M elements
+    monkeypatch.setattr(isolation, "FLOOR", 1.0)
+    monkeypatch.setattr(isolation, "CAP", 600.0)
+    assert isolation.bound(backend, small, "fork") == pytest.approx(isolation.MULTIPLE * isolation.DEFAULT_RATE, 0.01)
+    verdicts.record_rate(backend, "fork", 0.2)
+    assert isolation.bound(backend, small, "fork") == pytest.approx(2.0, 0.01)
+    assert isolation.bound(backend, big, "fork") == pytest.approx(2.0 * isolation.size_units(big), 0.01)
+    assert isolation.bound(backend, small, "spawn") == pytest.approx(isolation.MULTIPLE * isolation.DEFAULT_RATE, 0.01)
+    verdicts.record_rate(backend, "fork", 1000.0)
+    assert isolation.bound(backend, small, "fork") == 600.0  # the cap
+    monkeypatch.setattr(isolation, "FLOOR", 60.0)
+    verdicts.clear()
+    verdicts.record_rate(backend, "fork", 0.01)
+    assert isolation.bound(backend, small, "fork") == 60.0  # the floor
+
+
+def _children(parent):
+    """The pids of `parent`'s child processes (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == parent:
+                found.append(int(entry))
+    return found
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("how", ["fork", "spawn"])
+def test_a_child_dies_with_its_parent(tmp_path, how):
+    proc = _hang_process(tmp_path, 600.0, TORCH_TWEAK_ISOLATION=how)
+    child = None
+    try:
+        deadline = time.monotonic() + 120
+        while child is None and time.monotonic() < deadline and proc.poll() is None:
+            found = _children(proc.pid)
+            child = found[0] if found else None
+            time.sleep(0.2)
+        assert child is not None, "the isolated child never started: " + (proc.stdout.read() if proc.poll() else "")
+        time.sleep(1.0)  # well inside its hung build by now
+        assert _alive(child)
+        proc.kill()  # kill -9: no cleanup in the parent runs
+        proc.wait()
+        gone = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < gone:
+            time.sleep(0.1)
+        assert not _alive(child), "the isolated child outlived its killed parent"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)  # the orphan this test made

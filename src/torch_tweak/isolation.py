@@ -21,13 +21,22 @@ How the child gets the module:
   Classes must be importable there; a module that cannot be sent (a class defined in a
   script's ``__main__``, a lambda) is built without isolation, and its build log says so.
 ``$TORCH_TWEAK_ISOLATION`` = "fork", "spawn" or "off" overrides the choice ("off": no child).
-Ctrl-C while a child runs kills it; a child still running after CHILD_TIMEOUT seconds is
-killed and rejects the candidate (that verdict is not stored).
+
+A child never outlives the tuning process: it asks the kernel to kill it when its parent
+dies (Linux's PR_SET_PDEATHSIG; elsewhere a thread watches the parent's pid), and Ctrl-C
+while a child runs kills it. A hung child (a forked one can deadlock in a thread pool the
+fork left half-alive, as OpenVINO's once did) is killed after a bound that scales with the
+candidate's expected build time (see bound): MULTIPLE times what finished children of the
+same backend class and kind took per unit of the module's size (the last ones, kept beside
+the verdicts), at least FLOOR seconds, at most CAP (``$TORCH_TWEAK_ISOLATION_TIMEOUT``, 600 s
+by default). A forked child that hangs is tried again in a fresh interpreter, as a crash is;
+a candidate whose child still does not finish is rejected (that verdict is not stored).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import faulthandler
 import os
 import pickle
@@ -36,6 +45,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -47,7 +57,14 @@ from . import _C, verdicts
 from ._samples import Call
 
 ISOLATION_ENV = "TORCH_TWEAK_ISOLATION"
-CHILD_TIMEOUT = float(os.environ.get("TORCH_TWEAK_ISOLATION_TIMEOUT", "600"))
+CAP = float(os.environ.get("TORCH_TWEAK_ISOLATION_TIMEOUT", "600"))
+"""The longest a child may run, whatever its expected build time."""
+FLOOR = 60.0
+"""The shortest bound: a child's start (a spawned one imports torch) on a busy machine."""
+MULTIPLE = 10.0
+"""How many times its expected build time a child may take before it counts as hung."""
+DEFAULT_RATE = 5.0
+"""Seconds per unit of size expected when no child of the backend class finished yet."""
 OUTPUT_TAIL = 4000
 """Characters of the child's stdout and stderr kept in the build log after a crash."""
 
@@ -88,40 +105,69 @@ def check(backend: Any, module: nn.Module, samples: Sequence[Call], device: torc
         if verdict.crashed:
             raise BuildCrashed(verdict.reason + " (stored verdict; a new library version runs the child again)")
         return
+    limit = bound(backend, module, how)
     start = time.monotonic()
-    code, stages, output, timed_out = _run_child(how, backend, module, samples, device)
-    notes.append(f"isolation: {how} child ran in {time.monotonic() - start:.3f} s, exit status {code}, "
+    code, stages, output, timed_out = _run_child(how, backend, module, samples, device, limit)
+    took = time.monotonic() - start
+    notes.append(f"isolation: {how} child ran in {took:.3f} s (bound {limit:.0f} s), exit status {code}, "
                  f"stages {' '.join(stages) or '-'}")
     if "unsent" in stages:
         notes.append("isolation: the module could not be sent to a child; built without isolation")
         notes.extend(_tail(output))
         return
-    if timed_out:
-        raise BuildCrashed(f"{backend.name} did not finish building within {CHILD_TIMEOUT:.0f} s in its "
-                           "isolated child (killed)")
+    _record(backend, module, how, took, code, stages, timed_out)
     verdict = _verdict_of(backend.name, code, stages)
-    if verdict.crashed and how == "fork":
+    if (verdict.crashed or timed_out) and how == "fork":
         # A forked child inherits the parent's threads in whatever state they were (OpenVINO's
-        # and OpenMP's pools): it can abort where a fresh process would not. A crash seen there
-        # is believed only when a fresh interpreter crashes too.
+        # and OpenMP's pools): it can abort, or deadlock, where a fresh process would not. A
+        # crash or a hang seen there is believed only when a fresh interpreter shows it too.
         notes.extend(_tail(output))
+        again = bound(backend, module, "spawn")
         start = time.monotonic()
-        code, stages, output, timed_out = _run_child("spawn", backend, module, samples, device)
-        notes.append(f"isolation: the forked child crashed; a spawned child ran in {time.monotonic() - start:.3f} s "
-                     f"to confirm, exit status {code}, stages {' '.join(stages) or '-'}")
+        code, stages, output, hung = _run_child("spawn", backend, module, samples, device, again)
+        took = time.monotonic() - start
+        notes.append(f"isolation: the forked child {'hung' if timed_out else 'crashed'}; a spawned child ran in "
+                     f"{took:.3f} s (bound {again:.0f} s) to confirm, exit status {code}, "
+                     f"stages {' '.join(stages) or '-'}")
         if "unsent" in stages:
             notes.append("isolation: the module could not be sent to a fresh process; the fork's verdict stands")
-        elif timed_out:
-            raise BuildCrashed(f"{backend.name} did not finish building within {CHILD_TIMEOUT:.0f} s in its "
-                               "isolated child (killed)")
         else:
-            verdict = _verdict_of(backend.name, code, stages)
+            _record(backend, module, "spawn", took, code, stages, hung)
+            verdict, timed_out, limit = _verdict_of(backend.name, code, stages), hung, again
+    if timed_out:
+        notes.extend(_tail(output))
+        raise BuildCrashed(f"{backend.name} did not finish building within {limit:.0f} s in its isolated child "
+                           "(killed as hung; the bound is a multiple of the build times of this backend's earlier "
+                           f"children, at most $TORCH_TWEAK_ISOLATION_TIMEOUT = {CAP:.0f} s)")
     if verdict.crashed:
         notes.extend(_tail(output))
     stored = verdicts.write(parts, verdict)
     notes.append(f"isolation: verdict {'stored as' if stored else 'could not be stored as'} {where}")
     if verdict.crashed:
         raise BuildCrashed(verdict.reason)
+
+
+def size_units(module: nn.Module) -> float:
+    """The size a build's time is taken to scale with: 1 + the module's parameter and buffer
+    elements in millions."""
+    elements = sum(t.numel() for t in list(module.parameters()) + list(module.buffers()))
+    return 1.0 + elements / 1e6
+
+
+def bound(backend: Any, module: nn.Module, how: str) -> float:
+    """Seconds a `how` child building `backend` on `module` may run before it counts as hung:
+    MULTIPLE times the expected build time (the module's size_units times the largest rate
+    recorded for the backend's class and child kind, DEFAULT_RATE when none is), at least
+    FLOOR, at most CAP."""
+    rate = max(verdicts.rates(backend, how), default=DEFAULT_RATE)
+    return max(min(CAP, FLOOR), min(CAP, MULTIPLE * size_units(module) * rate))
+
+
+def _record(backend: Any, module: nn.Module, how: str, took: float, code: int, stages: list[str],
+            timed_out: bool) -> None:
+    """Records how long a child that finished its build took (for the bound of later ones)."""
+    if not timed_out and code == 0 and "built" in stages:
+        verdicts.record_rate(backend, how, took / size_units(module))
 
 
 def _verdict_of(name: str, code: int, stages: list[str]) -> verdicts.Verdict:
@@ -146,7 +192,7 @@ def _tail(output: str) -> list[str]:
 
 
 def _run_child(how: str, backend: Any, module: nn.Module, samples: Sequence[Call],
-               device: torch.device) -> tuple[int, list[str], str, bool]:
+               device: torch.device, limit: float | None = None) -> tuple[int, list[str], str, bool]:
     """Runs the child; returns (exit code, negative for a signal; stages it reached; its
     output; whether it was killed for the time limit)."""
     folder = Path(tempfile.mkdtemp(prefix="torch-tweak-child-"))
@@ -159,16 +205,17 @@ def _run_child(how: str, backend: Any, module: nn.Module, samples: Sequence[Call
             if started is None:
                 return 0, ["unsent"], _read(output), False
             poll, kill = started
-        code, timed_out = _wait(poll, kill)
+        code, timed_out = _wait(poll, kill, CAP if limit is None else limit)
         return code, _read(status).split(), _read(output), timed_out
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _wait(poll: Callable[[], int | None], kill: Callable[[], None]) -> tuple[int, bool]:
+def _wait(poll: Callable[[], int | None], kill: Callable[[], None], limit: float) -> tuple[int, bool]:
     """Waits for the child in short sleeps, so Ctrl-C (KeyboardInterrupt) is handled at once:
-    any exception here kills the child before it propagates."""
-    deadline = time.monotonic() + CHILD_TIMEOUT
+    any exception here kills the child before it propagates. After `limit` seconds the child
+    is killed (returns timed out)."""
+    deadline = time.monotonic() + limit
     pause = 0.001
     try:
         while True:
@@ -189,10 +236,12 @@ def _fork(backend: Any, module: nn.Module, samples: Sequence[Call], device: torc
           status: Path, output: Path) -> tuple[Callable[[], int | None], Callable[[], None]]:
     sys.stdout.flush()
     sys.stderr.flush()
+    parent, prctl = os.getpid(), _prctl()
     pid = os.fork()
     if pid == 0:  # the child: never returns into the caller
         code = 70
         try:
+            _die_with(parent, prctl)
             signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C at the terminal ends it too
             out = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             os.dup2(out, 1)
@@ -239,7 +288,8 @@ def _spawn(backend: Any, module: nn.Module, samples: Sequence[Call], device: tor
         return None
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     with open(output, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "torch_tweak.isolation", str(payload), str(status)],
+        proc = subprocess.Popen([sys.executable, "-m", "torch_tweak.isolation", str(payload), str(status),
+                                 str(os.getpid())],
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
 
     def kill() -> None:
@@ -252,6 +302,41 @@ def _spawn(backend: Any, module: nn.Module, samples: Sequence[Call], device: tor
 
 def _none() -> None:
     return None
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _prctl() -> Callable[..., int] | None:
+    """libc's prctl on Linux, else None; looked up before a fork (the loader's lock may be held
+    by another thread at the moment of the fork, and a forked child must not need it)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def _die_with(parent: int, prctl: Callable[..., int] | None) -> None:
+    """Makes this child die when `parent` (the tuning process) does: the kernel sends SIGKILL
+    on Linux (PR_SET_PDEATHSIG), elsewhere a thread polls the parent's pid. A parent already
+    gone (it died before this ran) ends the child at once."""
+    armed = False
+    if prctl is not None:
+        try:
+            armed = prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+        except Exception:
+            armed = False
+    if os.getppid() != parent:
+        os._exit(0)
+    if not armed:
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os._exit(0)
+
+        threading.Thread(target=watch, name="torch-tweak-parent-watch", daemon=True).start()
 
 
 class _WithoutWrappers:
@@ -285,8 +370,10 @@ def _build_and_run(backend: Any, module: nn.Module, samples: Sequence[Call], dev
         reached("done")
 
 
-def _spawned_main(payload: str, status: str) -> int:
-    """The spawned child's entry point (python -m torch_tweak.isolation PAYLOAD STATUS)."""
+def _spawned_main(payload: str, status: str, parent: str | None = None) -> int:
+    """The spawned child's entry point (python -m torch_tweak.isolation PAYLOAD STATUS PARENT_PID)."""
+    if parent is not None:
+        _die_with(int(parent), _prctl())
     try:
         given = torch.load(payload, weights_only=False)  # written by our own parent, in its private folder
     except Exception as exc:
@@ -307,4 +394,4 @@ def _read(path: Path) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(_spawned_main(sys.argv[1], sys.argv[2]))
+    sys.exit(_spawned_main(*sys.argv[1:4]))

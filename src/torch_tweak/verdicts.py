@@ -4,9 +4,12 @@ A verdict is a small JSON file ``<cache>/verdicts/<key>.json`` (the cache folder
 ``$TORCH_TWEAK_CACHE``, else ``~/.cache/torch-tweak``). Its key is the hash of everything
 the crash can depend on (see parts_of): the backend's class and config, the module's
 classes and its parameter and buffer shapes and dtypes, the recorded calls' signature,
-the device and CPU, and the versions of torch, torch-tweak and the backend's own
-packages. The file repeats those parts and is used only when they are equal, so a new
-OpenVINO, say, runs the child again.
+the device, the CPU's instruction set (see cpu_isa: the machine, torch's CPU capability
+and the CPU's feature flags, not its model name: two hosts both called "AMD EPYC" can
+differ in AVX-512, and a build that works on one can segfault on the other), and the
+builds of torch, torch-tweak and the backend's own packages (versions and build
+identity, see builds). The file repeats those parts and is used only when they are equal,
+so a new OpenVINO, another CPU or a verdict of an older format runs the child again.
 
 Reading never fails and never blocks: a file that is not a regular file (a FIFO, a
 folder, a device), that is larger than MAX_BYTES, or that cannot be read or parsed is a
@@ -18,8 +21,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.metadata
+import functools
 import json
 import os
+import platform
 import stat
 from pathlib import Path
 from typing import Any, Sequence
@@ -29,10 +34,11 @@ from torch import nn
 
 from ._samples import Call
 from .storage import atomic_file, cache_dir
-from .serial import device_name
 from .signatures import describe_call
 
-VERSION = 1
+VERSION = 2
+"""2: the CPU by its instruction set and the libraries by their builds (1 named the CPU model)."""
+CPUINFO = "/proc/cpuinfo"
 MAX_BYTES = 64 * 1024
 """A verdict is a few hundred bytes; anything larger is not one."""
 
@@ -54,13 +60,58 @@ def _class_path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _versions(names: Sequence[str]) -> dict[str, str | None]:
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", errors="replace")).hexdigest()[:16]
+
+
+def cpu_isa() -> dict[str, Any]:
+    """What a native build's crash can depend on in the CPU: the machine (x86_64, aarch64),
+    torch's CPU capability (DEFAULT, AVX2, AVX512...) and a digest of the CPU's feature flags
+    (/proc/cpuinfo's "flags" or "Features" line, sorted; None where there is none)."""
+    try:
+        capability = torch.backends.cpu.get_cpu_capability()
+    except Exception:
+        capability = None
+    flags = None
+    try:
+        with open(CPUINFO, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                name, sep, value = line.partition(":")
+                if sep and name.strip() in ("flags", "Features"):
+                    flags = _digest(" ".join(sorted(value.split())))
+                    break
+    except OSError:
+        pass
+    return {"machine": platform.machine(), "capability": capability, "flags": flags}
+
+
+@functools.lru_cache(maxsize=None)
+def _build_of(name: str) -> str | None:
+    """The identity of an installed distribution's build: a digest of its RECORD (every file
+    with its hash), so a rebuilt wheel of the same version differs; None when unknown."""
+    try:
+        record = importlib.metadata.distribution(name).read_text("RECORD")
+    except Exception:
+        return None
+    return _digest(record) if record else None
+
+
+def builds(names: Sequence[str]) -> dict[str, Any]:
+    """The version and build of torch (its git revision and build configuration), of torch-tweak
+    and of each distribution in `names` (None for one not installed)."""
     from . import __version__
 
-    found: dict[str, str | None] = {"torch": torch.__version__, "torch_tweak": __version__}
+    try:
+        config = _digest(torch.__config__.show())
+    except Exception:
+        config = None
+    found: dict[str, Any] = {
+        "torch": [torch.__version__, getattr(torch.version, "git_version", None), config],
+        "torch_tweak": [__version__, _build_of("torch-tweak")],
+    }
     for name in names:
         try:
-            found[name] = importlib.metadata.version(name)
+            found[name] = [importlib.metadata.version(name), _build_of(name)]
         except (importlib.metadata.PackageNotFoundError, ValueError):
             found[name] = None
     return found
@@ -79,8 +130,8 @@ def parts_of(backend: Any, module: nn.Module, samples: Sequence[Call], device: t
                     for name, t in list(module.named_parameters()) + list(module.named_buffers())],
         "calls": sorted({describe_call(args, kwargs) for args, kwargs in samples}),
         "device": str(device),
-        "cpu": device_name(torch.device("cpu")),
-        "versions": _versions(getattr(backend, "packages", ())),
+        "cpu": cpu_isa(),
+        "versions": builds(getattr(backend, "packages", ())),
     }
     return json.loads(json.dumps(parts, sort_keys=True, default=repr))
 
@@ -96,31 +147,13 @@ def path_of(key: str) -> Path:
 def read(parts: dict[str, Any]) -> Verdict | None:
     """The stored verdict for `parts`, or None (a miss) for anything else."""
     try:
-        path = path_of(key_of(parts))
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        entry = _read_json(path_of(key_of(parts)))
     except Exception:
         return None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_BYTES:
-            return None
-        data = b""
-        while len(data) <= MAX_BYTES:
-            chunk = os.read(fd, MAX_BYTES + 1 - len(data))
-            if not chunk:
-                break
-            data += chunk
-        if len(data) > MAX_BYTES:
-            return None
-        entry = json.loads(data.decode("utf-8"))
-        if not isinstance(entry, dict) or entry.get("parts") != parts or not isinstance(entry.get("crashed"), bool):
-            return None
-        reason = entry.get("reason", "")
-        return Verdict(entry["crashed"], reason if isinstance(reason, str) else "")
-    except Exception:
+    if not isinstance(entry, dict) or entry.get("parts") != parts or not isinstance(entry.get("crashed"), bool):
         return None
-    finally:
-        os.close(fd)
+    reason = entry.get("reason", "")
+    return Verdict(entry["crashed"], reason if isinstance(reason, str) else "")
 
 
 def write(parts: dict[str, Any], verdict: Verdict) -> bool:
@@ -136,6 +169,72 @@ def write(parts: dict[str, Any], verdict: Verdict) -> bool:
     return True
 
 
+TIMES = "times.json"
+"""How long finished isolated children took, per backend class and child kind (isolation's bound)."""
+KEPT_TIMES = 16
+
+
+def _read_json(path: Path) -> Any:
+    """The JSON in `path`, or None: never fails and never blocks (see the module docs)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except Exception:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_BYTES:
+            return None
+        data = b""
+        while len(data) <= MAX_BYTES:
+            chunk = os.read(fd, MAX_BYTES + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
+        if len(data) > MAX_BYTES:
+            return None
+        return json.loads(data.decode("utf-8"))
+    except Exception:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _times_key(backend: Any, how: str) -> str:
+    return f"{_class_path(type(backend))} {how}"
+
+
+def rates(backend: Any, how: str) -> list[float]:
+    """Seconds per unit of size (see isolation.size_units) that the last finished children of
+    this backend class and child kind ("fork", "spawn") took; empty when none is recorded."""
+    found = _read_json(folder() / TIMES)
+    if not isinstance(found, dict):
+        return []
+    kept = found.get(_times_key(backend, how))
+    if not isinstance(kept, list):
+        return []
+    return [float(r) for r in kept if isinstance(r, (int, float)) and not isinstance(r, bool) and 0 <= r < 1e6]
+
+
+def record_rate(backend: Any, how: str, rate: float) -> bool:
+    """Adds a finished child's seconds per unit of size to the record (the last KEPT_TIMES per
+    backend class and child kind); False when it could not be stored."""
+    path = folder() / TIMES
+    found = _read_json(path)
+    if not isinstance(found, dict):
+        found = {}
+    key = _times_key(backend, how)
+    found[key] = (rates(backend, how) + [round(float(rate), 6)])[-KEPT_TIMES:]
+    while len(json.dumps(found)) > MAX_BYTES // 2 and len(found) > 1:  # the oldest classes go first
+        del found[next(k for k in found if k != key)]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(path, "w", encoding="utf-8") as f:
+            f.write(json.dumps(found, sort_keys=True))
+    except OSError:
+        return False
+    return True
+
+
 def clear() -> int:
     """Removes every stored verdict; returns how many."""
     removed = 0
@@ -146,7 +245,7 @@ def clear() -> int:
     for path in entries:
         try:
             path.unlink()
-            removed += 1
+            removed += path.name != TIMES
         except OSError:
             pass
     return removed

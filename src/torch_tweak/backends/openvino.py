@@ -15,14 +15,30 @@ Two conversion paths:
 The weights of a module on another device are moved to the CPU to be converted and put
 back on their device afterwards. Inputs and outputs cross to and from the CPU as numpy
 arrays, so bfloat16 tensors are refused.
+
+Every call into OpenVINO's converter and compiler (and its import) runs inside ``native()``:
+- Ctrl-C is deferred until the call returns, then raised as KeyboardInterrupt: the converter
+  calls back into Python from C++ (its telemetry, the TorchScript decoder), and a
+  KeyboardInterrupt raised inside such a callback aborts the process (SIGABRT from
+  pybind11::error_already_set) or is swallowed; deferred, tuning's cleanup runs and the
+  model is left as it was.
+- OpenVINO's telemetry (the ``openvino_telemetry`` package: a client-id file under
+  ``~/intel``, events sent from a thread) is off for torch-tweak's own use: its singleton is
+  replaced by a silent one for the duration and put back after, so nothing is written outside
+  torch-tweak's cache folder and nothing is sent, while the user's own choice (the consent
+  file ``~/intel/openvino_telemetry``, the environment, a Telemetry the user's own import of
+  openvino started) is left exactly as it was. While a build runs, another thread's own
+  OpenVINO conversion is silent too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
+import signal
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -78,9 +94,106 @@ class OpenVINOBackendConfig(BackendConfig):
 def _import_openvino() -> Any:
     """The openvino module, or None when it cannot be imported."""
     try:
-        return importlib.import_module("openvino")
+        with native():  # importing openvino starts its telemetry
+            return importlib.import_module("openvino")
     except ImportError:
         return None
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+class _SilentTelemetry:
+    """Stands in for openvino_telemetry's Telemetry singleton while torch-tweak calls OpenVINO:
+    every method does nothing, and it has no ``backend``, so OpenVINO's init_ovc_telemetry does
+    not initialise it again."""
+
+    consent = False
+    init = send_event = send_error = send_stack_trace = start_session = end_session = staticmethod(_nothing)
+    force_shutdown = send_opt_in_event = staticmethod(_nothing)
+
+
+_SINGLETON = "_SingletonMetaClass__single_instance"  # where openvino_telemetry's metaclass keeps it
+_telemetry_lock = threading.RLock()
+_telemetry_depth = 0
+_telemetry_saved: Any = None
+
+
+@contextlib.contextmanager
+def telemetry_off() -> Iterator[None]:
+    """OpenVINO's telemetry silenced for the calls inside (see the module docs); the user's own
+    Telemetry, if any, is put back afterwards. Nothing to do when openvino_telemetry is not
+    installed (OpenVINO then uses its own stub) or keeps its singleton elsewhere."""
+    global _telemetry_depth, _telemetry_saved
+    try:
+        tm = importlib.import_module("openvino_telemetry")  # defines classes only: no side effect
+        cls = tm.Telemetry
+    except Exception:
+        yield
+        return
+    if _SINGLETON not in vars(cls):
+        yield
+        return
+    with _telemetry_lock:
+        if _telemetry_depth == 0:
+            _telemetry_saved = vars(cls)[_SINGLETON]
+            setattr(cls, _SINGLETON, _SilentTelemetry())
+        _telemetry_depth += 1
+    try:
+        yield
+    finally:
+        with _telemetry_lock:
+            _telemetry_depth -= 1
+            if _telemetry_depth == 0:
+                setattr(cls, _SINGLETON, _telemetry_saved)
+                _telemetry_saved = None
+
+
+@contextlib.contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """Ctrl-C (SIGINT) inside is recorded, not raised, and delivered when the block ends: as
+    KeyboardInterrupt by Python's default handler, or to whatever handler was installed. Only
+    the main thread gets Python's signals, so elsewhere (and when SIGINT is ignored, or its
+    handler was not set from Python) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    try:
+        previous = signal.getsignal(signal.SIGINT)
+    except (ValueError, OSError):
+        yield
+        return
+    if previous is None or previous is signal.SIG_IGN:
+        yield
+        return
+    received: list[Any] = []
+
+    def record(signum: int, frame: Any) -> None:
+        received.append(frame)
+
+    try:
+        signal.signal(signal.SIGINT, record)
+    except (ValueError, OSError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            if callable(previous):
+                previous(signal.SIGINT, received[0])  # default_int_handler raises KeyboardInterrupt here
+            else:  # SIG_DFL: what the signal does by default
+                signal.raise_signal(signal.SIGINT)
+
+
+@contextlib.contextmanager
+def native() -> Iterator[None]:
+    """The context of every call into OpenVINO's converter and compiler: Ctrl-C deferred until
+    it returns, OpenVINO's telemetry off (see the module docs)."""
+    with sigint_deferred(), telemetry_off():
+        yield
 
 
 class _Flat(torch.nn.Module):
@@ -128,7 +241,8 @@ class OpenVINOBackend(Backend):
         if device.type not in ("cpu", "xpu"):
             return f"OpenVINO runs on the CPU and Intel GPUs, not on {device.type}"
         wanted = self.ov_device(device)
-        available = ov.Core().available_devices
+        with native():
+            available = ov.Core().available_devices
         if wanted.split(".")[0] not in {d.split(".")[0] for d in available}:
             return f"OpenVINO has no device {wanted} here (it sees {', '.join(available) or 'none'})"
         return None
@@ -168,9 +282,10 @@ class OpenVINOBackend(Backend):
         try:
             if device.type != "cpu":
                 module.to("cpu")  # the converter reads the weights on the CPU
-            if self.config.conversion == "torch_compile":
-                return self._build_compiled(module, samples, device)
-            return self._build_converted(module, samples, device)
+            with native():  # Ctrl-C waits for OpenVINO to return; its telemetry is off
+                if self.config.conversion == "torch_compile":
+                    return self._build_compiled(module, samples, device)
+                return self._build_converted(module, samples, device)
         finally:
             restore_places(places)
 
@@ -182,7 +297,12 @@ class OpenVINOBackend(Backend):
                                           "config": {k: str(v) for k, v in self.properties(samples, module).items()}})
         for args, kwargs in samples:  # compile now, so no compile lands in a measurement
             compiled(*args, **kwargs)
-        return compiled
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with telemetry_off():  # a call of a shape not seen yet converts again
+                return compiled(*args, **kwargs)
+
+        return run
 
     def _build_converted(self, module: torch.nn.Module, samples: Sequence[Call],
                          device: torch.device) -> Callable[..., Any]:
