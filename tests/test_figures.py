@@ -12,24 +12,34 @@ import torch
 from torch import nn
 
 import torch_tweak as tt
-from torch_tweak.plotting import bars
 from support import FAST, CountingBackend
+
+
+LOAD = {"burst": True}
+"""Whether the burst of load is on (a global, not an attribute: the tuning cache's key holds a
+module's plain attributes)."""
+
+
+@pytest.fixture(autouse=True)
+def burst_on():
+    LOAD["burst"] = True
+    yield
+    LOAD["burst"] = True
 
 
 class Bursty(nn.Module):
     """Sleeps 1 ms on every untuned call (what the tuned path skips), and 20 ms more while a
     burst of load is on: the burst slows only untuned calls, as load slowed eager torch's
-    threads and not OpenVINO's. `burst` is "wrapped": on whenever the model runs its own
-    forward while tweak has it wrapped (recording, and the untuned side of the side-by-side
-    measurement; never the search's untuned measurements, which run it unwrapped)."""
+    threads and not OpenVINO's. While LOAD["burst"] is on, the burst falls on every call of the
+    model's own forward while tweak has it wrapped (recording, and the untuned side of the
+    side-by-side measurement; never the search's untuned measurements, which run it unwrapped)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.inner = nn.Linear(16, 16)
-        self.burst = "wrapped"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        busy = self.burst == "wrapped" and "_tt_root" in self.__dict__
+        busy = LOAD["burst"] and "_tt_root" in self.__dict__
         time.sleep(0.021 if busy else 0.001)
         return self.inner(x)
 
@@ -60,7 +70,6 @@ def printed_speedups(text: str) -> list[float]:
 def untuned_outputs(data):
     with torch.no_grad():
         model = fresh()
-        model.burst = None
         return [model(x) for x in data]
 
 
@@ -71,10 +80,10 @@ def test_a_burst_during_the_side_by_side_measurement_makes_up_no_speedup(mlp_dat
     kept = next(r for r in result.rows if r.depth == 0)
     consistent = kept.speedup  # the search's own figure: its untuned and depth-0 measurements, no burst
     side = result.confirmation
-    # the side by side untuned calls were 20 ms slower: taken alone, a speedup far above the search's
-    assert side["side_speedup"] > 3 * consistent
     # no printed speedup exceeds the consistent one (its median, or its interval's high end)
     assert result.speedup <= consistent * (1 + 1e-9)
+    # the side by side untuned calls were 20 ms slower: taken alone, a speedup far above the search's
+    assert side["side_speedup"] > 3 * consistent
     high = side["speedup_high"]  # the reported interval: the search's, as from_search says below
     assert side["speedup"] == pytest.approx(consistent)
     assert all(x <= round(high, 2) for x in printed_speedups(str(result))), str(result)
@@ -90,6 +99,8 @@ def test_a_burst_during_the_side_by_side_measurement_makes_up_no_speedup(mlp_dat
     again = [r for r in caplog.records if "measuring again" in r.getMessage()]
     assert len(again) == 2
     # the chart: one measurement's bars (the search's), titled with the reported figure
+    from torch_tweak.plotting import bars
+
     labels, values, _, _, title = bars(result)
     assert labels[0] == "untuned" and values[0] == result.untuned.latency_ms and values[1] == kept.latency_ms
     assert f"{result.speedup:.2f}x" in title and all(x <= round(consistent, 2) for x in printed_speedups(title))
@@ -100,9 +111,25 @@ def test_a_burst_during_the_side_by_side_measurement_makes_up_no_speedup(mlp_dat
 
     # the cache keeps the entry with its quality, and does not replay it: the next tweak measures again
     assert len(list((tuning_cache_folder / "tweaks").glob("*.json"))) == 1
-    model.burst = None
+    LOAD["burst"] = False
     second = tweak(fresh(), mlp_data)
     assert not second.cached
+
+
+def test_an_inconsistent_result_is_not_replayed_from_the_cache(mlp_data, tuning_cache_folder):
+    first = tweak(fresh(), mlp_data)  # the burst lasts through every side-by-side measurement
+    assert first.selected_depth == 0
+    LOAD["burst"] = False  # a quiet moment now
+    model = fresh()
+    second = tweak(model, mlp_data)
+    assert not second.cached  # measured again, not the busy moment's figures replayed
+    assert first.measurement_quality == "inconsistent" and second.measurement_quality in ("consistent", "remeasured",
+                                                                                          "inconsistent")
+    entry = next((tuning_cache_folder / "tweaks").glob("*.json")).read_text()
+    assert f'"quality": "{second.measurement_quality}"' in entry  # the entry records how good its figures were
+    with torch.no_grad():
+        for x, want in zip(mlp_data, untuned_outputs(mlp_data)):
+            assert torch.allclose(model(x), want)
 
 
 def test_a_burst_that_ends_is_measured_again_and_the_figures_agree(mlp_data, tuning_cache_folder):
@@ -114,7 +141,7 @@ def test_a_burst_that_ends_is_measured_again_and_the_figures_agree(mlp_data, tun
     class EndBurst(logging.Handler):
         def emit(self, record):
             if "measuring again" in record.getMessage():
-                model.burst = None
+                LOAD["burst"] = False
 
     handler = EndBurst()
     logger = logging.getLogger("torch_tweak")
@@ -146,23 +173,23 @@ def test_a_kept_untuned_result_is_not_replayed(mlp_data, tuning_cache_folder):
         def build(self, module, samples, device):
             raise RuntimeError("cannot build")
 
+    LOAD["burst"] = False
     model = fresh()
-    model.burst = None
     strategy = tt.OneBackendStrategy(Broken())
     first = tt.tweak(model, mlp_data, max_depth=0, strategy=strategy, progress=False, measure=FAST)
-    assert first.selected_depth is None and first.measurement_quality == "unchecked"
+    assert first.selected_depth is None
     again = fresh()
-    again.burst = None
     second = tt.tweak(again, mlp_data, max_depth=0, strategy=strategy, progress=False, measure=FAST)
     assert not second.cached and not tt.installed(again)
+    assert first.measurement_quality == second.measurement_quality == "unchecked"
     with torch.no_grad():
         assert all(torch.equal(again(x), want) for x, want in zip(mlp_data, untuned_outputs(mlp_data)))
 
 
 @pytest.mark.parametrize("budget", [0, 0.0])
 def test_nothing_tried_for_a_budget_of_0_says_so(mlp_data, budget):
+    LOAD["burst"] = False
     model = fresh()
-    model.burst = None
     result = tweak(model, mlp_data, time_budget=budget, cache=False)
     assert all(r.error == "time budget used up" for r in result.rows)
     assert "\nno depth was tried: the time budget was 0: it stays untuned\n" in str(result)
