@@ -468,7 +468,9 @@ typedef struct tw_result tw_result;
  * claimed speedup never rests on measurements taken at different moments.
  * Its two latencies are then held against the search's own figures for the
  * same configurations (the untuned against the baseline, the tuned against
- * the selected row; see tw_stats_agree). When either disagrees (the machine's
+ * the selected row; see tw_stats_agree), and so is the speedup they give (as
+ * a latency, within the four spreads: two latencies that each moved within
+ * the margin, but apart, move the speedup beyond it). When any disagrees (the machine's
  * load changed between the two), the side-by-side measurement is taken again,
  * at most TW_CONFIRM_TRIES times in all and none once the time budget is used
  * up. The figure reported is the side-by-side one when they agree, else the

@@ -519,6 +519,25 @@ static void tw_speedup_of(const tw_stats *untuned, const tw_stats *tuned, double
     *high = tuned->q25_ns > 0 ? untuned->q75_ns / tuned->q25_ns : 0.0;
 }
 
+/* Whether the speedups two pairs of measurements give agree as two latencies
+ * do (tw_stats_agree), within the four measurements' spreads: each latency
+ * may move within the margin, but not the two apart so far that the speedup
+ * moves beyond it. */
+static int tw_speedups_agree(const tw_stats *untuned_a, const tw_stats *tuned_a,
+                             const tw_stats *untuned_b, const tw_stats *tuned_b)
+{
+    tw_stats a;
+    tw_stats b;
+
+    memset(&a, 0, sizeof a);
+    memset(&b, 0, sizeof b);
+    a.median_ns = tuned_a->median_ns > 0 ? untuned_a->median_ns / tuned_a->median_ns : 0.0;
+    b.median_ns = tuned_b->median_ns > 0 ? untuned_b->median_ns / tuned_b->median_ns : 0.0;
+    a.spread = untuned_a->spread + tuned_a->spread;
+    b.spread = untuned_b->spread + tuned_b->spread;
+    return tw_stats_agree(&a, &b);
+}
+
 /* Fills the confirmation from the last side-by-side measurement and the
  * search's figures: the reported figure, and whether the cut is kept. */
 static void tw_settle_confirmation(tw_result *r, const tw_stats *stats, uint32_t tries,
@@ -592,7 +611,8 @@ static tw_code tw_confirm_selected(tw_search *s, tw_error *err)
             goto leave;
         }
         tries++;
-        agree = tw_stats_agree(&stats[1], &r->baseline) && tw_stats_agree(&stats[0], row);
+        agree = tw_stats_agree(&stats[1], &r->baseline) && tw_stats_agree(&stats[0], row) &&
+                tw_speedups_agree(&stats[1], &stats[0], &r->baseline, row);
         if (agree) {
             break;
         }

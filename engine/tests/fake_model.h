@@ -38,6 +38,7 @@ typedef struct fake_model {
                                        * burst_until (the side-by-side measurement,
                                        * 3 deactivates per measurement); 0: none */
     int burst_until;
+    uint64_t burst_tuned;             /* likewise, the active cut's latency; 0: none */
     double jitter;                    /* each call's latency varies by up to this fraction */
     uint64_t lcg;                     /* the jitter's random state */
     tw_code deactivate_rc;
@@ -244,6 +245,10 @@ static inline tw_code model_run(void *ctx, size_t sample, tw_error *err)
         if (m->depth_fail[m->depth] != TW_OK) {
             return tw_error_set(err, m->depth_fail[m->depth], "model broke at depth %d",
                                 m->depth);
+        }
+        if (m->burst_tuned != 0 && m->deactivates > 0 && m->deactivates <= m->burst_until) {
+            m->env.now += model_jittered(m, m->burst_tuned);
+            return TW_OK;
         }
         m->env.now += model_jittered(m, m->depth_latency[m->depth]);
         return TW_OK;

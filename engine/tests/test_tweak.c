@@ -696,6 +696,30 @@ static void test_inconsistent_and_no_gain_stays_untuned(void)
     fake_model_teardown(&m, result);
 }
 
+/* Each latency moves within the margin, but apart (the untuned 20 % slower,
+ * the tuned 20 % faster): the speedup moves by half, which is a disagreement
+ * too, and the smaller figure counts. */
+static void test_latencies_apart_move_the_speedup(void)
+{
+    fake_model m;
+    tw_result *result;
+    tw_confirmation c;
+    char *text;
+
+    fake_model_setup(&m);
+    m.burst_latency = 1200;
+    m.burst_tuned = 560;
+    m.burst_until = 1000;
+    result = run_confirmed(&m, &c, &text);
+    CHECK_INT(c.quality, TW_QUALITY_INCONSISTENT);
+    CHECK(c.from_search);
+    CHECK_NEAR(c.side_speedup, 1200.0 / 560.0, 1e-9);
+    CHECK_NEAR(c.speedup, CONSISTENT_SPEEDUP, 1e-9);
+    CHECK(largest_printed_speedup(text) <= CONSISTENT_SPEEDUP + 0.005);
+    tw_free(text);
+    fake_model_teardown(&m, result);
+}
+
 /* Once the time budget is used up, the figures are not measured again: the
  * first disagreement stands, and the smaller figure counts. */
 static void test_no_remeasure_past_the_budget(void)
@@ -907,6 +931,7 @@ int main(void)
     test_lasting_burst_reports_the_smaller_figure();
     test_inconsistent_and_no_gain_stays_untuned();
     test_no_remeasure_past_the_budget();
+    test_latencies_apart_move_the_speedup();
     test_stats_agree();
     return CHECK_SUMMARY("test_tweak");
 }
