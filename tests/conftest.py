@@ -34,6 +34,18 @@ def tuning_cache_folder(tmp_path, monkeypatch):
 
 
 @pytest.fixture
+def steady_figures(monkeypatch):
+    """The tuning cache replays an entry whatever its figures' quality. For tests of the cache's
+    mechanics: on a busy machine their tiny models' latencies (microseconds, and sleeps) can move
+    beyond the engine's agreement margin between the depth search and the side-by-side
+    measurement, and such an entry is not replayed. test_figures.py tests that rule itself, on
+    figures made inconsistent on purpose."""
+    from torch_tweak import tuning_cache
+
+    monkeypatch.setattr(tuning_cache, "REPLAYED", ("consistent", "remeasured", "inconsistent"), raising=False)
+
+
+@pytest.fixture
 def mlp() -> MLP:
     torch.manual_seed(0)
     return MLP().eval()

@@ -16,6 +16,8 @@ import torch_tweak as tt
 from torch_tweak import _C, tuning_cache
 from support import FAST, MLP, BrokenBackend, CountingBackend, Slow, SlowNet as Net
 
+pytestmark = pytest.mark.usefixtures("steady_figures")  # the quality rule: test_figures.py and below
+
 
 class Fast(CountingBackend):
     """Counts builds and runs a Slow layer's inner layer without the wait, so depth 1 wins."""
@@ -66,6 +68,9 @@ def test_second_tweak_reuses_the_first(mlp_data, tuning_cache_folder, monkeypatc
         m.setattr(_C, "tweak", lambda *a, **k: pytest.fail("measured on a cache hit"))
         second = tweak(again, mlp_data)
     assert second.cached and "from the tuning cache" in str(second)
+    # a hit says when its figures were measured, and how to measure again
+    assert second.measured_at is not None and "the figures were measured on " in str(second)
+    assert "(just now); tt.tweak(..., cache=False) measures again" in str(second)
     assert Fast.builds - builds == 2  # one rebuild per kept module and signature, no more
     assert second.selected_depth == first.selected_depth and second.rows == first.rows
     assert second.baseline_ms == first.baseline_ms and second.speedup == first.speedup
@@ -312,14 +317,33 @@ def test_config_or_attribute_change_tunes_again(mlp_data, tuning_cache_folder):
     assert len(entries(tuning_cache_folder)) == 3
 
 
-def test_failed_result_is_reused_for_a_while_then_tuned_again(mlp_data, tuning_cache_folder, monkeypatch):
+class HalfBroken(Fast):
+    """Fast for every module but b, which keeps its forward: depth 1 is kept with a failure."""
+
+    name = "HalfBroken"
+
+    def build(self, module, samples, device):
+        inner = getattr(module, "inner", None)
+        if inner is not None and inner.out_features == 4:
+            raise RuntimeError("cannot build b")
+        return super().build(module, samples, device)
+
+
+def test_untuned_result_is_measured_again_and_a_failed_one_reused_for_a_while(mlp_data, tuning_cache_folder,
+                                                                             monkeypatch):
     strategy = tt.OneBackendStrategy(BrokenBackend())
     assert tweak(fresh_net(), mlp_data, strategy=strategy).selected_depth is None
-    assert tweak(fresh_net(), mlp_data, strategy=strategy).cached  # within RETRY_AFTER: reused
+    assert len(entries(tuning_cache_folder)) == 1
+    # a result that kept the model untuned (perhaps for a busy moment) is never replayed
+    assert not tweak(fresh_net(), mlp_data, strategy=strategy).cached
+    strategy = tt.OneBackendStrategy(HalfBroken())
+    first = tweak(fresh_net(), mlp_data, strategy=strategy)
+    assert first.selected_depth == 1 and first.modules["b"].error
+    assert tweak(fresh_net(), mlp_data, strategy=strategy).cached  # a failure: reused within RETRY_AFTER
     later = time.time() + tuning_cache.RETRY_AFTER + 1
     monkeypatch.setattr(tuning_cache.time, "time", lambda: later)
     assert not tweak(fresh_net(), mlp_data, strategy=strategy).cached  # then tried again
     tweak(fresh_net(), mlp_data)  # a result with no failure...
     assert tweak(fresh_net(), mlp_data).cached  # ...is reused whenever
     entry = json.loads(sorted((tuning_cache_folder / "tweaks").glob("*.json"), key=os.path.getmtime)[-1].read_text())
-    assert entry["retry_after"] is None
+    assert entry["retry_after"] is None and entry["kept_depth"] == 1

@@ -437,6 +437,36 @@ def test_tweak_selects_the_shallowest_depth_within_the_tolerance():
         _C.Result()
 
 
+def test_tweak_result_says_how_good_its_figures_are():
+    clock = FakeClock()
+    model = FakeModel(clock, {frozenset([0]): 500})
+
+    def deactivate():
+        model.active = False
+
+    def run(i):
+        if model.entered is not None and not model.active:
+            clock.now += 20000  # a burst of load on the untuned side, side by side only
+        else:
+            model.run(i)
+
+    kwargs = model.kwargs(max_depth=0, deactivate=deactivate)
+    kwargs["run"] = run
+    result = _C.tweak(_C.Tree(TREE_MODULES), **kwargs)
+    side = result.confirmation
+    assert result.quality == side["quality"] == "inconsistent" and side["tries"] == 3
+    assert side["side_speedup"] == 40.0 and side["search_speedup"] == 2.0
+    assert side["from_search"] and side["speedup"] == 2.0 and side["confirmed"] and result.selected == 0
+    assert "the figures disagree" in str(result) and "40.00x" not in str(result)
+    quiet = FakeModel(FakeClock(), {frozenset([0]): 500})
+    result = _C.tweak(_C.Tree(TREE_MODULES), **quiet.kwargs(max_depth=0,
+                                                             deactivate=lambda: setattr(quiet, "active", False)))
+    assert result.quality == result.confirmation["quality"] == "consistent"
+    assert result.confirmation["tries"] == 1 and not result.confirmation["from_search"]
+    untuned = FakeModel(FakeClock(), {frozenset([0]): 1500})
+    assert _C.tweak(_C.Tree(TREE_MODULES), **untuned.kwargs(max_depth=0)).quality == "unchecked"
+
+
 def test_tweak_with_no_faster_depth_keeps_the_model_untuned():
     clock = FakeClock()
     model = FakeModel(clock, {frozenset([1, 4]): 1200})

@@ -158,7 +158,7 @@ def test_apply_onto_a_wrapped_module_changes_nothing(tuned, mlp_data):
     assert list(tt.installed(model)) == ["b"] and not is_wrapped(model.a)
 
 
-def test_the_cache_and_tt_load_go_through_the_one_apply(mlp_data, tmp_path, monkeypatch):
+def test_the_cache_and_tt_load_go_through_the_one_apply(mlp_data, tmp_path, monkeypatch, steady_figures):
     applied = []
     real = planning.apply
 

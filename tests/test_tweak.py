@@ -152,11 +152,15 @@ def test_a_planted_slow_baseline_claims_no_speedup(mlp_data, caplog):
     assert side is not None and side["depth"] == 0 and not side["confirmed"]  # ...side by side it is noise
     assert side["speedup_low"] <= 1.0
     assert result.selected_depth is None and result.speedup == 1.0 and result.tuned_ms == result.baseline_ms
-    assert "within noise" in str(result) and ">" not in str(result).split("\n", 2)[2]
+    # the planted slowness is a burst of load on the search: the figures never agree
+    assert result.measurement_quality == "inconsistent" and side["quality"] == "inconsistent"
+    assert side["tries"] == 3 and "the figures disagree" in str(result)
+    verdict = "slower" if side["speedup_high"] < 1.0 else "within noise"  # an interval below 1 is slower
+    assert verdict in str(result) and ">" not in str(result).split("\n", 2)[2]
     assert_unchanged(model, before)
     with torch.no_grad():
         assert all(torch.equal(model(x), e) for x, e in zip(mlp_data, expected))
-    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "within noise" in r.getMessage()]
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and verdict in r.getMessage()]
     assert len(warned) == 1  # the engine's own line, once, through logging
 
 

@@ -465,10 +465,20 @@ typedef struct tw_result tw_result;
  * Confirmation (when ops->deactivate is set): the selected cut, active, and
  * the same cut deactivated are measured side by side (tw_measure_compare, one
  * runner activating before each round, the other deactivating), so that the
- * claimed speedup never rests on measurements taken at different moments. The
- * cut is kept only when the speedup's interval lies above 1: the tuned q75
- * below the untuned q25. Otherwise it is left, nothing is selected, and the
- * confirmation says why (see tw_confirmation). The kept cut ends active.
+ * claimed speedup never rests on measurements taken at different moments.
+ * Its two latencies are then held against the search's own figures for the
+ * same configurations (the untuned against the baseline, the tuned against
+ * the selected row; see tw_stats_agree), and so is the speedup they give (as
+ * a latency, within the four spreads: two latencies that each moved within
+ * the margin, but apart, move the speedup beyond it). When any disagrees (the machine's
+ * load changed between the two), the side-by-side measurement is taken again,
+ * at most TW_CONFIRM_TRIES times in all and none once the time budget is used
+ * up. The figure reported is the side-by-side one when they agree, else the
+ * smaller of the two (the search's, or the last side by side), and the result
+ * says which (tw_confirmation.quality). The cut is kept only when the
+ * reported speedup's interval lies above 1: untuned q25 over tuned q75 above
+ * 1. Otherwise it is left, nothing is selected, and the confirmation says why
+ * (see tw_confirmation). The kept cut ends active.
  * A dry run computes the rows with their module counts and calls nothing;
  * ops may be NULL then. A depth not started for the budget still reports its
  * modules, and as failed those that failed at a shallower depth.
@@ -525,27 +535,73 @@ int tw_result_row_has(const tw_result *result, size_t i, size_t node);
  * was too busy to measure well, and what to do. */
 #define TW_NOISY_SPREAD 0.25
 
+/* Two measurements of one configuration agree when their medians differ by at
+ * most the sum of their spreads plus this fraction, relative to the smaller
+ * median. A shared machine measures the same configuration up to about a fifth
+ * apart at different moments (a sleep's overshoot, a short call's cache and
+ * clock state); a burst of load that makes up a speedup moves it by several
+ * times (an eager call from 25 ms to 600 ms). */
+#define TW_AGREE_MARGIN 0.25
+
+/* The most side-by-side measurements of one confirmation (the first included). */
+#define TW_CONFIRM_TRIES 3u
+
+/* 1 when a and b agree (see TW_AGREE_MARGIN); two medians of 0 agree, and an
+ * infinite spread agrees with anything. 0 when either is NULL. */
+int tw_stats_agree(const tw_stats *a, const tw_stats *b);
+
+/* How far the figures a result reports can be believed. */
+typedef enum tw_quality {
+    TW_QUALITY_UNCHECKED = 0,   /* nothing was measured side by side: no depth beat
+                                 * the untuned model in the search, a dry run, no
+                                 * deactivate callback, or the confirmation failed */
+    TW_QUALITY_CONSISTENT = 1,  /* the side-by-side figures agreed with the search's */
+    TW_QUALITY_REMEASURED = 2,  /* they disagreed at first and agreed when measured again */
+    TW_QUALITY_INCONSISTENT = 3 /* they never agreed: the smaller figure is reported */
+} tw_quality;
+
+/* "unchecked", "consistent", "remeasured", "inconsistent"; "unknown" when out of range. */
+const char *tw_quality_name(tw_quality quality);
+
 /* The selected depth measured side by side with the untuned model. */
 typedef struct tw_confirmation {
     int measured;        /* 0: none (nothing selected, no deactivate, a dry run) */
     int depth;           /* the depth that was confirmed, or found within noise */
-    int confirmed;       /* 1: faster beyond noise, the cut is kept */
-    tw_stats tuned;      /* the cut active */
+    int confirmed;       /* 1: the reported speedup lies above 1 beyond noise: the cut is kept */
+    tw_stats tuned;      /* the last side-by-side measurement: the cut active */
     tw_stats untuned;    /* the same cut deactivated */
-    double speedup;      /* untuned median / tuned median */
-    double speedup_low;  /* untuned q25 / tuned q75: the interval's low end */
-    double speedup_high; /* untuned q75 / tuned q25 */
+    double speedup;      /* the reported figure: untuned median / tuned median of
+                          * the side-by-side measurement, or, when quality is
+                          * inconsistent, of whichever of it and the search's
+                          * (baseline against the selected row) is smaller */
+    double speedup_low;  /* its untuned q25 / tuned q75: the interval's low end */
+    double speedup_high; /* its untuned q75 / tuned q25 */
+    tw_quality quality;  /* consistent, remeasured or inconsistent */
+    uint32_t tries;      /* side-by-side measurements taken, 1..TW_CONFIRM_TRIES */
+    int from_search;     /* 1: the reported figure is the search's (inconsistent,
+                          * and the search's was the smaller) */
+    double side_speedup;   /* the last side-by-side figure (untuned / tuned medians) */
+    double search_speedup; /* the search's figure: baseline median / the selected
+                            * row's median */
 } tw_confirmation;
 
 /* Copies the confirmation into *out (all zero when none was measured). */
 void tw_result_confirmation(const tw_result *result, tw_confirmation *out);
+/* The confirmation's quality; TW_QUALITY_UNCHECKED when none was measured or
+ * result is NULL. */
+tw_quality tw_result_quality(const tw_result *result);
 /* 1 when no speedup was confirmed and a measurement of the result spread more
  * than TW_NOISY_SPREAD: the machine may have been too busy to decide. */
 int tw_result_noisy(const tw_result *result);
 
 /* The result table: one row per depth (depth, modules wrapped, latency in ms,
  * speedup against untuned, status or error) and one for the untuned model,
- * the selected row marked with '>'. Free with tw_free(). */
+ * the selected row marked with '>', then what was kept and by how much: the
+ * side-by-side figure, "slower" when its interval lies wholly below 1, "within
+ * noise" when it holds 1; when the side-by-side figures never agreed with the
+ * search's, one line says so and the smaller figure counts; when no depth was
+ * tried because the time budget was used up first, the last line says that.
+ * Free with tw_free(). */
 char *tw_result_format(const tw_result *result, tw_error *err);
 /* The same table; `untuned` (NULL: "it stays untuned") ends its last line when no
  * depth is kept, for a caller that keeps something else, e.g. "its modules stay

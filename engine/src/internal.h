@@ -142,6 +142,7 @@ struct tw_result {
     tw_module_result **modules;  /* per node: its search, NULL when never searched */
     unsigned char *in_cut;       /* row_count * module_count: node in row's cut */
     int dry_run;
+    uint64_t time_budget_ns;     /* the tweak's (0: none), for the table's last line */
 };
 
 /* A result with `rows` empty rows and `modules` unsearched modules. */

@@ -129,6 +129,45 @@ cleanup:
     return;
 }
 
+tw_quality tw_result_quality(const tw_result *result)
+{
+    return result != NULL && result->confirmation.measured ? result->confirmation.quality
+                                                           : TW_QUALITY_UNCHECKED;
+}
+
+const char *tw_quality_name(tw_quality quality)
+{
+    switch (quality) {
+    case TW_QUALITY_UNCHECKED:
+        return "unchecked";
+    case TW_QUALITY_CONSISTENT:
+        return "consistent";
+    case TW_QUALITY_REMEASURED:
+        return "remeasured";
+    case TW_QUALITY_INCONSISTENT:
+        return "inconsistent";
+    }
+    return "unknown";
+}
+
+int tw_stats_agree(const tw_stats *a, const tw_stats *b)
+{
+    double low;
+    double high;
+    double allowed;
+
+    if (a == NULL || b == NULL) {
+        return 0;
+    }
+    low = a->median_ns < b->median_ns ? a->median_ns : b->median_ns;
+    high = a->median_ns < b->median_ns ? b->median_ns : a->median_ns;
+    allowed = TW_AGREE_MARGIN + a->spread + b->spread; /* inf agrees with anything */
+    if (low <= 0.0) {
+        return high <= 0.0 || isinf(allowed);
+    }
+    return (high - low) / low <= allowed;
+}
+
 /* The widest spread of any measurement of the result. */
 static double tw_result_max_spread(const tw_result *result)
 {
@@ -350,7 +389,8 @@ static void tw_format_depth_row(tw_buf *buf, const tw_result *result, size_t i)
         if ((long)i == result->selected) {
             tw_buf_appendf(buf, "  selected");
         } else if (c->measured && !c->confirmed && c->depth == row->depth) {
-            tw_buf_appendf(buf, "  within noise side by side");
+            tw_buf_appendf(buf, "  %s%s", c->speedup_high < 1.0 ? "slower" : "within noise",
+                           c->from_search ? "" : " side by side");
         }
         break;
     case TW_ROW_SKIPPED:
@@ -367,22 +407,80 @@ static void tw_format_depth_row(tw_buf *buf, const tw_result *result, size_t i)
     tw_buf_appendf(buf, "\n");
 }
 
+/* Whether no depth was measured because the time budget ran out before any. */
+static int tw_nothing_tried(const tw_result *result)
+{
+    size_t i;
+
+    for (i = 0; i < result->row_count; i++) {
+        if (result->rows[i].row.state != TW_ROW_BUDGET) {
+            return 0;
+        }
+    }
+    return result->row_count > 0;
+}
+
+/* The measured row of `depth`, or NULL. */
+static const tw_row *tw_measured_row(const tw_result *result, int depth)
+{
+    size_t i;
+
+    for (i = 0; i < result->row_count; i++) {
+        if (result->rows[i].row.state == TW_ROW_MEASURED && result->rows[i].row.depth == depth) {
+            return &result->rows[i].row;
+        }
+    }
+    return NULL;
+}
+
+/* The one line saying that the side-by-side figures never agreed with the
+ * search's, with both. */
+static void tw_format_disagreement(tw_buf *buf, const tw_result *result)
+{
+    const tw_confirmation *c = &result->confirmation;
+    const tw_row *row = tw_measured_row(result, c->depth);
+
+    /* latencies only: the side-by-side ratio may be the one that is not to be believed */
+    tw_buf_appendf(buf, "the figures disagree: side by side depth %d took %.3f ms and the untuned "
+                   "model %.3f ms, in the search %.3f ms and %.3f ms (%u side-by-side "
+                   "measurement%s): the machine's load changed while measuring; the smaller "
+                   "speedup counts\n", c->depth, c->tuned.median_ns / 1e6,
+                   c->untuned.median_ns / 1e6, row != NULL ? row->stats.median_ns / 1e6 : 0.0,
+                   result->baseline.median_ns / 1e6, c->tries, c->tries == 1 ? "" : "s");
+}
+
 static void tw_format_summary(tw_buf *buf, const tw_result *result, const char *untuned)
 {
     const tw_row *row;
     const tw_confirmation *c = &result->confirmation;
+    const tw_stats *tuned = &c->tuned;
+    const tw_stats *base = &c->untuned;
+    const char *how = "measured side by side";
 
+    if (c->measured && c->quality == TW_QUALITY_INCONSISTENT) {
+        tw_format_disagreement(buf, result);
+        how = c->from_search ? "by the smaller figure, the search's"
+                             : "by the smaller figure, measured side by side";
+    } else if (c->measured && c->quality == TW_QUALITY_REMEASURED) {
+        how = "measured side by side again after the load changed";
+    }
+    if (c->measured && c->from_search && (row = tw_measured_row(result, c->depth)) != NULL) {
+        /* the search's pair: its untuned baseline and the depth's row */
+        tuned = &row->stats;
+        base = &result->baseline;
+    }
     if (result->dry_run) {
         tw_buf_appendf(buf, "dry run: nothing was built or measured\n");
     } else if (c->measured && c->confirmed) {
-        tw_buf_appendf(buf, "kept depth %d: %.2fx faster than untuned, measured side by side "
+        tw_buf_appendf(buf, "kept depth %d: %.2fx faster than untuned, %s "
                        "(%.3f ms, spread %.0f%%, against %.3f ms, spread %.0f%%; %.2fx to "
-                       "%.2fx)\n", c->depth, c->speedup, c->tuned.median_ns / 1e6,
-                       c->tuned.spread * 100.0, c->untuned.median_ns / 1e6,
-                       c->untuned.spread * 100.0, c->speedup_low, c->speedup_high);
+                       "%.2fx)\n", c->depth, c->speedup, how, tuned->median_ns / 1e6,
+                       tuned->spread * 100.0, base->median_ns / 1e6,
+                       base->spread * 100.0, c->speedup_low, c->speedup_high);
     } else if (c->measured) {
-        tw_buf_appendf(buf, "depth %d was within noise of the untuned model measured side by "
-                       "side (%.2fx, from %.2fx to %.2fx): %s\n", c->depth,
+        tw_buf_appendf(buf, "depth %d was %s the untuned model, %s (%.2fx, from %.2fx to "
+                       "%.2fx): %s\n", c->depth,
+                       c->speedup_high < 1.0 ? "slower than" : "within noise of", how,
                        c->speedup, c->speedup_low, c->speedup_high, untuned);
     } else if (result->selected >= 0) {
         row = &result->rows[result->selected].row;
@@ -391,6 +489,14 @@ static void tw_format_summary(tw_buf *buf, const tw_result *result, const char *
                        row->stats.median_ns > 0
                            ? result->baseline.median_ns / row->stats.median_ns : 0.0,
                        row->stats.median_ns / 1e6, result->baseline.median_ns / 1e6);
+    } else if (tw_nothing_tried(result)) {
+        if (result->time_budget_ns <= 1) {
+            tw_buf_appendf(buf, "no depth was tried: the time budget was 0: %s\n", untuned);
+        } else {
+            tw_buf_appendf(buf, "no depth was tried: the time budget (%.3g s) was used up "
+                           "before the first depth: %s\n", result->time_budget_ns / 1e9,
+                           untuned);
+        }
     } else {
         tw_buf_appendf(buf, "no depth beat the untuned model: %s\n", untuned);
     }

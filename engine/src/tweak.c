@@ -187,6 +187,7 @@ static tw_code tw_prepare_search(tw_search *s, tw_error *err)
     rc = tw_tree_distinct_depths(s->tree, s->cfg->min_depth, s->cfg->max_depth, s->depths,
                                  count, &count, err);
     s->result->dry_run = s->cfg->dry_run != 0;
+    s->result->time_budget_ns = s->cfg->time_budget_ns;
 cleanup:
     return rc;
 }
@@ -468,22 +469,27 @@ static tw_code tw_sync_model(void *ctx, tw_error *err)
     return ops->model.sync(ops->model.ctx, err);
 }
 
-/* Measures the applied cut active and deactivated side by side, and keeps it
- * only when the speedup's interval lies above 1. A failure to measure is not
- * fatal: the cut is left and the error logged, as for a depth that failed. */
-static tw_code tw_confirm_selected(tw_search *s, tw_error *err)
+static int tw_budget_used(const tw_search *s)
 {
-    tw_code rc = TW_OK;
-    tw_result *r = s->result;
-    tw_confirmation *c = &r->confirmation;
+    uint64_t now = tw_host_now(s->host);
+
+    return s->cfg->time_budget_ns != 0 && now > s->start &&
+           now - s->start >= s->cfg->time_budget_ns;
+}
+
+/* One side-by-side measurement of the applied cut: stats[0] active, stats[1]
+ * deactivated. *failed_measure is set (and the error logged) when the model
+ * failed; an interrupt or the engine's own failure is returned. */
+static tw_code tw_measure_side_by_side(tw_search *s, int depth, tw_stats *stats,
+                                       int *failed_measure, tw_error *err)
+{
+    tw_code rc;
     tw_runner runners[2];
-    tw_stats stats[2];
     tw_error cause;
     size_t failed;
-    int depth = r->rows[r->selected].row.depth;
     int k;
 
-    s->entered = 1; /* until it is confirmed, any failure leaves the cut */
+    *failed_measure = 0;
     for (k = 0; k < 2; k++) {
         runners[k].ctx = (void *)s->ops;
         runners[k].n_samples = s->ops->model.n_samples;
@@ -493,41 +499,150 @@ static tw_code tw_confirm_selected(tw_search *s, tw_error *err)
     }
     tw_error_clear(&cause);
     rc = tw_measure_runners(s->host, runners, 2, &s->cfg->measure, stats, &failed, &cause);
-    if (rc == TW_EINTERRUPT || failed == TW_NO_RUNNER) {
-        if (rc != TW_OK) {
-            tw_error_set(err, rc, "confirming depth %d: %s", depth, cause.msg);
-            goto cleanup;
-        }
+    if (rc != TW_OK && (rc == TW_EINTERRUPT || failed == TW_NO_RUNNER)) {
+        tw_error_set(err, rc, "confirming depth %d: %s", depth, cause.msg);
     } else if (rc != TW_OK) {
         tw_host_logf(s->host, 1, "depth %d could not be confirmed: %s", depth, cause.msg);
+        *failed_measure = 1;
         rc = TW_OK;
-        r->selected = -1;
-        goto leave;
     }
+    return rc;
+}
+
+/* A speedup's figure from an untuned and a tuned measurement: the median
+ * ratio and its interval. */
+static void tw_speedup_of(const tw_stats *untuned, const tw_stats *tuned, double *speedup,
+                          double *low, double *high)
+{
+    *speedup = tuned->median_ns > 0 ? untuned->median_ns / tuned->median_ns : 0.0;
+    *low = tuned->q75_ns > 0 ? untuned->q25_ns / tuned->q75_ns : 0.0;
+    *high = tuned->q25_ns > 0 ? untuned->q75_ns / tuned->q25_ns : 0.0;
+}
+
+/* Whether the speedups two pairs of measurements give agree as two latencies
+ * do (tw_stats_agree), within the four measurements' spreads: each latency
+ * may move within the margin, but not the two apart so far that the speedup
+ * moves beyond it. */
+static int tw_speedups_agree(const tw_stats *untuned_a, const tw_stats *tuned_a,
+                             const tw_stats *untuned_b, const tw_stats *tuned_b)
+{
+    tw_stats a;
+    tw_stats b;
+
+    memset(&a, 0, sizeof a);
+    memset(&b, 0, sizeof b);
+    a.median_ns = tuned_a->median_ns > 0 ? untuned_a->median_ns / tuned_a->median_ns : 0.0;
+    b.median_ns = tuned_b->median_ns > 0 ? untuned_b->median_ns / tuned_b->median_ns : 0.0;
+    a.spread = untuned_a->spread + tuned_a->spread;
+    b.spread = untuned_b->spread + tuned_b->spread;
+    return tw_stats_agree(&a, &b);
+}
+
+/* Fills the confirmation from the last side-by-side measurement and the
+ * search's figures: the reported figure, and whether the cut is kept. */
+static void tw_settle_confirmation(tw_result *r, const tw_stats *stats, uint32_t tries,
+                                   int agree)
+{
+    tw_confirmation *c = &r->confirmation;
+    const tw_stats *row = &r->rows[r->selected].row.stats;
+    double search;
+    double search_low;
+    double search_high;
+
     c->measured = 1;
-    c->depth = depth;
+    c->depth = r->rows[r->selected].row.depth;
     c->tuned = stats[0];
     c->untuned = stats[1];
-    c->speedup = stats[0].median_ns > 0 ? stats[1].median_ns / stats[0].median_ns : 0.0;
-    c->speedup_low = stats[0].q75_ns > 0 ? stats[1].q25_ns / stats[0].q75_ns : 0.0;
-    c->speedup_high = stats[0].q25_ns > 0 ? stats[1].q75_ns / stats[0].q25_ns : 0.0;
+    c->tries = tries;
+    c->quality = agree ? (tries == 1 ? TW_QUALITY_CONSISTENT : TW_QUALITY_REMEASURED)
+                       : TW_QUALITY_INCONSISTENT;
+    tw_speedup_of(&stats[1], &stats[0], &c->speedup, &c->speedup_low, &c->speedup_high);
+    tw_speedup_of(&r->baseline, row, &search, &search_low, &search_high);
+    c->side_speedup = c->speedup;
+    c->search_speedup = search;
+    c->from_search = 0;
+    if (!agree && search < c->speedup) {
+        /* the conservative figure: what the search measured for the same cut */
+        c->from_search = 1;
+        c->speedup = search;
+        c->speedup_low = search_low;
+        c->speedup_high = search_high;
+    }
     c->confirmed = c->speedup_low > 1.0;
+}
+
+/* Measures the applied cut active and deactivated side by side, holds the
+ * figures against the search's (measuring again while they disagree, a
+ * bounded number of times), and keeps the cut only when the reported speedup's
+ * interval lies above 1. A failure to measure is not fatal: the cut is left
+ * and the error logged, as for a depth that failed. */
+static tw_code tw_confirm_selected(tw_search *s, tw_error *err)
+{
+    tw_code rc = TW_OK;
+    tw_result *r = s->result;
+    tw_confirmation *c = &r->confirmation;
+    const tw_stats *row = &r->rows[r->selected].row.stats;
+    tw_stats stats[2];
+    tw_error cause;
+    int depth = r->rows[r->selected].row.depth;
+    int failed = 0;
+    int agree = 0;
+    uint32_t tries = 0;
+
+    s->entered = 1; /* until it is confirmed, any failure leaves the cut */
+    while (tries < TW_CONFIRM_TRIES) {
+        if (tries > 0) {
+            if (tw_budget_used(s)) {
+                break;
+            }
+            tw_host_logf(s->host, 0, "depth %d side by side (%.3f ms against %.3f ms untuned) "
+                         "disagrees with the search (%.3f ms against %.3f ms): the machine's "
+                         "load changed; measuring again (%u of %u)", depth,
+                         stats[0].median_ns / 1e6, stats[1].median_ns / 1e6,
+                         row->median_ns / 1e6, r->baseline.median_ns / 1e6, tries + 1,
+                         TW_CONFIRM_TRIES);
+        }
+        rc = tw_measure_side_by_side(s, depth, stats, &failed, err);
+        if (rc != TW_OK) {
+            goto cleanup;
+        }
+        if (failed) {
+            r->selected = -1;
+            goto leave;
+        }
+        tries++;
+        agree = tw_stats_agree(&stats[1], &r->baseline) && tw_stats_agree(&stats[0], row) &&
+                tw_speedups_agree(&stats[1], &stats[0], &r->baseline, row);
+        if (agree) {
+            break;
+        }
+    }
+    tw_settle_confirmation(r, stats, tries, agree);
+    if (!agree) {
+        tw_host_logf(s->host, 1, "depth %d: the side-by-side figures (%.2fx) disagree with the "
+                     "search's (%.2fx) after %u measurements: the machine's load changed; the "
+                     "smaller figure counts", depth, c->side_speedup, c->search_speedup,
+                     c->tries);
+    }
     if (c->confirmed) {
         /* the last round may have been the untuned one */
         tw_error_clear(&cause);
         rc = s->ops->activate(s->ops->ctx, &cause);
         if (rc == TW_OK) {
             s->entered = 0;
-            tw_host_logf(s->host, 0, "depth %d kept: %.2fx faster side by side (%.2fx to %.2fx)",
-                         depth, c->speedup, c->speedup_low, c->speedup_high);
+            tw_host_logf(s->host, 0, "depth %d kept: %.2fx faster %s (%.2fx to %.2fx)", depth,
+                         c->speedup, c->from_search ? "in the search" : "side by side",
+                         c->speedup_low, c->speedup_high);
             goto cleanup;
         }
         tw_error_forward(&cause, rc, &cause, "activate");
         tw_error_set(err, rc, "activating the kept depth %d failed: %s", depth, cause.msg);
         goto cleanup;
     }
-    tw_host_logf(s->host, 1, "depth %d is within noise of the untuned model side by side "
-                 "(%.2fx, %.2fx to %.2fx): the model stays untuned", depth, c->speedup,
+    tw_host_logf(s->host, 1, "depth %d is %s the untuned model %s (%.2fx, %.2fx to %.2fx): the "
+                 "model stays untuned", depth,
+                 c->speedup_high < 1.0 ? "slower than" : "within noise of",
+                 c->from_search ? "in the search" : "side by side", c->speedup,
                  c->speedup_low, c->speedup_high);
     r->selected = -1;
 leave:
@@ -544,14 +659,6 @@ static void tw_fill_dry_rows(tw_search *s)
         tw_load_cut(s, i);
         s->result->rows[i].row.state = TW_ROW_DRY;
     }
-}
-
-static int tw_budget_used(const tw_search *s)
-{
-    uint64_t now = tw_host_now(s->host);
-
-    return s->cfg->time_budget_ns != 0 && now > s->start &&
-           now - s->start >= s->cfg->time_budget_ns;
 }
 
 static tw_code tw_run_search(tw_search *s, tw_error *err)

@@ -33,6 +33,12 @@ typedef struct fake_model {
     uint64_t base_first;              /* untuned latency before any leave() */
     uint64_t base_second;             /* untuned latency after */
     uint64_t wrapped_latency;         /* a cut entered but deactivated; 0: as untuned */
+    uint64_t burst_latency;           /* a burst of load: the untuned latency of a cut
+                                       * entered and deactivated while deactivates <=
+                                       * burst_until (the side-by-side measurement,
+                                       * 3 deactivates per measurement); 0: none */
+    int burst_until;
+    uint64_t burst_tuned;             /* likewise, the active cut's latency; 0: none */
     double jitter;                    /* each call's latency varies by up to this fraction */
     uint64_t lcg;                     /* the jitter's random state */
     tw_code deactivate_rc;
@@ -240,6 +246,10 @@ static inline tw_code model_run(void *ctx, size_t sample, tw_error *err)
             return tw_error_set(err, m->depth_fail[m->depth], "model broke at depth %d",
                                 m->depth);
         }
+        if (m->burst_tuned != 0 && m->deactivates > 0 && m->deactivates <= m->burst_until) {
+            m->env.now += model_jittered(m, m->burst_tuned);
+            return TW_OK;
+        }
         m->env.now += model_jittered(m, m->depth_latency[m->depth]);
         return TW_OK;
     }
@@ -247,6 +257,11 @@ static inline tw_code model_run(void *ctx, size_t sample, tw_error *err)
         return tw_error_set(err, m->baseline_rc, "untuned model broke");
     }
     m->untuned_runs++;
+    if (m->entered && m->burst_latency != 0 && m->deactivates > 0 &&
+        m->deactivates <= m->burst_until) {
+        m->env.now += model_jittered(m, m->burst_latency);
+        return TW_OK;
+    }
     if (m->entered && m->wrapped_latency != 0) {
         m->env.now += model_jittered(m, m->wrapped_latency);
         return TW_OK;

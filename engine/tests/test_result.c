@@ -98,6 +98,64 @@ static void test_budget_and_untuned(void)
     fake_model_teardown(&m, result);
 }
 
+/* A side-by-side interval wholly below 1 is "slower", not "within noise". */
+static void test_slower_is_called_slower(void)
+{
+    fake_model m;
+    tw_tweak_config cfg = fake_model_config();
+    tw_tweak_ops ops;
+    tw_result *result = NULL;
+    tw_confirmation c;
+    char *text;
+
+    fake_model_setup(&m);
+    m.depth_latency[0] = m.depth_latency[1] = 1100;
+    m.depth_latency[2] = 990;   /* the search: 1 % faster */
+    m.wrapped_latency = 950;    /* side by side: the untuned model is faster */
+    ops = fake_model_ops(&m);
+    ops.deactivate = model_deactivate;
+    CHECK_INT(tw_tweak_run(&m.host, m.tree, &cfg, &ops, &result, NULL), TW_OK);
+    tw_result_confirmation(result, &c);
+    CHECK_INT(c.quality, TW_QUALITY_CONSISTENT);
+    CHECK(c.speedup_high < 1.0);
+    text = tw_result_format(result, NULL);
+    CHECK_LINE(text, "        2", "slower side by side");
+    CHECK_HAS(text, "depth 2 was slower than the untuned model, measured side by side (0.96x, "
+                    "from 0.96x to 0.96x): it stays untuned");
+    CHECK(text != NULL && strstr(text, "within noise") == NULL);
+    tw_free(text);
+    fake_model_teardown(&m, result);
+}
+
+/* time_budget=0 (the binding passes 1 ns): nothing is tried, and the last
+ * line says so instead of "no depth beat the untuned model". */
+static void test_nothing_tried_for_the_budget(void)
+{
+    fake_model m;
+    tw_tweak_config cfg = fake_model_config();
+    tw_result *result = NULL;
+    char *text;
+
+    fake_model_setup(&m);
+    cfg.time_budget_ns = 1;
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
+    text = tw_result_format(result, NULL);
+    CHECK_HAS(text, "no depth was tried: the time budget was 0: it stays untuned\n");
+    CHECK(text != NULL && strstr(text, "beat") == NULL);
+    tw_free(text);
+    fake_model_teardown(&m, result);
+
+    /* a budget the untuned measurement alone used up */
+    fake_model_setup(&m);
+    cfg.time_budget_ns = 500;
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
+    text = tw_result_format_as(result, "its modules stay untuned", NULL);
+    CHECK_HAS(text, "no depth was tried: the time budget (5e-07 s) was used up before the first "
+                    "depth: its modules stay untuned\n");
+    tw_free(text);
+    fake_model_teardown(&m, result);
+}
+
 static void test_dry_run_table(void)
 {
     fake_model m;
@@ -226,5 +284,7 @@ int main(void)
     test_dry_run_table();
     test_multi_line_error();
     test_accessors();
+    test_slower_is_called_slower();
+    test_nothing_tried_for_the_budget();
     return CHECK_SUMMARY("test_result");
 }

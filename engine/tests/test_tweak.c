@@ -501,8 +501,16 @@ static void test_planted_slow_baseline_is_not_a_speedup(void)
     CHECK(c.speedup_low <= 1.0 && c.speedup == 1.0);
     CHECK(text != NULL && strchr(text, '>') == NULL);
     CHECK_HAS(text, "within noise side by side");
-    CHECK_HAS(text, "depth 2 was within noise of the untuned model measured side by side "
-                    "(1.00x, from 1.00x to 1.00x): it stays untuned");
+    /* the side-by-side untuned latency never agreed with the search's baseline */
+    CHECK_INT(c.quality, TW_QUALITY_INCONSISTENT);
+    CHECK_INT(c.tries, TW_CONFIRM_TRIES);
+    CHECK(!c.from_search && c.search_speedup > 4.0);
+    CHECK_HAS(text, "the figures disagree: side by side depth 2 took 0.001 ms and the untuned "
+                    "model 0.001 ms, in the search 0.001 ms and 0.003 ms (3 side-by-side "
+                    "measurements): the machine's load changed while measuring; the smaller "
+                    "speedup counts");
+    CHECK_HAS(text, "depth 2 was within noise of the untuned model, by the smaller figure, "
+                    "measured side by side (1.00x, from 1.00x to 1.00x): it stays untuned");
     tw_free(text);
     fake_model_teardown(&m, result);
 }
@@ -526,6 +534,10 @@ static void test_confirmed_speedup_is_kept(void)
     CHECK(!tw_result_noisy(result));
     CHECK_HAS(text, "kept depth 2: 1.43x faster than untuned, measured side by side (0.001 ms, "
                     "spread 0%, against 0.001 ms, spread 0%; 1.43x to 1.43x)");
+    CHECK_INT(c.quality, TW_QUALITY_CONSISTENT);
+    CHECK_INT(tw_result_quality(result), TW_QUALITY_CONSISTENT);
+    CHECK_INT(c.tries, 1);
+    CHECK(strstr(text, "disagree") == NULL);
     tw_free(text);
     fake_model_teardown(&m, result);
 }
@@ -551,6 +563,215 @@ static void test_noisy_measurements_are_named(void)
     CHECK_HAS(text, "the machine was busy; close other work and tweak again, or measure longer");
     tw_free(text);
     fake_model_teardown(&m, result);
+}
+
+/* The speedup the fake model really has: its untuned latency over depth 2's. */
+#define CONSISTENT_SPEEDUP (1000.0 / 700.0)
+
+/* The largest "N.NNx" figure printed anywhere in `text`. */
+static double largest_printed_speedup(const char *text)
+{
+    double largest = 0.0;
+    double value;
+    const char *at = text;
+    const char *x;
+
+    while (at != NULL && (x = strchr(at, 'x')) != NULL) {
+        const char *start = x;
+
+        while (start > text && (start[-1] == '.' || (start[-1] >= '0' && start[-1] <= '9'))) {
+            start--;
+        }
+        if (start < x && sscanf(start, "%lf", &value) == 1 && value > largest) {
+            largest = value;
+        }
+        at = x + 1;
+    }
+    return largest;
+}
+
+/* The untuned latency jumps 10x during the first side-by-side measurement
+ * only (a burst of load): the figures disagree with the search's, are
+ * measured again, agree, and the printed speedup is the consistent one. */
+static void test_burst_during_confirmation_is_measured_again(void)
+{
+    fake_model m;
+    tw_result *result;
+    tw_confirmation c;
+    char *text;
+
+    fake_model_setup(&m);
+    m.burst_latency = 10000;
+    m.burst_until = 3; /* the 3 rounds of the first side-by-side measurement */
+    result = run_confirmed(&m, &c, &text);
+    if (text != NULL) {
+        printf("%s\n", text);
+    }
+    CHECK_INT((int)tw_result_selected(result), 2);
+    CHECK(c.measured && c.confirmed);
+    CHECK_INT(c.quality, TW_QUALITY_REMEASURED);
+    CHECK_INT(tw_result_quality(result), TW_QUALITY_REMEASURED);
+    CHECK_STR(tw_quality_name(c.quality), "remeasured");
+    CHECK_INT(c.tries, 2);
+    CHECK_INT(m.deactivates, 6);
+    CHECK_NEAR(c.speedup, CONSISTENT_SPEEDUP, 1e-9);
+    CHECK(largest_printed_speedup(text) <= CONSISTENT_SPEEDUP + 0.005);
+    CHECK_HAS(text, "kept depth 2: 1.43x faster than untuned, measured side by side again after "
+                    "the load changed");
+    CHECK(strstr(text, "disagree") == NULL);
+    CHECK(m.entered && m.active);
+    tw_free(text);
+    fake_model_teardown(&m, result);
+}
+
+/* The burst lasts through every side-by-side measurement: the figures never
+ * agree, one line says so, the smaller figure (the search's) is printed, and
+ * the cut is kept because even that is a gain. */
+static void test_lasting_burst_reports_the_smaller_figure(void)
+{
+    fake_model m;
+    tw_result *result;
+    tw_confirmation c;
+    char *text;
+
+    fake_model_setup(&m);
+    m.burst_latency = 10000;
+    m.burst_until = 1000;
+    result = run_confirmed(&m, &c, &text);
+    if (text != NULL) {
+        printf("%s\n", text);
+    }
+    CHECK_INT(c.quality, TW_QUALITY_INCONSISTENT);
+    CHECK_INT(c.tries, TW_CONFIRM_TRIES);
+    CHECK_INT(m.deactivates, 3 * (int)TW_CONFIRM_TRIES);
+    CHECK(c.from_search);
+    CHECK_NEAR(c.side_speedup, 10000.0 / 700.0, 1e-9);
+    CHECK_NEAR(c.speedup, CONSISTENT_SPEEDUP, 1e-9);
+    CHECK_NEAR(c.search_speedup, CONSISTENT_SPEEDUP, 1e-9);
+    CHECK(c.confirmed);
+    CHECK_INT((int)tw_result_selected(result), 2);
+    CHECK(m.entered && m.active);
+    CHECK(largest_printed_speedup(text) <= CONSISTENT_SPEEDUP + 0.005);
+    CHECK_HAS(text, "the figures disagree: side by side depth 2 took 0.001 ms and the untuned "
+                    "model 0.010 ms, in the search 0.001 ms and 0.001 ms (3 side-by-side "
+                    "measurements)");
+    CHECK_HAS(text, "kept depth 2: 1.43x faster than untuned, by the smaller figure, the "
+                    "search's (0.001 ms, spread 0%, against 0.001 ms, spread 0%; 1.43x to 1.43x)");
+    tw_free(text);
+    fake_model_teardown(&m, result);
+}
+
+/* Inconsistent until the end, and the smaller figure is no gain: the search
+ * found depth 2 1 % faster within 5 % jitter, side by side a burst made it
+ * 10x. Nothing is kept. */
+static void test_inconsistent_and_no_gain_stays_untuned(void)
+{
+    fake_model m;
+    tw_result *result;
+    tw_confirmation c;
+    char *text;
+
+    fake_model_setup(&m);
+    m.jitter = 0.05;
+    m.lcg = 7;
+    m.depth_latency[0] = m.depth_latency[1] = 1200;
+    m.depth_latency[2] = 990;
+    m.burst_latency = 10000;
+    m.burst_until = 1000;
+    result = run_confirmed(&m, &c, &text);
+    if (text != NULL) {
+        printf("%s\n", text);
+    }
+    CHECK_INT(c.quality, TW_QUALITY_INCONSISTENT);
+    CHECK(c.from_search && c.speedup < 1.1 && c.speedup_low <= 1.0);
+    CHECK(!c.confirmed);
+    CHECK_INT((int)tw_result_selected(result), -1);
+    CHECK(!m.entered && !m.active);
+    CHECK(largest_printed_speedup(text) < 1.1);
+    CHECK_HAS(text, "the figures disagree");
+    CHECK_HAS(text, "depth 2 was within noise of the untuned model, by the smaller figure, the "
+                    "search's");
+    CHECK_HAS(text, "it stays untuned");
+    tw_free(text);
+    fake_model_teardown(&m, result);
+}
+
+/* Each latency moves within the margin, but apart (the untuned 20 % slower,
+ * the tuned 20 % faster): the speedup moves by half, which is a disagreement
+ * too, and the smaller figure counts. */
+static void test_latencies_apart_move_the_speedup(void)
+{
+    fake_model m;
+    tw_result *result;
+    tw_confirmation c;
+    char *text;
+
+    fake_model_setup(&m);
+    m.burst_latency = 1200;
+    m.burst_tuned = 560;
+    m.burst_until = 1000;
+    result = run_confirmed(&m, &c, &text);
+    CHECK_INT(c.quality, TW_QUALITY_INCONSISTENT);
+    CHECK(c.from_search);
+    CHECK_NEAR(c.side_speedup, 1200.0 / 560.0, 1e-9);
+    CHECK_NEAR(c.speedup, CONSISTENT_SPEEDUP, 1e-9);
+    CHECK(largest_printed_speedup(text) <= CONSISTENT_SPEEDUP + 0.005);
+    tw_free(text);
+    fake_model_teardown(&m, result);
+}
+
+/* Once the time budget is used up, the figures are not measured again: the
+ * first disagreement stands, and the smaller figure counts. */
+static void test_no_remeasure_past_the_budget(void)
+{
+    fake_model m;
+    tw_tweak_config cfg = fake_model_config();
+    tw_tweak_ops ops;
+    tw_result *result = NULL;
+    tw_confirmation c;
+
+    fake_model_setup(&m);
+    cfg.time_budget_ns = 1000000;
+    m.tune_cost[L0_MLP] = 2000000; /* depth 2, the last, uses the budget up */
+    m.burst_latency = 10000;
+    m.burst_until = 1000;
+    ops = fake_model_ops(&m);
+    ops.deactivate = model_deactivate;
+    CHECK_INT(tw_tweak_run(&m.host, m.tree, &cfg, &ops, &result, NULL), TW_OK);
+    tw_result_confirmation(result, &c);
+    CHECK_INT(fake_model_row(result, 2).state, TW_ROW_MEASURED);
+    CHECK_INT(c.tries, 1);
+    CHECK_INT(c.quality, TW_QUALITY_INCONSISTENT);
+    CHECK_NEAR(c.speedup, CONSISTENT_SPEEDUP, 1e-9);
+    fake_model_teardown(&m, result);
+}
+
+/* The agreement rule: medians within the spreads plus the margin. */
+static void test_stats_agree(void)
+{
+    tw_stats a;
+    tw_stats b;
+
+    memset(&a, 0, sizeof a);
+    memset(&b, 0, sizeof b);
+    a.median_ns = 1000;
+    b.median_ns = 1000 * (1.0 + TW_AGREE_MARGIN) - 1;
+    CHECK(tw_stats_agree(&a, &b) && tw_stats_agree(&b, &a));
+    b.median_ns = 1000 * (1.0 + TW_AGREE_MARGIN) + 1;
+    CHECK(!tw_stats_agree(&a, &b) && !tw_stats_agree(&b, &a));
+    a.spread = 0.05; /* a spread widens what agrees */
+    CHECK(tw_stats_agree(&a, &b));
+    b.median_ns = 16000; /* the 34.5 ms against 561 ms, and more */
+    CHECK(!tw_stats_agree(&a, &b));
+    a.spread = INFINITY;
+    CHECK(tw_stats_agree(&a, &b));
+    a.spread = 0;
+    a.median_ns = b.median_ns = 0;
+    CHECK(tw_stats_agree(&a, &b));
+    CHECK(!tw_stats_agree(NULL, &b));
+    CHECK_STR(tw_quality_name(TW_QUALITY_INCONSISTENT), "inconsistent");
+    CHECK_STR(tw_quality_name((tw_quality)42), "unknown");
+    CHECK_INT(tw_result_quality(NULL), TW_QUALITY_UNCHECKED);
 }
 
 /* An interrupt while confirming leaves the model as it was. */
@@ -706,5 +927,11 @@ int main(void)
     test_confirmed_speedup_is_kept();
     test_noisy_measurements_are_named();
     test_interrupt_while_confirming();
+    test_burst_during_confirmation_is_measured_again();
+    test_lasting_burst_reports_the_smaller_figure();
+    test_inconsistent_and_no_gain_stays_untuned();
+    test_no_remeasure_past_the_budget();
+    test_latencies_apart_move_the_speedup();
+    test_stats_agree();
     return CHECK_SUMMARY("test_tweak");
 }

@@ -131,14 +131,24 @@ tt_result_get_confirmation(TtResult *self, void *closure)
     if ((tuned = tt_stats_to_dict(&c.tuned)) == NULL ||
         (untuned = tt_stats_to_dict(&c.untuned)) == NULL)
         goto cleanup;
-    result = Py_BuildValue("{s:i,s:O,s:O,s:O,s:d,s:d,s:d}", "depth", c.depth, "confirmed",
-                           c.confirmed ? Py_True : Py_False, "tuned", tuned, "untuned", untuned,
-                           "speedup", c.speedup, "speedup_low", c.speedup_low, "speedup_high",
-                           c.speedup_high);
+    result = Py_BuildValue("{s:i,s:O,s:O,s:O,s:d,s:d,s:d,s:s,s:I,s:O,s:d,s:d}", "depth",
+                           c.depth, "confirmed", c.confirmed ? Py_True : Py_False, "tuned", tuned,
+                           "untuned", untuned, "speedup", c.speedup, "speedup_low",
+                           c.speedup_low, "speedup_high", c.speedup_high, "quality",
+                           tw_quality_name(c.quality), "tries", (unsigned int)c.tries,
+                           "from_search", c.from_search ? Py_True : Py_False, "side_speedup",
+                           c.side_speedup, "search_speedup", c.search_speedup);
 cleanup:
     Py_XDECREF(tuned);
     Py_XDECREF(untuned);
     return result;
+}
+
+static PyObject *
+tt_result_get_quality(TtResult *self, void *closure)
+{
+    (void)closure;
+    return PyUnicode_FromString(tw_quality_name(tw_result_quality(self->result)));
 }
 
 static PyObject *
@@ -350,8 +360,14 @@ static PyGetSetDef tt_result_getset[] = {
      "Index into rows, or -1 when the model stays untuned.", NULL},
     {"confirmation", (getter)tt_result_get_confirmation, NULL,
      "The kept depth measured side by side with the untuned model: a dict (depth, confirmed, "
-     "tuned, untuned, speedup, speedup_low, speedup_high), or None when none was measured.",
+     "tuned, untuned, speedup, speedup_low, speedup_high, quality, tries, from_search, "
+     "side_speedup, search_speedup), or None when none was measured. speedup is the figure "
+     "reported: side by side, or the smaller of it and the search's when they disagree.",
      NULL},
+    {"quality", (getter)tt_result_get_quality, NULL,
+     "How the side-by-side figures held against the search's: \"consistent\", "
+     "\"remeasured\" (agreed when measured again), \"inconsistent\" (never agreed: the "
+     "smaller figure counts) or \"unchecked\" (nothing was measured side by side).", NULL},
     {"noisy", (getter)tt_result_get_noisy, NULL,
      "True when no speedup was confirmed and a measurement spread more than the engine's noisy "
      "limit (a busy machine may have hidden one).", NULL},

@@ -21,7 +21,7 @@ value raises ValueError naming it. ``clock`` is a callable returning an int of
 nanoseconds, used instead of the monotonic clock (for deterministic tests).
 """
 
-from typing import Any, Callable, Hashable, Optional, Sequence
+from typing import Any, Callable, Hashable, Literal, Optional, Sequence
 
 Stats = dict[str, Any]
 
@@ -127,7 +127,15 @@ class Result:
     def confirmation(self) -> Optional[dict[str, Any]]:
         """The kept depth measured side by side with the untuned model: {"depth",
         "confirmed", "tuned": Stats, "untuned": Stats, "speedup", "speedup_low",
-        "speedup_high"}; None when none was measured."""
+        "speedup_high", "quality", "tries", "from_search", "side_speedup",
+        "search_speedup"}; None when none was measured. "speedup" is the figure reported:
+        side by side, or the smaller of it and the search's when they disagree
+        ("from_search" when that is the search's)."""
+    @property
+    def quality(self) -> Literal["consistent", "remeasured", "inconsistent", "unchecked"]:
+        """How the side-by-side figures held against the search's: "remeasured" when they
+        agreed only when measured again, "inconsistent" when they never did (the smaller
+        figure counts), "unchecked" when nothing was measured side by side."""
     @property
     def noisy(self) -> bool:
         """No speedup was confirmed, and a measurement spread more than the engine's noisy

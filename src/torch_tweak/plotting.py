@@ -6,13 +6,55 @@ import os
 from typing import Any, Mapping
 
 
+def bars(result: Any, alternatives: Mapping[str, float] | None = None) -> tuple[list, list, list, list, str]:
+    """What plot_result draws: (labels, values in ms, colors, skipped depths' lines, title).
+
+    Every bar of a depth or of the untuned model comes from one measurement, so the bars
+    compare as they were measured: the depth search's (its untuned baseline and each depth),
+    or, when the side-by-side figures disagreed with the search's and the side-by-side ones
+    were the smaller, that measurement's untuned model and kept depth only. The title gives
+    result.speedup, the figure tweak reports.
+    """
+    labels, values, colors, skipped = [], [], [], []
+    side = result.confirmation
+    quality = getattr(result, "measurement_quality", "unchecked")
+    if side is not None and quality == "inconsistent" and not side["from_search"]:
+        source = "side by side (the depth search measured at another load)"
+        labels += ["untuned", f"depth {side['depth']}"]
+        values += [side["untuned"]["median_ns"] / 1e6, side["tuned"]["median_ns"] / 1e6]
+        colors += ["#9e9e9e", "#2e7d32" if result.selected_depth is not None else "#64b5f6"]
+    else:
+        source = "the depth search"
+        if result.untuned.latency_ms is not None:
+            labels.append("untuned")
+            values.append(result.untuned.latency_ms)
+            colors.append("#9e9e9e")
+        for row in result.rows:
+            if row.latency_ms is None:
+                skipped.append(f"depth {row.depth}: {row.error or 'not measured'}")
+                continue
+            labels.append(f"depth {row.depth}\n{row.modules} module" + ("s" if row.modules != 1 else ""))
+            values.append(row.latency_ms)
+            colors.append("#2e7d32" if row.selected else "#64b5f6")
+    for label, value in (alternatives or {}).items():
+        labels.append(str(label))
+        values.append(float(value))
+        colors.append("#ffb74d")
+    title = "torch-tweak: latency per depth"
+    if result.selected_depth is not None and result.speedup:
+        title += f" (depth {result.selected_depth} kept, {result.speedup:.2f}x)"
+    if values:
+        title += f"\nbars: {source}"
+    return labels, values, colors, skipped, title
+
+
 def plot_result(result: Any, path: str | os.PathLike, alternatives: Mapping[str, float] | None = None) -> str:
     """Writes a bar chart of `result` (a TweakResult) to `path` as PNG; returns the path.
 
-    One bar per measured depth, one for the untuned model, and one per entry of
-    `alternatives` ({label: latency in ms}, e.g. other ways of running the model you
-    measured yourself). The selected depth is highlighted; skipped depths are listed
-    with their error. Needs matplotlib (pip install torch-tweak[plot]).
+    One bar per measured depth, one for the untuned model (see bars: all from one
+    measurement), and one per entry of `alternatives` ({label: latency in ms}, e.g. other
+    ways of running the model you measured yourself). The kept depth is highlighted; skipped
+    depths are listed with their error. Needs matplotlib (pip install torch-tweak[plot]).
     """
     try:
         import matplotlib
@@ -21,36 +63,17 @@ def plot_result(result: Any, path: str | os.PathLike, alternatives: Mapping[str,
     except ImportError:
         raise ImportError("result.plot needs matplotlib: pip install 'torch-tweak[plot]'") from None
     path = os.fspath(path)
-    labels, values, colors = [], [], []
-    if result.baseline_ms is not None:
-        labels.append("untuned")
-        values.append(result.baseline_ms)
-        colors.append("#9e9e9e")
-    skipped = []
-    for row in result.rows:
-        if row.latency_ms is None:
-            skipped.append(f"depth {row.depth}: {row.error or 'not measured'}")
-            continue
-        labels.append(f"depth {row.depth}\n{row.modules} module" + ("s" if row.modules != 1 else ""))
-        values.append(row.latency_ms)
-        colors.append("#2e7d32" if row.selected else "#64b5f6")
-    for label, value in (alternatives or {}).items():
-        labels.append(str(label))
-        values.append(float(value))
-        colors.append("#ffb74d")
+    labels, values, colors, skipped, title = bars(result, alternatives)
     if not values:
         raise ValueError("nothing to plot: no depth and no untuned model was measured (a dry run?)")
     fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(values) + 2), 4.2), dpi=110)
     try:
-        bars = ax.bar(range(len(values)), values, color=colors)
+        drawn = ax.bar(range(len(values)), values, color=colors)
         ax.set_xticks(range(len(values)))
         ax.set_xticklabels(labels, fontsize=8)
         ax.set_ylabel("latency per call (ms), lower is better")
-        title = "torch-tweak: latency per depth"
-        if result.selected_depth is not None and result.speedup:
-            title += f" (depth {result.selected_depth} selected, {result.speedup:.2f}x)"
         ax.set_title(title, fontsize=10)
-        for bar, value in zip(bars, values):
+        for bar, value in zip(drawn, values):
             ax.annotate(f"{value:.3g}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                         ha="center", va="bottom", fontsize=8)
         if skipped:

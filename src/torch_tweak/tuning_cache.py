@@ -11,8 +11,11 @@ only, and a hit builds only backends of the tweak's own strategy.
 
 It is a cache: an entry that cannot be read, parsed or applied (damaged, a FIFO, a link to
 a device, nested too deep, of another shape) is a miss, dropped and written again; never an
-error and never a hang. A result that kept the model untuned or had failures is reused for
-at most RETRY_AFTER seconds, then tuned again.
+error and never a hang. An entry records how good its figures were (the result's
+measurement_quality): one whose side-by-side figures never agreed with the search's, or that
+kept the model untuned, is never replayed (the next tweak measures again: either may have
+been a busy moment); one with a failed module or depth is reused for at most RETRY_AFTER
+seconds, then tuned again.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import datetime
 import hashlib
 import importlib.metadata
 import json
+import logging
 import math
 import time
 import warnings
@@ -42,15 +46,18 @@ from .serial import Unstorable, class_path, describe_backend, device_name, dumps
 from .signatures import SignatureGroup, describe_call
 from .strategy import Strategy, default_strategy
 
-ENTRY_VERSION = 2
+ENTRY_VERSION = 3
 OPTIONAL_PACKAGES = ("openvino", "torchao", "onnxruntime")
 """Their presence changes which default backends build, so their versions are in the key."""
 MAX_ENTRY_BYTES = 16 << 20
 """A larger entry is not read: a miss."""
 RETRY_AFTER = 24 * 3600
-"""Seconds a cached result that kept the model untuned, or in which a module or depth
-failed, is reused before tweak tunes again (a failure may have been the machine's)."""
+"""Seconds a cached result in which a module or depth failed is reused before tweak tunes
+again (a failure may have been the machine's)."""
+REPLAYED = ("consistent", "remeasured")
+"""The measurement qualities (TweakResult.measurement_quality) of an entry that is replayed."""
 _SCALARS = (bool, int, float, str, type(None))
+logger = logging.getLogger("torch_tweak")
 
 
 def folder() -> Path:
@@ -139,11 +146,32 @@ def read(key: str, parts: dict[str, Any]) -> dict | None:
         return None
     if type(entry) is not dict or entry.get("version") != ENTRY_VERSION or entry.get("parts") != parts:
         return None
+    if entry.get("quality") not in REPLAYED or type(entry.get("kept_depth")) is not int:
+        # figures from a busy moment, or a model kept untuned (perhaps for one): measured again
+        why = "kept the model untuned" if type(entry.get("kept_depth")) is not int else "has inconsistent figures"
+        logger.info("tuning cache entry %s not replayed: it %s; measuring again", key, why)
+        drop(key)
+        return None
     retry = entry.get("retry_after")
     if retry is not None and not (type(retry) in (int, float) and time.time() < retry):
-        drop(key)  # a result with failures, or that kept the model untuned, is tried again
+        drop(key)  # a result with failures is tried again
         return None
     return entry
+
+
+def measured_when(created: Any) -> str:
+    """An entry's "created" as a reader wants it: "on 2026-12-02 at 21:51 UTC (3 hours ago)"."""
+    try:
+        then = datetime.datetime.fromisoformat(created)
+        if then.tzinfo is None:
+            raise ValueError("no time zone")
+    except (TypeError, ValueError):
+        return "at a time the entry does not say"
+    then = then.astimezone(datetime.timezone.utc)
+    seconds = (datetime.datetime.now(datetime.timezone.utc) - then).total_seconds()
+    ago = ("just now" if seconds < 60 else f"{seconds / 60:.0f} minutes ago" if seconds < 5400
+           else f"{seconds / 3600:.0f} hours ago" if seconds < 2 * 86400 else f"{seconds / 86400:.0f} days ago")
+    return f"on {then:%Y-%m-%d} at {then:%H:%M} UTC ({ago})"
 
 
 def write(key: str, entry: dict) -> None:
@@ -184,8 +212,11 @@ def clear_cache() -> int:
     return removed
 
 
-def entry_of(parts: dict, record_: dict, modules: ModuleResults, model: nn.Module) -> dict:
-    """The entry of a finished tweak: its result, its module table, and what the model kept."""
+def entry_of(parts: dict, record_: dict, modules: ModuleResults, model: nn.Module,
+             kept_depth: int | None = None) -> dict:
+    """The entry of a finished tweak: its result, its module table, what the model kept, and
+    how good its figures were (read() replays only an entry with a kept depth whose figures
+    agreed with the search's)."""
     plan = [{"path": m.path, "signatures": [
                 {"key": g.key, "text": g.text, "backend": None if g.backend is None else describe_backend(g.backend)}
                 for g in m.groups]}
@@ -195,6 +226,7 @@ def entry_of(parts: dict, record_: dict, modules: ModuleResults, model: nn.Modul
     return {"version": ENTRY_VERSION, "parts": parts,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "retry_after": time.time() + RETRY_AFTER if failed else None,
+            "quality": record_.get("quality"), "kept_depth": kept_depth,
             "result": record_, "modules": [module_tree(m) for m in modules.values()], "plan": plan}
 
 

@@ -56,18 +56,28 @@ class TweakResult:
     selected_depth: the depth kept, or None when the model stays untuned.
     baseline_ms: latency of the untuned model per call: measured side by side with the
     kept depth when one was confirmed (see confirmation), else the lower of its
-    measurements during the search.
-    tuned_ms: latency of the kept depth, side by side (the baseline when none is kept).
-    speedup: baseline_ms / tuned_ms (1.0 when the model stays untuned).
+    measurements during the search (also when the side-by-side figures disagreed with the
+    search's and the search's speedup was the smaller).
+    tuned_ms: latency of the kept depth, from the same measurement as baseline_ms (the
+    baseline when none is kept).
+    speedup: baseline_ms / tuned_ms (1.0 when the model stays untuned): never a figure that
+    disagrees with the search's (see measurement_quality).
     confirmation: the best depth measured side by side with the untuned model, interleaved
     (docs/tweak.md): {"depth", "confirmed", "tuned", "untuned", "speedup", "speedup_low",
-    "speedup_high"}, or None when no depth beat the untuned model in the search.
+    "speedup_high", "quality", "tries", "from_search", "side_speedup", "search_speedup"},
+    or None when no depth beat the untuned model in the search.
+    measurement_quality: how the side-by-side figures held against the search's own for
+    the same configurations: "consistent"; "remeasured" (they disagreed, the machine's load
+    changed, and agreed when measured again); "inconsistent" (they never agreed: the smaller
+    speedup is reported, and the depth kept only when even that is a gain); "unchecked"
+    (nothing was measured side by side: no depth beat the untuned model, or a dry run).
     noisy: True when no speedup was confirmed and a measurement spread more than 25 % (a
     busy machine may have hidden one).
     rows: a DepthResult per depth; untuned: the DepthResult of the untuned model.
     modules: a ModuleResult per tuned module, by path; ``print(result.modules)`` shows, per
     module and input signature, every candidate backend's latency or why it lost.
-    cached: True when the result came from the tuning cache (no depth was measured again).
+    cached: True when the result came from the tuning cache (no depth was measured again);
+    measured_at: then, when its figures were measured (UTC, ISO 8601), else None.
     tokens: for a workload that calls generate(), a TokenRow (tokens per second, time to
     first token) for the untuned model, each depth and the kept configuration; else None.
     decode_loop: the decode loop kept behind generate() (torch_tweak.generation.LOOPS), or None;
@@ -75,6 +85,8 @@ class TweakResult:
     """
 
     cached = False
+    measured_at: str | None = None
+    time_budget: float | None = None
     tokens: "list[TokenRow] | None" = None
     tokens_per_run = 0
     decode_loop: str | None = None
@@ -88,6 +100,7 @@ class TweakResult:
         base = engine.baseline
         self.baseline_ms = None if base is None else base["median_ns"] / 1e6
         self.confirmation = engine.confirmation
+        self.measurement_quality: str = engine.quality
         self.noisy = engine.noisy
         chosen = engine.selected
         rows = []
@@ -102,7 +115,8 @@ class TweakResult:
         self.untuned = DepthResult(None, 0, 0, self.baseline_ms, None if base is None else 1.0, "", chosen < 0)
         self.tuned_ms = rows[chosen].latency_ms if chosen >= 0 else self.baseline_ms
         side = self.confirmation
-        if side is not None and side["confirmed"]:
+        if side is not None and side["confirmed"] and not side["from_search"]:
+            # else the search's figures were the smaller of two that disagree: they stay
             self.baseline_ms = side["untuned"]["median_ns"] / 1e6
             self.tuned_ms = side["tuned"]["median_ns"] / 1e6
         self.speedup = (self.baseline_ms / self.tuned_ms
@@ -115,7 +129,13 @@ class TweakResult:
                                         f"loop ({self.decode_loop})" if self.decode_loop else None)
             return table + "".join("\n" + line for line in self.precision_lines()) + \
                 self._tokens_table()
-        return self._table + "\n(from the tuning cache: the figures are those of the tweak that measured them)"
+        return self._table + f"\n{self.cache_note()}"
+
+    def cache_note(self) -> str:
+        """What a result from the tuning cache says about its figures."""
+        when = tuning_cache.measured_when(self.measured_at)
+        return (f"(from the tuning cache: the figures were measured {when}; tt.tweak(..., cache=False) "
+                f"measures again)")
 
     @property
     def lower_precision(self) -> dict[str, str]:
@@ -158,16 +178,20 @@ class TweakResult:
     def to_record(self) -> dict:
         """The result as plain JSON (what the tuning cache keeps)."""
         return {"rows": [dataclasses.asdict(r) for r in self.rows], "baseline_ms": self.baseline_ms,
-                "tuned_ms": self.tuned_ms, "confirmation": self.confirmation, "noisy": self.noisy,
+                "tuned_ms": self.tuned_ms, "search_baseline_ms": self.untuned.latency_ms,
+                "confirmation": self.confirmation, "quality": self.measurement_quality, "noisy": self.noisy,
                 "table": str(self)}
 
     @classmethod
-    def from_record(cls, record: dict, tree: ModuleTree, modules: ModuleResults) -> "TweakResult":
-        """The result a cache entry recorded, marked cached."""
+    def from_record(cls, record: dict, tree: ModuleTree, modules: ModuleResults,
+                    measured_at: str | None = None) -> "TweakResult":
+        """The result a cache entry recorded, marked cached; measured_at: the entry's time."""
         self = object.__new__(cls)
         self._engine = None
         self._table = record["table"]
         self.cached = True
+        self.measured_at = measured_at if isinstance(measured_at, str) else None
+        self.measurement_quality = str(record["quality"])
         self.tree = tree
         self.modules = modules
         self.baseline_ms = record["baseline_ms"]
@@ -176,8 +200,8 @@ class TweakResult:
         self.rows = [DepthResult(**row) for row in record["rows"]]
         chosen = next((r for r in self.rows if r.selected), None)
         self.selected_depth = None if chosen is None else chosen.depth
-        self.untuned = DepthResult(None, 0, 0, self.baseline_ms, None if self.baseline_ms is None else 1.0, "",
-                                   chosen is None)
+        search = record["search_baseline_ms"]  # the untuned model as the search measured it
+        self.untuned = DepthResult(None, 0, 0, search, None if search is None else 1.0, "", chosen is None)
         self.tuned_ms = record["tuned_ms"]
         self.speedup = (self.baseline_ms / self.tuned_ms
                         if self.baseline_ms is not None and self.tuned_ms else None)
@@ -190,12 +214,20 @@ class TweakResult:
         side = self.confirmation
         loop = f"; generate() runs tweak's decode loop ({self.decode_loop})" if self.decode_loop else ""
         stays = "its modules stay untuned" if self.decode_loop else "the model stays untuned"
+        quality = self.measurement_quality
+        how = ("the smaller of two figures that disagree" if quality == "inconsistent"
+               else "measured side by side again after the load changed" if quality == "remeasured"
+               else "measured side by side")
         if self.selected_depth is not None:
-            how = "measured side by side" if side is not None and side["confirmed"] else "measured in turn"
+            how = how if side is not None and side["confirmed"] else "measured in turn"
             return f"kept depth {self.selected_depth}, {self.speedup:.2f}x faster than untuned ({how}){loop}"
         if side is not None:
-            return (f"depth {side['depth']} was within noise of the untuned model side by side "
-                    f"({side['speedup']:.2f}x): {stays}{loop}")
+            verdict = "slower than" if side["speedup_high"] < 1.0 else "within noise of"
+            return (f"depth {side['depth']} was {verdict} the untuned model ({side['speedup']:.2f}x, {how}): "
+                    f"{stays}{loop}")
+        if self.rows and all(r.error == "time budget used up" for r in self.rows):
+            why = "was 0" if self.time_budget == 0 else "was used up before the first depth"
+            return f"no depth was tried: the time budget {why}: {stays}{loop}"
         return f"no depth beat the untuned model: {stays}{loop}"
 
     def plot(self, path: Any, alternatives: dict[str, float] | None = None) -> str:
@@ -452,6 +484,7 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
         selected = engine.selected
         kept_depth = engine.rows[selected]["depth"] if selected >= 0 else None
         result = TweakResult(engine, tree, session.module_results(engine, kept_depth))
+        result.time_budget = time_budget
         kept = installed(model)
         for wrapper in session.wrappers.values():
             if kept.get(wrapper.tt_name) is not wrapper:
@@ -461,7 +494,8 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
         if speaks_tokens:
             _speak_tokens(result, job)
         if key is not None:
-            tuning_cache.write(key, tuning_cache.entry_of(parts, result.to_record(), result.modules, model))
+            tuning_cache.write(key, tuning_cache.entry_of(parts, result.to_record(), result.modules, model,
+                                                          result.selected_depth))
         outcome = result.outcome()
         logger.info("tweak of %s: %s", session.model_class, outcome)
         shown.finish(outcome)
@@ -523,7 +557,8 @@ def _from_cache(model: nn.Module, tree: ModuleTree, calls: list, device: torch.d
         return None
     shown.line(f"tuning cache hit {key}: building the cached choices again, no measurement")
     try:
-        result = TweakResult.from_record(entry["result"], tree, tuning_cache.module_results(entry))
+        result = TweakResult.from_record(entry["result"], tree, tuning_cache.module_results(entry),
+                                         entry.get("created"))
     except Exception:  # an entry of another shape is a miss like any other
         result = None
         failure = "the entry is damaged"
@@ -533,5 +568,6 @@ def _from_cache(model: nn.Module, tree: ModuleTree, calls: list, device: torch.d
         logger.warning("tuning cache entry %s dropped (%s); tuning afresh", key, failure)
         tuning_cache.drop(key)
         return None
-    shown.finish(f"{result.outcome()} (from the tuning cache)")
+    shown.finish(f"{result.outcome()} {result.cache_note()}")
+    logger.info("tweak: %s %s", result.outcome(), result.cache_note())
     return result
