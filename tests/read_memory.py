@@ -2,7 +2,8 @@
 
 Run by tests/test_bounded_reads.py: ``python read_memory.py make FOLDER`` writes genuine files
 of about 1, 8 and 32 MiB (a tuned Linear whose recorded calls are large) and a forged file
-whose zip directory declares 700 000 entries; ``python read_memory.py read FILE`` then reads
+whose zip directory declares 700 000 entries, and one whose plan.json is
+15 MiB of empty lists (5 million values once parsed); ``python read_memory.py read FILE`` then reads
 one of them as tt.load reads it before it builds any backend (checkpoint._read, then the
 tensors placed), and ``python read_memory.py load FILE`` runs tt.load whole. Each prints one
 JSON line with the file's size, the growth of the process's peak RSS (resource.getrusage)
@@ -11,11 +12,13 @@ over what it was before the read, the seconds it took, and the outcome.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import resource
 import struct
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import torch
@@ -46,6 +49,18 @@ def make(folder: Path) -> None:
         tt.tune(model, calls, measure=FAST)
         tt.save(model, folder / f"valid-{mib}.tt")
     forged(folder / "many-entries.tt")
+    with zipfile.ZipFile(folder / "valid-1.tt") as archive:
+        members = {n: archive.read(n) for n in archive.namelist()}
+    members["plan.json"] = b"[" + b"[]," * (5 << 20) + b"[]]"  # 15 MiB, 5 million lists once parsed
+    meta = json.loads(members["manifest.json"])
+    meta["members"] = {n: hashlib.sha256(d).hexdigest() for n, d in members.items() if n != "manifest.json"}
+    members["manifest.json"] = json.dumps(meta).encode()
+    with zipfile.ZipFile(folder / "many-values.tt", "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data, compress_type=zipfile.ZIP_DEFLATED if name.endswith(".json")
+                             else zipfile.ZIP_STORED)
+    path = folder / "many-values.tt"
+    path.write_bytes(checkpoint._seal(path.read_bytes(), None))
 
 
 def forged(path: Path) -> None:

@@ -11,8 +11,13 @@ import json
 import os
 import subprocess
 import sys
+import zipfile
 
 import pytest
+import torch
+
+import torch_tweak as tt
+from torch_tweak import checkpoint
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 MIB = 1 << 20
@@ -54,3 +59,60 @@ def test_a_million_entry_directory_is_refused_from_its_end_record(files):
     assert found["outcome"].startswith("CheckpointError") and "declares 700000 entries" in found["outcome"], found
     assert found["growth"] <= READ_SLACK, found
     assert found["seconds"] < 30, found  # a bound against building every entry, not a timing
+
+
+def test_a_plan_of_millions_of_values_is_refused_before_it_is_parsed(files):
+    found = measured("load", files / "many-values.tt")
+    assert found["outcome"].startswith("CheckpointError") and "values" in found["outcome"], found
+    assert found["growth"] <= found["size"] + READ_SLACK, found
+
+
+def _members(path) -> dict[str, bytes]:
+    with zipfile.ZipFile(path) as archive:
+        return {n: archive.read(n) for n in archive.namelist()}
+
+
+def _write(path, members: dict[str, bytes], zip64: bool = False) -> None:
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in members.items():
+            info = zipfile.ZipInfo(name, (1980, 1, 1, 0, 0, 0))
+            info.compress_type = zipfile.ZIP_DEFLATED if name.endswith(".json") else zipfile.ZIP_STORED
+            with archive.open(info, "w", force_zip64=zip64) as f:
+                f.write(data)
+    path.write_bytes(checkpoint._seal(path.read_bytes(), None))
+
+
+def test_zip64_members_load_and_a_forged_layout_is_refused(files, tmp_path):
+    """Members written with zip64 local headers (as zipfile writes members over 4 GiB) load and
+    answer as the untuned model; a local header that is not its directory entry's, and a
+    member moved away from where the previous one ends, are refused with the model unchanged."""
+    from read_memory import build
+    from test_api import assert_unchanged, snapshot
+
+    members = _members(files / "valid-1.tt")
+    x = torch.randn(5, 256)
+    with torch.no_grad():
+        expected = build()(x)
+    path = tmp_path / "zip64.tt"
+    _write(path, members, zip64=True)
+    model = build()
+    tt.load(model, path)
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    good = (files / "valid-1.tt").read_bytes()
+    renamed = good.replace(b"plan.json", b"plan.jsox", 1)  # the first: the local header's
+    forged_local = tmp_path / "local.tt"
+    forged_local.write_bytes(checkpoint._seal(renamed[:-checkpoint._SEAL_LENGTH], None))
+    gap = tmp_path / "gap.tt"
+    with zipfile.ZipFile(gap, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+            archive.fp.write(b"\0" * 16)  # bytes between members, which zipfile itself skips
+            archive.start_dir = archive.fp.tell()
+    gap.write_bytes(checkpoint._seal(gap.read_bytes(), None))
+    for path, match in ((forged_local, "local header does not match"), (gap, "gap or an overlap")):
+        model = build()
+        before = snapshot(model)
+        with pytest.raises(tt.CheckpointError, match=match):
+            tt.load(model, path)
+        assert_unchanged(model, before)

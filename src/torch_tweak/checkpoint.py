@@ -44,7 +44,7 @@ from . import plan as planning
 from .generation import LOOPS, LoopPlan, check_layouts
 from .plan import SELECTED_DEPTHS, ModulePlan, Plan, plan_of
 from .workload import MAX_GENERATE_CALLS
-from .serial import (Unstorable, build_backend, class_path, decode, describe_backend, device_name, dumps, encode,
+from .serial import (MAX_JSON_VALUES, Unstorable, build_backend, class_path, decode, describe_backend, device_name, dumps, encode,
                      known_types, loads)
 from .signatures import (MAX_CALLS_PER_SIGNATURE, MAX_SIGNATURES, OTHER, SignatureGroup, forward_params,
                          make_signature)
@@ -62,6 +62,8 @@ MAX_JSON_BYTES = 16 << 20
 """manifest.json and plan.json inflating past this are refused while they are read (a plan
 of a hundred modules with eight calls each is well under 1 MiB); so is the header of
 samples.safetensors."""
+MAX_MANIFEST_VALUES = 4096
+"""A manifest holds a few dozen values; more are refused before it is parsed (serial.loads)."""
 MAX_DIRECTORY_BYTES = 64 << 10
 """A zip directory larger than this is refused from the archive's end record, before it is
 read (tt.save's four entries take a few hundred bytes)."""
@@ -277,7 +279,7 @@ def _read(path: str | os.PathLike, limit: int, key: bytes | None, *, tensors: bo
     sealed = _check_seal(got, key, path)  # a sealed file's bytes are checked before any member is parsed
     if MANIFEST in got.errors:
         raise CheckpointError(f"{path} is not a torch-tweak file, or it is damaged: {got.errors[MANIFEST]}")
-    manifest = _json(got.values[MANIFEST], MANIFEST, path)
+    manifest = _json(got.values[MANIFEST], MANIFEST, path, MAX_MANIFEST_VALUES)
     if type(manifest) is not dict or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a torch-tweak file (its manifest is not one)")
     version = manifest.get("version")
@@ -332,9 +334,9 @@ def _check_seal(got: archive.Read, key: bytes | None, path: Any) -> bool:
     return True
 
 
-def _json(data: bytes, name: str, path: Any) -> Any:
+def _json(data: bytes | bytearray, name: str, path: Any, max_values: int = MAX_JSON_VALUES) -> Any:
     try:
-        return loads(data)
+        return loads(data, max_values=max_values)
     except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise CheckpointError(f"{path} is not a torch-tweak file: {name} is not JSON it can read "
                               f"({str(exc)[:200]})") from None
