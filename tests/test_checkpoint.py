@@ -21,6 +21,7 @@ from torch import nn
 
 import torch_tweak as tt
 from torch_tweak import checkpoint, correctness, schema, serial
+from torch_tweak import plan as planning
 from torch_tweak.schema import Fraction
 from torch_tweak.backends import TorchEagerBackend
 from support import FAST, MLP, BrokenBackend, CountingBackend, encoder
@@ -322,7 +323,7 @@ def test_pickle_files_execute_nothing(tmp_path):
     marker = tmp_path / "marker"
     path = tmp_path / "model.tt"
     torch.save({"weights": Payload(marker)}, path)  # a .pt file renamed: a zip, with a pickle inside
-    load_fails(fresh_mlp(), path, "no manifest.json")
+    load_fails(fresh_mlp(), path, "not a torch-tweak file.*save with tt.save")
     path.write_bytes(pickle.dumps(Payload(marker)))  # a bare pickle
     load_fails(fresh_mlp(), path, "not a torch-tweak file")
     assert not marker.exists()
@@ -521,3 +522,78 @@ def test_build_log_warning_reaches_the_caller(tmp_path, monkeypatch, mlp_data):
     with pytest.warns(UserWarning, match="could not write the build log"):
         tt.tune(model, mlp_data, measure=FAST)
     assert tt.installed(model)["head"].tt_backend.name == "Counting"  # the tuning itself went on
+
+
+# ------------------------------------------------------------------ one module under two names
+
+
+def tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                                      use_cache=False, tie_word_embeddings=True)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_plan_naming_one_module_twice_is_a_checkpoint_error(tmp_path):
+    """LlamaForCausalLM.base_model is a property returning .model: a forged plan that names
+    model.layers.0 and base_model.layers.0 (one module object) is refused as a CheckpointError,
+    and the model answers exactly as an untuned copy (it was at 6d35efd a ValueError from install)."""
+    ids = [torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    tuned = tiny_llama()
+    tt.wrap(tuned, ["model.layers.0"], strategy=tt.OneBackendStrategy(TorchEagerBackend()))
+    tt.tune(tuned, ids, measure=FAST)
+    path = tmp_path / "llama.tt"
+    tt.save(tuned, path)
+    plan = json.loads(zipfile.ZipFile(path).read("plan.json"))
+    (entry,) = plan["modules"]
+    for alias in (["base_model.layers.0"], ["base_model"], ["base_model.layers.0", "base_model.layers.0.mlp"]):
+        forged = dict(plan, modules=[entry] + [dict(entry, path=p) for p in alias])
+        if alias == ["base_model"]:  # base_model is .model, which holds model.layers.0
+            model_entry = {"path": "base_model", "class": checkpoint.class_path(type(tuned.model)),
+                           "params": checkpoint._params(tuned.model), "signatures": []}
+            forged["modules"] = [entry, model_entry]
+        rewrite(path, {"plan.json": json.dumps(forged).encode()})
+        model = tiny_llama()
+        load_fails(model, path, "one module object under two names|overlap", backends=None)
+        untuned = tiny_llama()
+        with torch.no_grad():
+            for x in ids:
+                assert torch.equal(model(x).logits, untuned(x).logits)
+
+
+def test_modules_shared_at_two_paths_are_refused_before_anything_changes(tmp_path):
+    """Tied embeddings (one nn.Embedding at two attributes) and a property alias: tt.wrap, a
+    Plan applied (tuning cache) and tt.load refuse two names of one module, model unchanged."""
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared = nn.Embedding(10, 8)
+            self.encoder = nn.Sequential(nn.Linear(8, 8))
+            self.encoder.embed = self.shared  # as T5/BART tie encoder.embed_tokens and shared
+            self.head = nn.Linear(8, 4)
+
+        @property
+        def body(self) -> nn.Module:
+            return self.encoder
+
+        def forward(self, x):
+            return self.head(self.encoder[0](self.shared(x)))
+
+    torch.manual_seed(0)
+    model = Tied().eval()
+    x = torch.randint(0, 10, (2, 3))
+    with torch.no_grad():
+        expected = model(x)
+    for paths in (["shared", "encoder.embed"], ["encoder", "body.0"], ["body", "encoder.0"]):
+        before = snapshot(model)
+        with pytest.raises(ValueError, match="one module object under two names|overlap"):
+            tt.wrap(model, paths)
+        assert_unchanged(model, before)
+        plan = planning.Plan(0, [planning.ModulePlan(p, []) for p in paths])
+        with pytest.raises(ValueError, match="one module object under two names|overlap"):
+            planning.apply(model, plan, device=torch.device("cpu"))
+        assert_unchanged(model, before)
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)

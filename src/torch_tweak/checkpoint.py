@@ -37,13 +37,14 @@ from torch import nn
 
 from ._samples import resolve_device, unstorable
 from .backends import Backend
-from .storage import NotRegular, atomic_file, read_regular
+from . import archive
+from .storage import NotRegular, atomic_file
 from .module import installed, own_class, resolve_paths
 from . import plan as planning
 from .generation import LOOPS, LoopPlan, check_layouts
 from .plan import SELECTED_DEPTHS, ModulePlan, Plan, plan_of
 from .workload import MAX_GENERATE_CALLS
-from .serial import (Unstorable, build_backend, class_path, decode, describe_backend, device_name, dumps, encode,
+from .serial import (MAX_JSON_VALUES, Unstorable, build_backend, class_path, decode, describe_backend, device_name, dumps, encode,
                      known_types, loads)
 from .signatures import (MAX_CALLS_PER_SIGNATURE, MAX_SIGNATURES, OTHER, SignatureGroup, forward_params,
                          make_signature)
@@ -59,7 +60,13 @@ ARTIFACTS = "artifacts/inductor.bin"
 MEMBERS = (MANIFEST, PLAN, SAMPLES, ARTIFACTS)
 MAX_JSON_BYTES = 16 << 20
 """manifest.json and plan.json inflating past this are refused while they are read (a plan
-of a hundred modules with eight calls each is well under 1 MiB)."""
+of a hundred modules with eight calls each is well under 1 MiB); so is the header of
+samples.safetensors."""
+MAX_MANIFEST_VALUES = 4096
+"""A manifest holds a few dozen values; more are refused before it is parsed (serial.loads)."""
+MAX_DIRECTORY_BYTES = 64 << 10
+"""A zip directory larger than this is refused from the archive's end record, before it is
+read (tt.save's four entries take a few hundred bytes)."""
 SLACK_BYTES = 256 << 20
 """tt.load reads at most 4 x the model's weights + this from a file unless told (max_bytes)."""
 _SEAL = re.compile(rb"torch-tweak sha256=([0-9a-f]{64}) hmac=([0-9a-f]{64}|-{64})")
@@ -238,112 +245,98 @@ def _zip(members: dict[str, bytes]) -> bytes:
 # ------------------------------------------------------------------ reading
 
 
-def _read(path: str | os.PathLike, limit: int, key: bytes | None) -> tuple[dict, dict, dict[str, bytes]]:
-    """(manifest, plan, the other members' bytes) of a file whose seal and hashes match.
+def _read(path: str | os.PathLike, limit: int, key: bytes | None, *, tensors: bool = True,
+          artifacts: bool = False) -> tuple[dict, dict, dict[str, Any]]:
+    """(manifest, plan, the other members) of a file whose seal and hashes match: SAMPLES as
+    {name: tensor} (with `tensors`), ARTIFACTS as bytes (with `artifacts`).
 
-    The file is read once, bounded by `limit`; every member is inflated with its real size
-    capped while it is read, whatever size the archive declares."""
+    archive.read reads the file once, bounded by `limit`: its zip directory is checked (at
+    most 4 entries, MAX_DIRECTORY_BYTES) before anything is built, each member's real
+    inflated size is capped while it is read whatever the archive declares, the tensors are
+    read straight into their own memory, and a member not wanted is only hashed."""
+    json_cap = min(limit, MAX_JSON_BYTES)
+    sinks = {MANIFEST: archive.Inflated(json_cap), PLAN: archive.Inflated(json_cap),
+             SAMPLES: archive.Tensors(json_cap, loads) if tensors else archive.Skip(),
+             ARTIFACTS: archive.Inflated(limit) if artifacts else archive.Skip()}
     try:
-        data = read_regular(path, limit)
+        got = archive.read(path, limit, sinks, max_entries=len(MEMBERS), max_directory_bytes=MAX_DIRECTORY_BYTES,
+                           methods=_methods, key=key)
     except FileNotFoundError:
         raise
     except NotRegular as exc:
         raise CheckpointError(f"{exc}; tt.load reads only files written by tt.save (a larger file you trust: "
                               "max_bytes=)") from None
+    except archive.TooLarge as exc:
+        raise CheckpointError(f"{path} is not a torch-tweak file: {exc} (a file written by torch.save is not one: "
+                              "save with tt.save)") from None
+    except archive.ArchiveError as exc:
+        raise CheckpointError(f"{path} is not a torch-tweak file, or it is truncated or damaged: {exc}") from None
     except OSError as exc:
         raise CheckpointError(f"{path} cannot be read: {exc}") from None
-    try:
-        archive = zipfile.ZipFile(io.BytesIO(data))
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
-        raise CheckpointError(f"{path} is not a torch-tweak file, or it is truncated or damaged: {exc}") from None
-    with archive:
-        infos = archive.infolist()
-        names = [i.filename for i in infos]
-        if len(set(names)) != len(names):
-            raise CheckpointError(f"{path} is damaged: a member appears twice")
-        if MANIFEST not in names:
-            raise CheckpointError(f"{path} is not a torch-tweak file (it has no {MANIFEST}); a file written by "
-                                  "torch.save is not one: save with tt.save")
-        strange = [n for n in names if n not in MEMBERS]
-        if strange:
-            raise CheckpointError(f"{path} is damaged or forged: it holds {strange[0][:60]!r}, which tt.save never "
-                                  "writes (its members are not the ones its manifest lists)")
-        info = {i.filename: i for i in infos}
-        manifest = _json(_member(archive, info[MANIFEST], min(limit, MAX_JSON_BYTES), path), MANIFEST, path)
-        if type(manifest) is not dict or manifest.get("format") != FORMAT:
-            raise CheckpointError(f"{path} is not a torch-tweak file (its manifest is not one)")
-        version = manifest.get("version")
-        if type(version) is not int or version not in READABLE:
-            raise CheckpointError(f"{path} is a torch-tweak file of format version {str(version)[:20]}; "
-                                  f"this torch-tweak reads versions {', '.join(map(str, READABLE))}")
-        _check_seal(data, archive.comment, version, key, path)
-        hashes = manifest.get("members")
-        if type(hashes) is not dict or set(hashes) != set(names) - {MANIFEST} or PLAN not in hashes:
-            raise CheckpointError(f"{path} is damaged: its members are not the ones its manifest lists")
-        members: dict[str, bytes] = {}
-        for name in sorted(hashes):
-            cap = min(limit, MAX_JSON_BYTES) if name.endswith(".json") else limit
-            members[name] = _member(archive, info[name], cap, path)
-            if type(hashes[name]) is not str or hashlib.sha256(members[name]).hexdigest() != hashes[name]:
-                raise CheckpointError(f"{path} is damaged or was changed: the sha256 of {name} does not match "
-                                      "its manifest")
-    del archive, data  # the members are copied out: the file's bytes go before the tensors are made
-    plan = _json(members.pop(PLAN), PLAN, path)
+    if MANIFEST not in got.names:
+        raise CheckpointError(f"{path} is not a torch-tweak file (it has no {MANIFEST}); a file written by "
+                              "torch.save is not one: save with tt.save")
+    sealed = _check_seal(got, key, path)  # a sealed file's bytes are checked before any member is parsed
+    if MANIFEST in got.errors:
+        raise CheckpointError(f"{path} is not a torch-tweak file, or it is damaged: {got.errors[MANIFEST]}")
+    manifest = _json(got.values[MANIFEST], MANIFEST, path, MAX_MANIFEST_VALUES)
+    if type(manifest) is not dict or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a torch-tweak file (its manifest is not one)")
+    version = manifest.get("version")
+    if type(version) is not int or version not in READABLE:
+        raise CheckpointError(f"{path} is a torch-tweak file of format version {str(version)[:20]}; "
+                              f"this torch-tweak reads versions {', '.join(map(str, READABLE))}")
+    if not sealed and version >= 2:
+        raise CheckpointError(f"{path} is damaged: its seal (the zip comment) is missing or altered")
+    if not sealed and key is not None:
+        raise CheckpointError(f"{path} is not signed (it was saved before torch-tweak sealed its files); "
+                              "save it again with tt.save(model, path, key=...)")
+    hashes = manifest.get("members")
+    if type(hashes) is not dict or set(hashes) != set(got.names) - {MANIFEST} or PLAN not in hashes:
+        raise CheckpointError(f"{path} is damaged: its members are not the ones its manifest lists")
+    for name in sorted(hashes):
+        if type(hashes[name]) is not str or got.digests.get(name, hashes[name]) != hashes[name]:
+            raise CheckpointError(f"{path} is damaged or was changed: the sha256 of {name} does not match "
+                                  "its manifest")
+        if name in got.errors:
+            raise CheckpointError(f"{path}: {got.errors[name]}")
+    plan = _json(got.values.pop(PLAN), PLAN, path)
     depth = plan.get("depth") if type(plan) is dict else None
     if type(plan) is not dict or type(plan.get("modules")) is not list or not (
             depth is None or (type(depth) is int and 0 <= depth <= 1000)):
         raise CheckpointError(f"{path}: {PLAN} is not a torch-tweak plan")
-    return manifest, plan, members
+    return manifest, plan, {n: v for n, v in got.values.items() if n != MANIFEST and v is not None}
 
 
-def _check_seal(data: bytes, comment: bytes, version: int, key: bytes | None, path: Any) -> None:
-    if version < 2 and not comment:
-        if key is not None:
-            raise CheckpointError(f"{path} is not signed (it was saved before torch-tweak sealed its files); "
-                                  "save it again with tt.save(model, path, key=...)")
-        return
-    seal = _SEAL.fullmatch(comment)
-    if seal is None or not data.endswith(comment):
+def _methods(name: str) -> tuple[int, ...]:
+    """The compression tt.save uses: JSON deflated (or stored), everything else stored."""
+    return (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED) if name.endswith(".json") else (zipfile.ZIP_STORED,)
+
+
+def _check_seal(got: archive.Read, key: bytes | None, path: Any) -> bool:
+    """Whether the file is sealed (its comment holds the seal, which must match its bytes,
+    and its HMAC with `key` when given); False for a file with no comment (format 1)."""
+    if not got.comment:
+        return False
+    seal = _SEAL.fullmatch(got.comment)
+    if seal is None:
         raise CheckpointError(f"{path} is damaged: its seal (the zip comment) is missing or altered")
-    body = data[:len(data) - len(comment)]
-    if not hmac.compare_digest(hashlib.sha256(body).hexdigest().encode(), seal[1]):
+    if not hmac.compare_digest(got.body_sha256.encode(), seal[1]):
         raise CheckpointError(f"{path} is damaged or was changed: the sha256 of its bytes does not match its seal")
     if key is None:
-        return
+        return True
     if seal[2] == b"-" * 64:
         raise CheckpointError(f"{path} is not signed, and a key was given: load only files saved with "
                               "tt.save(model, path, key=...)")
-    if not hmac.compare_digest(hmac.new(key, body, hashlib.sha256).hexdigest().encode(), seal[2]):
+    if not hmac.compare_digest(str(got.body_hmac).encode(), seal[2]):
         raise CheckpointError(f"{path} was not signed with this key: it was written by someone without it, or "
                               "changed since")
+    return True
 
 
-def _member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, cap: int, path: Any) -> bytes:
-    """One member's bytes, refused once more than `cap` of them come out of the inflater."""
-    allowed = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED) if info.filename.endswith(".json") else (zipfile.ZIP_STORED,)
-    if info.flag_bits & 0x1 or info.compress_type not in allowed:
-        raise CheckpointError(f"{path}: {info.filename} is encrypted or compressed in a way tt.save never uses")
-    out = bytearray()
+def _json(data: bytes | bytearray, name: str, path: Any, max_values: int = MAX_JSON_VALUES) -> Any:
     try:
-        with archive.open(info) as f:
-            while True:
-                chunk = f.read(min(1 << 20, cap + 1 - len(out)))
-                if not chunk:
-                    break
-                out += chunk
-                if len(out) > cap:
-                    raise CheckpointError(f"{path}: {info.filename} inflates to more than {cap} bytes")
-    except CheckpointError:
-        raise
-    except Exception as exc:  # BadZipFile, zlib.error, EOFError...: all damage
-        raise CheckpointError(f"{path} is truncated or damaged: {info.filename}: {type(exc).__name__}: "
-                              f"{str(exc)[:200]}") from None
-    return bytes(out)
-
-
-def _json(data: bytes, name: str, path: Any) -> Any:
-    try:
-        return loads(data)
+        return loads(data, max_values=max_values)
     except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise CheckpointError(f"{path} is not a torch-tweak file: {name} is not JSON it can read "
                               f"({str(exc)[:200]})") from None
@@ -353,7 +346,7 @@ def read_summary(path: str | os.PathLike, *, key: bytes | str | None = None,
                  max_bytes: int = 1 << 32) -> dict:
     """{"manifest": ..., "plan": ...} of a torch-tweak file, its seal and hashes checked; loads no tensor."""
     try:
-        manifest, plan, _ = _read(path, max_bytes, _key_bytes(key))
+        manifest, plan, _ = _read(path, max_bytes, _key_bytes(key), tensors=False)
     except (CheckpointError, FileNotFoundError, TypeError):
         raise
     except Exception as exc:
@@ -402,7 +395,8 @@ def load(model: nn.Module, path: str | os.PathLike, *, device: Any = None, trust
                          "(or tt.unwrap(model) first)")
     target = resolve_device(model, device)  # a bad device= fails here, as the caller's mistake
     try:
-        manifest, plan, data = _read(path, default_max_bytes(model) if max_bytes is None else max_bytes, secret)
+        manifest, plan, data = _read(path, default_max_bytes(model) if max_bytes is None else max_bytes, secret,
+                                     artifacts=trust_artifacts)
         _check_target(model, target, device is None, manifest, path)
         steps = _check_plan(model, plan, given, path)
         stored = _stored(data, target, path)
@@ -415,7 +409,7 @@ def load(model: nn.Module, path: str | os.PathLike, *, device: Any = None, trust
     artifacts = data.get(ARTIFACTS)
     if trust_artifacts and artifacts is not None:
         if manifest.get("torch") == torch.__version__:
-            torch.compiler.load_cache_artifacts(artifacts)
+            torch.compiler.load_cache_artifacts(bytes(artifacts))
         else:
             warnings.warn(f"{path}: its artifacts are for torch {manifest.get('torch')}, not {torch.__version__}; "
                           "they are not applied and the backends compile from scratch", stacklevel=2)
@@ -486,7 +480,7 @@ def _check_plan(model: nn.Module, plan: dict, given: list[Backend], path: Any) -
     try:
         resolve_paths(model, [m["path"] for m in modules])
     except (ValueError, TypeError) as exc:
-        raise CheckpointError(f"{path} is for another model: {str(exc)[:200]}") from None
+        raise CheckpointError(f"{path} is for another model, or forged: {str(exc)[:300]}") from None
     for item in modules:
         name = item["path"]
         module = model.get_submodule(name) if name else model
@@ -518,15 +512,11 @@ def _shape(value: Any) -> str:
     return "absent" if value is None else f"{value[1]}{value[0]}"
 
 
-def _stored(data: dict[str, bytes], device: torch.device, path: Any) -> tuple[list[torch.Tensor], Any]:
-    """The file's stored tensors, and how a decoded tensor is placed on `device`."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load as load_tensors
-
-    try:
-        table = load_tensors(data.get(SAMPLES, b""))
-    except (SafetensorError, ValueError, RuntimeError, TypeError) as exc:
-        raise CheckpointError(f"{path}: {SAMPLES} is not a safetensors file: {exc}") from None
+def _stored(data: dict[str, Any], device: torch.device, path: Any) -> tuple[list[torch.Tensor], Any]:
+    """The file's stored tensors (read by _read), and how a decoded tensor is placed on `device`."""
+    table = data.get(SAMPLES)
+    if type(table) is not dict:
+        raise CheckpointError(f"{path}: it holds no {SAMPLES}")
     tensors = [table.get(f"t{i}") for i in range(len(table))]
     if any(t is None for t in tensors):
         raise CheckpointError(f"{path}: {SAMPLES} does not hold the tensors its plan refers to")

@@ -255,6 +255,8 @@ def uninstall(model: nn.Module, wrapper: TunedModule) -> None:
 def install_all(model: nn.Module, paths: Iterable[str]) -> list[TunedModule]:
     """A new wrapper installed at each path, in order; when one cannot be, none is (the
     model is as it was) and the error is raised."""
+    paths = list(paths)
+    resolve_paths(model, paths)  # two names of one module, overlaps: refused before anything changes
     wrappers = [make_wrapper(model, path) for path in paths]
     done: list[str] = []
     try:
@@ -316,6 +318,7 @@ def resolve_paths(model: nn.Module, modules: Any) -> list[str]:
         if isinstance(module, TunedModule) or is_wrapped(module):
             raise ValueError(f"module {path!r} is a torch-tweak wrapper already")
     everything = sorted(set(paths) | set(table))
+    _refuse_aliases(model, paths, table)
     for a in everything:
         for b in everything:
             if a != b and (a == "" or b.startswith(a + ".")):
@@ -324,6 +327,28 @@ def resolve_paths(model: nn.Module, modules: Any) -> list[str]:
                         "tt.unwrap(model) first" if wrapped else "wrap the modules of one cut")
                 raise ValueError(f"modules {a or '(root)'!r} and {b!r} overlap: one is inside the other; {hint}")
     return paths
+
+
+def _refuse_aliases(model: nn.Module, paths: list[str], table: dict) -> None:
+    """ValueError when two of the paths (or one path and a wrapped module) reach one module
+    object, or one's module holds the other's, through different names: a property alias such
+    as transformers' ``base_model``, or one module shared at two places (tied embeddings)."""
+    objects = {path: model.get_submodule(path) if path else model for path in dict.fromkeys([*paths, *table])}
+    holders: dict[int, list[str]] = {}
+    for path, module in objects.items():
+        for inner in module.modules():
+            holders.setdefault(id(inner), []).append(path)
+    for b in paths:
+        for a in holders.get(id(objects[b]), []):
+            if a == b or a == "" or b.startswith(a + ".") or (b == "" or a.startswith(b + ".")):
+                continue  # the same path, or an overlap the names show (refused below, with its own message)
+            if objects[a] is objects[b]:
+                raise ValueError(f"modules {a or '(root)'!r} and {b or '(root)'!r} are one module object under two "
+                                 "names (an alias such as a property like base_model, or a module shared at two "
+                                 "places such as tied embeddings); give it once, at one path")
+            raise ValueError(f"modules {a or '(root)'!r} and {b or '(root)'!r} overlap: {b or '(root)'!r} is inside "
+                             f"{a or '(root)'!r} under another name (an alias such as base_model, or a shared "
+                             "module); wrap the modules of one cut")
 
 
 def arm_untuned(model: nn.Module) -> None:

@@ -28,8 +28,19 @@ MAX_JSON_DEPTH = 64
 """Deeper JSON is refused: nothing torch-tweak writes nests more than a dozen levels."""
 
 
-def loads(data: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """json.loads that refuses nesting deeper than max_depth; ValueError for anything wrong."""
+MAX_JSON_VALUES = 1 << 20
+"""JSON with more values is refused before it is parsed: a parsed value costs 50-250 bytes
+(16 MiB of "[]," would build 5.6 million lists, 400 MiB); a plan of a hundred modules with
+eight calls each holds a few tens of thousands."""
+
+
+def loads(data: bytes | bytearray | str, max_depth: int = MAX_JSON_DEPTH, max_values: int = MAX_JSON_VALUES) -> Any:
+    """json.loads that refuses nesting deeper than max_depth, and more than max_values values
+    (counted from the text before anything is built: every value but the first follows a
+    comma or opens a container); ValueError for anything wrong."""
+    marks = ("[", "{", ",") if isinstance(data, str) else (b"[", b"{", b",")
+    if sum(data.count(mark) for mark in marks) + 1 > max_values:
+        raise ValueError(f"JSON of more than {max_values} values")
     try:
         tree = json.loads(data)
     except RecursionError:

@@ -3,7 +3,7 @@
 The folder is ``$TORCH_TWEAK_CACHE``, else ``~/.cache/torch-tweak``: the tuning cache
 (tuning_cache), the build logs (buildlog) and the isolation verdicts (verdicts) live there.
 Writes are atomic (a temporary file, synced, then renamed); reads of files that anyone could
-have put there are bounded and never block (read_regular).
+have put there are bounded and never block (open_regular, read_regular).
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ class NotRegular(OSError):
     """A path that is not a regular file (a FIFO, a device, a folder), or one too large."""
 
 
-def read_regular(path: Path | str, limit: int) -> bytes:
-    """The bytes of a regular file of at most `limit` bytes; NotRegular for anything else.
-
-    Opened without blocking (a FIFO answers at once) and checked after opening (a link to
-    /dev/zero is refused, not read); reading stops past `limit` even if the file grows."""
+@contextlib.contextmanager
+def open_regular(path: Path | str, limit: int) -> Iterator[tuple[IO[bytes], int]]:
+    """(an unbuffered binary file, its size) of a regular file of at most `limit` bytes;
+    NotRegular for anything else. Opened without blocking (a FIFO answers at once) and checked
+    after opening (a link to /dev/zero is refused, not read)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
         info = os.fstat(fd)
@@ -42,18 +42,38 @@ def read_regular(path: Path | str, limit: int) -> bytes:
             raise NotRegular(f"{path} is {kind}, not a regular file")
         if info.st_size > limit:
             raise NotRegular(f"{path} is {info.st_size} bytes, more than the {limit} allowed here")
-        chunks, total = [], 0
-        while True:
-            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-            if total > limit:
-                raise NotRegular(f"{path} grew past the {limit} bytes allowed here while it was read")
-        return b"".join(chunks)
-    finally:
+        f = os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
         os.close(fd)
+        raise
+    with f:
+        yield f, info.st_size
+
+
+def read_regular(path: Path | str, limit: int) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes (open_regular); reading stops
+    past `limit` even if the file grows. For small files (JSON entries); archive.py reads
+    a torch-tweak file without holding its bytes whole."""
+    with open_regular(path, limit) as (f, size):
+        out = bytearray(size + 1)
+        view = memoryview(out)
+        total = 0
+        while True:
+            if total == len(out):
+                if total > limit:
+                    raise NotRegular(f"{path} grew past the {limit} bytes allowed here while it was read")
+                view.release()
+                out.extend(bytes(min(1 << 20, limit + 1 - total)))
+                view = memoryview(out)
+            got = f.readinto(view[total:])
+            if not got:
+                break
+            total += got
+        view.release()
+        if total > limit:
+            raise NotRegular(f"{path} grew past the {limit} bytes allowed here while it was read")
+        del out[total:]
+        return bytes(out)
 
 
 def _umask() -> int:
