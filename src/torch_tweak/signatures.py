@@ -188,7 +188,10 @@ def proven_signatures(samples: Sequence[Any], params: tuple = (), sizes_fixed: b
             else:
                 axes = None
             dynamic.append(axes)
-        served.append(make_signature(args, kwargs, params, dynamic=dynamic))
+        try:
+            served.append(make_signature(args, kwargs, params, dynamic=dynamic))
+        except Exception:  # a value read differently the second time: the sizes as recorded
+            served.append(make_signature(args, kwargs, params))
     return tuple(served)
 
 
