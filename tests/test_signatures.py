@@ -63,12 +63,16 @@ def test_signatures_are_capped_and_the_rest_share_one_group(mlp):
     assert len(groups) == signatures.MAX_SIGNATURES + 1
     assert groups[-1].signature is None and groups[-1].text == signatures.OTHER
     assert groups[-1].backend is not None
-    # the last entry has no signature: it serves any call no earlier signature fits
-    assert w._tt_entries[-1][0] is None
+    # the last entry is the shape class of the other group's calls (batches 5 to 7), its batch
+    # axis free: it serves a call of another batch size, and no call of another rank or dtype
+    (served,) = groups[-1].serves
+    assert w._tt_entries[-1] == (served, groups[-1].backend.callable)
     fallbacks = w._tt_fallbacks
     with torch.no_grad():
         mlp(torch.randn(40, 16))
-    assert w._tt_fallbacks == fallbacks
+        assert w._tt_fallbacks == fallbacks
+        mlp(torch.randn(40, 16).double().float()[None])
+        assert w._tt_fallbacks == fallbacks + 1
 
 
 def test_recording_keeps_a_capped_number_of_calls_per_signature(mlp):

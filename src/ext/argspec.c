@@ -60,7 +60,8 @@ tt_spec_traverse(const TtArgSpec *spec, visitproc visit, void *arg)
 }
 
 /* Marks the axes named in `dynamic` (a sequence of ints, negative counting
- * from the end) as -1 in a tensor spec. `where` names the argument in errors. */
+ * from the end, or True for every axis) as -1 in a tensor spec. `where` names
+ * the argument in errors. */
 static int
 tt_spec_mark_dynamic(TtArgSpec *spec, PyObject *dynamic, PyObject *where)
 {
@@ -68,6 +69,11 @@ tt_spec_mark_dynamic(TtArgSpec *spec, PyObject *dynamic, PyObject *where)
     Py_ssize_t i, n;
     int rc = -1;
 
+    if (dynamic == Py_True) {
+        for (i = 0; i < spec->ndim; i++)
+            spec->shape[i] = -1;
+        return 0;
+    }
     /* a tuple of our own: an axis's __index__ may change the caller's list */
     axes = tt_sequence_tuple(dynamic, "dynamic axes must be a sequence of ints");
     if (axes == NULL)
@@ -182,15 +188,42 @@ tt_spec_plain(PyObject *obj)
            PyUnicode_CheckExact(obj);
 }
 
+/* For a tuple or list argument of n items: whether `dynamic` (a tuple) gives
+ * one entry per item (None or axes) rather than axes for every item, that is
+ * whether an entry is None or itself a sequence. -1 with ValueError when it
+ * does but not one per item. */
+static int
+tt_spec_per_item(PyObject *dynamic, Py_ssize_t n, PyObject *where)
+{
+    Py_ssize_t i, m = PyTuple_GET_SIZE(dynamic);
+
+    for (i = 0; i < m; i++) {
+        PyObject *entry = PyTuple_GET_ITEM(dynamic, i); /* borrowed */
+
+        if (entry == Py_None || entry == Py_True || PyTuple_Check(entry) || PyList_Check(entry)) {
+            if (m != n) {
+                PyErr_Format(PyExc_ValueError,
+                             "dynamic axes of %U give %zd entries for its %zd items", where, m, n);
+                return -1;
+            }
+            return 1;
+        }
+    }
+    return 0;
+}
+
 /* Fills `spec` for `obj`; depth 0 is an argument, depth 1 an item of a tuple
- * or list argument. dynamic: NULL or the axes to mark dynamic. */
+ * or list argument. dynamic: NULL, True (every axis of every tensor in it),
+ * or the axes to mark dynamic; for a tuple or list, the same axes for each
+ * tensor item, or one entry (None, True or axes) per item. */
 int
 tt_spec_build(TtState *st, TtArgSpec *spec, PyObject *obj, int depth, PyObject *dynamic,
               PyObject *where)
 {
     PyTypeObject *tensor_type = tt_state_tensor_type(st); /* borrowed */
+    PyObject *each = NULL; /* new reference: a tuple/list's dynamic entries, as a tuple */
     Py_ssize_t i, n;
-    int rc = -1;
+    int rc = -1, per_item = 0;
 
     memset(spec, 0, sizeof(*spec));
     if (tensor_type == NULL && PyErr_Occurred())
@@ -206,6 +239,12 @@ tt_spec_build(TtState *st, TtArgSpec *spec, PyObject *obj, int depth, PyObject *
         spec->value = (PyObject *)Py_TYPE(obj);
         Py_INCREF(spec->value);
         n = PyTuple_Check(obj) ? PyTuple_GET_SIZE(obj) : PyList_GET_SIZE(obj);
+        if (dynamic != NULL && dynamic != Py_True) {
+            /* a tuple of our own: an axis's __index__ may change the caller's list */
+            each = tt_sequence_tuple(dynamic, "dynamic axes must be a sequence");
+            if (each == NULL || (per_item = tt_spec_per_item(each, n, where)) < 0)
+                goto cleanup;
+        }
         spec->items = PyMem_Calloc((size_t)(n ? n : 1), sizeof(TtArgSpec));
         if (spec->items == NULL) {
             PyErr_NoMemory();
@@ -213,16 +252,27 @@ tt_spec_build(TtState *st, TtArgSpec *spec, PyObject *obj, int depth, PyObject *
         }
         for (i = 0; i < n; i++) {
             PyObject *item; /* borrowed, kept alive by obj */
+            PyObject *axes = per_item ? PyTuple_GET_ITEM(each, i) : dynamic; /* borrowed */
             int item_rc;
 
             if (PyList_Check(obj) && i >= PyList_GET_SIZE(obj))
                 break; /* Python code run by a tensor's getattr shrank the list */
+            if (axes == Py_None)
+                axes = NULL;
             item = PyTuple_Check(obj) ? PyTuple_GET_ITEM(obj, i) : PyList_GET_ITEM(obj, i);
             Py_INCREF(item);
             spec->ndim = i + 1;
             item_rc = tt_spec_build(st, &spec->items[i], item, 1, NULL, where);
-            if (item_rc == 0 && dynamic != NULL && spec->items[i].kind == TT_ARG_TENSOR)
-                item_rc = tt_spec_mark_dynamic(&spec->items[i], dynamic, where);
+            if (item_rc == 0 && axes != NULL && spec->items[i].kind == TT_ARG_TENSOR)
+                item_rc = tt_spec_mark_dynamic(&spec->items[i], axes, where);
+            else if (item_rc == 0 && per_item && axes != NULL && axes != Py_True &&
+                     spec->items[i].kind != TT_ARG_TENSOR && PyObject_Length(axes) != 0) {
+                if (!PyErr_Occurred())
+                    PyErr_Format(PyExc_ValueError,
+                                 "dynamic axes given for item %zd of %U, which is not a tensor",
+                                 i, where);
+                item_rc = -1;
+            }
             Py_DECREF(item);
             if (item_rc < 0)
                 goto cleanup;
@@ -230,7 +280,8 @@ tt_spec_build(TtState *st, TtArgSpec *spec, PyObject *obj, int depth, PyObject *
         spec->ndim = i;
     }
     else {
-        if (dynamic != NULL && PyObject_Length(dynamic) != 0) {
+        /* True: whatever tensors the argument holds; a plain value has none */
+        if (dynamic != NULL && dynamic != Py_True && PyObject_Length(dynamic) != 0) {
             if (!PyErr_Occurred())
                 PyErr_Format(PyExc_ValueError,
                              "dynamic axes given for %U, which is not a tensor", where);
@@ -261,6 +312,7 @@ tt_spec_build(TtState *st, TtArgSpec *spec, PyObject *obj, int depth, PyObject *
     }
     rc = 0;
 cleanup:
+    Py_XDECREF(each);
     return rc;
 }
 

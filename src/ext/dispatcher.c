@@ -98,6 +98,8 @@ tt_dispatcher_vectorcall(PyObject *callable, PyObject *const *args, size_t nargs
         }
         if (TT_UNLIKELY(found < 0))
             goto cleanup;
+        if (TT_UNLIKELY(found == 1 && hit.backend == Py_None))
+            found = 0; /* a signature kept on the original: counted as unmatched */
         if (TT_UNLIKELY(found && hit.flags != 0)) {
             if (hit.flags & TT_ENTRY_NO_AUTOGRAD) {
                 grad = tt_needs_grad(self->state, self->params, hit.args, hit.n);
@@ -482,7 +484,8 @@ static PyType_Slot tt_dispatcher_slots[] = {
                 "of a tuned module (vectorcall). Mode 0 calls the original, mode 1 the\n"
                 "backend of the first entry whose signature fits (None fits every call)\n"
                 "with the call laid out as that signature was recorded, or else the\n"
-                "original (counted in _tt_fallbacks), mode 2 the recorder. An entry's\n"
+                "original (counted in _tt_fallbacks; also when that entry's backend is\n"
+                "None), mode 2 the recorder. An entry's\n"
                 "flags: ENTRY_SERIALIZE (one call at a time), ENTRY_NO_AUTOGRAD (the\n"
                 "original runs when autograd would record the call; _tt_grad_fallbacks),\n"
                 "ENTRY_LAYOUT_ONLY (bind the layout, the backend checks the values)."},

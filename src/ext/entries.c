@@ -56,9 +56,9 @@ tt_entries_new(TtState *st, PyObject *arg)
                          "None, not %.100s", i, Py_TYPE(sig)->tp_name);
             goto cleanup;
         }
-        if (!PyCallable_Check(backend)) {
+        if (backend != Py_None && !PyCallable_Check(backend)) {
             PyErr_Format(PyExc_TypeError,
-                         "_tt_set_entries: entry %zd: the backend must be callable, not %.100s",
+                         "_tt_set_entries: entry %zd: the backend must be callable or None, not %.100s",
                          i, Py_TYPE(backend)->tp_name);
             goto cleanup;
         }

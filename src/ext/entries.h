@@ -15,7 +15,9 @@ enum {
 };
 
 /* An entry table is a tuple of (signature or None, backend, cacheable, flags,
- * lock or None) tuples. cacheable: no earlier entry can match a call this one
+ * lock or None) tuples. backend None: the calls the signature fits run the
+ * original, counted as unmatched (a signature tuning kept on the original,
+ * which a later, wider entry must not serve). cacheable: no earlier entry can match a call this one
  * matches, so trying it first keeps first-match semantics. flags: TT_ENTRY_*,
  * an int, None for 0 (one compare on the hot path); lock: a capsule of a
  * TtEntryLock (guard.h) for TT_ENTRY_SERIALIZE. A table is replaced whole,

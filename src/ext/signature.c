@@ -157,7 +157,7 @@ tt_signature_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     self->nargs = PyTuple_GET_SIZE(call_args);
     if ((self->kwnames = PyTuple_New(nkw)) == NULL)
         goto error;
-    if (dynamic != Py_None) {
+    if (dynamic != Py_None && dynamic != Py_True) {
         /* reading a tensor's metadata may run Python code that changes a list */
         dyn = tt_sequence_tuple(dynamic, "Signature: dynamic must be a sequence or None");
         if (dyn == NULL)
@@ -199,7 +199,9 @@ tt_signature_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         }
         if (where == NULL)
             goto error;
-        if (i < ndyn && PySequence_Fast_GET_ITEM(dyn, i) != Py_None)
+        if (dynamic == Py_True)
+            axes = Py_True;
+        else if (i < ndyn && PySequence_Fast_GET_ITEM(dyn, i) != Py_None)
             axes = PySequence_Fast_GET_ITEM(dyn, i);
         self->nspecs = i + 1;
         if (tt_spec_build(st, &self->specs[i], value, 0, axes, where) < 0)
@@ -406,7 +408,10 @@ static PyType_Slot tt_signature_slots[] = {
                 "with params (the names of forward's parameters by position, None for\n"
                 "a positional-only one), an argument by position or by keyword alike.\n"
                 "dynamic[i]: axes of argument i (positional, then keyword in kwargs\n"
-                "order) that match any size; for a tuple/list, of every tensor in it."},
+                "order) that match any size; for a tuple/list, of every tensor in it,\n"
+                "or one entry (None, True or axes) per item; True: every axis.\n"
+                "dynamic=True: every axis of every tensor (the call's shape class:\n"
+                "structure, plain values, dtypes, ranks and devices fixed)."},
     {Py_tp_getset, tt_signature_getset},
     {Py_tp_new, tt_signature_new},
     {Py_tp_dealloc, tt_signature_dealloc},

@@ -198,11 +198,15 @@ class Signature:
     for a positional-only one), an argument given by position or by keyword
     alike; then its values are matched. ValueError for params that name a
     parameter twice or one the recorded call gives both ways.
-    dynamic[i] (None or a sequence of axes, negative from the end) names the
-    dynamic axes of argument i, counting positional arguments then keyword
-    arguments in kwargs' order; for a tuple/list argument they apply to every
-    tensor in it. ValueError for an axis out of range or axes of a non-tensor."""
-    def __init__(self, args: tuple, kwargs: Optional[dict], dynamic: Optional[Sequence[Optional[Sequence[int]]]] = None,
+    dynamic[i] (None or a sequence of axes, negative from the end, or True for
+    every axis) names the dynamic axes of argument i, counting positional
+    arguments then keyword arguments in kwargs' order; for a tuple/list
+    argument they apply to every tensor in it, or dynamic[i] gives one entry
+    (None, True or axes) per item. dynamic=True: every axis of every tensor,
+    the call's shape class (structure, plain values, dtypes, ranks and devices
+    fixed). ValueError for an axis out of range, axes of a non-tensor, or a
+    per-item form with another number of entries than items."""
+    def __init__(self, args: tuple, kwargs: Optional[dict], dynamic: Optional[bool | Sequence[Any]] = None,
                  params: Optional[Sequence[Optional[str]]] = None) -> None: ...
     def matches(self, args: tuple, kwargs: dict) -> bool: ...
     def bind(self, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
@@ -236,8 +240,10 @@ class Dispatcher:
     backends, and a call that comes back through anything else (a Python
     function, a GraphReplay) raises RecursionError at the interpreter's limit."""
     def _tt_bind(self, original: Callable[..., Any]) -> None: ...
-    def _tt_set_entries(self, entries: Sequence[tuple[Optional[Signature], Callable[..., Any]]
-                                                | tuple[Optional[Signature], Callable[..., Any], int]]) -> None: ...
+    def _tt_set_entries(self, entries: Sequence[tuple[Optional[Signature], Optional[Callable[..., Any]]]
+                                                | tuple[Optional[Signature], Optional[Callable[..., Any]], int]]) -> None:
+        """A backend None: the calls its signature fits run the original, counted as
+        unmatched (a signature kept on the original, shielded from later entries)."""
     def _tt_set_params(self, params: Optional[tuple[dict, ...]]) -> None:
         """The module's parameter dicts (module._parameters of each submodule)."""
     def _tt_set_notify(self, notify: Optional[Callable[[str], object]]) -> None:
@@ -249,7 +255,7 @@ class Dispatcher:
     def _tt_original(self) -> Optional[Callable[..., Any]]:
         """None before _tt_bind."""
     @property
-    def _tt_entries(self) -> list[tuple[Optional[Signature], Callable[..., Any]]]: ...
+    def _tt_entries(self) -> list[tuple[Optional[Signature], Optional[Callable[..., Any]]]]: ...
     @property
     def _tt_entry_flags(self) -> list[int]: ...
     @property

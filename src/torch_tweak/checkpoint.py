@@ -173,7 +173,7 @@ def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None =
                           for (where, text), kinds in sorted(skipped.items()))
         message = (f"some recorded calls cannot be stored in {path}, because they hold values that are live "
                    f"state or have no stored form ({lines}); after tt.load, a signature with no stored call "
-                   "runs the original forward (or its backend compiles on its first call)")
+                   "runs the original forward")
         if strict:
             raise ValueError(message + "; save with strict=False to write the file anyway")
         warnings.warn(message, stacklevel=2)

@@ -27,7 +27,7 @@ from ._samples import Call
 from .generation import LoopPlan, apply_loop, plan_loop, uninstall as uninstall_loop
 from .backends.base import Backend
 from .module import TunedModule, arm_untuned, install_all, installed, unwrap
-from .signatures import OTHER, SignatureGroup
+from .signatures import SignatureGroup, is_other
 from .tuning import apply_groups, dataset_runner, model_class_name, rebuild_group, record, release
 
 SELECTED_DEPTHS: "weakref.WeakKeyDictionary[nn.Module, int | None]" = weakref.WeakKeyDictionary()
@@ -105,7 +105,8 @@ def apply(model: nn.Module, plan: Plan, *, device: torch.device, calls: Sequence
     recorded calls are used. Each chosen backend is built again (an unbuilt copy: the plan is
     not changed and can be applied again) on its calls and checked against the recorded
     outputs; bounded: its tolerance came from a file (capped, see correctness.MAX_TOLERANCES).
-    A group of "any other call" with no recorded call builds on its first call.
+    A group with no recorded call ("any other call" too: its backend serves only the calls
+    it was checked on, see signatures.proven_signatures) fails to rebuild.
 
     A rebuild that fails raises RebuildFailed when strict; else that signature runs the
     original forward, with the reason in its group's error and in the list returned. Then
@@ -176,29 +177,14 @@ def _build(wrapper: TunedModule, group: SignatureGroup, backend: Backend, device
     """Builds `backend` for one group on its recorded calls and checks it; RebuildFailed when
     it fails to build or to match."""
     if not group.samples:
-        if group.key != "other" or group.text != OTHER:
-            raise RebuildFailed(wrapper.tt_name, group, backend, (
-                "the file holds no recorded call of it (tt.save warned: its calls held live state such as "
-                "a key/value cache passed in), and a backend is rebuilt and checked on one; tune this "
-                "signature again here, or save from calls that pass no cache"))
-        _build_on_first_call(wrapper, backend, device)
-        return
+        what = ("the file holds no recorded call of it (tt.save warned: its calls held live state such as "
+                "a key/value cache passed in), and a backend is rebuilt and checked on one")
+        if is_other(group):
+            what += " and serves only the calls of the shapes and values it was checked on"
+        raise RebuildFailed(wrapper.tt_name, group, backend,
+                            what + "; tune this signature again here, or save from calls that pass no cache")
     try:
         rebuild_group(wrapper, group, backend, device, model_class, bounded=bounded)
     except Exception as exc:
         raise RebuildFailed(wrapper.tt_name, group, backend,
                             f"the rebuilt {backend.name} failed: {type(exc).__name__}: {exc}", exc) from exc
-
-
-def _build_on_first_call(wrapper: TunedModule, backend: Backend, device: torch.device) -> None:
-    """A backend whose calls could not be stored builds on the first call it serves."""
-    module = wrapper._tt_original
-
-    def first(*args: Any, **kwargs: Any) -> Any:
-        fn = backend.callable
-        if fn is None or fn is first:
-            fn = backend.prepare(module, [(args, kwargs)], device)
-        return fn(*args, **kwargs)
-
-    backend.callable = first
-    backend.state = "built"

@@ -13,8 +13,15 @@ layout too, so a backend builds on one layout.
 
 Recording keeps up to MAX_CALLS_PER_SIGNATURE calls of each of the first
 MAX_SIGNATURES signatures. Calls of any further signature share one last group,
-"any other call", with no signature of its own: its backend serves every call that
-no earlier signature fits (backends that need static shapes reject it).
+"any other call", with no signature of its own. Its backend serves only calls of the
+shape classes it was built and checked on (see proven_signatures): a call whose plain
+values, structure, dtypes, ranks or devices differ from every recorded call of the
+group, or whose tensor sizes differ on an axis that did not vary among them, runs the
+original forward (counted as "no signature matched"), as does a call of an earlier
+signature that tuning kept on the original.
+
+A shape class (shape_class) is a Signature whose tensor sizes may vary while the call's
+structure, plain values, dtypes, ranks and devices are fixed.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -56,6 +63,7 @@ class SignatureGroup:
     error: str = ""
     report: list[dict] = dataclasses.field(default_factory=list)
     unstorable: int = 0
+    serves: tuple = ()  # "any other call": the Signatures its backend serves (proven_signatures)
 
     def release(self) -> None:
         self.samples.clear()
@@ -104,13 +112,87 @@ def forward_params(module: Any) -> tuple[str | None, ...]:
     return tuple(names)
 
 
-def make_signature(args: tuple, kwargs: dict, params: tuple = ()) -> Any:
+def make_signature(args: tuple, kwargs: dict, params: tuple = (), dynamic: Any = None) -> Any:
     """The _C.Signature of one call, binding by the names in `params` (see forward_params);
-    without them when the call itself gives a parameter both ways (the original raises)."""
+    without them when the call itself gives a parameter both ways (the original raises).
+    dynamic: the axes that match any size (see _C.Signature), True for every axis."""
     try:
-        return _C.Signature(args, kwargs, None, params)
+        return _C.Signature(args, kwargs, dynamic, params)
     except ValueError:
-        return _C.Signature(args, kwargs)
+        return _C.Signature(args, kwargs, dynamic)
+
+
+def shape_class(args: tuple, kwargs: dict, params: tuple = ()) -> Any:
+    """The shape class of a call: a _C.Signature that fits every call of the same layout,
+    structure, plain values, tensor dtypes, ranks and devices, whatever its tensors' sizes."""
+    return make_signature(args, kwargs, params, dynamic=True)
+
+
+def _shapes(value: Any) -> Any:
+    """A bound argument's tensor shapes: a shape for a tensor, a list of them (None for an
+    item that is not a tensor) for a tuple or list, else None."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape)
+    if isinstance(value, (tuple, list)):
+        return [tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in value]
+    return None
+
+
+def _varying(shapes: Sequence[tuple]) -> tuple[int, ...]:
+    """The axes on which shapes of one rank take more than one size."""
+    return tuple(axis for axis in range(len(shapes[0])) if len({s[axis] for s in shapes}) > 1)
+
+
+def is_other(group: SignatureGroup) -> bool:
+    """Whether `group` is "any other call" (also as a file or cache entry gives it back)."""
+    return group.key == "other" and group.text == OTHER
+
+
+def proven_signatures(samples: Sequence[Any], params: tuple = (), sizes_fixed: bool = False) -> tuple:
+    """What a backend built and checked on `samples` (calls as (args, kwargs)) may serve, as
+    _C.Signatures: one per shape class among the samples, laid out as its first call, with
+    the plain values, structure, dtypes, ranks and devices of its calls, and sizes fixed
+    except on the axes whose size varied among its calls (the backend answered right on
+    several sizes there; sizes_fixed: on no axis). Empty when there are no samples: nothing
+    was proven.
+
+    The same rule for every backend: one that bakes in a plain value, or specialises on a
+    shape, serves only calls that have that value, or that shape."""
+    classes: list[tuple[Any, list[tuple[tuple, dict]]]] = []
+    for args, kwargs in samples:
+        for cls, members in classes:
+            if cls.matches(args, kwargs):
+                members.append(cls.bind(args, kwargs))
+                break
+        else:
+            try:
+                cls = shape_class(args, kwargs, params)
+            except Exception:  # an argument the dispatcher cannot describe: no class, served by none
+                continue
+            classes.append((cls, [cls.bind(args, kwargs)]))
+    served = []
+    for _, members in classes:
+        args, kwargs = members[0]
+        values = [list(a) + list(k.values()) for a, k in members]
+        dynamic: list[Any] = []
+        for i, first in enumerate(values[0]):
+            shapes = [_shapes(v[i]) for v in values]
+            if sizes_fixed:
+                axes = None
+            elif isinstance(shapes[0], tuple):
+                axes: Any = _varying(shapes) or None
+            elif isinstance(shapes[0], list):
+                items = [None if item is None else _varying([s[j] for s in shapes]) or None
+                         for j, item in enumerate(shapes[0])]
+                axes = items if any(a is not None for a in items) else None
+            else:
+                axes = None
+            dynamic.append(axes)
+        try:
+            served.append(make_signature(args, kwargs, params, dynamic=dynamic))
+        except Exception:  # a value read differently the second time: the sizes as recorded
+            served.append(make_signature(args, kwargs, params))
+    return tuple(served)
 
 
 def group_for(groups: list[SignatureGroup], args: tuple, kwargs: dict, params: tuple = ()) -> SignatureGroup:

@@ -19,7 +19,7 @@ from .correctness import MismatchError, check
 from .module import TunedModule, arm_untuned, installed, own_class
 from .progress import Progress
 from .report import candidates_of, fold
-from .signatures import MAX_CALLS_PER_SIGNATURE, SignatureGroup, forward_params, group_for
+from .signatures import MAX_CALLS_PER_SIGNATURE, SignatureGroup, forward_params, group_for, is_other, proven_signatures
 from .strategy import Strategy, default_backends, default_strategy
 
 logger = logging.getLogger("torch_tweak")
@@ -259,18 +259,38 @@ def apply_groups(wrapper: TunedModule) -> list[SignatureGroup]:
     """Gives the wrapper's dispatcher one (signature, callable, flags) entry per signature
     group that has a backend, and sets tt_backend (the first one's); returns those groups.
 
+    "Any other call" gets one entry per signature its backend was proven on (its
+    ``serves``, from its recorded calls: signatures.proven_signatures), none when it has
+    no recorded call; while it has any, each earlier signature kept on the original gets
+    an entry with no backend first, so that the wider entries never serve its calls (when
+    such a signature is not known, as in a file, which stores no call of it, the proven
+    signatures keep every size as recorded).
     A lone entry whose backend checks its inputs itself only has its call laid out by its
     signature: the values are checked once, by the backend, instead of twice. The
     untuned counters start again from 0 (see TunedModule.tt_untuned)."""
-    chosen = [g for g in wrapper.tt_signatures if g.backend is not None]
-    if len(chosen) == 1 and chosen[0].backend.checks_inputs:
+    groups = wrapper.tt_signatures
+    other = next((g for g in groups if g.signature is None and g.backend is not None), None)
+    if other is not None and other.samples:
+        unknown = any(g.signature is None and g.backend is None and not is_other(g) for g in groups)
+        other.serves = proven_signatures(other.samples, forward_params(wrapper._tt_original), sizes_fixed=unknown)
+    chosen = [g for g in groups if g.backend is not None]
+    if len(chosen) == 1 and chosen[0].signature is not None and chosen[0].backend.checks_inputs:
         group = chosen[0]
-        flags = entry_flags(group.backend)
-        if group.signature is not None:
-            flags |= _C.ENTRY_LAYOUT_ONLY
+        flags = entry_flags(group.backend) | _C.ENTRY_LAYOUT_ONLY
         wrapper._tt_set_entries([(group.signature, group.backend.callable, flags)])
     else:
-        wrapper._tt_set_entries([(g.signature, g.backend.callable, entry_flags(g.backend)) for g in chosen])
+        entries: list[tuple] = []
+        for g in groups:
+            if g.signature is None:
+                continue
+            if g.backend is not None:
+                entries.append((g.signature, g.backend.callable, entry_flags(g.backend)))
+            elif other is not None and other.serves:
+                entries.append((g.signature, None))  # kept on the original: counted, never the wider entries
+        if other is not None:
+            flags = entry_flags(other.backend)
+            entries.extend((signature, other.backend.callable, flags) for signature in other.serves)
+        wrapper._tt_set_entries(entries)
     wrapper._tt_set_params(tuple(m._parameters for m in wrapper._tt_original.modules()))
     wrapper.tt_backend = chosen[0].backend if chosen else None
     wrapper.tt_reset_untuned()
