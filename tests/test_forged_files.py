@@ -10,8 +10,10 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
+import torch
 
 from torch_tweak import checkpoint
 
@@ -55,3 +57,53 @@ def test_several_hundred_cases_ran():
     if set(COUNTS) != set(CATEGORIES):
         pytest.skip("runs after every category (pytest runs this file in order)")
     assert sum(COUNTS.values()) >= 500, COUNTS
+
+
+# ------------------------------------------------------------------ checks that compare something
+
+
+class Scaled(torch.nn.Module):
+    """A module with a plain argument: a backend that bakes plain values in (OpenVINO) serves
+    another value wrongly unless the check saw it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        return self.lin(x) * scale
+
+
+def scaled() -> Scaled:
+    torch.manual_seed(0)
+    return Scaled().eval()
+
+
+def test_a_file_whose_reference_outputs_are_nan_builds_nothing_on_them(tmp_path):
+    """A forger without the weights stores NaN as every reference output of an "any other call"
+    group whose OpenVINO build bakes in scale=3.0: the check compared nothing, and a call of
+    scale 2.0 got the answer for 3.0. Now a reference with no finite value accepts no backend:
+    the group runs the original forward, with a warning saying why."""
+    pytest.importorskip("openvino")
+    import torch_tweak as tt
+    from torch_tweak.signatures import OTHER, SignatureGroup
+
+    x8, x5 = torch.randn(8, 16), torch.randn(5, 16)
+    model = scaled()
+    tt.wrap(model, [""], strategy=tt.OneBackendStrategy(tt.backends.TorchEagerBackend()))
+    tt.tune(model, [(x8, 2.0)] * 2)
+    forged = SignatureGroup(None, OTHER, "other", backend=tt.backends.OpenVINOBackend())
+    forged.samples.append(((x5, 3.0), {}))
+    forged.outputs.append(torch.full((5, 16), float("nan")))
+    tt.installed(model)[""].tt_signatures.append(forged)
+    path = tmp_path / "nan.tt"
+    tt.save(model, path)
+    fresh = scaled()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        tt.load(fresh, path)
+    with torch.no_grad():
+        untuned = scaled()
+        for x, scale in ((x5, 2.0), (x5, 3.0), (x8, 2.0)):
+            assert torch.equal(fresh(x, scale), untuned(x, scale)), (tuple(x.shape), scale)
+    assert any("any other call" in str(w.message) and "no finite value" in str(w.message) for w in seen)
