@@ -179,6 +179,8 @@ def options(folder: Path, base: dict, marker: Path):
         (openvino, {"performance_hint": "NONE"}),
         (openvino, {"conversion": "pickle"}),
         (openvino, {"inference_precision": "f8"}),
+        (openvino, {"inference_precision": "bf16"}),  # lower precision: only when the caller passes it
+        (openvino, {"inference_precision": "f16", "tolerance": 0.05}),
         (eager, {"autocast_dtype": {"dtype": "int8"}}),
         (eager, {"autocast_dtype": {"dtype": "Tensor"}}),
         (eager, {"autocast_dtype": {"module": "os"}}),

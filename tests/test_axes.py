@@ -111,14 +111,32 @@ def test_lower_precision_is_opt_in_and_labelled():
     asked = tt.precision_backends("cpu", {"bf16": 0.05, "int8": 0.1})
     assert names(asked) == ["TorchInductor [bf16 autocast]", "TorchEager [bf16 autocast]", "TorchAO [int8_weight_only]"]
     assert all(b.opt_in for b in asked) and [b.check_tolerance() for b in asked] == [0.05, 0.05, 0.1]
-    assert axes.is_lower_precision_label("TorchEager [channels_last, bf16 autocast]")
+    assert all(b.config.lowers_precision() for b in asked)
     net, data = conv_net(), images()
     fn = asked[1].prepare(net, [((x,), {}) for x in data], torch.device("cpu"))
     with torch.no_grad():  # float32 out as before, within the tolerance asked for
         for x, y in zip(data, outputs(conv_net(), data)):
             out = fn(x)
             assert out.dtype == torch.float32 and 0 < (out - y).abs().max() <= 0.05 * y.abs().max()
-    assert not axes.is_lower_precision_label("TorchInductor [max-autotune]")
+    assert not any(b.config.lowers_precision() for b in plain.candidates("cpu"))
+
+
+def test_one_rule_says_which_configs_lower_precision():
+    """BackendConfig.lowers_precision: the axes (tf32, autocast), OpenVINO's inference precision
+    other than f32 (a field or the property), every TorchAO mode; a candidate that does is opt-in."""
+    from torch_tweak.backends import (OpenVINOBackend, TorchAOBackend, TorchEagerBackend, TorchInductorBackend)
+
+    lower = [TorchEagerBackend(autocast_dtype=torch.bfloat16), TorchInductorBackend(tf32=True),
+             OpenVINOBackend(inference_precision="bf16"), OpenVINOBackend(inference_precision="f16"),
+             OpenVINOBackend(properties={"INFERENCE_PRECISION_HINT": "bf16"}),
+             TorchAOBackend(mode="int8_weight_only"), TorchAOBackend(mode="int8_dynamic")]
+    same = [TorchEagerBackend(), TorchEagerBackend(memory_format="channels_last"), TorchInductorBackend(mode="max-autotune"),
+            OpenVINOBackend(), OpenVINOBackend(inference_precision="f32"),
+            OpenVINOBackend(properties={"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY"})]
+    assert [b.config.lowers_precision() for b in lower] == [True] * len(lower)
+    assert [b.config.lowers_precision() for b in same] == [False] * len(same)
+    assert all(b.opt_in for b in lower) and not any(b.opt_in for b in same)
+    assert all(b.fresh().opt_in for b in lower)
 
 
 @pytest.mark.parametrize("call, error, match", [

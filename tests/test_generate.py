@@ -290,20 +290,118 @@ print(tt.status(model))
     assert "decode loop (loop) served 3 calls" in done.stdout  # installed again, and it served every call
 
 
-def test_a_decode_loop_whose_stored_tokens_differ_is_not_installed(tmp_path):
+def test_a_loaded_loop_is_checked_against_the_untuned_generate_not_the_stored_tokens(tmp_path):
     from torch_tweak import plan as planning
 
     model, ids = with_loop()
     fresh = build("llama")
     loop_plan = generation.plan_loop(model)
-    loop_plan.checks[0][2][0, -1] += 1  # the stored tokens no longer are the model's
-    with pytest.warns(UserWarning, match="decode loop is not installed .*token 7 of sequence 0"):
-        planning.apply(fresh, planning.Plan(None, [], loop_plan), device=torch.device("cpu"), strict=False)
-    assert generation.loop_of(fresh) is None
+    loop_plan.checks[0][2][0, -1] += 1  # stored tokens are a file's word: not what the loop is compared with
+    planning.apply(fresh, planning.Plan(None, [], loop_plan), device=torch.device("cpu"), strict=True)
+    assert generation.loop_of(fresh) is not None
     assert torch.equal(generate(fresh, ids, "static"), generate(build("llama"), ids, "static"))
-    with pytest.raises(planning.PlanError, match="decode loop"):
-        planning.apply(fresh, planning.Plan(None, [], loop_plan), device=torch.device("cpu"), strict=True)
+    args, kwargs, tokens = generation.loop_of(fresh).checks[0]  # what a new save stores: the tokens given here
+    with torch.no_grad():
+        assert torch.equal(tokens, build("llama").generate(*args, **kwargs))
+    tt.unwrap(fresh)
+    generation.uninstall(fresh)
+    with pytest.raises(planning.PlanError, match="decode loop"):  # a loop that gives other tokens than here
+        forged = generation.LoopPlan("loop", FORGED_LAYOUTS, loop_plan.checks)
+        planning.apply(fresh, planning.Plan(None, [], forged), device=torch.device("cpu"), strict=True)
     assert generation.loop_of(fresh) is None
+
+
+FORGED_LAYOUTS = {phase: (("input_ids", ("tensor", "torch.int64", 2)), ("past_key_value", ("cache",)),
+                          ("use_cache", ("value", True)), ("return_dict", ("value", True)))
+                  for phase in ("prefill", "decode")}
+"""A decode loop that passes the cache under a keyword the decoder accepts and ignores: every
+step sees one token and no past, so its tokens are not the untuned ones."""
+
+
+def test_a_forged_loop_storing_its_own_tokens_is_not_installed(tmp_path):
+    """A file's loop passed the cache under an ignored keyword and stored its own tokens as the
+    "untuned" ones; tt.load compared the loop with the file and installed it, changing what
+    generate() returns. Now the loop is compared with transformers' generate() run here."""
+    model = build("llama")
+    ids = prompt(2)
+    loop = generation.DecodeLoop(model, "loop", FORGED_LAYOUTS)
+    generation.install(model, loop)
+    kwargs = {"max_new_tokens": 8, "do_sample": False}
+    loop.checks = [((ids,), kwargs, model.generate(ids, **kwargs))]  # the forged loop's own tokens
+    from torch_tweak.plan import SELECTED_DEPTHS
+    SELECTED_DEPTHS[model] = None
+    path = tmp_path / "forged.tt"
+    tt.save(model, path)
+    fresh = build("llama")
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        tt.load(fresh, path)
+    with torch.no_grad():
+        assert torch.equal(fresh.generate(ids, **kwargs), build("llama").generate(ids, **kwargs)), "tokens differ"
+    assert generation.loop_of(fresh) is None
+    assert any("decode loop is not installed" in str(w.message) and "untuned" in str(w.message) for w in seen)
+
+
+def test_a_loop_check_past_its_time_bound_leaves_generate_as_it_was(monkeypatch):
+    from torch_tweak import plan as planning
+
+    model, ids = with_loop()
+    fresh = build("llama")
+    monkeypatch.setattr(generation, "LOOP_CHECK_SECONDS", 1e-6)
+    with pytest.warns(UserWarning, match="decode loop is not installed .*took longer than"):
+        planning.apply(fresh, planning.Plan(None, [], generation.plan_loop(model)), device=torch.device("cpu"),
+                       strict=False)
+    assert generation.loop_of(fresh) is None and not tt.installed(fresh)
+
+
+def test_a_saved_loop_bounds_the_calls_it_is_checked_on():
+    model, ids = with_loop()
+    loop = generation.loop_of(model)
+    args, kwargs, tokens = loop.checks[0]
+    loop.checks = [(args, dict(kwargs, max_new_tokens=1000), tokens),
+                   ((prompt(64, length=1100),), dict(kwargs, max_new_tokens=8), tokens)]
+    (args, stored, _), = generation.plan_loop(model).checks  # the second decodes 64 x 1108 tokens: left out
+    assert stored["max_new_tokens"] == generation.MAX_CHECK_NEW_TOKENS
+
+
+@pytest.mark.parametrize("ask", [{"max_new_tokens": 10 ** 6}, {"max_length": 10 ** 6}, {"do_sample": True}])
+def test_a_file_asking_a_huge_loop_check_is_refused_quickly(tmp_path, ask):
+    """A forged loop check asked for max_new_tokens=10**6 and tt.load decoded until killed: a
+    file may ask at most MAX_CHECK_NEW_TOKENS, refused before anything is decoded."""
+    import subprocess
+    import sys
+
+    import forgery
+
+    model, ids = with_loop()
+    path = tmp_path / "decoder.tt"
+    tt.save(model, path)
+
+    def edit(plan):
+        settings = plan["generate"]["checks"][0]["call"]["tuple"][1]["dict"]
+        settings.pop("max_new_tokens")
+        settings.update(ask)
+    forged = forgery.with_plan(tmp_path, "forged", forgery.members(path), edit)
+    script = f"""
+import sys, torch_tweak as tt
+sys.path.insert(0, {TESTS!r})
+from test_generate import build
+model = build("llama")
+try:
+    tt.load(model, {str(forged)!r})
+except tt.CheckpointError as exc:
+    print("refused:", exc)
+print("installed:", bool(tt.installed(model)) or "generate" in model.__dict__)
+"""
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("tt.load of a file asking a huge loop check did not finish within 120 s")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refused:" in done.stdout and "decode loop of its plan is refused" in done.stdout, done.stdout
+    assert "installed: False" in done.stdout
 
 
 @pytest.mark.parametrize("edit", [

@@ -110,6 +110,8 @@ def label_parts(config: Any) -> list[str]:
 
 
 def lowers_precision(config: Any) -> bool:
+    """Whether the axes of `config` lower precision (tf32, autocast_dtype): the axes' part of
+    BackendConfig.lowers_precision, which every reader asks instead of this."""
     return bool(getattr(config, "tf32", False)) or getattr(config, "autocast_dtype", None) is not None
 
 
@@ -120,7 +122,7 @@ about 1e-3 per product, adding up through a block)."""
 
 def tolerance(config: Any) -> float | None:
     """The config's tolerance; when it sets none, the autocast dtype's, or TF32's."""
-    if config.tolerance is not None:
+    if config.tolerance is not None or not config.lowers_precision():
         return config.tolerance
     if getattr(config, "autocast_dtype", None) is not None:
         from .correctness import tolerance_for
@@ -128,15 +130,6 @@ def tolerance(config: Any) -> float | None:
     if getattr(config, "tf32", False):
         return TF32_TOLERANCE
     return None
-
-
-LOWER_PRECISION_LABELS = ("tf32", "bf16 autocast", "fp16 autocast", "int8_weight_only", "int8_dynamic", "fp8")
-
-
-def is_lower_precision_label(name: str) -> bool:
-    """Whether a candidate's name ("TorchInductor [bf16 autocast]") says it lowers precision."""
-    inside = name.partition(" [")[2].rstrip("]")
-    return any(part in LOWER_PRECISION_LABELS for part in inside.split(", "))
 
 
 def unavailable(config: Any, device: torch.device) -> str | None:
@@ -345,7 +338,7 @@ class Axes:
         cuda = device.type == "cuda"
         axis_kinds = (TorchEagerBackend, TorchInductorBackend, DeviceGraphBackend)
         plain = [b for b in backends if isinstance(b, axis_kinds) and not has_axes(b.config)
-                 and getattr(b.config, "mode", None) in (None, "default")
+                 and not b.config.lowers_precision() and getattr(b.config, "mode", None) in (None, "default")
                  and not getattr(b.config, "combo_kernels", False)]
 
         def variant(b: Any, rule: str, **fields: Any) -> None:

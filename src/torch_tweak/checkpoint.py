@@ -41,7 +41,7 @@ from . import archive
 from .storage import NotRegular, atomic_file
 from .module import installed, own_class, resolve_paths
 from . import plan as planning
-from .generation import LOOPS, LoopPlan, check_layouts
+from .generation import LOOPS, LoopPlan, check_bounds, check_layouts
 from .plan import SELECTED_DEPTHS, ModulePlan, Plan, plan_of
 from .workload import MAX_GENERATE_CALLS
 from .serial import (MAX_JSON_VALUES, Unstorable, build_backend, class_path, decode, describe_backend, device_name, dumps, encode,
@@ -401,7 +401,7 @@ def load(model: nn.Module, path: str | os.PathLike, *, device: Any = None, trust
         steps = _check_plan(model, plan, given, path)
         stored = _stored(data, target, path)
         groups = _groups(plan, stored, path, model, known_types(types))
-        loop = _loop_plan(plan, stored, path, known_types(types))
+        loop = _loop_plan(plan, stored, path, known_types(types), model)
     except (CheckpointError, FileNotFoundError):
         raise
     except Exception as exc:  # whatever a damaged file makes a reader raise is one error, and the model is as it was
@@ -527,9 +527,10 @@ def _stored(data: dict[str, Any], device: torch.device, path: Any) -> tuple[list
     return tensors, place
 
 
-def _loop_plan(plan: dict, stored: tuple, path: Any, types: dict[str, type]) -> LoopPlan | None:
+def _loop_plan(plan: dict, stored: tuple, path: Any, types: dict[str, type], model: nn.Module) -> LoopPlan | None:
     """The plan's decode loop, checked: a known kind, plain layouts, at most
-    MAX_GENERATE_CALLS stored calls of (tensor ids, plain settings) and their tokens."""
+    MAX_GENERATE_CALLS stored calls of (tensor ids, plain settings) and their tokens, each
+    one plain greedy decoding of this model within the check's bounds (check_bounds)."""
     entry = plan.get("generate")
     if entry is None:
         return None
@@ -547,9 +548,15 @@ def _loop_plan(plan: dict, stored: tuple, path: Any, types: dict[str, type]) -> 
             if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
                 raise ValueError("a stored generate() call's tokens are a 2-D tensor")
             calls.append((args, kwargs, tokens))
-        return LoopPlan(entry["kind"], check_layouts(entry.get("layouts")), calls)
+        loop = LoopPlan(entry["kind"], check_layouts(entry.get("layouts")), calls)
     except (ValueError, TypeError, KeyError, RuntimeError) as exc:
         raise CheckpointError(f"{path}: the decode loop of its plan is damaged: {str(exc)[:200]}") from None
+    for args, kwargs, _ in loop.checks:  # what a file may ask the check to decode, before anything runs
+        problem = check_bounds(model, args, kwargs)
+        if problem is not None:
+            raise CheckpointError(f"{path}: the decode loop of its plan is refused: {problem[:300]}; tt.save never "
+                                  "writes such a call")
+    return loop
 
 
 def _groups(plan: dict, stored: tuple, path: Any,

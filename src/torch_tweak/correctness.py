@@ -3,11 +3,15 @@
 A backend's outputs on the recorded samples must have the same structure as the
 original module's (the same nesting of tuples, lists and dicts, tensors of the
 same shape and dtype, equal plain values), no NaN or Inf where the original has
-none, and values within a tolerance that fits the dtype.
+none, the same NaN or Inf where the original has one (NaN where NaN, +Inf where
++Inf, -Inf where -Inf), and values within a tolerance that fits the dtype.
 
 The error of a floating-point tensor is relative to its scale:
 ``max|out - ref| / max(max|ref|, 1e-6)``, taken over the positions where the
-reference is finite. Integer and bool tensors must be equal. The defaults per
+reference is finite. A floating reference tensor with fewer than MIN_FINITE_SHARE
+of its values finite (or none) compares too little to accept anything: every
+backend is refused for it (a file whose stored outputs are NaN is one). Integer
+and bool tensors must be equal. The defaults per
 dtype are in ``TOLERANCES``; change one for the whole process with
 ``torch_tweak.correctness.TOLERANCES[torch.float32] = 1e-2``, or give a backend
 config its own ``tolerance``.
@@ -37,6 +41,14 @@ MAX_TOLERANCES: dict[torch.dtype, float] = {
 }
 """The most a tolerance read from a saved file may allow per dtype (others: 0.1): a file
 cannot widen the check past what TorchAO's quantization needs."""
+
+
+MIN_FINITE_SHARE = 0.01
+"""The least share of a floating reference tensor's values that must be finite (and at least
+one) for a check against it to accept a backend. Positions where the reference is NaN or Inf
+are compared in kind only, so a reference made mostly of them compares almost nothing; a real
+module's output with masked positions (-Inf attention scores, causal or padded) keeps far
+more than 1 % of its values finite."""
 
 
 class MismatchError(Exception):
@@ -121,13 +133,27 @@ def check_tensor(out: Any, ref: torch.Tensor, tolerance: float | None, where: st
             raise MismatchError(f"{where}: {int((out != ref).sum())} of {ref.numel()} values differ")
         return 0.0
     finite = torch.isfinite(ref)
+    count = int(finite.sum())
+    if count == 0 or count < MIN_FINITE_SHARE * ref.numel():
+        found = "no finite value" if count == 0 else f"only {count} finite values of {ref.numel()}"
+        raise MismatchError(f"{where}: the original's output has {found} (the rest NaN or Inf), so a check "
+                            f"against it compares too little (at least {MIN_FINITE_SHARE:.0%} must be finite): "
+                            "no backend is accepted for it, and it runs the original forward")
     bad = finite & ~torch.isfinite(out)
     if bool(bad.any()):
         raise MismatchError(f"{where}: {int(bad.sum())} NaN or Inf values where the original has none")
+    if count < ref.numel():
+        other = ~finite
+        got, want = out[other], ref[other]
+        if ref.is_complex():
+            same = ~torch.isfinite(got)
+        else:
+            same = (torch.isnan(got) & torch.isnan(want)) | (got == want)
+        if not bool(same.all()):
+            raise MismatchError(f"{where}: {int((~same).sum())} values differ where the original is NaN or Inf "
+                                "(a backend must give the same NaN or Inf there)")
     a = out[finite].double()
     b = ref[finite].double()
-    if a.numel() == 0:
-        return 0.0
     scale = max(float(b.abs().max()), 1e-6)
     error = float((a - b).abs().max()) / scale
     limit = tolerance_for(ref.dtype, tolerance, bounded)

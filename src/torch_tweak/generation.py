@@ -38,6 +38,7 @@ import dataclasses
 import inspect
 import logging
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -58,6 +59,18 @@ eager model's within a few steps on the benchmarked decoders (bench/results/gene
 
 CHECK_EVERY = 16
 """Graph replays between two reads of the stopping rule (each read waits for the device)."""
+
+MAX_CHECK_NEW_TOKENS = 256
+"""The most new tokens a stored generate() call of a decode loop's check may ask for (tt.load
+refuses a file that asks more; tt.save stores a longer call with this many)."""
+
+MAX_CHECK_TOKENS = 1 << 16
+"""The most tokens, batch x (prompt + new tokens), a stored generate() call of a decode loop's
+check may decode (tt.load refuses a file that asks more; tt.save leaves such a call out)."""
+
+LOOP_CHECK_SECONDS = 300.0
+"""The time a loaded decode loop's check may take in all (the untuned generate() runs and the
+loop's own): past it the check stops and generate() stays transformers' own."""
 
 _GENERATE_OPTIONS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus",
                      "assistant_model", "streamer", "negative_prompt_ids", "negative_prompt_attention_mask",
@@ -366,6 +379,11 @@ class DecodeLoop:
         self._lock = threading.Lock()
         self._previous_len: int = -1
         self.eager = False  # set by uncompiled(): the compiled loop's steps run the plain forward
+        self.deadline: float | None = None  # a time.monotonic() value: set while apply_loop checks it
+
+    def _in_time(self) -> None:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise TimeoutError(f"its check took longer than {LOOP_CHECK_SECONDS:g} s (LOOP_CHECK_SECONDS)")
 
     _tt_decode_loop = True  # what tt.unwrap looks for
 
@@ -452,8 +470,11 @@ class DecodeLoop:
         compiled = self.kind == "compiled" and not self.eager and transformers_compiles(self.model, call, cache)
         first = self._prefill(ids, cache)
         if graphs:
-            tokens = entry.run(first, prompt, call.max_new,
-                               lambda n: eos is not None and bool(_finished(entry.tokens[:, :n], eos).all()))
+            def finished(n: int) -> bool:
+                self._in_time()
+                return eos is not None and bool(_finished(entry.tokens[:, :n], eos).all())
+
+            tokens = entry.run(first, prompt, call.max_new, finished)
         elif compiled:
             tokens = self._compiled_steps(first, cache, call, prompt, eos, length)
         else:
@@ -472,6 +493,7 @@ class DecodeLoop:
         arange = torch.arange(length, device=first.device) if call.static else None
         unfinished = torch.ones(batch, dtype=torch.bool, device=first.device)
         for step in range(1, call.max_new):
+            self._in_time()
             if eos is not None:
                 unfinished &= ~torch.isin(nxt, eos)
                 if not bool(unfinished.any()):
@@ -504,6 +526,7 @@ class DecodeLoop:
         nxt = first
         done = 1
         while done < call.max_new:
+            self._in_time()
             if eos is not None and done % CHECK_EVERY == 0 and bool(_finished(tokens[:, :done], eos).all()):
                 break
             position = prompt + done - 1
@@ -545,8 +568,10 @@ def _stop(tokens: torch.Tensor, eos: torch.Tensor | None, pad: int | None) -> to
 @dataclasses.dataclass
 class LoopPlan:
     """A decode loop as a Plan keeps it: its kind, the layouts of its forward calls (None: the
-    defaults) and the generate() calls, with their untuned tokens, it must reproduce exactly
-    before it is installed again (tt.load)."""
+    defaults) and the generate() calls it is checked on before it is installed again (tt.load,
+    the tuning cache), each with the untuned tokens it gave where it was tuned. The check
+    compares the loop with the untuned generate() run here, never with those stored tokens
+    (a file's word); each call is bounded (MAX_CHECK_NEW_TOKENS, MAX_CHECK_TOKENS)."""
 
     kind: str
     layouts: dict | None
@@ -554,8 +579,39 @@ class LoopPlan:
 
 
 def plan_loop(model: nn.Module) -> LoopPlan | None:
+    """The loop installed on `model` as a Plan keeps it, its check calls bounded: a call asking
+    more than MAX_CHECK_NEW_TOKENS new tokens is kept with that many (greedy tokens are a
+    prefix of a longer call's), one decoding more than MAX_CHECK_TOKENS is left out."""
     loop = loop_of(model)
-    return None if loop is None else LoopPlan(loop.kind, loop.given, list(loop.checks))
+    if loop is None:
+        return None
+    checks = []
+    for args, kwargs, tokens in loop.checks:
+        call = greedy_call(model, args, kwargs)
+        if not isinstance(call, str) and call.max_new > MAX_CHECK_NEW_TOKENS:
+            kwargs = {k: v for k, v in kwargs.items() if k != "max_length"}
+            kwargs["max_new_tokens"] = MAX_CHECK_NEW_TOKENS
+            tokens = tokens[:, :call.input_ids.shape[1] + MAX_CHECK_NEW_TOKENS]
+        if check_bounds(model, args, kwargs) is None:
+            checks.append((args, kwargs, tokens))
+    return LoopPlan(loop.kind, loop.given, checks)
+
+
+def check_bounds(model: nn.Module, args: tuple, kwargs: dict) -> str | None:
+    """Why a stored generate() call cannot check a decode loop on `model`: not plain greedy
+    decoding the loop serves, or asking more than MAX_CHECK_NEW_TOKENS new tokens or
+    MAX_CHECK_TOKENS tokens in all; None when it can."""
+    call = greedy_call(model, args, kwargs)
+    if isinstance(call, str):
+        return f"a stored generate() call is not one the loop serves ({call})"
+    batch, prompt = call.input_ids.shape
+    if call.max_new > MAX_CHECK_NEW_TOKENS:
+        return (f"a stored generate() call asks for {call.max_new} new tokens, and a check may ask at most "
+                f"{MAX_CHECK_NEW_TOKENS}")
+    if batch * (prompt + call.max_new) > MAX_CHECK_TOKENS:
+        return (f"a stored generate() call decodes {batch} x ({prompt} + {call.max_new}) tokens, and a check may "
+                f"decode at most {MAX_CHECK_TOKENS}")
+    return None
 
 
 def prompt_length(args: tuple, kwargs: dict) -> int | None:
@@ -578,18 +634,42 @@ def token_difference(i: int, got: Any, expected: torch.Tensor, prompt: int | Non
             f"untuned {int(expected[row, col])}")
 
 
-def apply_loop(model: nn.Module, plan: LoopPlan) -> str | None:
-    """Installs the plan's loop when it gives every stored call's tokens; else leaves
-    generate() as it was and returns why."""
+def apply_loop(model: nn.Module, plan: LoopPlan, seconds: float | None = None) -> str | None:
+    """Installs the plan's loop when, on every stored call, it gives the tokens of the untuned
+    generate() run here (transformers' own loop on the model with its tuned modules taken
+    out, the loop not installed); else leaves generate() as it was and returns why. The
+    tokens the plan stores are not trusted: a forged loop stores its own. Each call is bounded
+    (check_bounds), and the whole check by `seconds` (default LOOP_CHECK_SECONDS)."""
     if not plan.checks:
         return "no stored generate() call to check it on"
+    for args, kwargs, _ in plan.checks:
+        problem = check_bounds(model, args, kwargs)
+        if problem is not None:
+            return problem
+    limit = LOOP_CHECK_SECONDS if seconds is None else seconds
+    deadline = time.monotonic() + limit
+    late = f"its check took longer than {limit:g} s (LOOP_CHECK_SECONDS)"
+    untuned = []
+    uninstall(model)
+    try:
+        with torch.no_grad(), _Plain(model):
+            for args, kwargs, _ in plan.checks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return late
+                untuned.append(model.generate(*args, **{**kwargs, "max_time": left}))
+        if time.monotonic() > deadline:  # transformers' max_time stopped a run short
+            return late
+    except Exception as exc:
+        return f"the untuned generate() failed on a stored call: {type(exc).__name__}: {str(exc)[:200]}"
     loop = DecodeLoop(model, plan.kind, plan.layouts)
-    loop.checks = list(plan.checks)
+    loop.checks = [(args, kwargs, tokens) for (args, kwargs, _), tokens in zip(plan.checks, untuned)]
+    loop.deadline = deadline
     install(model, loop)
     problem = None
     try:
         with torch.no_grad():
-            for i, (args, kwargs, tokens) in enumerate(plan.checks):
+            for i, (args, kwargs, tokens) in enumerate(loop.checks):
                 got = model.generate(*args, **kwargs)
                 if loop.fallbacks:
                     problem = f"generate call {i} is not one it serves ({next(iter(loop.fallbacks))})"
@@ -600,6 +680,7 @@ def apply_loop(model: nn.Module, plan: LoopPlan) -> str | None:
     except Exception as exc:
         problem = f"{type(exc).__name__}: {str(exc)[:200]}"
     finally:
+        loop.deadline = None
         if problem is not None or loop_of(model) is not loop:
             uninstall(model)  # whatever happened (an interrupt too), generate() is as it was
     loop.calls = 0

@@ -18,7 +18,8 @@ class SignatureResult:
     "unavailable", "build failed", "crashed", "dynamic shapes", "mismatch", "out of memory",
     "time budget": a variant of effort= or precision= not built because tt.tweak's time_budget
     was used up first), "max_error" (largest
-    relative error of the correctness check, or None), "tolerance" (on a mismatch).
+    relative error of the correctness check, or None), "tolerance" (on a mismatch),
+    "lowers_precision" (its config lowers precision: BackendConfig.lowers_precision).
     unstorable: recorded calls the chosen backend cannot store; they compile on first call.
     """
 
@@ -91,7 +92,8 @@ def candidates_of(group: dict, notes: list[dict]) -> list[dict]:
         found.append({"backend": candidate["name"], "state": candidate["state"],
                       "latency_ms": None if stats is None else stats["median_ns"] / 1e6,
                       "error": candidate["error"], "reason": note.get("reason", ""),
-                      "max_error": note.get("max_error"), "tolerance": note.get("tolerance")})
+                      "max_error": note.get("max_error"), "tolerance": note.get("tolerance"),
+                      "lowers_precision": bool(note.get("lowers_precision", False))})
     return found
 
 

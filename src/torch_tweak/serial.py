@@ -281,14 +281,19 @@ def build_backend(tree: Any, given: Sequence[Backend] = ()) -> Backend:
                                  f"{key}, tt.load(model, path, backends=[tt.backends.{short}({key}=...)])")
             raise ValueError(f"{short}: {key}={str(value)[:40]} is not {spec.describe()}")
         values[key] = value
-    if values.get("tf32") or values.get("autocast_dtype") is not None:
-        raise ValueError(f"{short} with lower precision ({str(tree.get('name', short))[:60]}) is opt-in: pass it "
-                         f"to load this file, tt.load(model, path, backends=tt.precision_backends(device, "
-                         f"{{policy: tolerance}})), or backends=[tt.backends.{short}(...)] as it was tuned")
     try:
-        return cls(cls.config_class(**values))
+        config = cls.config_class(**values)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{short}: {exc}") from None
+    if config.lowers_precision():  # the one rule (BackendConfig.lowers_precision): never on a file's word
+        lowered = ", ".join(f"{k}={v!r}"[:40] for k, v in values.items() if k != "tolerance"
+                            and v != getattr(cls.config_class(), k, None))
+        raise ValueError(f"{short} with lower precision ({lowered or str(tree.get('name', short))[:60]}) is opt-in: "
+                         f"tt.load never lowers precision on a file's word; pass it to load this file, "
+                         f"tt.load(model, path, backends=[tt.backends.{short}({lowered}, tolerance=...)]) as it was "
+                         "tuned, or backends=tt.precision_backends(device, {policy: tolerance}) for tt.tweak's "
+                         "precision= variants")
+    return cls(config)
 
 
 def device_name(device: torch.device) -> str:

@@ -104,7 +104,8 @@ class ModuleSearch:
     wrapper_of(node) and strategy_of(node): the module's wrapper (recorded) and strategy
     template. done(node): called once a module's last group is committed (or at once when
     it has none). notes[(node, group, candidate)]: what only Python knows of a build
-    (reason, max_error, tolerance, build_s), read with the engine's result (see absorb).
+    (reason, max_error, tolerance, build_s, lowers_precision), read with the engine's result
+    (see absorb).
     deadline: None, or a time.monotonic() value (tt.tweak's time_budget) after which no variant
     of effort= or precision= is built; the strategy's own backends still are, so every module of
     the depth in progress still gets a choice. None: no deadline.
@@ -154,6 +155,7 @@ class ModuleSearch:
         o = self._current(node, g)
         backend, group, wrapper = o.backends[c], o.group, self.wrapper_of(node)
         note = self.notes.setdefault((node, g, c), {})
+        note["lowers_precision"] = backend.config.lowers_precision()  # what the report names (precision=)
         if c in o.variants and self.deadline is not None and time.monotonic() >= self.deadline:
             note["reason"], note["build_s"] = "time budget", 0.0
             raise BudgetSkip("not built: the time budget was used up before this variant's turn (the backends "

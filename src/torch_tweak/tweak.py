@@ -140,10 +140,12 @@ class TweakResult:
     @property
     def lower_precision(self) -> dict[str, str]:
         """{path: candidate} of the kept modules that run at a lower precision (precision=...,
-        or a TorchAO backend you passed), by their labels: "TorchInductor [bf16 autocast]"."""
+        or a TorchAO backend you passed): those whose chosen config lowers precision
+        (BackendConfig.lowers_precision), e.g. "TorchInductor [bf16 autocast]"."""
         found = {}
         for path, module in self.modules.items():
-            if module.kept and module.backend and axes.is_lower_precision_label(module.backend):
+            if module.kept and module.backend and any(c.get("lowers_precision") for s in module.signatures
+                                                      for c in s.candidates if c["backend"] == s.backend):
                 found[path] = module.backend
         return found
 

@@ -33,6 +33,19 @@ class BackendConfig:
         if self.tolerance is not None and not (self.tolerance >= 0):
             raise ValueError(f"tolerance must be a fraction >= 0, got {self.tolerance!r}")
 
+    def lowers_precision(self) -> bool:
+        """Whether this config computes at a lower precision than the module's own, on purpose
+        (TF32, autocast, a lower inference precision, quantization): the one rule every reader
+        asks. A candidate that does is opt-in: tuning tries it only when asked (tt.tweak's
+        precision=, or a backend the caller passed), the report names it, and tt.load builds it
+        from a file only when the caller passes it in backends=.
+
+        Here: the axes of torch_tweak.axes (tf32, autocast_dtype), for every config that has
+        them; a config class with other precision settings answers for them (OpenVINO's
+        inference_precision, TorchAO's modes)."""
+        from .. import axes
+        return axes.lowers_precision(self)
+
 
 class BackendUnavailable(Exception):
     """The backend cannot run here (a package not installed, a device it does not support)."""
@@ -74,7 +87,8 @@ class Backend(abc.ABC):
     config_class: type[BackendConfig] = BackendConfig
     opt_in = False
     """True for a backend that changes results on purpose (quantization): never a default,
-    and tt.load builds it from a file only when the caller passes it in backends=."""
+    and tt.load builds it from a file only when the caller passes it in backends=. A backend
+    whose config lowers precision (BackendConfig.lowers_precision) is opt-in too."""
     isolate_build = False
     """True when build runs native code that can crash the process (a segfault in a
     compiler): tuning then first builds this candidate in a child process, once per module,
@@ -114,7 +128,7 @@ class Backend(abc.ABC):
         parts = self.label_parts()
         if parts:  # a candidate is a backend and its axes: "TorchInductor [channels_last]"
             self.name = f"{type(self).name} [{', '.join(parts)}]"
-        if axes.lowers_precision(config):
+        if config.lowers_precision():
             self.opt_in = True  # lower precision on purpose: tt.load builds it only when the caller passes it
 
     def label_parts(self) -> list[str]:

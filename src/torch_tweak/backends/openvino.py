@@ -90,6 +90,15 @@ class OpenVINOBackendConfig(BackendConfig):
         if self.properties is not None and not isinstance(self.properties, dict):
             raise ValueError(f"properties must be a dict of OpenVINO properties, got {type(self.properties).__name__}")
 
+    def lowers_precision(self) -> bool:
+        """An inference precision other than f32 (f16, bf16), set here or as the
+        INFERENCE_PRECISION_HINT property; None lets OpenVINO run the module's own dtype."""
+        hint = (self.properties or {}).get("INFERENCE_PRECISION_HINT")
+        named = getattr(hint, "to_string", None)  # an openvino.Type
+        hint = named() if callable(named) else hint
+        return (self.inference_precision not in (None, "f32") or hint not in (None, "f32")
+                or super().lowers_precision())
+
 
 def _import_openvino() -> Any:
     """The openvino module, or None when it cannot be imported."""

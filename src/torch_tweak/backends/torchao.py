@@ -54,6 +54,10 @@ class TorchAOBackendConfig(BackendConfig):
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be a bool, got {self.compile!r}")
 
+    def lowers_precision(self) -> bool:
+        """Every mode quantizes (int8, fp8 weights)."""
+        return True
+
 
 def _import_torchao() -> Any:
     try:
