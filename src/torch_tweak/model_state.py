@@ -1,18 +1,32 @@
-"""What a build must not change: a module's training flags, parameters and buffers; and
-where its weights are (weight_places, restore_places: weights a backend moved go back).
+"""What a build must not change: a module's structure, training flags, parameters and
+buffers; and where its weights are (weight_places, restore_places: weights a backend moved go
+back).
 
 snapshot(module) takes, cheaply, what restore() needs to put the module back exactly as it
-was: every submodule's training flag; every parameter and buffer object in its owner's
-dict with its data, device, dtype, requires_grad and version counter; a copy of every
-buffer (buffers are small: running statistics, masks, position ids); and a copy of the
-parameters when they fit in PARAM_COPY_LIMIT bytes. Above that limit a parameter written
-in place (its version counter moved) cannot be put back, and restore() says so.
+was. Its structure, for every module of the subtree: its class; its instance dict (the
+object, and which object sits at each of its names: `forward` or any attribute set on the
+instance, a parameter or buffer turned into a plain attribute); and the contents, in order,
+of every table torch keeps in it (`_parameters`, `_buffers`, `_modules`, the set of
+non-persistent buffers, every hook table: forward and pre-forward hooks with their kwargs and
+always-call variants, backward hooks, state-dict and load-state-dict hooks). Those are
+references and dict copies, never tensor copies. Its values: every submodule's training flag;
+every parameter and buffer object with its data, device, dtype, requires_grad and version
+counter; a copy of every buffer (buffers are small: running statistics, masks, position ids);
+and a copy of the parameters when they fit in PARAM_COPY_LIMIT bytes. Above that limit a
+parameter written in place (its version counter moved) cannot be put back, and restore()
+says so.
+
+Plain attributes are put back by reference: the object that sat at a name sits there again;
+what a build did inside such an object (a list appended to, a config object edited) is not
+seen, nor are changes to the module's class itself or to torch's global hooks.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import operator
 from typing import Iterator
 import torch
 from torch import nn
@@ -35,19 +49,126 @@ class _Tensor:
     copy: torch.Tensor | None
 
 
-class Snapshot:
-    """A module's state as it was; restore() puts it back and says what it changed."""
+_TABLES = tuple(name for name, value in nn.Module().__dict__.items() if isinstance(value, (dict, set)))
+"""The tables torch keeps in every module's instance dict (parameters, buffers, submodules,
+non-persistent buffer names, hooks), as this torch version makes them."""
 
-    def __init__(self, module: nn.Module, param_copy_limit: int = PARAM_COPY_LIMIT) -> None:
-        self.flags = [(m, m.training) for m in module.modules()]
-        self.paths = {id(m): path or type(m).__name__ for path, m in module.named_modules(remove_duplicate=False)}
-        self.names = {(id(m), kind): (m, set(getattr(m, kind))) for m in module.modules()
-                      for kind in ("_parameters", "_buffers")}
-        params = [p for m in module.modules() for p in m._parameters.values() if p is not None]
+_tables_of = operator.itemgetter(*_TABLES)
+_TABLE_TYPES = frozenset(type(nn.Module().__dict__[name]) for name in _TABLES)
+_NO_TABLE: frozenset = frozenset()  # in place of a table a module lacks: always empty
+
+_KINDS = {"_parameters": "parameter", "_buffers": "buffer", "_modules": "submodule"}
+_MISSING = object()
+
+
+class _Structure:
+    """One module's structure as it was: its class, its instance dict and a copy of each of
+    torch's tables in it (references only; an empty table is not copied)."""
+
+    __slots__ = ("module", "cls", "attrs", "entries", "tables", "copies", "size")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.cls = type(module)
+        self.attrs = module.__dict__
+        self.entries = dict(self.attrs)
+        try:
+            self.tables = _tables_of(self.attrs)
+            if not set(map(type, self.tables)) <= _TABLE_TYPES:
+                raise TypeError
+            self.size = sum(map(len, self.tables))
+        except (KeyError, TypeError):  # a table missing or not a table: nn.Module.__init__ did not make it
+            self.tables = tuple(t if type(t := self.attrs.get(name)) in _TABLE_TYPES else _NO_TABLE
+                                for name in _TABLES)
+            self.size = sum(map(len, self.tables))
+        self.copies = [(i, table.copy()) for i, table in enumerate(self.tables) if table]
+
+    def restore(self) -> list[str]:
+        """Puts the module's structure back; one line per change, each to follow the module's
+        label ("." and a name, or ":")."""
+        changes: list[str] = []
+        module = self.module
+        if module.__dict__ is not self.attrs:
+            object.__setattr__(module, "__dict__", self.attrs)
+            changes.append(": its instance dict replaced; the original put back")
+        if type(module) is not self.cls:
+            changed = type(module).__qualname__
+            try:
+                object.__setattr__(module, "__class__", self.cls)
+                changes.append(f": class changed to {changed}; set back to {self.cls.__qualname__}")
+            except TypeError as exc:  # a class of another layout
+                changes.append(f": class changed to {changed}; NOT set back ({exc})")
+        attrs, entries = self.attrs, self.entries
+        if not (len(attrs) == len(entries) and all(map(operator.is_, attrs.values(), entries.values()))
+                and all(map(operator.eq, attrs, entries))):
+            for key in [k for k in attrs if k not in entries]:
+                del attrs[key]
+                changes.append(f".{key}: attribute set by the build removed")
+            for key, value in entries.items():
+                now = attrs.get(key, _MISSING)
+                if now is value or key == "training":  # a flag: see Snapshot.restore
+                    continue
+                attrs[key] = value
+                changes.append(f".{key}: attribute " + ("deleted by the build put back" if now is _MISSING
+                                                        else "replaced; the original put back"))
+        tables = self.tables
+        if sum(map(len, tables)) == self.size and all(_same_table(tables[i], saved) for i, saved in self.copies):
+            return changes
+        copies = dict(self.copies)
+        for i, table in enumerate(tables):
+            saved = copies.get(i)
+            if saved is None:
+                if not table:
+                    continue
+                saved = type(table)()
+            elif _same_table(table, saved):
+                continue
+            changes.extend(_table_changes(_TABLES[i], table, saved))
+            table.clear()
+            table.update(saved)
+        return changes
+
+
+def _same_table(table: dict | set, saved: dict | set) -> bool:
+    if len(table) != len(saved):
+        return False
+    if isinstance(table, set):
+        return table == saved
+    return all(map(operator.is_, table.values(), saved.values())) and all(map(operator.eq, table, saved))
+
+
+def _table_changes(name: str, table: dict | set, saved: dict | set) -> list[str]:
+    kind = _KINDS.get(name)
+    if kind is None:
+        what = "which buffers are persistent" if name == "_non_persistent_buffers_set" else name.strip("_")
+        return [f": {what} set back ({len(saved)} entries; the build left {len(table)})"]
+    lines = [f".{key}: {kind} " + ("removed by the build put back" if key not in table
+                                   else "replaced; the original object put back")
+             for key, value in saved.items() if table.get(key, _MISSING) is not value]
+    lines += [f".{key}: {kind} added by the build removed" for key in table if key not in saved]
+    return lines or [f": order of its {kind}s set back"]
+
+
+class Snapshot:
+    """A module's state as it was; restore() puts it back and says what it changed.
+
+    structure: also the structure of every module of the subtree (see the module's doc), put
+    back first. False for a block that changes the structure on purpose (tuning wraps the
+    modules it tunes in place): then only flags, parameters and buffers are put back, and a
+    parameter or buffer the block added is removed."""
+
+    def __init__(self, module: nn.Module, param_copy_limit: int = PARAM_COPY_LIMIT, structure: bool = True) -> None:
+        modules = list(module.modules())
+        self.structure = [_Structure(m) for m in modules] if structure else []
+        self.flags = [(m, m.training) for m in modules]
+        self.root = module
+        self.names = {} if structure else {(id(m), kind): (m, set(getattr(m, kind))) for m in modules
+                                           for kind in ("_parameters", "_buffers")}
+        params = [p for m in modules for p in m._parameters.values() if p is not None]
         copy_params = sum(p.numel() * p.element_size() for p in params) <= param_copy_limit
         self.tensors: list[_Tensor] = []
         with torch.no_grad():
-            for owner in module.modules():
+            for owner in modules:
                 for kind in ("_parameters", "_buffers"):
                     for name, tensor in getattr(owner, kind).items():
                         if tensor is None:
@@ -59,6 +180,8 @@ class Snapshot:
     def restore(self) -> list[str]:
         """Puts back whatever changed; returns one line per change (empty: nothing had)."""
         changes: list[str] = []
+        structure = [(part.module, part.restore()) for part in self.structure]
+        changes.extend(self._label(module) + line for module, lines in structure for line in lines)
         for module, training in self.flags:
             if module.training != training:
                 module.training = training
@@ -71,6 +194,11 @@ class Snapshot:
             for t in self.tensors:
                 changes.extend(_restore_tensor(t, f"{self._label(t.owner)}.{t.name}"))
         return changes
+
+    @functools.cached_property
+    def paths(self) -> dict[int, str]:
+        """Each module's path, for the lines restore() returns: read once the structure is back."""
+        return {id(m): path or type(m).__name__ for path, m in self.root.named_modules(remove_duplicate=False)}
 
     def _label(self, module: nn.Module) -> str:
         return self.paths.get(id(module), type(module).__name__)
@@ -107,14 +235,18 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a, b))
 
 
-def snapshot(module: nn.Module, param_copy_limit: int = PARAM_COPY_LIMIT) -> Snapshot:
-    return Snapshot(module, param_copy_limit)
+def snapshot(module: nn.Module, param_copy_limit: int = PARAM_COPY_LIMIT, structure: bool = True) -> Snapshot:
+    """What a build must not change in `module` (see Snapshot); what tuning takes before a build."""
+    return Snapshot(module, param_copy_limit, structure)
 
 
 @contextlib.contextmanager
-def kept(module: nn.Module) -> Iterator[Snapshot]:
-    """The block runs on `module`; its state is put back when the block ends, however it ends."""
-    state = snapshot(module)
+def kept(module: nn.Module, structure: bool = False) -> Iterator[Snapshot]:
+    """The block runs on `module`; its flags, parameters and buffers are put back when the block
+    ends, however it ends. Its structure only when `structure` is True: tt.tweak and tt.tune
+    run their whole work in such a block, and wrap modules in place inside it on purpose (each
+    build inside it has its own snapshot, structure included)."""
+    state = snapshot(module, structure=structure)
     try:
         yield state
     finally:

@@ -414,8 +414,10 @@ def build_checked(backend: Backend, module: nn.Module, samples: Sequence[Call], 
                   device: torch.device, state: model_state.Snapshot, log: BuildLog, bounded: bool = False) -> float:
     """Builds `backend` for `module` (first in an isolated child when the backend asks for it)
     and checks it on `samples` against `refs`; returns the largest error. Whatever the build
-    and the check changed in the module (training flags, parameters, buffers) is put back,
-    also when they raise, and written in the build log. bounded: the tolerance came from a file."""
+    and the check changed in the module (its structure: hooks, attributes, submodules,
+    registrations; training flags, parameters, buffers) is put back, also when they raise, and
+    written in the build log. The structure is put back before the check: the candidate is
+    checked on the module as the user will have it. bounded: the tolerance came from a file."""
     if backend.isolate_build:
         isolation.check(backend, module, samples, device, log.notes)  # raises BuildCrashed
     try:
