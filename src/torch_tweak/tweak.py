@@ -337,6 +337,10 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
           progress: bool = True, measure: dict | None = None, cache: bool = True, effort: Effort = "default",
           precision: dict[str, float] | None = None) -> TweakResult:
     """Tunes `model` in place at every depth from min_depth to max_depth and keeps the fastest.
+    Returns a TweakResult, a report: keep calling the model itself, under
+    torch.inference_mode() (in grad mode a backend without autograd runs the original
+    forward). A model with any module in training mode is refused (ValueError) before
+    anything runs: call model.eval() first.
 
     See the module docs and docs/tweak.md for the rules. ``measure`` overrides the
     engine's measurement settings (keys of torch_tweak._C.default_measure_config()).
