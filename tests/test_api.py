@@ -238,3 +238,65 @@ def test_a_tuned_model_refuses_to_be_copied_with_a_clear_error(mlp, mlp_data):
     with torch.no_grad():
         assert torch.equal(twin(mlp_data[0]), mlp(mlp_data[0]))
     torch.save(mlp, io.BytesIO())
+
+
+# ------------------------------------------------------------- first-page traps (issue 30)
+
+
+def test_calling_the_tweak_result_says_that_tweak_works_in_place(mlp, mlp_data):
+    import copy
+    untuned = copy.deepcopy(mlp)
+    result = tt.tweak(mlp, mlp_data, max_depth=0, strategy=tt.OneBackendStrategy(TorchEagerBackend()),
+                      progress=False, measure=FAST, cache=False)
+    with pytest.raises(TypeError, match="tunes the model in place.*call(ing)? the model itself"):
+        result(mlp_data[0])  # model = tt.tweak(...); model(x): the user's mistake
+    with torch.no_grad():
+        assert all(torch.equal(mlp(x), untuned(x)) for x in mlp_data)  # the model itself answers as before
+
+
+def test_load_without_the_model_says_what_to_pass(mlp, tmp_path):
+    path = tmp_path / "tuned.tt"
+    with pytest.raises(TypeError, match=r"tt.load\(model, path\).*build the model"):
+        tt.load(str(path))
+    with pytest.raises(TypeError, match=r"tt.load\(model, path\)"):
+        tt.load(path)
+    before = snapshot(mlp)
+    with pytest.raises(TypeError, match=r"needs the file.*tt.load\(model, path\)"):
+        tt.load(mlp)
+    assert_unchanged(mlp, before)
+
+
+def test_effort_and_speedup_are_typed():
+    import typing
+    from torch_tweak.tweak import TweakResult
+    assert typing.get_type_hints(tt.tweak)["effort"] == typing.Literal["default", "high"]
+    hints = typing.get_type_hints(TweakResult)
+    assert hints["speedup"] == (float | None) and hints["baseline_ms"] == (float | None)
+
+
+@pytest.mark.parametrize("train", ["", "blocks.1"])
+def test_train_mode_stops_the_tweak_before_any_build_and_leaves_the_model_as_it_was(mlp, mlp_data, train):
+    import copy
+    import warnings
+    mlp.eval()
+    mlp.get_submodule(train).train()
+    untuned = copy.deepcopy(mlp)
+    before = snapshot(mlp)
+    modes = [(p, m.training) for p, m in mlp.named_modules()]
+    CountingBackend.builds = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one message: the error, no warning before it
+        with pytest.raises(ValueError, match=r"training mode.*model\.eval\(\) before tt\.tweak") as raised:
+            tt.tweak(mlp, mlp_data, max_depth=1, strategy=tt.OneBackendStrategy(CountingBackend()),
+                     progress=False, measure=FAST, cache=False)
+    assert (repr(train) in str(raised.value)) == bool(train)  # a submodule in train mode is named
+    assert CountingBackend.builds == 0
+    assert_unchanged(mlp, before)
+    assert [(p, m.training) for p, m in mlp.named_modules()] == modes
+    mlp.eval()
+    untuned.eval()
+    result = tt.tweak(mlp, mlp_data, max_depth=1, strategy=tt.OneBackendStrategy(CountingBackend()),
+                      progress=False, measure=FAST, cache=False)
+    assert CountingBackend.builds > 0 and result.rows
+    with torch.no_grad():
+        assert all(torch.equal(mlp(x), untuned(x)) for x in mlp_data)  # after model.eval() it tunes

@@ -408,3 +408,22 @@ def test_the_documented_user_backend_runs():
     with pytest.raises(TypeError, match="no option channels"):
         backend_class(channels=3)
     assert "no channels-last kernels on xpu" == backend_class().unavailable(torch.device("xpu"))
+
+
+def test_torchao_is_imported_only_for_torchao_and_quietly():
+    """A plain tweak never imports torchao; the TorchAO backend's import of it prints none of
+    the lines a torchao built for another torch logs ("Failed to load", deprecations) (issue 30)."""
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("torchao") is None:
+        pytest.skip("torchao not installed: pip install torch-tweak[torchao]")
+    code = ("import sys, torch, torch_tweak as tt\n"
+            "tt.default_strategy('cpu'); tt.precision_backends('cpu', {'bf16': 0.05})\n"
+            "assert 'torchao' not in sys.modules, 'imported without TorchAO asked for'\n"
+            "from torch_tweak.backends import TorchAOBackend\n"
+            "assert TorchAOBackend(mode='int8_weight_only').unavailable(torch.device('cpu')) is None\n"
+            "assert 'torchao' in sys.modules\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Failed to load" not in done.stderr and "Enum subclass" not in done.stderr, done.stderr[-2000:]

@@ -263,16 +263,15 @@ def test_damaged_entries_are_misses_and_rewritten(mlp_data, tuning_cache_folder)
 
 def test_train_then_eval_tunes_again(mlp_data, tuning_cache_folder):
     model = fresh_dropping().train()
-    with pytest.warns(UserWarning, match="training mode"):
-        first = tweak(model, mlp_data)
-    assert first.modules["a"].error and first.modules["a"].backend is None  # dropout: it failed the check
-    tt.unwrap(model)
+    with pytest.raises(ValueError, match=r"training mode.*model\.eval\(\)"):
+        tweak(model, mlp_data)
+    assert not entries(tuning_cache_folder) and not tt.installed(model)  # stopped before anything ran
     model.eval()
     second = tweak(model, mlp_data)
-    assert not second.cached and second.selected_depth == 1  # another key: tuned afresh, and tuned
+    assert not second.cached and second.selected_depth == 1
     assert second.modules["a"].backend == "Fast" and not second.modules["a"].error
     assert answers_as_untuned(model, fresh_dropping, mlp_data)
-    assert len(entries(tuning_cache_folder)) == 2
+    assert len(entries(tuning_cache_folder)) == 1
 
 
 class Configured(Net):

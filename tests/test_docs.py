@@ -1,10 +1,12 @@
 """Every Python snippet of the README and docs/ runs as written on the CPU, so the docs cannot rot.
 
-The snippets of one file run in order in one namespace (a later snippet may use what an
-earlier one built). A snippet that needs hardware CI lacks is marked with the line
-`<!-- snippet: needs cuda -->` just above it, and runs only where that device exists; an
-outline that names objects the reader brings (`model`, `dataset`) is marked
-`<!-- snippet: outline -->` and is only compiled.
+Each snippet runs alone, in a namespace of its own, as a reader pastes it; and the snippets
+of one file run in order in one namespace, as a reader follows the page. A snippet that
+continues the one before it (it uses what that one built, and the page says so) is marked
+with the line `<!-- snippet: continues -->` just above it and runs only in order. A snippet
+that needs hardware CI lacks is marked `<!-- snippet: needs cuda -->` and runs only where
+that device exists; an outline that names objects the reader brings (`model`, `dataset`) is
+marked `<!-- snippet: outline -->` and is only compiled.
 """
 
 from __future__ import annotations
@@ -38,24 +40,50 @@ def test_every_guide_opens_with_a_snippet():
             assert text.count("\n", 0, first_block) < 6, f"{path}: the runnable snippet should come first"
 
 
+MARKERS = (None, "outline", "needs cuda", "continues")
+
+
+def _namespace(tmp_path, monkeypatch) -> dict:
+    """A fresh namespace in a fresh folder, with its own torch-tweak cache: a reader's session."""
+    monkeypatch.chdir(tmp_path)  # snippets that write files write them here
+    monkeypatch.setenv("TORCH_TWEAK_CACHE", str(tmp_path / "cache"))
+    module = types.ModuleType("doc_snippet")  # a real module: dataclasses in a snippet look it up
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return module.__dict__
+
+
+def _run(path: str, i: int, code: str, namespace: dict, how: str) -> None:
+    try:
+        exec(compile(code, f"{path} snippet {i + 1}", "exec"), namespace)
+    except Exception as exc:
+        raise AssertionError(f"{path}, snippet {i + 1} failed {how}: {type(exc).__name__}: {exc}\n{code}") from exc
+
+
 @pytest.mark.parametrize("path", FILES)
 def test_snippets_run(path, tmp_path, monkeypatch):
     blocks = snippets(path)
     if not blocks:
         pytest.skip(f"{path} has no Python snippet")
-    monkeypatch.chdir(tmp_path)  # snippets that write files write them here
-    monkeypatch.setenv("TORCH_TWEAK_CACHE", str(tmp_path / "cache"))
-    module = types.ModuleType("doc_snippet")  # a real module: dataclasses in a snippet look it up
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    namespace = module.__dict__
+    namespace = _namespace(tmp_path, monkeypatch)
     for i, (needs, code) in enumerate(blocks):
+        assert needs in MARKERS, f"{path}: unknown snippet marker {needs!r}"
+        assert not (needs == "continues" and i == 0), f"{path}: its first snippet continues nothing"
         if needs == "outline":
             compile(code, f"{path} snippet {i + 1}", "exec")
             continue
         if needs == "needs cuda" and not torch.cuda.is_available():
             continue
-        assert needs is None, f"{path}: unknown snippet marker {needs!r}"
-        try:
-            exec(compile(code, f"{path} snippet {i + 1}", "exec"), namespace)
-        except Exception as exc:
-            raise AssertionError(f"{path}, snippet {i + 1} failed: {type(exc).__name__}: {exc}\n{code}") from exc
+        _run(path, i, code, namespace, "in order")
+
+
+ALONE = [pytest.param(path, i, id=f"{path}-{i + 1}") for path in FILES
+         for i, (needs, _) in enumerate(snippets(path)) if needs in (None, "needs cuda")]
+
+
+@pytest.mark.parametrize("path, i", ALONE)
+def test_each_snippet_runs_alone(path, i, tmp_path, monkeypatch):
+    """As a reader pastes it into a fresh interpreter: every import it needs is in it."""
+    needs, code = snippets(path)[i]
+    if needs == "needs cuda" and not torch.cuda.is_available():
+        pytest.skip("needs cuda")
+    _run(path, i, code, _namespace(tmp_path, monkeypatch), "alone")

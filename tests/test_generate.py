@@ -271,7 +271,7 @@ def test_a_saved_decode_loop_gives_the_untuned_tokens_in_a_new_process(tmp_path)
     model, ids = with_loop()
     path = tmp_path / "decoder.tt"
     tt.save(model, path, strict=True)
-    others = [prompt(2, 11), prompt(1, 12, length=9)]
+    others = [prompt(2, 11), prompt(1, 12, length=9)]  # the measured kind (batch 2), and one not measured
     expected = [generate(build("llama"), p, "static") for p in [ids] + others]
     torch.save({"prompts": [ids] + others, "expected": expected}, tmp_path / "expected.pt")
     script = f"""
@@ -287,7 +287,26 @@ print(tt.status(model))
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "decode loop (loop) served 3 calls" in done.stdout  # installed again, and it served every call
+    # installed again: it served the calls of the kind it was measured on (batch 2, static cache);
+    # the batch-1 call, a kind no measurement showed faster, ran transformers' loop
+    assert "decode loop (loop) served 2 calls; transformers' loop ran 1 for a call tweak did not measure" \
+        in done.stdout, done.stdout
+
+
+def test_a_kept_loop_serves_only_the_kinds_of_call_it_was_measured_on():
+    """Tuned on batch-2 static-cache calls: a batch-1 call, or one with a dynamic cache, was
+    never measured (it might be slower through the loop) and runs transformers' generate()."""
+    model, ids = with_loop()
+    untuned = build("llama")
+    loop = generation.loop_of(model)
+    assert torch.equal(generate(model, prompt(2, 5), "static"), generate(untuned, prompt(2, 5), "static"))
+    assert loop.calls == 1 and not loop.fallbacks  # a measured kind, another prompt: the loop
+    for other, cache in ((prompt(1, 3), "static"), (prompt(3, 4), "static"), (prompt(2, 6), None)):
+        assert torch.equal(generate(model, other, cache), generate(untuned, other, cache))
+    assert loop.calls == 1 and sum(loop.fallbacks.values()) == 3
+    assert all(why.startswith("a call tweak did not measure") for why in loop.fallbacks), loop.fallbacks
+    assert "batch 1 with a static cache" in str(tt.status(model))
+    assert loop.kinds == {(2, True)}
 
 
 def test_a_loaded_loop_is_checked_against_the_untuned_generate_not_the_stored_tokens(tmp_path):

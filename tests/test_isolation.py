@@ -140,7 +140,7 @@ def test_a_module_that_cannot_be_sent_builds_without_isolation(monkeypatch, chil
         def forward(self, x):
             return x * 2
 
-    result = _tweak(Local(), [torch.randn(4, 16)], [RaisingBackend(), TorchEagerBackend()])
+    result = _tweak(Local().eval(), [torch.randn(4, 16)], [RaisingBackend(), TorchEagerBackend()])
     assert _candidate(result, "", "Raising")["reason"] == "build failed"
     log = next(tuning_cache_folder.glob("logs/Local/_root/*/Raising.log")).read_text()
     assert "could not be sent to a child; built without isolation" in log

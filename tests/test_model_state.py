@@ -4,7 +4,6 @@ every candidate, and after a tweak, however it ends (torch_tweak.model_state).""
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -105,11 +104,11 @@ def test_a_train_mode_tweak_moves_no_batch_norm_statistics():
     before = _state(model)
     reference = copy.deepcopy(model)
     data = [torch.randn(4, 8) for _ in range(3)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the training-mode warning
+    with pytest.raises(ValueError, match="training mode"):  # stopped before anything ran
         tt.tweak(model, data, max_depth=1, progress=False, cache=False, measure=FAST,
                  strategy=tt.OneBackendStrategy(TorchEagerBackend()))
     _assert_same(model, before)
+    assert model.training and all(m.training for m in model.modules())
     assert torch.equal(model[0].norm.running_mean, reference[0].norm.running_mean)
     assert int(model[0].norm.num_batches_tracked) == 0
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -157,3 +158,37 @@ def test_named_tuples_dataclasses_and_outputs_round_trip_by_an_allow_list(tmp_pa
         serial.decode(tree, tensors, types={})  # a dataclass that is not a mapping: no stand-in
     forged = {"object": {"class": "os:system", "fields": {"command": "touch x"}, "mapping": True}}
     assert serial.decode(forged, tensors, types=known) == {"command": "touch x"}  # data, never a call
+
+
+@pytest.mark.skipif(importlib.util.find_spec("openvino") is None, reason="OpenVINO is not installed")
+def test_an_openvino_build_of_a_transformers_model_prints_no_loss_type_line():
+    """OpenVINO's conversion traces the module, which reads every attribute, and reading
+    transformers' loss_function logs a `loss_type=None` line about no loss at all (issue 30)."""
+    import logging
+
+    import transformers.utils.logging as transformers_logging
+
+    transformers_logging.warning_once.cache_clear()  # a line logged earlier in this process is logged again
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    keep = Keep()
+    logging.getLogger("transformers.modeling_utils").addHandler(keep)
+    try:
+        model = build_gpt2()
+        untuned = build_gpt2()
+        wrapped = tt.wrap(model, [""], strategy=tt.OneBackendStrategy(tt.backends.OpenVINOBackend()))
+        chosen = tt.tune(model, [{"input_ids": IDS[0], "use_cache": False}])  # no cache: OpenVINO returns tensors
+    finally:
+        logging.getLogger("transformers.modeling_utils").removeHandler(keep)
+    assert not [line for line in lines if "loss_type" in line], lines
+    # the build traced the model (OpenVINO may then refuse GPT-2's aten::diff): either way the
+    # model answers as the untuned one
+    assert wrapped and chosen in ({"": "OpenVINO"}, {"": None})
+    with torch.inference_mode():
+        got, expected = model(input_ids=IDS[0], use_cache=False), untuned(input_ids=IDS[0], use_cache=False)
+    assert torch.allclose(got.logits, expected.logits, rtol=1e-3, atol=1e-4)
+    assert untuned.loss_function is not None  # the property still works: only the line is dropped

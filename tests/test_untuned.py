@@ -127,3 +127,58 @@ def test_the_fast_path_passes_the_callers_arguments_untouched():
     with torch.no_grad():
         model(x)
     assert seen[0][0][0] is x and seen[0][1] == {}
+
+
+class NoAutograd(TorchEagerBackend):
+    """Eager, declared without autograd: in grad mode the dispatcher runs the original."""
+
+    name = "NoAutograd"
+    supports_autograd = False
+
+
+def test_the_first_grad_mode_call_of_a_tuned_model_warns_once_on_the_warnings_channel():
+    import warnings
+    model = tuned_mlp(NoAutograd)
+    torch.manual_seed(0)
+    untuned = MLP().eval()
+    x = torch.randn(8, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # what is shown once is issued once
+        outs = [model(x) for _ in range(3)]  # grad mode: the README's first call, without inference_mode
+    grad = [w for w in caught if "grad mode" in str(w.message)]
+    assert len(grad) == 1, [str(w.message) for w in caught]  # once for the model, not per module or call
+    assert issubclass(grad[0].category, UserWarning)
+    assert "torch.inference_mode()" in str(grad[0].message) and "tuned path" in str(grad[0].message)
+    assert all(torch.equal(o, untuned(x)) for o in outs)
+    with torch.inference_mode():
+        assert torch.equal(model(x), untuned(x))
+    assert tt.status(model)["head"].untuned["grad mode"] == 3
+
+
+class SkipWait(TorchEagerBackend):
+    """Runs a Slow layer's inner layer without its wait: depth 1 is truly faster."""
+
+    name = "SkipWait"
+
+    def build(self, module, samples, device):
+        return module.inner
+
+
+def test_status_counts_calls_from_the_end_of_tuning():
+    from support import FAST, SlowNet
+    torch.manual_seed(0)
+    model = SlowNet().eval()
+    torch.manual_seed(0)
+    untuned = SlowNet().eval()
+    data = [torch.randn(4, 16) for _ in range(3)]
+    result = tt.tweak(model, data, max_depth=1, strategy=tt.OneBackendStrategy(SkipWait()), progress=False,
+                      measure=FAST, cache=False)
+    assert result.selected_depth == 1
+    status = tt.status(model)
+    assert {p: s.calls for p, s in status.items()} == {"a": 0, "b": 0}  # tweak's own calls are not counted
+    with torch.inference_mode():
+        for x in data:
+            assert torch.equal(model(x), untuned(x))
+    status = tt.status(model)
+    assert {p: s.calls for p, s in status.items()} == {"a": 3, "b": 3}
+    assert status.untuned == ZERO

@@ -357,7 +357,7 @@ def read_summary(path: str | os.PathLike, *, key: bytes | str | None = None,
 # ------------------------------------------------------------------ load
 
 
-def load(model: nn.Module, path: str | os.PathLike, *, device: Any = None, trust_artifacts: bool = False,
+def load(model: nn.Module, path: str | os.PathLike | None = None, *, device: Any = None, trust_artifacts: bool = False,
          backends: Sequence[Backend] | None = None, key: bytes | str | None = None,
          max_bytes: int | None = None, types: Sequence[type] = ()) -> dict[str, str | None]:
     """Applies a file written by tt.save to a freshly built `model`, with no tuning.
@@ -382,8 +382,14 @@ def load(model: nn.Module, path: str | os.PathLike, *, device: Any = None, trust
     may be rebuilt as; transformers' ModelOutputs and torch.return_types need no listing.
     Returns {path: the backend of its first signature, or None}.
     """
+    if path is None and isinstance(model, (str, os.PathLike)):
+        raise TypeError("tt.load(model, path) applies a saved file to a model you build first: build the model as "
+                        "you did before tt.save (same class, weights loaded), then tt.load(model, "
+                        f"{os.fspath(model)!r}); the file holds the tuning decisions, not the model")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    if path is None:
+        raise TypeError("tt.load needs the file to read: tt.load(model, path), path as tt.save wrote it")
     secret = _key_bytes(key)
     given = _given_backends(backends)
     if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 1):

@@ -172,6 +172,12 @@ def greedy_call(model: nn.Module, args: tuple, kwargs: dict) -> Greedy | str:
     return Greedy(ids, int(max_new), eos, pad, static, config.max_cache_len, config)
 
 
+def call_kind(call: Greedy) -> tuple[int, bool]:
+    """What a decode loop's speed depends on beyond the model: the batch size and the cache
+    (static or dynamic). A loop serves only the kinds it was measured on."""
+    return int(call.input_ids.shape[0]), bool(call.static)
+
+
 def new_cache(model: nn.Module, static: bool, length: int) -> Any:
     """A new cache as generate() makes one: a StaticCache of `length` positions, or a
     DynamicCache (a static cache allocates its tensors on first use)."""
@@ -373,7 +379,8 @@ class DecodeLoop:
         self.original = type(model).generate.__get__(model)
         self.fallbacks: collections.Counter[str] = collections.Counter()
         self.calls = 0
-        self.checks: list[tuple[tuple, dict, torch.Tensor]] = []  # (args, kwargs, untuned tokens): what tt.save keeps
+        self._checks: list[tuple[tuple, dict, torch.Tensor]] = []
+        self.kinds: frozenset | None = None  # the call kinds served (call_kind); None: every kind
         self._graphs: dict[tuple, _StepGraph] = {}
         self._caches: dict[tuple, Any] = {}  # the compiled loop's static caches, per shape
         self._lock = threading.Lock()
@@ -387,6 +394,23 @@ class DecodeLoop:
 
     _tt_decode_loop = True  # what tt.unwrap looks for
 
+    @property
+    def checks(self) -> list[tuple[tuple, dict, torch.Tensor]]:
+        """The generate() calls the loop was measured and checked on, (args, kwargs, untuned
+        tokens): what tt.save keeps. Once set, the loop serves only calls of their kinds
+        (call_kind): a kind no measurement showed faster runs transformers' generate()."""
+        return self._checks
+
+    @checks.setter
+    def checks(self, checks: list[tuple[tuple, dict, torch.Tensor]]) -> None:
+        self._checks = list(checks)
+        kinds = set()
+        for args, kwargs, _ in self._checks:
+            call = greedy_call(self.model, args, kwargs)
+            if not isinstance(call, str):
+                kinds.add(call_kind(call))
+        self.kinds = frozenset(kinds) if self._checks else None
+
     def __reduce__(self) -> Any:
         raise TypeError("a model with torch-tweak's decode loop cannot be pickled: save it with tt.save(model, "
                         "path), or call tt.unwrap(model) first")
@@ -396,7 +420,7 @@ class DecodeLoop:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         call = greedy_call(self.model, args, kwargs)
-        why = call if isinstance(call, str) else self.layout_problem(call)
+        why = call if isinstance(call, str) else self.unmeasured(call) or self.layout_problem(call)
         if why is not None:
             if why not in self.fallbacks:
                 logger.warning("torch-tweak: generate() ran transformers' own loop for %s; further such calls "
@@ -408,6 +432,16 @@ class DecodeLoop:
         with self._lock, torch.no_grad():
             self.calls += 1
             return self.decode(call)
+
+    def unmeasured(self, call: Greedy) -> str | None:
+        """Why the loop leaves a call of a kind tweak did not measure to transformers (it might
+        be slower there: the loop is kept for the kinds it was measured faster on), or None."""
+        if self.kinds is None or call_kind(call) in self.kinds:
+            return None
+        batch, static = call_kind(call)
+        measured = ", ".join(f"batch {b} with a {'static' if s else 'dynamic'} cache" for b, s in sorted(self.kinds))
+        return (f"a call tweak did not measure (batch {batch} with a {'static' if static else 'dynamic'} cache; "
+                f"measured: {measured}): tune with a workload that makes such calls")
 
     def layout_problem(self, call: Greedy) -> str | None:
         """Why the loop cannot make this call's forward calls as its layouts say, or None."""
@@ -684,6 +718,7 @@ def apply_loop(model: nn.Module, plan: LoopPlan, seconds: float | None = None) -
         if problem is not None or loop_of(model) is not loop:
             uninstall(model)  # whatever happened (an interrupt too), generate() is as it was
     loop.calls = 0
+    loop.fallbacks.clear()
     return problem
 
 
@@ -726,6 +761,15 @@ def uncompiled(model: nn.Module) -> Any:
         yield
     finally:
         loop.eager = False
+
+
+def arm(model: nn.Module) -> None:
+    """Inference starts: the model's decode loop (if any) counts its calls and fallbacks from 0
+    (tuning's own generate() calls are not counted)."""
+    loop = loop_of(model)
+    if loop is not None:
+        loop.calls = 0
+        loop.fallbacks.clear()
 
 
 def loop_of(model: nn.Module) -> DecodeLoop | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 import weakref
 from typing import Any, Callable, Iterable, Iterator
 
@@ -43,9 +44,18 @@ _HINTS = {
 logger = logging.getLogger("torch_tweak")
 
 
-def _notifier(wrapper: "TunedModule", reason: str | None = None) -> Any:
+GRAD_MODE_WARNING = ("torch-tweak: the tuned model was called in grad mode, so its tuned modules ran their "
+                     "original forward (untuned, no faster). Call it under torch.inference_mode() (or "
+                     "torch.no_grad()) to run the tuned path: `with torch.inference_mode(): y = model(x)`. "
+                     "Such calls are counted in tt.status(model).")
+"""The one warning (warnings channel) at a tuned model's first grad-mode call."""
+
+
+def _notifier(wrapper: "TunedModule", reason: str | None = None, warned: set | None = None) -> Any:
     """What the dispatcher (or a GraphReplay, with `reason` fixed) calls at the first untuned
-    call per reason: one warning through the "torch_tweak" logger. Holds the wrapper weakly."""
+    call per reason: one warning through the "torch_tweak" logger. The first grad-mode call
+    of the model (`warned` is shared by its wrappers) also warns on the warnings channel,
+    which shows without logging set up. Holds the wrapper weakly."""
     ref = weakref.ref(wrapper)
 
     def notify(given: str | None = None) -> None:
@@ -54,6 +64,9 @@ def _notifier(wrapper: "TunedModule", reason: str | None = None) -> Any:
         name = (w.tt_name or "(root)") if w is not None else "a tuned module"
         logger.warning("torch-tweak: %s ran its original forward (%s): %s. Further such calls are "
                        "counted, not logged: see tt.status(model).", name, why, _HINTS.get(why, why))
+        if why == GRAD_MODE and warned is not None and GRAD_MODE not in warned:
+            warned.add(GRAD_MODE)
+            warnings.warn(GRAD_MODE_WARNING, UserWarning, stacklevel=2)
 
     return notify
 
@@ -149,11 +162,20 @@ class TunedModule(_C.Dispatcher, nn.Module):
         graph = sum(g.fallbacks - base.get(id(g), 0) for g in self._tt_graphs())
         return {NO_MATCH: self._tt_fallbacks, GRAD_MODE: self._tt_grad_fallbacks, GRAPH_FALLBACK: graph}
 
-    def tt_reset_untuned(self, notify: bool = False) -> None:
-        """Sets the untuned counts to 0. notify: the first untuned call per reason from now
-        on logs one warning (logging.getLogger("torch_tweak")); False: none is logged."""
+    @property
+    def tt_calls(self) -> int:
+        """Calls since tuning (or the last tt_reset_untuned), in every mode: tuning's own calls
+        are not counted."""
+        return self._tt_calls - self.__dict__.get("_tt_calls_base", 0)
+
+    def tt_reset_untuned(self, notify: bool = False, warned: set | None = None) -> None:
+        """Sets the untuned counts and tt_calls to 0. notify: the first untuned call per reason
+        from now on logs one warning (logging.getLogger("torch_tweak")); False: none is logged.
+        warned: a set shared by the wrappers of one model, so that the model's first grad-mode
+        call also warns once on the warnings channel (see arm_untuned)."""
         self._tt_reset_untuned()
-        self._tt_set_notify(_notifier(self) if notify else None)
+        self.__dict__["_tt_calls_base"] = self._tt_calls
+        self._tt_set_notify(_notifier(self, None, warned) if notify else None)
         graphs = self._tt_graphs()
         self.__dict__["_tt_graph_base"] = {id(g): g.fallbacks for g in graphs}
         for g in graphs:
@@ -352,10 +374,12 @@ def _refuse_aliases(model: nn.Module, paths: list[str], table: dict) -> None:
 
 
 def arm_untuned(model: nn.Module) -> None:
-    """Inference starts: every wrapper of `model` counts its untuned calls from 0 and logs the
-    first one per reason (tuning's own calls are neither counted nor logged)."""
+    """Inference starts: every wrapper of `model` counts its calls and untuned calls from 0 and
+    logs the first untuned one per reason (tuning's own calls are neither counted nor logged);
+    the model's first grad-mode call also warns once on the warnings channel."""
+    warned: set = set()
     for wrapper in installed(model).values():
-        wrapper.tt_reset_untuned(notify=True)
+        wrapper.tt_reset_untuned(notify=True, warned=warned)
 
 
 def set_mode(model: nn.Module, active: bool) -> int:

@@ -28,7 +28,7 @@ class ModuleStatus:
 
     backend: its backends' names (joined by ", " when signatures differ), or None when it
     runs its original forward. active: False after tt.deactivate. calls: calls of the
-    wrapper since it was made, in every mode. untuned: calls since tuning (or loading) that
+    module since tuning (or loading) ended, in every mode (tweak's own calls are not counted). untuned: calls since tuning (or loading) that
     ran the original forward while active, by reason: "no signature matched", "grad mode",
     "device graph fell back" (see docs/backends.md).
     """
@@ -77,6 +77,6 @@ def status(model: nn.Module) -> ModelStatus:
         names = list(dict.fromkeys(g.backend.name for g in wrapper.tt_signatures if g.backend is not None))
         if not names and wrapper.tt_backend is not None:
             names = [wrapper.tt_backend.name]
-        result[path] = ModuleStatus(path, ", ".join(names) or None, wrapper.tt_active, wrapper._tt_calls,
+        result[path] = ModuleStatus(path, ", ".join(names) or None, wrapper.tt_active, wrapper.tt_calls,
                                     wrapper.tt_untuned)
     return result

@@ -5,8 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import warnings
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -32,6 +31,9 @@ fastest on none of the benchmarked models (the GPU run that searched it,
 bench/results/runs/gpu-d149c65.json, and the CPU example) and took a third of the tuning
 time on ResNet-50 (bench/results/tuning_time.md); max_depth=2, or None for every depth,
 searches deeper."""
+
+Effort = Literal["default", "high"]
+"""The values of tt.tweak's ``effort``."""
 
 DEFAULT_TIE_TOLERANCE: float = _DEFAULTS["tie_tolerance"]
 """A depth within 2 % of the fastest counts as a tie; the shallowest tie wins."""
@@ -84,6 +86,10 @@ class TweakResult:
     loop_report: each decode-loop candidate's latency or why it lost.
     """
 
+    selected_depth: int | None
+    baseline_ms: float | None
+    tuned_ms: float | None
+    speedup: float | None
     cached = False
     measured_at: str | None = None
     time_budget: float | None = None
@@ -232,6 +238,11 @@ class TweakResult:
             return f"no depth was tried: the time budget {why}: {stays}{loop}"
         return f"no depth beat the untuned model: {stays}{loop}"
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("tt.tweak tunes the model in place and returns its report, not a model: keep calling "
+                        "the model itself (result = tt.tweak(model, dataset), then y = model(x)); "
+                        "print(result) shows what it did")
+
     def plot(self, path: Any, alternatives: dict[str, float] | None = None) -> str:
         """Writes a PNG chart of latency per depth against the untuned model (and any
         `alternatives` you measured, {label: ms}) to `path`; returns the path. Needs matplotlib."""
@@ -357,9 +368,13 @@ class _Session:
 def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_depth: int = 0,
           max_depth: int | None = DEFAULT_MAX_DEPTH, strategy: Strategy | None = None,
           tie_tolerance: float = DEFAULT_TIE_TOLERANCE, time_budget: float | None = None, dry_run: bool = False, device: Any = None,
-          progress: bool = True, measure: dict | None = None, cache: bool = True, effort: str = "default",
+          progress: bool = True, measure: dict | None = None, cache: bool = True, effort: Effort = "default",
           precision: dict[str, float] | None = None) -> TweakResult:
     """Tunes `model` in place at every depth from min_depth to max_depth and keeps the fastest.
+    Returns a TweakResult, a report: keep calling the model itself, under
+    torch.inference_mode() (in grad mode a backend without autograd runs the original
+    forward). A model with any module in training mode is refused (ValueError) before
+    anything runs: call model.eval() first.
 
     See the module docs and docs/tweak.md for the rules. ``measure`` overrides the
     engine's measurement settings (keys of torch_tweak._C.default_measure_config()).
@@ -386,6 +401,7 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
                         f"not {type(strategy).__name__}")
     if installed(model):
         raise ValueError("the model already has torch-tweak wrappers; call tt.unwrap(model) before a new tweak")
+    _refuse_training(model)
     device = resolve_device(model, device)
     default_backends(device)  # an unknown device fails here, before anything changes
     if strategy is not None:
@@ -408,13 +424,8 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
     else:
         job = None
         calls = load_dataset(dataset, device)
-    if model.training:
-        warnings.warn("the model is in training mode: dropout and batch norm make outputs vary, and the "
-                      "correctness check will reject backends; call model.eval() before tt.tweak",
-                      stacklevel=2)
-    # Tracing, recording and measuring run the model in the mode the user left it in; in train
-    # mode that moves batch-norm statistics. They, and anything a build changed, are put back
-    # when the tweak ends, however it ends.
+    # Tracing, recording and measuring run the model; anything they or a build changed is put
+    # back when the tweak ends, however it ends.
     with model_state.kept(model):
         speaks_tokens = False
         if job is not None:
@@ -447,6 +458,7 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
                 result = _from_cache(model, tree, calls, device, strategy, key, parts, shown)
                 if result is not None:
                     arm_untuned(model)
+                    generation.arm(model)
                     return result
         run_dataset = dataset_runner(model, calls) if job is None else job.run
         session = _Session(model, tree, run_dataset, strategy, device, measuring, shown, depths)
@@ -502,7 +514,21 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
         logger.info("tweak of %s: %s", session.model_class, outcome)
         shown.finish(outcome)
         arm_untuned(model)
+        generation.arm(model)
         return result
+
+
+def _refuse_training(model: nn.Module) -> None:
+    """Train mode stops a tweak before anything runs: dropout and batch norm make every
+    output differ from the recorded one, so every backend would fail its check (and batch
+    norm's statistics would move). The model is not touched."""
+    training = [name for name, module in model.named_modules() if module.training]
+    if not training:
+        return
+    which = "the model is" if training[0] == "" else f"module {training[0]!r} of the model is"
+    raise ValueError(f"{which} in training mode: tweak tunes for inference, and dropout and batch norm in "
+                     "training mode change every output, so no backend could pass the correctness check; "
+                     "call model.eval() before tt.tweak (the model was not changed)")
 
 
 def _choose_loop(job: Workload, device: torch.device, measure: dict | None, shown: Progress) -> None:

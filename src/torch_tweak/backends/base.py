@@ -10,6 +10,7 @@ from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
+from .. import noise
 from .._samples import Call, unstorable
 from ..schema import Fraction, Spec
 
@@ -175,7 +176,8 @@ class Backend(abc.ABC):
         reason = self.unavailable(device)
         if reason is not None:
             raise BackendUnavailable(reason)
-        fn = self.build(module, samples, device)
+        with noise.dropped(noise.BUILD):
+            fn = self.build(module, samples, device)
         if not callable(fn):
             raise TypeError(f"{type(self).__name__}.build returned {type(fn).__name__}, not a callable")
         self.callable = fn

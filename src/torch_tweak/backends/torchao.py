@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .. import noise
 from .._samples import Call
 from ..schema import Flag, OneOf
 from .base import Backend, BackendConfig, NeedsStorableSamples, copy_module
@@ -61,7 +62,8 @@ class TorchAOBackendConfig(BackendConfig):
 
 def _import_torchao() -> Any:
     try:
-        return importlib.import_module("torchao.quantization")
+        with noise.dropped(noise.TORCHAO_IMPORT):
+            return importlib.import_module("torchao.quantization")
     except ImportError:
         return None
 

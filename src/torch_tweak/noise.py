@@ -1,0 +1,57 @@
+"""Lines other packages print because of a call of ours and that tell the user nothing.
+
+Each is dropped only while our call runs, only on the logger that prints it, and only when
+its text says it is that line: anything else those packages say still shows.
+
+- transformers: ``torch.jit.trace`` (OpenVINO's conversion) reads every attribute of a
+  module it traces, and reading ``loss_function`` of a transformers model logs
+  "`loss_type=None` was set in the config but it is unrecognized" once per process: no
+  loss is computed, so the line is about nothing the user did.
+- torchao: importing a torchao built for another torch or Python logs "Failed to load" for
+  each of its native libraries it cannot load (its CUDA kernels on a CPU machine), and its
+  import registers Enum types that this torch logs as deprecated. torch-tweak imports
+  torchao only when TorchAO is asked for (TorchAOBackend, precision={"int8"|"fp8": ...}).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator
+
+
+class _Drop(logging.Filter):
+    def __init__(self, fragments: tuple[str, ...]) -> None:
+        super().__init__()
+        self.fragments = fragments
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            text = record.getMessage()
+        except Exception:  # a record that cannot format is not ours to judge
+            return True
+        return not any(fragment in text for fragment in self.fragments)
+
+
+@contextlib.contextmanager
+def dropped(drops: dict[str, tuple[str, ...]]) -> Iterator[None]:
+    """Inside the block, {logger name: text fragments}: a record of that logger whose text
+    holds one of its fragments is dropped."""
+    added = []
+    try:
+        for name, fragments in drops.items():
+            logger, drop = logging.getLogger(name), _Drop(fragments)
+            logger.addFilter(drop)
+            added.append((logger, drop))
+        yield
+    finally:
+        for logger, drop in added:
+            logger.removeFilter(drop)
+
+
+BUILD = {"transformers.modeling_utils": ("`loss_type=",)}
+"""What a backend's build makes other packages say (Backend.prepare)."""
+
+TORCHAO_IMPORT = {"torchao": ("Failed to load",),
+                  "torch.utils._pytree": ("is an Enum subclass and is now natively supported",)}
+"""What importing a torchao that does not match the installed torch says."""
