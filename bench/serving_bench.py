@@ -283,6 +283,10 @@ def cell(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.3f}"
 
 
+def commit_of(run: dict) -> str:
+    return run["environment"].rsplit(" at ", 1)[-1]
+
+
 def report(paths: list[str], out: str) -> None:
     """serving.md from run files: per pass, one table of every row's columns, and tweak's
     ratio to the best other column of the same run."""
@@ -290,7 +294,8 @@ def report(paths: list[str], out: str) -> None:
     lines = ["# Serving streams of varying shapes", "",
              "Written by `bench/serving_bench.py --report` from the run files below; the protocol is the script's "
              "docstring. Seconds for the whole stream (each request synchronised), lower is better; *vs best* is the "
-             "best other column over tweak, in the same run.", ""]
+             "best other column over tweak, in the same run (the cold pass: tweak over the slowest compiling column). Each "
+             "row names the commit it ran at.", ""]
     for run in runs:
         lines.append(f"- `runs/{os.path.basename(run['path'])}`: {run['environment']}")
     for key, title in (("cold_s", "Cold: build (compile, tuning) and the stream served once"),
@@ -305,17 +310,19 @@ def report(paths: list[str], out: str) -> None:
         for run in runs:
             for row in run["rows"]:
                 got = row[key]
-                others = [v for c, v in got.items() if c != "tweak"]
+                others = {c: v for c, v in got.items() if c != "tweak" and (key != "cold_s" or c != "eager")}
                 ratio = "-"
                 if "tweak" in got and others:
-                    ratio = f"{got['tweak'] / max(others):.2f}x" if key == "cold_s" else f"{min(others) / got['tweak']:.2f}x"
-                lines.append(f"| {row['model']} {row['dtype']} ({row['device']}) | "
+                    pick = (max if key == "cold_s" else min)(others, key=others.__getitem__)
+                    x = got["tweak"] / others[pick] if key == "cold_s" else others[pick] / got["tweak"]
+                    ratio = f"{x:.2f}x ({pick})"
+                lines.append(f"| {row['model']} {row['dtype']} ({row['device']}, {commit_of(run)}) | "
                              + " | ".join(cell(got.get(c)) for c in columns) + f" | {ratio} |")
     lines += ["", "## Rows, errors and tuning", ""]
     for run in runs:
         for row in run["rows"]:
             errs = ", ".join(f"{c} {e:.1e}" for c, e in row["error"].items() if c != "eager")
-            lines.append(f"- **{row['model']} {row['dtype']} ({row['device']})**: {row['stream']}; {row['shapes']} "
+            lines.append(f"- **{row['model']} {row['dtype']} ({row['device']}, {commit_of(run)})**: {row['stream']}; {row['shapes']} "
                          f"shapes, {row['new_shapes']} new. Largest error against eager on valid positions: {errs}. "
                          + (f"tweak's tuning alone: {row['tune_s']:.1f} s. " if "tune_s" in row else "")
                          + "".join(f"{c} failed: {e}. " for c, e in row["errors"].items()))
