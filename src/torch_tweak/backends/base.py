@@ -9,6 +9,7 @@ import dataclasses
 from typing import Any, Callable, ClassVar, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
 from .. import noise
 from .._samples import Call, unstorable
@@ -205,3 +206,41 @@ def copy_module(module: torch.nn.Module) -> torch.nn.Module:
 
     memo = {id(v): v for v in module.__dict__.values() if isinstance(v, _C.Dispatcher)}
     return copy.deepcopy(module, memo)
+
+
+class FlatModule(torch.nn.Module):
+    """A module called with its input tensors as a flat tuple and returning its output tensors
+    as one: the form a model exported or converted for another runtime takes and gives.
+    leaves and spec: a recorded call flattened (torch.utils._pytree); slots: where its tensors
+    are among the leaves (the others are the call's plain values, kept as they are)."""
+
+    def __init__(self, module: torch.nn.Module, leaves: list, spec: Any, slots: list[int]) -> None:
+        super().__init__()
+        self.inner = module
+        self.leaves = leaves
+        self.spec = spec
+        self.slots = slots
+
+    def forward(self, *tensors: torch.Tensor) -> tuple:
+        leaves = list(self.leaves)
+        for slot, tensor in zip(self.slots, tensors):
+            leaves[slot] = tensor
+        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        out = self.inner(*args, **kwargs)
+        return tuple(t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+
+
+class OutputForm:
+    """The structure of a module's output: where its tensors stand among its plain values, so
+    that the tensors a runtime returns (FlatModule's order) are put back in that structure."""
+
+    def __init__(self, output: Any) -> None:
+        leaves, self.spec = pytree.tree_flatten(output)
+        self.slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        self.constants = [None if i in self.slots else leaf for i, leaf in enumerate(leaves)]
+
+    def fill(self, tensors: Any) -> Any:
+        out = list(self.constants)
+        for slot, tensor in zip(self.slots, tensors):
+            out[slot] = tensor
+        return pytree.tree_unflatten(out, self.spec)

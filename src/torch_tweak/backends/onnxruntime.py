@@ -31,7 +31,7 @@ import torch.utils._pytree as pytree
 
 from .._samples import Call, unstorable
 from ..schema import Count, OneOf
-from .base import Backend, BackendConfig
+from .base import Backend, BackendConfig, FlatModule, OutputForm
 
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
 EXECUTION_MODES = ("sequential", "parallel")
@@ -80,26 +80,6 @@ def _import(name: str) -> Any:
         return None
 
 
-class _Flat(torch.nn.Module):
-    """The module called with its input tensors as a flat tuple and its output tensors returned
-    as one: the form an exported ONNX model takes and gives."""
-
-    def __init__(self, module: torch.nn.Module, leaves: list, spec: Any, slots: list[int]) -> None:
-        super().__init__()
-        self.inner = module
-        self.leaves = leaves
-        self.spec = spec
-        self.slots = slots
-
-    def forward(self, *tensors: torch.Tensor) -> tuple:
-        leaves = list(self.leaves)
-        for slot, tensor in zip(self.slots, tensors):
-            leaves[slot] = tensor
-        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
-        out = self.inner(*args, **kwargs)
-        return tuple(t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
-
-
 def _varying(samples: Sequence[Call], slots: list[int]) -> list[set[int]]:
     """Per input tensor, the dimensions whose size differs between the recorded calls."""
     shapes = [[tuple(leaves[i].shape) for i in slots] for leaves in (pytree.tree_leaves(s) for s in samples)]
@@ -107,7 +87,7 @@ def _varying(samples: Sequence[Call], slots: list[int]) -> list[set[int]]:
     for k in range(len(slots)):
         first = shapes[0][k]
         if any(len(s[k]) != len(first) for s in shapes):
-            raise ValueError("ONNX Runtime: the recorded calls give one input tensors of different ranks")
+            raise ValueError("ONNX Runtime: one input is a tensor of different ranks in the recorded calls")
         out.append({d for d in range(len(first)) if any(s[k][d] != first[d] for s in shapes)})
     return out
 
@@ -187,7 +167,7 @@ class ONNXRuntimeBackend(Backend):
             if leaves[i].dtype == torch.bfloat16:
                 raise ValueError("ONNX Runtime: bfloat16 inputs cannot cross to ONNX Runtime as numpy arrays")
         constants = [None if i in slots else leaf for i, leaf in enumerate(leaves)]
-        flat = _Flat(module, constants, spec, slots).eval()
+        flat = FlatModule(module, constants, spec, slots).eval()
         example = tuple(leaves[i].detach() for i in slots)
         model = self.export(flat, example, _varying(samples, slots))
         session = ort.InferenceSession(model, self.session_options(), providers=["CPUExecutionProvider"])
@@ -195,9 +175,7 @@ class ONNXRuntimeBackend(Backend):
         if len(inputs) != len(slots):  # an exporter that dropped an input the module ignores
             raise ValueError(f"ONNX Runtime: the exported model takes {len(inputs)} inputs, the module {len(slots)}")
         with torch.no_grad():
-            out_leaves, out_spec = pytree.tree_flatten(module(*samples[0][0], **samples[0][1]))
-        out_slots = [i for i, leaf in enumerate(out_leaves) if isinstance(leaf, torch.Tensor)]
-        out_constants = [None if i in out_slots else leaf for i, leaf in enumerate(out_leaves)]
+            form = OutputForm(module(*samples[0][0], **samples[0][1]))
 
         def run(*args: Any, **kwargs: Any) -> Any:
             flat_in, in_spec = pytree.tree_flatten((args, kwargs))
@@ -205,9 +183,6 @@ class ONNXRuntimeBackend(Backend):
                 return module(*args, **kwargs)
             feed = {name: flat_in[i].detach().contiguous().numpy() for name, i in zip(inputs, slots)}
             results = session.run(None, feed)
-            out = list(out_constants)
-            for slot, array in zip(out_slots, results):
-                out[slot] = torch.from_numpy(array)
-            return pytree.tree_unflatten(out, out_spec)
+            return form.fill(torch.from_numpy(array) for array in results)
 
         return run

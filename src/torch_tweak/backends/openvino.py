@@ -46,7 +46,7 @@ import torch.utils._pytree as pytree
 from .._samples import Call, move, unstorable
 from ..model_state import restore_places, weight_places
 from ..schema import Name, OneOf
-from .base import Backend, BackendConfig
+from .base import Backend, BackendConfig, FlatModule, OutputForm
 
 PERFORMANCE_HINTS = ("LATENCY", "THROUGHPUT", "CUMULATIVE_THROUGHPUT")
 CONVERSIONS = ("convert_model", "torch_compile")
@@ -205,26 +205,6 @@ def native() -> Iterator[None]:
         yield
 
 
-class _Flat(torch.nn.Module):
-    """The module called with its input tensors as a flat tuple and its output tensors returned
-    as one: the form a traced OpenVINO model takes and gives."""
-
-    def __init__(self, module: torch.nn.Module, leaves: list, spec: Any, slots: list[int]) -> None:
-        super().__init__()
-        self.inner = module
-        self.leaves = leaves
-        self.spec = spec
-        self.slots = slots
-
-    def forward(self, *tensors: torch.Tensor) -> tuple:
-        leaves = list(self.leaves)
-        for slot, tensor in zip(self.slots, tensors):
-            leaves[slot] = tensor
-        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
-        out = self.inner(*args, **kwargs)
-        return tuple(t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
-
-
 class OpenVINOBackend(Backend):
     """OpenVINO: the module converted and compiled for an OpenVINO device (the CPU, or an
     Intel GPU), an optional package: "not installed" when it is missing. Weights it moves
@@ -328,16 +308,14 @@ class OpenVINOBackend(Backend):
         static = all(
             [tuple(leaf.shape) for leaf in pytree.tree_leaves(s) if isinstance(leaf, torch.Tensor)]
             == [tuple(t.shape) for t in example] for s in samples)
-        flat = _Flat(module, constants, spec, slots).eval()
+        flat = FlatModule(module, constants, spec, slots).eval()
         with torch.no_grad():
             model = ov.convert_model(flat, example_input=example,
                                      input=[tuple(t.shape) for t in example] if static else None)
         compiled = ov.Core().compile_model(model, self.ov_device(device), self.properties(samples, module))
         args, kwargs = move(samples[0], torch.device("cpu"))
         with torch.no_grad():
-            out_leaves, out_spec = pytree.tree_flatten(module(*args, **kwargs))
-        out_slots = [i for i, leaf in enumerate(out_leaves) if isinstance(leaf, torch.Tensor)]
-        out_constants = [None if i in out_slots else leaf for i, leaf in enumerate(out_leaves)]
+            form = OutputForm(module(*args, **kwargs))
         target = None if device.type == "cpu" else device
         # An infer request runs one inference at a time ("Infer Request is busy"), and the
         # compiled model's own __call__ shares one between all callers: each thread gets
@@ -354,10 +332,7 @@ class OpenVINOBackend(Backend):
             if request is None:
                 request = local.request = compiled.create_infer_request()
             results = request.infer([flat_in[i].detach().cpu().numpy() for i in slots]).to_tuple()
-            out = list(out_constants)
-            for slot, array in zip(out_slots, results):
-                tensor = torch.from_numpy(array)
-                out[slot] = tensor if target is None else tensor.to(target)
-            return pytree.tree_unflatten(out, out_spec)
+            tensors = (torch.from_numpy(array) for array in results)
+            return form.fill(tensors if target is None else (t.to(target) for t in tensors))
 
         return run
