@@ -33,19 +33,24 @@ def test_gpu_report_is_regenerated_from_the_run_files_it_names(tmp_path):
     assert again == published, "gpu.md is not what its run files give: regenerate it with gpu_bench.py --merge"
 
 
+def regenerated(tmp_path, report: str, script: str, named: list[str]) -> str:
+    """`report` written again by `script --report` from copies of the run files it names."""
+    assert named and all(os.path.exists(os.path.join(RESULTS, p)) for p in named), named
+    for p in named:
+        os.makedirs(os.path.dirname(tmp_path / p), exist_ok=True)
+        shutil.copy(os.path.join(RESULTS, p), tmp_path / p)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), "--report", *named,
+                          "--out", report], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return (tmp_path / report).read_text()
+
+
 def test_knob_study_report_is_regenerated_from_its_run_files(tmp_path):
     with open(os.path.join(RESULTS, "knobs.md")) as f:
         published = f.read()
     line = next(ln for ln in published.splitlines() if ln.startswith("Produced by"))
     named = re.findall(r"`([^`]+\.json)`", line)
-    assert named and all(os.path.exists(os.path.join(RESULTS, p)) for p in named), named
-    for p in named:
-        os.makedirs(os.path.dirname(tmp_path / p), exist_ok=True)
-        shutil.copy(os.path.join(RESULTS, p), tmp_path / p)
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "inductor_knobs.py"), "--report", *named,
-                          "--out", "knobs.md"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert (tmp_path / "knobs.md").read_text() == published, \
+    assert regenerated(tmp_path, "knobs.md", "inductor_knobs.py", named) == published, \
         "knobs.md is not what its run files give: regenerate it with inductor_knobs.py --report"
 
 
@@ -86,12 +91,5 @@ def test_serving_report_is_regenerated_from_its_run_files(tmp_path):
     with open(os.path.join(RESULTS, "serving.md")) as f:
         published = f.read()
     named = re.findall(r"^- `(runs/[^`]+\.json)`", published, flags=re.M)
-    assert named and all(os.path.exists(os.path.join(RESULTS, p)) for p in named), named
-    for p in named:
-        os.makedirs(os.path.dirname(tmp_path / p), exist_ok=True)
-        shutil.copy(os.path.join(RESULTS, p), tmp_path / p)
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "serving_bench.py"), "--report", *named,
-                          "--out", "serving.md"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert (tmp_path / "serving.md").read_text() == published, \
+    assert regenerated(tmp_path, "serving.md", "serving_bench.py", named) == published, \
         "serving.md is not what its run files give: regenerate it with serving_bench.py --report"
