@@ -90,7 +90,7 @@ def test_other_inputs_config_or_settings_do_not_reuse(mlp_data, tuning_cache_fol
     assert not tweak(fresh_net(), mlp_data, strategy=tt.OneBackendStrategy(Fast(tolerance=0.5))).cached
     assert not tweak(fresh_net(), mlp_data, tie_tolerance=0.1).cached
     widened = fresh_net()
-    widened.b.inner = nn.Linear(16, 4, bias=False)
+    widened.b.inner = nn.Linear(16, 4, bias=False).eval()  # a new module is in training mode: tweak would refuse it
     assert not tweak(widened, mlp_data).cached
     assert len(entries(tuning_cache_folder)) == 5
     assert Fast.builds - builds >= 4 * 3  # each tuned afresh (3 modules at depths 0 and 1)

@@ -5,6 +5,7 @@ are tiny decoders built from configs with random weights; nothing is downloaded.
 from __future__ import annotations
 
 import copy
+import re
 import pickle
 
 import pytest
@@ -205,7 +206,10 @@ def test_a_depth_whose_tokens_differ_is_rejected():
     result = tt.tweak(model, workload=lambda m: m.generate(ids, max_new_tokens=5, do_sample=False), max_depth=0,
                       strategy=tt.OneBackendStrategy(NegatedLogits()), measure=QUICK, progress=False)
     row = result.rows[0]
-    assert row.latency_ms is None and "token 0 of sequence 0" in row.error
+    # the first token that differs is the first one a negated step made: the prefill, whose
+    # empty cache fits no recorded signature, runs the original (no catch-all serves a call
+    # its backend was never checked on)
+    assert row.latency_ms is None and re.search(r"token \d+ of sequence 0 is \d+, untuned \d+", row.error), row.error
     assert result.selected_depth is None
     assert torch.equal(generate(model, ids), generate(untuned, ids))
 
