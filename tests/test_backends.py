@@ -5,7 +5,9 @@ cannot store, and bad configs."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -289,6 +291,33 @@ def test_onnxruntime_runs_on_the_cpu_and_serves_new_batch_sizes(mlp, mlp_data, e
         for x in data + [torch.randn(3, 16, generator=g)]:
             torch.testing.assert_close(mlp(x), untuned(x), rtol=1e-4, atol=1e-4)
     assert sum(w.tt_untuned.values()) == 0  # batch 3 too: the dynamic export serves it
+
+
+def test_onnxruntime_export_prints_nothing_about_packages_the_user_does_not_have():
+    # In a fresh interpreter: torch's exporter logs through its own handler to the process's
+    # stderr, which pytest's capture does not see reliably.
+    needs_ort()
+    pytest.importorskip("onnxscript", reason="the dynamo exporter needs onnxscript")
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: the exporter has nothing to say about it")
+    code = """
+import copy, torch, torch_tweak as tt
+from torch import nn
+from torch_tweak.backends import ONNXRuntimeBackend
+torch.manual_seed(0)
+m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
+untuned = copy.deepcopy(m)
+data = [torch.randn(b, 16) for b in (2, 3, 4)]
+(w,) = tt.wrap(m, ["0"], strategy=tt.OneBackendStrategy(ONNXRuntimeBackend(exporter="dynamo")))
+tt.tune(m, data)
+assert w.tt_backend is not None and w.tt_backend.name == "ONNXRuntime", w.tt_error
+with torch.no_grad():
+    for x in data:
+        torch.testing.assert_close(m(x), untuned(x), rtol=1e-4, atol=1e-4)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "is not installed. Skipping" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_onnxruntime_a_tuned_model_saved_and_loaded_exports_again(mlp, mlp_data, expected, tmp_path):

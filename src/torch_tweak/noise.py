@@ -11,6 +11,11 @@ its text says it is that line: anything else those packages say still shows.
   each of its native libraries it cannot load (its CUDA kernels on a CPU machine), and its
   import registers Enum types that this torch logs as deprecated. torch-tweak imports
   torchao only when TorchAO is asked for (TorchAOBackend, precision={"int8"|"fp8": ...}).
+- torch.onnx: the dynamo exporter logs a warning for every torchvision operator it would
+  register when torchvision is not installed ("torchvision is not installed. Skipping
+  torchvision::nms"), on every export, and onnxscript's constant folding logs "Evaluation
+  failed" for a constant it leaves unfolded (the exported model is unchanged by it)
+  (ONNXRuntimeBackend).
 """
 
 from __future__ import annotations
@@ -55,3 +60,7 @@ BUILD = {"transformers.modeling_utils": ("`loss_type=",)}
 TORCHAO_IMPORT = {"torchao": ("Failed to load",),
                   "torch.utils._pytree": ("is an Enum subclass and is now natively supported",)}
 """What importing a torchao that does not match the installed torch says."""
+
+ONNX_EXPORT = {"torch.onnx._internal.exporter._registration": ("is not installed. Skipping",),
+               "onnxscript.optimizer._constant_folding": ("Evaluation failed:",)}
+"""What torch's dynamo ONNX exporter says about packages the user does not have."""

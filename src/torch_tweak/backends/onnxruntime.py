@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
+from .. import noise
 from .._samples import Call, unstorable
 from ..schema import Count, OneOf
 from .base import Backend, BackendConfig, FlatModule, OutputForm
@@ -136,7 +137,7 @@ class ONNXRuntimeBackend(Backend):
             from torch.export import Dim
             dynamic = tuple({d: Dim.DYNAMIC for d in dims} or None for dims in varying)
             try:
-                with warnings.catch_warnings(), torch.no_grad():
+                with warnings.catch_warnings(), torch.no_grad(), noise.dropped(noise.ONNX_EXPORT):
                     warnings.simplefilter("ignore")
                     program = torch.onnx.export(flat, example, dynamo=True, input_names=names, verbose=False,
                                                 dynamic_shapes=dynamic if any(varying) else None)
