@@ -42,8 +42,11 @@ class Outer(nn.Module):
 @pytest.fixture(autouse=True)
 def two_signatures(monkeypatch):
     """Two signatures of their own, then "any other call" (fewer builds: OpenVINO's are slow);
-    no isolated child (what is tested here is the dispatch, not a crash)."""
+    no isolated child (what is tested here is the dispatch, not a crash). The calls of one
+    shape class whose sizes vary get a group of their own by default (signatures.merge_varying,
+    tested with the same backends in test_varying.py); here "any other call" is what serves them."""
     monkeypatch.setattr(signatures, "MAX_SIGNATURES", 2)
+    monkeypatch.setattr(signatures, "MERGE_VARYING", False)
     monkeypatch.setenv("TORCH_TWEAK_ISOLATION", "off")
 
 

@@ -30,7 +30,8 @@ class WideOnlyBackend(Backend):
         return run
 
 
-def test_two_signatures_get_different_backends(mlp):
+def test_two_signatures_get_different_backends(mlp, monkeypatch):
+    monkeypatch.setattr(signatures, "MERGE_VARYING", False)  # the exact signatures alone (test_varying.py: with)
     data = [torch.randn(8, 16), torch.randn(2, 16), torch.randn(8, 16), torch.randn(2, 16)]
     strategy = tt.FirstWinsStrategy([WideOnlyBackend(), TorchEagerBackend()])
     (w,) = tt.wrap(mlp, ["head"], strategy=strategy)
@@ -54,7 +55,8 @@ def test_two_signatures_get_different_backends(mlp):
         assert w._tt_fallbacks == fallbacks + 1
 
 
-def test_signatures_are_capped_and_the_rest_share_one_group(mlp):
+def test_signatures_are_capped_and_the_rest_share_one_group(mlp, monkeypatch):
+    monkeypatch.setattr(signatures, "MERGE_VARYING", False)  # "any other call" as it is without the class group
     sizes = list(range(1, signatures.MAX_SIGNATURES + 4))
     data = [torch.randn(n, 16) for n in sizes] + [torch.randn(1, 16)] * (signatures.MAX_CALLS_PER_SIGNATURE + 2)
     (w,) = tt.wrap(mlp, ["head"], strategy=tt.OneBackendStrategy(TorchEagerBackend()))

@@ -47,7 +47,7 @@ from .workload import MAX_GENERATE_CALLS
 from .serial import (MAX_JSON_VALUES, Unstorable, build_backend, class_path, decode, describe_backend, device_name, dumps, encode,
                      known_types, loads)
 from .signatures import (MAX_CALLS_PER_SIGNATURE, MAX_SIGNATURES, OTHER, SignatureGroup, forward_params,
-                         make_signature)
+                         make_signature, proven_signatures)
 
 FORMAT = "torch-tweak"
 VERSION = 2
@@ -147,6 +147,8 @@ def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None =
         for group in planned.groups:
             entry: dict[str, Any] = {"text": group.text, "key": group.key, "backend": None, "samples": [],
                                      "outputs": []}
+            if group.varying:
+                entry["varying"] = True  # one shape class, the axes that varied left free
             if group.backend is not None:
                 entry["backend"] = describe_backend(group.backend)
                 inductor |= group.backend.compiles_with_inductor
@@ -585,12 +587,14 @@ def _groups(plan: dict, stored: tuple, path: Any,
                 if len(samples) != len(outputs):
                     raise ValueError("as many outputs as calls are needed")
                 params = forward_params(model.get_submodule(item["path"]) if item["path"] else model)
+                varying = sig.get("varying", False) is True
                 signature = None if key == "other" and text == OTHER else (
-                    make_signature(*samples[0], params) if samples else False)
+                    False if not samples else next(iter(proven_signatures(samples, params)), False) if varying
+                    else make_signature(*samples[0], params))
             except (ValueError, TypeError, KeyError, RuntimeError) as exc:
                 raise CheckpointError(f"{path}: the stored calls of {item['path'] or '(root)'} are damaged: "
                                       f"{str(exc)[:200]}") from None
-            group = SignatureGroup(signature if signature is not False else None, text, key)
+            group = SignatureGroup(signature if signature is not False else None, text, key, varying=varying)
             group.samples.extend(samples)
             group.outputs.extend(outputs)
             groups.append(group)

@@ -53,16 +53,18 @@ class Flag(Spec):
 
 
 class Count(Spec):
-    """An int (not a bool) from lo to hi."""
+    """An int (not a bool) from lo to hi, or None when optional."""
 
-    def __init__(self, lo: int, hi: int) -> None:
-        self.lo, self.hi = lo, hi
+    def __init__(self, lo: int, hi: int, optional: bool = False) -> None:
+        self.lo, self.hi, self.optional = lo, hi, optional
 
     def accepts(self, value: Any) -> bool:
+        if value is None:
+            return self.optional
         return type(value) is int and self.lo <= value <= self.hi
 
     def describe(self) -> str:
-        return f"an int from {self.lo} to {self.hi}"
+        return f"an int from {self.lo} to {self.hi}" + (" or None" if self.optional else "")
 
 
 class Fraction(Spec):

@@ -22,6 +22,14 @@ signature that tuning kept on the original.
 
 A shape class (shape_class) is a Signature whose tensor sizes may vary while the call's
 structure, plain values, dtypes, ranks and devices are fixed.
+
+Traffic whose sizes vary (a batcher's batch sizes, a tokenizer's padded lengths) is one
+decision, not several: after recording, the calls of one shape class that show more than
+one size become one group (merge_varying) whose Signature leaves free the axes whose size
+varied among them. Its candidates are measured on those calls in their recorded order, the
+traffic's own mix, and include those that pad a call up to a bucket (backends/padded.py).
+Calls that pass live state (a key/value cache) are left as they are: a decoder's prefill
+and decode steps are different calls, not sizes of one.
 """
 
 from __future__ import annotations
@@ -34,12 +42,14 @@ from typing import Any, Sequence
 import torch
 
 from . import _C
-from ._samples import Call, describe_cache, structure_key
+from ._samples import Call, describe_cache, structure_key, unstorable
 
 _C.set_value_keyer(structure_key)  # a key/value cache fits a signature by its structure, not its identity
 
 MAX_SIGNATURES = 4
 MAX_CALLS_PER_SIGNATURE = 8
+MERGE_VARYING = True
+"""Whether the calls of a shape class whose sizes vary get their group (merge_varying)."""
 
 OTHER = "any other call"
 
@@ -64,6 +74,7 @@ class SignatureGroup:
     report: list[dict] = dataclasses.field(default_factory=list)
     unstorable: int = 0
     serves: tuple = ()  # "any other call": the Signatures its backend serves (proven_signatures)
+    varying: bool = False  # the calls of one shape class whose sizes vary (merge_varying)
 
     def release(self) -> None:
         self.samples.clear()
@@ -211,3 +222,93 @@ def group_for(groups: list[SignatureGroup], args: tuple, kwargs: dict, params: t
     group = SignatureGroup(signature, text, key_of(text) if signature is not None else "other")
     groups.append(group)
     return group
+
+
+def _leaf_shapes(args: tuple, kwargs: dict) -> list[tuple[int, ...]]:
+    leaves = list(args) + list(kwargs.values())
+    shapes: list[tuple[int, ...]] = []
+    for value in leaves:
+        if isinstance(value, torch.Tensor):
+            shapes.append(tuple(value.shape))
+        elif isinstance(value, (tuple, list)):
+            shapes.extend(tuple(v.shape) for v in value if isinstance(v, torch.Tensor))
+    return shapes
+
+
+def describe_class(samples: Sequence[Any]) -> str:
+    """A readable form of calls of one shape class: each size that varied as its range,
+    e.g. ``(float32[1-16, 3, 224, 224])``."""
+    args, kwargs = samples[0]
+    every = [_leaf_shapes(a, k) for a, k in samples]
+    ranges = iter([tuple((min(s[i][axis] for s in every), max(s[i][axis] for s in every))
+                         for axis in range(len(every[0][i]))) for i in range(len(every[0]))])
+
+    def text(value: Any, depth: int = 0) -> str:
+        if isinstance(value, torch.Tensor):
+            sizes = next(ranges)
+            dtype = str(value.dtype).replace("torch.", "")
+            where = "" if value.device.type == "cpu" else f"@{value.device}"
+            dims = ", ".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in sizes)
+            return f"{dtype}[{dims}]{where}"
+        if isinstance(value, (tuple, list)) and depth == 0:
+            inner = ", ".join(text(v, 1) for v in value)
+            return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
+        return describe_value(value, depth)
+
+    parts = [text(a) for a in args] + [f"{k}={text(v)}" for k, v in kwargs.items()]
+    return "(" + ", ".join(parts) + ")"
+
+
+def merge_varying(groups: list[SignatureGroup], samples: Sequence[Call], outputs: Sequence[Any],
+                  params: tuple = ()) -> list[SignatureGroup]:
+    """The recorded groups with one more group for each shape class whose calls show more
+    than one size (see the module docstring): its Signature fits the class with the axes that
+    varied left free (proven_signatures), its calls are the class's first
+    MAX_CALLS_PER_SIGNATURE recorded calls in their recorded order (samples and outputs: every
+    recorded call in order, as the groups store them). The signatures recorded exactly keep
+    their groups and come first (the dispatcher tries entries in order); the class's group
+    takes its calls out of "any other call", which is dropped when none are left. A module
+    called with live state is left as it is."""
+    if not MERGE_VARYING or len(samples) < 2 or any(unstorable(s) is not None for s in samples):
+        return groups
+    classes: list[tuple[Any, list[int]]] = []
+    for i, (args, kwargs) in enumerate(samples):
+        for cls, members in classes:
+            if cls.matches(args, kwargs):
+                members.append(i)
+                break
+        else:
+            try:
+                classes.append((shape_class(args, kwargs, params), [i]))
+            except Exception:  # an argument the dispatcher cannot describe: left as recorded
+                continue
+    merged: list[SignatureGroup] = []
+    taken: set[int] = set()
+    for cls, members in classes:
+        if len({tuple(_leaf_shapes(*samples[i])) for i in members}) < 2:
+            continue
+        kept = members[:MAX_CALLS_PER_SIGNATURE]
+        calls = [samples[i] for i in kept]
+        try:
+            (signature,) = proven_signatures(calls, params)
+        except ValueError:
+            continue
+        text = describe_class(calls)
+        group = SignatureGroup(signature, text, key_of(text), varying=True)
+        group.samples.extend(calls)
+        group.outputs.extend(outputs[i] for i in kept)
+        merged.append(group)
+        taken.update(id(samples[i]) for i in members)
+    if not merged:
+        return groups
+    exact = [g for g in groups if g.signature is not None]
+    rest = []
+    for group in groups:
+        if group.signature is not None:
+            continue
+        pairs = [(s, o) for s, o in zip(group.samples, group.outputs) if id(s) not in taken]
+        if pairs or not group.samples:
+            group.samples[:] = [s for s, _ in pairs]
+            group.outputs[:] = [o for _, o in pairs]
+            rest.append(group)
+    return exact + merged + rest

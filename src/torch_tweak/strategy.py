@@ -12,7 +12,8 @@ import torch
 
 from . import _C
 from .axes import Axes
-from .backends import (Backend, DeviceGraphBackend, InductorGraphBackend, OpenVINOBackend, TorchEagerBackend,
+from .backends import (Backend, DeviceGraphBackend, InductorGraphBackend, OpenVINOBackend, PaddedGraphBackend,
+                       TorchEagerBackend,
                        TorchInductorBackend)
 
 
@@ -27,13 +28,14 @@ def default_backends(device: Any) -> list[Backend]:
     """A new list of the default backends for `device`, in the order FirstWins tries them.
 
     cpu: Torch Inductor, OpenVINO, Torch Eager. cuda: device graph, Torch Inductor, Inductor
-    inside a device graph, Torch Eager. xpu: device graph, Torch Inductor, OpenVINO, Torch Eager.
+    inside a device graph, padded graphs (calls whose sizes vary: backends/padded.py), Torch Eager. xpu: device graph, Torch Inductor, OpenVINO, Torch Eager.
     OpenVINO reports "not installed" when its package is missing, and strategies move on.
     TorchAO is never a default: quantization changes results.
     """
     kind = device_type(device)
     if kind == "cuda":
-        return [DeviceGraphBackend(), TorchInductorBackend(), InductorGraphBackend(), TorchEagerBackend()]
+        return [DeviceGraphBackend(), TorchInductorBackend(), InductorGraphBackend(), PaddedGraphBackend(),
+                TorchEagerBackend()]
     if kind == "xpu":
         return [DeviceGraphBackend(), TorchInductorBackend(), OpenVINOBackend(), TorchEagerBackend()]
     if kind == "cpu":

@@ -19,7 +19,8 @@ from .correctness import MismatchError, check
 from .module import TunedModule, arm_untuned, installed, own_class
 from .progress import Progress
 from .report import candidates_of, fold
-from .signatures import MAX_CALLS_PER_SIGNATURE, SignatureGroup, forward_params, group_for, is_other, proven_signatures
+from .signatures import (MAX_CALLS_PER_SIGNATURE, SignatureGroup, forward_params, group_for, is_other, merge_varying,
+                         proven_signatures)
 from .strategy import Strategy, default_backends, default_strategy
 
 logger = logging.getLogger("torch_tweak")
@@ -28,12 +29,16 @@ logger = logging.getLogger("torch_tweak")
 def record(wrappers: Iterable[TunedModule], run_dataset: Callable[[], None]) -> None:
     """Runs the dataset once with `wrappers` recording their calls and original outputs,
     grouped by input signature (see torch_tweak.signatures)."""
+    wrappers = list(wrappers)
     with contextlib.ExitStack() as recording:
         for wrapper in wrappers:
             release(wrapper, keep_chosen=False)
             wrapper.tt_signatures.clear()
             recording.enter_context(wrapper.tt_record_with(_recorder(wrapper)))
         run_dataset()
+    for wrapper in wrappers:  # traffic whose sizes vary: one group per shape class
+        wrapper.tt_signatures[:] = merge_varying(wrapper.tt_signatures, wrapper.tt_samples, wrapper.tt_outputs,
+                                                 forward_params(wrapper._tt_original))
 
 
 def _recorder(wrapper: TunedModule) -> Callable[..., Any]:
@@ -143,7 +148,7 @@ class ModuleSearch:
         stack = contextlib.ExitStack()  # closed at commit: the engine commits every group it began
         try:
             stack.enter_context(torch.no_grad())
-            stack.enter_context(build_scopes(backends, static=group.signature is not None))
+            stack.enter_context(build_scopes(backends, static=group.signature is not None and not group.varying))
         except BaseException:
             stack.close()
             raise
@@ -296,6 +301,8 @@ def apply_groups(wrapper: TunedModule) -> list[SignatureGroup]:
     wrapper._tt_set_params(tuple(m._parameters for m in wrapper._tt_original.modules()))
     wrapper.tt_backend = chosen[0].backend if chosen else None
     wrapper.tt_reset_untuned()
+    for group in chosen:  # a backend that counts its calls (padded buckets' hits) counts the user's
+        getattr(group.backend.callable, "reset_counts", lambda: None)()
     return chosen
 
 
@@ -404,7 +411,8 @@ def rebuild_group(wrapper: TunedModule, group: SignatureGroup, backend: Backend,
     state = model_state.snapshot(module)
     path = log_path(model_class, wrapper.tt_name, group.key, backend.name)
     title = f"{backend!r} for {wrapper.tt_name or '(root)'} of {model_class}, signature {group.text} (rebuilt)"
-    with capture_build(path, title) as log, torch.no_grad(), build_scopes([backend], group.signature is not None):
+    static = group.signature is not None and not group.varying
+    with capture_build(path, title) as log, torch.no_grad(), build_scopes([backend], static):
         worst = build_checked(backend, module, group.samples, group.outputs, device, state, log, bounded)
         log.outcome = f"rebuilt; passed the correctness check (largest relative error {worst:.3g})"
     return worst

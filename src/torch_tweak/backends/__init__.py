@@ -7,10 +7,11 @@ from .graph import (DeviceGraphBackend, DeviceGraphBackendConfig, InductorGraphB
 from .inductor import TorchInductorBackend, TorchInductorBackendConfig
 from .onnxruntime import ONNXRuntimeBackend, ONNXRuntimeBackendConfig
 from .openvino import OpenVINOBackend, OpenVINOBackendConfig
+from .padded import PaddedGraphBackend, PaddedGraphBackendConfig
 from .torchao import TorchAOBackend, TorchAOBackendConfig
 
 BUILT_IN = (TorchEagerBackend, TorchInductorBackend, DeviceGraphBackend, InductorGraphBackend, OpenVINOBackend,
-            TorchAOBackend, ONNXRuntimeBackend)
+            TorchAOBackend, ONNXRuntimeBackend, PaddedGraphBackend)
 """torch-tweak's own backends: the only classes tt.load builds from a name in a file."""
 
 __all__ = [
@@ -25,6 +26,8 @@ __all__ = [
     "ONNXRuntimeBackendConfig",
     "OpenVINOBackend",
     "OpenVINOBackendConfig",
+    "PaddedGraphBackend",
+    "PaddedGraphBackendConfig",
     "TorchAOBackend",
     "TorchAOBackendConfig",
     "TorchEagerBackend",

@@ -1,0 +1,525 @@
+"""Padded: calls whose sizes vary, served from a few buckets, each with its own device graph.
+
+A service's calls vary in batch size (what its batcher formed) and in length (what its
+tokenizer padded to). A device graph replays one shape only; a graph per shape seen means a
+recording for every new shape. This backend pads a call up to one of a few bucket shapes,
+runs that bucket's graph on the padded call, and cuts the outputs back to the call's own
+sizes, as serving systems do with their capture sizes.
+
+What is padded, learned from the recorded calls (``plan``):
+
+- the batch: axis 0 of every input tensor, when it has one size per call and that size
+  varies among the calls; buckets are powers of two. Padded rows hold rows of earlier calls
+  (at first, copies of the call's first row): a module whose rows are independent gives the
+  same answer for the call's rows whatever they hold;
+- the length: axis 1 of the inputs shaped like an ``attention_mask`` argument (the mask
+  itself, the token ids, the token types...), when it varies; buckets are steps of the
+  largest length seen. The padded positions are zeros: a mask of zeros there hides them
+  from a module that honours its mask;
+- any other size that varies makes the backend refuse the module (nothing is padded that
+  is not understood), as does an output axis that follows neither.
+
+Padding is kept only where it is proven harmless: besides the correctness check on the
+recorded calls (padded as they come), the build checks, per bucket, a call made from a
+recorded one that needs the most padding that bucket can take (its batch one more than the
+bucket below, its length one more than the step below), against the original module on
+that same unpadded call. A module whose rows are not independent (a statistic over the
+batch) or that ignores its mask fails there, and the reason says which.
+
+Buckets are recorded at build for the recorded calls, and on first sight for a new bucket
+inside the range (batch up to twice the largest seen, rounded to a power of two; length up
+to the largest seen; or the declared max_batch and max_length), while there are fewer than
+max_graphs and their memory stays under max_graph_memory_mb. The first call of a new bucket
+runs the original module too and is answered with the original's result; the bucket serves
+later calls only if its answer matched. A call outside the range, or past those caps, runs
+the module compiled for dynamic shapes (or the module itself with compile=False), never a
+graph that was not checked.
+
+The graphs of one module share one memory pool, and the outputs are copied out of it after
+each replay, so a later replay never changes what a caller holds; calls run one at a time
+(the dispatcher serialises them: static buffers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from .._samples import Call, fresh
+from ..correctness import MismatchError, check
+from ..schema import Count, Flag
+from .base import Backend, BackendConfig, BackendUnavailable
+from .graph import GraphCaptureError, _DeviceApi, graph_unavailable
+from .inductor import compile_module, shared_compiles
+
+logger = logging.getLogger("torch_tweak")
+
+MASK_NAMES = ("attention_mask",)
+"""Argument names taken as a mask of valid positions along axis 1 (transformers' name)."""
+
+
+class PaddingRefused(MismatchError):
+    """Padding changed the answer of a call: the module's rows are not independent, or it
+    does not honour its mask."""
+
+
+class NothingToPad(BackendUnavailable):
+    """The recorded calls show no size that varies, or one that cannot be padded."""
+
+
+@dataclasses.dataclass
+class PaddedGraphBackendConfig(BackendConfig):
+    """max_graphs: buckets recorded per module, at build and on first sight together.
+    max_graph_memory_mb: no new bucket is recorded once the graphs' memory passes this.
+    max_batch, max_length: the declared upper end of the batch and length ranges (None: the
+    learned one: twice the largest batch seen, rounded to a power of two; the largest length).
+    length_buckets: how many length buckets the largest length is cut into (steps of 8).
+    graph: a device graph per bucket (cuda); False runs the target on the padded call.
+    compile: the target is the module compiled by Torch Inductor with dynamic shapes (one
+    compile serves every bucket, and calls outside the range); False: the module itself.
+    warmup: calls before each recording."""
+
+    max_graphs: int = 32
+    max_graph_memory_mb: int = 8192
+    max_batch: int | None = None
+    max_length: int | None = None
+    length_buckets: int = 8
+    graph: bool = True
+    compile: bool = True
+    warmup: int = 2
+
+    SCHEMA = {**BackendConfig.SCHEMA, "max_graphs": Count(1, 256), "max_graph_memory_mb": Count(1, 1 << 20),
+              "max_batch": Count(1, 1 << 16, optional=True), "max_length": Count(1, 1 << 20, optional=True),
+              "length_buckets": Count(1, 64), "graph": Flag(), "compile": Flag(), "warmup": Count(1, 100)}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("max_graphs", "max_graph_memory_mb", "length_buckets", "warmup"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("max_batch", "max_length"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+        for name in ("graph", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+
+# ----------------------------------------------------------------- the plan
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclasses.dataclass
+class Plan:
+    """What gets padded: input slots (indices among the call's flattened leaves), whether
+    axis 0 is padded for each, whether axis 1 is; the same per output leaf; the ranges."""
+
+    spec: Any
+    tensors: list[int]
+    batch: bool
+    length: bool
+    mask: int | None
+    seq_inputs: set[int]
+    out_batch: list[bool]
+    out_length: list[bool]
+    max_batch: int
+    max_length: int
+    step: int
+
+    def key(self, b: int, n: int) -> tuple[int, int] | None:
+        """The bucket (batch, length) of a call of batch b and length n, or None outside the range."""
+        if (self.batch and b > self.max_batch) or (self.length and n > self.max_length):
+            return None
+        return (_next_pow2(b) if self.batch else b,
+                min(-(-n // self.step) * self.step, self.max_length) if self.length else n)
+
+    def lower(self, key: tuple[int, int]) -> tuple[int, int]:
+        """The smallest batch and length that fall into bucket `key`."""
+        b, n = key
+        low_b = b // 2 + 1 if self.batch and b > 1 else b
+        low_n = ((n - 1) // self.step) * self.step + 1 if self.length else n
+        return low_b, max(1, min(low_n, n))
+
+
+def _sizes(leaves: list, plan_tensors: list[int], mask: int | None) -> tuple[int, int]:
+    first = leaves[plan_tensors[0]]
+    b = int(first.shape[0]) if first.dim() else 1
+    n = int(leaves[mask].shape[1]) if mask is not None else 0
+    return b, n
+
+
+def make_plan(samples: Sequence[Call], refs: Sequence[Any], names: Sequence[str | None],
+              config: PaddedGraphBackendConfig) -> Plan:
+    """The plan for `samples` (laid out alike) and the original's outputs `refs`; raises
+    NothingToPad naming what varies and cannot be padded."""
+    flats = [pytree.tree_flatten(s) for s in samples]
+    spec = flats[0][1]
+    if any(f[1] != spec for f in flats[1:]):
+        raise NothingToPad("the recorded calls differ in structure; each structure is its own group")
+    calls = [f[0] for f in flats]
+    tensors = [i for i, leaf in enumerate(calls[0]) if isinstance(leaf, torch.Tensor)]
+    if not tensors:
+        raise NothingToPad("the calls pass no tensor")
+    # the mask: an argument by that name, 2-d, of integers or booleans
+    args0, kwargs0 = samples[0]
+    named: dict[int, str] = {}
+    position = 0
+    for i, value in enumerate(list(args0) + list(kwargs0.values())):
+        name = (names[i] if i < len(args0) and i < len(names) else
+                list(kwargs0)[i - len(args0)] if i >= len(args0) else None)
+        for _ in pytree.tree_leaves(value):
+            if name is not None:
+                named[position] = name
+            position += 1
+    mask = next((i for i in tensors if named.get(i) in MASK_NAMES and calls[0][i].dim() == 2
+                 and not calls[0][i].is_floating_point()), None)
+    batch = all(c[i].dim() >= 1 for c in calls for i in tensors) and all(
+        len({int(c[i].shape[0]) for i in tensors}) == 1 for c in calls)
+    batch_sizes = {int(c[tensors[0]].shape[0]) for c in calls} if batch else set()
+    seq_inputs: set[int] = set()
+    if mask is not None:
+        seq_inputs = {i for i in tensors if all(c[i].dim() >= 2 and tuple(c[i].shape[:2]) == tuple(c[mask].shape)
+                                                for c in calls)}
+    lengths = {int(c[mask].shape[1]) for c in calls} if mask is not None else set()
+    pad_batch = len(batch_sizes) > 1 or (batch and config.max_batch is not None)
+    pad_length = len(lengths) > 1 or (mask is not None and config.max_length is not None)
+    for i in tensors:
+        for axis in range(calls[0][i].dim()):
+            if len({int(c[i].shape[axis]) for c in calls}) > 1 and not (
+                    (axis == 0 and pad_batch) or (axis == 1 and pad_length and i in seq_inputs)):
+                where = named.get(i, f"input tensor {tensors.index(i)}")
+                raise NothingToPad(f"axis {axis} of {where} varies and is neither a batch axis shared by every "
+                                   "input nor a length along an attention_mask")
+    if not pad_batch and not pad_length:
+        raise NothingToPad("no size varies among the recorded calls: nothing to pad")
+    outs = [pytree.tree_leaves(r) for r in refs]
+    out_batch, out_length = [], []
+    for j, leaf in enumerate(outs[0]):
+        if not isinstance(leaf, torch.Tensor):
+            out_batch.append(False)
+            out_length.append(False)
+            continue
+        sizes = [_sizes(c, tensors, mask) for c in calls]
+        by_batch = pad_batch and leaf.dim() >= 1 and all(int(o[j].shape[0]) == s[0] for o, s in zip(outs, sizes))
+        by_length = pad_length and leaf.dim() >= 2 and all(int(o[j].shape[1]) == s[1] for o, s in zip(outs, sizes))
+        for axis in range(leaf.dim()):
+            if len({int(o[j].shape[axis]) for o in outs}) > 1 and not (
+                    (axis == 0 and by_batch) or (axis == 1 and by_length)):
+                raise NothingToPad(f"axis {axis} of output {j} varies and follows neither the batch nor the length")
+        out_batch.append(by_batch)
+        out_length.append(by_length)
+    most_b = max(batch_sizes) if batch_sizes else 1
+    most_n = max(lengths) if lengths else 0
+    max_batch = config.max_batch if config.max_batch is not None else _next_pow2(2 * most_b)
+    max_length = config.max_length if config.max_length is not None else most_n
+    step = max(8, -(-max_length // config.length_buckets + 7) // 8 * 8) if pad_length else 1
+    return Plan(spec, tensors, pad_batch, pad_length, mask if pad_length else None, seq_inputs if pad_length else set(),
+                out_batch, out_length, max(max_batch, most_b), max(max_length, most_n), step)
+
+
+# ----------------------------------------------------------------- buckets
+
+
+class _Bucket:
+    """The static inputs of one bucket shape, its recording (or None), its outputs."""
+
+    __slots__ = ("key", "buffers", "args", "kwargs", "graph", "outputs", "spec", "hits", "valid", "served",
+                 "memory", "ok")
+
+    def __init__(self, key: tuple[int, int]) -> None:
+        self.key = key
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.graph: Any = None
+        self.outputs: list = []
+        self.spec: Any = None
+        self.hits = 0
+        self.valid = 0      # elements of the calls served (their own sizes)
+        self.served = 0     # elements computed (the bucket's sizes)
+        self.memory = 0
+        self.ok = True
+
+
+class PaddedCall:
+    """The built callable: picks a call's bucket, copies the call in, replays, cuts out."""
+
+    def __init__(self, module: torch.nn.Module, target: Callable[..., Any], plan: Plan,
+                 config: PaddedGraphBackendConfig, device: torch.device, tolerance: float | None) -> None:
+        self.module = module
+        self.target = target
+        self.plan = plan
+        self.config = config
+        self.device = device
+        self.tolerance = tolerance
+        self.api = _DeviceApi(device) if config.graph else None
+        self.pool = self.api.mod.graph_pool_handle() if self.api is not None else None
+        self.buckets: dict[tuple[int, int], _Bucket] = {}
+        self.outside = 0    # calls outside the range, or past the caps: the dynamic target
+        self.refused = 0    # first-sight buckets whose answer differed from the original's
+        self.building = True
+        self.lock = threading.RLock()
+
+    # ---- what status and print(result) show
+    def describe(self) -> dict:
+        valid = sum(b.valid for b in self.buckets.values())
+        served = sum(b.served for b in self.buckets.values())
+        return {"buckets": {f"{b}x{n}" if self.plan.length else f"{b}": bucket.hits
+                            for (b, n), bucket in sorted(self.buckets.items()) if bucket.ok},
+                "graphs": sum(1 for b in self.buckets.values() if b.graph is not None),
+                "graph_memory_mb": round(sum(b.memory for b in self.buckets.values()) / 2**20, 1),
+                "padding_waste": round(1 - valid / served, 3) if served else 0.0,
+                "outside_range": self.outside, "refused_buckets": self.refused,
+                "batch_range": (1, self.plan.max_batch) if self.plan.batch else None,
+                "length_range": (1, self.plan.max_length) if self.plan.length else None}
+
+    def reset_counts(self) -> None:
+        """Counts start again from 0 (the calls of tuning itself are not the user's)."""
+        for bucket in self.buckets.values():
+            bucket.hits = bucket.valid = bucket.served = 0
+        self.outside = 0
+
+    # ---- a call
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+            plan = self.plan
+            b, n = _sizes(leaves, plan.tensors, plan.mask)
+            key = plan.key(b, n)
+            bucket = self.buckets.get(key) if key is not None else None
+            if bucket is None and key is not None and not self.building:
+                return self._first_sight(key, leaves, spec, args, kwargs)
+            if bucket is None and key is not None:
+                bucket = self._record(key, leaves)
+            if bucket is None or not bucket.ok:
+                self.outside += 1
+                return self.target(*args, **kwargs)
+            return self._run(bucket, leaves, b, n)
+
+    def _run(self, bucket: _Bucket, leaves: list, b: int, n: int) -> Any:
+        plan = self.plan
+        for i in plan.tensors:
+            buffer = bucket.buffers[i]
+            view = buffer[:b] if plan.batch else buffer
+            if i in plan.seq_inputs:
+                view[:, n:].zero_()
+                view = view[:, :n]
+            view.copy_(leaves[i])
+        if bucket.graph is not None:
+            bucket.graph.replay()
+            produced = bucket.outputs
+        else:
+            args, kwargs = pytree.tree_unflatten(self._leaves_of(bucket, leaves), plan.spec)
+            produced = pytree.tree_flatten(self.target(*args, **kwargs))[0]
+        out = []
+        for j, leaf in enumerate(produced):
+            if isinstance(leaf, torch.Tensor):
+                if plan.out_batch[j]:
+                    leaf = leaf[:b]
+                if plan.out_length[j]:
+                    leaf = leaf[:, :n]
+                leaf = leaf.clone()
+            out.append(leaf)
+        bucket.hits += 1
+        bucket.valid += b * (n if plan.length else 1)
+        bucket.served += bucket.key[0] * (bucket.key[1] if plan.length else 1)
+        return pytree.tree_unflatten(out, bucket.spec)
+
+    def _leaves_of(self, bucket: _Bucket, leaves: list) -> list:
+        return [bucket.buffers.get(i, leaf) for i, leaf in enumerate(leaves)]
+
+    def _record(self, key: tuple[int, int], leaves: list) -> _Bucket | None:
+        """A new bucket for `key`, its buffers filled from the call, recorded; None past the caps."""
+        recorded = [b for b in self.buckets.values() if b.graph is not None]
+        if self.config.graph and (len(recorded) >= self.config.max_graphs or
+                                  sum(b.memory for b in recorded) >= self.config.max_graph_memory_mb * 2**20):
+            return None
+        plan = self.plan
+        bucket = _Bucket(key)
+        bb, bn = key
+        for i in plan.tensors:
+            x = leaves[i]
+            shape = list(x.shape)
+            if plan.batch:
+                shape[0] = bb
+            if i in plan.seq_inputs:
+                shape[1] = bn
+            buffer = torch.zeros(shape, dtype=x.dtype, device=x.device)
+            b = int(x.shape[0]) if plan.batch else bb
+            view = buffer[:b]
+            if i in plan.seq_inputs:
+                view = view[:, :int(x.shape[1])]
+            view.copy_(x)
+            if b < bb:  # the padded rows: copies of the call's first row
+                buffer[b:].copy_(buffer[:1].expand(bb - b, *buffer.shape[1:]))
+            bucket.buffers[i] = buffer
+        args, kwargs = pytree.tree_unflatten(self._leaves_of(bucket, leaves), plan.spec)
+        if self.api is None:
+            bucket.spec = pytree.tree_flatten(self.target(*args, **kwargs))[1]
+        else:
+            self._capture(bucket, args, kwargs)
+        self.buckets[key] = bucket
+        return bucket
+
+    def _capture(self, bucket: _Bucket, args: tuple, kwargs: dict) -> None:
+        api = self.api
+        with torch.no_grad(), api.mod.device(api.index):
+            current = api.mod.current_stream()
+            side = api.mod.Stream()
+            side.wait_stream(current)
+            with api.mod.stream(side):
+                for _ in range(self.config.warmup):
+                    self.target(*args, **kwargs)
+            current.wait_stream(side)
+            api.mod.synchronize()
+            before = api.mod.memory_reserved(api.device)
+            graph = api.graph()
+            side.wait_stream(api.mod.current_stream())
+            failure: BaseException | None = None
+            out = None
+            with api.mod.stream(side):
+                api.capture_begin(graph, self.pool, "thread_local")
+                try:
+                    out = self.target(*args, **kwargs)
+                except BaseException as exc:  # the capture must end before anything else runs
+                    failure = exc
+                try:
+                    graph.capture_end()
+                except Exception as exc:
+                    failure = failure or exc
+            if failure is not None:
+                if not isinstance(failure, Exception):
+                    raise failure
+                raise GraphCaptureError(f"the module cannot be recorded in a device graph: "
+                                        f"{type(failure).__name__}: {failure}") from failure
+            api.mod.synchronize()
+            bucket.memory = max(0, api.mod.memory_reserved(api.device) - before)
+        bucket.graph = graph
+        bucket.outputs, bucket.spec = pytree.tree_flatten(out)
+
+    def _first_sight(self, key: tuple[int, int], leaves: list, spec: Any, args: tuple, kwargs: dict) -> Any:
+        """A call of a bucket not seen before: answered by the original; the new bucket serves
+        later calls only if it answered this one the same."""
+        with torch.no_grad():
+            reference = self.module(*args, **kwargs)
+        try:
+            bucket = self._record(key, leaves)
+        except Exception as exc:  # a capture that fails: the bucket is not served
+            logger.warning("torch-tweak: no graph for a new bucket %s: %s", key, exc)
+            bucket = _Bucket(key)
+            bucket.ok = False
+            self.buckets[key] = bucket
+            self.refused += 1
+            return reference
+        if bucket is None:
+            self.outside += 1
+            return reference
+        b, n = _sizes(leaves, self.plan.tensors, self.plan.mask)
+        try:
+            check(self._run(bucket, leaves, b, n), reference, self.tolerance, where="a new bucket's first call")
+            bucket.hits -= 1
+        except MismatchError as exc:
+            bucket.ok = False
+            self.refused += 1
+            logger.warning("torch-tweak: a new bucket %s gave another answer than the original (%s); its calls run "
+                           "the module compiled for dynamic shapes", key, exc)
+        return reference
+
+    # ---- the proof, at build
+    def prove(self, samples: Sequence[Call]) -> None:
+        """Checks each recorded call that gets padded, and for each bucket the samples use a
+        call made from one of them that needs that bucket's most padding, against the
+        original on the same unpadded call; raises PaddingRefused saying what failed."""
+        plan = self.plan
+        done: set[tuple[int, int]] = set()
+        for sample in samples:
+            leaves, _ = pytree.tree_flatten(sample)
+            b, n = _sizes(leaves, plan.tensors, plan.mask)
+            key = plan.key(b, n)
+            if key is None:
+                continue
+            if key != (b, n):
+                self._prove_one(leaves, b, n, key)
+            if key in done:
+                continue
+            done.add(key)
+            low_b, low_n = plan.lower(key)
+            cut_b, cut_n = min(b, low_b), (min(n, low_n) if plan.length else n)
+            if (cut_b, cut_n) != (b, n):
+                self._prove_one(leaves, cut_b, cut_n, key)
+
+    def _prove_one(self, leaves: list, cut_b: int, cut_n: int, key: tuple[int, int]) -> None:
+        plan = self.plan
+        cut = list(leaves)
+        for i in plan.tensors:
+            x = leaves[i]
+            if plan.batch:
+                x = x[:cut_b]
+            if i in plan.seq_inputs:
+                x = x[:, :cut_n]
+            cut[i] = x.contiguous()
+        args, kwargs = pytree.tree_unflatten(cut, plan.spec)
+        rows = cut_b < key[0] and plan.batch
+        columns = plan.length and cut_n < key[1]
+        where = (f"a call of batch {cut_b}" + (f", length {cut_n}" if plan.length else "")
+                 + f" padded to {key[0]}" + (f"x{key[1]}" if plan.length else ""))
+        with torch.no_grad():
+            reference = self.module(*args, **kwargs)
+            try:
+                check(self(*args, **kwargs), reference, self.tolerance, where=where)
+            except MismatchError as exc:
+                what = ("the module's rows are not independent, or it does not honour its attention_mask"
+                        if rows and columns else "the module does not honour its attention_mask" if columns
+                        else "the module's rows are not independent")
+                raise PaddingRefused(f"padding changes the answer ({what}): {exc}", exc.error,
+                                     exc.tolerance) from None
+
+
+# ----------------------------------------------------------------- backend
+
+
+class PaddedGraphBackend(Backend):
+    """Calls of varying sizes padded to a few buckets, a device graph per bucket (see the
+    module docstring). For a module's "any other call" group and the groups of calls whose
+    sizes vary; a module called with one shape is the device graph's."""
+
+    name = "PaddedGraph"
+    config_class = PaddedGraphBackendConfig
+    thread_safe = False       # static buffers per bucket: the dispatcher serialises calls
+    supports_autograd = False  # outputs are copies out of the graphs
+    build_scope = staticmethod(shared_compiles)
+
+    @property
+    def compiles_with_inductor(self) -> bool:  # type: ignore[override]
+        return self.config.compile
+
+    def unavailable(self, device: torch.device) -> str | None:
+        return graph_unavailable(device) if self.config.graph else None
+
+    def build(self, module: torch.nn.Module, samples: Sequence[Call], device: torch.device) -> Callable[..., Any]:
+        from ..signatures import forward_params
+        if len(samples) < 1:
+            raise NothingToPad("no recorded call")
+        with torch.no_grad():
+            refs = [module(*fresh(s)[0], **fresh(s)[1]) for s in samples]
+        plan = make_plan(samples, refs, forward_params(module), self.config)
+        target = (compile_module(module, samples, dynamic=None) if self.config.compile else module)
+        call = PaddedCall(module, target, plan, self.config, device, self.check_tolerance())
+        for sample in samples:
+            call(*sample[0], **sample[1])
+        call.prove(samples)
+        call.building = False
+        return call
+
+    def describe(self) -> dict | None:
+        """The buckets, their hits, the padding waste, the graphs and their memory; None unbuilt."""
+        return self.callable.describe() if isinstance(self.callable, PaddedCall) else None

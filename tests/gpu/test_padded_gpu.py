@@ -1,0 +1,136 @@
+"""Padded graphs on a GPU: calls of varying sizes against the untuned model's answers."""
+
+from __future__ import annotations
+
+import copy
+import random
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import torch_tweak as tt
+from torch_tweak.backends import PaddedGraphBackend
+from torch_tweak.module import installed
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 16)).cuda().eval()
+
+
+def tune_padded(model, data, **options):
+    (w,) = tt.wrap(model, [""], strategy=tt.OneBackendStrategy(PaddedGraphBackend(**options)))
+    tt.tune(model, data)
+    (group,) = [g for g in w.tt_signatures if g.varying]
+    assert group.backend is not None, group.error
+    return w, group.backend
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_batches_padded_to_buckets_give_the_untuned_answers(compile):
+    model = mlp()
+    untuned = copy.deepcopy(model)
+    data = [torch.randn(b, 64, device="cuda") for b in (3, 5, 1, 8, 6, 2)]
+    w, backend = tune_padded(model, data, compile=compile)
+    stats = backend.describe()
+    assert stats["graphs"] >= 4 and stats["batch_range"] == (1, 16)
+    with torch.inference_mode():
+        for b in (1, 2, 3, 4, 7, 9, 12, 16, 17, 33):  # 9-16: new buckets on first sight; 17, 33: outside the range
+            x = torch.randn(b, 64, device="cuda")
+            for _ in range(2):
+                torch.testing.assert_close(model(x), untuned(x), rtol=1e-4, atol=1e-4)
+    after = backend.describe()
+    assert after["buckets"]["16"] >= 2 and after["outside_range"] >= 4 and after["refused_buckets"] == 0
+    assert sum(w.tt_untuned.values()) == 0
+
+
+def test_a_batch_statistic_refuses_padding():
+    class Centre(nn.Module):
+        def forward(self, x):
+            return x - x.mean(0, keepdim=True)
+
+    model = nn.Sequential(nn.Linear(8, 8), Centre()).cuda().eval()
+    data = [torch.randn(b, 8, device="cuda") for b in (3, 5, 6)]
+    (w,) = tt.wrap(model, [""], strategy=tt.OneBackendStrategy(PaddedGraphBackend(compile=False)))
+    tt.tune(model, data)
+    (group,) = [g for g in w.tt_signatures if g.varying]
+    assert group.backend is None and "rows are not independent" in group.error
+
+
+def bert_requests(n, seed, batches=(1, 2, 4), lengths=range(5, 60)):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        rows = [rng.choice(list(lengths)) for _ in range(rng.choice(batches))]
+        width = max(rows)
+        ids = torch.randint(1, 100, (len(rows), width))
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for r, length in enumerate(rows):
+            mask[r, :length] = 1
+        out.append({"input_ids": (ids * mask).cuda(), "attention_mask": mask.cuda()})
+    return out
+
+
+def tiny_bert():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=128, max_position_embeddings=128)
+    return transformers.BertModel(config).cuda().eval()
+
+
+def same_valid(got, want, mask):
+    valid = mask.bool()
+    torch.testing.assert_close(got.last_hidden_state[valid], want.last_hidden_state[valid], rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(got.pooler_output, want.pooler_output, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_padded_batches_of_a_transformer_give_the_untuned_answers_on_valid_positions(compile):
+    model = tiny_bert()
+    untuned = copy.deepcopy(model)
+    w, backend = tune_padded(model, bert_requests(8, 0), compile=compile)
+    with torch.inference_mode():
+        for request in bert_requests(30, 1, batches=(1, 2, 3, 4, 8), lengths=range(3, 70)):
+            same_valid(model(**request), untuned(**request), request["attention_mask"])
+    stats = backend.describe()
+    assert stats["graphs"] >= 2 and stats["length_range"] is not None and stats["refused_buckets"] == 0
+
+
+def test_eight_threads_with_mixed_shapes():
+    model = tiny_bert()
+    untuned = copy.deepcopy(model)
+    tune_padded(model, bert_requests(8, 0), compile=False)
+    requests = bert_requests(64, 2)
+    with torch.inference_mode():
+        wanted = [untuned(**r) for r in requests]
+    errors = []
+
+    def serve(k):
+        try:
+            with torch.inference_mode():
+                for i in range(k, len(requests), 8):
+                    same_valid(model(**requests[i]), wanted[i], requests[i]["attention_mask"])
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=serve, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+def test_tweak_with_the_defaults_serves_varying_batches():
+    model = tiny_bert()
+    untuned = copy.deepcopy(model)
+    result = tt.tweak(model, bert_requests(8, 0), cache=False, progress=False)
+    print(result)
+    print(tt.status(model))
+    with torch.inference_mode():
+        for request in bert_requests(20, 3):
+            same_valid(model(**request), untuned(**request), request["attention_mask"])
+    assert any(g.varying for w in installed(model).values() for g in w.tt_signatures) or result.depth is None
