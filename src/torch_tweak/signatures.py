@@ -261,14 +261,13 @@ def describe_class(samples: Sequence[Any]) -> str:
 
 def merge_varying(groups: list[SignatureGroup], samples: Sequence[Call], outputs: Sequence[Any],
                   params: tuple = ()) -> list[SignatureGroup]:
-    """The recorded groups with one more group for each shape class whose calls show more
-    than one size (see the module docstring): its Signature fits the class with the axes that
-    varied left free (proven_signatures), its calls are the class's first
+    """The recorded groups with the calls of each shape class that show more than one size
+    made one group (see the module docstring): its Signature fits the class with the axes
+    that varied left free (proven_signatures), its calls are the class's first
     MAX_CALLS_PER_SIGNATURE recorded calls in their recorded order (samples and outputs: every
-    recorded call in order, as the groups store them). The signatures recorded exactly keep
-    their groups and come first (the dispatcher tries entries in order); the class's group
-    takes its calls out of "any other call", which is dropped when none are left. A module
-    called with live state is left as it is."""
+    recorded call in order, as the groups store them). The groups whose calls it took are
+    dropped ("any other call" keeps its calls of other classes); groups of one size stay. A
+    module called with live state is left as it is."""
     if not MERGE_VARYING or len(samples) < 2 or any(unstorable(s) is not None for s in samples):
         return groups
     classes: list[tuple[Any, list[int]]] = []
@@ -301,14 +300,12 @@ def merge_varying(groups: list[SignatureGroup], samples: Sequence[Call], outputs
         taken.update(id(samples[i]) for i in members)
     if not merged:
         return groups
-    exact = [g for g in groups if g.signature is not None]
     rest = []
-    for group in groups:
-        if group.signature is not None:
-            continue
+    for group in groups:  # a group none of whose calls went into a class's group stays
         pairs = [(s, o) for s, o in zip(group.samples, group.outputs) if id(s) not in taken]
-        if pairs or not group.samples:
-            group.samples[:] = [s for s, _ in pairs]
-            group.outputs[:] = [o for _, o in pairs]
-            rest.append(group)
-    return exact + merged + rest
+        if group.samples and not pairs:
+            continue
+        group.samples[:] = [s for s, _ in pairs]
+        group.outputs[:] = [o for _, o in pairs]
+        rest.append(group)
+    return merged + rest

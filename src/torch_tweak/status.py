@@ -31,6 +31,9 @@ class ModuleStatus:
     module since tuning (or loading) ended, in every mode (tweak's own calls are not counted). untuned: calls since tuning (or loading) that
     ran the original forward while active, by reason: "no signature matched", "grad mode",
     "device graph fell back" (see docs/backends.md).
+    shapes: per group of calls whose sizes vary that a padding backend serves (PaddedGraph),
+    {its text: its buckets and their calls, the padding waste, the graphs recorded and their
+    memory, the calls outside the range} (see docs/serving.md); empty otherwise.
     """
 
     path: str
@@ -38,6 +41,7 @@ class ModuleStatus:
     active: bool
     calls: int
     untuned: dict
+    shapes: dict = dataclasses.field(default_factory=dict)
 
 
 class ModelStatus(dict):
@@ -57,6 +61,13 @@ class ModelStatus(dict):
             rows.append([path or "(root)", s.backend or "original", "yes" if s.active else "no", str(s.calls),
                          *(str(s.untuned.get(reason, 0)) for reason in UNTUNED_REASONS)])
         text = _table(rows) if len(rows) > 1 else "no tuned modules"
+        for path, s in sorted(self.items()):
+            for signature, d in s.shapes.items():
+                buckets = ", ".join(f"{k}: {n}" for k, n in d["buckets"].items())
+                text += (f"\n{path or '(root)'} {signature}: buckets (calls) {buckets or 'none'}; padding waste "
+                         f"{d['padding_waste']:.0%}; {d['graphs']} graphs, {d['graph_memory_mb']:.0f} MiB; "
+                         f"{d['outside_range']} calls outside the range" +
+                         (f"; {d['refused_buckets']} new buckets refused" if d["refused_buckets"] else ""))
         loop = self.decode_loop
         if loop is not None:
             calls = f"{loop['calls']} call" + ("" if loop["calls"] == 1 else "s")
@@ -77,6 +88,9 @@ def status(model: nn.Module) -> ModelStatus:
         names = list(dict.fromkeys(g.backend.name for g in wrapper.tt_signatures if g.backend is not None))
         if not names and wrapper.tt_backend is not None:
             names = [wrapper.tt_backend.name]
+        shapes = {g.text: g.backend.describe() for g in wrapper.tt_signatures
+                  if g.backend is not None and callable(getattr(g.backend, "describe", None))
+                  and g.backend.describe() is not None}
         result[path] = ModuleStatus(path, ", ".join(names) or None, wrapper.tt_active, wrapper.tt_calls,
-                                    wrapper.tt_untuned)
+                                    wrapper.tt_untuned, shapes)
     return result

@@ -9,7 +9,7 @@ sizes, as serving systems do with their capture sizes.
 What is padded, learned from the recorded calls (``plan``):
 
 - the batch: axis 0 of every input tensor, when it has one size per call and that size
-  varies among the calls; buckets are powers of two. Padded rows hold rows of earlier calls
+  varies among the calls; buckets are powers of two up to 8, then multiples of 8. Padded rows hold rows of earlier calls
   (at first, copies of the call's first row): a module whose rows are independent gives the
   same answer for the call's rows whatever they hold;
 - the length: axis 1 of the inputs shaped like an ``attention_mask`` argument (the mask
@@ -27,7 +27,7 @@ that same unpadded call. A module whose rows are not independent (a statistic ov
 batch) or that ignores its mask fails there, and the reason says which.
 
 Buckets are recorded at build for the recorded calls, and on first sight for a new bucket
-inside the range (batch up to twice the largest seen, rounded to a power of two; length up
+inside the range (batch up to twice the largest seen, rounded up to a bucket; length up
 to the largest seen; or the declared max_batch and max_length), while there are fewer than
 max_graphs and their memory stays under max_graph_memory_mb. The first call of a new bucket
 runs the original module too and is answered with the original's result; the bucket serves
@@ -78,7 +78,7 @@ class PaddedGraphBackendConfig(BackendConfig):
     """max_graphs: buckets recorded per module, at build and on first sight together.
     max_graph_memory_mb: no new bucket is recorded once the graphs' memory passes this.
     max_batch, max_length: the declared upper end of the batch and length ranges (None: the
-    learned one: twice the largest batch seen, rounded to a power of two; the largest length).
+    learned one: twice the largest batch seen, rounded up to a bucket; the largest length).
     length_buckets: how many length buckets the largest length is cut into (steps of 8).
     graph: a device graph per bucket (cuda); False runs the target on the padded call.
     compile: the target is the module compiled by Torch Inductor with dynamic shapes (one
@@ -120,6 +120,15 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+BATCH_STEP = 8
+"""Batch buckets: powers of two up to BATCH_STEP, then its multiples (at most 1/3 of a
+call's rows are padding past it, where the work is no longer launches but arithmetic)."""
+
+
+def batch_bucket(b: int) -> int:
+    return _next_pow2(b) if b <= BATCH_STEP else -(-b // BATCH_STEP) * BATCH_STEP
+
+
 @dataclasses.dataclass
 class Plan:
     """What gets padded: input slots (indices among the call's flattened leaves), whether
@@ -141,13 +150,13 @@ class Plan:
         """The bucket (batch, length) of a call of batch b and length n, or None outside the range."""
         if (self.batch and b > self.max_batch) or (self.length and n > self.max_length):
             return None
-        return (_next_pow2(b) if self.batch else b,
+        return (batch_bucket(b) if self.batch else b,
                 min(-(-n // self.step) * self.step, self.max_length) if self.length else n)
 
     def lower(self, key: tuple[int, int]) -> tuple[int, int]:
         """The smallest batch and length that fall into bucket `key`."""
         b, n = key
-        low_b = b // 2 + 1 if self.batch and b > 1 else b
+        low_b = (b // 2 + 1 if b <= BATCH_STEP else b - BATCH_STEP + 1) if self.batch and b > 1 else b
         low_n = ((n - 1) // self.step) * self.step + 1 if self.length else n
         return low_b, max(1, min(low_n, n))
 
@@ -221,7 +230,7 @@ def make_plan(samples: Sequence[Call], refs: Sequence[Any], names: Sequence[str 
         out_length.append(by_length)
     most_b = max(batch_sizes) if batch_sizes else 1
     most_n = max(lengths) if lengths else 0
-    max_batch = config.max_batch if config.max_batch is not None else _next_pow2(2 * most_b)
+    max_batch = config.max_batch if config.max_batch is not None else batch_bucket(2 * most_b)
     max_length = config.max_length if config.max_length is not None else most_n
     step = max(8, -(-max_length // config.length_buckets + 7) // 8 * 8) if pad_length else 1
     return Plan(spec, tensors, pad_batch, pad_length, mask if pad_length else None, seq_inputs if pad_length else set(),
