@@ -232,7 +232,8 @@ def make_plan(samples: Sequence[Call], refs: Sequence[Any], names: Sequence[str 
     most_n = max(lengths) if lengths else 0
     max_batch = config.max_batch if config.max_batch is not None else batch_bucket(2 * most_b)
     max_length = config.max_length if config.max_length is not None else most_n
-    step = max(8, -(-max_length // config.length_buckets + 7) // 8 * 8) if pad_length else 1
+    per = -(-max(max_length, most_n) // config.length_buckets)  # a length bucket's step: a multiple of 8
+    step = max(8, -(-per // 8) * 8) if pad_length else 1
     return Plan(spec, tensors, pad_batch, pad_length, mask if pad_length else None, seq_inputs if pad_length else set(),
                 out_batch, out_length, max(max_batch, most_b), max(max_length, most_n), step)
 
