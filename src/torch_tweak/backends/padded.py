@@ -9,7 +9,8 @@ sizes, as serving systems do with their capture sizes.
 What is padded, learned from the recorded calls (``plan``):
 
 - the batch: axis 0 of every input tensor, when it has one size per call and that size
-  varies among the calls; buckets are powers of two up to 8, then multiples of 8. Padded rows hold rows of earlier calls
+  varies among the calls; buckets are powers of two up to 8, then steps of a quarter of the
+  power of two below (12, 16, 20, 24, 28, 32, 40, 48...). Padded rows hold rows of earlier calls
   (at first, copies of the call's first row): a module whose rows are independent gives the
   same answer for the call's rows whatever they hold;
 - the length: axis 1 of the inputs shaped like an ``attention_mask`` argument (the mask
@@ -120,13 +121,21 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-BATCH_STEP = 8
-"""Batch buckets: powers of two up to BATCH_STEP, then its multiples (at most 1/3 of a
-call's rows are padding past it, where the work is no longer launches but arithmetic)."""
+POW2_UP_TO = 8
+"""Batch buckets: powers of two up to POW2_UP_TO; past it, steps of a quarter of the power of
+two below (9-16 by 4, 17-32 by 4, 33-64 by 8, 65-128 by 16...): there the work is arithmetic
+more than launches, and at most a fifth of a call's rows are padding."""
+
+
+def _batch_step(b: int) -> int:
+    return max(4, (1 << (b - 1).bit_length() - 1) // 4)
 
 
 def batch_bucket(b: int) -> int:
-    return _next_pow2(b) if b <= BATCH_STEP else -(-b // BATCH_STEP) * BATCH_STEP
+    if b <= POW2_UP_TO:
+        return _next_pow2(b)
+    step = _batch_step(b)
+    return -(-b // step) * step
 
 
 @dataclasses.dataclass
@@ -156,7 +165,7 @@ class Plan:
     def lower(self, key: tuple[int, int]) -> tuple[int, int]:
         """The smallest batch and length that fall into bucket `key`."""
         b, n = key
-        low_b = (b // 2 + 1 if b <= BATCH_STEP else b - BATCH_STEP + 1) if self.batch and b > 1 else b
+        low_b = (b // 2 + 1 if b <= POW2_UP_TO else b - _batch_step(b) + 1) if self.batch and b > 1 else b
         low_n = ((n - 1) // self.step) * self.step + 1 if self.length else n
         return low_b, max(1, min(low_n, n))
 
