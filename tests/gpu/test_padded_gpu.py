@@ -42,7 +42,9 @@ def test_batches_padded_to_buckets_give_the_untuned_answers(compile):
             for _ in range(2):
                 torch.testing.assert_close(model(x), untuned(x), rtol=1e-4, atol=1e-4)
     after = backend.describe()
-    assert after["buckets"]["16"] >= 2 and after["outside_range"] >= 4 and after["refused_buckets"] == 0
+    # 9 and 12 fall into bucket 12, 16 into 16; a new bucket's first call is answered by the original
+    assert after["buckets"]["12"] >= 3 and after["buckets"]["16"] >= 1
+    assert after["outside_range"] >= 4 and after["refused_buckets"] == 0
     assert sum(w.tt_untuned.values()) == 0
 
 
