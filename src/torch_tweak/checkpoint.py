@@ -126,7 +126,7 @@ def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None =
     in outputs; a recorded call that cannot be stored (a cache passed in is live state) is
     named in a warning, or a ValueError with strict=True, before anything is written.
     """
-    from . import __version__
+    from ._version import __version__
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")

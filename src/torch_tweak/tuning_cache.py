@@ -68,7 +68,7 @@ def key_parts(model: nn.Module, calls: Sequence[Call], device: torch.device, str
               settings: dict[str, Any]) -> dict[str, Any]:
     """Everything a tweak's result depends on, as JSON; Unstorable when a backend config has
     a value with no JSON form (that tweak is not cached)."""
-    from . import __version__
+    from ._version import __version__
 
     template = strategy if strategy is not None else default_strategy(device)
     packages = {}
