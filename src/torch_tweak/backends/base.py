@@ -45,8 +45,8 @@ class BackendConfig:
         Here: the axes of torch_tweak.axes (tf32, autocast_dtype), for every config that has
         them; a config class with other precision settings answers for them (OpenVINO's
         inference_precision, TorchAO's modes)."""
-        from .. import axes
-        return axes.lowers_precision(self)
+        from . import variants
+        return variants.lowers_precision(self)
 
 
 class BackendUnavailable(Exception):
@@ -126,7 +126,6 @@ class Backend(abc.ABC):
         self.config = config
         self.state = "new"
         self.callable: Callable[..., Any] | None = None
-        from .. import axes
         parts = self.label_parts()
         if parts:  # a candidate is a backend and its axes: "TorchInductor [channels_last]"
             self.name = f"{type(self).name} [{', '.join(parts)}]"
@@ -136,8 +135,8 @@ class Backend(abc.ABC):
     def label_parts(self) -> list[str]:
         """What the candidate's name shows besides its backend: its axes (torch_tweak.axes),
         e.g. ["channels_last"], ["bf16 autocast"]; empty for a backend as it is."""
-        from .. import axes
-        return axes.label_parts(self.config)
+        from . import variants
+        return variants.label_parts(self.config)
 
     def unavailable(self, device: torch.device) -> str | None:
         """Why this backend cannot run on `device`, or None when it can."""

@@ -7,8 +7,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .. import axes
 from .._samples import Call
+from . import variants
 from .base import Backend, BackendConfig
 
 
@@ -22,11 +22,11 @@ class TorchEagerBackendConfig(BackendConfig):
     sdpa_kernel: str | None = None
     tf32: bool = False
 
-    SCHEMA = {**BackendConfig.SCHEMA, **axes.AXIS_SCHEMA}
+    SCHEMA = {**BackendConfig.SCHEMA, **variants.AXIS_SCHEMA}
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        axes.check_fields(self)
+        variants.check_fields(self)
 
 
 class TorchEagerBackend(Backend):
@@ -39,10 +39,10 @@ class TorchEagerBackend(Backend):
     config_class = TorchEagerBackendConfig
 
     def check_tolerance(self) -> float | None:
-        return axes.tolerance(self.config)
+        return variants.tolerance(self.config)
 
     def unavailable(self, device: torch.device) -> str | None:
-        return axes.unavailable(self.config, device)
+        return variants.unavailable(self.config, device)
 
     def build(self, module: torch.nn.Module, samples: Sequence[Call], device: torch.device) -> Callable[..., Any]:
-        return axes.build(self.config, module, samples, device, lambda m, s: m)
+        return variants.build(self.config, module, samples, device, lambda m, s: m)

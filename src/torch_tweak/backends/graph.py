@@ -34,9 +34,10 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from .. import _C, axes
+from .. import _C
 from .._samples import Call
 from ..schema import Count, Flag, OneOf
+from . import variants
 from .base import Backend, BackendConfig
 from .inductor import compile_module, shared_compiles
 
@@ -80,11 +81,11 @@ class DeviceGraphBackendConfig(BackendConfig):
     autocast_dtype: torch.dtype | None = None
 
     SCHEMA = {**BackendConfig.SCHEMA, "warmup": Count(1, 100), "share_pool": Flag(),
-              "capture_error_mode": OneOf(CAPTURE_ERROR_MODES), "lend_outputs": Flag(), **axes.AXIS_SCHEMA}
+              "capture_error_mode": OneOf(CAPTURE_ERROR_MODES), "lend_outputs": Flag(), **variants.AXIS_SCHEMA}
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        axes.check_fields(self)
+        variants.check_fields(self)
         if not isinstance(self.warmup, int) or isinstance(self.warmup, bool) or self.warmup < 1:
             raise ValueError(f"warmup must be an int >= 1, got {self.warmup!r}")
         if not isinstance(self.share_pool, bool):
@@ -303,10 +304,10 @@ class DeviceGraphBackend(Backend):
     supports_autograd = False  # replayed outputs are detached
 
     def unavailable(self, device: torch.device) -> str | None:
-        return graph_unavailable(device) or axes.unavailable(self.config, device)
+        return graph_unavailable(device) or variants.unavailable(self.config, device)
 
     def check_tolerance(self) -> float | None:
-        return axes.tolerance(self.config)
+        return variants.tolerance(self.config)
 
     def target(self, module: torch.nn.Module, samples: Sequence[Call], device: torch.device) -> Callable[..., Any]:
         """What gets recorded: the module itself here; a compiled module in subclasses."""
@@ -317,7 +318,7 @@ class DeviceGraphBackend(Backend):
         slots = static_inputs(samples, api.device)
         with torch.no_grad(), api.mod.device(api.index):
             # the axes' conversions and contexts run inside the recording
-            target = axes.build(self.config, module, samples, api.device,
+            target = variants.build(self.config, module, samples, api.device,
                                 lambda m, s: self.target(m, s, api.device))
             static_args, static_kwargs, inputs = static_call(*samples[0], slots)
             self._warm_up(api, target, static_args, static_kwargs)
@@ -479,6 +480,6 @@ class InductorGraphBackend(DeviceGraphBackend):
                 options["combo_kernels"] = True
             # compiled outside the warm-up and the capture; shared with an Inductor candidate
             return compile_module(module, samples[:1], options=options, dynamic=False, fullgraph=cfg.fullgraph,
-                                  variant=tuple(axes.label_parts(cfg)))
+                                  variant=tuple(variants.label_parts(cfg)))
         return compile_module(module, samples[:1], mode=cfg.mode, dynamic=False, fullgraph=cfg.fullgraph,
-                              variant=tuple(axes.label_parts(cfg)))
+                              variant=tuple(variants.label_parts(cfg)))

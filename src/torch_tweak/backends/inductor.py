@@ -10,9 +10,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .. import axes
 from .._samples import Call
 from ..schema import Flag, OneOf
+from . import variants
 from .base import Backend, BackendConfig, NeedsStorableSamples
 
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -38,11 +38,11 @@ class TorchInductorBackendConfig(BackendConfig):
 
     # options reach Inductor's compiler command lines: never taken from a file
     SCHEMA = {**BackendConfig.SCHEMA, "mode": OneOf(MODES), "dynamic": OneOf((None, True, False)),
-              "fullgraph": Flag(), **axes.AXIS_SCHEMA}
+              "fullgraph": Flag(), **variants.AXIS_SCHEMA}
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        axes.check_fields(self)
+        variants.check_fields(self)
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(map(str, MODES))}; got {self.mode!r}")
         if self.mode is not None and self.options:
@@ -116,7 +116,7 @@ def compile_module(module: torch.nn.Module, samples: Sequence[Call], *, mode: st
     compile lands in a measurement. Inside shared_compiles(), the same settings on the same
     module give the same compiled module (or raise the same error) without compiling
     again, and dynamic=None means dynamic=False for a static signature. variant: the axes
-    the compile runs under (torch_tweak.axes.label_parts), part of what must agree to share."""
+    the compile runs under (torch_tweak.backends.variants.label_parts), part of what must agree to share."""
     scope = _SCOPE.get()
     key = None
     if scope is not None:
@@ -154,13 +154,13 @@ class TorchInductorBackend(NeedsStorableSamples, Backend):
     build_scope = staticmethod(shared_compiles)
 
     def check_tolerance(self) -> float | None:
-        return axes.tolerance(self.config)
+        return variants.tolerance(self.config)
 
     def unavailable(self, device: torch.device) -> str | None:
-        return axes.unavailable(self.config, device)
+        return variants.unavailable(self.config, device)
 
     def build(self, module: torch.nn.Module, samples: Sequence[Call], device: torch.device) -> Callable[..., Any]:
         cfg = self.config
-        variant = tuple(axes.label_parts(cfg))
-        return axes.build(cfg, module, samples, device, lambda m, s: compile_module(
+        variant = tuple(variants.label_parts(cfg))
+        return variants.build(cfg, module, samples, device, lambda m, s: compile_module(
             m, s, mode=cfg.mode, options=cfg.options, dynamic=cfg.dynamic, fullgraph=cfg.fullgraph, variant=variant))
