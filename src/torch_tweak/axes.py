@@ -37,7 +37,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ._samples import Call
-from .backends.variants import AUTOTUNE_MODE, SDPA_KERNELS, has_axes
+from .backends.variants import AUTOTUNE_MODE, SDPA_KERNELS
 
 EFFORTS = ("default", "high")
 """tt.tweak(effort=...): "default" tries the backends alone (today's tuning time); "high" also
@@ -166,9 +166,7 @@ class Axes:
         out: list[tuple[Any, str]] = []
         cuda = device.type == "cuda"
         axis_kinds = (TorchEagerBackend, TorchInductorBackend, DeviceGraphBackend)
-        plain = [b for b in backends if isinstance(b, axis_kinds) and not has_axes(b.config)
-                 and not b.config.lowers_precision() and getattr(b.config, "mode", None) in (None, "default")
-                 and not getattr(b.config, "combo_kernels", False)]
+        plain = [b for b in backends if isinstance(b, axis_kinds) and b.config.takes_variants()]
 
         def variant(b: Any, rule: str, **fields: Any) -> None:
             out.append((type(b)(dataclasses.replace(b.config, **fields)), rule))
