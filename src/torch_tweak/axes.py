@@ -37,7 +37,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from ._samples import Call
-from .backends.variants import AUTOTUNE_MODE, SDPA_KERNELS
+from .backends import registry
+from .backends.variants import VariantConfig
 
 EFFORTS = ("default", "high")
 """tt.tweak(effort=...): "default" tries the backends alone (today's tuning time); "high" also
@@ -134,11 +135,10 @@ def check_precision(precision: Any, device: torch.device) -> dict[str, float]:
                              f"(0.03 is 3 %), got {tolerance!r}")
         if policy == "tf32" and device.type != "cuda":
             raise ValueError(f"precision 'tf32' runs on CUDA only, and the model is on {device.type}: leave it out")
-        if policy == "fp8":
-            from .backends.torchao import device_refusal
-            reason = device_refusal("fp8", device)
+        for v in (v for r in registry.registrations() for v in r.variants if v.asked == policy and v.refusal):
+            reason = v.refusal(device)
             if reason is not None:
-                raise ValueError(f"precision 'fp8': {reason}")
+                raise ValueError(f"precision {policy!r}: {reason}")
     return {p: float(t) for p, t in precision.items()}
 
 
@@ -158,46 +158,32 @@ class Axes:
         return self.effort != "default" or bool(self.precision)
 
     def variants(self, backends: Sequence[Any], device: torch.device) -> list[tuple[Any, str]]:
-        """(new backend, the rule of the modules it applies to) per variant of `backends`."""
-        from .backends import (DeviceGraphBackend, InductorGraphBackend, TorchAOBackend, TorchEagerBackend,
-                               TorchInductorBackend)
-        from .backends.graph import INDUCTOR_GRAPH_MODES
+        """(new backend, the rule of the modules it applies to) per variant of `backends`: the
+        variants each backend's registration offers (torch_tweak.backends.registry) for what
+        was asked, on this device; a backend already set apart (a variant field, a lower
+        precision, a mode of its own) gets none. Ordered by what was asked (effort first, then
+        each precision policy), then the variant's order, then the backends' order."""
+        asked = (["high"] if self.effort == "high" else []) + [policy for policy, _ in self.precision]
+        tolerances = dict(self.precision)
 
-        out: list[tuple[Any, str]] = []
-        cuda = device.type == "cuda"
-        axis_kinds = (TorchEagerBackend, TorchInductorBackend, DeviceGraphBackend)
-        plain = [b for b in backends if isinstance(b, axis_kinds) and b.config.takes_variants()]
+        def offered(v: Any) -> bool:
+            return v.asked in asked and (not v.devices or device.type in v.devices)
 
-        def variant(b: Any, rule: str, **fields: Any) -> None:
-            out.append((type(b)(dataclasses.replace(b.config, **fields)), rule))
+        def fields(v: Any) -> dict[str, Any]:  # a precision policy's variant takes its tolerance
+            return dict(v.fields, **({"tolerance": tolerances[v.asked]} if v.asked in tolerances else {}))
 
-        if self.effort == "high":
-            for b in plain:
-                if not isinstance(b, DeviceGraphBackend) or isinstance(b, InductorGraphBackend):
-                    variant(b, "conv", memory_format="channels_last")
-            for b in plain:
-                if isinstance(b, TorchInductorBackend) or (isinstance(b, InductorGraphBackend)
-                                                           and AUTOTUNE_MODE in INDUCTOR_GRAPH_MODES):
-                    variant(b, "heavy", mode=AUTOTUNE_MODE, options=None)
-            for b in plain:  # fewer kernels per replay: what the small-batch rows pay for (bench/results/knobs.md)
-                if isinstance(b, InductorGraphBackend) and cuda:
-                    variant(b, "heavy", combo_kernels=True)
-            if cuda:
-                for kernel in SDPA_KERNELS[1:]:
-                    for b in plain:
-                        if isinstance(b, DeviceGraphBackend):  # the device graph and Inductor in one
-                            variant(b, "sdpa", sdpa_kernel=kernel)
-        for policy, tolerance in self.precision:
-            if policy == "tf32":
-                for b in plain:
-                    variant(b, "fp32", tf32=True, tolerance=tolerance)
-            elif policy == "bf16":
-                for b in plain:
-                    variant(b, "fp32", autocast_dtype=torch.bfloat16, tolerance=tolerance)
-            else:
-                mode = "int8_weight_only" if policy == "int8" else "fp8"
-                out.append((TorchAOBackend(mode=mode, compile=True, tolerance=tolerance), "linear"))
-        return out
+        found: list[tuple[tuple[int, int, int], Any, str]] = []
+        for index, b in enumerate(backends):
+            registration = registry.registration_of(type(b))
+            if registration is None or not isinstance(b.config, VariantConfig) or not b.config.takes_variants():
+                continue
+            found += [((asked.index(v.asked), v.order, index), type(b)(dataclasses.replace(b.config, **fields(v))),
+                       v.rule) for v in registration.variants if not v.alone and offered(v)]
+        for registration in registry.registrations():
+            found += [((asked.index(v.asked), v.order, len(backends)), registration.cls(**fields(v)), v.rule)
+                      for v in registration.variants if v.alone and offered(v)]
+        found.sort(key=lambda item: item[0])
+        return [(backend, rule) for _, backend, rule in found]
 
     def applies(self, rule: str, module: torch.nn.Module, samples: Sequence[Call]) -> bool:
         if rule in EFFORT_RULES and not (self.heavy is None or module_key(module) in self.heavy):
@@ -233,10 +219,7 @@ def precision_backends(device: Any, precision: dict[str, float]) -> list[Any]:
     """The lower-precision candidates tt.tweak(precision=...) tries on `device`: pass them to
     tt.load(model, path, backends=...) to load a file tuned with those policies (tt.load never
     lowers precision on a file's word alone)."""
-    from .backends import BUILT_IN
-    from .strategy import default_backends
-
     device = torch.device(device)
     axes = Axes(precision=tuple(check_precision(precision, device).items()))
-    bases = [b for b in default_backends(device) if type(b) in BUILT_IN]
+    bases = registry.default_backends(device)
     return [b for b, _ in axes.variants(bases, device)]

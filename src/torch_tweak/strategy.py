@@ -12,15 +12,7 @@ import torch
 
 from . import _C
 from .axes import Axes
-from .backends import (Backend, DeviceGraphBackend, InductorGraphBackend, OpenVINOBackend, TorchEagerBackend,
-                       TorchInductorBackend)
-
-
-def device_type(device: Any) -> str:
-    try:
-        return torch.device(device).type
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"unknown device {device!r}: {exc}") from None
+from .backends import Backend, registry
 
 
 def default_backends(device: Any) -> list[Backend]:
@@ -29,16 +21,10 @@ def default_backends(device: Any) -> list[Backend]:
     cpu: Torch Inductor, OpenVINO, Torch Eager. cuda: device graph, Torch Inductor, Inductor
     inside a device graph, Torch Eager. xpu: device graph, Torch Inductor, OpenVINO, Torch Eager.
     OpenVINO reports "not installed" when its package is missing, and strategies move on.
-    TorchAO is never a default: quantization changes results.
+    TorchAO is never a default: quantization changes results. Each backend's registration says
+    where it stands (torch_tweak.backends.registry).
     """
-    kind = device_type(device)
-    if kind == "cuda":
-        return [DeviceGraphBackend(), TorchInductorBackend(), InductorGraphBackend(), TorchEagerBackend()]
-    if kind == "xpu":
-        return [DeviceGraphBackend(), TorchInductorBackend(), OpenVINOBackend(), TorchEagerBackend()]
-    if kind == "cpu":
-        return [TorchInductorBackend(), OpenVINOBackend(), TorchEagerBackend()]
-    raise ValueError(f"torch-tweak has no backends for device {kind!r}; use 'cpu', 'cuda' or 'xpu'")
+    return registry.default_backends(device)
 
 
 class Strategy:
@@ -140,8 +126,9 @@ class HighestThroughputStrategy(Strategy):
 
     def _bases(self, device: torch.device) -> list[Backend]:
         backends = super()._bases(device)
-        if not any(isinstance(b, TorchEagerBackend) for b in backends):
-            backends.append(TorchEagerBackend())
+        baseline = registry.baseline()  # Torch Eager: the module as it is
+        if not any(isinstance(b, baseline) for b in backends):
+            backends.append(baseline())
         return backends
 
 

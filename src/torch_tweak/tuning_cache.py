@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ._samples import Call
+from .backends import registry
 from .storage import atomic_file, cache_dir, read_regular
 from .correctness import TOLERANCES
 from . import plan as planning
@@ -47,8 +48,9 @@ from .signatures import SignatureGroup, describe_call
 from .strategy import Strategy, default_strategy
 
 ENTRY_VERSION = 3
-OPTIONAL_PACKAGES = ("openvino", "torchao", "onnxruntime")
-"""Their presence changes which default backends build, so their versions are in the key."""
+OPTIONAL_PACKAGES = registry.optional_packages()
+"""The packages of the backends on an optional install (their registrations'): their presence
+changes which default backends build, so their versions are in the key."""
 MAX_ENTRY_BYTES = 16 << 20
 """A larger entry is not read: a miss."""
 RETRY_AFTER = 24 * 3600

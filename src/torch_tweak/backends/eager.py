@@ -9,7 +9,8 @@ import torch
 
 from .._samples import Call
 from .base import Backend
-from .variants import VariantConfig
+from .registry import register
+from .variants import CHANNELS_LAST, LOWER_PRECISION, VariantConfig
 
 
 @dataclasses.dataclass
@@ -29,3 +30,7 @@ class TorchEagerBackend(Backend):
 
     def build(self, module: torch.nn.Module, samples: Sequence[Call], device: torch.device) -> Callable[..., Any]:
         return self.config.build(module, samples, device, lambda m, s: m)
+
+
+register(TorchEagerBackend, devices=("cpu", "cuda", "xpu"), defaults={"cpu": 0, "cuda": 0, "xpu": 0},
+         baseline=True, variants=(CHANNELS_LAST, *LOWER_PRECISION))

@@ -39,7 +39,9 @@ from .._samples import Call
 from ..schema import Count, Flag, OneOf
 from .base import Backend
 from .inductor import compile_module, shared_compiles
-from .variants import AUTOTUNE_MODE, VariantConfig
+from .registry import register
+from .variants import (AUTOTUNE_MODE, CHANNELS_LAST, COMBO_KERNELS, LOWER_PRECISION, MAX_AUTOTUNE, SDPA,
+                       VariantConfig)
 
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 
@@ -481,3 +483,9 @@ class InductorGraphBackend(DeviceGraphBackend):
                                   variant=tuple(cfg.label_parts()))
         return compile_module(module, samples[:1], mode=cfg.mode, dynamic=False, fullgraph=cfg.fullgraph,
                               variant=tuple(cfg.label_parts()))
+
+
+register(DeviceGraphBackend, devices=("cuda", "xpu"), defaults={"cuda": 0, "xpu": 0},
+         variants=(*SDPA, *LOWER_PRECISION))
+register(InductorGraphBackend, devices=("cuda", "xpu"), defaults={"cuda": 2},
+         variants=(CHANNELS_LAST, MAX_AUTOTUNE, COMBO_KERNELS, *SDPA, *LOWER_PRECISION))

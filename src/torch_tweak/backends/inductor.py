@@ -13,7 +13,8 @@ import torch
 from .._samples import Call
 from ..schema import Flag, OneOf
 from .base import Backend, NeedsStorableSamples
-from .variants import AUTOTUNE_MODE, VariantConfig
+from .registry import register
+from .variants import AUTOTUNE_MODE, CHANNELS_LAST, LOWER_PRECISION, MAX_AUTOTUNE, VariantConfig
 
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -159,3 +160,7 @@ class TorchInductorBackend(NeedsStorableSamples, Backend):
         variant = tuple(cfg.label_parts())
         return cfg.build(module, samples, device, lambda m, s: compile_module(
             m, s, mode=cfg.mode, options=cfg.options, dynamic=cfg.dynamic, fullgraph=cfg.fullgraph, variant=variant))
+
+
+register(TorchInductorBackend, devices=("cpu", "cuda", "xpu"), defaults={"cpu": 0, "cuda": 1, "xpu": 1},
+         variants=(CHANNELS_LAST, MAX_AUTOTUNE, *LOWER_PRECISION))

@@ -33,6 +33,7 @@ from .. import noise
 from .._samples import Call, unstorable
 from ..schema import Count, OneOf
 from .base import Backend, BackendConfig, FlatModule, OutputForm
+from .registry import register
 
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
 EXECUTION_MODES = ("sequential", "parallel")
@@ -187,3 +188,6 @@ class ONNXRuntimeBackend(Backend):
             return form.fill(torch.from_numpy(array) for array in results)
 
         return run
+
+
+register(ONNXRuntimeBackend, devices=("cpu",), extra="onnxruntime", packages=("onnxruntime", "onnx", "onnxscript"))

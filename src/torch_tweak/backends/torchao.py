@@ -13,6 +13,7 @@ GPU of compute capability 8.9 or newer: Ada, Hopper, Blackwell).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from typing import Any, Callable, Sequence
 
@@ -22,6 +23,8 @@ from .. import noise
 from .._samples import Call
 from ..schema import Flag, OneOf
 from .base import Backend, BackendConfig, NeedsStorableSamples, copy_module
+from .registry import register
+from .variants import Variant
 
 MODES = ("int8_weight_only", "int8_dynamic", "fp8")
 
@@ -128,3 +131,9 @@ class TorchAOBackend(NeedsStorableSamples, Backend):
         for args, kwargs in samples:  # compile or lazily initialise now, not in a measurement
             fn(*args, **kwargs)
         return fn
+
+
+register(TorchAOBackend, devices=("cpu", "cuda", "xpu"), extra="torchao", packages=("torchao",), variants=(
+    Variant("int8", "linear", (("mode", "int8_weight_only"), ("compile", True)), alone=True),
+    Variant("fp8", "linear", (("mode", "fp8"), ("compile", True)), alone=True,
+            refusal=functools.partial(device_refusal, "fp8"))))

@@ -191,7 +191,8 @@ class VariantConfig(BackendConfig):
         if config.autocast_dtype is not None:
             args, kwargs = samples[0]
             with torch.no_grad():
-                plain = [t.dtype if isinstance(t, torch.Tensor) else None for t in pytree.tree_leaves(module(*args, **kwargs))]
+                plain = [t.dtype if isinstance(t, torch.Tensor) else None
+                         for t in pytree.tree_leaves(module(*args, **kwargs))]
         with entered(config, device):
             inner = make(module, samples)
 
@@ -212,3 +213,39 @@ class VariantConfig(BackendConfig):
 
         run.inner = inner  # type: ignore[attr-defined]
         return run
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A variant a backend offers (declared in its registration, torch_tweak.backends.registry):
+    tried when tt.tweak is asked for it, on the modules its rule picks (torch_tweak.axes).
+
+    asked: "high" (effort="high") or a precision policy ("tf32", "bf16", "int8", "fp8"; the
+    policy's tolerance becomes the variant's). rule: the modules it applies to ("conv",
+    "heavy", "sdpa", "fp32", "linear"; torch_tweak.axes.Axes.applies). fields: the config
+    fields it sets. order: its place among the variants of one `asked` (backends in their own
+    order within one place). devices: the device types it is offered on (empty: all).
+    alone: a candidate of its own, the registered class built with `fields`, instead of a
+    copy of each of the strategy's backends of that class with `fields` replaced.
+    refusal: for an alone variant, why a device can never run it (tt.tweak refuses the
+    policy before anything changes)."""
+
+    asked: str
+    rule: str
+    fields: tuple[tuple[str, Any], ...] = ()
+    order: int = 0
+    devices: tuple[str, ...] = ()
+    alone: bool = False
+    refusal: Callable[[torch.device], str | None] | None = None
+
+
+CHANNELS_LAST = Variant("high", "conv", (("memory_format", "channels_last"),), order=0)
+MAX_AUTOTUNE = Variant("high", "heavy", (("mode", AUTOTUNE_MODE), ("options", None)), order=1)
+COMBO_KERNELS = Variant("high", "heavy", (("combo_kernels", True),), order=2, devices=("cuda",))
+SDPA = tuple(Variant("high", "sdpa", (("sdpa_kernel", kernel),), order=3 + i, devices=("cuda",))
+             for i, kernel in enumerate(SDPA_KERNELS[1:]))
+LOWER_PRECISION = (Variant("tf32", "fp32", (("tf32", True),)),
+                   Variant("bf16", "fp32", (("autocast_dtype", torch.bfloat16),)))
+"""The variants a VariantConfig's backend may offer: effort="high"'s channels-last,
+max-autotune, combo kernels (fewer kernels per replay: what the small-batch rows pay for,
+bench/results/knobs.md) and SDPA kernels; precision's TF32 and bfloat16 autocast."""
