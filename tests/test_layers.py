@@ -1,7 +1,7 @@
 """The package's shape, checked from its source with ast: no import circle among its modules
 (function-level imports included), no module importing one above it in ARCHITECTURE.md's order,
-every module importable on its own in a fresh interpreter, and generic modules naming no concrete
-backend."""
+every module importable on its own in a fresh interpreter, generic modules naming no concrete
+backend, and no function over MAX_FUNCTION_LINES (80) lines."""
 
 from __future__ import annotations
 
@@ -179,3 +179,23 @@ def test_every_module_imports_on_its_own():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
 
+
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions(limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """Every function (method, nested function) of the package longer than `limit` lines,
+    its signature and docstring included."""
+    out = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    out.append(f"{name}.{node.name} ({lines} lines)")
+    return sorted(out)
+
+
+def test_no_function_is_longer_than_80_lines():
+    assert long_functions(10**6) == [] and long_functions(3) != []  # the scan sees functions at all
+    assert long_functions() == []
