@@ -40,6 +40,14 @@ EXECUTION_MODES = ("sequential", "parallel")
 EXPORTERS = ("dynamo", "torchscript")
 MAX_THREADS = 1024
 
+ONNX_EXPORT = {"torch.onnx._internal.exporter._registration": ("is not installed. Skipping",),
+               "onnxscript.optimizer._constant_folding": ("Evaluation failed:",)}
+"""What torch's dynamo ONNX exporter says about packages the user does not have (dropped while it
+runs, torch_tweak.noise): a warning for every torchvision operator it would register when
+torchvision is not installed ("torchvision is not installed. Skipping torchvision::nms"), on
+every export, and onnxscript's constant folding's "Evaluation failed" for a constant it leaves
+unfolded (the exported model is unchanged by it)."""
+
 
 @dataclasses.dataclass
 class ONNXRuntimeBackendConfig(BackendConfig):
@@ -138,7 +146,7 @@ class ONNXRuntimeBackend(Backend):
             from torch.export import Dim
             dynamic = tuple({d: Dim.DYNAMIC for d in dims} or None for dims in varying)
             try:
-                with warnings.catch_warnings(), torch.no_grad(), noise.dropped(noise.ONNX_EXPORT):
+                with warnings.catch_warnings(), torch.no_grad(), noise.dropped(ONNX_EXPORT):
                     warnings.simplefilter("ignore")
                     program = torch.onnx.export(flat, example, dynamo=True, input_names=names, verbose=False,
                                                 dynamic_shapes=dynamic if any(varying) else None)

@@ -32,6 +32,14 @@ DEFAULT_TOLERANCE = 0.05
 """TorchAO's default relative tolerance: int8 weights alone move a float32 linear layer's
 outputs by about 0.5 % of their scale, and errors add up through a block."""
 
+TORCHAO_IMPORT = {"torchao": ("Failed to load",),
+                  "torch.utils._pytree": ("is an Enum subclass and is now natively supported",)}
+"""What importing a torchao that does not match the installed torch says (dropped while it runs,
+torch_tweak.noise): "Failed to load" for each of its native libraries it cannot load (its CUDA
+kernels on a CPU machine), and the Enum types its import registers, which this torch logs as
+deprecated. torch-tweak imports torchao only when TorchAO is asked for (TorchAOBackend,
+precision={"int8"|"fp8": ...})."""
+
 _CONFIGS = {
     "int8_weight_only": "Int8WeightOnlyConfig",
     "int8_dynamic": "Int8DynamicActivationInt8WeightConfig",
@@ -65,7 +73,7 @@ class TorchAOBackendConfig(BackendConfig):
 
 def _import_torchao() -> Any:
     try:
-        with noise.dropped(noise.TORCHAO_IMPORT):
+        with noise.dropped(TORCHAO_IMPORT):
             return importlib.import_module("torchao.quantization")
     except ImportError:
         return None
