@@ -41,6 +41,7 @@ def expected(mlp, mlp_data):
 # ---------------------------------------------------------------- OpenVINO
 
 @pytest.mark.parametrize("conversion", ["convert_model", "torch_compile"])
+@pytest.mark.slow
 def test_openvino_runs_on_the_cpu(mlp, mlp_data, expected, conversion):
     pytest.importorskip("openvino", reason="OpenVINO not installed: pip install torch-tweak[openvino]")
     w = tune_one(mlp, mlp_data, OpenVINOBackend(conversion=conversion, performance_hint="THROUGHPUT"))
@@ -77,6 +78,7 @@ def test_openvino_refuses_cuda():
 # ---------------------------------------------------------------- TorchAO
 
 @pytest.mark.parametrize("mode", ["int8_weight_only", "int8_dynamic"])
+@pytest.mark.slow
 def test_torchao_quantizes_a_copy_within_its_tolerance(mlp, mlp_data, expected, mode):
     pytest.importorskip("torchao", reason="torchao not installed: pip install torch-tweak[torchao]")
     weight = mlp.blocks[0][0].weight
@@ -113,6 +115,7 @@ def test_torchao_not_installed_reports_it(monkeypatch):
     assert TorchAOBackend().unavailable(CPU) == "not installed (pip install torch-tweak[torchao])"
 
 
+@pytest.mark.slow
 def test_torchao_rejects_a_module_without_linear_layers():
     pytest.importorskip("torchao", reason="torchao not installed: pip install torch-tweak[torchao]")
     with pytest.raises(ValueError, match="has none"):
@@ -188,6 +191,7 @@ def test_candidates_with_the_same_effective_compile_share_it(monkeypatch):
     assert len(seen) == 5  # the failure is shared too: compiled once
 
 
+@pytest.mark.slow
 def test_tuning_compiles_a_module_once_for_two_inductor_candidates(mlp, mlp_data, monkeypatch):
     seen = []
     real = torch.compile
@@ -207,6 +211,7 @@ def test_tuning_compiles_a_module_once_for_two_inductor_candidates(mlp, mlp_data
     assert [kw["mode"] for kw in seen] == [None, "max-autotune"]
 
 
+@pytest.mark.slow
 def test_sibling_modules_past_the_recompile_limit_are_each_compiled(monkeypatch):
     """Dynamo's limit of compiles per forward (8) would hand the 9th sibling its eager code
     under Inductor's name; compile_module lifts it for its own compiles only."""
@@ -344,6 +349,7 @@ def test_the_documented_user_backend_runs():
     assert "no channels-last kernels on xpu" == backend_class().unavailable(torch.device("xpu"))
 
 
+@pytest.mark.slow
 def test_torchao_is_imported_only_for_torchao_and_quietly():
     """A plain tweak never imports torchao; the TorchAO backend's import of it prints none of
     the lines a torchao built for another torch logs ("Failed to load", deprecations) (issue 30)."""

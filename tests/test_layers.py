@@ -59,7 +59,9 @@ def imports(name: str, path: Path, known: set[str]) -> set[str]:
 
 def graph() -> dict[str, set[str]]:
     found = modules()
-    native = {f"{PACKAGE.name}.{path.name.split('.')[0]}" for path in PACKAGE.glob("*.so")}  # torch_tweak._C
+    # torch_tweak._C: its build (installed) or its stubs (an editable install runs the sources)
+    native = {f"{PACKAGE.name}.{path.name.split('.')[0]}" for pattern in ("*.so", "*.pyd", "*.pyi")
+              for path in PACKAGE.glob(pattern)}
     edges = {name: imports(name, path, set(found) | native) for name, path in found.items()}
     for name, path in found.items():  # a package that imports its modules by discovery (backends/)
         if path.name == "__init__.py" and "pkgutil.iter_modules" in path.read_text():
@@ -156,6 +158,7 @@ def test_generic_modules_name_no_concrete_backend():
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="imports each module in a forked child")
+@pytest.mark.slow
 def test_every_module_imports_on_its_own():
     """Each module imported first, in a fresh child of an interpreter that has imported torch
     only: an import order that works only because another module was imported first fails."""

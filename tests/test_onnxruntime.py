@@ -24,6 +24,7 @@ def needs_ort():
 
 
 @pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+@pytest.mark.slow
 def test_onnxruntime_runs_on_the_cpu_and_serves_new_batch_sizes(mlp, mlp_data, expected, exporter):
     needs_ort()
     if exporter == "dynamo":
@@ -43,6 +44,7 @@ def test_onnxruntime_runs_on_the_cpu_and_serves_new_batch_sizes(mlp, mlp_data, e
     assert sum(w.tt_untuned.values()) == 0  # batch 3 too: the dynamic export serves it
 
 
+@pytest.mark.slow
 def test_onnxruntime_export_prints_nothing_about_packages_the_user_does_not_have():
     # In a fresh interpreter: torch's exporter logs through its own handler to the process's
     # stderr, which pytest's capture does not see reliably.

@@ -24,6 +24,7 @@ import torch_tweak as tt
 from torch_tweak.backends import Backend, registry
 
 NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.slow  # one tuned model per backend (compiles, exports), 8 threads x 500 calls
 
 
 def device_of(backend_class: type) -> torch.device:
