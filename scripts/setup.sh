@@ -28,11 +28,27 @@ if [ ${#need[@]} -gt 0 ]; then
     echo "setup: installing ${need[*]}"
     "$VPY" -m pip install -q "${need[@]}"
 fi
-# Optional: the extras openvino, onnxruntime, torchao and plot, so their backends and tests run. Where they
-# cannot be installed (no network), torch-tweak works without them and their tests skip.
+# Optional: the extras of pyproject.toml (each optional backend's, torchao and plot), so their backends and
+# tests run. Where they cannot be installed (no network), torch-tweak works without them and their tests skip.
+# Every extra but test, plot and torchao (below) is read from pyproject.toml: one whose packages are not
+# all installed is installed whole, so a new backend's extra needs no line here.
 optional=()
-"$VPY" -c "import openvino" 2>/dev/null || optional+=("openvino>=2024.0")
-"$VPY" -c "import onnxruntime, onnx, onnxscript" 2>/dev/null || optional+=("onnxruntime>=1.17" "onnx>=1.15" "onnxscript>=0.2")
+while IFS= read -r requirement; do
+    [ -n "$requirement" ] && optional+=("$requirement")
+done < <("$VPY" - <<'PY'
+import importlib.metadata, re
+section = open("pyproject.toml").read().split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+for extra, listed in re.findall(r'^([A-Za-z][\w-]*)\s*=\s*\[([^\]]*)\]', section, re.M):
+    requirements = re.findall(r'"([^"]+)"', listed)
+    if extra in ("test", "plot", "torchao"):
+        continue
+    try:
+        for requirement in requirements:
+            importlib.metadata.version(re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0])
+    except importlib.metadata.PackageNotFoundError:
+        print("\n".join(requirements))
+PY
+)
 # torchao 0.18 is built for torch 2.11 and later; an older torch goes without.
 "$VPY" -c "import torchao" 2>/dev/null || ! "$VPY" -c "import sys, torch; v = torch.__version__.split('.'); sys.exit((int(v[0]), int(v[1])) < (2, 11))" 2>/dev/null || optional+=("torchao==0.18.0")
 "$VPY" -c "import matplotlib" 2>/dev/null || optional+=("matplotlib>=3.5")

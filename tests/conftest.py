@@ -12,6 +12,17 @@ import torch_tweak as tt
 from support import FAST, MLP, encoder
 
 
+SLOW_FIXTURES = ("encoder_tweak", "tweaked")
+"""Shared fixtures that tune with Inductor or a decoder (tens of seconds to minutes, once): a
+test using one is marked slow, so `pytest -m "not slow"` never builds them."""
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if any(name in getattr(item, "fixturenames", ()) for name in SLOW_FIXTURES):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def cache_folder(tmp_path_factory):
     """Build logs go to a folder of this test session, not the user's cache."""

@@ -199,6 +199,7 @@ def test_wrapping_inside_a_wrapped_module_says_to_unwrap_first(mlp):
     assert list(tt.installed(mlp)) == [""]
 
 
+@pytest.mark.slow
 def test_a_reference_held_from_before_the_tweak_runs_the_tuned_backend(mlp, mlp_data):
     held_block, held_head = mlp.blocks[0], mlp.head  # taken before tuning, as user code does
     with torch.no_grad():
@@ -243,6 +244,7 @@ def test_a_tuned_model_refuses_to_be_copied_with_a_clear_error(mlp, mlp_data):
 # ------------------------------------------------------------- first-page traps (issue 30)
 
 
+@pytest.mark.slow
 def test_calling_the_tweak_result_says_that_tweak_works_in_place(mlp, mlp_data):
     import copy
     untuned = copy.deepcopy(mlp)
@@ -275,6 +277,7 @@ def test_effort_and_speedup_are_typed():
 
 
 @pytest.mark.parametrize("train", ["", "blocks.1"])
+@pytest.mark.slow
 def test_train_mode_stops_the_tweak_before_any_build_and_leaves_the_model_as_it_was(mlp, mlp_data, train):
     import copy
     import warnings

@@ -60,6 +60,7 @@ def names(backends) -> list[str]:
     return [b.name for b in backends]
 
 
+@pytest.mark.slow
 def test_no_variant_unless_asked(encoder_tweak):
     model, data, expected, result = encoder_tweak
     tried = {c["backend"] for m in result.modules.values() for c in m.candidates}
@@ -160,6 +161,7 @@ def test_bad_options_are_named_before_anything_changes(call, error, match):
     assert all(torch.equal(a, b) for a, b in zip(outputs(model, data), before))
 
 
+@pytest.mark.slow
 def test_channels_last_is_measured_against_the_plain_backend():
     model, data = conv_net(), images()
     before = outputs(model, data)
@@ -178,6 +180,7 @@ def test_channels_last_is_measured_against_the_plain_backend():
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(after, before))
 
 
+@pytest.mark.slow
 def test_max_autotune_goes_to_the_heavy_modules(mlp, mlp_data):
     before = outputs(mlp, mlp_data)
     result = tt.tweak(mlp, mlp_data, max_depth=1, strategy=tt.HighestThroughputStrategy([TorchInductorBackend()]),
@@ -193,6 +196,7 @@ def test_max_autotune_goes_to_the_heavy_modules(mlp, mlp_data):
     assert all(torch.allclose(a, b, rtol=1e-3, atol=1e-4) for a, b in zip(after, before))
 
 
+@pytest.mark.slow
 def test_precision_is_checked_against_the_users_tolerance(mlp, mlp_data):
     before = outputs(mlp, mlp_data)
     tight = tt.tweak(mlp, mlp_data, max_depth=0, strategy=tt.HighestThroughputStrategy(EAGER),
@@ -234,6 +238,7 @@ with torch.no_grad():
     (TorchInductorBackend(memory_format="channels_last"), False),
     (TorchEagerBackend(autocast_dtype=torch.bfloat16, tolerance=0.05), True),
 ])
+@pytest.mark.slow
 def test_axes_survive_save_and_load_in_a_new_process(tmp_path, backend, precision):
     model, data = conv_net(), images()
     before = outputs(model, data)
@@ -271,6 +276,7 @@ class WaitsWithoutAutocast(nn.Module):
         return self.body(x)
 
 
+@pytest.mark.slow
 def test_a_kept_lower_precision_module_is_named_in_the_result(mlp_data):
     torch.manual_seed(0)
     model = WaitsWithoutAutocast().eval()
@@ -298,6 +304,7 @@ class SlowToBuild(TorchEagerBackend):
 
 
 @pytest.mark.parametrize("budget, variant_built", [(1.0, False), (600.0, True)])
+@pytest.mark.slow
 def test_no_variant_is_built_once_the_time_budget_is_used_up(budget, variant_built):
     """effort= and precision= variants can each cost a long compile (max-autotune: minutes on a
     GPU); once time_budget is used up, the depth in progress still finishes, but with the

@@ -19,6 +19,8 @@ import torch
 import torch_tweak as tt
 from torch_tweak import checkpoint
 
+pytestmark = pytest.mark.slow  # files of up to 40 MiB built and read, some in child processes
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 MIB = 1 << 20
 READ_SLACK = 24 * MIB

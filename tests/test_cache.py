@@ -82,6 +82,7 @@ def test_second_tweak_reuses_the_first(mlp_data, tuning_cache_folder, monkeypatc
             assert torch.equal(again(x), e)
 
 
+@pytest.mark.slow
 def test_other_inputs_config_or_settings_do_not_reuse(mlp_data, tuning_cache_folder):
     tweak(fresh_net(), mlp_data)
     builds = Fast.builds
@@ -97,6 +98,7 @@ def test_other_inputs_config_or_settings_do_not_reuse(mlp_data, tuning_cache_fol
     assert tweak(fresh_net(), other_shape).cached  # and each has its own entry
 
 
+@pytest.mark.slow
 def test_cache_false_neither_reads_nor_writes(mlp_data, tuning_cache_folder):
     assert not tweak(fresh_net(), mlp_data, cache=False).cached
     assert entries(tuning_cache_folder) == []
@@ -114,6 +116,7 @@ def test_clear_cache(mlp_data, tuning_cache_folder):
     assert tt.clear_cache() == 1 and tt.clear_cache() == 0
 
 
+@pytest.mark.slow
 def test_entry_whose_parts_differ_is_not_used(mlp_data, tuning_cache_folder):
     tweak(fresh_net(), mlp_data)
     path = (tuning_cache_folder / "tweaks").glob("*.json").__next__()
@@ -244,6 +247,7 @@ def damages(path, valid: dict):
     yield "retry_after not a number", shape(lambda e: e.__setitem__("retry_after", "never"))
 
 
+@pytest.mark.slow
 def test_damaged_entries_are_misses_and_rewritten(mlp_data, tuning_cache_folder):
     tweak(fresh_net(), mlp_data)
     path = entry_path(tuning_cache_folder)
@@ -299,6 +303,7 @@ def fresh_configured() -> Configured:
     return Configured().eval()
 
 
+@pytest.mark.slow
 def test_config_or_attribute_change_tunes_again(mlp_data, tuning_cache_folder):
     tweak(fresh_configured(), mlp_data)
     assert tweak(fresh_configured(), mlp_data).cached
@@ -328,6 +333,7 @@ class HalfBroken(Fast):
         return super().build(module, samples, device)
 
 
+@pytest.mark.slow
 def test_untuned_result_is_measured_again_and_a_failed_one_reused_for_a_while(mlp_data, tuning_cache_folder,
                                                                              monkeypatch):
     strategy = tt.OneBackendStrategy(BrokenBackend())

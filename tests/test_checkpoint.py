@@ -162,6 +162,7 @@ def test_values_round_trip_and_unknown_tags_are_refused():
             serial.decode(bad, tensors)
 
 
+@pytest.mark.slow
 def test_encoder_with_inductor_round_trip(encoder_tweak, tmp_path):
     model, data, expected, result = encoder_tweak
     path = tmp_path / "encoder.tt"
@@ -221,6 +222,7 @@ tt.save(model, sys.argv[1])
 """
 
 
+@pytest.mark.slow
 def test_save_killed_midway_keeps_the_earlier_file(tmp_path):
     path = tmp_path / "model.tt"
     env = dict(os.environ, PYTHONPATH=TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -537,6 +539,7 @@ def tiny_llama():
     return transformers.LlamaForCausalLM(config).eval()
 
 
+@pytest.mark.slow
 def test_plan_naming_one_module_twice_is_a_checkpoint_error(tmp_path):
     """LlamaForCausalLM.base_model is a property returning .model: a forged plan that names
     model.layers.0 and base_model.layers.0 (one module object) is refused as a CheckpointError,

@@ -53,12 +53,14 @@ def test_mistakes_get_one_clear_line(args, message, capsys):
     assert err.startswith("torch-tweak: error:")
 
 
+@pytest.mark.slow
 def test_help_for_each_command():
     for args in (["--help"], ["tweak", "--help"], ["show", "--help"]):
         done = run_cli(*args)
         assert done.returncode == 0 and "usage: torch-tweak" in done.stdout
 
 
+@pytest.mark.slow
 def test_tweak_from_a_factory_saves_shows_and_plots(tmp_path):
     pytest.importorskip("matplotlib")
     chart, saved = tmp_path / "chart.png", tmp_path / "tiny.tt"

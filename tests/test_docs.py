@@ -19,6 +19,8 @@ import types
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # every snippet runs a tweak or a compile: minutes in all
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 BLOCK = re.compile(r"(?:<!-- snippet: (?P<needs>[\w ]+) -->\s*\n)?```python\n(?P<code>.*?)```", re.S)
 FILES = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))

@@ -6,6 +6,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # each example tunes a model in a child process: minutes in all
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 

@@ -836,6 +836,7 @@ _C.GraphReplay(0, 0, sig, inputs, torch.zeros(2), lambda *a: None, replay=lambda
 
 
 @pytest.mark.parametrize("name", sorted(_FREEING_SCRIPTS))
+@pytest.mark.slow
 def test_callbacks_that_free_the_callers_arguments_do_not_crash(name):
     import subprocess
     import sys

@@ -789,6 +789,7 @@ with pytest.raises(RecursionError, match="root_call"):
 
 
 @pytest.mark.parametrize("name", sorted(_SELF_REFERENCE))
+@pytest.mark.slow
 def test_a_dispatcher_that_would_call_itself_is_refused_not_a_crash(name):
     from support import run_in_child
 

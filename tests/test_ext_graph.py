@@ -421,12 +421,14 @@ with pytest.raises(ValueError, match="its address is not"):
 
 
 @pytest.mark.parametrize("name", sorted(_FOREIGN_LENDS))
+@pytest.mark.slow
 def test_a_lend_item_naming_memory_not_the_outputs_own_is_refused(name):
     from support import run_in_child
 
     run_in_child(_LEND_PRELUDE + _FOREIGN_LENDS[name])
 
 
+@pytest.mark.slow
 def test_an_original_that_leads_back_is_a_recursion_error_not_a_crash():
     from support import run_in_child
 

@@ -73,6 +73,7 @@ def untuned_outputs(data):
         return [model(x) for x in data]
 
 
+@pytest.mark.slow
 def test_a_burst_during_the_side_by_side_measurement_makes_up_no_speedup(mlp_data, tuning_cache_folder, caplog):
     model = fresh()
     with caplog.at_level(logging.INFO, logger="torch_tweak"):
@@ -116,6 +117,7 @@ def test_a_burst_during_the_side_by_side_measurement_makes_up_no_speedup(mlp_dat
     assert not second.cached
 
 
+@pytest.mark.slow
 def test_an_inconsistent_result_is_not_replayed_from_the_cache(mlp_data, tuning_cache_folder):
     first = tweak(fresh(), mlp_data)  # the burst lasts through every side-by-side measurement
     assert first.selected_depth == 0

@@ -17,6 +17,8 @@ import torch
 
 from torch_tweak import checkpoint
 
+pytestmark = pytest.mark.slow  # each tunes and saves a model in a child process, then forges its file
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 CATEGORIES = ("options", "tolerances", "classes", "sizes", "paths", "damage", "pickles", "tree")
 COUNTS = {}

@@ -53,6 +53,7 @@ def generate(model, ids, cache=None, **kwargs):
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 @pytest.mark.parametrize("cache", [None, "static"])
 @pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.slow
 def test_the_loop_gives_transformers_tokens(kind, cache, batch):
     model = build(kind)
     ids = prompt(batch)
@@ -65,6 +66,7 @@ def test_the_loop_gives_transformers_tokens(kind, cache, batch):
 
 
 @pytest.mark.parametrize("cache", [None, "static"])
+@pytest.mark.slow
 def test_the_loop_stops_and_pads_as_transformers_does(cache):
     model = build("llama")
     ids = prompt(2)
@@ -91,6 +93,7 @@ def test_the_loop_stops_and_pads_as_transformers_does(cache):
     ("scores asked for", {"return_dict_in_generate": True, "output_scores": True}),
     ("padding in the mask", {"attention_mask": "padded"}),
 ])
+@pytest.mark.slow
 def test_calls_the_loop_does_not_serve_run_transformers_loop(why, kwargs):
     model = build("llama")
     ids = prompt(2)
@@ -153,6 +156,7 @@ def tweaked():
     return model, untuned, ids, result
 
 
+@pytest.mark.slow
 def test_a_tuned_decoder_generates_the_untuned_tokens(tweaked):
     model, untuned, ids, result = tweaked
     for batch, seed in ((2, 0), (2, 7), (1, 3)):  # the recorded prompt, another one, another batch
@@ -199,6 +203,7 @@ class NegatedLogits(Backend):
         return run
 
 
+@pytest.mark.slow
 def test_a_depth_whose_tokens_differ_is_rejected():
     model = build("gpt2")
     untuned = copy.deepcopy(model)
@@ -268,6 +273,7 @@ def with_loop(kind: str = "llama"):
     return model, ids
 
 
+@pytest.mark.slow
 def test_a_saved_decode_loop_gives_the_untuned_tokens_in_a_new_process(tmp_path):
     import subprocess
     import sys
@@ -297,6 +303,7 @@ print(tt.status(model))
         in done.stdout, done.stdout
 
 
+@pytest.mark.slow
 def test_a_kept_loop_serves_only_the_kinds_of_call_it_was_measured_on():
     """Tuned on batch-2 static-cache calls: a batch-1 call, or one with a dynamic cache, was
     never measured (it might be slower through the loop) and runs transformers' generate()."""
@@ -313,6 +320,7 @@ def test_a_kept_loop_serves_only_the_kinds_of_call_it_was_measured_on():
     assert loop.kinds == {(2, True)}
 
 
+@pytest.mark.slow
 def test_a_loaded_loop_is_checked_against_the_untuned_generate_not_the_stored_tokens(tmp_path):
     from torch_tweak import plan as planning
 
@@ -341,6 +349,7 @@ FORGED_LAYOUTS = {phase: (("input_ids", ("tensor", "torch.int64", 2)), ("past_ke
 step sees one token and no past, so its tokens are not the untuned ones."""
 
 
+@pytest.mark.slow
 def test_a_forged_loop_storing_its_own_tokens_is_not_installed(tmp_path):
     """A file's loop passed the cache under an ignored keyword and stored its own tokens as the
     "untuned" ones; tt.load compared the loop with the file and installed it, changing what
@@ -390,6 +399,7 @@ def test_a_saved_loop_bounds_the_calls_it_is_checked_on():
 
 
 @pytest.mark.parametrize("ask", [{"max_new_tokens": 10 ** 6}, {"max_length": 10 ** 6}, {"do_sample": True}])
+@pytest.mark.slow
 def test_a_file_asking_a_huge_loop_check_is_refused_quickly(tmp_path, ask):
     """A forged loop check asked for max_new_tokens=10**6 and tt.load decoded until killed: a
     file may ask at most MAX_CHECK_NEW_TOKENS, refused before anything is decoded."""
@@ -435,6 +445,7 @@ print("installed:", bool(tt.installed(model)) or "generate" in model.__dict__)
     lambda g: g["checks"][0].update(tokens={"tensor": 10**9}),
     lambda g: g.update(checks="all of them"),
 ])
+@pytest.mark.slow
 def test_a_forged_decode_loop_entry_is_refused_whole(tmp_path, edit):
     import forgery
 
@@ -448,6 +459,7 @@ def test_a_forged_decode_loop_entry_is_refused_whole(tmp_path, edit):
     assert generation.loop_of(fresh) is None and not tt.installed(fresh)
 
 
+@pytest.mark.slow
 def test_eight_threads_share_a_decode_loop_and_each_gets_its_untuned_tokens():
     """Calls of different batch sizes and prompt lengths from eight threads at once: the
     static cache length rule, and the graphs and caches a loop keeps, are shared by every
@@ -481,6 +493,7 @@ def test_eight_threads_share_a_decode_loop_and_each_gets_its_untuned_tokens():
 # ------------------------------------------------- transformers' compiled decode steps
 
 
+@pytest.mark.slow
 def test_a_call_transformers_compiles_keeps_the_compiled_loop_and_its_tokens(tmp_path):
     """A static-cache call that transformers compiles (here on a CPU, through its compile
     config's _compile_all_devices): the untuned tokens are those of its compiled forward;

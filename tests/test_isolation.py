@@ -93,6 +93,7 @@ def _tweak(model, data, backends):
 
 
 @pytest.mark.parametrize("backend, words", [(SegfaultBackend, "signal 11, SIGSEGV"), (ExitBackend, "exit status 3")])
+@pytest.mark.slow
 def test_a_crashing_build_is_rejected_and_its_verdict_kept(backend, words, children):
     torch.manual_seed(0)
     model = MLP().eval()
@@ -125,6 +126,7 @@ def test_an_exception_in_the_child_is_no_crash(children):
     assert len(children) == 1  # its verdict (no crash) is stored too
 
 
+@pytest.mark.slow
 def test_the_spawned_child_isolates_too(monkeypatch, children):
     monkeypatch.setenv(isolation.ISOLATION_ENV, "spawn")
     model = nn.Sequential(nn.Linear(16, 8), nn.ReLU()).eval()
@@ -235,6 +237,7 @@ class ThreeBlockMLP(nn.Module):
         return self.head(x)
 
 
+@pytest.mark.slow
 def test_the_issue_mlp_with_openvino_finishes_and_matches(children, tuning_cache_folder):
     pytest.importorskip("openvino")
     from torch_tweak.backends import OpenVINOBackend
@@ -276,6 +279,7 @@ class ForkOnlyAbort(Backend):
 
 
 
+@pytest.mark.slow
 def test_a_crash_only_a_fork_sees_is_not_believed(monkeypatch, children):
     monkeypatch.setenv("TT_FRESH", "0")
     real = isolation._run_child
@@ -326,6 +330,7 @@ class Avx512OnlyCrash(Backend):
         return module
 
 
+@pytest.mark.slow
 def test_a_verdict_from_a_host_of_the_same_cpu_name_but_another_instruction_set_is_not_served(
         monkeypatch, tmp_path, children):
     plain = _cpuinfo(tmp_path, "plain", "fpu sse sse2 avx avx2 fma")
@@ -415,6 +420,7 @@ def _hang_process(tmp_path, floor, **env):
                             stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow
 def test_a_hung_child_is_killed_within_its_bound(tmp_path):
     # a recorded fast build: the bound is its multiple, far below the 600 s cap
     proc = _hang_process(tmp_path, 2.0, TORCH_TWEAK_ISOLATION="fork")
@@ -448,6 +454,7 @@ class ForkOnlyHang(Backend):
         return module
 
 
+@pytest.mark.slow
 def test_a_hang_only_a_fork_sees_is_not_believed(monkeypatch, children):
     monkeypatch.setattr(isolation, "FLOOR", 1.0)
     verdicts.record_rate(ForkOnlyHang(), "fork", 0.1)
@@ -514,6 +521,7 @@ def _alive(pid):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("how", ["fork", "spawn"])
+@pytest.mark.slow
 def test_a_child_dies_with_its_parent(tmp_path, how):
     proc = _hang_process(tmp_path, 600.0, TORCH_TWEAK_ISOLATION=how)
     child = None

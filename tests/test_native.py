@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("openvino")
+pytestmark = pytest.mark.slow  # OpenVINO conversions in child processes
 
 HERE = Path(__file__).resolve().parent
 

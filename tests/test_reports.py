@@ -61,6 +61,7 @@ class MovingBackend(Backend):
         return module
 
 
+@pytest.mark.slow
 def test_result_shows_every_candidates_latency_or_why_it_lost(mlp, mlp_data):
     strategy = tt.HighestThroughputStrategy([MissingBackend(), BrokenBackend(), NoisyBackend(),
                                              StaticOnlyBackend(), TorchEagerBackend()])
@@ -108,6 +109,7 @@ def test_cache_folder_default(monkeypatch):
     assert buildlog.log_path("M", "", "k", "B").parts[-3:] == ("_root", "k", "B.log")
 
 
+@pytest.mark.slow
 def test_weights_a_backend_moved_are_back_on_their_device(mlp, mlp_data):
     weight = mlp.head.weight
     before = weight.detach().clone()
@@ -153,6 +155,7 @@ def test_a_backend_out_of_memory_is_rejected_and_the_next_one_tried(mlp, mlp_dat
     assert hungry["reason"] == "out of memory" and "80.00 GiB" in hungry["error"]
 
 
+@pytest.mark.slow
 def test_result_modules_are_the_engines_result_read_once(mlp, mlp_data):
     """result.modules is the engine's per-module model (_C.Result.modules) plus what only Python
     knows of a build; nothing is rebuilt from the wrappers."""

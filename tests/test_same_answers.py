@@ -1,6 +1,7 @@
 """The same answers as the untuned model, every call (issue 12): a differential harness.
 
-For every backend available here (Torch Eager, Torch Inductor, OpenVINO and ONNX Runtime when installed; on
+For every registered backend that keeps the answers (torch_tweak.backends.registry) and runs here
+(Torch Eager, Torch Inductor, OpenVINO and ONNX Runtime when installed; on
 a CUDA machine also the device graph and Inductor in a device graph, on the GPU) a model is
 tuned with tt.wrap + tt.tune + tt.OneBackendStrategy(backend) on keyword calls,
 then called in many ways: keyword order, positional/keyword mix, non-contiguous inputs,
@@ -12,7 +13,6 @@ backend is shared by the tests of this file (Inductor compiles on a small CPU ar
 from __future__ import annotations
 
 import copy
-import importlib.util
 import threading
 import time
 
@@ -21,28 +21,33 @@ import torch
 from torch import nn
 
 import torch_tweak as tt
-from torch_tweak.backends import (Backend, DeviceGraphBackend, InductorGraphBackend, ONNXRuntimeBackend,
-                                  OpenVINOBackend, TorchEagerBackend, TorchInductorBackend)
+from torch_tweak.backends import Backend, registry
 
-HAS_OPENVINO = importlib.util.find_spec("openvino") is not None
-HAS_ORT = all(importlib.util.find_spec(name) is not None for name in ("onnxruntime", "onnx"))
 NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-BACKENDS = [
-    pytest.param(TorchEagerBackend, id="eager"),
-    pytest.param(TorchInductorBackend, id="inductor"),
-    pytest.param(OpenVINOBackend, id="openvino",
-                 marks=pytest.mark.skipif(not HAS_OPENVINO, reason="openvino is not installed")),
-    pytest.param(ONNXRuntimeBackend, id="onnxruntime",
-                 marks=pytest.mark.skipif(not HAS_ORT, reason="onnxruntime is not installed")),
-    pytest.param(DeviceGraphBackend, id="device-graph", marks=NO_CUDA),
-    pytest.param(InductorGraphBackend, id="inductor-graph", marks=NO_CUDA),
-]
-GPU_BACKENDS = (DeviceGraphBackend, InductorGraphBackend)
+pytestmark = pytest.mark.slow  # one tuned model per backend (compiles, exports), 8 threads x 500 calls
 
 
 def device_of(backend_class: type) -> torch.device:
-    return torch.device("cuda" if backend_class in GPU_BACKENDS else "cpu")
+    """Where a backend's harness runs: the CPU, or CUDA for a backend that does not run on it."""
+    registration = registry.registration_of(backend_class)  # None: a test's own backend, on the CPU
+    return torch.device("cpu" if registration is None or "cpu" in registration.devices else "cuda")
+
+
+def _param(r: registry.Registration):
+    """One built-in backend, skipped where it cannot run (a package not installed, no CUDA)."""
+    device = device_of(r.cls)
+    if device.type == "cuda":
+        return pytest.param(r.cls, id=r.name, marks=NO_CUDA)
+    reason = r.cls().unavailable(device)
+    return pytest.param(r.cls, id=r.name, marks=pytest.mark.skipif(reason is not None, reason=str(reason)))
+
+
+BACKENDS = [_param(r) for r in registry.registrations()
+            if not r.cls.opt_in and not getattr(r.cls, "needs_varying_sizes", False)]
+"""Every registered backend that keeps the module's answers (an opt-in one changes them on purpose),
+tuned here on calls of one shape (the padded one serves calls whose sizes vary: test_varying.py)."""
+EXACT = ("TorchEager", "TorchInductor", "DeviceGraph")
+"""Backends held to 1e-5; any other to 1e-4 (a runtime of its own, Inductor's fusion in a graph)."""
 
 
 def on(device: torch.device, *tensors: torch.Tensor):
@@ -91,7 +96,7 @@ def tuned(model: nn.Module, samples: list, backend_class: type) -> tuple[nn.Modu
 
 
 def close(got, want, backend_class) -> None:
-    tol = 1e-4 if backend_class in (OpenVINOBackend, ONNXRuntimeBackend, InductorGraphBackend) else 1e-5
+    tol = 1e-5 if backend_class.name in EXACT else 1e-4
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     assert got.requires_grad == want.requires_grad
 

@@ -50,6 +50,7 @@ def tuned_gpt2():
     return model, expected
 
 
+@pytest.mark.slow
 def test_a_decoder_with_its_default_cache_passes_the_check():
     model = build_gpt2()
     result = tt.tweak(model, [{"input_ids": ids} for ids in IDS], max_depth=0, strategy=EAGER, progress=False,
@@ -87,6 +88,7 @@ def test_caches_are_compared_by_their_tensors(tuned_gpt2):
         correctness.check(torch.ones(2), ref)
 
 
+@pytest.mark.slow
 def test_save_and_load_keep_transformers_outputs(tuned_gpt2, tmp_path):
     model, expected = tuned_gpt2
     path = tmp_path / "gpt2.tt"
@@ -161,6 +163,7 @@ def test_named_tuples_dataclasses_and_outputs_round_trip_by_an_allow_list(tmp_pa
 
 
 @pytest.mark.skipif(importlib.util.find_spec("openvino") is None, reason="OpenVINO is not installed")
+@pytest.mark.slow
 def test_an_openvino_build_of_a_transformers_model_prints_no_loss_type_line():
     """OpenVINO's conversion traces the module, which reads every attribute, and reading
     transformers' loss_function logs a `loss_type=None` line about no loss at all (issue 30)."""

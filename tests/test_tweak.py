@@ -25,6 +25,7 @@ def test_dry_run_counts_modules_and_builds_nothing(mlp, mlp_data):
     assert_unchanged(mlp, before)
 
 
+@pytest.mark.slow
 def test_tweak_with_a_strategy_tunes_each_module_once(mlp, mlp_data):
     CountingBackend.builds = 0
     with torch.no_grad():
@@ -70,6 +71,7 @@ def test_interrupt_leaves_model_unchanged(mlp, mlp_data):
     assert_unchanged(mlp, before)
 
 
+@pytest.mark.slow
 def test_progress_lines_when_not_a_terminal(mlp, mlp_data, capsys):
     tt.tweak(mlp, mlp_data, max_depth=1, strategy=tt.OneBackendStrategy(CountingBackend()), measure=FAST)
     err = capsys.readouterr().err

@@ -83,6 +83,7 @@ def test_deactivated_calls_are_not_untuned():
 
 
 @pytest.mark.skipif(not HAS_OPENVINO, reason="openvino is not installed")
+@pytest.mark.slow
 def test_grad_mode_calls_of_a_backend_without_autograd_are_counted_and_logged(caplog):
     model = tuned_mlp(OpenVINOBackend)
     caplog.set_level(logging.WARNING, logger="torch_tweak")

@@ -28,8 +28,7 @@ from .tuning_cache import clear_cache
 from .report import ModuleResult, ModuleResults, SignatureResult
 from .status import ModelStatus, ModuleStatus, status
 from .tweak import DepthResult, TweakResult, tweak
-
-__version__ = "0.1.0"
+from ._version import __version__
 
 
 def wrap(model: nn.Module, modules: Any, *, strategy: Strategy | None = None) -> list[TunedModule]:

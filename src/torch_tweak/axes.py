@@ -4,7 +4,8 @@ checks and measures each candidate like any other and keeps the fastest.
 
 The axis settings are fields of the backend's config (Torch Eager, Torch Inductor, the
 device graphs), so they have a closed schema (torch_tweak.schema) and survive tt.save,
-tt.load and the tuning cache like the rest of the config:
+tt.load and the tuning cache like the rest of the config (their fields, checks and build
+wrapper: torch_tweak.backends.variants):
 
     memory_format   None, or "channels_last": the module runs on a channels-last copy of
                     itself, its 4-D tensor inputs are made channels-last and its 4-D
@@ -28,21 +29,16 @@ from a file only when the caller passes it to tt.load (see precision_backends).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.utils._pytree as pytree
 
 from ._samples import Call
-from .schema import DType, Flag, OneOf
-
-LAYOUTS = (None, "channels_last")
-SDPA_KERNELS = (None, "flash", "efficient", "cudnn", "math")
-AUTOCAST_DTYPES = (torch.float16, torch.bfloat16)
-AUTOTUNE_MODE = "max-autotune-no-cudagraphs"
+from .backends import registry
+from .backends.variants import VariantConfig
 
 EFFORTS = ("default", "high")
 """tt.tweak(effort=...): "default" tries the backends alone (today's tuning time); "high" also
@@ -64,172 +60,6 @@ few heavy modules, not with the model's many small ones."""
 
 EFFORT_RULES = ("conv", "sdpa", "heavy")
 """The rules of effort="high"'s variants: each applies to heavy modules only."""
-
-AXIS_SCHEMA = {"memory_format": OneOf(LAYOUTS), "sdpa_kernel": OneOf(SDPA_KERNELS), "tf32": Flag(),
-               "autocast_dtype": DType(AUTOCAST_DTYPES)}
-"""What a saved file may hold of each axis field: every value the fields accept."""
-
-_SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-def check_fields(config: Any) -> None:
-    """ValueError naming the axis field of `config` whose value is not allowed."""
-    if config.memory_format not in LAYOUTS:
-        raise ValueError(f"memory_format must be None or 'channels_last'; got {config.memory_format!r}")
-    if config.sdpa_kernel not in SDPA_KERNELS:
-        raise ValueError(f"sdpa_kernel must be one of {', '.join(map(str, SDPA_KERNELS))}; got {config.sdpa_kernel!r}")
-    if not isinstance(config.tf32, bool):
-        raise ValueError(f"tf32 must be True or False, got {config.tf32!r}")
-    dtype = config.autocast_dtype
-    if dtype is not None and (not isinstance(dtype, torch.dtype) or dtype not in AUTOCAST_DTYPES):
-        raise ValueError(f"autocast_dtype must be a torch.dtype, torch.bfloat16 or torch.float16 (or None); "
-                         f"got {dtype!r}")
-
-
-def has_axes(config: Any) -> bool:
-    return any(getattr(config, name, None) not in (None, False) for name in AXIS_SCHEMA)
-
-
-def label_parts(config: Any) -> list[str]:
-    """What a candidate's name shows of its axes: "channels_last", "sdpa=flash", "max-autotune",
-    "tf32", "bf16 autocast"."""
-    parts = []
-    if getattr(config, "memory_format", None):
-        parts.append(config.memory_format)
-    if getattr(config, "sdpa_kernel", None):
-        parts.append(f"sdpa={config.sdpa_kernel}")
-    if getattr(config, "mode", None) in ("max-autotune", AUTOTUNE_MODE):
-        parts.append("max-autotune")
-    if getattr(config, "combo_kernels", False):
-        parts.append("combo kernels")
-    if getattr(config, "tf32", False):
-        parts.append("tf32")
-    if getattr(config, "autocast_dtype", None) is not None:
-        parts.append(f"{_SHORT[config.autocast_dtype]} autocast")
-    return parts
-
-
-def lowers_precision(config: Any) -> bool:
-    """Whether the axes of `config` lower precision (tf32, autocast_dtype): the axes' part of
-    BackendConfig.lowers_precision, which every reader asks instead of this."""
-    return bool(getattr(config, "tf32", False)) or getattr(config, "autocast_dtype", None) is not None
-
-
-TF32_TOLERANCE = 1e-2
-"""The check's tolerance for a TF32 candidate whose config sets none (a 10-bit mantissa:
-about 1e-3 per product, adding up through a block)."""
-
-
-def tolerance(config: Any) -> float | None:
-    """The config's tolerance; when it sets none, the autocast dtype's, or TF32's."""
-    if config.tolerance is not None or not config.lowers_precision():
-        return config.tolerance
-    if getattr(config, "autocast_dtype", None) is not None:
-        from .correctness import tolerance_for
-        return tolerance_for(config.autocast_dtype)
-    if getattr(config, "tf32", False):
-        return TF32_TOLERANCE
-    return None
-
-
-def unavailable(config: Any, device: torch.device) -> str | None:
-    """Why the axes of `config` cannot run on `device`, or None."""
-    if getattr(config, "sdpa_kernel", None) and device.type != "cuda":
-        return f"the SDPA kernel choice runs on CUDA only, not on {device.type}"
-    if getattr(config, "sdpa_kernel", None) and _sdpa_backend(config.sdpa_kernel) is None:
-        return f"this torch ({torch.__version__}) has no SDPA kernel {config.sdpa_kernel!r}"
-    if getattr(config, "tf32", False) and device.type != "cuda":
-        return f"TF32 runs on CUDA only, not on {device.type}"
-    return None
-
-
-def _sdpa_backend(kernel: str) -> Any:
-    try:
-        from torch.nn.attention import SDPBackend
-    except ImportError:
-        return None
-    return getattr(SDPBackend, {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
-                                "cudnn": "CUDNN_ATTENTION", "math": "MATH"}[kernel], None)
-
-
-@contextlib.contextmanager
-def entered(config: Any, device: torch.device) -> Iterator[None]:
-    """The contexts the axes of `config` run under (the SDPA kernel, TF32, autocast)."""
-    with contextlib.ExitStack() as stack:
-        if getattr(config, "sdpa_kernel", None):
-            from torch.nn.attention import sdpa_kernel
-            stack.enter_context(sdpa_kernel([_sdpa_backend(config.sdpa_kernel)]))
-        if getattr(config, "tf32", False):
-            stack.enter_context(_tf32())
-        if getattr(config, "autocast_dtype", None) is not None:
-            stack.enter_context(torch.autocast(device.type, dtype=config.autocast_dtype))
-        yield
-
-
-@contextlib.contextmanager
-def _tf32() -> Iterator[None]:
-    """TF32 for matmuls and cuDNN convolutions, put back as it was afterwards (process-wide
-    flags: another thread's matmul at that moment would also run in TF32)."""
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
-
-
-def _to_layout(value: Any) -> Any:
-    return (value.contiguous(memory_format=torch.channels_last)
-            if isinstance(value, torch.Tensor) and value.dim() == 4 else value)
-
-
-def _contiguous(value: Any) -> Any:
-    return value.contiguous() if isinstance(value, torch.Tensor) and value.dim() == 4 else value
-
-
-def build(config: Any, module: torch.nn.Module, samples: Sequence[Call], device: torch.device,
-          make: Callable[[torch.nn.Module, Sequence[Call]], Callable[..., Any]]) -> Callable[..., Any]:
-    """The callable of a backend with the axes of `config`: `make(module, samples)` builds the
-    backend's own callable (compiles, warms up) on the module as the axes change it and on
-    samples as the axes lay them out, under the axes' contexts; the result runs every call
-    under those contexts. Without axes, `make(module, samples)` as it is.
-
-    A build does not change `module`: channels-last runs on a copy."""
-    if not has_axes(config):
-        return make(module, samples)
-    layout = config.memory_format == "channels_last"
-    if layout:
-        if not any(isinstance(m, torch.nn.Conv2d) for m in module.modules()):
-            raise ValueError("channels_last: the module has no Conv2d")
-        from .backends.base import copy_module
-        module = copy_module(module).to(memory_format=torch.channels_last)
-        samples = [pytree.tree_map(_to_layout, s) for s in samples]
-    plain = None
-    if config.autocast_dtype is not None:
-        args, kwargs = samples[0]
-        with torch.no_grad():
-            plain = [t.dtype if isinstance(t, torch.Tensor) else None for t in pytree.tree_leaves(module(*args, **kwargs))]
-    with entered(config, device):
-        inner = make(module, samples)
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if layout:
-            args, kwargs = pytree.tree_map(_to_layout, (args, kwargs))
-        with entered(config, device):
-            out = inner(*args, **kwargs)
-        if plain is None and not layout:
-            return out
-        leaves, spec = pytree.tree_flatten(out)
-        if plain is not None and len(leaves) == len(plain):
-            leaves = [t.to(want) if isinstance(t, torch.Tensor) and want is not None and t.dtype != want
-                      and t.is_floating_point() else t for t, want in zip(leaves, plain)]
-        if layout:
-            leaves = [_contiguous(t) for t in leaves]
-        return pytree.tree_unflatten(leaves, spec)
-
-    run.inner = inner  # type: ignore[attr-defined]
-    return run
-
 
 # ------------------------------------------------------------------ which modules
 
@@ -305,11 +135,10 @@ def check_precision(precision: Any, device: torch.device) -> dict[str, float]:
                              f"(0.03 is 3 %), got {tolerance!r}")
         if policy == "tf32" and device.type != "cuda":
             raise ValueError(f"precision 'tf32' runs on CUDA only, and the model is on {device.type}: leave it out")
-        if policy == "fp8":
-            from .backends.torchao import device_refusal
-            reason = device_refusal("fp8", device)
+        for v in (v for r in registry.registrations() for v in r.variants if v.asked == policy and v.refusal):
+            reason = v.refusal(device)
             if reason is not None:
-                raise ValueError(f"precision 'fp8': {reason}")
+                raise ValueError(f"precision {policy!r}: {reason}")
     return {p: float(t) for p, t in precision.items()}
 
 
@@ -329,48 +158,32 @@ class Axes:
         return self.effort != "default" or bool(self.precision)
 
     def variants(self, backends: Sequence[Any], device: torch.device) -> list[tuple[Any, str]]:
-        """(new backend, the rule of the modules it applies to) per variant of `backends`."""
-        from .backends import (DeviceGraphBackend, InductorGraphBackend, TorchAOBackend, TorchEagerBackend,
-                               TorchInductorBackend)
-        from .backends.graph import INDUCTOR_GRAPH_MODES
+        """(new backend, the rule of the modules it applies to) per variant of `backends`: the
+        variants each backend's registration offers (torch_tweak.backends.registry) for what
+        was asked, on this device; a backend already set apart (a variant field, a lower
+        precision, a mode of its own) gets none. Ordered by what was asked (effort first, then
+        each precision policy), then the variant's order, then the backends' order."""
+        asked = (["high"] if self.effort == "high" else []) + [policy for policy, _ in self.precision]
+        tolerances = dict(self.precision)
 
-        out: list[tuple[Any, str]] = []
-        cuda = device.type == "cuda"
-        axis_kinds = (TorchEagerBackend, TorchInductorBackend, DeviceGraphBackend)
-        plain = [b for b in backends if isinstance(b, axis_kinds) and not has_axes(b.config)
-                 and not b.config.lowers_precision() and getattr(b.config, "mode", None) in (None, "default")
-                 and not getattr(b.config, "combo_kernels", False)]
+        def offered(v: Any) -> bool:
+            return v.asked in asked and (not v.devices or device.type in v.devices)
 
-        def variant(b: Any, rule: str, **fields: Any) -> None:
-            out.append((type(b)(dataclasses.replace(b.config, **fields)), rule))
+        def fields(v: Any) -> dict[str, Any]:  # a precision policy's variant takes its tolerance
+            return dict(v.fields, **({"tolerance": tolerances[v.asked]} if v.asked in tolerances else {}))
 
-        if self.effort == "high":
-            for b in plain:
-                if not isinstance(b, DeviceGraphBackend) or isinstance(b, InductorGraphBackend):
-                    variant(b, "conv", memory_format="channels_last")
-            for b in plain:
-                if isinstance(b, TorchInductorBackend) or (isinstance(b, InductorGraphBackend)
-                                                           and AUTOTUNE_MODE in INDUCTOR_GRAPH_MODES):
-                    variant(b, "heavy", mode=AUTOTUNE_MODE, options=None)
-            for b in plain:  # fewer kernels per replay: what the small-batch rows pay for (bench/results/knobs.md)
-                if isinstance(b, InductorGraphBackend) and cuda:
-                    variant(b, "heavy", combo_kernels=True)
-            if cuda:
-                for kernel in SDPA_KERNELS[1:]:
-                    for b in plain:
-                        if isinstance(b, DeviceGraphBackend):  # the device graph and Inductor in one
-                            variant(b, "sdpa", sdpa_kernel=kernel)
-        for policy, tolerance in self.precision:
-            if policy == "tf32":
-                for b in plain:
-                    variant(b, "fp32", tf32=True, tolerance=tolerance)
-            elif policy == "bf16":
-                for b in plain:
-                    variant(b, "fp32", autocast_dtype=torch.bfloat16, tolerance=tolerance)
-            else:
-                mode = "int8_weight_only" if policy == "int8" else "fp8"
-                out.append((TorchAOBackend(mode=mode, compile=True, tolerance=tolerance), "linear"))
-        return out
+        found: list[tuple[tuple[int, int, int], Any, str]] = []
+        for index, b in enumerate(backends):
+            registration = registry.registration_of(type(b))
+            if registration is None or not isinstance(b.config, VariantConfig) or not b.config.takes_variants():
+                continue
+            found += [((asked.index(v.asked), v.order, index), type(b)(dataclasses.replace(b.config, **fields(v))),
+                       v.rule) for v in registration.variants if not v.alone and offered(v)]
+        for registration in registry.registrations():
+            found += [((asked.index(v.asked), v.order, len(backends)), registration.cls(**fields(v)), v.rule)
+                      for v in registration.variants if v.alone and offered(v)]
+        found.sort(key=lambda item: item[0])
+        return [(backend, rule) for _, backend, rule in found]
 
     def applies(self, rule: str, module: torch.nn.Module, samples: Sequence[Call]) -> bool:
         if rule in EFFORT_RULES and not (self.heavy is None or module_key(module) in self.heavy):
@@ -406,10 +219,7 @@ def precision_backends(device: Any, precision: dict[str, float]) -> list[Any]:
     """The lower-precision candidates tt.tweak(precision=...) tries on `device`: pass them to
     tt.load(model, path, backends=...) to load a file tuned with those policies (tt.load never
     lowers precision on a file's word alone)."""
-    from .backends import BUILT_IN
-    from .strategy import default_backends
-
     device = torch.device(device)
     axes = Axes(precision=tuple(check_precision(precision, device).items()))
-    bases = [b for b in default_backends(device) if type(b) in BUILT_IN]
+    bases = registry.default_backends(device)
     return [b for b, _ in axes.variants(bases, device)]

@@ -126,7 +126,7 @@ def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None =
     in outputs; a recorded call that cannot be stored (a cache passed in is live state) is
     named in a warning, or a ValueError with strict=True, before anything is written.
     """
-    from . import __version__
+    from ._version import __version__
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
@@ -145,28 +145,8 @@ def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None =
         name = planned.path
         signatures = []
         for group in planned.groups:
-            entry: dict[str, Any] = {"text": group.text, "key": group.key, "backend": None, "samples": [],
-                                     "outputs": []}
-            if group.varying:
-                entry["varying"] = True  # one shape class, the axes that varied left free
-            if group.backend is not None:
-                entry["backend"] = describe_backend(group.backend)
-                inductor |= group.backend.compiles_with_inductor
-                for sample, output in zip(group.samples, group.outputs):
-                    live = unstorable(sample)  # a cache passed in is live state: no call replays it
-                    if live is not None or not group.backend.can_store(sample):
-                        skipped.setdefault((name, group.text), set()).add(live or "a value its backend cannot keep")
-                        continue
-                    mark = len(tensors)
-                    try:
-                        stored = encode(sample, tensors), encode(output, tensors)
-                    except Unstorable as exc:
-                        del tensors[mark:]
-                        skipped.setdefault((name, group.text), set()).add(str(exc))
-                        continue
-                    entry["samples"].append(stored[0])
-                    entry["outputs"].append(stored[1])
-            signatures.append(entry)
+            signatures.append(_signature_entry(name, group, tensors, skipped))
+            inductor |= group.backend is not None and group.backend.compiles_with_inductor
         module = model.get_submodule(name) if name else model
         modules.append({"path": name, "class": class_path(own_class(module)), "params": _params(module),
                         "signatures": signatures})
@@ -201,6 +181,34 @@ def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None =
         warnings.warn(f"{path} is {len(data)} bytes, more than tt.load reads by default for this model "
                       f"({default_max_bytes(model)}: 4 x its weights + 256 MiB); load it with "
                       f"tt.load(model, path, max_bytes={len(data)})", stacklevel=2)
+
+
+def _signature_entry(name: str, group: Any, tensors: list[torch.Tensor],
+                     skipped: dict[tuple[str, str], set[str]]) -> dict[str, Any]:
+    """The plan's entry of one signature group of the module at `name`: its backend and the
+    recorded calls and outputs it can keep (their tensors appended to `tensors`); a call that
+    cannot be stored is named in `skipped` instead."""
+    entry: dict[str, Any] = {"text": group.text, "key": group.key, "backend": None, "samples": [],
+                             "outputs": []}
+    if group.varying:
+        entry["varying"] = True  # one shape class, the axes that varied left free
+    if group.backend is not None:
+        entry["backend"] = describe_backend(group.backend)
+        for sample, output in zip(group.samples, group.outputs):
+            live = unstorable(sample)  # a cache passed in is live state: no call replays it
+            if live is not None or not group.backend.can_store(sample):
+                skipped.setdefault((name, group.text), set()).add(live or "a value its backend cannot keep")
+                continue
+            mark = len(tensors)
+            try:
+                stored = encode(sample, tensors), encode(output, tensors)
+            except Unstorable as exc:
+                del tensors[mark:]
+                skipped.setdefault((name, group.text), set()).add(str(exc))
+                continue
+            entry["samples"].append(stored[0])
+            entry["outputs"].append(stored[1])
+    return entry
 
 
 def _loop_entry(loop: LoopPlan, tensors: list[torch.Tensor], path: Any, strict: bool) -> dict:

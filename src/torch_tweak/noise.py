@@ -7,15 +7,9 @@ its text says it is that line: anything else those packages say still shows.
   module it traces, and reading ``loss_function`` of a transformers model logs
   "`loss_type=None` was set in the config but it is unrecognized" once per process: no
   loss is computed, so the line is about nothing the user did.
-- torchao: importing a torchao built for another torch or Python logs "Failed to load" for
-  each of its native libraries it cannot load (its CUDA kernels on a CPU machine), and its
-  import registers Enum types that this torch logs as deprecated. torch-tweak imports
-  torchao only when TorchAO is asked for (TorchAOBackend, precision={"int8"|"fp8": ...}).
-- torch.onnx: the dynamo exporter logs a warning for every torchvision operator it would
-  register when torchvision is not installed ("torchvision is not installed. Skipping
-  torchvision::nms"), on every export, and onnxscript's constant folding logs "Evaluation
-  failed" for a constant it leaves unfolded (the exported model is unchanged by it)
-  (ONNXRuntimeBackend).
+
+A backend's own file keeps the lines of its packages (backends/torchao.py: TORCHAO_IMPORT,
+backends/onnxruntime.py: ONNX_EXPORT) and drops them with ``dropped`` here.
 """
 
 from __future__ import annotations
@@ -56,11 +50,3 @@ def dropped(drops: dict[str, tuple[str, ...]]) -> Iterator[None]:
 
 BUILD = {"transformers.modeling_utils": ("`loss_type=",)}
 """What a backend's build makes other packages say (Backend.prepare)."""
-
-TORCHAO_IMPORT = {"torchao": ("Failed to load",),
-                  "torch.utils._pytree": ("is an Enum subclass and is now natively supported",)}
-"""What importing a torchao that does not match the installed torch says."""
-
-ONNX_EXPORT = {"torch.onnx._internal.exporter._registration": ("is not installed. Skipping",),
-               "onnxscript.optimizer._constant_folding": ("Evaluation failed:",)}
-"""What torch's dynamo ONNX exporter says about packages the user does not have."""

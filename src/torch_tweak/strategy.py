@@ -12,35 +12,20 @@ import torch
 
 from . import _C
 from .axes import Axes
-from .backends import (Backend, DeviceGraphBackend, InductorGraphBackend, OpenVINOBackend, PaddedGraphBackend,
-                       TorchEagerBackend,
-                       TorchInductorBackend)
-
-
-def device_type(device: Any) -> str:
-    try:
-        return torch.device(device).type
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"unknown device {device!r}: {exc}") from None
+from .backends import Backend, registry
 
 
 def default_backends(device: Any) -> list[Backend]:
     """A new list of the default backends for `device`, in the order FirstWins tries them.
 
     cpu: Torch Inductor, OpenVINO, Torch Eager. cuda: device graph, Torch Inductor, Inductor
-    inside a device graph, padded graphs (calls whose sizes vary: backends/padded.py), Torch Eager. xpu: device graph, Torch Inductor, OpenVINO, Torch Eager.
+    inside a device graph, padded graphs (calls whose sizes vary: backends/padded.py), Torch Eager.
+    xpu: device graph, Torch Inductor, OpenVINO, Torch Eager.
     OpenVINO reports "not installed" when its package is missing, and strategies move on.
-    TorchAO is never a default: quantization changes results.
+    TorchAO is never a default: quantization changes results. Each backend's registration says
+    where it stands (torch_tweak.backends.registry).
     """
-    kind = device_type(device)
-    if kind == "cuda":
-        return [DeviceGraphBackend(), TorchInductorBackend(), InductorGraphBackend(), PaddedGraphBackend(),
-                TorchEagerBackend()]
-    if kind == "xpu":
-        return [DeviceGraphBackend(), TorchInductorBackend(), OpenVINOBackend(), TorchEagerBackend()]
-    if kind == "cpu":
-        return [TorchInductorBackend(), OpenVINOBackend(), TorchEagerBackend()]
-    raise ValueError(f"torch-tweak has no backends for device {kind!r}; use 'cpu', 'cuda' or 'xpu'")
+    return registry.default_backends(device)
 
 
 class Strategy:
@@ -142,8 +127,9 @@ class HighestThroughputStrategy(Strategy):
 
     def _bases(self, device: torch.device) -> list[Backend]:
         backends = super()._bases(device)
-        if not any(isinstance(b, TorchEagerBackend) for b in backends):
-            backends.append(TorchEagerBackend())
+        baseline = registry.baseline()  # Torch Eager: the module as it is
+        if not any(isinstance(b, baseline) for b in backends):
+            backends.append(baseline())
         return backends
 
 

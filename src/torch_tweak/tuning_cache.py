@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ._samples import Call
+from .backends import registry
 from .storage import atomic_file, cache_dir, read_regular
 from .correctness import TOLERANCES
 from . import plan as planning
@@ -47,8 +48,9 @@ from .signatures import SignatureGroup, describe_call
 from .strategy import Strategy, default_strategy
 
 ENTRY_VERSION = 3
-OPTIONAL_PACKAGES = ("openvino", "torchao", "onnxruntime")
-"""Their presence changes which default backends build, so their versions are in the key."""
+OPTIONAL_PACKAGES = registry.optional_packages()
+"""The packages of the backends on an optional install (their registrations'): their presence
+changes which default backends build, so their versions are in the key."""
 MAX_ENTRY_BYTES = 16 << 20
 """A larger entry is not read: a miss."""
 RETRY_AFTER = 24 * 3600
@@ -68,7 +70,7 @@ def key_parts(model: nn.Module, calls: Sequence[Call], device: torch.device, str
               settings: dict[str, Any]) -> dict[str, Any]:
     """Everything a tweak's result depends on, as JSON; Unstorable when a backend config has
     a value with no JSON form (that tweak is not cached)."""
-    from . import __version__
+    from ._version import __version__
 
     template = strategy if strategy is not None else default_strategy(device)
     packages = {}

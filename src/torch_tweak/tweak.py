@@ -389,6 +389,66 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
     "bf16", "int8", "fp8"), each checked against its tolerance; None (the default): none.
     Once ``time_budget`` is used up, the variants of either not built yet are left out.
     """
+    device, measuring, asked, job, calls = _checked(
+        model, dataset, workload=workload, strategy=strategy, device=device, measure=measure, cache=cache,
+        effort=effort, precision=precision, min_depth=min_depth, max_depth=max_depth, tie_tolerance=tie_tolerance,
+        time_budget=time_budget)
+    # Tracing, recording and measuring run the model; anything they or a build changed is put
+    # back when the tweak ends, however it ends.
+    with model_state.kept(model):
+        speaks_tokens = False
+        if job is not None:
+            job.record()
+            speaks_tokens = job.generates and not dry_run
+        shown = Progress(progress)
+        if speaks_tokens:
+            # the decode loop first: the depths are then tuned and measured under it, and a
+            # loop's decode steps replay the untuned model, so module tuning serves the prefill
+            _choose_loop(job, device, measuring, shown)
+        compiled_loop = job is not None and job.loop == "compiled"
+        with generation.uncompiled(model):  # hooks traced into transformers' compiled forward compile it again
+            tree = ModuleTree(model, trace(model, calls, job.run if job is not None else None))
+        depths = tree.depths(min_depth, max_depth)
+        if asked:  # the axes' variants, max-autotune for the modules that take most of the time
+            strategy = (strategy if strategy is not None else default_strategy(device)).with_axes(
+                dataclasses.replace(asked, heavy=axes.heavy_modules(model, tree)))
+        key = parts = None
+        if cache and not dry_run and job is None:
+            settings = {"min_depth": min_depth, "max_depth": max_depth, "tie_tolerance": float(tie_tolerance),
+                        "time_budget": time_budget, "measure": measure}
+            if asked:
+                settings.update(effort=effort, precision=[list(p) for p in asked.precision])
+            key, parts = _cache_key(model, calls, device, strategy, settings)
+            if key is not None:
+                result = _from_cache(model, tree, calls, device, strategy, key, parts, shown)
+                if result is not None:
+                    arm_untuned(model)
+                    generation.arm(model)
+                    return result
+        session = _session(model, tree, calls, job, strategy, device, measuring, shown, depths, dry_run=dry_run,
+                           speaks_tokens=speaks_tokens, compiled_loop=compiled_loop, time_budget=time_budget)
+        engine = _search(model, session, calls, job, shown, device, min_depth=min_depth,
+                         max_depth=max_depth, tie_tolerance=tie_tolerance, time_budget=time_budget,
+                         dry_run=dry_run, config=measuring)
+        result = _kept(model, engine, tree, session, time_budget, dry_run)
+        if speaks_tokens:
+            _speak_tokens(result, job)
+        if key is not None:
+            tuning_cache.write(key, tuning_cache.entry_of(parts, result.to_record(), result.modules, model,
+                                                          result.selected_depth))
+        outcome = result.outcome()
+        logger.info("tweak of %s: %s", session.model_class, outcome)
+        shown.finish(outcome)
+        arm_untuned(model)
+        generation.arm(model)
+        return result
+
+
+def _checked(model: nn.Module, dataset: Any, *, workload: Any, strategy: Strategy | None, device: Any,
+             measure: dict | None, cache: Any, effort: Any, precision: Any, min_depth: int, max_depth: int | None,
+             tie_tolerance: float, time_budget: float | None) -> tuple:
+    """tt.tweak's arguments checked before anything runs: (device, the measurement config, the
+    axes asked for, the workload or None, the dataset's calls or None)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     # the engine's rules, raised before anything runs
@@ -416,106 +476,85 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
         if dataset is not None:
             raise TypeError("pass a dataset or a workload, not both: a workload is a callable that runs the model, "
                             "e.g. workload=lambda m: m.generate(ids, max_new_tokens=64)")
-        job = Workload(model, workload, device)
-        calls = None
-    elif dataset is None:
+        return device, measuring, asked, Workload(model, workload, device), None
+    if dataset is None:
         raise TypeError("tt.tweak needs a dataset, e.g. tt.tweak(model, [x1, x2]), or a workload, "
                         "e.g. tt.tweak(model, workload=lambda m: m.generate(ids, max_new_tokens=64))")
-    else:
-        job = None
-        calls = load_dataset(dataset, device)
-    # Tracing, recording and measuring run the model; anything they or a build changed is put
-    # back when the tweak ends, however it ends.
-    with model_state.kept(model):
-        speaks_tokens = False
-        if job is not None:
-            job.record()
-            speaks_tokens = job.generates and not dry_run
-        shown = Progress(progress)
-        if speaks_tokens:
-            # the decode loop first: the depths are then tuned and measured under it, and a
-            # loop's decode steps replay the untuned model, so module tuning serves the prefill
-            _choose_loop(job, device, measuring, shown)
-        compiled_loop = job is not None and job.loop == "compiled"
-        with generation.uncompiled(model):  # hooks traced into transformers' compiled forward compile it again
-            tree = ModuleTree(model, trace(model, calls, job.run if job is not None else None))
-        depths = tree.depths(min_depth, max_depth)
-        if asked:  # the axes' variants, max-autotune for the modules that take most of the time
-            strategy = (strategy if strategy is not None else default_strategy(device)).with_axes(
-                dataclasses.replace(asked, heavy=axes.heavy_modules(model, tree)))
-        key = parts = None
-        if cache and not dry_run and job is None:
-            settings = {"min_depth": min_depth, "max_depth": max_depth, "tie_tolerance": float(tie_tolerance),
-                        "time_budget": time_budget, "measure": measure}
-            if asked:
-                settings.update(effort=effort, precision=[list(p) for p in asked.precision])
-            try:
-                parts = tuning_cache.key_parts(model, calls, device, strategy, settings)
-                key = tuning_cache.key_of(parts)
-            except (Unstorable, ValueError, TypeError) as exc:
-                logger.info("not cached: a backend config has no JSON form (%s)", exc)
-            if key is not None:
-                result = _from_cache(model, tree, calls, device, strategy, key, parts, shown)
-                if result is not None:
-                    arm_untuned(model)
-                    generation.arm(model)
-                    return result
-        run_dataset = dataset_runner(model, calls) if job is None else job.run
-        session = _Session(model, tree, run_dataset, strategy, device, measuring, shown, depths)
-        modules = {n for d in depths for n in tree.tree.cut(d)}
-        shown.plan(len(modules) + len(depths) + 2)  # each module tuned once, each measurement
-        if not dry_run:
-            shown.phase("measuring the untuned model")
+    return device, measuring, asked, None, load_dataset(dataset, device)
 
-        def run(i: int) -> None:
-            args, kwargs = calls[i]
-            model(*args, **kwargs)
 
-        if speaks_tokens:
-            session.on_measure = job.check_depth
-        if compiled_loop:
-            session.refuse = ("the decode steps run transformers' compiled forward (decode loop \"compiled\"), "
-                              "which must see the model's own modules to give the untuned tokens")
-        if time_budget is not None and not dry_run:
-            # the engine's budget counts from here too: once it is used up, no variant of effort= or
-            # precision= is built any more (one max-autotune compile can take minutes)
-            session.search.deadline = time.monotonic() + float(time_budget)
-        try:
-            with torch.no_grad():
-                engine = _C.tweak(
-                    tree.tree, enter=session.enter, modules=session.search, activate=session.activate,
-                    leave=session.leave, deactivate=session.deactivate, log=_engine_log,
-                    run=run if job is None else lambda i: job.run(),
-                    n_samples=len(calls) if job is None else 1, sync=synchronizer(device),
-                    min_depth=min_depth, max_depth=max_depth, tie_tolerance=tie_tolerance,
-                    time_budget=time_budget, dry_run=bool(dry_run), config=measuring,
-                )
-        except BaseException:
-            unwrap(model)  # whatever happened, the model is as it was (the decode loop too)
-            raise
-        finally:
-            shown.close()
-        selected = engine.selected
-        kept_depth = engine.rows[selected]["depth"] if selected >= 0 else None
-        result = TweakResult(engine, tree, session.module_results(engine, kept_depth))
-        result.time_budget = time_budget
-        kept = installed(model)
-        for wrapper in session.wrappers.values():
-            if kept.get(wrapper.tt_name) is not wrapper:
-                release(wrapper, keep_chosen=False)  # only the kept cut's calls are worth saving
-        if not dry_run:
-            SELECTED_DEPTHS[model] = result.selected_depth
-        if speaks_tokens:
-            _speak_tokens(result, job)
-        if key is not None:
-            tuning_cache.write(key, tuning_cache.entry_of(parts, result.to_record(), result.modules, model,
-                                                          result.selected_depth))
-        outcome = result.outcome()
-        logger.info("tweak of %s: %s", session.model_class, outcome)
-        shown.finish(outcome)
-        arm_untuned(model)
-        generation.arm(model)
-        return result
+def _session(model: nn.Module, tree: ModuleTree, calls: Any, job: Workload | None, strategy: Strategy | None,
+             device: torch.device, measuring: dict, shown: Progress, depths: list, *, dry_run: bool,
+             speaks_tokens: bool, compiled_loop: bool, time_budget: float | None) -> "_Session":
+    """The callbacks of one tweak's engine search, with its progress planned."""
+    run_dataset = dataset_runner(model, calls) if job is None else job.run
+    session = _Session(model, tree, run_dataset, strategy, device, measuring, shown, depths)
+    modules = {n for d in depths for n in tree.tree.cut(d)}
+    shown.plan(len(modules) + len(depths) + 2)  # each module tuned once, each measurement
+    if not dry_run:
+        shown.phase("measuring the untuned model")
+    if speaks_tokens:
+        session.on_measure = job.check_depth
+    if compiled_loop:
+        session.refuse = ("the decode steps run transformers' compiled forward (decode loop \"compiled\"), "
+                          "which must see the model's own modules to give the untuned tokens")
+    if time_budget is not None and not dry_run:
+        # the engine's budget counts from here too: once it is used up, no variant of effort= or
+        # precision= is built any more (one max-autotune compile can take minutes)
+        session.search.deadline = time.monotonic() + float(time_budget)
+    return session
+
+
+def _cache_key(model: nn.Module, calls: Any, device: torch.device, strategy: Strategy | None,
+               settings: dict) -> tuple[str | None, dict | None]:
+    """(the tuning cache's key, its parts), or (None, None) when a backend config has no JSON form."""
+    try:
+        parts = tuning_cache.key_parts(model, calls, device, strategy, settings)
+        return tuning_cache.key_of(parts), parts
+    except (Unstorable, ValueError, TypeError) as exc:
+        logger.info("not cached: a backend config has no JSON form (%s)", exc)
+        return None, None
+
+
+def _search(model: nn.Module, session: "_Session", calls: Any, job: Workload | None, shown: Progress,
+            device: torch.device, **limits: Any) -> Any:
+    """The engine's depth search (_C.tweak) over the session's callbacks; on any failure the
+    model is unwrapped (as it was, the decode loop too) and the error raised."""
+
+    def run(i: int) -> None:
+        args, kwargs = calls[i]
+        model(*args, **kwargs)
+
+    limits["dry_run"] = bool(limits["dry_run"])
+    try:
+        with torch.no_grad():
+            return _C.tweak(
+                session.tree.tree, enter=session.enter, modules=session.search, activate=session.activate,
+                leave=session.leave, deactivate=session.deactivate, log=_engine_log,
+                run=run if job is None else lambda i: job.run(),
+                n_samples=len(calls) if job is None else 1, sync=synchronizer(device), **limits,
+            )
+    except BaseException:
+        unwrap(model)  # whatever happened, the model is as it was (the decode loop too)
+        raise
+    finally:
+        shown.close()
+
+
+def _kept(model: nn.Module, engine: Any, tree: ModuleTree, session: "_Session", time_budget: float | None,
+          dry_run: bool) -> "TweakResult":
+    """The result of the engine's search; the wrappers of the cuts not kept release their calls."""
+    selected = engine.selected
+    kept_depth = engine.rows[selected]["depth"] if selected >= 0 else None
+    result = TweakResult(engine, tree, session.module_results(engine, kept_depth))
+    result.time_budget = time_budget
+    kept = installed(model)
+    for wrapper in session.wrappers.values():
+        if kept.get(wrapper.tt_name) is not wrapper:
+            release(wrapper, keep_chosen=False)  # only the kept cut's calls are worth saving
+    if not dry_run:
+        SELECTED_DEPTHS[model] = result.selected_depth
+    return result
 
 
 def _refuse_training(model: nn.Module) -> None:

@@ -99,7 +99,7 @@ def _build_of(name: str) -> str | None:
 def builds(names: Sequence[str]) -> dict[str, Any]:
     """The version and build of torch (its git revision and build configuration), of torch-tweak
     and of each distribution in `names` (None for one not installed)."""
-    from . import __version__
+    from ._version import __version__
 
     try:
         config = _digest(torch.__config__.show())

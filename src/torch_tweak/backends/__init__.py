@@ -1,37 +1,31 @@
-"""Backends: each runs a module one way and has a config object."""
+"""Backends: each runs a module one way and has a config object.
 
+Every module of this package but ``base``, ``variants`` and ``registry`` is one backend's
+file: it is imported here, registers its backend (``registry.register``), and this package
+exports the registered class and its config class by their names. Adding a backend is its
+file (with its registration) and its tests."""
+
+import importlib
+import pkgutil
+
+from . import registry
 from .base import Backend, BackendConfig, BackendUnavailable
-from .eager import TorchEagerBackend, TorchEagerBackendConfig
-from .graph import (DeviceGraphBackend, DeviceGraphBackendConfig, InductorGraphBackend,
-                    InductorGraphBackendConfig)
-from .inductor import TorchInductorBackend, TorchInductorBackendConfig
-from .onnxruntime import ONNXRuntimeBackend, ONNXRuntimeBackendConfig
-from .openvino import OpenVINOBackend, OpenVINOBackendConfig
-from .padded import PaddedGraphBackend, PaddedGraphBackendConfig
-from .torchao import TorchAOBackend, TorchAOBackendConfig
+from .variants import VariantConfig
 
-BUILT_IN = (TorchEagerBackend, TorchInductorBackend, DeviceGraphBackend, InductorGraphBackend, OpenVINOBackend,
-            TorchAOBackend, ONNXRuntimeBackend, PaddedGraphBackend)
+_SUPPORT = ("base", "registry", "variants")
+"""The modules every backend builds on; the others are backends' files."""
+
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+    if _module not in _SUPPORT and not _module.startswith("_"):
+        importlib.import_module(f"{__name__}.{_module}")
+
+BUILT_IN = registry.built_in()
 """torch-tweak's own backends: the only classes tt.load builds from a name in a file."""
 
-__all__ = [
-    "Backend",
-    "BackendConfig",
-    "BackendUnavailable",
-    "DeviceGraphBackend",
-    "DeviceGraphBackendConfig",
-    "InductorGraphBackend",
-    "InductorGraphBackendConfig",
-    "ONNXRuntimeBackend",
-    "ONNXRuntimeBackendConfig",
-    "OpenVINOBackend",
-    "OpenVINOBackendConfig",
-    "PaddedGraphBackend",
-    "PaddedGraphBackendConfig",
-    "TorchAOBackend",
-    "TorchAOBackendConfig",
-    "TorchEagerBackend",
-    "TorchEagerBackendConfig",
-    "TorchInductorBackend",
-    "TorchInductorBackendConfig",
-]
+for _cls in BUILT_IN:
+    globals()[_cls.__name__] = _cls
+    globals()[_cls.config_class.__name__] = _cls.config_class
+
+__all__ = sorted(["Backend", "BackendConfig", "BackendUnavailable", "VariantConfig",
+                  *(c.__name__ for c in BUILT_IN), *(c.config_class.__name__ for c in BUILT_IN)])
+"""The base classes every backend builds on, and each built-in backend with its config class."""

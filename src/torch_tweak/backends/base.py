@@ -42,11 +42,25 @@ class BackendConfig:
         precision=, or a backend the caller passed), the report names it, and tt.load builds it
         from a file only when the caller passes it in backends=.
 
-        Here: the axes of torch_tweak.axes (tf32, autocast_dtype), for every config that has
-        them; a config class with other precision settings answers for them (OpenVINO's
-        inference_precision, TorchAO's modes)."""
-        from .. import axes
-        return axes.lowers_precision(self)
+        Here: False; a config class with precision settings answers for them (the variant
+        fields of backends.variants.VariantConfig, OpenVINO's inference_precision, TorchAO's
+        modes)."""
+        return False
+
+    def check_tolerance(self) -> float | None:
+        """The tolerance of the correctness check: ``tolerance``, or None for the per-dtype
+        default; a config whose settings lower precision may give its own default."""
+        return self.tolerance
+
+    def label_parts(self) -> list[str]:
+        """What a candidate's name shows of this config besides its backend (its variant,
+        e.g. ["channels_last"]); empty here."""
+        return []
+
+    def unavailable(self, device: torch.device) -> str | None:
+        """Why this config's settings cannot run on `device`, or None (here: None)."""
+        return None
+
 
 
 class BackendUnavailable(Exception):
@@ -126,7 +140,6 @@ class Backend(abc.ABC):
         self.config = config
         self.state = "new"
         self.callable: Callable[..., Any] | None = None
-        from .. import axes
         parts = self.label_parts()
         if parts:  # a candidate is a backend and its axes: "TorchInductor [channels_last]"
             self.name = f"{type(self).name} [{', '.join(parts)}]"
@@ -134,18 +147,20 @@ class Backend(abc.ABC):
             self.opt_in = True  # lower precision on purpose: tt.load builds it only when the caller passes it
 
     def label_parts(self) -> list[str]:
-        """What the candidate's name shows besides its backend: its axes (torch_tweak.axes),
-        e.g. ["channels_last"], ["bf16 autocast"]; empty for a backend as it is."""
-        from .. import axes
-        return axes.label_parts(self.config)
+        """What the candidate's name shows besides its backend: its config's variant
+        (BackendConfig.label_parts), e.g. ["channels_last"], ["bf16 autocast"]; empty for a
+        backend as it is."""
+        return self.config.label_parts()
 
     def unavailable(self, device: torch.device) -> str | None:
-        """Why this backend cannot run on `device`, or None when it can."""
-        return None
+        """Why this backend cannot run on `device`, or None when it can (here: what its config
+        says, BackendConfig.unavailable)."""
+        return self.config.unavailable(device)
 
     def check_tolerance(self) -> float | None:
-        """The tolerance of the correctness check: the config's, or None for the per-dtype default."""
-        return self.config.tolerance
+        """The tolerance of the correctness check: the config's (BackendConfig.check_tolerance),
+        or None for the per-dtype default."""
+        return self.config.check_tolerance()
 
     def check_device(self, device: torch.device) -> None:
         """Raises ValueError naming the backend and `device` when it can never run there.

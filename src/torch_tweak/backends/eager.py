@@ -7,30 +7,20 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .. import axes
 from .._samples import Call
-from .base import Backend, BackendConfig
+from .base import Backend
+from .registry import register
+from .variants import CHANNELS_LAST, LOWER_PRECISION, VariantConfig
 
 
 @dataclasses.dataclass
-class TorchEagerBackendConfig(BackendConfig):
+class TorchEagerBackendConfig(VariantConfig):
     """autocast_dtype: run under torch.autocast with this dtype (None: no autocast).
-    memory_format, sdpa_kernel, tf32: the candidate's axes (torch_tweak.axes)."""
-
-    autocast_dtype: torch.dtype | None = None
-    memory_format: str | None = None
-    sdpa_kernel: str | None = None
-    tf32: bool = False
-
-    SCHEMA = {**BackendConfig.SCHEMA, **axes.AXIS_SCHEMA}
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        axes.check_fields(self)
+    memory_format, sdpa_kernel, tf32: the candidate's variant (backends.variants.VariantConfig)."""
 
 
 class TorchEagerBackend(Backend):
-    """The module as it is, with its axes (torch_tweak.axes): under ``autocast_dtype`` its
+    """The module as it is, with its variant (backends.variants): under ``autocast_dtype`` its
     floating outputs are cast back to the dtypes the module gives without autocast, so the
     code around it sees what it saw before; the check then uses that dtype's tolerance
     (unless the config sets one). With channels_last it runs a channels-last copy."""
@@ -38,11 +28,9 @@ class TorchEagerBackend(Backend):
     name = "TorchEager"
     config_class = TorchEagerBackendConfig
 
-    def check_tolerance(self) -> float | None:
-        return axes.tolerance(self.config)
-
-    def unavailable(self, device: torch.device) -> str | None:
-        return axes.unavailable(self.config, device)
-
     def build(self, module: torch.nn.Module, samples: Sequence[Call], device: torch.device) -> Callable[..., Any]:
-        return axes.build(self.config, module, samples, device, lambda m, s: m)
+        return self.config.build(module, samples, device, lambda m, s: m)
+
+
+register(TorchEagerBackend, devices=("cpu", "cuda", "xpu"), defaults={"cpu": 0, "cuda": 0, "xpu": 0},
+         baseline=True, variants=(CHANNELS_LAST, *LOWER_PRECISION))

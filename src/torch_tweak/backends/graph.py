@@ -34,11 +34,14 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from .. import _C, axes
+from .. import _C
 from .._samples import Call
 from ..schema import Count, Flag, OneOf
-from .base import Backend, BackendConfig
+from .base import Backend
 from .inductor import compile_module, shared_compiles
+from .registry import register
+from .variants import (AUTOTUNE_MODE, CHANNELS_LAST, COMBO_KERNELS, LOWER_PRECISION, MAX_AUTOTUNE, SDPA,
+                       VariantConfig)
 
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 
@@ -56,7 +59,7 @@ class GraphCaptureError(Exception):
 
 
 @dataclasses.dataclass
-class DeviceGraphBackendConfig(BackendConfig):
+class DeviceGraphBackendConfig(VariantConfig):
     """warmup: calls on a side stream before the capture (at least 1).
     share_pool: every graph this process records on a device shares one memory pool
     (less memory with many modules; safe only when the graphs are replayed one at a time,
@@ -66,25 +69,20 @@ class DeviceGraphBackendConfig(BackendConfig):
     lend_outputs: record a second time and return that recording's outputs without a copy
     while the caller holds nothing from the last such call (see the module docstring);
     False: one recording, every output copied (less memory, a copy per output per call).
-    memory_format, sdpa_kernel, tf32, autocast_dtype: the candidate's axes (torch_tweak.axes),
-    recorded into the graph with the module's kernels.
+    memory_format, sdpa_kernel, tf32, autocast_dtype: the candidate's variant
+    (backends.variants.VariantConfig), recorded into the graph with the module's kernels.
     """
 
     warmup: int = 3
     share_pool: bool = False
     capture_error_mode: str = "global"
     lend_outputs: bool = True
-    memory_format: str | None = None
-    sdpa_kernel: str | None = None
-    tf32: bool = False
-    autocast_dtype: torch.dtype | None = None
 
-    SCHEMA = {**BackendConfig.SCHEMA, "warmup": Count(1, 100), "share_pool": Flag(),
-              "capture_error_mode": OneOf(CAPTURE_ERROR_MODES), "lend_outputs": Flag(), **axes.AXIS_SCHEMA}
+    SCHEMA = {**VariantConfig.SCHEMA, "warmup": Count(1, 100), "share_pool": Flag(),
+              "capture_error_mode": OneOf(CAPTURE_ERROR_MODES), "lend_outputs": Flag()}
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        axes.check_fields(self)
         if not isinstance(self.warmup, int) or isinstance(self.warmup, bool) or self.warmup < 1:
             raise ValueError(f"warmup must be an int >= 1, got {self.warmup!r}")
         if not isinstance(self.share_pool, bool):
@@ -303,10 +301,7 @@ class DeviceGraphBackend(Backend):
     supports_autograd = False  # replayed outputs are detached
 
     def unavailable(self, device: torch.device) -> str | None:
-        return graph_unavailable(device) or axes.unavailable(self.config, device)
-
-    def check_tolerance(self) -> float | None:
-        return axes.tolerance(self.config)
+        return graph_unavailable(device) or self.config.unavailable(device)
 
     def target(self, module: torch.nn.Module, samples: Sequence[Call], device: torch.device) -> Callable[..., Any]:
         """What gets recorded: the module itself here; a compiled module in subclasses."""
@@ -317,8 +312,7 @@ class DeviceGraphBackend(Backend):
         slots = static_inputs(samples, api.device)
         with torch.no_grad(), api.mod.device(api.index):
             # the axes' conversions and contexts run inside the recording
-            target = axes.build(self.config, module, samples, api.device,
-                                lambda m, s: self.target(m, s, api.device))
+            target = self.config.build(module, samples, api.device, lambda m, s: self.target(m, s, api.device))
             static_args, static_kwargs, inputs = static_call(*samples[0], slots)
             self._warm_up(api, target, static_args, static_kwargs)
             graph, out = self._capture(api, target, static_args, static_kwargs, api.pool(self.config.share_pool))
@@ -460,6 +454,13 @@ class InductorGraphBackendConfig(DeviceGraphBackendConfig):
             raise ValueError(f"combo_kernels goes with the default mode only (an option of torch.compile, which "
                              f"takes either mode or options), got mode={self.mode!r}")
 
+    def own_label_parts(self) -> list[str]:
+        return (["max-autotune"] if self.mode in ("max-autotune", AUTOTUNE_MODE) else []) + (
+            ["combo kernels"] if self.combo_kernels else [])
+
+    def takes_variants(self) -> bool:
+        return super().takes_variants() and self.mode in (None, "default") and not self.combo_kernels
+
 
 class InductorGraphBackend(DeviceGraphBackend):
     """torch.compile (Inductor, without its own cudagraphs), recorded in a device graph:
@@ -479,6 +480,12 @@ class InductorGraphBackend(DeviceGraphBackend):
                 options["combo_kernels"] = True
             # compiled outside the warm-up and the capture; shared with an Inductor candidate
             return compile_module(module, samples[:1], options=options, dynamic=False, fullgraph=cfg.fullgraph,
-                                  variant=tuple(axes.label_parts(cfg)))
+                                  variant=tuple(cfg.label_parts()))
         return compile_module(module, samples[:1], mode=cfg.mode, dynamic=False, fullgraph=cfg.fullgraph,
-                              variant=tuple(axes.label_parts(cfg)))
+                              variant=tuple(cfg.label_parts()))
+
+
+register(DeviceGraphBackend, devices=("cuda", "xpu"), defaults={"cuda": 0, "xpu": 0},
+         variants=(*SDPA, *LOWER_PRECISION))
+register(InductorGraphBackend, devices=("cuda", "xpu"), defaults={"cuda": 2},
+         variants=(CHANNELS_LAST, MAX_AUTOTUNE, COMBO_KERNELS, *SDPA, *LOWER_PRECISION))

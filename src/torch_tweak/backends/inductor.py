@@ -10,18 +10,19 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .. import axes
 from .._samples import Call
 from ..schema import Flag, OneOf
-from .base import Backend, BackendConfig, NeedsStorableSamples
+from .base import Backend, NeedsStorableSamples
+from .registry import register
+from .variants import AUTOTUNE_MODE, CHANNELS_LAST, LOWER_PRECISION, MAX_AUTOTUNE, VariantConfig
 
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 @dataclasses.dataclass
-class TorchInductorBackendConfig(BackendConfig):
+class TorchInductorBackendConfig(VariantConfig):
     """The arguments of torch.compile: mode, options, dynamic, fullgraph; and the candidate's
-    axes, memory_format, sdpa_kernel, tf32, autocast_dtype (torch_tweak.axes).
+    variant, memory_format, sdpa_kernel, tf32, autocast_dtype (backends.variants.VariantConfig).
 
     dynamic=None (the default) compiles static shapes for a module's recorded input
     signatures (tweak serves each one its own build) and lets torch decide for the "any
@@ -31,24 +32,25 @@ class TorchInductorBackendConfig(BackendConfig):
     options: dict[str, Any] | None = None
     dynamic: bool | None = None
     fullgraph: bool = False
-    memory_format: str | None = None
-    sdpa_kernel: str | None = None
-    tf32: bool = False
-    autocast_dtype: torch.dtype | None = None
 
     # options reach Inductor's compiler command lines: never taken from a file
-    SCHEMA = {**BackendConfig.SCHEMA, "mode": OneOf(MODES), "dynamic": OneOf((None, True, False)),
-              "fullgraph": Flag(), **axes.AXIS_SCHEMA}
+    SCHEMA = {**VariantConfig.SCHEMA, "mode": OneOf(MODES), "dynamic": OneOf((None, True, False)),
+              "fullgraph": Flag()}
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        axes.check_fields(self)
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(map(str, MODES))}; got {self.mode!r}")
         if self.mode is not None and self.options:
             raise ValueError("torch.compile takes either mode or options, not both")
         if self.options is not None and not isinstance(self.options, dict):
             raise ValueError(f"options must be a dict, got {type(self.options).__name__}")
+
+    def own_label_parts(self) -> list[str]:
+        return ["max-autotune"] if self.mode in ("max-autotune", AUTOTUNE_MODE) else []
+
+    def takes_variants(self) -> bool:
+        return super().takes_variants() and self.mode in (None, "default")
 
 
 @dataclasses.dataclass
@@ -116,7 +118,7 @@ def compile_module(module: torch.nn.Module, samples: Sequence[Call], *, mode: st
     compile lands in a measurement. Inside shared_compiles(), the same settings on the same
     module give the same compiled module (or raise the same error) without compiling
     again, and dynamic=None means dynamic=False for a static signature. variant: the axes
-    the compile runs under (torch_tweak.axes.label_parts), part of what must agree to share."""
+    the compile runs under (VariantConfig.label_parts), part of what must agree to share."""
     scope = _SCOPE.get()
     key = None
     if scope is not None:
@@ -153,14 +155,12 @@ class TorchInductorBackend(NeedsStorableSamples, Backend):
     compiles_with_inductor = True
     build_scope = staticmethod(shared_compiles)
 
-    def check_tolerance(self) -> float | None:
-        return axes.tolerance(self.config)
-
-    def unavailable(self, device: torch.device) -> str | None:
-        return axes.unavailable(self.config, device)
-
     def build(self, module: torch.nn.Module, samples: Sequence[Call], device: torch.device) -> Callable[..., Any]:
         cfg = self.config
-        variant = tuple(axes.label_parts(cfg))
-        return axes.build(cfg, module, samples, device, lambda m, s: compile_module(
+        variant = tuple(cfg.label_parts())
+        return cfg.build(module, samples, device, lambda m, s: compile_module(
             m, s, mode=cfg.mode, options=cfg.options, dynamic=cfg.dynamic, fullgraph=cfg.fullgraph, variant=variant))
+
+
+register(TorchInductorBackend, devices=("cpu", "cuda", "xpu"), defaults={"cpu": 0, "cuda": 1, "xpu": 1},
+         variants=(CHANNELS_LAST, MAX_AUTOTUNE, *LOWER_PRECISION))

@@ -33,11 +33,20 @@ from .. import noise
 from .._samples import Call, unstorable
 from ..schema import Count, OneOf
 from .base import Backend, BackendConfig, FlatModule, OutputForm
+from .registry import register
 
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
 EXECUTION_MODES = ("sequential", "parallel")
 EXPORTERS = ("dynamo", "torchscript")
 MAX_THREADS = 1024
+
+ONNX_EXPORT = {"torch.onnx._internal.exporter._registration": ("is not installed. Skipping",),
+               "onnxscript.optimizer._constant_folding": ("Evaluation failed:",)}
+"""What torch's dynamo ONNX exporter says about packages the user does not have (dropped while it
+runs, torch_tweak.noise): a warning for every torchvision operator it would register when
+torchvision is not installed ("torchvision is not installed. Skipping torchvision::nms"), on
+every export, and onnxscript's constant folding's "Evaluation failed" for a constant it leaves
+unfolded (the exported model is unchanged by it)."""
 
 
 @dataclasses.dataclass
@@ -137,7 +146,7 @@ class ONNXRuntimeBackend(Backend):
             from torch.export import Dim
             dynamic = tuple({d: Dim.DYNAMIC for d in dims} or None for dims in varying)
             try:
-                with warnings.catch_warnings(), torch.no_grad(), noise.dropped(noise.ONNX_EXPORT):
+                with warnings.catch_warnings(), torch.no_grad(), noise.dropped(ONNX_EXPORT):
                     warnings.simplefilter("ignore")
                     program = torch.onnx.export(flat, example, dynamo=True, input_names=names, verbose=False,
                                                 dynamic_shapes=dynamic if any(varying) else None)
@@ -187,3 +196,6 @@ class ONNXRuntimeBackend(Backend):
             return form.fill(torch.from_numpy(array) for array in results)
 
         return run
+
+
+register(ONNXRuntimeBackend, devices=("cpu",), extra="onnxruntime", packages=("onnxruntime", "onnx", "onnxscript"))

@@ -47,6 +47,7 @@ from .._samples import Call, move, unstorable
 from ..model_state import restore_places, weight_places
 from ..schema import Name, OneOf
 from .base import Backend, BackendConfig, FlatModule, OutputForm
+from .registry import register
 
 PERFORMANCE_HINTS = ("LATENCY", "THROUGHPUT", "CUMULATIVE_THROUGHPUT")
 CONVERSIONS = ("convert_model", "torch_compile")
@@ -336,3 +337,7 @@ class OpenVINOBackend(Backend):
             return form.fill(tensors if target is None else (t.to(target) for t in tensors))
 
         return run
+
+
+register(OpenVINOBackend, devices=("cpu", "xpu"), defaults={"cpu": 1, "xpu": 2}, extra="openvino",
+         packages=("openvino",))

@@ -58,6 +58,7 @@ from ..schema import Count, Flag
 from .base import Backend, BackendConfig, BackendUnavailable
 from .graph import GraphCaptureError, _DeviceApi, graph_unavailable
 from .inductor import compile_module, shared_compiles
+from .registry import register
 
 logger = logging.getLogger("torch_tweak")
 
@@ -513,6 +514,8 @@ class PaddedGraphBackend(Backend):
 
     name = "PaddedGraph"
     config_class = PaddedGraphBackendConfig
+    needs_varying_sizes = True
+    """It serves only calls whose sizes vary (a module called with one shape: NothingToPad)."""
     thread_safe = False       # static buffers per bucket: the dispatcher serialises calls
     supports_autograd = False  # outputs are copies out of the graphs
     build_scope = staticmethod(shared_compiles)
@@ -542,3 +545,6 @@ class PaddedGraphBackend(Backend):
     def describe(self) -> dict | None:
         """The buckets, their hits, the padding waste, the graphs and their memory; None unbuilt."""
         return self.callable.describe() if isinstance(self.callable, PaddedCall) else None
+
+
+register(PaddedGraphBackend, devices=("cuda", "xpu"), defaults={"cuda": 3})

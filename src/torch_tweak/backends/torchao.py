@@ -13,6 +13,7 @@ GPU of compute capability 8.9 or newer: Ada, Hopper, Blackwell).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from typing import Any, Callable, Sequence
 
@@ -22,12 +23,22 @@ from .. import noise
 from .._samples import Call
 from ..schema import Flag, OneOf
 from .base import Backend, BackendConfig, NeedsStorableSamples, copy_module
+from .registry import register
+from .variants import Variant
 
 MODES = ("int8_weight_only", "int8_dynamic", "fp8")
 
 DEFAULT_TOLERANCE = 0.05
 """TorchAO's default relative tolerance: int8 weights alone move a float32 linear layer's
 outputs by about 0.5 % of their scale, and errors add up through a block."""
+
+TORCHAO_IMPORT = {"torchao": ("Failed to load",),
+                  "torch.utils._pytree": ("is an Enum subclass and is now natively supported",)}
+"""What importing a torchao that does not match the installed torch says (dropped while it runs,
+torch_tweak.noise): "Failed to load" for each of its native libraries it cannot load (its CUDA
+kernels on a CPU machine), and the Enum types its import registers, which this torch logs as
+deprecated. torch-tweak imports torchao only when TorchAO is asked for (TorchAOBackend,
+precision={"int8"|"fp8": ...})."""
 
 _CONFIGS = {
     "int8_weight_only": "Int8WeightOnlyConfig",
@@ -62,7 +73,7 @@ class TorchAOBackendConfig(BackendConfig):
 
 def _import_torchao() -> Any:
     try:
-        with noise.dropped(noise.TORCHAO_IMPORT):
+        with noise.dropped(TORCHAO_IMPORT):
             return importlib.import_module("torchao.quantization")
     except ImportError:
         return None
@@ -128,3 +139,9 @@ class TorchAOBackend(NeedsStorableSamples, Backend):
         for args, kwargs in samples:  # compile or lazily initialise now, not in a measurement
             fn(*args, **kwargs)
         return fn
+
+
+register(TorchAOBackend, devices=("cpu", "cuda", "xpu"), extra="torchao", packages=("torchao",), variants=(
+    Variant("int8", "linear", (("mode", "int8_weight_only"), ("compile", True)), alone=True),
+    Variant("fp8", "linear", (("mode", "fp8"), ("compile", True)), alone=True,
+            refusal=functools.partial(device_refusal, "fp8"))))

@@ -1,0 +1,204 @@
+"""The package's shape, checked from its source with ast: no import circle among its modules
+(function-level imports included), no module importing one above it in ARCHITECTURE.md's order,
+every module importable on its own in a fresh interpreter, generic modules naming no concrete
+backend, and no function over MAX_FUNCTION_LINES (80) lines."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import torch_tweak
+import torch_tweak.backends as tt_backends
+
+PACKAGE = Path(torch_tweak.__file__).parent
+ARCHITECTURE = Path(__file__).resolve().parents[1] / "ARCHITECTURE.md"
+
+
+def modules() -> dict[str, Path]:
+    """Dotted name -> source file of every module of the package."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The package's modules `name` imports anywhere in its file (module level, functions,
+    TYPE_CHECKING blocks): `from .x import y` counts as x.y when that is a module, else x."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                stem = ".".join(base + ([node.module] if node.module else []))
+            else:
+                stem = node.module or ""
+            targets = [f"{stem}.{alias.name}" if f"{stem}.{alias.name}" in known else stem for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    found = modules()
+    # torch_tweak._C: its build (installed) or its stubs (an editable install runs the sources)
+    native = {f"{PACKAGE.name}.{path.name.split('.')[0]}" for pattern in ("*.so", "*.pyd", "*.pyi")
+              for path in PACKAGE.glob(pattern)}
+    edges = {name: imports(name, path, set(found) | native) for name, path in found.items()}
+    for name, path in found.items():  # a package that imports its modules by discovery (backends/)
+        if path.name == "__init__.py" and "pkgutil.iter_modules" in path.read_text():
+            edges[name] |= {m for m in found if m.rpartition(".")[0] == name} - {name}
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of more than one module (Tarjan), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return sorted(groups)
+
+
+def test_the_scan_finds_a_circle_and_the_package_has_none():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the scan itself
+    edges = graph()
+    assert "torch_tweak.backends.base" in edges["torch_tweak.backends.eager"]
+    # the package face re-exports everything: a module importing it (for __version__, say) closes a circle
+    assert cycles(edges) == []
+
+
+def written_order() -> list[str]:
+    """The modules in ARCHITECTURE.md's order of the Python package, from the bottom up
+    (`backends/*`: every backend's file, the modules of backends/ the order does not name, each
+    after the backend files it imports)."""
+    block = ARCHITECTURE.read_text().split("<!-- python order -->", 1)[1].split("```", 2)[1]
+    names = [m.replace("/", ".") for m in block.split() if not m.endswith(":")]
+    full = [PACKAGE.name if m == "__init__" else f"{PACKAGE.name}.{m.removesuffix('.__init__')}" for m in names]
+    edges = graph()
+    left = sorted(m for m in edges if m.startswith(f"{PACKAGE.name}.backends.") and m not in full)
+    files: list[str] = []  # the backends' files, each after those it builds on (graph.py on inductor.py)
+    while left:
+        ready = next((m for m in left if not edges[m] & set(left)), left[0])
+        files.append(ready)
+        left.remove(ready)
+    out = []
+    for m in full:
+        out += files if m == f"{PACKAGE.name}.backends.*" else [m]
+    return out
+
+
+def test_no_module_imports_one_above_it_in_the_written_order():
+    order = written_order()
+    edges = graph()
+    assert sorted(order) == sorted(edges)  # every module has its place, once
+    place = {name: i for i, name in enumerate(order)}
+    upward = [f"{m} -> {d}" for m in order for d in sorted(edges[m]) if d in place and place[d] > place[m]]
+    assert upward == []
+
+
+def test_generic_modules_name_no_concrete_backend():
+    """Outside backends/, no module names a built-in backend class or its config class: policy,
+    strategies and persistence read the registry (torch_tweak.backends.registry)."""
+    concrete = {cls.__name__ for cls in tt_backends.BUILT_IN} | {cls.config_class.__name__ for cls in tt_backends.BUILT_IN}
+    offenders = []
+    for name, path in modules().items():
+        if name.startswith("torch_tweak.backends"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            ident = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else (
+                node.name if isinstance(node, ast.alias) else None)
+            if ident in concrete:
+                offenders.append(f"{name}:{node.lineno}: {ident}")
+    assert offenders == []
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="imports each module in a forked child")
+@pytest.mark.slow
+def test_every_module_imports_on_its_own():
+    """Each module imported first, in a fresh child of an interpreter that has imported torch
+    only: an import order that works only because another module was imported first fails."""
+    names = [n for n in modules() if not n.endswith("__main__")]
+    script = (
+        "import os, sys, importlib, torch\n"
+        "failed = []\n"
+        f"for name in {names!r}:\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        try:\n"
+        "            importlib.import_module(name)\n"
+        "        except BaseException as exc:\n"
+        "            print(name, type(exc).__name__, exc, flush=True)\n"
+        "            os._exit(1)\n"
+        "        os._exit(0)\n"
+        "    if os.waitpid(pid, 0)[1] != 0:\n"
+        "        failed.append(name)\n"
+        "print('FAILED', failed)\n"
+        "sys.exit(1 if failed else 0)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions(limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """Every function (method, nested function) of the package longer than `limit` lines,
+    its signature and docstring included."""
+    out = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    out.append(f"{name}.{node.name} ({lines} lines)")
+    return sorted(out)
+
+
+def test_no_function_is_longer_than_80_lines():
+    assert long_functions(10**6) == [] and long_functions(3) != []  # the scan sees functions at all
+    assert long_functions() == []
