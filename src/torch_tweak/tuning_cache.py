@@ -47,7 +47,9 @@ from .serial import Unstorable, class_path, describe_backend, device_name, dumps
 from .signatures import SignatureGroup, describe_call
 from .strategy import Strategy, default_strategy
 
-ENTRY_VERSION = 3
+ENTRY_VERSION = 4
+"""4: the calls of one shape class whose sizes vary are one group (signatures.merge_varying):
+an entry written before names groups that recording no longer makes."""
 OPTIONAL_PACKAGES = registry.optional_packages()
 """The packages of the backends on an optional install (their registrations'): their presence
 changes which default backends build, so their versions are in the key."""
