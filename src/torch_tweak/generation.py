@@ -836,7 +836,7 @@ def plan_loop(model: nn.Module) -> LoopPlan | None:
 
 def check_bounds(model: nn.Module, args: tuple, kwargs: dict) -> str | None:
     """Why a stored generate() call cannot check a decode loop on `model`: not a call
-    decoding the loop serves, or asking more than MAX_CHECK_NEW_TOKENS new tokens or
+    the loop serves, or asking more than MAX_CHECK_NEW_TOKENS new tokens or
     MAX_CHECK_TOKENS tokens in all; None when it can."""
     call = greedy_call(model, args, kwargs)
     if isinstance(call, str):
