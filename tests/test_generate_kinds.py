@@ -62,14 +62,24 @@ def prompt(batch: int = 2, seed: int = 0, length: int = 6) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def both(model, ids, seed: int = 3, **kwargs):
+def both(model, ids, seed: int = 3, recorded: bool = False, **kwargs):
     """(transformers' tokens, the loop's tokens, the loop) for one call, each after
-    torch.manual_seed(seed): a sampling call draws from the same generator state."""
+    torch.manual_seed(seed): a sampling call draws from the same generator state. recorded:
+    the loop lays out the forward's arguments as the call's own generate() did (what tt.tweak
+    gives it: the dict of masks, the sliding window's mask), not its defaults."""
+    from torch_tweak.workload import Workload
+
     assert generation.loop_of(model) is None
     torch.manual_seed(seed)
     with torch.no_grad():
         expected = model.generate(ids, **kwargs)
-    loop = generation.DecodeLoop(model, "loop")
+    layouts = None
+    if recorded:
+        job = Workload(model, lambda m: m.generate(ids, **kwargs), torch.device("cpu"))
+        job.record()
+        layouts = job.layouts
+        assert layouts is not None
+    loop = generation.DecodeLoop(model, "loop", layouts)
     generation.install(model, loop)
     try:
         torch.manual_seed(seed)
@@ -89,7 +99,7 @@ def test_each_family_gets_transformers_greedy_tokens(name, cache):
     """Qwen2/3, Gemma 2/3 and Qwen2-MoE take a dict of masks (one per layer type) with a static
     cache, Mistral one sliding-window mask: the loop refused them. 14 new tokens pass the
     4-position windows."""
-    expected, got, loop = both(shared(name), prompt(), max_new_tokens=14, do_sample=False,
+    expected, got, loop = both(shared(name), prompt(), recorded=True, max_new_tokens=14, do_sample=False,
                                cache_implementation=cache)
     assert loop.calls == 1 and not loop.fallbacks, loop.fallbacks  # the loop served it
     assert torch.equal(got, expected)
@@ -102,8 +112,8 @@ def test_each_family_serves_a_left_padded_batch(name):
     model = shared(name)
     ids, mask = padded()
     for cache in (None, "static"):
-        expected, got, loop = both(model, ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
-                                   cache_implementation=cache, pad_token_id=0)
+        expected, got, loop = both(model, ids, recorded=True, attention_mask=mask, max_new_tokens=10,
+                                   do_sample=False, cache_implementation=cache, pad_token_id=0)
         assert loop.calls == 1 and not loop.fallbacks, loop.fallbacks
         assert torch.equal(got, expected), cache
 
@@ -151,7 +161,7 @@ def test_each_call_kind_gets_transformers_tokens(kind, cache):
         kwargs["attention_mask"] = mask
     if "bad_words_ids" in kwargs:
         kwargs["bad_words_ids"] = bad_words(model, ids)
-    expected, got, loop = both(model, ids, max_new_tokens=16, cache_implementation=cache,
+    expected, got, loop = both(model, ids, recorded=cache == "static", max_new_tokens=16, cache_implementation=cache,
                                **{"do_sample": False, **kwargs})
     assert loop.calls == 1 and not loop.fallbacks, loop.fallbacks
     assert got.shape == expected.shape and torch.equal(got, expected), (got, expected)
@@ -232,7 +242,7 @@ def test_a_sampling_call_is_checked_with_a_forked_seeded_generator():
     ("a processor the loop does not run", {"suppress_tokens": [5, 6]}),
     ("typical sampling", {"do_sample": True, "typical_p": 0.9}),
     ("a stopping criterion", {"max_time": 30.0}),
-    ("contrastive search", {"penalty_alpha": 0.5, "top_k": 4}),
+    ("a forced end-of-sequence", {"forced_eos_token_id": 5}),
 ])
 def test_calls_the_loop_cannot_serve_run_transformers_generate_untouched(why, kwargs):
     model = shared("qwen2")
