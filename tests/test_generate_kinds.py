@@ -147,8 +147,12 @@ KINDS = {
 }
 
 
-@pytest.mark.parametrize("cache", [None, "static"])
-@pytest.mark.parametrize("kind", list(KINDS))
+DYNAMIC = ("attention_mask", "num_return_sequences", "sampling_processors_padding")
+"""The kinds also tried with transformers' default DynamicCache (the 2-D mask passed on as it
+is); every kind runs with a static cache (transformers' mask functions, a dict of masks)."""
+
+
+@pytest.mark.parametrize("kind, cache", [(k, "static") for k in KINDS] + [(k, None) for k in DYNAMIC])
 def test_each_call_kind_gets_transformers_tokens(kind, cache):
     """Each kind of call is served by the loop (transformers' own processors on the sequence
     so far, the draw torch.multinomial makes) and gives transformers' tokens: greedy calls
@@ -161,7 +165,7 @@ def test_each_call_kind_gets_transformers_tokens(kind, cache):
         kwargs["attention_mask"] = mask
     if "bad_words_ids" in kwargs:
         kwargs["bad_words_ids"] = bad_words(model, ids)
-    expected, got, loop = both(model, ids, recorded=cache == "static", max_new_tokens=16, cache_implementation=cache,
+    expected, got, loop = both(model, ids, recorded=cache == "static", max_new_tokens=12, cache_implementation=cache,
                                **{"do_sample": False, **kwargs})
     assert loop.calls == 1 and not loop.fallbacks, loop.fallbacks
     assert got.shape == expected.shape and torch.equal(got, expected), (got, expected)
@@ -304,3 +308,26 @@ def test_a_workload_the_loop_cannot_serve_refuses_it_before_running_it():
     report = {r["candidate"]: r for r in result.loop_report}
     assert "not ones the loop serves (the generation setting suppress_tokens=[5])" in report["decode loop (loop)"]["error"]
     assert result.decode_loop is None and generation.loop_of(model) is None
+
+
+def test_the_processed_distribution_is_checked_against_transformers_processors(monkeypatch):
+    """distribution_difference, run by tt.tweak on a sampling call's loop: the loop's processed
+    next-token distribution at every step against transformers' own (output_scores) on the same
+    prefixes; a loop whose processing is off by 1 % of a temperature is named at its first step."""
+    model = shared("qwen2")
+    ids, mask = padded()
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=True, temperature=0.8, top_p=0.95,
+                  repetition_penalty=1.3, pad_token_id=0)
+    loop = generation.DecodeLoop(model, "loop")
+    generation.install(model, loop)
+    try:
+        assert generation.distribution_difference(model, loop, (ids,), kwargs) is None
+        assert generation.distribution_difference(model, loop, (ids,), dict(kwargs, do_sample=False)) is None
+        process = generation.DecodeLoop._process
+        monkeypatch.setattr(generation.DecodeLoop, "_process",
+                            staticmethod(lambda call, logits, seq: process(call, logits, seq) / 1.01))
+        problem = generation.distribution_difference(model, loop, (ids,), kwargs)
+    finally:
+        generation.uninstall(model)
+    assert problem is not None and problem.startswith("step 0: the processed next-token distribution"), problem
+    assert loop.captured is None

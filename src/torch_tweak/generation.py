@@ -1,32 +1,37 @@
-"""tweak's own greedy decode loop, behind a transformers model's ``generate()``.
+"""tweak's own decode loop, behind a transformers model's ``generate()``.
 
 Most of a generated token's time on a fast device is spent outside the model: transformers'
 loop prepares the inputs, runs the logits processors and the stopping criteria (which read
-the device every step), and keeps its books on the cache. For the plainest and most common
-call, greedy decoding of a decoder-only model with no logits processing, this module runs
-the same steps itself:
+the device every step), and keeps its books on the cache. For the calls people make of a
+decoder-only model (greedy or sampling, the common logits processors, several end-of-sequence
+ids, left-padded batches; docs/generate.md has the table), this module runs the same steps
+itself:
 
 - the prompt (prefill) goes through the model as the user's code would call it, so a tuned
   model serves it with its tuned backends;
-- every decode step feeds the previous token and takes the argmax of the last logits, as
-  transformers does, with the cache the user's call would have used (a ``DynamicCache``, or
-  a ``StaticCache`` when the call asks for ``cache_implementation="static"``, sized by
-  transformers' own rule);
-- with a static cache on a device with graphs (CUDA), a whole decode step (forward, argmax,
-  the next input and the token's place in the output) is recorded once as a device graph and
-  replayed per token by the extension's loop (``_C.replay_steps``: no Python runs per token);
-  the stopping rule is read every ``CHECK_EVERY`` steps, and tokens after an end-of-sequence
-  are replaced by the pad token exactly as transformers does;
+- every decode step feeds the previous token and chooses the next as transformers does:
+  transformers' own logits processors for the call (SERVED_PROCESSORS) on the sequence so
+  far, then the argmax, or a draw of ``torch.multinomial``, with the cache the user's call
+  would have used (a ``DynamicCache``, or a ``StaticCache`` when the call asks for
+  ``cache_implementation="static"``, sized by transformers' own rule), the position ids and
+  the attention masks (one per layer type where the model has several) made as transformers
+  makes them;
+- with a static cache on a device with graphs (CUDA), a greedy decode step with no
+  processing (forward, argmax, the next input and the token's place in the output) is
+  recorded once as a device graph and replayed per token by the extension's loop
+  (``_C.replay_steps``: no Python runs per token); the stopping rule is read every
+  ``CHECK_EVERY`` steps, and tokens after an end-of-sequence are replaced by the pad token
+  exactly as transformers does;
 - when transformers itself would compile the decode steps (a static cache on CUDA without
   ``disable_compile=True``), the ``compiled`` loop runs every decode step through the very
   compiled forward transformers uses (``model.get_compiled_call``), so its kernels, and its
   tokens, are those of the untuned call; only transformers' per-token bookkeeping goes.
 
-Any other call (sampling, beams, a logits processor, a streamer, a cache passed in, padding in
-the prompt, an encoder-decoder model...) runs transformers' ``generate`` unchanged; the
-reason is logged once and counted (``DecodeLoop.fallbacks``). tt.tweak keeps a loop only when
-it gave exactly the tokens of the untuned ``generate`` on every recorded call and measured
-faster end to end (see docs/generate.md).
+Any other call (beams, a processor it does not know, a streamer, stopping criteria, a cache
+passed in, an encoder-decoder model...) runs transformers' ``generate`` unchanged; the reason
+is logged once and counted (``DecodeLoop.fallbacks``). tt.tweak keeps a loop only when it gave
+exactly the tokens of the untuned ``generate`` on every recorded call (a sampling call under
+the same seed: same_draws) and measured faster end to end (see docs/generate.md).
 """
 
 from __future__ import annotations
@@ -454,12 +459,12 @@ class _StepGraph:
         # stream on first use (cuBLAS's workspace) exists before the recording starts
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream), _Plain(loop.model):
+        with torch.cuda.stream(stream), _Plain(loop.model), _decoding(loop.model):
             for _ in range(3):
                 step()
         stream.synchronize()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=stream), _Plain(loop.model):
+        with torch.cuda.graph(self.graph, stream=stream), _Plain(loop.model), _decoding(loop.model):
             step()
         torch.cuda.current_stream(device).wait_stream(stream)
 
@@ -489,6 +494,8 @@ class DecodeLoop:
         if self.cache_arg is None or layouts is None:
             self.cache_arg = _cache_arg(model)
         self.original = type(model).generate.__get__(model)
+        self._mask_types: tuple | None = None  # the layer types a dict of masks is keyed by (mask_form)
+        self.captured: list[torch.Tensor] | None = None  # set by distribution_difference: the processed scores
         try:
             self._takes_positions = "position_ids" in inspect.signature(model.forward).parameters
         except (TypeError, ValueError):
@@ -594,10 +601,12 @@ class DecodeLoop:
     def mask_form(self, mask: torch.Tensor) -> Any:
         """The loop's own causal mask in the form the model takes: one tensor, or one per
         layer type when the model's config names them (transformers' create_masks_for_generate)."""
-        config = self.model.config.get_text_config(decoder=True) if hasattr(self.model.config, "get_text_config") \
-            else self.model.config
-        types = getattr(config, "layer_types", None)
-        return mask if types is None else {t: mask for t in sorted(set(types))}
+        if self._mask_types is None:
+            config = self.model.config.get_text_config(decoder=True) \
+                if hasattr(self.model.config, "get_text_config") else self.model.config
+            types = getattr(config, "layer_types", None)
+            self._mask_types = () if types is None else tuple(sorted(set(types)))
+        return {t: mask for t in self._mask_types} if self._mask_types else mask
 
     # -------------------------------------------------------------- decoding
     def _static_length(self, call: Greedy) -> int:
@@ -737,8 +746,7 @@ class DecodeLoop:
         tokens = torch.empty(batch, call.max_new, dtype=ids.dtype, device=device)
         nxt = self._choose(call, logits, seq)
         done = 0
-        decoding = getattr(model, "_optimize_model_for_decode", None)
-        with decoding() if callable(decoding) else contextlib.nullcontext():
+        with _decoding(model):
             while True:
                 if unfinished is not None:
                     nxt = nxt * unfinished + call.pad * (1 - unfinished)
@@ -761,23 +769,82 @@ class DecodeLoop:
                 else:
                     attention = self._attention(call, cache, mask, step_positions, 1, False)
                 kwargs = self._kwargs("decode", nxt.view(batch, 1), cache, step_positions, attention)
-                if compiled:
-                    kwargs = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+                if compiled:  # contiguous as transformers makes them (a dict of masks too): its guards hold
+                    kwargs = {k: _contiguous(v) for k, v in kwargs.items()}
                 # the logits are read (copied) before the next call reuses the output's memory
                 nxt = self._choose(call, _logits(forward(**kwargs)), seq)
         return tokens[:, :done]
 
-    @staticmethod
-    def _choose(call: Greedy, logits: torch.Tensor, seq: torch.Tensor | None) -> torch.Tensor:
+    def _choose(self, call: Greedy, logits: torch.Tensor, seq: torch.Tensor | None) -> torch.Tensor:
         """The next token from a forward's logits, as transformers' _sample chooses it."""
         if call.processors is None and not call.sample:
             return logits[:, -1, :].argmax(-1)
-        scores = logits[:, -1].to(copy=True, dtype=torch.float32)
-        if call.processors is not None:
-            scores = call.processors(seq, scores)
+        scores = self._process(call, logits, seq)
+        if self.captured is not None:
+            self.captured.append(scores.clone())
         if call.sample:
             return torch.multinomial(nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
         return torch.argmax(scores, dim=-1)
+
+    @staticmethod
+    def _process(call: Greedy, logits: torch.Tensor, seq: torch.Tensor | None) -> torch.Tensor:
+        """The processed next-token scores: the last logits in float32 through transformers'
+        processors for the call, given the sequence so far."""
+        scores = logits[:, -1].to(copy=True, dtype=torch.float32)
+        if call.processors is not None:
+            scores = call.processors(seq, scores)
+        return scores
+
+
+DISTRIBUTION_BOUND = 1e-6
+"""The largest total variation distance between the loop's processed next-token distribution
+and transformers' at any step of a sampling call checked at tuning (distribution_difference).
+The two run the same processors on the same scores, so they are equal bit for bit where the
+logits are; the bound only leaves room for a softmax's last bit."""
+
+
+def distribution_difference(model: nn.Module, loop: DecodeLoop, args: tuple, kwargs: dict) -> str | None:
+    """For a sampling call: how the loop's processed next-token distribution differs from
+    transformers' processors' on the same prefixes (the untuned loop's output_scores, each
+    step's softmax against the loop's), beyond DISTRIBUTION_BOUND; None when it does not, or
+    for a greedy call (its tokens are compared exactly). Both runs draw under same_draws."""
+    call = greedy_call(model, args, kwargs)
+    if isinstance(call, str) or not call.sample:
+        return None
+    with same_draws(model, args, kwargs), torch.no_grad():
+        reference = loop.original(*args, **{**kwargs, "return_dict_in_generate": True, "output_scores": True})
+    loop.captured = []
+    try:
+        with same_draws(model, args, kwargs), torch.no_grad():
+            model.generate(*args, **kwargs)
+        captured = loop.captured
+    finally:
+        loop.captured = None
+    expected = list(reference.scores)
+    if len(captured) < len(expected):
+        return f"the loop made {len(captured)} processed distributions, transformers {len(expected)}"
+    for step, (mine, theirs) in enumerate(zip(captured, expected)):
+        distance = 0.5 * (nn.functional.softmax(mine, dim=-1) - nn.functional.softmax(theirs.to(mine.device), dim=-1)
+                          ).abs().sum(dim=-1).max()
+        if not bool(distance <= DISTRIBUTION_BOUND):
+            return (f"step {step}: the processed next-token distribution is {float(distance):.2e} (total variation) "
+                    f"from transformers' processors', more than {DISTRIBUTION_BOUND:g}")
+    return None
+
+
+def _contiguous(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.contiguous()
+    if isinstance(value, dict):
+        return {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in value.items()}
+    return value
+
+
+def _decoding(model: nn.Module) -> Any:
+    """What transformers' decoding loop enters around its decode steps (after the prefill):
+    for a mixture of experts on a GPU, another experts kernel (_optimize_model_for_decode)."""
+    decoding = getattr(model, "_optimize_model_for_decode", None)
+    return decoding() if callable(decoding) else contextlib.nullcontext()
 
 
 def _finished(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:

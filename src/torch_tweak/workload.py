@@ -228,6 +228,12 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None) 
             generation.install(model, loop)
             try:
                 workload.check_tokens()
+                for recorded in workload.generate_calls:  # a sampling call: its distributions, step by step
+                    problem = generation.distribution_difference(model, loop, recorded.args, recorded.kwargs)
+                    if problem is not None:
+                        from .correctness import MismatchError
+
+                        raise MismatchError(problem)
                 if loop.fallbacks:
                     reason = next(iter(loop.fallbacks))
                     raise RuntimeError(f"the workload's generate() calls are not ones the loop serves ({reason})")
