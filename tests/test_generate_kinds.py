@@ -331,3 +331,47 @@ def test_the_processed_distribution_is_checked_against_transformers_processors(m
         generation.uninstall(model)
     assert problem is not None and problem.startswith("step 0: the processed next-token distribution"), problem
     assert loop.captured is None
+
+
+def test_recording_under_transformers_compiled_forward_is_never_traced():
+    """A static-cache call transformers compiles (here with dynamo's eager backend: no Inductor)
+    that the loop leaves to transformers: the depth search records the tuned modules' calls
+    inside that compiled forward. The recorder was traced by dynamo and compiled again at every
+    call until dynamo's recompile limit ("torch._dynamo hit config.recompile_limit ... function
+    'torch_dynamo_resume_in_recorder_at_...' (tuning.py)"); now it is never traced."""
+    import logging
+
+    from transformers.generation.configuration_utils import CompileConfig
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128)).eval()
+    config = CompileConfig(backend="eager", fullgraph=False)
+    config._compile_all_devices = True
+    model.generation_config.compile_config = config
+    untuned = copy.deepcopy(model)
+    ids = prompt(1)
+
+    def workload(m):
+        return m.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation="static", suppress_tokens=[5])
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    keep = Keep(logging.WARNING)
+    dynamo = logging.getLogger("torch._dynamo")  # its own handlers: not propagated to pytest's
+    dynamo.addHandler(keep)
+    try:
+        tt.tweak(model, workload=workload, max_depth=1, strategy=tt.OneBackendStrategy(tt.backends.TorchEagerBackend()),
+                 measure={"rounds_max": 6, "time_cap": 0.5}, progress=False)
+    finally:
+        dynamo.removeHandler(keep)
+    limits = [m for m in seen if "recompile_limit" in m]
+    assert not limits, limits
+    with torch.no_grad():
+        assert torch.equal(workload(model), workload(untuned))
