@@ -99,7 +99,7 @@ def test_each_family_gets_transformers_greedy_tokens(name, cache):
     """Qwen2/3, Gemma 2/3 and Qwen2-MoE take a dict of masks (one per layer type) with a static
     cache, Mistral one sliding-window mask: the loop refused them. 14 new tokens pass the
     4-position windows."""
-    expected, got, loop = both(shared(name), prompt(), recorded=True, max_new_tokens=14, do_sample=False,
+    expected, got, loop = both(shared(name), prompt(), recorded=cache == "static", max_new_tokens=14, do_sample=False,
                                cache_implementation=cache)
     assert loop.calls == 1 and not loop.fallbacks, loop.fallbacks  # the loop served it
     assert torch.equal(got, expected)
@@ -375,3 +375,33 @@ def test_recording_under_transformers_compiled_forward_is_never_traced():
     assert not limits, limits
     with torch.no_grad():
         assert torch.equal(workload(model), workload(untuned))
+
+
+def test_a_saved_sampling_loop_is_checked_under_the_seed_and_installed_again(tmp_path):
+    """tt.save keeps a sampling, padded, processed call (its mask, its bad words); tt.load runs
+    it untuned and through the loop, each under the forked seeded generator, and installs the
+    loop when they draw the same tokens; a seeded call then gives the untuned model's tokens."""
+    from torch_tweak.plan import SELECTED_DEPTHS
+    from torch_tweak.workload import Workload
+
+    model = family("qwen2")
+    ids, mask = padded()
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=True, top_p=0.9, repetition_penalty=1.2,
+                  pad_token_id=0, cache_implementation="static", bad_words_ids=[[5], [6, 7]])
+    job = Workload(model, lambda m: m.generate(ids, **kwargs), torch.device("cpu"))
+    job.record()
+    loop = generation.DecodeLoop(model, "loop", job.layouts)
+    loop.checks = [(c.args, c.kwargs, c.tokens) for c in job.generate_calls]
+    generation.install(model, loop)
+    SELECTED_DEPTHS[model] = None
+    tt.save(model, tmp_path / "sampler.tt", strict=True)
+    fresh = family("qwen2")
+    tt.load(fresh, tmp_path / "sampler.tt")
+    assert generation.loop_of(fresh) is not None
+    outs = []
+    for subject in (family("qwen2"), fresh):
+        torch.manual_seed(9)
+        with torch.no_grad():
+            outs.append(subject.generate(ids, **kwargs))
+    assert torch.equal(outs[0], outs[1])
+    assert generation.loop_of(fresh).calls == 1
