@@ -497,9 +497,11 @@ class DecodeLoop:
         self._mask_types: tuple | None = None  # the layer types a dict of masks is keyed by (mask_form)
         self.captured: list[torch.Tensor] | None = None  # set by distribution_difference: the processed scores
         try:
-            self._takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+            params = inspect.signature(model.forward).parameters
         except (TypeError, ValueError):
-            self._takes_positions = False
+            params = {}
+        self._takes_positions = "position_ids" in params
+        self._takes_mask = "attention_mask" in params
         self.fallbacks: collections.Counter[str] = collections.Counter()
         self.calls = 0
         self._checks: list[tuple[tuple, dict, torch.Tensor]] = []
@@ -665,6 +667,8 @@ class DecodeLoop:
         if not self._takes_positions:
             return None
         mask = call.mask
+        if mask is None and self._takes_mask:  # transformers counts them from a mask of ones: one row per sequence
+            mask = torch.ones(call.input_ids.shape, dtype=torch.long, device=call.input_ids.device)
         if mask is not None:
             return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
         return torch.arange(call.input_ids.shape[1], dtype=torch.long, device=call.input_ids.device).unsqueeze(0)
