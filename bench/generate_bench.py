@@ -25,6 +25,21 @@ the others: eager's) and eager's tokens. Every compiling column starts cold.
     python bench/generate_bench.py [--models gpt2,llama] [--dtypes bf16,fp32] [--new 128]
                                    [--prompt 32] [--json PATH]
     python bench/generate_bench.py --merge a.json ... [--out bench/results/generate.md]
+
+The calls people make (issue 29): --calls runs, per model shape, per call (greedy; sampling
+with temperature 0.7, top-k 50, top-p 0.9), batch size and prompt length, transformers' static
+path (cache_implementation="static": on CUDA it compiles the decode steps) against tweak on
+that same call (tt.tweak(model, workload=that call), then the call), bf16, random weights:
+
+    python bench/generate_bench.py --calls --models llama1b,qwen05b --dtypes bf16 --new 128 \
+        --batches 1,4 --prompts 32,512 --json generate-calls.json
+
+Per row: tokens per second (batch x new tokens / median run), the memory floor (weight bytes
+read once per step at 4.8 TB/s, the H200's bandwidth: batch / (bytes / 4.8e12) tokens per
+second) and the share of it each column reaches, time to first token, the first call (compile
+or tuning), and whether tweak's tokens equal the static path's: exactly for greedy, and for
+sampling under the same torch.manual_seed before each call. --smoke runs the same on the CPU
+with tiny configs and 8 new tokens (a check that the script runs, not a measurement).
 """
 
 from __future__ import annotations
@@ -50,6 +65,142 @@ MODELS = {
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 COLUMNS = ("eager", "static", "manual", "tweak", "tweak-compiled")
 ROUNDS = 7
+
+
+SHAPES = {
+    # the issue's two decoders, as their configs lay them out (random weights)
+    "llama1b": "Llama-3.2-1B shape (16 layers, hidden 2048, 32 heads, 8 KV heads, MLP 8192, vocab 128,256)",
+    "qwen05b": "Qwen2.5-0.5B shape (24 layers, hidden 896, 14 heads, 2 KV heads, MLP 4864, vocab 151,936)",
+}
+CALLS = {
+    "greedy": {"do_sample": False},
+    "sampling": {"do_sample": True, "temperature": 0.7, "top_k": 50, "top_p": 0.9},
+}
+BANDWIDTH = 4.8e12
+"""Bytes per second of the H200's memory: the floor's rate."""
+
+
+def build_shape(name: str, dtype: torch.dtype, device: str, smoke: bool) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    if smoke:  # the same classes, tiny
+        small = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+        model = (LlamaForCausalLM(LlamaConfig(**small)) if name == "llama1b"
+                 else Qwen2ForCausalLM(Qwen2Config(**small, tie_word_embeddings=True)))
+    elif name == "llama1b":
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+            num_key_value_heads=8, head_dim=64, max_position_embeddings=8192, rope_theta=500000.0,
+            tie_word_embeddings=True))
+    elif name == "qwen05b":
+        model = Qwen2ForCausalLM(Qwen2Config(
+            vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+            num_key_value_heads=2, max_position_embeddings=8192, rope_theta=1000000.0, tie_word_embeddings=True))
+    else:
+        raise SystemExit(f"unknown model shape {name!r}: one of {', '.join(SHAPES)}")
+    model.generation_config.eos_token_id = None  # random weights: every call makes all its new tokens
+    model.generation_config.pad_token_id = 0
+    return model.eval().to(device, dtype)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights a decode step reads once (a tied embedding counted once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def call_row(name: str, dtype_name: str, call: str, batch: int, prompt: int, new: int, device: str, smoke: bool,
+             tweak_kwargs: dict) -> dict:
+    """One row of --calls: transformers' static path and tweak on the same call."""
+    import torch_tweak as tt
+
+    base = build_shape(name, DTYPES[dtype_name], device, smoke)
+    torch.manual_seed(1)
+    ids = torch.randint(100, 500, (batch, prompt), device=device)
+    settings = dict(CALLS[call], cache_implementation="static")
+    floor_s = weight_bytes(base) / BANDWIDTH
+    out: dict = {"model": name, "dtype": dtype_name, "call": call, "batch": batch, "prompt": prompt,
+                 "new_tokens": new, "weight_bytes": weight_bytes(base), "floor_tokens_per_s": batch / floor_s,
+                 "columns": {}}
+
+    def generate(model, n):
+        torch.manual_seed(7)  # sampling: the same draws in every column
+        with torch.no_grad():
+            return model.generate(ids, max_new_tokens=n, **settings)
+
+    def timed_call(fn):
+        sync()
+        start = time.perf_counter()
+        value = fn()
+        sync()
+        return time.perf_counter() - start, value
+
+    tokens = {}
+    for label in ("static", "tweak-compiled"):
+        subject = copy.deepcopy(base)
+        if not smoke:
+            cold()
+        entry: dict = {}
+        try:
+            start = time.perf_counter()
+            if label == "tweak-compiled":
+                result = tt.tweak(subject, workload=lambda m: generate(m, new), progress=False, **tweak_kwargs)
+                out["tweak_result"] = str(result)
+                out["decode_loop"] = result.decode_loop
+                print(result, flush=True)
+            first, tokens[label] = timed_call(lambda: generate(subject, new))
+            entry["first_call_s"] = time.perf_counter() - start  # tuning (tweak) and the first call
+            runs = [timed_call(lambda: generate(subject, new))[0] for _ in range(ROUNDS)]
+            firsts = [timed_call(lambda: generate(subject, 1))[0] for _ in range(ROUNDS)]
+            median = statistics.median(runs)
+            entry.update(tokens_per_s=batch * new / median, run_ms=median * 1e3,
+                         ttft_ms=statistics.median(firsts) * 1e3, spread=(max(runs) - min(runs)) / median,
+                         of_floor=batch * new / median / out["floor_tokens_per_s"])
+            if label != "static" and "static" in tokens:
+                entry["same_as_static"] = bool(torch.equal(tokens[label], tokens["static"]))
+        except Exception as exc:
+            entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            traceback.print_exc()
+        out["columns"][label] = entry
+        print(name, dtype_name, call, f"batch {batch} prompt {prompt}", label, json.dumps(entry), flush=True)
+        subject = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return out
+
+
+def calls_table(rows: list[dict]) -> list[str]:
+    """The --calls rows as a table (merge)."""
+    lines = ["## The calls people make (issue 29)", "",
+             "Memory floor: the weights read once per step at 4.8 TB/s (batch / step time). Sampling: temperature "
+             "0.7, top-k 50, top-p 0.9; its tokens compared under the same torch.manual_seed.", "",
+             "| model | call | batch | prompt | floor tok/s | static tok/s | tweak tok/s | tweak / static | "
+             "tweak % of floor | first token ms (static / tweak) | tuning / static first call | same tokens |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|"]
+    for r in rows:
+        s, t = r["columns"].get("static", {}), r["columns"].get("tweak-compiled", {})
+        head = f"| {r['model']} {r['dtype']} | {r['call']} | {r['batch']} | {r['prompt']} | {r['floor_tokens_per_s']:,.0f} |"
+        if "tokens_per_s" not in s or "tokens_per_s" not in t:
+            why = (s.get("error") or t.get("error") or "not measured")[:80]
+            lines.append(head + f" failed: {why} | | | | | | | |")
+            continue
+        lines.append(head + f" {s['tokens_per_s']:,.0f} | {t['tokens_per_s']:,.0f} | "
+                     f"{t['tokens_per_s'] / s['tokens_per_s']:.2f}x | {100 * t['of_floor']:.0f} % | "
+                     f"{s['ttft_ms']:.2f} / {t['ttft_ms']:.2f} | {t['first_call_s'] / s['first_call_s']:.1f}x | "
+                     f"{'yes' if t.get('same_as_static') else 'no'} |")
+    return lines + [""]
 
 
 def build(name: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -186,6 +337,8 @@ def merge(paths: list[str], path_out: str) -> None:
             data = json.load(f)
         meta = meta or data.get("meta")
         rows.extend(data["rows"])
+    call_rows = [r for r in rows if "call" in r]
+    rows = [r for r in rows if "call" not in r]
     lines = ["# generate(): tokens per second on one GPU", "",
              "Written by `bench/generate_bench.py --merge` from " + ", ".join(f"`{os.path.basename(p)}`" for p in paths)
              + ". Greedy decoding, batch 1, random weights; every compiling column starts cold.", ""]
@@ -230,6 +383,8 @@ def merge(paths: list[str], path_out: str) -> None:
         for key, label in (("tweak_result", "tweak"), ("tweak_compiled_result", "tweak-compiled")):
             if key in r:
                 lines += [f"{label}'s result for {r['model']} {r['dtype']}:", "", "```", r[key], "```", ""]
+    if call_rows:
+        lines += calls_table(call_rows)
     with open(path_out, "w") as f:
         f.write("\n".join(lines))
     print("\n".join(lines))
@@ -244,12 +399,42 @@ def main() -> None:
     parser.add_argument("--tweak", default="{}", help="tt.tweak keyword arguments as JSON")
     parser.add_argument("--json", default="generate.json")
     parser.add_argument("--merge", nargs="*")
+    parser.add_argument("--calls", action="store_true", help="the calls people make: --models llama1b,qwen05b")
+    parser.add_argument("--call-kinds", default="greedy,sampling")
+    parser.add_argument("--batches", default="1,4")
+    parser.add_argument("--prompts", default="32,512")
+    parser.add_argument("--smoke", action="store_true", help="--calls on the CPU, tiny configs: does it run")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "generate.md"))
     args = parser.parse_args()
     if args.merge:
         merge(args.merge, args.out)
         return
     import transformers
+    if args.calls or args.smoke:
+        smoke = args.smoke
+        device = "cpu" if smoke else "cuda"
+        meta = {"gpu": "CPU (smoke)" if smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
+                "transformers": transformers.__version__, "python": platform.python_version()}
+        models = args.models if args.models != "gpt2,llama" else ",".join(SHAPES)
+        tweak_kwargs = json.loads(args.tweak)
+        if smoke:
+            global ROUNDS
+            ROUNDS = 2
+            tweak_kwargs.setdefault("measure", {"rounds_max": 6, "time_cap": 0.5})
+            tweak_kwargs.setdefault("max_depth", 0)
+        new = 8 if smoke else args.new
+        rows = []
+        for name in models.split(","):
+            for dtype_name in (["fp32"] if smoke else args.dtypes.split(",")):
+                for call in args.call_kinds.split(","):
+                    for batch in (int(b) for b in args.batches.split(",")):
+                        for prompt in (int(p) for p in (("8",) if smoke else args.prompts.split(","))):
+                            rows.append(call_row(name, dtype_name, call, batch, prompt, new, device, smoke,
+                                                 tweak_kwargs))
+                            with open(args.json, "w") as f:
+                                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        print("\n".join(calls_table(rows)))
+        return
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version()}
     rows = []

@@ -546,7 +546,7 @@ def _stored(data: dict[str, Any], device: torch.device, path: Any) -> tuple[list
 def _loop_plan(plan: dict, stored: tuple, path: Any, types: dict[str, type], model: nn.Module) -> LoopPlan | None:
     """The plan's decode loop, checked: a known kind, plain layouts, at most
     MAX_GENERATE_CALLS stored calls of (tensor ids, plain settings) and their tokens, each
-    one plain greedy decoding of this model within the check's bounds (check_bounds)."""
+    one the decode loop serves on this model, within the check's bounds (check_bounds)."""
     entry = plan.get("generate")
     if entry is None:
         return None

@@ -1,32 +1,37 @@
-"""tweak's own greedy decode loop, behind a transformers model's ``generate()``.
+"""tweak's own decode loop, behind a transformers model's ``generate()``.
 
 Most of a generated token's time on a fast device is spent outside the model: transformers'
 loop prepares the inputs, runs the logits processors and the stopping criteria (which read
-the device every step), and keeps its books on the cache. For the plainest and most common
-call, greedy decoding of a decoder-only model with no logits processing, this module runs
-the same steps itself:
+the device every step), and keeps its books on the cache. For the calls people make of a
+decoder-only model (greedy or sampling, the common logits processors, several end-of-sequence
+ids, left-padded batches; docs/generate.md has the table), this module runs the same steps
+itself:
 
 - the prompt (prefill) goes through the model as the user's code would call it, so a tuned
   model serves it with its tuned backends;
-- every decode step feeds the previous token and takes the argmax of the last logits, as
-  transformers does, with the cache the user's call would have used (a ``DynamicCache``, or
-  a ``StaticCache`` when the call asks for ``cache_implementation="static"``, sized by
-  transformers' own rule);
-- with a static cache on a device with graphs (CUDA), a whole decode step (forward, argmax,
-  the next input and the token's place in the output) is recorded once as a device graph and
-  replayed per token by the extension's loop (``_C.replay_steps``: no Python runs per token);
-  the stopping rule is read every ``CHECK_EVERY`` steps, and tokens after an end-of-sequence
-  are replaced by the pad token exactly as transformers does;
+- every decode step feeds the previous token and chooses the next as transformers does:
+  transformers' own logits processors for the call (SERVED_PROCESSORS) on the sequence so
+  far, then the argmax, or a draw of ``torch.multinomial``, with the cache the user's call
+  would have used (a ``DynamicCache``, or a ``StaticCache`` when the call asks for
+  ``cache_implementation="static"``, sized by transformers' own rule), the position ids and
+  the attention masks (one per layer type where the model has several) made as transformers
+  makes them;
+- with a static cache on a device with graphs (CUDA), a greedy decode step with no
+  processing (forward, argmax, the next input and the token's place in the output) is
+  recorded once as a device graph and replayed per token by the extension's loop
+  (``_C.replay_steps``: no Python runs per token); the stopping rule is read every
+  ``CHECK_EVERY`` steps, and tokens after an end-of-sequence are replaced by the pad token
+  exactly as transformers does;
 - when transformers itself would compile the decode steps (a static cache on CUDA without
   ``disable_compile=True``), the ``compiled`` loop runs every decode step through the very
   compiled forward transformers uses (``model.get_compiled_call``), so its kernels, and its
   tokens, are those of the untuned call; only transformers' per-token bookkeeping goes.
 
-Any other call (sampling, beams, a logits processor, a streamer, a cache passed in, padding in
-the prompt, an encoder-decoder model...) runs transformers' ``generate`` unchanged; the
-reason is logged once and counted (``DecodeLoop.fallbacks``). tt.tweak keeps a loop only when
-it gave exactly the tokens of the untuned ``generate`` on every recorded call and measured
-faster end to end (see docs/generate.md).
+Any other call (beams, a processor it does not know, a streamer, stopping criteria, a cache
+passed in, an encoder-decoder model...) runs transformers' ``generate`` unchanged; the reason
+is logged once and counted (``DecodeLoop.fallbacks``). tt.tweak keeps a loop only when it gave
+exactly the tokens of the untuned ``generate`` on every recorded call (a sampling call under
+the same seed: same_draws) and measured faster end to end (see docs/generate.md).
 """
 
 from __future__ import annotations
@@ -78,32 +83,51 @@ _GENERATE_OPTIONS = ("logits_processor", "stopping_criteria", "prefix_allowed_to
 """generate()'s own parameters: any of them given (not None) means a call the loop leaves alone."""
 
 _ALLOWED = {
-    # key: the values the loop serves (None: any value)
+    # key: the values the loop serves (None: any value transformers accepts)
     "max_new_tokens": None, "max_length": None, "eos_token_id": None, "pad_token_id": None,
     "bos_token_id": None, "decoder_start_token_id": None, "transformers_version": None,
     "_from_model_config": None, "_commit_hash": None, "temperature": None, "top_k": None, "top_p": None,
-    "max_cache_len": None, "disable_compile": None, "compile_config": None,
-    "do_sample": (False,), "num_beams": (1,), "num_return_sequences": (1,), "use_cache": (True,),
+    "min_p": None, "max_cache_len": None, "disable_compile": None, "compile_config": None,
+    "repetition_penalty": None, "no_repeat_ngram_size": None, "bad_words_ids": None, "sequence_bias": None,
+    "min_new_tokens": None, "min_length": None, "num_return_sequences": None,
+    "do_sample": (False, True), "num_beams": (1,), "use_cache": (True,),
     "cache_implementation": (None, "dynamic", "static"), "return_dict_in_generate": (False,),
     "output_attentions": (False,), "output_hidden_states": (False,), "output_scores": (False,),
     "output_logits": (False,),
 }
-"""Generation settings that leave greedy decoding as plain argmax, with the values that do.
-Sampling parameters (temperature, top_k, top_p) are ignored by transformers when do_sample is
-False, and so here."""
+"""Generation settings the loop serves, with the values it serves. Sampling parameters
+(temperature, top_k, top_p, min_p) are ignored by transformers when do_sample is False, and so
+here. The logits processors the settings ask for are transformers' own (built by its
+``_get_logits_processor``), and the loop serves a call only when each is one of SERVED_PROCESSORS."""
+
+SERVED_PROCESSORS = frozenset({
+    "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
+    "RepetitionPenaltyLogitsProcessor", "NoRepeatNGramLogitsProcessor", "NoBadWordsLogitsProcessor",
+    "SequenceBiasLogitsProcessor", "MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor"})
+"""transformers' logits processors the loop runs inside its decode step, unchanged: each is
+device tensor work whose only host-side decisions read shapes, never values, so running it
+needs no read of the device per token (the loop keeps the sequence so far as transformers
+does, so their results are transformers' own, bit for bit)."""
+
+SAMPLING_SEED = 0
+"""The seed of the random generators while a sampling generate() call is checked (the untuned
+call and the loop's, each in a fork of the generators' state: the caller's state is kept)."""
 
 
 @dataclasses.dataclass
 class Greedy:
-    """One generate() call the loop serves."""
+    """One generate() call the loop serves (greedy or sampling, despite the name)."""
 
-    input_ids: torch.Tensor
+    input_ids: torch.Tensor  # expanded by num_return_sequences, as transformers expands it
     max_new: int
     eos: tuple[int, ...]
     pad: int | None
     static: bool
     max_cache_len: int | None
     config: Any = None  # the call's GenerationConfig (what transformers' compile rule reads)
+    sample: bool = False  # do_sample: the next token drawn by torch.multinomial, as transformers draws it
+    processors: Any = None  # transformers' LogitsProcessorList for the call; None when it is empty
+    mask: torch.Tensor | None = None  # the 2-D attention mask transformers passes on (None: no padding)
 
 
 def _config_class(model: nn.Module) -> Any:
@@ -112,7 +136,9 @@ def _config_class(model: nn.Module) -> Any:
 
 
 def greedy_call(model: nn.Module, args: tuple, kwargs: dict) -> Greedy | str:
-    """The call as plain greedy decoding, or why the loop leaves it to transformers."""
+    """The call as the loop serves it (greedy or sampling, with the logits processors
+    SERVED_PROCESSORS names, read as transformers reads it), or why the loop leaves it to
+    transformers."""
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         return "an encoder-decoder model"
     config_class = _config_class(model)
@@ -134,10 +160,18 @@ def greedy_call(model: nn.Module, args: tuple, kwargs: dict) -> Greedy | str:
         if kwargs.pop(name, None) is not None:
             return f"generate's {name}"
     given = kwargs.pop("generation_config", None)
-    config = copy.deepcopy(given if given is not None else model.generation_config)
     mask = kwargs.pop("attention_mask", None)
+    # transformers' rule, read before its defaults fill the settings: no max_length anywhere
+    # means 20 new tokens (capped by the model's positions), not 20 in all
+    default_length = kwargs.get("max_length") is None and getattr(given, "max_length", None) is None \
+        and getattr(model.generation_config, "max_length", None) is None
+    prepare = getattr(model, "_prepare_generation_config", None)
     try:
-        unused = config.update(**kwargs)
+        if callable(prepare):  # transformers' own: the model's settings, then its global defaults, then the call's
+            config, unused = prepare(given, **kwargs)
+        else:
+            config = copy.deepcopy(given if given is not None else model.generation_config)
+            unused = config.update(**kwargs)
     except Exception as exc:  # transformers refuses the settings: its generate says why
         return f"settings transformers refuses ({type(exc).__name__})"
     if unused:
@@ -146,16 +180,29 @@ def greedy_call(model: nn.Module, args: tuple, kwargs: dict) -> Greedy | str:
         config.validate()
     except Exception:
         return "settings transformers refuses"
+    defaults = getattr(config, "_get_default_generation_params", dict)()
     for key, value in config.to_diff_dict().items():
-        if key not in _ALLOWED:
-            return f"the generation setting {key}={value!r}"
-        allowed = _ALLOWED[key]
-        if allowed is not None and value not in allowed:
-            return f"the generation setting {key}={value!r}"
-    if config.do_sample or (config.num_beams or 1) != 1 or config.use_cache is False:
-        return "sampling, beams or no cache"
+        allowed = _ALLOWED.get(key, ())
+        if key in _ALLOWED and (allowed is None or value in allowed):
+            continue
+        if key in defaults and value == defaults[key]:
+            continue  # transformers' global default: no change to decoding
+        return f"the generation setting {key}={value!r}"
+    mode = getattr(config, "get_generation_mode", None)
+    mode = str(getattr(mode(), "value", mode())) if callable(mode) else ""
+    if mode and mode not in ("greedy_search", "sample"):
+        return f"the generation mode {mode}"
+    if (config.num_beams or 1) != 1 or config.use_cache is False:
+        return "beams or no cache"
     prompt = ids.shape[1]
-    max_new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt
+    if config.max_new_tokens is not None:
+        max_new = config.max_new_tokens
+    elif default_length and callable(prepare):
+        total = config.max_length + prompt
+        positions = getattr(model.config, "max_position_embeddings", None)
+        max_new = (total if positions is None else min(total, positions)) - prompt
+    else:
+        max_new = config.max_length - prompt
     if not isinstance(max_new, int) or max_new < 1:
         return "no new token to generate"
     eos = config.eos_token_id
@@ -163,13 +210,82 @@ def greedy_call(model: nn.Module, args: tuple, kwargs: dict) -> Greedy | str:
     pad = config.pad_token_id
     if pad is None and eos:
         pad = eos[0]  # what transformers does, with a warning of its own
+    # the attention mask as transformers' generate() makes it: the one given, or one inferred
+    # from pad tokens in the prompt; none at all when it has no zero
     if mask is not None:
-        if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(ids.shape) or not bool(mask.all()):
-            return "an attention mask with padding"
-    elif config.pad_token_id is not None and config.pad_token_id not in eos and bool((ids == config.pad_token_id).any()):
-        return "the pad token in the prompt (transformers masks it)"
+        if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(ids.shape) or mask.device != ids.device:
+            return "an attention mask that is not a tensor of the inputs' shape and device"
+    elif pad is not None and pad not in eos and bool((ids == pad).any()):
+        mask = ids.ne(pad).long()
+    if mask is not None and bool((mask == 1).all()):
+        mask = None
+    copies = config.num_return_sequences or 1
+    if copies > 1:
+        ids = ids.repeat_interleave(copies, dim=0)
+        mask = None if mask is None else mask.repeat_interleave(copies, dim=0)
+    config.max_length = prompt + int(max_new)
+    if config.min_new_tokens is not None:
+        config.min_length = config.min_new_tokens + prompt  # transformers' _prepare_generated_length
+    processors = _processors(model, config, ids, mask)
+    if isinstance(processors, str):
+        return processors
     static = config.cache_implementation == "static"
-    return Greedy(ids, int(max_new), eos, pad, static, config.max_cache_len, config)
+    return Greedy(ids, int(max_new), eos, pad, static, config.max_cache_len, config, bool(config.do_sample),
+                  processors, mask)
+
+
+def _processors(model: nn.Module, config: Any, ids: torch.Tensor, mask: torch.Tensor | None) -> Any:
+    """transformers' own logits processors for the call (None when there is none), built as its
+    generate() builds them, or why the loop leaves the call to transformers."""
+    special = getattr(model, "_prepare_special_tokens", None)
+    build = getattr(model, "_get_logits_processor", None)
+    if not callable(special) or not callable(build):
+        return "a transformers whose generate() builds its logits processors differently"
+    try:
+        from transformers import LogitsProcessorList
+
+        # None: transformers' own warnings about a missing mask are not said twice
+        special(config, None, device=ids.device, batch_size=ids.shape[0])
+        processors = build(generation_config=config, input_ids_seq_length=ids.shape[1], encoder_input_ids=ids,
+                           prefix_allowed_tokens_fn=None, logits_processor=LogitsProcessorList(), device=ids.device,
+                           model_kwargs={"attention_mask": mask})
+    except Exception as exc:  # its generate() says why, when it is called
+        return f"logits processors transformers does not build here ({type(exc).__name__})"
+    for processor in processors:
+        name = type(processor).__name__
+        if name not in SERVED_PROCESSORS or not type(processor).__module__.startswith("transformers."):
+            return f"the logits processor {name}"
+    return processors if len(processors) else None
+
+
+@contextlib.contextmanager
+def same_draws(model: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """Inside the block, a sampling generate() call draws what any other call of it draws: the
+    random generators are seeded with SAMPLING_SEED in a fork of their state (the caller's state
+    is put back after). A greedy call runs as it is."""
+    given = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    sample = kwargs.get("do_sample", getattr(given, "do_sample", False))
+    if not sample:
+        yield
+        return
+    ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    cuda = isinstance(ids, torch.Tensor) and ids.device.type == "cuda"
+    with torch.random.fork_rng(devices=[ids.device] if cuda else []):
+        torch.manual_seed(SAMPLING_SEED)
+        yield
+
+
+def plain_causal(model: nn.Module) -> bool:
+    """Whether every attention layer of `model` takes one boolean causal mask over the whole
+    static cache (SDPA, no sliding window, no chunks, transformers' own mask functions): the
+    mask the loop then makes itself, with no read of the device (a graph step needs it)."""
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    if getattr(config, "_attn_implementation", None) != "sdpa" or hasattr(model, "create_masks_for_generate"):
+        return False
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return all(t == "full_attention" for t in types)
+    return getattr(config, "sliding_window", None) is None and getattr(config, "attention_chunk_size", None) is None
 
 
 def call_kind(call: Greedy) -> tuple[int, bool]:
@@ -280,7 +396,8 @@ def lay_out(layout: tuple, cache_arg: str, ids: torch.Tensor, cache: Any, start:
             mask: Callable[[], torch.Tensor] | None) -> dict:
     """The keyword arguments of one forward call as `layout` says. start: the position of
     ids' first token (an int, or a 0-d tensor inside a device graph); total: the length of the
-    sequence so far (a 2-D attention mask's width); mask: makes the 4-D boolean mask."""
+    sequence so far (a 2-D attention mask's width); mask: makes the 4-D boolean mask (or the dict
+    of them per layer type, as the model takes it)."""
     batch, width = ids.shape
     kwargs: dict[str, Any] = {}
     for key, spec in layout:
@@ -293,8 +410,8 @@ def lay_out(layout: tuple, cache_arg: str, ids: torch.Tensor, cache: Any, start:
             kwargs[key] = (torch.arange(width, device=ids.device) + start).view(1, width).expand(batch, width)
         elif key == "attention_mask" and kind == "tensor" and spec[2] == 2 and total is not None:
             kwargs[key] = torch.ones(batch, total, dtype=getattr(torch, spec[1].split(".")[-1]), device=ids.device)
-        elif key == "attention_mask" and kind == "tensor" and spec[2] == 4 and spec[1] == "torch.bool" \
-                and mask is not None:
+        elif key == "attention_mask" and mask is not None and (
+                (kind == "tensor" and spec[2] == 4 and spec[1] == "torch.bool") or spec == ("other", "dict")):
             kwargs[key] = mask()
         elif kind == "value":
             kwargs[key] = spec[1]
@@ -325,8 +442,8 @@ class _StepGraph:
         forward = loop.model
         shape = (batch, 1, 1, length)
 
-        def mask() -> torch.Tensor:
-            return (self.arange <= self.position).view(1, 1, 1, length).expand(shape)
+        def mask() -> Any:
+            return loop.mask_form((self.arange <= self.position).view(1, 1, 1, length).expand(shape))
 
         def step() -> None:
             kwargs = lay_out(loop.layouts["decode"], loop.cache_arg, self.token, cache, self.position, None, mask)
@@ -342,12 +459,12 @@ class _StepGraph:
         # stream on first use (cuBLAS's workspace) exists before the recording starts
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream), _Plain(loop.model):
+        with torch.cuda.stream(stream), _Plain(loop.model), _decoding(loop.model):
             for _ in range(3):
                 step()
         stream.synchronize()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=stream), _Plain(loop.model):
+        with torch.cuda.graph(self.graph, stream=stream), _Plain(loop.model), _decoding(loop.model):
             step()
         torch.cuda.current_stream(device).wait_stream(stream)
 
@@ -377,6 +494,14 @@ class DecodeLoop:
         if self.cache_arg is None or layouts is None:
             self.cache_arg = _cache_arg(model)
         self.original = type(model).generate.__get__(model)
+        self._mask_types: tuple | None = None  # the layer types a dict of masks is keyed by (mask_form)
+        self.captured: list[torch.Tensor] | None = None  # set by distribution_difference: the processed scores
+        try:
+            params = inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):
+            params = {}
+        self._takes_positions = "position_ids" in params
+        self._takes_mask = "attention_mask" in params
         self.fallbacks: collections.Counter[str] = collections.Counter()
         self.calls = 0
         self._checks: list[tuple[tuple, dict, torch.Tensor]] = []
@@ -420,7 +545,8 @@ class DecodeLoop:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         call = greedy_call(self.model, args, kwargs)
-        why = call if isinstance(call, str) else self.unmeasured(call) or self.layout_problem(call)
+        why = call if isinstance(call, str) else \
+            self.unmeasured(call) or self.layout_problem(call) or self.graph_problem(call)
         if why is not None:
             if why not in self.fallbacks:
                 logger.warning("torch-tweak: generate() ran transformers' own loop for %s; further such calls "
@@ -452,15 +578,37 @@ class DecodeLoop:
             if self.cache_arg != "cache":
                 self.layouts = {phase: tuple((self.cache_arg if k == "cache" else k, spec) for k, spec in layout)
                                 for phase, layout in self.layouts.items()}
-        ids = call.input_ids[:, :1]
         for phase in ("prefill", "decode"):
-            mask = (lambda: ids) if phase == "decode" and call.static else None
-            try:
-                lay_out(self.layouts[phase], self.cache_arg, ids, None, 0, 1, mask)
-            except LayoutError as exc:
-                return f"{exc} of the {phase} calls"
+            for key, spec in self.layouts[phase]:
+                if not (key in ("attention_mask", "position_ids") or spec[0] == "value"
+                        or (key == "input_ids" and spec[0] == "tensor") or (key == self.cache_arg and spec[0] == "cache")):
+                    return f"the argument {key} ({'/'.join(map(str, spec))}) of the {phase} calls"
         return None
 
+    def graph_problem(self, call: Greedy) -> str | None:
+        """Why the graph loop cannot record this call's decode step, or None. A recorded step
+        replays fixed work: greedy, no logits processor, no padding, and masks the loop makes
+        itself (plain_causal: a sliding window's static cache keeps its place in Python)."""
+        if self.kind != "graph" or not call.static or call.input_ids.device.type != "cuda":
+            return None
+        if call.sample or call.processors is not None:
+            return "sampling or logits processing, which the graph loop does not record"
+        if call.mask is not None:
+            return "padding in the prompt, which the graph loop does not record"
+        if not plain_causal(self.model):
+            return "attention other than one causal mask (a sliding window, chunks, not SDPA): the graph loop " \
+                   "does not record it"
+        return None
+
+    def mask_form(self, mask: torch.Tensor) -> Any:
+        """The loop's own causal mask in the form the model takes: one tensor, or one per
+        layer type when the model's config names them (transformers' create_masks_for_generate)."""
+        if self._mask_types is None:
+            config = self.model.config.get_text_config(decoder=True) \
+                if hasattr(self.model.config, "get_text_config") else self.model.config
+            types = getattr(config, "layer_types", None)
+            self._mask_types = () if types is None else tuple(sorted(set(types)))
+        return {t: mask for t in self._mask_types} if self._mask_types else mask
 
     # -------------------------------------------------------------- decoding
     def _static_length(self, call: Greedy) -> int:
@@ -485,7 +633,7 @@ class DecodeLoop:
             entry = self._graphs.get(key)
             if entry is None:
                 cache = new_cache(self.model, call.static, length)
-                self._prefill(ids, cache)  # lays the cache out before the step is recorded
+                self._prefill(call, cache)  # lays the cache out before the step is recorded
                 entry = _StepGraph(self, cache, batch, length, device, call)
                 self._graphs[key] = entry
             cache = entry.cache
@@ -502,79 +650,205 @@ class DecodeLoop:
         else:
             cache = new_cache(self.model, call.static, length)
         compiled = self.kind == "compiled" and not self.eager and transformers_compiles(self.model, call, cache)
-        first = self._prefill(ids, cache)
+        logits = self._prefill(call, cache)
         if graphs:
             def finished(n: int) -> bool:
                 self._in_time()
                 return eos is not None and bool(_finished(entry.tokens[:, :n], eos).all())
 
-            tokens = entry.run(first, prompt, call.max_new, finished)
-        elif compiled:
-            tokens = self._compiled_steps(first, cache, call, prompt, eos, length)
+            tokens = entry.run(logits[:, -1, :].argmax(-1), prompt, call.max_new, finished)
         else:
-            tokens = self._steps(first, cache, call, prompt, eos, length)
+            tokens = self._steps(logits, cache, call, eos, length, compiled)
         return torch.cat([ids, _stop(tokens, eos, call.pad)], dim=1)
 
-    def _prefill(self, ids: torch.Tensor, cache: Any) -> torch.Tensor:
-        out = self.model(**lay_out(self.layouts["prefill"], self.cache_arg, ids, cache, 0, ids.shape[1], None))
-        return _logits(out)[:, -1, :].argmax(-1)
+    def _positions(self, call: Greedy) -> torch.Tensor | None:
+        """The prompt's position ids as transformers' generate() makes them (from the attention
+        mask when there is one), or None when the forward takes none."""
+        if not self._takes_positions:
+            return None
+        mask = call.mask
+        if mask is None and self._takes_mask:  # transformers counts them from a mask of ones: one row per sequence
+            mask = torch.ones(call.input_ids.shape, dtype=torch.long, device=call.input_ids.device)
+        if mask is not None:
+            return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        return torch.arange(call.input_ids.shape[1], dtype=torch.long, device=call.input_ids.device).unsqueeze(0)
 
-    def _steps(self, first: torch.Tensor, cache: Any, call: Greedy, prompt: int,
-               eos: torch.Tensor | None, length: int) -> torch.Tensor:
-        tokens = [first]
-        nxt = first
-        batch = first.shape[0]
-        arange = torch.arange(length, device=first.device) if call.static else None
-        unfinished = torch.ones(batch, dtype=torch.bool, device=first.device)
-        for step in range(1, call.max_new):
-            self._in_time()
-            if eos is not None:
-                unfinished &= ~torch.isin(nxt, eos)
-                if not bool(unfinished.any()):
+    def _attention(self, call: Greedy, cache: Any, mask: torch.Tensor | None, positions: torch.Tensor | None,
+                   width: int, first: bool) -> Any:
+        """The attention mask transformers' prepare_inputs_for_generation passes the forward: for
+        a static cache, transformers' own mask functions (one mask, or one per layer type) on the
+        2-D mask so far; otherwise that 2-D mask (None: no padding)."""
+        if not call.static:
+            return mask
+        from transformers import masking_utils
+
+        make = getattr(self.model, "create_masks_for_generate", masking_utils.create_masks_for_generate)
+        batch = call.input_ids.shape[0]
+        out = make(config=self.model.config,
+                   inputs_embeds=torch.empty((batch, width, 0), dtype=self.model.dtype, device=call.input_ids.device),
+                   attention_mask=mask, cache=cache, position_ids=positions, block_sequence_ids=None,
+                   token_type_ids=None, mm_token_type_ids=None, is_first_iteration=first)
+        if isinstance(out, dict):
+            return {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+        return out.contiguous() if isinstance(out, torch.Tensor) else out
+
+    def _kwargs(self, phase: str, ids: torch.Tensor, cache: Any, positions: torch.Tensor | None,
+                attention: Any) -> dict:
+        """One forward call's keyword arguments, in the order of the layout recorded from the
+        workload's own generate() (so that they fit the signatures tuned on them), with the
+        position ids and the attention mask transformers would pass."""
+        kwargs: dict[str, Any] = {}
+        for key, spec in self.layouts[phase]:
+            if key == "input_ids" and spec[0] == "tensor":
+                kwargs[key] = ids
+            elif key == self.cache_arg and spec[0] == "cache":
+                kwargs[key] = cache
+            elif key == "position_ids":
+                if positions is not None:
+                    kwargs[key] = positions
+            elif key == "attention_mask":
+                if attention is not None:
+                    kwargs[key] = attention
+            elif spec[0] == "value":
+                kwargs[key] = spec[1]
+            else:
+                raise LayoutError(f"the argument {key} ({'/'.join(map(str, spec))})")
+        if positions is not None and "position_ids" not in kwargs:
+            kwargs["position_ids"] = positions
+        if attention is not None and "attention_mask" not in kwargs:
+            kwargs["attention_mask"] = attention
+        return kwargs
+
+    def _prefill(self, call: Greedy, cache: Any) -> torch.Tensor:
+        """The prompt through the model; returns its logits."""
+        ids = call.input_ids
+        positions = self._positions(call)
+        attention = self._attention(call, cache, call.mask, positions, ids.shape[1], True)
+        return _logits(self.model(**self._kwargs("prefill", ids, cache, positions, attention)))
+
+    def _steps(self, logits: torch.Tensor, cache: Any, call: Greedy, eos: torch.Tensor | None, length: int,
+               compiled: bool) -> torch.Tensor:
+        """Every new token after the prefill's `logits`, step by step, as transformers' decoding
+        loop makes them: its logits processors on the sequence so far, then the argmax or a draw
+        of torch.multinomial from the softmax, with finished sequences fed the pad token. With
+        `compiled`, the steps run transformers' compiled forward (the one its generate() would
+        call: compiled once per model and compile config, kept on the model), the arguments
+        contiguous as transformers lays them out, so that its guards hold and nothing compiles
+        again. No step reads the device, but the stopping rule every CHECK_EVERY steps."""
+        model = self.model
+        forward = model.get_compiled_call(getattr(call.config, "compile_config", None)) if compiled else model
+        ids = call.input_ids
+        batch, prompt = ids.shape
+        device = ids.device
+        seq = ids if call.processors is not None else None  # the sequence so far, for the processors
+        mask = call.mask
+        positions = self._positions(call)
+        last = None if positions is None else positions[..., -1:]
+        own = call.static and call.mask is None and plain_causal(model)
+        arange = torch.arange(length, device=device) if own else None
+        unfinished = torch.ones(batch, dtype=torch.long, device=device) if eos is not None else None
+        tokens = torch.empty(batch, call.max_new, dtype=ids.dtype, device=device)
+        nxt = self._choose(call, logits, seq)
+        done = 0
+        with _decoding(model):
+            while True:
+                if unfinished is not None:
+                    nxt = nxt * unfinished + call.pad * (1 - unfinished)
+                    unfinished = unfinished & ~torch.isin(nxt, eos)
+                tokens[:, done] = nxt
+                done += 1
+                if seq is not None:
+                    seq = torch.cat([seq, nxt[:, None]], dim=-1)
+                if mask is not None:
+                    mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=-1)
+                if done >= call.max_new:
                     break
-                nxt = torch.where(unfinished, nxt, torch.full_like(nxt, call.pad))
-            position = prompt + step - 1
-
-            def mask() -> torch.Tensor:
-                return (arange <= position).view(1, 1, 1, -1).expand(batch, 1, 1, arange.numel())
-
-            kwargs = lay_out(self.layouts["decode"], self.cache_arg, nxt.view(batch, 1), cache, position,
-                             position + 1, mask if arange is not None else None)
-            out = self.model(**kwargs)
-            nxt = _logits(out)[:, -1, :].argmax(-1)
-            tokens.append(nxt)
-        return torch.stack(tokens, dim=1)
-
-    def _compiled_steps(self, first: torch.Tensor, cache: Any, call: Greedy, prompt: int,
-                        eos: torch.Tensor | None, length: int) -> torch.Tensor:
-        """The decode steps through transformers' compiled forward, the one its generate()
-        would call (compiled once per model and compile config, and kept on the model). The
-        arguments are laid out as transformers lays them out, contiguous as its are, so that
-        the compiled forward's guards hold and nothing compiles again. The stopping rule is
-        read every CHECK_EVERY steps; tokens past an end-of-sequence are padded after."""
-        forward = self.model.get_compiled_call(getattr(call.config, "compile_config", None))
-        batch = first.shape[0]
-        arange = torch.arange(length, device=first.device)
-        tokens = torch.empty(batch, call.max_new, dtype=first.dtype, device=first.device)
-        tokens[:, 0] = first
-        nxt = first
-        done = 1
-        while done < call.max_new:
-            self._in_time()
-            if eos is not None and done % CHECK_EVERY == 0 and bool(_finished(tokens[:, :done], eos).all()):
-                break
-            position = prompt + done - 1
-
-            def mask() -> torch.Tensor:
-                return (arange <= position).view(1, 1, 1, length).expand(batch, 1, 1, length)
-
-            kwargs = lay_out(self.layouts["decode"], self.cache_arg, nxt.view(batch, 1), cache, position,
-                             position + 1, mask)
-            out = forward(**{k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
-            nxt = _logits(out)[:, -1, :].argmax(-1)  # read before the next call reuses the output's memory
-            tokens[:, done] = nxt
-            done += 1
+                self._in_time()
+                if unfinished is not None and done % CHECK_EVERY == 0 and not bool(unfinished.any()):
+                    break
+                position = prompt + done - 1  # the place in the cache of the token fed now
+                step_positions = None if last is None else last + done
+                if own:
+                    attention = self.mask_form((arange <= position).view(1, 1, 1, length).expand(batch, 1, 1, length))
+                else:
+                    attention = self._attention(call, cache, mask, step_positions, 1, False)
+                kwargs = self._kwargs("decode", nxt.view(batch, 1), cache, step_positions, attention)
+                if compiled:  # contiguous as transformers makes them (a dict of masks too): its guards hold
+                    kwargs = {k: _contiguous(v) for k, v in kwargs.items()}
+                # the logits are read (copied) before the next call reuses the output's memory
+                nxt = self._choose(call, _logits(forward(**kwargs)), seq)
         return tokens[:, :done]
+
+    def _choose(self, call: Greedy, logits: torch.Tensor, seq: torch.Tensor | None) -> torch.Tensor:
+        """The next token from a forward's logits, as transformers' _sample chooses it."""
+        if call.processors is None and not call.sample:
+            return logits[:, -1, :].argmax(-1)
+        scores = self._process(call, logits, seq)
+        if self.captured is not None:
+            self.captured.append(scores.clone())
+        if call.sample:
+            return torch.multinomial(nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        return torch.argmax(scores, dim=-1)
+
+    @staticmethod
+    def _process(call: Greedy, logits: torch.Tensor, seq: torch.Tensor | None) -> torch.Tensor:
+        """The processed next-token scores: the last logits in float32 through transformers'
+        processors for the call, given the sequence so far."""
+        scores = logits[:, -1].to(copy=True, dtype=torch.float32)
+        if call.processors is not None:
+            scores = call.processors(seq, scores)
+        return scores
+
+
+DISTRIBUTION_BOUND = 1e-6
+"""The largest total variation distance between the loop's processed next-token distribution
+and transformers' at any step of a sampling call checked at tuning (distribution_difference).
+The two run the same processors on the same scores, so they are equal bit for bit where the
+logits are; the bound only leaves room for a softmax's last bit."""
+
+
+def distribution_difference(model: nn.Module, loop: DecodeLoop, args: tuple, kwargs: dict) -> str | None:
+    """For a sampling call: how the loop's processed next-token distribution differs from
+    transformers' processors' on the same prefixes (the untuned loop's output_scores, each
+    step's softmax against the loop's), beyond DISTRIBUTION_BOUND; None when it does not, or
+    for a greedy call (its tokens are compared exactly). Both runs draw under same_draws."""
+    call = greedy_call(model, args, kwargs)
+    if isinstance(call, str) or not call.sample:
+        return None
+    with same_draws(model, args, kwargs), torch.no_grad():
+        reference = loop.original(*args, **{**kwargs, "return_dict_in_generate": True, "output_scores": True})
+    loop.captured = []
+    try:
+        with same_draws(model, args, kwargs), torch.no_grad():
+            model.generate(*args, **kwargs)
+        captured = loop.captured
+    finally:
+        loop.captured = None
+    expected = list(reference.scores)
+    if len(captured) < len(expected):
+        return f"the loop made {len(captured)} processed distributions, transformers {len(expected)}"
+    for step, (mine, theirs) in enumerate(zip(captured, expected)):
+        distance = 0.5 * (nn.functional.softmax(mine, dim=-1) - nn.functional.softmax(theirs.to(mine.device), dim=-1)
+                          ).abs().sum(dim=-1).max()
+        if not bool(distance <= DISTRIBUTION_BOUND):
+            return (f"step {step}: the processed next-token distribution is {float(distance):.2e} (total variation) "
+                    f"from transformers' processors', more than {DISTRIBUTION_BOUND:g}")
+    return None
+
+
+def _contiguous(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.contiguous()
+    if isinstance(value, dict):
+        return {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in value.items()}
+    return value
+
+
+def _decoding(model: nn.Module) -> Any:
+    """What transformers' decoding loop enters around its decode steps (after the prefill):
+    for a mixture of experts on a GPU, another experts kernel (_optimize_model_for_decode)."""
+    decoding = getattr(model, "_optimize_model_for_decode", None)
+    return decoding() if callable(decoding) else contextlib.nullcontext()
 
 
 def _finished(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
@@ -632,8 +906,8 @@ def plan_loop(model: nn.Module) -> LoopPlan | None:
 
 
 def check_bounds(model: nn.Module, args: tuple, kwargs: dict) -> str | None:
-    """Why a stored generate() call cannot check a decode loop on `model`: not plain greedy
-    decoding the loop serves, or asking more than MAX_CHECK_NEW_TOKENS new tokens or
+    """Why a stored generate() call cannot check a decode loop on `model`: not a call
+    the loop serves, or asking more than MAX_CHECK_NEW_TOKENS new tokens or
     MAX_CHECK_TOKENS tokens in all; None when it can."""
     call = greedy_call(model, args, kwargs)
     if isinstance(call, str):
@@ -691,7 +965,8 @@ def apply_loop(model: nn.Module, plan: LoopPlan, seconds: float | None = None) -
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return late
-                untuned.append(model.generate(*args, **{**kwargs, "max_time": left}))
+                with same_draws(model, args, kwargs):
+                    untuned.append(model.generate(*args, **{**kwargs, "max_time": left}))
         if time.monotonic() > deadline:  # transformers' max_time stopped a run short
             return late
     except Exception as exc:
@@ -704,7 +979,8 @@ def apply_loop(model: nn.Module, plan: LoopPlan, seconds: float | None = None) -
     try:
         with torch.no_grad():
             for i, (args, kwargs, tokens) in enumerate(loop.checks):
-                got = model.generate(*args, **kwargs)
+                with same_draws(model, args, kwargs):
+                    got = model.generate(*args, **kwargs)
                 if loop.fallbacks:
                     problem = f"generate call {i} is not one it serves ({next(iter(loop.fallbacks))})"
                 else:

@@ -65,7 +65,10 @@ def _recorder(wrapper: TunedModule) -> Callable[..., Any]:
             outputs.append(result)
         return out
 
-    return recorder
+    # never traced: a forward that transformers compiles (a static-cache generate()) calls the
+    # recording wrapper inside it, and dynamo would trace these lists' growth, compiling again
+    # at every call until its recompile limit
+    return torch.compiler.disable(recorder)
 
 
 @contextlib.contextmanager

@@ -102,7 +102,8 @@ class Workload:
             nonlocal tokens, inside
             inside = not calls
             try:
-                out = original(*args, **kwargs)
+                with generation.same_draws(model, args, kwargs):  # a sampling call: tokens another run can check
+                    out = original(*args, **kwargs)
             finally:
                 inside = False
             if isinstance(out, torch.Tensor) and out.dim() == 2:
@@ -174,7 +175,8 @@ class Workload:
 
         with torch.no_grad():
             for i, call in enumerate(self.generate_calls):
-                got = self.model.generate(*call.args, **call.kwargs)
+                with generation.same_draws(self.model, call.args, call.kwargs):
+                    got = self.model.generate(*call.args, **call.kwargs)
                 problem = generation.token_difference(i, got, call.tokens, call.prompt)
                 if problem is not None:
                     raise MismatchError(problem)
@@ -206,6 +208,8 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None) 
         kinds = ["compiled"]
     else:
         kinds = ["graph"] if device.type == "cuda" and static else ["loop"]
+        if kinds == ["graph"] and generation.DecodeLoop(model, "graph", workload.layouts).graph_problem(call):
+            kinds = ["loop"]  # a call whose step the graph loop does not record: the step-by-step loop
     loops: dict[str, generation.DecodeLoop] = {}
 
     def build_of(kind: str | None):
@@ -214,12 +218,25 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None) 
             if kind is None:
                 return
             loop = generation.DecodeLoop(model, kind, workload.layouts)
+            # fail fast: a recorded call the loop would leave to transformers refuses it before
+            # anything runs (the reason is what the loop itself would say)
+            for recorded in workload.generate_calls:
+                served = generation.greedy_call(model, recorded.args, recorded.kwargs)
+                why = served if isinstance(served, str) else loop.layout_problem(served) or loop.graph_problem(served)
+                if why is not None:
+                    raise RuntimeError(f"the workload's generate() calls are not ones the loop serves ({why})")
             generation.install(model, loop)
             try:
                 workload.check_tokens()
+                for recorded in workload.generate_calls:  # a sampling call: its distributions, step by step
+                    problem = generation.distribution_difference(model, loop, recorded.args, recorded.kwargs)
+                    if problem is not None:
+                        from .correctness import MismatchError
+
+                        raise MismatchError(problem)
                 if loop.fallbacks:
                     reason = next(iter(loop.fallbacks))
-                    raise RuntimeError(f"the workload's generate() calls are not plain greedy decoding ({reason})")
+                    raise RuntimeError(f"the workload's generate() calls are not ones the loop serves ({reason})")
             except BaseException:
                 generation.uninstall(model)
                 raise

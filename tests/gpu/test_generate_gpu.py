@@ -119,3 +119,64 @@ def test_a_compiled_static_workload_keeps_the_compiled_loop_and_saves_it(tmp_pat
     tt.load(fresh, tmp_path / "decoder.tt")
     assert generation.loop_of(fresh) is not None and generation.loop_of(fresh).kind == "compiled"
     assert torch.equal(compiled_generate(fresh, other, 32), compiled_generate(untuned, other, 32))
+
+
+def family(name: str, dtype=torch.bfloat16):
+    """Tiny decoders of the families issue 29 names (sliding windows of 8 positions)."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)
+    T = transformers
+    if name == "qwen2":
+        model = T.Qwen2ForCausalLM(T.Qwen2Config(**common))
+    elif name == "mistral":
+        model = T.MistralForCausalLM(T.MistralConfig(**common, sliding_window=8))
+    elif name == "gemma2":
+        model = T.Gemma2ForCausalLM(T.Gemma2Config(**common, head_dim=16, sliding_window=8))
+    else:
+        model = T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(**common, moe_intermediate_size=64, num_experts=4,
+                                                       num_experts_per_tok=2, shared_expert_intermediate_size=64))
+    return model.eval().to("cuda", dtype)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "mistral", "gemma2", "qwen2moe"])
+def test_each_family_through_the_compiled_and_the_graph_loop(name):
+    """The compiled loop serves every family with transformers' compiled tokens; the graph
+    loop records Qwen2's and the MoE's step (one causal mask, its dict made by the loop) and
+    leaves a sliding window's (Mistral, Gemma 2) to transformers, with the reason."""
+    model = family(name)
+    untuned = copy.deepcopy(model)
+    ids = torch.randint(3, 256, (2, 7), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    loop = generation.DecodeLoop(model, "compiled")
+    generation.install(model, loop)
+    assert torch.equal(compiled_generate(model, ids, 24), compiled_generate(untuned, ids, 24))
+    assert loop.calls == 1 and not loop.fallbacks
+    generation.uninstall(model)
+    loop = generation.DecodeLoop(model, "graph")
+    generation.install(model, loop)
+    assert torch.equal(generate(model, ids, 24), generate(untuned, ids, 24))
+    if name in ("mistral", "gemma2"):
+        assert loop.calls == 0 and any("graph loop does not record" in why for why in loop.fallbacks)
+    else:
+        assert loop.calls == 1 and not loop.fallbacks
+
+
+@pytest.mark.parametrize("kind", ["compiled", "loop"])
+def test_seeded_sampling_on_the_gpu_equals_transformers(kind):
+    """The seed rule on a GPU: after the same torch.manual_seed, a sampling call through the
+    loop draws transformers' tokens (compiled: its compiled forward; loop: eager steps)."""
+    model = build("llama", torch.bfloat16)
+    untuned = copy.deepcopy(model)
+    loop = generation.DecodeLoop(model, kind)
+    generation.install(model, loop)
+    ids = torch.randint(3, 256, (4, 7), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    settings = dict(max_new_tokens=32, do_sample=True, temperature=0.7, top_k=50, top_p=0.9,
+                    repetition_penalty=1.1, cache_implementation="static", disable_compile=kind == "loop")
+    for seed in (0, 1):
+        outs = []
+        for subject in (untuned, model):
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                outs.append(subject.generate(ids, **settings))
+        assert torch.equal(outs[0], outs[1]), seed
+    assert loop.calls == 2 and not loop.fallbacks
