@@ -363,17 +363,72 @@ cleanup:
     return rc;
 }
 
+/* The host's reading of the machine's load (see tw_load); out->known is 0 when
+ * it cannot tell. Only an interrupt is returned: any other failure of the
+ * callback counts as unknown. */
+static tw_code tw_read_load(const tw_search *s, tw_load *out, tw_error *err)
+{
+    tw_code rc = TW_OK;
+    tw_error cause;
+
+    memset(out, 0, sizeof *out);
+    if (s->ops->load == NULL) {
+        goto cleanup;
+    }
+    tw_error_clear(&cause);
+    rc = s->ops->load(s->ops->ctx, out, &cause);
+    if (rc == TW_EINTERRUPT) {
+        tw_error_set(err, rc, "reading the machine's load: %s", cause.msg);
+        goto cleanup;
+    }
+    if (rc != TW_OK || !out->known || !isfinite(out->others) || !isfinite(out->capacity)) {
+        memset(out, 0, sizeof *out);
+    }
+    rc = TW_OK;
+cleanup:
+    return rc;
+}
+
+/* What other processes took between two readings, and the capacity that
+ * elapsed: 1 when both are known and the capacity grew, else 0. */
+static int tw_load_window(const tw_load *before, const tw_load *after, double *others,
+                          double *capacity)
+{
+    if (!before->known || !after->known || !(after->capacity > before->capacity)) {
+        return 0;
+    }
+    *capacity = after->capacity - before->capacity;
+    *others = after->others - before->others;
+    *others = *others < 0.0 ? 0.0 : *others > *capacity ? *capacity : *others;
+    return 1;
+}
+
 static tw_code tw_measure_baseline(tw_search *s, tw_stats *stats, tw_error *err)
 {
     tw_code rc;
     tw_error cause;
+    tw_load before;
+    tw_load after;
+    double others;
+    double capacity;
     size_t failed;
 
+    rc = tw_read_load(s, &before, err);
+    if (rc != TW_OK) {
+        goto cleanup;
+    }
     rc = tw_measure_runners(s->host, &s->ops->model, 1, &s->cfg->measure, stats, &failed,
                             &cause);
     if (rc != TW_OK) {
         tw_error_set(err, rc, "measuring the untuned model failed: %s", cause.msg);
+        goto cleanup;
     }
+    rc = tw_read_load(s, &after, err);
+    if (rc == TW_OK && tw_load_window(&before, &after, &others, &capacity)) {
+        s->result->baseline_others += others;
+        s->result->baseline_capacity += capacity;
+    }
+cleanup:
     return rc;
 }
 
@@ -481,15 +536,24 @@ static int tw_budget_used(const tw_search *s)
  * deactivated. *failed_measure is set (and the error logged) when the model
  * failed; an interrupt or the engine's own failure is returned. */
 static tw_code tw_measure_side_by_side(tw_search *s, int depth, tw_stats *stats,
-                                       int *failed_measure, tw_error *err)
+                                       int *failed_measure, double *share, tw_error *err)
 {
     tw_code rc;
     tw_runner runners[2];
     tw_error cause;
+    tw_load before;
+    tw_load after;
+    double others;
+    double capacity;
     size_t failed;
     int k;
 
     *failed_measure = 0;
+    *share = -1.0;
+    rc = tw_read_load(s, &before, err);
+    if (rc != TW_OK) {
+        goto cleanup;
+    }
     for (k = 0; k < 2; k++) {
         runners[k].ctx = (void *)s->ops;
         runners[k].n_samples = s->ops->model.n_samples;
@@ -505,7 +569,13 @@ static tw_code tw_measure_side_by_side(tw_search *s, int depth, tw_stats *stats,
         tw_host_logf(s->host, 1, "depth %d could not be confirmed: %s", depth, cause.msg);
         *failed_measure = 1;
         rc = TW_OK;
+    } else {
+        rc = tw_read_load(s, &after, err);
+        if (rc == TW_OK && tw_load_window(&before, &after, &others, &capacity)) {
+            *share = others / capacity;
+        }
     }
+cleanup:
     return rc;
 }
 
@@ -541,7 +611,7 @@ static int tw_speedups_agree(const tw_stats *untuned_a, const tw_stats *tuned_a,
 /* Fills the confirmation from the last side-by-side measurement and the
  * search's figures: the reported figure, and whether the cut is kept. */
 static void tw_settle_confirmation(tw_result *r, const tw_stats *stats, uint32_t tries,
-                                   int agree)
+                                   int agree, double share)
 {
     tw_confirmation *c = &r->confirmation;
     const tw_stats *row = &r->rows[r->selected].row.stats;
@@ -554,6 +624,8 @@ static void tw_settle_confirmation(tw_result *r, const tw_stats *stats, uint32_t
     c->tuned = stats[0];
     c->untuned = stats[1];
     c->tries = tries;
+    c->agreed = agree;
+    c->others_share = share;
     c->quality = agree ? (tries == 1 ? TW_QUALITY_CONSISTENT : TW_QUALITY_REMEASURED)
                        : TW_QUALITY_INCONSISTENT;
     tw_speedup_of(&stats[1], &stats[0], &c->speedup, &c->speedup_low, &c->speedup_high);
@@ -569,6 +641,11 @@ static void tw_settle_confirmation(tw_result *r, const tw_stats *stats, uint32_t
         c->speedup_high = search_high;
     }
     c->confirmed = c->speedup_low > 1.0;
+    if (tw_result_busy(r)) {
+        /* figures from a busy machine, agreeing or not: no claim, and only a wide gain is kept */
+        c->quality = TW_QUALITY_BUSY;
+        c->confirmed = c->speedup_low >= TW_BUSY_KEEP;
+    }
 }
 
 /* Measures the applied cut active and deactivated side by side, holds the
@@ -587,6 +664,7 @@ static tw_code tw_confirm_selected(tw_search *s, tw_error *err)
     int depth = r->rows[r->selected].row.depth;
     int failed = 0;
     int agree = 0;
+    double share = -1.0;
     uint32_t tries = 0;
 
     s->entered = 1; /* until it is confirmed, any failure leaves the cut */
@@ -602,7 +680,7 @@ static tw_code tw_confirm_selected(tw_search *s, tw_error *err)
                          row->median_ns / 1e6, r->baseline.median_ns / 1e6, tries + 1,
                          TW_CONFIRM_TRIES);
         }
-        rc = tw_measure_side_by_side(s, depth, stats, &failed, err);
+        rc = tw_measure_side_by_side(s, depth, stats, &failed, &share, err);
         if (rc != TW_OK) {
             goto cleanup;
         }
@@ -617,7 +695,7 @@ static tw_code tw_confirm_selected(tw_search *s, tw_error *err)
             break;
         }
     }
-    tw_settle_confirmation(r, stats, tries, agree);
+    tw_settle_confirmation(r, stats, tries, agree, share);
     if (!agree) {
         tw_host_logf(s->host, 1, "depth %d: the side-by-side figures (%.2fx) disagree with the "
                      "search's (%.2fx) after %u measurements: the machine's load changed; the "
@@ -628,6 +706,14 @@ static tw_code tw_confirm_selected(tw_search *s, tw_error *err)
         /* the last round may have been the untuned one */
         tw_error_clear(&cause);
         rc = s->ops->activate(s->ops->ctx, &cause);
+        if (rc == TW_OK && c->quality == TW_QUALITY_BUSY) {
+            s->entered = 0;
+            tw_host_logf(s->host, 1, "depth %d kept on a busy machine (other processes took "
+                         "%.0f%% of the CPUs): faster by more than %.0fx at the spread's low "
+                         "end; no speedup is claimed", depth,
+                         tw_result_others_share(r) * 100.0, TW_BUSY_KEEP);
+            goto cleanup;
+        }
         if (rc == TW_OK) {
             s->entered = 0;
             tw_host_logf(s->host, 0, "depth %d kept: %.2fx faster %s (%.2fx to %.2fx)", depth,
@@ -638,6 +724,14 @@ static tw_code tw_confirm_selected(tw_search *s, tw_error *err)
         tw_error_forward(&cause, rc, &cause, "activate");
         tw_error_set(err, rc, "activating the kept depth %d failed: %s", depth, cause.msg);
         goto cleanup;
+    }
+    if (c->quality == TW_QUALITY_BUSY) {
+        tw_host_logf(s->host, 1, "depth %d not kept: the machine was busy (other processes took "
+                     "%.0f%% of the CPUs while measuring) and it was not %.0fx faster at the "
+                     "spread's low end; the model stays untuned", depth,
+                     tw_result_others_share(r) * 100.0, TW_BUSY_KEEP);
+        r->selected = -1;
+        goto leave;
     }
     tw_host_logf(s->host, 1, "depth %d is %s the untuned model %s (%.2fx, %.2fx to %.2fx): the "
                  "model stays untuned", depth,
