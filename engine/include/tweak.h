@@ -411,8 +411,8 @@ tw_code tw_module_result_candidate(const tw_module_result *module, size_t g, siz
  * leave() failing ends the tweak with its code: the engine cannot know what
  * state the model is in. */
 /* The machine's load as the host reads it, to tell a busy machine (see
- * TW_BUSY_SHARE): two running totals in one unit of CPU time (any: clock
- * ticks), which the engine takes the difference of over a measurement window.
+ * TW_BUSY_SHARE): two running totals of CPU-seconds, which the engine takes
+ * the difference of over a measurement window.
  * others: CPU time taken by processes other than the tuning one and its
  * descendants (its threads, compile workers and isolated children are its own
  * work, not the machine's load); capacity: the CPU time the machine's cores
@@ -579,6 +579,12 @@ int tw_result_row_has(const tw_result *result, size_t i, size_t node);
  * loaded 2-core machine, 1.12x when quiet). */
 #define TW_BUSY_SHARE 0.25
 
+/* A window of less capacity than this (CPU-seconds: 0.15 s on 2 cores) is too
+ * short to tell the load from its readings' rounding (clock ticks of 10 ms):
+ * a short side-by-side measurement is judged together with the untuned
+ * model's measurements (see tw_result_others_share). */
+#define TW_LOAD_MIN_CAPACITY 0.3
+
 /* On a busy machine the selected cut is kept only when its speedup's interval
  * lies at or above this (untuned q25 / tuned q75 >= 2): the load was seen to
  * inflate a speedup by 1.56x (1.75x busy against 1.12x quiet), so a gain
@@ -632,7 +638,8 @@ typedef struct tw_confirmation {
     int agreed;          /* 1: the side-by-side figures agreed with the search's
                           * (quality consistent or remeasured, or busy and agreeing) */
     double others_share; /* what other processes took of the CPU capacity during
-                          * the last side-by-side measurement, 0..1; -1: unknown */
+                          * the last side-by-side measurement, 0..1; -1: unknown
+                          * or too short to tell (TW_LOAD_MIN_CAPACITY) */
 } tw_confirmation;
 
 /* Copies the confirmation into *out (all zero when none was measured). */
@@ -645,8 +652,10 @@ tw_quality tw_result_quality(const tw_result *result);
 int tw_result_noisy(const tw_result *result);
 /* The share of the machine's CPU capacity other processes took while the
  * figures were measured (see tw_load): the larger of the untuned model's
- * measurements in the search and the last side-by-side one, 0..1; -1 when
- * unknown (no load callback, no reading, a dry run). */
+ * measurements in the search and the last side-by-side one, each judged only
+ * when its capacity reaches TW_LOAD_MIN_CAPACITY, and both together when
+ * neither does; 0..1; -1 when unknown (no load callback, no reading, windows
+ * too short, a dry run). */
 double tw_result_others_share(const tw_result *result);
 /* 1 when tw_result_others_share is above TW_BUSY_SHARE. */
 int tw_result_busy(const tw_result *result);

@@ -192,22 +192,33 @@ static double tw_result_max_spread(const tw_result *result)
     return widest;
 }
 
+/* others / capacity within 0..1, or -1 when the capacity is too small to tell. */
+static double tw_share_of(double others, double capacity)
+{
+    double share;
+
+    if (!(capacity >= TW_LOAD_MIN_CAPACITY)) {
+        return -1.0;
+    }
+    share = others / capacity;
+    return share < 0.0 ? 0.0 : share > 1.0 ? 1.0 : share;
+}
+
 double tw_result_others_share(const tw_result *result)
 {
-    double share = -1.0;
+    double base;
+    double side;
 
     if (result == NULL || result->dry_run) {
-        goto cleanup;
+        return -1.0;
     }
-    if (result->baseline_capacity > 0.0) {
-        share = result->baseline_others / result->baseline_capacity;
-        share = share < 0.0 ? 0.0 : share > 1.0 ? 1.0 : share;
+    base = tw_share_of(result->baseline_others, result->baseline_capacity);
+    side = tw_share_of(result->side_others, result->side_capacity);
+    if (base < 0.0 && side < 0.0) {
+        return tw_share_of(result->baseline_others + result->side_others,
+                           result->baseline_capacity + result->side_capacity);
     }
-    if (result->confirmation.measured && result->confirmation.others_share > share) {
-        share = result->confirmation.others_share;
-    }
-cleanup:
-    return share;
+    return base > side ? base : side;
 }
 
 int tw_result_busy(const tw_result *result)

@@ -536,7 +536,7 @@ static int tw_budget_used(const tw_search *s)
  * deactivated. *failed_measure is set (and the error logged) when the model
  * failed; an interrupt or the engine's own failure is returned. */
 static tw_code tw_measure_side_by_side(tw_search *s, int depth, tw_stats *stats,
-                                       int *failed_measure, double *share, tw_error *err)
+                                       int *failed_measure, tw_error *err)
 {
     tw_code rc;
     tw_runner runners[2];
@@ -549,7 +549,8 @@ static tw_code tw_measure_side_by_side(tw_search *s, int depth, tw_stats *stats,
     int k;
 
     *failed_measure = 0;
-    *share = -1.0;
+    s->result->side_others = 0.0;
+    s->result->side_capacity = 0.0;
     rc = tw_read_load(s, &before, err);
     if (rc != TW_OK) {
         goto cleanup;
@@ -572,7 +573,8 @@ static tw_code tw_measure_side_by_side(tw_search *s, int depth, tw_stats *stats,
     } else {
         rc = tw_read_load(s, &after, err);
         if (rc == TW_OK && tw_load_window(&before, &after, &others, &capacity)) {
-            *share = others / capacity;
+            s->result->side_others = others;
+            s->result->side_capacity = capacity;
         }
     }
 cleanup:
@@ -611,7 +613,7 @@ static int tw_speedups_agree(const tw_stats *untuned_a, const tw_stats *tuned_a,
 /* Fills the confirmation from the last side-by-side measurement and the
  * search's figures: the reported figure, and whether the cut is kept. */
 static void tw_settle_confirmation(tw_result *r, const tw_stats *stats, uint32_t tries,
-                                   int agree, double share)
+                                   int agree)
 {
     tw_confirmation *c = &r->confirmation;
     const tw_stats *row = &r->rows[r->selected].row.stats;
@@ -625,7 +627,8 @@ static void tw_settle_confirmation(tw_result *r, const tw_stats *stats, uint32_t
     c->untuned = stats[1];
     c->tries = tries;
     c->agreed = agree;
-    c->others_share = share;
+    c->others_share = r->side_capacity >= TW_LOAD_MIN_CAPACITY
+                          ? r->side_others / r->side_capacity : -1.0;
     c->quality = agree ? (tries == 1 ? TW_QUALITY_CONSISTENT : TW_QUALITY_REMEASURED)
                        : TW_QUALITY_INCONSISTENT;
     tw_speedup_of(&stats[1], &stats[0], &c->speedup, &c->speedup_low, &c->speedup_high);
@@ -664,7 +667,6 @@ static tw_code tw_confirm_selected(tw_search *s, tw_error *err)
     int depth = r->rows[r->selected].row.depth;
     int failed = 0;
     int agree = 0;
-    double share = -1.0;
     uint32_t tries = 0;
 
     s->entered = 1; /* until it is confirmed, any failure leaves the cut */
@@ -680,7 +682,7 @@ static tw_code tw_confirm_selected(tw_search *s, tw_error *err)
                          row->median_ns / 1e6, r->baseline.median_ns / 1e6, tries + 1,
                          TW_CONFIRM_TRIES);
         }
-        rc = tw_measure_side_by_side(s, depth, stats, &failed, &share, err);
+        rc = tw_measure_side_by_side(s, depth, stats, &failed, err);
         if (rc != TW_OK) {
             goto cleanup;
         }
@@ -695,7 +697,7 @@ static tw_code tw_confirm_selected(tw_search *s, tw_error *err)
             break;
         }
     }
-    tw_settle_confirmation(r, stats, tries, agree, share);
+    tw_settle_confirmation(r, stats, tries, agree);
     if (!agree) {
         tw_host_logf(s->host, 1, "depth %d: the side-by-side figures (%.2fx) disagree with the "
                      "search's (%.2fx) after %u measurements: the machine's load changed; the "

@@ -54,6 +54,7 @@ typedef struct fake_model {
     double search_share;
     double side_share;
     tw_code load_rc;                  /* the load callback fails with this */
+    double load_unit;                 /* fake ns per second of wall time; 0: 1000 */
     double load_others;               /* its running totals, in fake ns */
     double load_capacity;
     uint64_t load_last;
@@ -282,11 +283,13 @@ static inline tw_code model_run(void *ctx, size_t sample, tw_error *err)
 }
 
 /* The fake load: since the last reading, others took the share of the phase
- * the model is in (see fake_model.search_share) of 2 cores' capacity. */
+ * the model is in (see fake_model.search_share) of 2 cores' capacity; a fake
+ * ns stands for a ms (the fake model's calls take about a second). */
 static inline tw_code model_load(void *ctx, tw_load *out, tw_error *err)
 {
     fake_model *m = ctx;
-    double elapsed = 2.0 * (double)(m->env.now - m->load_last);
+    double elapsed = 2.0 * (double)(m->env.now - m->load_last) /
+                     (m->load_unit > 0.0 ? m->load_unit : 1000.0);
 
     m->load_calls++;
     if (m->load_rc != TW_OK) {

@@ -698,6 +698,42 @@ static void test_quiet_or_unknown_load_changes_nothing(void)
     }
 }
 
+/* Windows too short to tell the load from the readings' rounding: each
+ * measurement alone is under TW_LOAD_MIN_CAPACITY; together they may reach
+ * it, else the load is unknown and changes nothing. */
+static void test_short_windows_are_judged_together_or_not_at_all(void)
+{
+    fake_model m;
+    tw_result *result;
+    tw_confirmation c;
+    char *text;
+
+    /* each alone is too short (0.16 and 0.2 CPU-s), together they are not (0.36) */
+    fake_model_setup(&m);
+    m.wrapped_latency = 1000;
+    m.load_known = 1;
+    m.load_unit = 150000.0;
+    m.search_share = m.side_share = 0.6;
+    result = run_confirmed(&m, &c, &text);
+    CHECK(c.others_share < 0.0);
+    CHECK_NEAR(tw_result_others_share(result), 0.6, 1e-9);
+    CHECK_INT(c.quality, TW_QUALITY_BUSY);
+    tw_free(text);
+    fake_model_teardown(&m, result);
+    /* all of them too short: unknown */
+    fake_model_setup(&m);
+    m.wrapped_latency = 1000;
+    m.load_known = 1;
+    m.load_unit = 1e8;
+    m.search_share = m.side_share = 0.9;
+    result = run_confirmed(&m, &c, &text);
+    CHECK(c.others_share < 0.0 && tw_result_others_share(result) < 0.0);
+    CHECK_INT(c.quality, TW_QUALITY_CONSISTENT);
+    CHECK_INT((int)tw_result_selected(result), 2);
+    tw_free(text);
+    fake_model_teardown(&m, result);
+}
+
 /* Interrupted while reading the load: the tweak stops, the model as it was. */
 static void test_interrupt_while_reading_load(void)
 {
@@ -1114,6 +1150,7 @@ int main(void)
     test_busy_search_quiet_confirmation();
     test_quiet_or_unknown_load_changes_nothing();
     test_interrupt_while_reading_load();
+    test_short_windows_are_judged_together_or_not_at_all();
     test_busy_untuned_measurement_is_named();
     return CHECK_SUMMARY("test_tweak");
 }
