@@ -504,7 +504,7 @@ typedef struct tw_result tw_result;
  * torch's threads more than a compiled backend's, so the speedup it shows is
  * real only under that load): the quality is TW_QUALITY_BUSY, no speedup is
  * claimed, and the cut is kept only when the speedup's interval lies at or
- * above TW_BUSY_KEEP. 
+ * above tw_busy_keep(share).
  * A dry run computes the rows with their module counts and calls nothing;
  * ops may be NULL then. A depth not started for the budget still reports its
  * modules, and as failed those that failed at a shallower depth.
@@ -586,12 +586,17 @@ int tw_result_row_has(const tw_result *result, size_t i, size_t node);
 #define TW_LOAD_MIN_CAPACITY 0.3
 
 /* On a busy machine the selected cut is kept only when its speedup's interval
- * lies at or above this (untuned q25 / tuned q75 >= 2): the load was seen to
- * inflate a speedup by 1.56x (1.75x busy against 1.12x quiet), so a gain
- * twice the untuned model's speed at its low end is still a gain when quiet.
- * Below it the model stays untuned; a busy result is never cached, so the
- * next tweak measures again. */
-#define TW_BUSY_KEEP 2.0
+ * lies at or above this margin: 1 / (1 - share), share being what other
+ * processes took (tw_result_others_share): 1.33x at 25 %, 2x at 50 %, 5x at
+ * 80 %, 20x from 95 %. Other processes taking `share` of the CPUs slow a
+ * side whose threads lose their part of every core by about that factor,
+ * while a side that loses less keeps more of its speed, so a ratio under it
+ * may be the load's alone: the example encoder read 1.75x beside two busy
+ * processes on 2 cores and 1.12x when quiet; with others at 81 % its search
+ * read 3.47x. A heuristic, not a bound (a burst can tilt a ratio further; the
+ * agreement rule catches that). Below it the model stays untuned; a busy
+ * result is never cached, so the next tweak measures again. */
+double tw_busy_keep(double share);
 
 /* The most side-by-side measurements of one confirmation (the first included). */
 #define TW_CONFIRM_TRIES 3u
@@ -637,6 +642,8 @@ typedef struct tw_confirmation {
                             * row's median */
     int agreed;          /* 1: the side-by-side figures agreed with the search's
                           * (quality consistent or remeasured, or busy and agreeing) */
+    double busy_keep;    /* busy: the margin the speedup's low end had to reach
+                          * (tw_busy_keep); else 0 */
     double others_share; /* what other processes took of the CPU capacity during
                           * the last side-by-side measurement, 0..1; -1: unknown
                           * or too short to tell (TW_LOAD_MIN_CAPACITY) */

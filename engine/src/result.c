@@ -221,6 +221,12 @@ double tw_result_others_share(const tw_result *result)
     return base > side ? base : side;
 }
 
+double tw_busy_keep(double share)
+{
+    share = share > 0.0 ? share : 0.0;
+    return 1.0 / (1.0 - (share < 0.95 ? share : 0.95));
+}
+
 int tw_result_busy(const tw_result *result)
 {
     return tw_result_others_share(result) > TW_BUSY_SHARE;
@@ -498,15 +504,15 @@ static void tw_format_busy(tw_buf *buf, const tw_result *result, const char *unt
 
     if (c->confirmed) {
         tw_buf_appendf(buf, "kept depth %d, but the machine was busy: other processes took %.0f%% "
-                       "of the CPUs while measuring, so no speedup is claimed (it was faster than "
-                       "untuned by more than %.0fx even at its spread's low end, the margin a busy "
-                       "machine needs); tweak again on a quiet machine for a figure\n", c->depth,
-                       share, TW_BUSY_KEEP);
+                       "of the CPUs while measuring, so no speedup is claimed (it was at least "
+                       "%.2fx faster than untuned even at its spread's low end, the margin such a "
+                       "load needs); tweak again on a quiet machine for a figure\n", c->depth,
+                       share, c->busy_keep);
     } else {
         tw_buf_appendf(buf, "the machine was busy: other processes took %.0f%% of the CPUs while "
-                       "measuring, so no speedup is claimed and depth %d is not kept (on a busy "
-                       "machine a depth must be %.0fx faster at its spread's low end): %s; tweak "
-                       "again on a quiet machine\n", share, c->depth, TW_BUSY_KEEP, untuned);
+                       "measuring, so no speedup is claimed and depth %d is not kept (under that "
+                       "load a depth must be %.2fx faster at its spread's low end): %s; tweak "
+                       "again on a quiet machine\n", share, c->depth, c->busy_keep, untuned);
     }
 }
 

@@ -647,7 +647,8 @@ static void tw_settle_confirmation(tw_result *r, const tw_stats *stats, uint32_t
     if (tw_result_busy(r)) {
         /* figures from a busy machine, agreeing or not: no claim, and only a wide gain is kept */
         c->quality = TW_QUALITY_BUSY;
-        c->confirmed = c->speedup_low >= TW_BUSY_KEEP;
+        c->busy_keep = tw_busy_keep(tw_result_others_share(r));
+        c->confirmed = c->speedup_low >= c->busy_keep;
     }
 }
 
@@ -711,9 +712,9 @@ static tw_code tw_confirm_selected(tw_search *s, tw_error *err)
         if (rc == TW_OK && c->quality == TW_QUALITY_BUSY) {
             s->entered = 0;
             tw_host_logf(s->host, 1, "depth %d kept on a busy machine (other processes took "
-                         "%.0f%% of the CPUs): faster by more than %.0fx at the spread's low "
+                         "%.0f%% of the CPUs): at least %.2fx faster at the spread's low "
                          "end; no speedup is claimed", depth,
-                         tw_result_others_share(r) * 100.0, TW_BUSY_KEEP);
+                         tw_result_others_share(r) * 100.0, c->busy_keep);
             goto cleanup;
         }
         if (rc == TW_OK) {
@@ -729,9 +730,9 @@ static tw_code tw_confirm_selected(tw_search *s, tw_error *err)
     }
     if (c->quality == TW_QUALITY_BUSY) {
         tw_host_logf(s->host, 1, "depth %d not kept: the machine was busy (other processes took "
-                     "%.0f%% of the CPUs while measuring) and it was not %.0fx faster at the "
+                     "%.0f%% of the CPUs while measuring) and it was not %.2fx faster at the "
                      "spread's low end; the model stays untuned", depth,
-                     tw_result_others_share(r) * 100.0, TW_BUSY_KEEP);
+                     tw_result_others_share(r) * 100.0, c->busy_keep);
         r->selected = -1;
         goto leave;
     }

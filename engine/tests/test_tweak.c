@@ -584,7 +584,7 @@ static const char *last_line(const char *text)
 /* A lasting load: other processes take 60 % of the CPUs through the search and
  * the side-by-side measurement, and the figures agree with each other (1.43x
  * both times). The machine is busy: no speedup is claimed, the quality says
- * so, and a gain under TW_BUSY_KEEP is not kept. */
+ * so, and a gain under tw_busy_keep(0.6) = 2.5x is not kept. */
 static void test_lasting_load_is_busy(void)
 {
     fake_model m;
@@ -609,9 +609,10 @@ static void test_lasting_load_is_busy(void)
     CHECK_INT((int)tw_result_selected(result), -1);
     CHECK(!m.entered && !m.active); /* left: the model is as it was */
     CHECK_STR(last_line(text), "the machine was busy: other processes took 60% of the CPUs while "
-                               "measuring, so no speedup is claimed and depth 2 is not kept (on a "
-                               "busy machine a depth must be 2x faster at its spread's low end): it "
+                               "measuring, so no speedup is claimed and depth 2 is not kept (under "
+                               "that load a depth must be 2.50x faster at its spread's low end): it "
                                "stays untuned; tweak again on a quiet machine\n");
+    CHECK_NEAR(c.busy_keep, 2.5, 1e-9);
     CHECK_HAS(text, "not kept: busy machine");
     CHECK(strstr(text, "1.43x faster") == NULL && strstr(text, "within noise") == NULL);
     tw_free(text);
@@ -620,7 +621,7 @@ static void test_lasting_load_is_busy(void)
     /* a gain wide enough is kept, still with no figure claimed */
     fake_model_setup(&m);
     m.wrapped_latency = 1000;
-    m.depth_latency[0] = m.depth_latency[1] = m.depth_latency[2] = 400;
+    m.depth_latency[0] = m.depth_latency[1] = m.depth_latency[2] = 300;
     m.load_known = 1;
     m.search_share = m.side_share = 0.6;
     result = run_confirmed(&m, &c, &text);
@@ -630,10 +631,15 @@ static void test_lasting_load_is_busy(void)
     CHECK_INT((int)tw_result_selected(result), 0);
     CHECK(m.entered && m.active);
     CHECK_STR(last_line(text), "kept depth 0, but the machine was busy: other processes took 60% "
-                               "of the CPUs while measuring, so no speedup is claimed (it was "
-                               "faster than untuned by more than 2x even at its spread's low end, "
-                               "the margin a busy machine needs); tweak again on a quiet machine "
-                               "for a figure\n");
+                               "of the CPUs while measuring, so no speedup is claimed (it was at "
+                               "least 2.50x faster than untuned even at its spread's low end, the "
+                               "margin such a load needs); tweak again on a quiet machine for a "
+                               "figure\n");
+    /* the margin grows with the load: 1 / (1 - share) */
+    CHECK_NEAR(tw_busy_keep(0.25), 4.0 / 3.0, 1e-9);
+    CHECK_NEAR(tw_busy_keep(0.5), 2.0, 1e-9);
+    CHECK_NEAR(tw_busy_keep(1.0), 20.0, 1e-9);
+    CHECK_NEAR(tw_busy_keep(-1.0), 1.0, 1e-9);
     tw_free(text);
     fake_model_teardown(&m, result);
 }

@@ -132,14 +132,15 @@ tt_result_get_confirmation(TtResult *self, void *closure)
         (untuned = tt_stats_to_dict(&c.untuned)) == NULL ||
         (share = c.others_share < 0.0 ? Py_NewRef(Py_None) : PyFloat_FromDouble(c.others_share)) == NULL)
         goto cleanup;
-    result = Py_BuildValue("{s:i,s:O,s:O,s:O,s:d,s:d,s:d,s:s,s:I,s:O,s:d,s:d,s:O,s:O}", "depth",
+    result = Py_BuildValue("{s:i,s:O,s:O,s:O,s:d,s:d,s:d,s:s,s:I,s:O,s:d,s:d,s:O,s:O,s:d}", "depth",
                            c.depth, "confirmed", c.confirmed ? Py_True : Py_False, "tuned", tuned,
                            "untuned", untuned, "speedup", c.speedup, "speedup_low",
                            c.speedup_low, "speedup_high", c.speedup_high, "quality",
                            tw_quality_name(c.quality), "tries", (unsigned int)c.tries,
                            "from_search", c.from_search ? Py_True : Py_False, "side_speedup",
                            c.side_speedup, "search_speedup", c.search_speedup, "agreed",
-                           c.agreed ? Py_True : Py_False, "others_share", share);
+                           c.agreed ? Py_True : Py_False, "others_share", share, "busy_keep",
+                           c.busy_keep);
 cleanup:
     Py_XDECREF(tuned);
     Py_XDECREF(untuned);
@@ -382,10 +383,12 @@ static PyGetSetDef tt_result_getset[] = {
     {"confirmation", (getter)tt_result_get_confirmation, NULL,
      "The kept depth measured side by side with the untuned model: a dict (depth, confirmed, "
      "tuned, untuned, speedup, speedup_low, speedup_high, quality, tries, from_search, "
-     "side_speedup, search_speedup, agreed, others_share), or None when none was measured. "
+     "side_speedup, search_speedup, agreed, others_share, busy_keep), or None when none was "
+     "measured. "
      "speedup is the figure reported: side by side, or the smaller of it and the search's when "
      "they disagree; others_share: what other processes took of the CPUs during the last "
-     "side-by-side measurement (None: unknown).",
+     "side-by-side measurement (None: unknown); busy_keep: on a busy machine, the margin the "
+     "speedup's low end had to reach to keep the depth (else 0).",
      NULL},
     {"quality", (getter)tt_result_get_quality, NULL,
      "How the side-by-side figures held against the search's: \"consistent\", "
@@ -460,8 +463,7 @@ tt_result_exec(PyObject *module, TtState *st)
     if (st->ResultType == NULL)
         goto error;
     if (PyModule_AddObjectRef(module, "Result", (PyObject *)st->ResultType) < 0 ||
-        tt_add_float(module, "BUSY_SHARE", TW_BUSY_SHARE) < 0 ||
-        tt_add_float(module, "BUSY_KEEP", TW_BUSY_KEEP) < 0)
+        tt_add_float(module, "BUSY_SHARE", TW_BUSY_SHARE) < 0)
         goto error;
     rc = 0;
 error:

@@ -128,7 +128,7 @@ class Result:
         """The kept depth measured side by side with the untuned model: {"depth",
         "confirmed", "tuned": Stats, "untuned": Stats, "speedup", "speedup_low",
         "speedup_high", "quality", "tries", "from_search", "side_speedup",
-        "search_speedup", "agreed", "others_share"}; None when none was measured. "speedup" is the figure reported:
+        "search_speedup", "agreed", "others_share", "busy_keep"}; None when none was measured. "speedup" is the figure reported:
         side by side, or the smaller of it and the search's when they disagree
         ("from_search" when that is the search's)."""
     @property
@@ -199,8 +199,6 @@ def tweak(tree: Tree, *,
 BUSY_SHARE: float
 """The share of the machine's CPU capacity other processes may take while the figures are
 measured; above it the machine is busy (TW_BUSY_SHARE)."""
-BUSY_KEEP: float
-"""On a busy machine, the speedup's low end at which a depth is still kept (TW_BUSY_KEEP)."""
 
 class Signature:
     """What one call of a module looked like: the number of positional

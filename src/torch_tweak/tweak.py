@@ -75,8 +75,8 @@ class TweakResult:
     changed, and agreed when measured again); "inconsistent" (they never agreed: the smaller
     speedup is reported, and the depth kept only when even that is a gain); "busy" (other
     processes took more than a quarter of the CPUs while measuring: no speedup is claimed,
-    and the depth is kept only when it was at least 2x faster at its spread's low end;
-    docs/tweak.md); "unchecked" (nothing was measured side by side: no depth beat the
+    and the depth is kept only when its spread's low end reached 1 / (1 - others_share),
+    confirmation["busy_keep"]; docs/tweak.md); "unchecked" (nothing was measured side by side: no depth beat the
     untuned model, or a dry run).
     noisy: True when no speedup was confirmed and a measurement spread more than 25 % (a
     busy machine may have hidden one).
@@ -245,13 +245,14 @@ class TweakResult:
         if quality == "busy" and side is not None:
             busy = (f"the machine was busy (other processes took {100 * (self.others_share or 0):.0f}% of the "
                     f"CPUs while measuring)")
+            margin = side.get("busy_keep", 0.0)
             if self.selected_depth is not None:
-                return (f"kept depth {self.selected_depth}, but {busy}: no speedup is claimed (it was more than "
-                        f"{_C.BUSY_KEEP:.0f}x faster even at its spread's low end); tweak again on a quiet machine "
-                        f"for a figure{loop}")
-            return (f"{busy}: no speedup is claimed and depth {side['depth']} is not kept (on a busy machine a "
-                    f"depth must be {_C.BUSY_KEEP:.0f}x faster at its spread's low end): {stays}; tweak again on a "
-                    f"quiet machine{loop}")
+                return (f"kept depth {self.selected_depth}, but {busy}: no speedup is claimed (it was at least "
+                        f"{margin:.2f}x faster even at its spread's low end, the margin such a load needs); tweak "
+                        f"again on a quiet machine for a figure{loop}")
+            return (f"{busy}: no speedup is claimed and depth {side['depth']} is not kept (under that load a depth "
+                    f"must be {margin:.2f}x faster at its spread's low end): {stays}; tweak again on a quiet "
+                    f"machine{loop}")
         if self.selected_depth is not None:
             how = how if side is not None and side["confirmed"] else "measured in turn"
             return f"kept depth {self.selected_depth}, {self.speedup:.2f}x faster than untuned ({how}){loop}"
