@@ -410,6 +410,20 @@ tw_code tw_module_result_candidate(const tw_module_result *module, size_t g, siz
  * partial wrap. enter() or activate() failing skips that depth with its error.
  * leave() failing ends the tweak with its code: the engine cannot know what
  * state the model is in. */
+/* The machine's load as the host reads it, to tell a busy machine (see
+ * TW_BUSY_SHARE): two running totals of CPU-seconds, which the engine takes
+ * the difference of over a measurement window.
+ * others: CPU time taken by processes other than the tuning one and its
+ * descendants (its threads, compile workers and isolated children are its own
+ * work, not the machine's load); capacity: the CPU time the machine's cores
+ * could give (cores x wall time). known: 0 when the host cannot tell (no
+ * /proc/stat): then nothing depends on it. */
+typedef struct tw_load {
+    int known;
+    double others;
+    double capacity;
+} tw_load;
+
 typedef struct tw_tweak_ops {
     void *ctx;
     tw_code (*enter)(void *ctx, const size_t *nodes, const int *tune, size_t n,
@@ -419,6 +433,10 @@ typedef struct tw_tweak_ops {
     tw_code (*deactivate)(void *ctx, tw_error *err);
     tw_code (*leave)(void *ctx, tw_error *err);
     tw_runner model;
+    /* may be NULL: the load is unknown. Read before and after each measurement
+     * of the untuned model and each side-by-side measurement. TW_EINTERRUPT
+     * stops the tweak; any other failure counts as unknown. */
+    tw_code (*load)(void *ctx, tw_load *out, tw_error *err);
 } tw_tweak_ops;
 
 typedef struct tw_tweak_config {
@@ -479,6 +497,14 @@ typedef struct tw_result tw_result;
  * reported speedup's interval lies above 1: untuned q25 over tuned q75 above
  * 1. Otherwise it is left, nothing is selected, and the confirmation says why
  * (see tw_confirmation). The kept cut ends active.
+ * A busy machine (ops->load): when other processes took more than
+ * TW_BUSY_SHARE of the machine's CPU capacity during the untuned model's
+ * measurements in the search or the last side-by-side measurement, the figures
+ * are not believed whether or not they agree (a lasting load slows eager
+ * torch's threads more than a compiled backend's, so the speedup it shows is
+ * real only under that load): the quality is TW_QUALITY_BUSY, no speedup is
+ * claimed, and the cut is kept only when the speedup's interval lies at or
+ * above tw_busy_keep(share).
  * A dry run computes the rows with their module counts and calls nothing;
  * ops may be NULL then. A depth not started for the budget still reports its
  * modules, and as failed those that failed at a shallower depth.
@@ -543,6 +569,35 @@ int tw_result_row_has(const tw_result *result, size_t i, size_t node);
  * times (an eager call from 25 ms to 600 ms). */
 #define TW_AGREE_MARGIN 0.25
 
+/* Other processes taking more than this share of the machine's CPU capacity
+ * (cores x wall time) while the figures are measured make the machine busy
+ * (see tw_tweak_run). A quarter: half a core of a 2-core machine, one whole
+ * core of 4. What a desktop runs beside (an editor, a browser left alone,
+ * daemons) takes a few percent; one single-threaded job beside the tweak on
+ * up to 3 cores is above it, and that is a load under which eager torch's
+ * threads were measured losing far more than OpenVINO's (1.75x claimed on a
+ * loaded 2-core machine, 1.12x when quiet). */
+#define TW_BUSY_SHARE 0.25
+
+/* A window of less capacity than this (CPU-seconds: 0.15 s on 2 cores) is too
+ * short to tell the load from its readings' rounding (clock ticks of 10 ms):
+ * a short side-by-side measurement is judged together with the untuned
+ * model's measurements (see tw_result_others_share). */
+#define TW_LOAD_MIN_CAPACITY 0.3
+
+/* On a busy machine the selected cut is kept only when its speedup's interval
+ * lies at or above this margin: 1 / (1 - share), share being what other
+ * processes took (tw_result_others_share): 1.33x at 25 %, 2x at 50 %, 5x at
+ * 80 %, 20x from 95 %. Other processes taking `share` of the CPUs slow a
+ * side whose threads lose their part of every core by about that factor,
+ * while a side that loses less keeps more of its speed, so a ratio under it
+ * may be the load's alone: the example encoder read 1.75x beside two busy
+ * processes on 2 cores and 1.12x when quiet; with others at 81 % its search
+ * read 3.47x. A heuristic, not a bound (a burst can tilt a ratio further; the
+ * agreement rule catches that). Below it the model stays untuned; a busy
+ * result is never cached, so the next tweak measures again. */
+double tw_busy_keep(double share);
+
 /* The most side-by-side measurements of one confirmation (the first included). */
 #define TW_CONFIRM_TRIES 3u
 
@@ -557,10 +612,12 @@ typedef enum tw_quality {
                                  * deactivate callback, or the confirmation failed */
     TW_QUALITY_CONSISTENT = 1,  /* the side-by-side figures agreed with the search's */
     TW_QUALITY_REMEASURED = 2,  /* they disagreed at first and agreed when measured again */
-    TW_QUALITY_INCONSISTENT = 3 /* they never agreed: the smaller figure is reported */
+    TW_QUALITY_INCONSISTENT = 3, /* they never agreed: the smaller figure is reported */
+    TW_QUALITY_BUSY = 4          /* other processes took more than TW_BUSY_SHARE of the
+                                  * CPUs while measuring: no speedup is claimed */
 } tw_quality;
 
-/* "unchecked", "consistent", "remeasured", "inconsistent"; "unknown" when out of range. */
+/* "unchecked", "consistent", "remeasured", "inconsistent", "busy"; "unknown" when out of range. */
 const char *tw_quality_name(tw_quality quality);
 
 /* The selected depth measured side by side with the untuned model. */
@@ -576,13 +633,20 @@ typedef struct tw_confirmation {
                           * (baseline against the selected row) is smaller */
     double speedup_low;  /* its untuned q25 / tuned q75: the interval's low end */
     double speedup_high; /* its untuned q75 / tuned q25 */
-    tw_quality quality;  /* consistent, remeasured or inconsistent */
+    tw_quality quality;  /* consistent, remeasured, inconsistent or busy */
     uint32_t tries;      /* side-by-side measurements taken, 1..TW_CONFIRM_TRIES */
     int from_search;     /* 1: the reported figure is the search's (inconsistent,
                           * and the search's was the smaller) */
     double side_speedup;   /* the last side-by-side figure (untuned / tuned medians) */
     double search_speedup; /* the search's figure: baseline median / the selected
                             * row's median */
+    int agreed;          /* 1: the side-by-side figures agreed with the search's
+                          * (quality consistent or remeasured, or busy and agreeing) */
+    double busy_keep;    /* busy: the margin the speedup's low end had to reach
+                          * (tw_busy_keep); else 0 */
+    double others_share; /* what other processes took of the CPU capacity during
+                          * the last side-by-side measurement, 0..1; -1: unknown
+                          * or too short to tell (TW_LOAD_MIN_CAPACITY) */
 } tw_confirmation;
 
 /* Copies the confirmation into *out (all zero when none was measured). */
@@ -593,6 +657,15 @@ tw_quality tw_result_quality(const tw_result *result);
 /* 1 when no speedup was confirmed and a measurement of the result spread more
  * than TW_NOISY_SPREAD: the machine may have been too busy to decide. */
 int tw_result_noisy(const tw_result *result);
+/* The share of the machine's CPU capacity other processes took while the
+ * figures were measured (see tw_load): the larger of the untuned model's
+ * measurements in the search and the last side-by-side one, each judged only
+ * when its capacity reaches TW_LOAD_MIN_CAPACITY, and both together when
+ * neither does; 0..1; -1 when unknown (no load callback, no reading, windows
+ * too short, a dry run). */
+double tw_result_others_share(const tw_result *result);
+/* 1 when tw_result_others_share is above TW_BUSY_SHARE. */
+int tw_result_busy(const tw_result *result);
 
 /* The result table: one row per depth (depth, modules wrapped, latency in ms,
  * speedup against untuned, status or error) and one for the untuned model,

@@ -138,6 +138,12 @@ struct tw_result {
     tw_stats baseline;
     int baseline_measured;
     tw_confirmation confirmation;
+    double baseline_others;      /* what others took during the untuned model's
+                                  * measurements, and the capacity then, in
+                                  * CPU-seconds; baseline_capacity 0: unknown */
+    double baseline_capacity;
+    double side_others;          /* the same during the last side-by-side measurement */
+    double side_capacity;
     size_t module_count;
     tw_module_result **modules;  /* per node: its search, NULL when never searched */
     unsigned char *in_cut;       /* row_count * module_count: node in row's cut */

@@ -21,6 +21,7 @@ tw_result *tw_result_create(const tw_host *host, size_t rows, size_t modules)
     memset(result, 0, sizeof *result);
     result->host = *host;
     result->selected = -1;
+    result->confirmation.others_share = -1.0;
     result->rows = tw_host_alloc_array(host, rows, sizeof *result->rows);
     result->modules = tw_host_alloc_array(host, modules, sizeof *result->modules);
     result->in_cut = rows != 0 && modules > SIZE_MAX / rows
@@ -146,6 +147,8 @@ const char *tw_quality_name(tw_quality quality)
         return "remeasured";
     case TW_QUALITY_INCONSISTENT:
         return "inconsistent";
+    case TW_QUALITY_BUSY:
+        return "busy";
     }
     return "unknown";
 }
@@ -187,6 +190,46 @@ static double tw_result_max_spread(const tw_result *result)
         widest = result->confirmation.untuned.spread > widest ? result->confirmation.untuned.spread : widest;
     }
     return widest;
+}
+
+/* others / capacity within 0..1, or -1 when the capacity is too small to tell. */
+static double tw_share_of(double others, double capacity)
+{
+    double share;
+
+    if (!(capacity >= TW_LOAD_MIN_CAPACITY)) {
+        return -1.0;
+    }
+    share = others / capacity;
+    return share < 0.0 ? 0.0 : share > 1.0 ? 1.0 : share;
+}
+
+double tw_result_others_share(const tw_result *result)
+{
+    double base;
+    double side;
+
+    if (result == NULL || result->dry_run) {
+        return -1.0;
+    }
+    base = tw_share_of(result->baseline_others, result->baseline_capacity);
+    side = tw_share_of(result->side_others, result->side_capacity);
+    if (base < 0.0 && side < 0.0) {
+        return tw_share_of(result->baseline_others + result->side_others,
+                           result->baseline_capacity + result->side_capacity);
+    }
+    return base > side ? base : side;
+}
+
+double tw_busy_keep(double share)
+{
+    share = share > 0.0 ? share : 0.0;
+    return 1.0 / (1.0 - (share < 0.95 ? share : 0.95));
+}
+
+int tw_result_busy(const tw_result *result)
+{
+    return tw_result_others_share(result) > TW_BUSY_SHARE;
 }
 
 int tw_result_noisy(const tw_result *result)
@@ -388,6 +431,9 @@ static void tw_format_depth_row(tw_buf *buf, const tw_result *result, size_t i)
     case TW_ROW_MEASURED:
         if ((long)i == result->selected) {
             tw_buf_appendf(buf, "  selected");
+        } else if (c->measured && !c->confirmed && c->depth == row->depth &&
+                   c->quality == TW_QUALITY_BUSY) {
+            tw_buf_appendf(buf, "  not kept: busy machine");
         } else if (c->measured && !c->confirmed && c->depth == row->depth) {
             tw_buf_appendf(buf, "  %s%s", c->speedup_high < 1.0 ? "slower" : "within noise",
                            c->from_search ? "" : " side by side");
@@ -449,6 +495,27 @@ static void tw_format_disagreement(tw_buf *buf, const tw_result *result)
                    result->baseline.median_ns / 1e6, c->tries, c->tries == 1 ? "" : "s");
 }
 
+/* The last line of a result measured on a busy machine: no speedup claimed,
+ * whether the depth was kept anyway and why. */
+static void tw_format_busy(tw_buf *buf, const tw_result *result, const char *untuned)
+{
+    const tw_confirmation *c = &result->confirmation;
+    double share = tw_result_others_share(result) * 100.0;
+
+    if (c->confirmed) {
+        tw_buf_appendf(buf, "kept depth %d, but the machine was busy: other processes took %.0f%% "
+                       "of the CPUs while measuring, so no speedup is claimed (it was at least "
+                       "%.2fx faster than untuned even at its spread's low end, the margin such a "
+                       "load needs); tweak again on a quiet machine for a figure\n", c->depth,
+                       share, c->busy_keep);
+    } else {
+        tw_buf_appendf(buf, "the machine was busy: other processes took %.0f%% of the CPUs while "
+                       "measuring, so no speedup is claimed and depth %d is not kept (under that "
+                       "load a depth must be %.2fx faster at its spread's low end): %s; tweak "
+                       "again on a quiet machine\n", share, c->depth, c->busy_keep, untuned);
+    }
+}
+
 static void tw_format_summary(tw_buf *buf, const tw_result *result, const char *untuned)
 {
     const tw_row *row;
@@ -457,7 +524,7 @@ static void tw_format_summary(tw_buf *buf, const tw_result *result, const char *
     const tw_stats *base = &c->untuned;
     const char *how = "measured side by side";
 
-    if (c->measured && c->quality == TW_QUALITY_INCONSISTENT) {
+    if (c->measured && !c->agreed) {
         tw_format_disagreement(buf, result);
         how = c->from_search ? "by the smaller figure, the search's"
                              : "by the smaller figure, measured side by side";
@@ -471,6 +538,8 @@ static void tw_format_summary(tw_buf *buf, const tw_result *result, const char *
     }
     if (result->dry_run) {
         tw_buf_appendf(buf, "dry run: nothing was built or measured\n");
+    } else if (c->measured && c->quality == TW_QUALITY_BUSY) {
+        tw_format_busy(buf, result, untuned);
     } else if (c->measured && c->confirmed) {
         tw_buf_appendf(buf, "kept depth %d: %.2fx faster than untuned, %s "
                        "(%.3f ms, spread %.0f%%, against %.3f ms, spread %.0f%%; %.2fx to "
@@ -536,7 +605,14 @@ char *tw_result_format_as(const tw_result *result, const char *untuned, tw_error
     tw_buf_appendf(&buf, TW_TABLE_ROW "%s\n", "", "untuned", "-", "-", latency, spread, speedup,
                    result->baseline_measured ? "" : "  not measured");
     tw_format_summary(&buf, result, untuned != NULL ? untuned : "it stays untuned");
-    if (tw_result_noisy(result)) {
+    if (result->confirmation.measured && result->confirmation.quality == TW_QUALITY_BUSY) {
+        /* the summary said it, last */
+    } else if (tw_result_busy(result)) {
+        /* no figure was claimed; the untuned model's measurement still fell on a busy moment */
+        tw_buf_appendf(&buf, "other processes took %.0f%% of the CPUs while the untuned model was "
+                       "measured: the machine was busy; close other work and tweak again\n",
+                       tw_result_others_share(result) * 100.0);
+    } else if (tw_result_noisy(result)) {
         tw_buf_appendf(&buf, "the measurements spread by up to %.0f%%: the machine was busy; close "
                        "other work and tweak again, or measure longer (measure={\"rounds_max\": "
                        "200})\n", tw_result_max_spread(result) * 100.0);

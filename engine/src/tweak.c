@@ -363,17 +363,72 @@ cleanup:
     return rc;
 }
 
+/* The host's reading of the machine's load (see tw_load); out->known is 0 when
+ * it cannot tell. Only an interrupt is returned: any other failure of the
+ * callback counts as unknown. */
+static tw_code tw_read_load(const tw_search *s, tw_load *out, tw_error *err)
+{
+    tw_code rc = TW_OK;
+    tw_error cause;
+
+    memset(out, 0, sizeof *out);
+    if (s->ops->load == NULL) {
+        goto cleanup;
+    }
+    tw_error_clear(&cause);
+    rc = s->ops->load(s->ops->ctx, out, &cause);
+    if (rc == TW_EINTERRUPT) {
+        tw_error_set(err, rc, "reading the machine's load: %s", cause.msg);
+        goto cleanup;
+    }
+    if (rc != TW_OK || !out->known || !isfinite(out->others) || !isfinite(out->capacity)) {
+        memset(out, 0, sizeof *out);
+    }
+    rc = TW_OK;
+cleanup:
+    return rc;
+}
+
+/* What other processes took between two readings, and the capacity that
+ * elapsed: 1 when both are known and the capacity grew, else 0. */
+static int tw_load_window(const tw_load *before, const tw_load *after, double *others,
+                          double *capacity)
+{
+    if (!before->known || !after->known || !(after->capacity > before->capacity)) {
+        return 0;
+    }
+    *capacity = after->capacity - before->capacity;
+    *others = after->others - before->others;
+    *others = *others < 0.0 ? 0.0 : *others > *capacity ? *capacity : *others;
+    return 1;
+}
+
 static tw_code tw_measure_baseline(tw_search *s, tw_stats *stats, tw_error *err)
 {
     tw_code rc;
     tw_error cause;
+    tw_load before;
+    tw_load after;
+    double others;
+    double capacity;
     size_t failed;
 
+    rc = tw_read_load(s, &before, err);
+    if (rc != TW_OK) {
+        goto cleanup;
+    }
     rc = tw_measure_runners(s->host, &s->ops->model, 1, &s->cfg->measure, stats, &failed,
                             &cause);
     if (rc != TW_OK) {
         tw_error_set(err, rc, "measuring the untuned model failed: %s", cause.msg);
+        goto cleanup;
     }
+    rc = tw_read_load(s, &after, err);
+    if (rc == TW_OK && tw_load_window(&before, &after, &others, &capacity)) {
+        s->result->baseline_others += others;
+        s->result->baseline_capacity += capacity;
+    }
+cleanup:
     return rc;
 }
 
@@ -486,10 +541,20 @@ static tw_code tw_measure_side_by_side(tw_search *s, int depth, tw_stats *stats,
     tw_code rc;
     tw_runner runners[2];
     tw_error cause;
+    tw_load before;
+    tw_load after;
+    double others;
+    double capacity;
     size_t failed;
     int k;
 
     *failed_measure = 0;
+    s->result->side_others = 0.0;
+    s->result->side_capacity = 0.0;
+    rc = tw_read_load(s, &before, err);
+    if (rc != TW_OK) {
+        goto cleanup;
+    }
     for (k = 0; k < 2; k++) {
         runners[k].ctx = (void *)s->ops;
         runners[k].n_samples = s->ops->model.n_samples;
@@ -505,7 +570,14 @@ static tw_code tw_measure_side_by_side(tw_search *s, int depth, tw_stats *stats,
         tw_host_logf(s->host, 1, "depth %d could not be confirmed: %s", depth, cause.msg);
         *failed_measure = 1;
         rc = TW_OK;
+    } else {
+        rc = tw_read_load(s, &after, err);
+        if (rc == TW_OK && tw_load_window(&before, &after, &others, &capacity)) {
+            s->result->side_others = others;
+            s->result->side_capacity = capacity;
+        }
     }
+cleanup:
     return rc;
 }
 
@@ -554,6 +626,9 @@ static void tw_settle_confirmation(tw_result *r, const tw_stats *stats, uint32_t
     c->tuned = stats[0];
     c->untuned = stats[1];
     c->tries = tries;
+    c->agreed = agree;
+    c->others_share = r->side_capacity >= TW_LOAD_MIN_CAPACITY
+                          ? r->side_others / r->side_capacity : -1.0;
     c->quality = agree ? (tries == 1 ? TW_QUALITY_CONSISTENT : TW_QUALITY_REMEASURED)
                        : TW_QUALITY_INCONSISTENT;
     tw_speedup_of(&stats[1], &stats[0], &c->speedup, &c->speedup_low, &c->speedup_high);
@@ -569,6 +644,12 @@ static void tw_settle_confirmation(tw_result *r, const tw_stats *stats, uint32_t
         c->speedup_high = search_high;
     }
     c->confirmed = c->speedup_low > 1.0;
+    if (tw_result_busy(r)) {
+        /* figures from a busy machine, agreeing or not: no claim, and only a wide gain is kept */
+        c->quality = TW_QUALITY_BUSY;
+        c->busy_keep = tw_busy_keep(tw_result_others_share(r));
+        c->confirmed = c->speedup_low >= c->busy_keep;
+    }
 }
 
 /* Measures the applied cut active and deactivated side by side, holds the
@@ -628,6 +709,14 @@ static tw_code tw_confirm_selected(tw_search *s, tw_error *err)
         /* the last round may have been the untuned one */
         tw_error_clear(&cause);
         rc = s->ops->activate(s->ops->ctx, &cause);
+        if (rc == TW_OK && c->quality == TW_QUALITY_BUSY) {
+            s->entered = 0;
+            tw_host_logf(s->host, 1, "depth %d kept on a busy machine (other processes took "
+                         "%.0f%% of the CPUs): at least %.2fx faster at the spread's low "
+                         "end; no speedup is claimed", depth,
+                         tw_result_others_share(r) * 100.0, c->busy_keep);
+            goto cleanup;
+        }
         if (rc == TW_OK) {
             s->entered = 0;
             tw_host_logf(s->host, 0, "depth %d kept: %.2fx faster %s (%.2fx to %.2fx)", depth,
@@ -638,6 +727,14 @@ static tw_code tw_confirm_selected(tw_search *s, tw_error *err)
         tw_error_forward(&cause, rc, &cause, "activate");
         tw_error_set(err, rc, "activating the kept depth %d failed: %s", depth, cause.msg);
         goto cleanup;
+    }
+    if (c->quality == TW_QUALITY_BUSY) {
+        tw_host_logf(s->host, 1, "depth %d not kept: the machine was busy (other processes took "
+                     "%.0f%% of the CPUs while measuring) and it was not %.2fx faster at the "
+                     "spread's low end; the model stays untuned", depth,
+                     tw_result_others_share(r) * 100.0, c->busy_keep);
+        r->selected = -1;
+        goto leave;
     }
     tw_host_logf(s->host, 1, "depth %d is %s the untuned model %s (%.2fx, %.2fx to %.2fx): the "
                  "model stays untuned", depth,

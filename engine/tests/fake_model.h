@@ -47,6 +47,18 @@ typedef struct fake_model {
     int activate_fail_at;             /* this activate (1, 2...) fails; 0: none */
     tw_code leave_rc;
     tw_code baseline_rc;
+    /* the machine's load (model_load, set in the ops only when load_known): the
+     * share of 2 cores other processes take while nothing was deactivated yet
+     * (the search), and once something was (the side-by-side measurement) */
+    int load_known;
+    double search_share;
+    double side_share;
+    tw_code load_rc;                  /* the load callback fails with this */
+    double load_unit;                 /* fake ns per second of wall time; 0: 1000 */
+    double load_others;               /* its running totals, in fake ns */
+    double load_capacity;
+    uint64_t load_last;
+    int load_calls;
     /* what happened */
     int tune_calls[MAX_NODES];        /* module searches started (groups()) */
     long committed[MAX_NODES];        /* per node, the last commit's choice */
@@ -270,6 +282,28 @@ static inline tw_code model_run(void *ctx, size_t sample, tw_error *err)
     return TW_OK;
 }
 
+/* The fake load: since the last reading, others took the share of the phase
+ * the model is in (see fake_model.search_share) of 2 cores' capacity; a fake
+ * ns stands for a ms (the fake model's calls take about a second). */
+static inline tw_code model_load(void *ctx, tw_load *out, tw_error *err)
+{
+    fake_model *m = ctx;
+    double elapsed = 2.0 * (double)(m->env.now - m->load_last) /
+                     (m->load_unit > 0.0 ? m->load_unit : 1000.0);
+
+    m->load_calls++;
+    if (m->load_rc != TW_OK) {
+        return tw_error_set(err, m->load_rc, "cannot read the load");
+    }
+    m->load_capacity += elapsed;
+    m->load_others += elapsed * (m->deactivates > 0 ? m->side_share : m->search_share);
+    m->load_last = m->env.now;
+    out->known = 1;
+    out->others = m->load_others;
+    out->capacity = m->load_capacity;
+    return TW_OK;
+}
+
 static inline void fake_model_setup(fake_model *m)
 {
     size_t i;
@@ -310,6 +344,7 @@ static inline tw_tweak_ops fake_model_ops(fake_model *m)
     ops.model.run = model_run;
     ops.model.sync = NULL;
     ops.model.round = NULL;
+    ops.load = m->load_known ? model_load : NULL;
     return ops;
 }
 

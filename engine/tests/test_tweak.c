@@ -565,6 +565,225 @@ static void test_noisy_measurements_are_named(void)
     fake_model_teardown(&m, result);
 }
 
+/* The summary: the table's last line. */
+static const char *last_line(const char *text)
+{
+    size_t n = strlen(text);
+    const char *at;
+
+    while (n > 0 && text[n - 1] == '\n') {
+        n--;
+    }
+    at = text + n;
+    while (at > text && at[-1] != '\n') {
+        at--;
+    }
+    return at;
+}
+
+/* A lasting load: other processes take 60 % of the CPUs through the search and
+ * the side-by-side measurement, and the figures agree with each other (1.43x
+ * both times). The machine is busy: no speedup is claimed, the quality says
+ * so, and a gain under tw_busy_keep(0.6) = 2.5x is not kept. */
+static void test_lasting_load_is_busy(void)
+{
+    fake_model m;
+    tw_result *result;
+    tw_confirmation c;
+    char *text;
+
+    fake_model_setup(&m);
+    m.wrapped_latency = 1000;
+    m.load_known = 1;
+    m.search_share = m.side_share = 0.6;
+    result = run_confirmed(&m, &c, &text);
+    CHECK(text != NULL);
+    CHECK(m.load_calls >= 6); /* before and after both baselines and each side by side */
+    CHECK(c.measured && c.agreed && !c.confirmed);
+    CHECK_INT(c.quality, TW_QUALITY_BUSY);
+    CHECK_INT(tw_result_quality(result), TW_QUALITY_BUSY);
+    CHECK_STR(tw_quality_name(c.quality), "busy");
+    CHECK_NEAR(c.others_share, 0.6, 1e-9);
+    CHECK_NEAR(tw_result_others_share(result), 0.6, 1e-9);
+    CHECK(tw_result_busy(result));
+    CHECK_INT((int)tw_result_selected(result), -1);
+    CHECK(!m.entered && !m.active); /* left: the model is as it was */
+    CHECK_STR(last_line(text), "the machine was busy: other processes took 60% of the CPUs while "
+                               "measuring, so no speedup is claimed and depth 2 is not kept (under "
+                               "that load a depth must be 2.50x faster at its spread's low end): it "
+                               "stays untuned; tweak again on a quiet machine\n");
+    CHECK_NEAR(c.busy_keep, 2.5, 1e-9);
+    CHECK_HAS(text, "not kept: busy machine");
+    CHECK(strstr(text, "1.43x faster") == NULL && strstr(text, "within noise") == NULL);
+    tw_free(text);
+    fake_model_teardown(&m, result);
+
+    /* a gain wide enough is kept, still with no figure claimed */
+    fake_model_setup(&m);
+    m.wrapped_latency = 1000;
+    m.depth_latency[0] = m.depth_latency[1] = m.depth_latency[2] = 300;
+    m.load_known = 1;
+    m.search_share = m.side_share = 0.6;
+    result = run_confirmed(&m, &c, &text);
+    CHECK(text != NULL);
+    CHECK_INT(c.quality, TW_QUALITY_BUSY);
+    CHECK(c.confirmed);
+    CHECK_INT((int)tw_result_selected(result), 0);
+    CHECK(m.entered && m.active);
+    CHECK_STR(last_line(text), "kept depth 0, but the machine was busy: other processes took 60% "
+                               "of the CPUs while measuring, so no speedup is claimed (it was at "
+                               "least 2.50x faster than untuned even at its spread's low end, the "
+                               "margin such a load needs); tweak again on a quiet machine for a "
+                               "figure\n");
+    /* the margin grows with the load: 1 / (1 - share) */
+    CHECK_NEAR(tw_busy_keep(0.25), 4.0 / 3.0, 1e-9);
+    CHECK_NEAR(tw_busy_keep(0.5), 2.0, 1e-9);
+    CHECK_NEAR(tw_busy_keep(1.0), 20.0, 1e-9);
+    CHECK_NEAR(tw_busy_keep(-1.0), 1.0, 1e-9);
+    tw_free(text);
+    fake_model_teardown(&m, result);
+}
+
+/* Busy during the search's untuned measurements only, quiet side by side:
+ * the larger share counts (the search's figures may be the ones reported). */
+static void test_busy_search_quiet_confirmation(void)
+{
+    fake_model m;
+    tw_result *result;
+    tw_confirmation c;
+    char *text;
+
+    fake_model_setup(&m);
+    m.wrapped_latency = 1000;
+    m.load_known = 1;
+    m.search_share = 0.5;
+    m.side_share = 0.0;
+    result = run_confirmed(&m, &c, &text);
+    CHECK_NEAR(c.others_share, 0.0, 1e-9);
+    CHECK_NEAR(tw_result_others_share(result), 0.5, 1e-9);
+    CHECK_INT(c.quality, TW_QUALITY_BUSY);
+    CHECK_INT((int)tw_result_selected(result), -1);
+    tw_free(text);
+    fake_model_teardown(&m, result);
+}
+
+/* A quiet machine (others under TW_BUSY_SHARE), a load nobody can read, and a
+ * load callback that fails: nothing changes from the figures' own rules. */
+static void test_quiet_or_unknown_load_changes_nothing(void)
+{
+    const double shares[] = {0.0, 0.25, 0.1};
+    fake_model m;
+    tw_result *result;
+    tw_confirmation c;
+    char *text;
+    size_t k;
+
+    for (k = 0; k < 4; k++) {
+        fake_model_setup(&m);
+        m.wrapped_latency = 1000;
+        m.load_known = k < 3;
+        if (k < 3) {
+            m.search_share = m.side_share = shares[k];
+        }
+        if (k == 2) {
+            m.load_rc = TW_ECALLBACK;
+        }
+        result = run_confirmed(&m, &c, &text);
+        CHECK_INT(c.quality, TW_QUALITY_CONSISTENT);
+        CHECK(c.confirmed && !tw_result_busy(result));
+        CHECK_INT((int)tw_result_selected(result), 2);
+        if (k < 2) {
+            CHECK_NEAR(tw_result_others_share(result), shares[k], 1e-9);
+        } else {
+            CHECK(tw_result_others_share(result) < 0.0 && c.others_share < 0.0);
+        }
+        CHECK_HAS(text, "kept depth 2: 1.43x faster than untuned, measured side by side");
+        CHECK(strstr(text, "busy") == NULL);
+        tw_free(text);
+        fake_model_teardown(&m, result);
+    }
+}
+
+/* Windows too short to tell the load from the readings' rounding: each
+ * measurement alone is under TW_LOAD_MIN_CAPACITY; together they may reach
+ * it, else the load is unknown and changes nothing. */
+static void test_short_windows_are_judged_together_or_not_at_all(void)
+{
+    fake_model m;
+    tw_result *result;
+    tw_confirmation c;
+    char *text;
+
+    /* each alone is too short (0.16 and 0.2 CPU-s), together they are not (0.36) */
+    fake_model_setup(&m);
+    m.wrapped_latency = 1000;
+    m.load_known = 1;
+    m.load_unit = 150000.0;
+    m.search_share = m.side_share = 0.6;
+    result = run_confirmed(&m, &c, &text);
+    CHECK(c.others_share < 0.0);
+    CHECK_NEAR(tw_result_others_share(result), 0.6, 1e-9);
+    CHECK_INT(c.quality, TW_QUALITY_BUSY);
+    tw_free(text);
+    fake_model_teardown(&m, result);
+    /* all of them too short: unknown */
+    fake_model_setup(&m);
+    m.wrapped_latency = 1000;
+    m.load_known = 1;
+    m.load_unit = 1e8;
+    m.search_share = m.side_share = 0.9;
+    result = run_confirmed(&m, &c, &text);
+    CHECK(c.others_share < 0.0 && tw_result_others_share(result) < 0.0);
+    CHECK_INT(c.quality, TW_QUALITY_CONSISTENT);
+    CHECK_INT((int)tw_result_selected(result), 2);
+    tw_free(text);
+    fake_model_teardown(&m, result);
+}
+
+/* Interrupted while reading the load: the tweak stops, the model as it was. */
+static void test_interrupt_while_reading_load(void)
+{
+    fake_model m;
+    tw_tweak_config cfg = fake_model_config();
+    tw_tweak_ops ops;
+    tw_result *result = NULL;
+    tw_error err;
+
+    fake_model_setup(&m);
+    m.load_known = 1;
+    m.load_rc = TW_EINTERRUPT;
+    ops = fake_model_ops(&m);
+    ops.deactivate = model_deactivate;
+    CHECK_INT(tw_tweak_run(&m.host, m.tree, &cfg, &ops, &result, &err), TW_EINTERRUPT);
+    CHECK(result == NULL);
+    CHECK(!m.entered && !m.active);
+    CHECK_HAS(err.msg, "reading the machine's load");
+    fake_model_teardown(&m, NULL);
+}
+
+/* No depth beats the untuned model, which was measured on a busy machine:
+ * one line says so; the quality stays unchecked (nothing was claimed). */
+static void test_busy_untuned_measurement_is_named(void)
+{
+    fake_model m;
+    tw_result *result;
+    tw_confirmation c;
+    char *text;
+
+    fake_model_setup(&m);
+    m.depth_latency[0] = m.depth_latency[1] = m.depth_latency[2] = 1500;
+    m.load_known = 1;
+    m.search_share = 0.9;
+    result = run_confirmed(&m, &c, &text);
+    CHECK(!c.measured);
+    CHECK_INT(tw_result_quality(result), TW_QUALITY_UNCHECKED);
+    CHECK(tw_result_busy(result));
+    CHECK_STR(last_line(text), "other processes took 90% of the CPUs while the untuned model was "
+                               "measured: the machine was busy; close other work and tweak again\n");
+    tw_free(text);
+    fake_model_teardown(&m, result);
+}
+
 /* The speedup the fake model really has: its untuned latency over depth 2's. */
 #define CONSISTENT_SPEEDUP (1000.0 / 700.0)
 
@@ -933,5 +1152,11 @@ int main(void)
     test_no_remeasure_past_the_budget();
     test_latencies_apart_move_the_speedup();
     test_stats_agree();
+    test_lasting_load_is_busy();
+    test_busy_search_quiet_confirmation();
+    test_quiet_or_unknown_load_changes_nothing();
+    test_interrupt_while_reading_load();
+    test_short_windows_are_judged_together_or_not_at_all();
+    test_busy_untuned_measurement_is_named();
     return CHECK_SUMMARY("test_tweak");
 }

@@ -133,6 +133,7 @@ typedef struct TtTweak {
     TtCall *call;
     /* new references, held for the whole call; deactivate may be NULL */
     PyObject *enter, *activate, *deactivate, *leave;
+    PyObject *load; /* may be NULL: the machine's load is unknown */
     PyObject *run;
     PyObject *tree;
     TtModules modules;
@@ -199,17 +200,58 @@ tt_tweak_leave(void *ctx, tw_error *err)
     return tt_call_invoke(tw->call, tw->leave, NULL, 0, 1, err);
 }
 
+/* load(): None (unknown) or (others, capacity), two running totals of
+ * CPU-seconds (see tw_load). An Exception, or another answer, counts as unknown; an
+ * interrupt stops the tweak. */
+static tw_code
+tt_tweak_load(void *ctx, tw_load *out, tw_error *err)
+{
+    TtTweak *tw = (TtTweak *)ctx;
+    PyObject *res = NULL; /* new reference */
+    double others, capacity;
+    tw_code code = TW_OK;
+
+    memset(out, 0, sizeof(*out));
+    if (TT_UNLIKELY(tw->call->stash != NULL)) {
+        code = tw_error_set(err, TW_EINTERRUPT, "interrupted");
+        goto cleanup;
+    }
+    res = PyObject_CallNoArgs(tw->load);
+    if (res == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_Exception)) {
+            PyErr_Clear(); /* the load is unknown; the tweak goes on */
+            goto cleanup;
+        }
+        code = tt_call_fail(tw->call, err);
+        goto cleanup;
+    }
+    if (!PyTuple_Check(res) || PyTuple_GET_SIZE(res) != 2)
+        goto cleanup;
+    others = PyFloat_AsDouble(PyTuple_GET_ITEM(res, 0));
+    capacity = PyFloat_AsDouble(PyTuple_GET_ITEM(res, 1));
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        goto cleanup;
+    }
+    out->known = 1;
+    out->others = others;
+    out->capacity = capacity;
+cleanup:
+    Py_XDECREF(res);
+    return code;
+}
+
 PyObject *
 tt_py_tweak(PyObject *module, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"tree", "enter", "modules", "activate", "leave", "run", "n_samples",
                              "sync", "min_depth", "max_depth", "tie_tolerance", "time_budget",
-                             "dry_run", "config", "clock", "deactivate", "log", NULL};
+                             "dry_run", "config", "clock", "deactivate", "log", "load", NULL};
     TtState *st = (TtState *)PyModule_GetState(module);
     PyObject *tree = NULL, *enter = NULL, *modules = NULL, *activate = NULL, *leave = NULL;
     PyObject *run = NULL, *n_obj = NULL, *sync = Py_None, *min_depth = NULL, *max_depth = NULL;
     PyObject *tie = NULL, *budget = NULL, *config = Py_None, *clock = Py_None;
-    PyObject *deactivate = Py_None, *log = Py_None; /* all borrowed */
+    PyObject *deactivate = Py_None, *log = Py_None, *load = Py_None; /* all borrowed */
     PyObject *result = NULL;
     Py_ssize_t n_samples = 0;
     int dry_run = 0;
@@ -224,10 +266,10 @@ tt_py_tweak(PyObject *module, PyObject *args, PyObject *kwargs)
     tt_call_init(&call, st, Py_None, Py_None);
     memset(&tw, 0, sizeof(tw));
     memset(&err, 0, sizeof(err));
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!|$OOOOOOOOOOOpOOOO:tweak", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!|$OOOOOOOOOOOpOOOOO:tweak", kwlist,
                                      st->TreeType, &tree, &enter, &modules, &activate, &leave,
                                      &run, &n_obj, &sync, &min_depth, &max_depth, &tie, &budget,
-                                     &dry_run, &config, &clock, &deactivate, &log))
+                                     &dry_run, &config, &clock, &deactivate, &log, &load))
         goto cleanup;
     {
         /* keyword-only and required: PyArg_Parse* has no format for that */
@@ -254,7 +296,8 @@ tt_py_tweak(PyObject *module, PyObject *args, PyObject *kwargs)
     if ((n_samples == -1 && PyErr_Occurred()) || tt_check_n_samples(n_samples) < 0)
         goto cleanup;
     if (tt_check_callable(sync, "sync", 1) < 0 || tt_check_callable(clock, "clock", 1) < 0 ||
-        tt_check_callable(deactivate, "deactivate", 1) < 0 || tt_check_callable(log, "log", 1) < 0)
+        tt_check_callable(deactivate, "deactivate", 1) < 0 || tt_check_callable(log, "log", 1) < 0 ||
+        tt_check_callable(load, "load", 1) < 0)
         goto cleanup;
     if (tt_tweak_config(st, min_depth, max_depth, tie, budget, dry_run, config, &cfg) < 0)
         goto cleanup;
@@ -269,6 +312,7 @@ tt_py_tweak(PyObject *module, PyObject *args, PyObject *kwargs)
     tw.activate = Py_NewRef(activate);
     tw.deactivate = deactivate == Py_None ? NULL : Py_NewRef(deactivate);
     tw.leave = Py_NewRef(leave);
+    tw.load = load == Py_None ? NULL : Py_NewRef(load);
     tw.run = Py_NewRef(run);
     tw.tree = Py_NewRef(tree);
     tw.model.call = &call;
@@ -281,6 +325,7 @@ tt_py_tweak(PyObject *module, PyObject *args, PyObject *kwargs)
     ops.activate = tt_tweak_activate;
     ops.deactivate = tw.deactivate != NULL ? tt_tweak_deactivate : NULL;
     ops.leave = tt_tweak_leave;
+    ops.load = tw.load != NULL ? tt_tweak_load : NULL;
     tt_runner_init(&ops.model, &tw.model, (size_t)n_samples);
 
     code = tw_tweak_run(&call.host, ((TtTree *)tw.tree)->tree, &cfg, &ops, &out, &err);
@@ -296,6 +341,7 @@ cleanup:
     Py_XDECREF(tw.activate);
     Py_XDECREF(tw.deactivate);
     Py_XDECREF(tw.leave);
+    Py_XDECREF(tw.load);
     Py_XDECREF(tw.run);
     Py_XDECREF(tw.tree);
     return result;

@@ -121,7 +121,7 @@ static PyObject *
 tt_result_get_confirmation(TtResult *self, void *closure)
 {
     tw_confirmation c;
-    PyObject *tuned = NULL, *untuned = NULL; /* new references */
+    PyObject *tuned = NULL, *untuned = NULL, *share = NULL; /* new references */
     PyObject *result = NULL;
 
     (void)closure;
@@ -129,18 +129,22 @@ tt_result_get_confirmation(TtResult *self, void *closure)
     if (!c.measured)
         Py_RETURN_NONE;
     if ((tuned = tt_stats_to_dict(&c.tuned)) == NULL ||
-        (untuned = tt_stats_to_dict(&c.untuned)) == NULL)
+        (untuned = tt_stats_to_dict(&c.untuned)) == NULL ||
+        (share = c.others_share < 0.0 ? Py_NewRef(Py_None) : PyFloat_FromDouble(c.others_share)) == NULL)
         goto cleanup;
-    result = Py_BuildValue("{s:i,s:O,s:O,s:O,s:d,s:d,s:d,s:s,s:I,s:O,s:d,s:d}", "depth",
+    result = Py_BuildValue("{s:i,s:O,s:O,s:O,s:d,s:d,s:d,s:s,s:I,s:O,s:d,s:d,s:O,s:O,s:d}", "depth",
                            c.depth, "confirmed", c.confirmed ? Py_True : Py_False, "tuned", tuned,
                            "untuned", untuned, "speedup", c.speedup, "speedup_low",
                            c.speedup_low, "speedup_high", c.speedup_high, "quality",
                            tw_quality_name(c.quality), "tries", (unsigned int)c.tries,
                            "from_search", c.from_search ? Py_True : Py_False, "side_speedup",
-                           c.side_speedup, "search_speedup", c.search_speedup);
+                           c.side_speedup, "search_speedup", c.search_speedup, "agreed",
+                           c.agreed ? Py_True : Py_False, "others_share", share, "busy_keep",
+                           c.busy_keep);
 cleanup:
     Py_XDECREF(tuned);
     Py_XDECREF(untuned);
+    Py_XDECREF(share);
     return result;
 }
 
@@ -149,6 +153,24 @@ tt_result_get_quality(TtResult *self, void *closure)
 {
     (void)closure;
     return PyUnicode_FromString(tw_quality_name(tw_result_quality(self->result)));
+}
+
+static PyObject *
+tt_result_get_others_share(TtResult *self, void *closure)
+{
+    double share = tw_result_others_share(self->result);
+
+    (void)closure;
+    if (share < 0.0)
+        Py_RETURN_NONE;
+    return PyFloat_FromDouble(share);
+}
+
+static PyObject *
+tt_result_get_busy(TtResult *self, void *closure)
+{
+    (void)closure;
+    return PyBool_FromLong(tw_result_busy(self->result));
 }
 
 static PyObject *
@@ -361,13 +383,24 @@ static PyGetSetDef tt_result_getset[] = {
     {"confirmation", (getter)tt_result_get_confirmation, NULL,
      "The kept depth measured side by side with the untuned model: a dict (depth, confirmed, "
      "tuned, untuned, speedup, speedup_low, speedup_high, quality, tries, from_search, "
-     "side_speedup, search_speedup), or None when none was measured. speedup is the figure "
-     "reported: side by side, or the smaller of it and the search's when they disagree.",
+     "side_speedup, search_speedup, agreed, others_share, busy_keep), or None when none was "
+     "measured. "
+     "speedup is the figure reported: side by side, or the smaller of it and the search's when "
+     "they disagree; others_share: what other processes took of the CPUs during the last "
+     "side-by-side measurement (None: unknown); busy_keep: on a busy machine, the margin the "
+     "speedup's low end had to reach to keep the depth (else 0).",
      NULL},
     {"quality", (getter)tt_result_get_quality, NULL,
      "How the side-by-side figures held against the search's: \"consistent\", "
      "\"remeasured\" (agreed when measured again), \"inconsistent\" (never agreed: the "
-     "smaller figure counts) or \"unchecked\" (nothing was measured side by side).", NULL},
+     "smaller figure counts), \"busy\" (other processes took more than the engine's busy share "
+     "of the CPUs: no speedup is claimed) or \"unchecked\" (nothing was measured side by side).",
+     NULL},
+    {"others_share", (getter)tt_result_get_others_share, NULL,
+     "The share of the machine's CPUs other processes took while the figures were measured "
+     "(0..1), or None when unknown.", NULL},
+    {"busy", (getter)tt_result_get_busy, NULL,
+     "True when others_share is above the engine's busy share (BUSY_SHARE).", NULL},
     {"noisy", (getter)tt_result_get_noisy, NULL,
      "True when no speedup was confirmed and a measurement spread more than the engine's noisy "
      "limit (a busy machine may have hidden one).", NULL},
@@ -410,6 +443,17 @@ tt_result_new(TtState *st, tw_result *result, size_t n_nodes)
     return (PyObject *)self;
 }
 
+/* module.name = value; -1 with an exception on failure. */
+static int
+tt_add_float(PyObject *module, const char *name, double value)
+{
+    PyObject *obj = PyFloat_FromDouble(value); /* new reference */
+    int rc = obj == NULL ? -1 : PyModule_AddObjectRef(module, name, obj);
+
+    Py_XDECREF(obj);
+    return rc;
+}
+
 int
 tt_result_exec(PyObject *module, TtState *st)
 {
@@ -418,7 +462,8 @@ tt_result_exec(PyObject *module, TtState *st)
     st->ResultType = (PyTypeObject *)PyType_FromModuleAndSpec(module, &tt_result_spec, NULL);
     if (st->ResultType == NULL)
         goto error;
-    if (PyModule_AddObjectRef(module, "Result", (PyObject *)st->ResultType) < 0)
+    if (PyModule_AddObjectRef(module, "Result", (PyObject *)st->ResultType) < 0 ||
+        tt_add_float(module, "BUSY_SHARE", TW_BUSY_SHARE) < 0)
         goto error;
     rc = 0;
 error:

@@ -128,14 +128,23 @@ class Result:
         """The kept depth measured side by side with the untuned model: {"depth",
         "confirmed", "tuned": Stats, "untuned": Stats, "speedup", "speedup_low",
         "speedup_high", "quality", "tries", "from_search", "side_speedup",
-        "search_speedup"}; None when none was measured. "speedup" is the figure reported:
+        "search_speedup", "agreed", "others_share", "busy_keep"}; None when none was measured. "speedup" is the figure reported:
         side by side, or the smaller of it and the search's when they disagree
         ("from_search" when that is the search's)."""
     @property
-    def quality(self) -> Literal["consistent", "remeasured", "inconsistent", "unchecked"]:
+    def quality(self) -> Literal["consistent", "remeasured", "inconsistent", "busy", "unchecked"]:
         """How the side-by-side figures held against the search's: "remeasured" when they
         agreed only when measured again, "inconsistent" when they never did (the smaller
-        figure counts), "unchecked" when nothing was measured side by side."""
+        figure counts), "busy" when other processes took more than BUSY_SHARE of the CPUs
+        while measuring (no speedup is claimed), "unchecked" when nothing was measured side
+        by side."""
+    @property
+    def others_share(self) -> Optional[float]:
+        """The share of the CPUs other processes took while the figures were measured
+        (0..1), None when unknown."""
+    @property
+    def busy(self) -> bool:
+        """others_share is above BUSY_SHARE."""
     @property
     def noisy(self) -> bool:
         """No speedup was confirmed, and a measurement spread more than the engine's noisy
@@ -174,13 +183,22 @@ def tweak(tree: Tree, *,
           config: Optional[dict[str, Any]] = None,
           clock: Optional[Callable[[], int]] = None,
           deactivate: Optional[Callable[[], object]] = None,
-          log: Optional[Callable[[int, str], object]] = None) -> Result:
+          log: Optional[Callable[[int, str], object]] = None,
+          load: Optional[Callable[[], Optional[tuple[float, float]]]] = None) -> Result:
     """tw_tweak_run. The engine searches every module of a cut it enters through
     ``modules`` (see ModuleSearch). time_budget in seconds, >= 0 (None: none; 0:
     used up before the first depth). max_depth None: deepest. The settings'
     errors are check_tweak_config's. deactivate: switch the entered cut back to
     the original forward (given: the kept depth is confirmed side by side).
-    log(level, text): the engine's lines, level 0 info, 1 warning."""
+    log(level, text): the engine's lines, level 0 info, 1 warning.
+    load(): the machine's load, (others, capacity) running totals of CPU-seconds
+    (torch_tweak.cpu_load.reading), or None when unknown; read around each
+    measurement of the untuned model and each side-by-side one, to tell a busy
+    machine (BUSY_SHARE)."""
+
+BUSY_SHARE: float
+"""The share of the machine's CPU capacity other processes may take while the figures are
+measured; above it the machine is busy (TW_BUSY_SHARE)."""
 
 class Signature:
     """What one call of a module looked like: the number of positional

@@ -141,68 +141,23 @@ def greedy_call(model: nn.Module, args: tuple, kwargs: dict) -> Greedy | str:
     transformers."""
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         return "an encoder-decoder model"
-    config_class = _config_class(model)
-    if config_class is None:
+    if _config_class(model) is None:
         return "the model has no generation_config"
-    kwargs = dict(kwargs)
-    if len(args) > 1:
-        return "positional arguments after the inputs"
-    ids = args[0] if args else kwargs.pop("inputs", None)
-    if ids is None:
-        ids = kwargs.pop("input_ids", None)
-    elif "input_ids" in kwargs:
-        return "the inputs given twice"
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
-        return "inputs that are not a 2-D tensor of token ids"
-    if ids.shape[0] == 0 or ids.shape[1] == 0:
-        return "an empty prompt"
-    for name in _GENERATE_OPTIONS:
-        if kwargs.pop(name, None) is not None:
-            return f"generate's {name}"
+    read = _inputs(args, dict(kwargs))
+    if isinstance(read, str):
+        return read
+    ids, kwargs = read
     given = kwargs.pop("generation_config", None)
     mask = kwargs.pop("attention_mask", None)
     # transformers' rule, read before its defaults fill the settings: no max_length anywhere
     # means 20 new tokens (capped by the model's positions), not 20 in all
     default_length = kwargs.get("max_length") is None and getattr(given, "max_length", None) is None \
         and getattr(model.generation_config, "max_length", None) is None
-    prepare = getattr(model, "_prepare_generation_config", None)
-    try:
-        if callable(prepare):  # transformers' own: the model's settings, then its global defaults, then the call's
-            config, unused = prepare(given, **kwargs)
-        else:
-            config = copy.deepcopy(given if given is not None else model.generation_config)
-            unused = config.update(**kwargs)
-    except Exception as exc:  # transformers refuses the settings: its generate says why
-        return f"settings transformers refuses ({type(exc).__name__})"
-    if unused:
-        return "model arguments " + ", ".join(sorted(unused))
-    try:
-        config.validate()
-    except Exception:
-        return "settings transformers refuses"
-    defaults = getattr(config, "_get_default_generation_params", dict)()
-    for key, value in config.to_diff_dict().items():
-        allowed = _ALLOWED.get(key, ())
-        if key in _ALLOWED and (allowed is None or value in allowed):
-            continue
-        if key in defaults and value == defaults[key]:
-            continue  # transformers' global default: no change to decoding
-        return f"the generation setting {key}={value!r}"
-    mode = getattr(config, "get_generation_mode", None)
-    mode = str(getattr(mode(), "value", mode())) if callable(mode) else ""
-    if mode and mode not in ("greedy_search", "sample"):
-        return f"the generation mode {mode}"
-    if (config.num_beams or 1) != 1 or config.use_cache is False:
-        return "beams or no cache"
+    config = _settings(model, given, kwargs)
+    if isinstance(config, str):
+        return config
     prompt = ids.shape[1]
-    if config.max_new_tokens is not None:
-        max_new = config.max_new_tokens
-    elif default_length and callable(prepare):
-        total = config.max_length + prompt
-        positions = getattr(model.config, "max_position_embeddings", None)
-        max_new = (total if positions is None else min(total, positions)) - prompt
-    else:
-        max_new = config.max_length - prompt
+    max_new = _new_tokens(model, config, prompt, default_length)
     if not isinstance(max_new, int) or max_new < 1:
         return "no new token to generate"
     eos = config.eos_token_id
@@ -232,6 +187,72 @@ def greedy_call(model: nn.Module, args: tuple, kwargs: dict) -> Greedy | str:
     static = config.cache_implementation == "static"
     return Greedy(ids, int(max_new), eos, pad, static, config.max_cache_len, config, bool(config.do_sample),
                   processors, mask)
+
+
+def _inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, dict] | str:
+    """(the prompt's token ids, the other keywords) of a generate() call, or why the loop
+    does not take it."""
+    if len(args) > 1:
+        return "positional arguments after the inputs"
+    ids = args[0] if args else kwargs.pop("inputs", None)
+    if ids is None:
+        ids = kwargs.pop("input_ids", None)
+    elif "input_ids" in kwargs:
+        return "the inputs given twice"
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+        return "inputs that are not a 2-D tensor of token ids"
+    if ids.shape[0] == 0 or ids.shape[1] == 0:
+        return "an empty prompt"
+    for name in _GENERATE_OPTIONS:
+        if kwargs.pop(name, None) is not None:
+            return f"generate's {name}"
+    return ids, kwargs
+
+
+def _settings(model: nn.Module, given: Any, kwargs: dict) -> Any:
+    """The call's generation config as transformers reads it (the model's settings, its global
+    defaults, the call's), or why the loop leaves the call to transformers."""
+    prepare = getattr(model, "_prepare_generation_config", None)
+    try:
+        if callable(prepare):  # transformers' own: the model's settings, then its global defaults, then the call's
+            config, unused = prepare(given, **kwargs)
+        else:
+            config = copy.deepcopy(given if given is not None else model.generation_config)
+            unused = config.update(**kwargs)
+    except Exception as exc:  # transformers refuses the settings: its generate says why
+        return f"settings transformers refuses ({type(exc).__name__})"
+    if unused:
+        return "model arguments " + ", ".join(sorted(unused))
+    try:
+        config.validate()
+    except Exception:
+        return "settings transformers refuses"
+    defaults = getattr(config, "_get_default_generation_params", dict)()
+    for key, value in config.to_diff_dict().items():
+        allowed = _ALLOWED.get(key, ())
+        if key in _ALLOWED and (allowed is None or value in allowed):
+            continue
+        if key in defaults and value == defaults[key]:
+            continue  # transformers' global default: no change to decoding
+        return f"the generation setting {key}={value!r}"
+    mode = getattr(config, "get_generation_mode", None)
+    mode = str(getattr(mode(), "value", mode())) if callable(mode) else ""
+    if mode and mode not in ("greedy_search", "sample"):
+        return f"the generation mode {mode}"
+    if (config.num_beams or 1) != 1 or config.use_cache is False:
+        return "beams or no cache"
+    return config
+
+
+def _new_tokens(model: nn.Module, config: Any, prompt: int, default_length: bool) -> Any:
+    """How many tokens the call generates, as transformers' generate() counts them."""
+    if config.max_new_tokens is not None:
+        return config.max_new_tokens
+    if default_length and callable(getattr(model, "_prepare_generation_config", None)):
+        total = config.max_length + prompt
+        positions = getattr(model.config, "max_position_embeddings", None)
+        return (total if positions is None else min(total, positions)) - prompt
+    return config.max_length - prompt
 
 
 def _processors(model: nn.Module, config: Any, ids: torch.Tensor, mask: torch.Tensor | None) -> Any:

@@ -43,6 +43,8 @@ def bars(result: Any, alternatives: Mapping[str, float] | None = None) -> tuple[
     title = "torch-tweak: latency per depth"
     if result.selected_depth is not None and result.speedup:
         title += f" (depth {result.selected_depth} kept, {result.speedup:.2f}x)"
+    elif quality == "busy":
+        title += " (a busy machine: no speedup claimed)"
     if values:
         title += f"\nbars: {source}"
     return labels, values, colors, skipped, title

@@ -12,8 +12,9 @@ only, and a hit builds only backends of the tweak's own strategy.
 It is a cache: an entry that cannot be read, parsed or applied (damaged, a FIFO, a link to
 a device, nested too deep, of another shape) is a miss, dropped and written again; never an
 error and never a hang. An entry records how good its figures were (the result's
-measurement_quality): one whose side-by-side figures never agreed with the search's, or that
-kept the model untuned, is never replayed (the next tweak measures again: either may have
+measurement_quality): one whose side-by-side figures never agreed with the search's, that
+was measured while other processes took more than a quarter of the CPUs ("busy"), or that
+kept the model untuned, is never replayed (the next tweak measures again: each may have
 been a busy moment); one with a failed module or depth is reused for at most RETRY_AFTER
 seconds, then tuned again.
 """
@@ -59,7 +60,8 @@ RETRY_AFTER = 24 * 3600
 """Seconds a cached result in which a module or depth failed is reused before tweak tunes
 again (a failure may have been the machine's)."""
 REPLAYED = ("consistent", "remeasured")
-"""The measurement qualities (TweakResult.measurement_quality) of an entry that is replayed."""
+"""The measurement qualities (TweakResult.measurement_quality) of an entry that is replayed:
+not "inconsistent", "busy" or "unchecked"."""
 _SCALARS = (bool, int, float, str, type(None))
 logger = logging.getLogger("torch_tweak")
 
@@ -152,7 +154,9 @@ def read(key: str, parts: dict[str, Any]) -> dict | None:
         return None
     if entry.get("quality") not in REPLAYED or type(entry.get("kept_depth")) is not int:
         # figures from a busy moment, or a model kept untuned (perhaps for one): measured again
-        why = "kept the model untuned" if type(entry.get("kept_depth")) is not int else "has inconsistent figures"
+        why = ("kept the model untuned" if type(entry.get("kept_depth")) is not int
+               else "was measured on a busy machine" if entry.get("quality") == "busy"
+               else "has inconsistent figures")
         logger.info("tuning cache entry %s not replayed: it %s; measuring again", key, why)
         drop(key)
         return None

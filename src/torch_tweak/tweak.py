@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from . import _C, axes, generation, model_state, tuning_cache
+from . import cpu_load
 from ._samples import load_dataset, resolve_device, synchronizer
 from .inspecting import ModuleTree, trace
 from .module import TunedModule, arm_untuned, install, installed, make_wrapper, uninstall, unwrap
@@ -63,18 +64,26 @@ class TweakResult:
     tuned_ms: latency of the kept depth, from the same measurement as baseline_ms (the
     baseline when none is kept).
     speedup: baseline_ms / tuned_ms (1.0 when the model stays untuned): never a figure that
-    disagrees with the search's (see measurement_quality).
+    disagrees with the search's (see measurement_quality); None when the machine was busy
+    (no figure is claimed: see busy).
     confirmation: the best depth measured side by side with the untuned model, interleaved
     (docs/tweak.md): {"depth", "confirmed", "tuned", "untuned", "speedup", "speedup_low",
-    "speedup_high", "quality", "tries", "from_search", "side_speedup", "search_speedup"},
-    or None when no depth beat the untuned model in the search.
+    "speedup_high", "quality", "tries", "from_search", "side_speedup", "search_speedup",
+    "agreed", "others_share"}, or None when no depth beat the untuned model in the search.
     measurement_quality: how the side-by-side figures held against the search's own for
     the same configurations: "consistent"; "remeasured" (they disagreed, the machine's load
     changed, and agreed when measured again); "inconsistent" (they never agreed: the smaller
-    speedup is reported, and the depth kept only when even that is a gain); "unchecked"
-    (nothing was measured side by side: no depth beat the untuned model, or a dry run).
+    speedup is reported, and the depth kept only when even that is a gain); "busy" (other
+    processes took more than a quarter of the CPUs while measuring: no speedup is claimed,
+    and the depth is kept only when its spread's low end reached 1 / (1 - others_share),
+    confirmation["busy_keep"]; docs/tweak.md); "unchecked" (nothing was measured side by side: no depth beat the
+    untuned model, or a dry run).
     noisy: True when no speedup was confirmed and a measurement spread more than 25 % (a
     busy machine may have hidden one).
+    others_share: the share of the machine's CPUs other processes took while the figures
+    were measured (0..1: the untuned model's measurements and the side-by-side one, the
+    larger), None where it cannot be read (not Linux); busy: True when it is above
+    torch_tweak._C.BUSY_SHARE (0.25).
     rows: a DepthResult per depth; untuned: the DepthResult of the untuned model.
     modules: a ModuleResult per tuned module, by path; ``print(result.modules)`` shows, per
     module and input signature, every candidate backend's latency or why it lost.
@@ -108,6 +117,8 @@ class TweakResult:
         self.confirmation = engine.confirmation
         self.measurement_quality: str = engine.quality
         self.noisy = engine.noisy
+        self.others_share: float | None = engine.others_share
+        self.busy: bool = engine.busy
         chosen = engine.selected
         rows = []
         for i, row in enumerate(engine.rows):
@@ -126,7 +137,8 @@ class TweakResult:
             self.baseline_ms = side["untuned"]["median_ns"] / 1e6
             self.tuned_ms = side["tuned"]["median_ns"] / 1e6
         self.speedup = (self.baseline_ms / self.tuned_ms
-                        if self.baseline_ms is not None and self.tuned_ms else None)
+                        if self.baseline_ms is not None and self.tuned_ms and self.measurement_quality != "busy"
+                        else None)
 
     def __str__(self) -> str:
         if not self.cached:
@@ -188,7 +200,7 @@ class TweakResult:
         return {"rows": [dataclasses.asdict(r) for r in self.rows], "baseline_ms": self.baseline_ms,
                 "tuned_ms": self.tuned_ms, "search_baseline_ms": self.untuned.latency_ms,
                 "confirmation": self.confirmation, "quality": self.measurement_quality, "noisy": self.noisy,
-                "table": str(self)}
+                "others_share": self.others_share, "busy": self.busy, "table": str(self)}
 
     @classmethod
     def from_record(cls, record: dict, tree: ModuleTree, modules: ModuleResults,
@@ -205,6 +217,9 @@ class TweakResult:
         self.baseline_ms = record["baseline_ms"]
         self.confirmation = record["confirmation"]
         self.noisy = bool(record["noisy"])
+        share = record.get("others_share")
+        self.others_share = float(share) if type(share) in (int, float) else None
+        self.busy = bool(record.get("busy", False))
         self.rows = [DepthResult(**row) for row in record["rows"]]
         chosen = next((r for r in self.rows if r.selected), None)
         self.selected_depth = None if chosen is None else chosen.depth
@@ -212,7 +227,8 @@ class TweakResult:
         self.untuned = DepthResult(None, 0, 0, search, None if search is None else 1.0, "", chosen is None)
         self.tuned_ms = record["tuned_ms"]
         self.speedup = (self.baseline_ms / self.tuned_ms
-                        if self.baseline_ms is not None and self.tuned_ms else None)
+                        if self.baseline_ms is not None and self.tuned_ms and self.measurement_quality != "busy"
+                        else None)
         return self
 
     def outcome(self) -> str:
@@ -226,6 +242,17 @@ class TweakResult:
         how = ("the smaller of two figures that disagree" if quality == "inconsistent"
                else "measured side by side again after the load changed" if quality == "remeasured"
                else "measured side by side")
+        if quality == "busy" and side is not None:
+            busy = (f"the machine was busy (other processes took {100 * (self.others_share or 0):.0f}% of the "
+                    f"CPUs while measuring)")
+            margin = side.get("busy_keep", 0.0)
+            if self.selected_depth is not None:
+                return (f"kept depth {self.selected_depth}, but {busy}: no speedup is claimed (it was at least "
+                        f"{margin:.2f}x faster even at its spread's low end, the margin such a load needs); tweak "
+                        f"again on a quiet machine for a figure{loop}")
+            return (f"{busy}: no speedup is claimed and depth {side['depth']} is not kept (under that load a depth "
+                    f"must be {margin:.2f}x faster at its spread's low end): {stays}; tweak again on a quiet "
+                    f"machine{loop}")
         if self.selected_depth is not None:
             how = how if side is not None and side["confirmed"] else "measured in turn"
             return f"kept depth {self.selected_depth}, {self.speedup:.2f}x faster than untuned ({how}){loop}"
@@ -236,6 +263,10 @@ class TweakResult:
         if self.rows and all(r.error == "time budget used up" for r in self.rows):
             why = "was 0" if self.time_budget == 0 else "was used up before the first depth"
             return f"no depth was tried: the time budget {why}: {stays}{loop}"
+        if self.busy:
+            return (f"no depth beat the untuned model: {stays}{loop}; other processes took "
+                    f"{100 * (self.others_share or 0):.0f}% of the CPUs while it was measured (a busy machine): "
+                    f"tweak again on a quiet machine")
         return f"no depth beat the untuned model: {stays}{loop}"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -532,7 +563,8 @@ def _search(model: nn.Module, session: "_Session", calls: Any, job: Workload | N
                 session.tree.tree, enter=session.enter, modules=session.search, activate=session.activate,
                 leave=session.leave, deactivate=session.deactivate, log=_engine_log,
                 run=run if job is None else lambda i: job.run(),
-                n_samples=len(calls) if job is None else 1, sync=synchronizer(device), **limits,
+                n_samples=len(calls) if job is None else 1, sync=synchronizer(device), load=cpu_load.reading,
+                **limits,
             )
     except BaseException:
         unwrap(model)  # whatever happened, the model is as it was (the decode loop too)

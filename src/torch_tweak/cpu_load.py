@@ -1,0 +1,118 @@
+"""The machine's load while tweak measures: the CPU time other processes took (Linux).
+
+tt.tweak gives ``reading`` to the engine (``_C.tweak(load=...)``), which reads it before
+and after each measurement of the untuned model and each side-by-side measurement, and
+takes the difference: (others after - others before) / (capacity after - capacity
+before) is the share of the machine's CPUs that other processes took during that
+measurement. Above the engine's ``_C.BUSY_SHARE`` (a quarter) the machine was busy: no
+speedup is claimed and the result is not cached (docs/tweak.md, "A busy machine").
+
+A reading is two running totals of CPU-seconds (clock ticks over the clock's rate):
+
+- others: the CPUs' busy time (``/proc/stat``, all CPUs: user + nice + system + irq +
+  softirq + steal) minus the CPU time of this process and of its descendants (each one's
+  ``/proc/<pid>/stat`` utime + stime + cutime + cstime: its threads, Inductor's compile
+  workers, the isolation children, and the children that ended and were waited for);
+- capacity: the CPUs' whole time (every field, idle and iowait too), cores x wall time.
+
+What this process starts (a subprocess, a worker pool) is a descendant, so its work is
+the tweak's own, never load. Where there is no ``/proc/stat`` (not Linux) the reading is
+None: the load is unknown and nothing depends on it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+PROC = "/proc"
+_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
+"""/proc/stat's cpu line: user nice system idle iowait irq softirq steal guest guest_nice;
+the busy ones. guest and guest_nice are already counted in user and nice."""
+
+
+def cpu_ticks(stat: str) -> tuple[int, int] | None:
+    """(busy, total) clock ticks of all CPUs from the text of /proc/stat; None when it has
+    no aggregate "cpu" line."""
+    for line in stat.splitlines():
+        fields = line.split()
+        if fields and fields[0] == "cpu":
+            try:
+                ticks = [int(f) for f in fields[1:9]]
+            except ValueError:
+                return None
+            if len(ticks) < 4:
+                return None
+            return sum(ticks[i] for i in _BUSY_FIELDS if i < len(ticks)), sum(ticks)
+    return None
+
+
+def process_ticks(stat: str) -> tuple[int, int, int] | None:
+    """(pid, ppid, utime + stime + cutime + cstime) from the text of /proc/<pid>/stat; None
+    when it is not one. The command name may hold spaces and parentheses: the fields
+    start after its last ')'."""
+    try:
+        pid = int(stat[:stat.index(" ")])
+        rest = stat[stat.rindex(")") + 2:].split()
+        return pid, int(rest[1]), sum(int(rest[i]) for i in (11, 12, 13, 14))
+    except (ValueError, IndexError):
+        return None
+
+
+def own_ticks(me: int, processes: Iterable[tuple[int, int, int]]) -> int:
+    """The ticks of process `me` and of every descendant of it among `processes`
+    ((pid, ppid, ticks), as process_ticks gives them)."""
+    ticks: dict[int, int] = {}
+    children: dict[int, list[int]] = {}
+    for pid, ppid, used in processes:
+        ticks[pid] = used
+        children.setdefault(ppid, []).append(pid)
+    total, todo, seen = 0, [me], set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        total += ticks.get(pid, 0)
+        todo.extend(children.get(pid, ()))
+    return total
+
+
+def reading_of(stat: str, process_stats: Iterable[str], me: int, hz: int = 100) -> tuple[float, float] | None:
+    """(others, capacity) in CPU-seconds from the texts of /proc/stat and of every
+    /proc/<pid>/stat (see the module's docs), whose clock ticks `hz` a second; None when
+    /proc/stat says nothing."""
+    cpus = cpu_ticks(stat)
+    if cpus is None:
+        return None
+    busy, total = cpus
+    processes = [p for p in map(process_ticks, process_stats) if p is not None]
+    return (busy - own_ticks(me, processes)) / hz, total / hz
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="ascii", errors="replace") as f:
+        return f.read()
+
+
+def process_stats() -> list[str]:
+    """The text of every /proc/<pid>/stat that can be read now (a process that ends
+    meanwhile is left out: its ticks are its parent's cutime once waited for)."""
+    texts = []
+    for name in os.listdir(PROC):
+        if name.isdigit():
+            try:
+                texts.append(_read(os.path.join(PROC, name, "stat")))
+            except (OSError, ValueError):
+                continue
+    return texts
+
+
+def reading() -> tuple[float, float] | None:
+    """The reading now (see reading_of), or None where the load cannot be read (no
+    /proc/stat). Never raises."""
+    try:
+        return reading_of(_read(os.path.join(PROC, "stat")), process_stats(), os.getpid(),
+                          os.sysconf("SC_CLK_TCK"))
+    except Exception:
+        return None
