@@ -705,10 +705,15 @@ class DecodeLoop:
 
         make = getattr(self.model, "create_masks_for_generate", masking_utils.create_masks_for_generate)
         batch = call.input_ids.shape[0]
+        # the cache's argument is `cache` in newer transformers, `past_key_values` before (5.17)
+        try:
+            named = "cache" if "cache" in inspect.signature(make).parameters else "past_key_values"
+        except (TypeError, ValueError):
+            named = "cache"
         out = make(config=self.model.config,
                    inputs_embeds=torch.empty((batch, width, 0), dtype=self.model.dtype, device=call.input_ids.device),
-                   attention_mask=mask, cache=cache, position_ids=positions, block_sequence_ids=None,
-                   token_type_ids=None, mm_token_type_ids=None, is_first_iteration=first)
+                   attention_mask=mask, position_ids=positions, block_sequence_ids=None,
+                   token_type_ids=None, mm_token_type_ids=None, is_first_iteration=first, **{named: cache})
         if isinstance(out, dict):
             return {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
         return out.contiguous() if isinstance(out, torch.Tensor) else out
