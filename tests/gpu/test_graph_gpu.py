@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import torch_tweak as tt
-from torch_tweak import _C
+from torch_tweak import _C, signatures
 from torch_tweak.backends import DeviceGraphBackend, InductorGraphBackend, TorchEagerBackend
 from torch_tweak.backends.graph import GraphUnsupported
 from torch_tweak.signatures import MAX_SIGNATURES
@@ -303,15 +303,21 @@ def test_replay_on_another_stream_is_ordered(eager_guard):
     assert replay.replays >= 3
 
 
-def test_dynamic_samples_reject_the_graph_with_a_clear_error():
+def test_dynamic_samples_reject_the_graph_with_a_clear_error(monkeypatch):
     model = cuda_mlp()
     xs = [torch.randn(8, 32, device="cuda"), torch.randn(4, 32, device="cuda")]
     with pytest.raises(GraphUnsupported, match="dynamic shapes: argument 0 axis 0 varies"):
         DeviceGraphBackend().prepare(model, [((x,), {}) for x in xs], torch.device("cuda"))
-    # through tune: each recorded signature gets its own graph; the calls beyond the last
-    # signature tuning keeps share one group, whose varying batch rejects the graph
     batches = range(1, MAX_SIGNATURES + 3)
     data = [torch.randn(b, 32, device="cuda") for b in batches]
+    # through tune: the calls of one shape class are one group, whose varying batch rejects the graph
+    (wrapper,) = tt.wrap(model, [""], strategy=GRAPH)
+    assert tt.tune(model, data, measure=FAST) == {"": None}
+    assert "dynamic shapes: argument 0 axis 0 varies" in wrapper.tt_error, wrapper.tt_error
+    tt.unwrap(model)
+    # one group per signature: each recorded signature gets its own graph; the calls beyond the
+    # last signature share one group, whose varying batch rejects the graph
+    monkeypatch.setattr(signatures, "MERGE_VARYING", False)
     (wrapper,) = tt.wrap(model, [""], strategy=GRAPH)
     assert tt.tune(model, data, measure=FAST) == {"": "DeviceGraph"}
     assert "dynamic shapes: argument 0 axis 0 varies" in wrapper.tt_error, wrapper.tt_error
