@@ -224,8 +224,21 @@ def test_the_class_group_serves_only_the_plain_values_it_was_checked_on():
 
 
 def test_merging_is_left_out_for_calls_with_live_state():
-    assert signatures.merge_varying([], [], []) == []
-    # a call holding an object that cannot be stored (a key/value cache) keeps its groups
-    group = signatures.SignatureGroup(None, signatures.OTHER, "other")
-    live = ((torch.randn(2, 4), object()), {})
-    assert signatures.merge_varying([group], [live, ((torch.randn(3, 4), object()), {})], [None, None]) == [group]
+    # calls passing a key/value cache (prefill, then decode) keep one group per signature
+    transformers = pytest.importorskip("transformers")
+    calls = [((torch.randn(n, 4),), {"past_key_values": transformers.DynamicCache()}) for n in (2, 3)]
+    groups = []
+    for call in calls:
+        signatures.group_for(groups, *call).samples.append(call)
+        groups[-1].outputs.append(call[0][0])
+    assert len(groups) == 2
+    merged = signatures.merge_varying(groups, calls, [a[0] for a, _ in calls])
+    assert merged == groups and not any(g.varying for g in merged)
+    # the same calls without the cache are one shape class
+    plain = [((a[0],), {}) for a, _ in calls]
+    groups = []
+    for call in plain:
+        signatures.group_for(groups, *call).samples.append(call)
+        groups[-1].outputs.append(call[0][0])
+    (merged,) = signatures.merge_varying(groups, plain, [a[0] for a, _ in plain])
+    assert merged.varying and merged.text == "(float32[2-3, 4])"

@@ -22,6 +22,7 @@ whole file. Errors are ArchiveError (a ValueError) saying what is wrong, without
 
 from __future__ import annotations
 
+import abc
 import ctypes
 import hashlib
 import hmac
@@ -86,7 +87,7 @@ class Read:
     errors: dict[str, str] = field(default_factory=dict)
 
 
-class Sink:
+class Sink(abc.ABC):
     """Where one member's bytes go. `take(fill, entry)` is called once per member; fill(view)
     reads the next len(view) bytes of the member's (inflated) content into `view`, hashing
     them, and raises ArchiveError past its end; `take` returns what the caller keeps.
@@ -95,8 +96,9 @@ class Sink:
 
     exact = True
 
+    @abc.abstractmethod
     def take(self, fill: Callable[[memoryview], None], entry: Entry) -> object:
-        raise NotImplementedError
+        """What the caller keeps of the member."""
 
 
 class Skip(Sink):

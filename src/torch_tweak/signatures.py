@@ -225,13 +225,11 @@ def group_for(groups: list[SignatureGroup], args: tuple, kwargs: dict, params: t
 
 
 def _leaf_shapes(args: tuple, kwargs: dict) -> list[tuple[int, ...]]:
-    leaves = list(args) + list(kwargs.values())
+    """The shapes of a call's tensors, those inside a tuple or list argument included (_shapes), in order."""
     shapes: list[tuple[int, ...]] = []
-    for value in leaves:
-        if isinstance(value, torch.Tensor):
-            shapes.append(tuple(value.shape))
-        elif isinstance(value, (tuple, list)):
-            shapes.extend(tuple(v.shape) for v in value if isinstance(v, torch.Tensor))
+    for value in list(args) + list(kwargs.values()):
+        found = _shapes(value)
+        shapes.extend([found] if isinstance(found, tuple) else [s for s in found or () if s is not None])
     return shapes
 
 

@@ -88,9 +88,8 @@ def status(model: nn.Module) -> ModelStatus:
         names = list(dict.fromkeys(g.backend.name for g in wrapper.tt_signatures if g.backend is not None))
         if not names and wrapper.tt_backend is not None:
             names = [wrapper.tt_backend.name]
-        shapes = {g.text: g.backend.describe() for g in wrapper.tt_signatures
-                  if g.backend is not None and callable(getattr(g.backend, "describe", None))
-                  and g.backend.describe() is not None}
+        described = ((g.text, getattr(g.backend, "describe", lambda: None)()) for g in wrapper.tt_signatures)
+        shapes = {text: d for text, d in described if d is not None}
         result[path] = ModuleStatus(path, ", ".join(names) or None, wrapper.tt_active, wrapper.tt_calls,
                                     wrapper.tt_untuned, shapes)
     return result

@@ -286,6 +286,53 @@ def lend_specs(outputs: Any, held: Sequence[torch.Tensor]) -> list:
     return specs
 
 
+def warm_up(api: _DeviceApi, target: Callable[..., Any], args: tuple, kwargs: dict, times: int) -> None:
+    """`times` calls of `target` on a side stream (lazy initialisation, workspaces, autotuning), waited for."""
+    current = api.mod.current_stream()
+    side = api.mod.Stream()
+    side.wait_stream(current)
+    with api.mod.stream(side):
+        for _ in range(times):
+            target(*args, **kwargs)
+    current.wait_stream(side)
+    api.mod.synchronize()
+
+
+def capture(api: _DeviceApi, target: Callable[..., Any], args: tuple, kwargs: dict, pool: Any,
+            mode: str) -> tuple[Any, Any]:
+    """One call of `target` recorded in a new graph, in `pool`, with capture mode `mode`: (graph,
+    its outputs); raises GraphCaptureError when the call cannot be recorded."""
+    side = api.mod.Stream()
+    side.wait_stream(api.mod.current_stream())
+    graph = api.graph()
+    failure: BaseException | None = None
+    out = None
+    with api.mod.stream(side):
+        api.capture_begin(graph, pool, mode)
+        try:
+            out = target(*args, **kwargs)
+        except BaseException as exc:  # the capture must end before anything else runs
+            failure = exc
+        try:
+            graph.capture_end()
+        except Exception as exc:
+            if failure is None:
+                failure = exc
+    if failure is not None:
+        del graph, out
+        if not isinstance(failure, Exception):
+            raise failure
+        try:
+            api.mod.synchronize()
+        except RuntimeError:
+            pass  # the capture's own error says more
+        raise GraphCaptureError(
+            f"the module cannot be recorded in a device graph: {type(failure).__name__}: {failure}"
+        ) from failure
+    api.mod.synchronize()
+    return graph, out
+
+
 # ----------------------------------------------------------------- backend
 
 
@@ -353,46 +400,11 @@ class DeviceGraphBackend(Backend):
         return graph, (handle, replay, outputs, specs)
 
     def _warm_up(self, api: _DeviceApi, target: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-        current = api.mod.current_stream()
-        side = api.mod.Stream()
-        side.wait_stream(current)
-        with api.mod.stream(side):
-            for _ in range(self.config.warmup):
-                target(*args, **kwargs)
-        current.wait_stream(side)
-        api.mod.synchronize()
+        warm_up(api, target, args, kwargs, self.config.warmup)
 
     def _capture(self, api: _DeviceApi, target: Callable[..., Any], args: tuple, kwargs: dict,
                  pool: Any) -> tuple[Any, Any]:
-        side = api.mod.Stream()
-        side.wait_stream(api.mod.current_stream())
-        graph = api.graph()
-        failure: BaseException | None = None
-        out = None
-        with api.mod.stream(side):
-            api.capture_begin(graph, pool, self.config.capture_error_mode)
-            try:
-                out = target(*args, **kwargs)
-            except BaseException as exc:  # the capture must end before anything else runs
-                failure = exc
-            try:
-                graph.capture_end()
-            except Exception as exc:
-                if failure is None:
-                    failure = exc
-        if failure is not None:
-            del graph, out
-            if not isinstance(failure, Exception):
-                raise failure
-            try:
-                api.mod.synchronize()
-            except RuntimeError:
-                pass  # the capture's own error says more
-            raise GraphCaptureError(
-                f"the module cannot be recorded in a device graph: {type(failure).__name__}: {failure}"
-            ) from failure
-        api.mod.synchronize()
-        return graph, out
+        return capture(api, target, args, kwargs, pool, self.config.capture_error_mode)
 
     def _launch(self, api: _DeviceApi, graph: Any) -> tuple[int, Callable[[], None] | None]:
         """(exec handle, None) to launch through the CUDA driver, or (0, graph.replay).

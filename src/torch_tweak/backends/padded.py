@@ -46,7 +46,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import threading
 from typing import Any, Callable, Sequence
 
 import torch
@@ -56,7 +55,7 @@ from .._samples import Call, fresh
 from ..correctness import MismatchError, check
 from ..schema import Count, Flag
 from .base import Backend, BackendConfig, BackendUnavailable
-from .graph import GraphCaptureError, _DeviceApi, graph_unavailable
+from .graph import _DeviceApi, capture, graph_unavailable, warm_up
 from .inductor import compile_module, shared_compiles
 from .registry import register
 
@@ -254,7 +253,7 @@ def make_plan(samples: Sequence[Call], refs: Sequence[Any], names: Sequence[str 
 class _Bucket:
     """The static inputs of one bucket shape, its recording (or None), its outputs."""
 
-    __slots__ = ("key", "buffers", "args", "kwargs", "graph", "outputs", "spec", "hits", "valid", "served",
+    __slots__ = ("key", "buffers", "graph", "outputs", "spec", "hits", "valid", "served",
                  "memory", "ok")
 
     def __init__(self, key: tuple[int, int]) -> None:
@@ -279,7 +278,6 @@ class PaddedCall:
         self.target = target
         self.plan = plan
         self.config = config
-        self.device = device
         self.tolerance = tolerance
         self.api = _DeviceApi(device) if config.graph else None
         self.pool = self.api.mod.graph_pool_handle() if self.api is not None else None
@@ -287,7 +285,6 @@ class PaddedCall:
         self.outside = 0    # calls outside the range, or past the caps: the dynamic target
         self.refused = 0    # first-sight buckets whose answer differed from the original's
         self.building = True
-        self.lock = threading.RLock()
 
     # ---- what status and print(result) show
     def describe(self) -> dict:
@@ -310,20 +307,19 @@ class PaddedCall:
 
     # ---- a call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self.lock:
-            leaves, spec = pytree.tree_flatten((args, kwargs))
-            plan = self.plan
-            b, n = _sizes(leaves, plan.tensors, plan.mask)
-            key = plan.key(b, n)
-            bucket = self.buckets.get(key) if key is not None else None
-            if bucket is None and key is not None and not self.building:
-                return self._first_sight(key, leaves, spec, args, kwargs)
-            if bucket is None and key is not None:
-                bucket = self._record(key, leaves)
-            if bucket is None or not bucket.ok:
-                self.outside += 1
-                return self.target(*args, **kwargs)
-            return self._run(bucket, leaves, b, n)
+        # one call at a time: the dispatcher serialises a backend that is not thread-safe
+        leaves = pytree.tree_leaves((args, kwargs))
+        b, n = _sizes(leaves, self.plan.tensors, self.plan.mask)
+        key = self.plan.key(b, n)
+        bucket = self.buckets.get(key) if key is not None else None
+        if bucket is None and key is not None:
+            if not self.building:
+                return self._first_sight(key, leaves, args, kwargs)
+            bucket = self._record(key, leaves)
+        if bucket is None or not bucket.ok:
+            self.outside += 1
+            return self.target(*args, **kwargs)
+        return self._run(bucket, leaves, b, n)
 
     def _run(self, bucket: _Bucket, leaves: list, b: int, n: int) -> Any:
         plan = self.plan
@@ -331,7 +327,8 @@ class PaddedCall:
             buffer = bucket.buffers[i]
             view = buffer[:b] if plan.batch else buffer
             if i in plan.seq_inputs:
-                view[:, n:].zero_()
+                if n < buffer.shape[1]:
+                    view[:, n:].zero_()  # padded positions: masked out
                 view = view[:, :n]
             view.copy_(leaves[i])
         if bucket.graph is not None:
@@ -391,42 +388,18 @@ class PaddedCall:
         return bucket
 
     def _capture(self, bucket: _Bucket, args: tuple, kwargs: dict) -> None:
+        """The bucket's graph, recorded in this module's pool ("thread_local": a first sight
+        while other threads run their own work), and the memory it took."""
         api = self.api
         with torch.no_grad(), api.mod.device(api.index):
-            current = api.mod.current_stream()
-            side = api.mod.Stream()
-            side.wait_stream(current)
-            with api.mod.stream(side):
-                for _ in range(self.config.warmup):
-                    self.target(*args, **kwargs)
-            current.wait_stream(side)
-            api.mod.synchronize()
+            warm_up(api, self.target, args, kwargs, self.config.warmup)
             before = api.mod.memory_reserved(api.device)
-            graph = api.graph()
-            side.wait_stream(api.mod.current_stream())
-            failure: BaseException | None = None
-            out = None
-            with api.mod.stream(side):
-                api.capture_begin(graph, self.pool, "thread_local")
-                try:
-                    out = self.target(*args, **kwargs)
-                except BaseException as exc:  # the capture must end before anything else runs
-                    failure = exc
-                try:
-                    graph.capture_end()
-                except Exception as exc:
-                    failure = failure or exc
-            if failure is not None:
-                if not isinstance(failure, Exception):
-                    raise failure
-                raise GraphCaptureError(f"the module cannot be recorded in a device graph: "
-                                        f"{type(failure).__name__}: {failure}") from failure
-            api.mod.synchronize()
+            graph, out = capture(api, self.target, args, kwargs, self.pool, "thread_local")
             bucket.memory = max(0, api.mod.memory_reserved(api.device) - before)
         bucket.graph = graph
         bucket.outputs, bucket.spec = pytree.tree_flatten(out)
 
-    def _first_sight(self, key: tuple[int, int], leaves: list, spec: Any, args: tuple, kwargs: dict) -> Any:
+    def _first_sight(self, key: tuple[int, int], leaves: list, args: tuple, kwargs: dict) -> Any:
         """A call of a bucket not seen before: answered by the original; the new bucket serves
         later calls only if it answered this one the same."""
         with torch.no_grad():
