@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from typing import Any, Literal
 
 import torch
@@ -390,7 +389,7 @@ class _Session:
         for report in engine.modules:
             node = report["node"]
             wrapper = self.wrappers[node]
-            absorb(wrapper, report, self.search.notes, node)
+            absorb(wrapper, report)
             signatures = [(g.text, g.key, g.report, g.unstorable) for g in wrapper.tt_signatures]
             results[wrapper.tt_name] = module_result(report, signatures)
         return results
@@ -457,7 +456,7 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
                     generation.arm(model)
                     return result
         session = _session(model, tree, calls, job, strategy, device, measuring, shown, depths, dry_run=dry_run,
-                           speaks_tokens=speaks_tokens, compiled_loop=compiled_loop, time_budget=time_budget)
+                           speaks_tokens=speaks_tokens, compiled_loop=compiled_loop)
         engine = _search(model, session, calls, job, shown, device, min_depth=min_depth,
                          max_depth=max_depth, tie_tolerance=tie_tolerance, time_budget=time_budget,
                          dry_run=dry_run, config=measuring)
@@ -516,7 +515,7 @@ def _checked(model: nn.Module, dataset: Any, *, workload: Any, strategy: Strateg
 
 def _session(model: nn.Module, tree: ModuleTree, calls: Any, job: Workload | None, strategy: Strategy | None,
              device: torch.device, measuring: dict, shown: Progress, depths: list, *, dry_run: bool,
-             speaks_tokens: bool, compiled_loop: bool, time_budget: float | None) -> "_Session":
+             speaks_tokens: bool, compiled_loop: bool) -> "_Session":
     """The callbacks of one tweak's engine search, with its progress planned."""
     run_dataset = dataset_runner(model, calls) if job is None else job.run
     session = _Session(model, tree, run_dataset, strategy, device, measuring, shown, depths)
@@ -529,10 +528,6 @@ def _session(model: nn.Module, tree: ModuleTree, calls: Any, job: Workload | Non
     if compiled_loop:
         session.refuse = ("the decode steps run transformers' compiled forward (decode loop \"compiled\"), "
                           "which must see the model's own modules to give the untuned tokens")
-    if time_budget is not None and not dry_run:
-        # the engine's budget counts from here too: once it is used up, no variant of effort= or
-        # precision= is built any more (one max-autotune compile can take minutes)
-        session.search.deadline = time.monotonic() + float(time_budget)
     return session
 
 
