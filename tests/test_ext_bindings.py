@@ -588,9 +588,15 @@ def test_check_tweak_config_raises_the_users_message(settings, message):
 
 
 def test_check_tweak_config_accepts_what_tweak_accepts():
-    assert _C.check_tweak_config() is None
-    assert _C.check_tweak_config(min_depth=True, max_depth=None, tie_tolerance=0, time_budget=0,
-                                 config={"rounds_max": 10}) is None
+    assert _C.check_tweak_config() == {"min_depth": 0, "max_depth": 1, "tie_tolerance": 0.02, "time_budget": None}
+    settings = _C.check_tweak_config(min_depth=True, max_depth=None, tie_tolerance=0, time_budget=0,
+                                     config={"rounds_max": 10})
+    # the settings in the engine's forms: what tt.tweak hashes for its cache and gives the engine
+    assert settings == {"min_depth": 1, "max_depth": None, "tie_tolerance": 0.0, "time_budget": 0.0}
+    assert type(settings["tie_tolerance"]) is float and type(settings["time_budget"]) is float
+    assert _C.check_tweak_config(max_depth=3, tie_tolerance=1, time_budget=True)["time_budget"] == 1.0
+    model = FakeModel(FakeClock(), {})
+    assert _C.tweak(_C.Tree(TREE_MODULES), **model.kwargs(**settings)).rows[0]["state"] == "budget"
 
 
 # ------------------------------------------------------------------ tune_module

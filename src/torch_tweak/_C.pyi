@@ -116,9 +116,12 @@ def tune_module(modules: ModuleSearch, node: int, *, path: str = "",
 
 def check_tweak_config(*, min_depth: int = 0, max_depth: Optional[int] = 1,
                        tie_tolerance: float = 0.02, time_budget: Optional[float] = None,
-                       config: Optional[dict[str, Any]] = None) -> None:
+                       config: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Raises ValueError, with the message a user reads, for settings tweak would
-    refuse (tw_tweak_config_check and the forms Python gives them)."""
+    refuse (tw_tweak_config_check and the forms Python gives them). Returns the
+    settings as the engine reads them, the keyword arguments of tweak:
+    {"min_depth": int, "max_depth": int or None, "tie_tolerance": float,
+    "time_budget": float seconds or None}."""
 
 class Result:
     """tw_result. str() is the engine's table."""
