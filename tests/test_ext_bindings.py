@@ -681,13 +681,14 @@ def test_build_facts_and_flags_are_the_engines_result():
 
     search = Built(clock, [("(x)", "highest-throughput",
                             [("A", None, 5), ("B", Facts("too far", ("mismatch", 0.5, 0.01)), 1),
-                             ("C", Facts("odd", ("no such reason", "x", None)), 1), ("D", RuntimeError("no"), 1)])])
+                             ("C", Facts("odd", ("no such reason", "x", 10**400)), 1),
+                             ("D", RuntimeError("no"), 1)])])
     a, b, c, d = _C.tune_module(search, 0, clock=clock)["groups"][0]["candidates"]
     assert (a["reason"], a["max_error"], a["tolerance"], a["build_s"]) == ("", 2e-5, None, 1e-6)
     assert not a["variant"] and not a["lowers_precision"]
     assert (b["reason"], b["max_error"], b["tolerance"], b["build_s"]) == ("mismatch", 0.5, 0.01, 2e-6)
     assert b["variant"] and b["lowers_precision"] and b["error"] == "Facts: too far"
-    assert (c["reason"], c["max_error"]) == ("build failed", None)  # what it cannot read says nothing
+    assert (c["reason"], c["max_error"], c["tolerance"]) == ("build failed", None, None)  # what it cannot read: nothing
     assert d["reason"] == "build failed" and d["build_s"] == 4e-6
     for flags in ((1,), (0, 0, 0, 4), [0, 0, 0, 0], (0, 0, 0, "1")):
         class Flagged(Search):

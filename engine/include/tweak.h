@@ -309,7 +309,10 @@ typedef struct tw_candidate_report {
  * and picks the lowest median; equal medians keep the earlier candidate.
  * ONE_BACKEND with n != 1 is TW_EINVAL; any kind with n == 0 is TW_EINVAL.
  * A measurement failure of one candidate marks it FAILED and the others are
- * measured again without it. TW_EINTERRUPT from a callback is returned. */
+ * measured again without it. Every build is timed by the host's clock
+ * (build_ns); a failed build's reason is TW_REASON_BUILD_FAILED here (only a
+ * module search's host says more, see tw_build_facts). TW_EINTERRUPT from a
+ * callback is returned. */
 tw_code tw_strategy_choose(const tw_host *host, tw_strategy_kind kind,
                            const tw_candidate *candidates, size_t n,
                            const tw_measure_config *cfg, long *chosen,

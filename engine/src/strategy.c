@@ -47,13 +47,14 @@ void tw_report_reset(tw_candidate_report *report)
 
 int tw_budget_spent(const tw_host *host, const tw_budget *budget)
 {
+    int spent = 0;
     uint64_t now;
 
-    if (budget == NULL || budget->ns == 0) {
-        return 0;
+    if (budget != NULL && budget->ns != 0) {
+        now = tw_host_now(host);
+        spent = now > budget->start_ns && now - budget->start_ns >= budget->ns;
     }
-    now = tw_host_now(host);
-    return now > budget->start_ns && now - budget->start_ns >= budget->ns;
+    return spent;
 }
 
 static const char *tw_candidate_label(const tw_candidate *cand)

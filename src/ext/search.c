@@ -246,6 +246,21 @@ cleanup:
     return code;
 }
 
+/* *out from a float or int; anything else, or one out of range, leaves it. */
+static void
+tt_fact_number(PyObject *value, double *out)
+{
+    double d;
+
+    if (PyFloat_Check(value) || PyLong_Check(value)) {
+        d = PyFloat_AsDouble(value);
+        if (d == -1.0 && PyErr_Occurred())
+            PyErr_Clear();
+        else
+            *out = d;
+    }
+}
+
 /* facts from a (reason: str, max_error: float | None, tolerance: float | None)
  * tuple: what build() returned, or its exception's tt_facts. Anything else, or
  * a reason the engine does not know, says nothing (an unknown reason: the
@@ -258,7 +273,7 @@ tt_facts_from(PyObject *given, tw_build_facts *facts)
     int r;
 
     if (given == NULL || !PyTuple_Check(given) || PyTuple_GET_SIZE(given) != 3)
-        return;
+        goto cleanup;
     reason = PyTuple_GET_ITEM(given, 0);
     max_error = PyTuple_GET_ITEM(given, 1);
     tolerance = PyTuple_GET_ITEM(given, 2);
@@ -269,11 +284,11 @@ tt_facts_from(PyObject *given, tw_build_facts *facts)
             break;
         }
     }
-    if (PyFloat_Check(max_error) || PyLong_Check(max_error))
-        facts->max_error = PyFloat_AsDouble(max_error);
-    if (PyFloat_Check(tolerance) || PyLong_Check(tolerance))
-        facts->tolerance = PyFloat_AsDouble(tolerance);
     PyErr_Clear();
+    tt_fact_number(max_error, &facts->max_error);
+    tt_fact_number(tolerance, &facts->tolerance);
+cleanup:
+    return;
 }
 
 /* build(node, group, candidate): returns None or its facts (see
