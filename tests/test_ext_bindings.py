@@ -429,7 +429,8 @@ def test_tweak_selects_the_shallowest_depth_within_the_tolerance():
     assert modules[4]["groups"] == [{"text": "(x)", "strategy": "first-wins", "samples": 1, "chosen": 0,
                                      "error": "", "candidates": [{"name": "fake", "state": "built",
                                                                   "verdict": "chosen", "error": "",
-                                                                  "stats": None}]}]
+                                                                  "stats": None, **NO_FACTS,
+                                                                  "build_s": 0.0}]}]
     assert str(result) == result.format() and "enc" not in "" and len(result.format()) > 0
     with pytest.raises(IndexError):
         result.module(5)
@@ -587,12 +588,21 @@ def test_check_tweak_config_raises_the_users_message(settings, message):
 
 
 def test_check_tweak_config_accepts_what_tweak_accepts():
-    assert _C.check_tweak_config() is None
-    assert _C.check_tweak_config(min_depth=True, max_depth=None, tie_tolerance=0, time_budget=0,
-                                 config={"rounds_max": 10}) is None
+    assert _C.check_tweak_config() == {"min_depth": 0, "max_depth": 1, "tie_tolerance": 0.02, "time_budget": None}
+    settings = _C.check_tweak_config(min_depth=True, max_depth=None, tie_tolerance=0, time_budget=0,
+                                     config={"rounds_max": 10})
+    # the settings in the engine's forms: what tt.tweak hashes for its cache and gives the engine
+    assert settings == {"min_depth": 1, "max_depth": None, "tie_tolerance": 0.0, "time_budget": 0.0}
+    assert type(settings["tie_tolerance"]) is float and type(settings["time_budget"]) is float
+    assert _C.check_tweak_config(max_depth=3, tie_tolerance=1, time_budget=True)["time_budget"] == 1.0
+    model = FakeModel(FakeClock(), {})
+    assert _C.tweak(_C.Tree(TREE_MODULES), **model.kwargs(**settings)).rows[0]["state"] == "budget"
 
 
 # ------------------------------------------------------------------ tune_module
+
+NO_FACTS = {"reason": "", "max_error": None, "tolerance": None, "build_s": None, "variant": False,
+            "lowers_precision": False}
 
 class Search:
     """One module for tune_module: per group (text, kind, candidates), each candidate
@@ -640,10 +650,82 @@ def test_tune_module_runs_each_groups_strategy_and_reports_every_candidate():
     assert [c["verdict"] for c in first["candidates"]] == ["slower", "chosen", "failed"]
     assert [c["stats"]["median_ns"] for c in first["candidates"][:2]] == [300.0, 100.0]
     assert first["candidates"][2] == {"name": "Broken", "state": "failed", "verdict": "failed",
-                                      "error": "ValueError: does not build", "stats": None}
+                                      "error": "ValueError: does not build", "stats": None,
+                                      **NO_FACTS, "reason": "build failed", "build_s": 0.0}
     assert [c["verdict"] for c in second["candidates"]] == ["failed", "chosen", "not tried"]
     assert ("build", 1, 2) not in search.log  # first-wins stopped at B
     assert [e for e in search.log if e[0] == "commit"] == [("commit", 3, 0, 1), ("commit", 3, 1, 1)]
+
+
+class Facts(Exception):
+    """A failed build that says why, as tuning.ModuleSearch.build does."""
+
+    def __init__(self, message, facts):
+        super().__init__(message)
+        self.tt_facts = facts
+
+
+def test_build_facts_and_flags_are_the_engines_result():
+    """What a build says of itself (returned, or on its exception), the build time by the
+    engine's clock and the flags group() gives are kept per candidate in the result."""
+    clock = FakeClock()
+
+    class Built(Search):
+        def group(self, node, g):
+            return super().group(node, g) + ((0, _C.CANDIDATE_LOWERS_PRECISION | _C.CANDIDATE_VARIANT, 0, 0),)
+
+        def build(self, node, g, c):
+            clock.now += 1000 * (c + 1)
+            super().build(node, g, c)
+            return ("", 2e-5, None) if c == 0 else None
+
+    search = Built(clock, [("(x)", "highest-throughput",
+                            [("A", None, 5), ("B", Facts("too far", ("mismatch", 0.5, 0.01)), 1),
+                             ("C", Facts("odd", ("no such reason", "x", 10**400)), 1),
+                             ("D", RuntimeError("no"), 1)])])
+    a, b, c, d = _C.tune_module(search, 0, clock=clock)["groups"][0]["candidates"]
+    assert (a["reason"], a["max_error"], a["tolerance"], a["build_s"]) == ("", 2e-5, None, 1e-6)
+    assert not a["variant"] and not a["lowers_precision"]
+    assert (b["reason"], b["max_error"], b["tolerance"], b["build_s"]) == ("mismatch", 0.5, 0.01, 2e-6)
+    assert b["variant"] and b["lowers_precision"] and b["error"] == "Facts: too far"
+    assert (c["reason"], c["max_error"], c["tolerance"]) == ("build failed", None, None)  # what it cannot read: nothing
+    assert d["reason"] == "build failed" and d["build_s"] == 4e-6
+    for flags in ((1,), (0, 0, 0, 4), [0, 0, 0, 0], (0, 0, 0, "1")):
+        class Flagged(Search):
+            def group(self, node, g, flags=flags):
+                return super().group(node, g) + (flags,)
+
+        result = _C.tune_module(Flagged(clock, search.spec), 0, clock=clock)
+        assert "flags" in result["error"] and result["state"] == -1
+
+
+def test_tweak_time_budget_leaves_the_variants_out():
+    """One clock, the engine's: once the budget is used up inside a depth, a candidate flagged
+    as a variant is not built (its build is never called); the others still are."""
+
+    class Variants(FakeModel):
+        def groups(self, node):
+            self.clock.now += 10**12  # the search of each module begins with 1000 s
+            return super().groups(node)
+
+        def group(self, node, group):
+            return ("(x)", "first-wins", ("fake [variant]", "fake"), 1, (_C.CANDIDATE_VARIANT, 0))
+
+        def build(self, node, group, candidate):
+            self.log.append(("build", node, candidate))
+
+    for budget, built in ((100.0, 1), (1e4, 0)):
+        model = Variants(FakeClock(), {frozenset([0]): 900})
+        result = _C.tweak(_C.Tree(TREE_MODULES), **model.kwargs(max_depth=0, time_budget=budget))
+        assert [e for e in model.log if e[0] == "build"] == [("build", 0, built)]
+        variant, plain = result.modules[0]["groups"][0]["candidates"]
+        assert result.modules[0]["groups"][0]["chosen"] == built
+        if built:
+            assert variant["state"] == "failed" and variant["reason"] == "time budget"
+            assert variant["build_s"] == 0.0 and variant["variant"] and not plain["variant"]
+            assert variant["error"].startswith("not built: the time budget was used up")
+        else:
+            assert variant["state"] == "built" and plain["state"] == "not tried"
 
 
 def test_tune_module_failures_say_why():

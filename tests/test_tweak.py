@@ -60,6 +60,26 @@ def test_time_budget_stops_new_depths(mlp, mlp_data):
     assert [r.error for r in result.rows] == ["time budget used up"] * 2
 
 
+def test_one_settings_value_is_checked_hashed_and_passed_on(mlp, mlp_data, monkeypatch):
+    """The depth search's settings are checked once, by the engine's rules, and that one value,
+    in the engine's forms, is what the tuning cache hashes and what the engine gets."""
+    from torch_tweak import _C, tuning_cache
+
+    checked, hashed, passed = [], [], []
+    check, search, key_parts = _C.check_tweak_config, _C.tweak, tuning_cache.key_parts
+    monkeypatch.setattr(_C, "check_tweak_config", lambda **kw: checked.append(check(**kw)) or checked[-1])
+    monkeypatch.setattr(_C, "tweak", lambda tree, **kw: passed.append(kw) or search(tree, **kw))
+    monkeypatch.setattr(tuning_cache, "key_parts",
+                        lambda *args: hashed.append(args[-1]) or key_parts(*args))
+    tt.tweak(mlp, mlp_data, strategy=tt.OneBackendStrategy(CountingBackend()), tie_tolerance=0, time_budget=0,
+             progress=False, measure=FAST)
+    (settings,) = checked
+    assert settings == {"min_depth": 0, "max_depth": 1, "tie_tolerance": 0.0, "time_budget": 0.0}
+    assert type(settings["tie_tolerance"]) is float
+    assert hashed == [dict(settings, measure=FAST)]
+    assert {k: passed[0][k] for k in settings} == settings
+
+
 def test_interrupt_leaves_model_unchanged(mlp, mlp_data):
     class Interrupting(CountingBackend):
         def build(self, module, samples, device):

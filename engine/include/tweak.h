@@ -251,10 +251,55 @@ typedef enum tw_candidate_state {
     TW_CAND_MEASURED = 3   /* built, passed and measured: see stats */
 } tw_candidate_state;
 
+/* Why a candidate failed its build, as a code: the host names it (see
+ * tw_build_facts), except TW_REASON_BUDGET, which is the engine's own. */
+typedef enum tw_reason {
+    TW_REASON_NONE = 0,           /* built, not tried, or failed while measured */
+    TW_REASON_BUILD_FAILED = 1,   /* the build failed (a failed build the host gave
+                                   * no reason for reads as this) */
+    TW_REASON_UNAVAILABLE = 2,    /* the backend cannot run here (a package missing) */
+    TW_REASON_CRASHED = 3,        /* the build crashed its process */
+    TW_REASON_MISMATCH = 4,       /* it built, and failed the correctness check */
+    TW_REASON_DYNAMIC_SHAPES = 5, /* it refused the group's varying sizes */
+    TW_REASON_OUT_OF_MEMORY = 6,  /* the device ran out of memory */
+    TW_REASON_BUDGET = 7          /* a variant not built: the time budget was used
+                                   * up before its turn (a tweak's module search) */
+} tw_reason;
+
+/* The most tw_reason values there are (TW_REASON_BUDGET + 1). */
+#define TW_REASON_COUNT 8
+
+/* "", "build failed", "unavailable", "crashed", "mismatch", "dynamic shapes",
+ * "out of memory", "time budget"; NULL when out of range. */
+const char *tw_reason_name(tw_reason reason);
+
+/* What the host knows of one build, written by its build callback (a module
+ * search's, tw_module_ops.build) into a struct the engine set to: reason
+ * TW_REASON_NONE, max_error and tolerance NaN. max_error: the correctness
+ * check's largest relative error (of a build that passed, or failed it);
+ * tolerance: what the check allowed (on a mismatch). NaN: not known. */
+typedef struct tw_build_facts {
+    tw_reason reason;
+    double max_error;
+    double tolerance;
+} tw_build_facts;
+
+/* A candidate's flags (tw_group_info.flags, tw_candidate_report.flags). */
+#define TW_CAND_VARIANT 1u          /* a variant the tweak's settings added (more
+                                     * effort, lower precision): not built once the
+                                     * tweak's time budget is used up */
+#define TW_CAND_LOWERS_PRECISION 2u /* its numerics are lower than the original's:
+                                     * kept for the report, decides nothing */
+
 typedef struct tw_candidate_report {
     tw_candidate_state state;
     tw_stats stats;        /* valid when state == TW_CAND_MEASURED */
     char msg[TW_MSG_SIZE]; /* the failure when state == TW_CAND_FAILED */
+    tw_build_facts facts;  /* the build's facts (reason TW_REASON_NONE and NaNs
+                            * when not tried; a failed build always has a reason) */
+    uint64_t build_ns;     /* how long its build took by the host's clock; 0 when
+                            * not tried or not built for the budget */
+    unsigned flags;        /* TW_CAND_* (a module search's; 0 in tw_strategy_choose) */
 } tw_candidate_report;
 
 /* Applies a strategy's rule to candidates[0..n). reports[0..n) (not NULL)
@@ -264,7 +309,10 @@ typedef struct tw_candidate_report {
  * and picks the lowest median; equal medians keep the earlier candidate.
  * ONE_BACKEND with n != 1 is TW_EINVAL; any kind with n == 0 is TW_EINVAL.
  * A measurement failure of one candidate marks it FAILED and the others are
- * measured again without it. TW_EINTERRUPT from a callback is returned. */
+ * measured again without it. Every build is timed by the host's clock
+ * (build_ns); a failed build's reason is TW_REASON_BUILD_FAILED here (only a
+ * module search's host says more, see tw_build_facts). TW_EINTERRUPT from a
+ * callback is returned. */
 tw_code tw_strategy_choose(const tw_host *host, tw_strategy_kind kind,
                            const tw_candidate *candidates, size_t n,
                            const tw_measure_config *cfg, long *chosen,
@@ -299,8 +347,13 @@ const char *tw_candidate_verdict(const tw_candidate_report *report, int chosen);
  *   what it holds (tw_group_info, zeroed before the call). Failing, or an
  *   info the strategy refuses (no candidates, one-backend with several): that
  *   group fails with the message, and the search goes on with the next one.
- * build(node, g, c): builds candidate c of group g and checks it against the
- *   original (non-zero: rejected, err says why).
+ * build(node, g, c, facts): builds candidate c of group g and checks it against
+ *   the original (non-zero: rejected, err says why), and says what it knows of
+ *   the build in *facts (see tw_build_facts; left as it is: nothing known). The
+ *   engine times it with the host's clock (tw_candidate_report.build_ns). In a
+ *   tweak with a time budget, a candidate flagged TW_CAND_VARIANT is not built
+ *   once the budget is used up: it fails with reason TW_REASON_BUDGET and build
+ *   is not called (see tw_tweak_run); tw_tune_module has no budget.
  * run(node, g, c, sample): makes call `sample` (0 <= sample < n_samples) of
  *   the group with built candidate c; what is measured.
  * sync(): waits for the device (NULL: nothing to wait for).
@@ -319,14 +372,16 @@ typedef struct tw_group_info {
     const char *const *names; /* n_candidates names, NULL only when n_candidates
                                * is 0; a NULL name reads "(unnamed)" */
     size_t n_samples;         /* recorded calls, each measured run makes them all */
-} tw_group_info;              /* the strings are copied before the next callback */
+    const unsigned *flags;    /* n_candidates TW_CAND_* flags; NULL: all 0 */
+} tw_group_info;              /* the strings and flags are copied before the next callback */
 
 typedef struct tw_module_ops {
     void *ctx;
     tw_code (*groups)(void *ctx, size_t node, size_t *count, tw_error *err);
     tw_code (*group)(void *ctx, size_t node, size_t group, tw_group_info *info,
                      tw_error *err);
-    tw_code (*build)(void *ctx, size_t node, size_t group, size_t candidate, tw_error *err);
+    tw_code (*build)(void *ctx, size_t node, size_t group, size_t candidate,
+                     tw_build_facts *facts, tw_error *err);
     tw_code (*run)(void *ctx, size_t node, size_t group, size_t candidate, size_t sample,
                    tw_error *err);
     tw_code (*sync)(void *ctx, tw_error *err);
@@ -469,7 +524,10 @@ typedef struct tw_result tw_result;
  *     depth is not started and its row says "time budget used up";
  *   - enter the cut (tune[i] set for modules not tuned at an earlier depth),
  *     search those modules (tw_tune_module with ops->modules; the result
- *     keeps each search, see tw_result_module_search), and when every module
+ *     keeps each search, see tw_result_module_search); once the time budget is
+ *     used up, a candidate flagged TW_CAND_VARIANT is not built (it fails with
+ *     reason TW_REASON_BUDGET) while the others still are, so every module of
+ *     the depth in progress still gets a choice; and when every module
  *     of the cut has failed, leave and record the depth as skipped with the
  *     first module's error (tw_module_result_error);
  *   - otherwise activate, measure the model, leave.

@@ -101,6 +101,25 @@ int tw_tree_is_finished(const tw_tree *tree);
 
 /* ---------------------------------------------------------- module search */
 
+/* A time budget on the host's clock: ns nanoseconds from start_ns (ns 0: none). */
+typedef struct tw_budget {
+    uint64_t start_ns;
+    uint64_t ns;
+} tw_budget;
+
+/* 1 when `budget` (NULL: none) is used up by the host's clock: ns have passed
+ * since start_ns. host is resolved. */
+int tw_budget_spent(const tw_host *host, const tw_budget *budget);
+
+/* A report as tw_strategy_choose begins it: not tried, no facts (NaNs), flags 0. */
+void tw_report_reset(tw_candidate_report *report);
+
+/* tw_tune_module within a tweak's time budget (NULL: none): a candidate
+ * flagged TW_CAND_VARIANT is not built once it is used up. */
+tw_code tw_tune_module_within(const tw_host *host, const tw_module_ops *ops, size_t node,
+                              const char *path, const tw_measure_config *cfg,
+                              const tw_budget *budget, tw_module_result **out, tw_error *err);
+
 /* One signature group of a module's search. */
 typedef struct tw_group_entry {
     char *text;                   /* never NULL once the group is begun */

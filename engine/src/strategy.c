@@ -1,6 +1,7 @@
 /*
  * strategy.c - the strategies' decision rules: which backend a module keeps.
  */
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -18,6 +19,44 @@ const char *tw_strategy_name(tw_strategy_kind kind)
     return name;
 }
 
+const char *tw_reason_name(tw_reason reason)
+{
+    const char *name = NULL;
+
+    switch (reason) {
+    case TW_REASON_NONE: name = ""; break;
+    case TW_REASON_BUILD_FAILED: name = "build failed"; break;
+    case TW_REASON_UNAVAILABLE: name = "unavailable"; break;
+    case TW_REASON_CRASHED: name = "crashed"; break;
+    case TW_REASON_MISMATCH: name = "mismatch"; break;
+    case TW_REASON_DYNAMIC_SHAPES: name = "dynamic shapes"; break;
+    case TW_REASON_OUT_OF_MEMORY: name = "out of memory"; break;
+    case TW_REASON_BUDGET: name = "time budget"; break;
+    }
+    return name;
+}
+
+void tw_report_reset(tw_candidate_report *report)
+{
+    memset(report, 0, sizeof *report);
+    report->state = TW_CAND_NOT_TRIED;
+    report->facts.reason = TW_REASON_NONE;
+    report->facts.max_error = NAN;
+    report->facts.tolerance = NAN;
+}
+
+int tw_budget_spent(const tw_host *host, const tw_budget *budget)
+{
+    int spent = 0;
+    uint64_t now;
+
+    if (budget != NULL && budget->ns != 0) {
+        now = tw_host_now(host);
+        spent = now > budget->start_ns && now - budget->start_ns >= budget->ns;
+    }
+    return spent;
+}
+
 static const char *tw_candidate_label(const tw_candidate *cand)
 {
     return cand->name != NULL ? cand->name : "(unnamed)";
@@ -31,19 +70,29 @@ static void tw_mark_failed(tw_candidate_report *report, const tw_error *cause)
     snprintf(report->msg, sizeof report->msg, "%s", cause->msg);
 }
 
-/* Builds candidate i. A rejection marks it FAILED and is not an error of the
- * call; only TW_EINTERRUPT is returned. */
-static tw_code tw_build_candidate(const tw_candidate *cand, tw_candidate_report *report,
-                                  int *built, tw_error *err)
+/* Builds candidate i, timed by the host's clock. A rejection marks it FAILED
+ * (with a reason) and is not an error of the call; only TW_EINTERRUPT is
+ * returned. */
+static tw_code tw_build_candidate(const tw_host *host, const tw_candidate *cand,
+                                  tw_candidate_report *report, int *built, tw_error *err)
 {
     tw_code rc;
     tw_error cb_err;
     tw_error cause;
     char what[TW_MSG_SIZE];
+    uint64_t started;
+    uint64_t ended;
 
     *built = 0;
     tw_error_clear(&cb_err);
+    started = tw_host_now(host);
     rc = cand->build(cand->ctx, &cb_err);
+    ended = tw_host_now(host);
+    report->build_ns = ended > started && report->facts.reason != TW_REASON_BUDGET
+                           ? ended - started : 0;
+    if (rc != TW_OK && report->facts.reason == TW_REASON_NONE) {
+        report->facts.reason = TW_REASON_BUILD_FAILED;
+    }
     if (rc == TW_OK) {
         report->state = TW_CAND_BUILT;
         *built = 1;
@@ -61,15 +110,15 @@ cleanup:
     return rc;
 }
 
-static tw_code tw_choose_first(const tw_candidate *cands, size_t n, long *chosen,
-                               tw_candidate_report *reports, tw_error *err)
+static tw_code tw_choose_first(const tw_host *host, const tw_candidate *cands, size_t n,
+                               long *chosen, tw_candidate_report *reports, tw_error *err)
 {
     tw_code rc = TW_OK;
     int built = 0;
     size_t i;
 
     for (i = 0; i < n && !built; i++) {
-        rc = tw_build_candidate(&cands[i], &reports[i], &built, err);
+        rc = tw_build_candidate(host, &cands[i], &reports[i], &built, err);
         if (rc != TW_OK) {
             goto cleanup;
         }
@@ -107,7 +156,7 @@ static tw_code tw_choose_fastest(const tw_host *host, const tw_candidate *cands,
         goto cleanup;
     }
     for (i = 0; i < n; i++) {
-        rc = tw_build_candidate(&cands[i], &reports[i], &built, err);
+        rc = tw_build_candidate(host, &cands[i], &reports[i], &built, err);
         if (rc != TW_OK) {
             goto cleanup;
         }
@@ -204,18 +253,17 @@ tw_code tw_strategy_choose(const tw_host *host, tw_strategy_kind kind,
     }
     *chosen = -1;
     for (i = 0; i < n; i++) {
-        memset(&reports[i], 0, sizeof reports[i]);
-        reports[i].state = TW_CAND_NOT_TRIED;
+        tw_report_reset(&reports[i]);
     }
     switch (kind) {
     case TW_STRATEGY_FIRST_WINS:
-        rc = tw_choose_first(candidates, n, chosen, reports, err);
+        rc = tw_choose_first(&resolved, candidates, n, chosen, reports, err);
         break;
     case TW_STRATEGY_HIGHEST_THROUGHPUT:
         rc = tw_choose_fastest(&resolved, candidates, n, cfg, chosen, reports, err);
         break;
     case TW_STRATEGY_ONE_BACKEND:
-        rc = tw_build_candidate(&candidates[0], &reports[0], &built, err);
+        rc = tw_build_candidate(&resolved, &candidates[0], &reports[0], &built, err);
         *chosen = (rc == TW_OK && built) ? 0 : -1;
         break;
     }
@@ -260,19 +308,35 @@ cleanup:
 
 /* ---------------------------------------------------------- module search */
 
-/* What one candidate's trampolines need to call the host back. */
+/* What one candidate's trampolines need to call the host back, and where its
+ * build's facts go (its report, reset by tw_strategy_choose before any build). */
 typedef struct tw_search_cand {
     const tw_module_ops *ops;
     size_t node;
     size_t group;
     size_t index;
+    const tw_host *host;
+    const tw_budget *budget;      /* NULL: none */
+    unsigned flags;
+    tw_candidate_report *report;
 } tw_search_cand;
 
+/* A variant is not built once the budget is used up: the strategy's own
+ * backends still are, so the module still gets a choice. */
 static tw_code tw_search_build(void *ctx, tw_error *err)
 {
     const tw_search_cand *c = ctx;
+    tw_code rc;
 
-    return c->ops->build(c->ops->ctx, c->node, c->group, c->index, err);
+    if ((c->flags & TW_CAND_VARIANT) != 0 && tw_budget_spent(c->host, c->budget)) {
+        c->report->facts.reason = TW_REASON_BUDGET;
+        rc = tw_error_set(err, TW_EBUDGET, "not built: the time budget was used up before "
+                          "this variant's turn (the backends alone still are)");
+        goto cleanup;
+    }
+    rc = c->ops->build(c->ops->ctx, c->node, c->group, c->index, &c->report->facts, err);
+cleanup:
+    return rc;
 }
 
 static tw_code tw_search_run(void *ctx, size_t sample, tw_error *err)
@@ -341,9 +405,10 @@ static tw_code tw_keep_group_info(const tw_host *host, tw_group_entry *group,
                           info->n_candidates);
         goto cleanup;
     }
-    memset(group->reports, 0, info->n_candidates * sizeof *group->reports);
     for (c = 0; c < info->n_candidates; c++) {
         group->names[c] = NULL;
+        tw_report_reset(&group->reports[c]);
+        group->reports[c].flags = info->flags != NULL ? info->flags[c] : 0u;
     }
     /* counted only now: destroy walks names[0..n_candidates) */
     group->n_candidates = info->n_candidates;
@@ -387,7 +452,7 @@ static tw_code tw_explain_group(const tw_host *host, tw_group_entry *group, tw_e
  * (a refused info) fails the group; only TW_EINTERRUPT and TW_ENOMEM return. */
 static tw_code tw_choose_group(const tw_host *host, const tw_module_ops *ops, size_t node,
                                size_t g, tw_group_entry *group, const tw_measure_config *cfg,
-                               tw_error *err)
+                               const tw_budget *budget, tw_error *err)
 {
     tw_code rc = TW_OK;
     tw_candidate *cands = NULL;
@@ -409,6 +474,10 @@ static tw_code tw_choose_group(const tw_host *host, const tw_module_ops *ops, si
         ctxs[c].node = node;
         ctxs[c].group = g;
         ctxs[c].index = c;
+        ctxs[c].host = host;
+        ctxs[c].budget = budget;
+        ctxs[c].flags = group->reports[c].flags;
+        ctxs[c].report = &group->reports[c];
         cands[c].name = group->names[c];
         cands[c].ctx = &ctxs[c];
         cands[c].build = tw_search_build;
@@ -421,6 +490,9 @@ static tw_code tw_choose_group(const tw_host *host, const tw_module_ops *ops, si
     tw_error_clear(&cause);
     rc = tw_strategy_choose(host, group->kind, cands, n, cfg, &group->chosen, group->reports,
                             &cause);
+    for (c = 0; c < n; c++) {
+        group->reports[c].flags = ctxs[c].flags; /* the choice reset the reports */
+    }
     if (rc == TW_EINTERRUPT || rc == TW_ENOMEM) {
         tw_error_set(err, rc, "%s", cause.msg);
         goto cleanup;
@@ -466,7 +538,7 @@ cleanup:
 /* One group: begin it, choose, commit. Returns only what stops the search. */
 static tw_code tw_search_group(const tw_host *host, const tw_module_ops *ops, size_t node,
                                size_t g, tw_group_entry *group, const tw_measure_config *cfg,
-                               tw_error *err)
+                               const tw_budget *budget, tw_error *err)
 {
     tw_code rc;
     tw_code step;
@@ -494,7 +566,7 @@ static tw_code tw_search_group(const tw_host *host, const tw_module_ops *ops, si
     group->n_samples = info.n_samples;
     rc = tw_keep_group_info(host, group, &info, err);
     if (rc == TW_OK) {
-        rc = tw_choose_group(host, ops, node, g, group, cfg, err);
+        rc = tw_choose_group(host, ops, node, g, group, cfg, budget, err);
     }
 commit:
     if (rc != TW_OK) {
@@ -560,7 +632,7 @@ cleanup:
 /* The search behind tw_tune_module, with a resolved host and a checked cfg. */
 static tw_code tw_search_module(const tw_host *host, const tw_module_ops *ops, size_t node,
                                 const char *path, const tw_measure_config *cfg,
-                                tw_module_result **out, tw_error *err)
+                                const tw_budget *budget, tw_module_result **out, tw_error *err)
 {
     tw_code rc = TW_OK;
     tw_code step;
@@ -611,7 +683,7 @@ static tw_code tw_search_module(const tw_host *host, const tw_module_ops *ops, s
         module->groups[g].chosen = -1;
     }
     for (g = 0; g < count; g++) {
-        rc = tw_search_group(host, ops, node, g, &module->groups[g], cfg, err);
+        rc = tw_search_group(host, ops, node, g, &module->groups[g], cfg, budget, err);
         if (rc != TW_OK) {
             goto cleanup;
         }
@@ -633,6 +705,13 @@ tw_code tw_tune_module(const tw_host *host, const tw_module_ops *ops, size_t nod
                        const char *path, const tw_measure_config *cfg,
                        tw_module_result **out, tw_error *err)
 {
+    return tw_tune_module_within(host, ops, node, path, cfg, NULL, out, err);
+}
+
+tw_code tw_tune_module_within(const tw_host *host, const tw_module_ops *ops, size_t node,
+                              const char *path, const tw_measure_config *cfg,
+                              const tw_budget *budget, tw_module_result **out, tw_error *err)
+{
     tw_code rc;
     tw_host resolved;
     tw_measure_config defaults;
@@ -650,7 +729,7 @@ tw_code tw_tune_module(const tw_host *host, const tw_module_ops *ops, size_t nod
         rc = tw_measure_config_check(cfg, err);
     }
     if (rc == TW_OK) {
-        rc = tw_search_module(&resolved, ops, node, path, cfg, out, err);
+        rc = tw_search_module(&resolved, ops, node, path, cfg, budget, out, err);
     }
     return rc;
 }

@@ -248,7 +248,10 @@ static tw_code tw_tune_cut(tw_search *s, tw_error *err)
     size_t k;
     size_t node;
     const char *path;
+    tw_budget budget;
 
+    budget.start_ns = s->start;
+    budget.ns = s->cfg->time_budget_ns;
     for (k = 0; k < s->cut_size; k++) {
         if (!s->tune[k]) {
             continue;
@@ -256,8 +259,8 @@ static tw_code tw_tune_cut(tw_search *s, tw_error *err)
         node = s->nodes[k];
         path = tw_tree_path(s->tree, node);
         tw_error_clear(&cause);
-        rc = tw_tune_module(s->host, &s->ops->modules, node, path, &s->cfg->measure, &module,
-                            &cause);
+        rc = tw_tune_module_within(s->host, &s->ops->modules, node, path, &s->cfg->measure,
+                                   &budget, &module, &cause);
         if (rc != TW_OK) {
             tw_error_forward(err, rc, &cause, "tuning a module");
             goto cleanup;
@@ -526,10 +529,11 @@ static tw_code tw_sync_model(void *ctx, tw_error *err)
 
 static int tw_budget_used(const tw_search *s)
 {
-    uint64_t now = tw_host_now(s->host);
+    tw_budget budget;
 
-    return s->cfg->time_budget_ns != 0 && now > s->start &&
-           now - s->start >= s->cfg->time_budget_ns;
+    budget.start_ns = s->start;
+    budget.ns = s->cfg->time_budget_ns;
+    return tw_budget_spent(s->host, &budget);
 }
 
 /* One side-by-side measurement of the applied cut: stats[0] active, stats[1]

@@ -47,6 +47,9 @@ typedef struct fake_model {
     int activate_fail_at;             /* this activate (1, 2...) fails; 0: none */
     tw_code leave_rc;
     tw_code baseline_rc;
+    int variants;                     /* every group opens with a variant candidate,
+                                       * "fake [variant]" (TW_CAND_VARIANT), before "fake" */
+    uint64_t build_cost;              /* fake ns a build takes */
     /* the machine's load (model_load, set in the ops only when load_known): the
      * share of 2 cores other processes take while nothing was deactivated yet
      * (the search), and once something was (the side-by-side measurement) */
@@ -61,6 +64,7 @@ typedef struct fake_model {
     int load_calls;
     /* what happened */
     int tune_calls[MAX_NODES];        /* module searches started (groups()) */
+    int builds[MAX_NODES][2];         /* builds per node and candidate */
     long committed[MAX_NODES];        /* per node, the last commit's choice */
     int enters;
     int leaves;
@@ -135,32 +139,41 @@ static inline tw_code model_groups(void *ctx, size_t node, size_t *count, tw_err
 }
 
 static const char *const model_candidates[] = {"fake"};
+static const char *const model_variant_candidates[] = {"fake [variant]", "fake"};
+static const unsigned model_variant_flags[] = {TW_CAND_VARIANT | TW_CAND_LOWERS_PRECISION, 0};
 
 static inline tw_code model_group(void *ctx, size_t node, size_t group, tw_group_info *info,
                                   tw_error *err)
 {
-    (void)ctx;
+    fake_model *m = ctx;
+
     (void)node;
     (void)group;
     (void)err;
     info->text = "(x)";
     info->kind = TW_STRATEGY_FIRST_WINS;
-    info->n_candidates = 1;
-    info->names = model_candidates;
+    info->n_candidates = m->variants ? 2 : 1;
+    info->names = m->variants ? model_variant_candidates : model_candidates;
+    info->flags = m->variants ? model_variant_flags : NULL;
     info->n_samples = 1;
     return TW_OK;
 }
 
+/* Builds take build_cost fake ns; a build that passes says its largest error. */
 static inline tw_code model_build(void *ctx, size_t node, size_t group, size_t cand,
-                                  tw_error *err)
+                                  tw_build_facts *facts, tw_error *err)
 {
     fake_model *m = ctx;
 
     (void)group;
-    (void)cand;
     (void)err;
     CHECK(m->entered);
     CHECK_INT(m->last_tune_flags[node], 1);
+    CHECK_INT(facts->reason, TW_REASON_NONE); /* as the engine set it */
+    CHECK(facts->max_error != facts->max_error);
+    m->builds[node][cand < 2 ? cand : 1]++;
+    m->env.now += m->build_cost;
+    facts->max_error = 0.001;
     return TW_OK;
 }
 

@@ -3,6 +3,8 @@
  * candidates that fail, the strategies' picks, the result model, failing and
  * interrupting callbacks, and running out of memory, on a scripted fake host.
  */
+#include <math.h>
+
 #include "check.h"
 #include "fake.h"
 #include "tweak.h"
@@ -23,6 +25,9 @@ typedef struct search_fake {
     const char *names[MAX_GROUPS][MAX_CANDS];
     const char *text[MAX_GROUPS];
     tw_code build_rc[MAX_GROUPS][MAX_CANDS];
+    tw_build_facts facts[MAX_GROUPS][MAX_CANDS]; /* given when reason or max_error is set */
+    uint64_t build_cost;                          /* fake ns a build takes */
+    const unsigned *flags[MAX_GROUPS];
     uint64_t latency[MAX_GROUPS][MAX_CANDS];
     tw_code run_rc[MAX_GROUPS][MAX_CANDS];
     tw_code commit_rc[MAX_GROUPS];
@@ -65,17 +70,25 @@ static tw_code sf_group(void *ctx, size_t node, size_t g, tw_group_info *info, t
     info->n_candidates = f->n_cands[g];
     info->names = f->names[g];
     info->n_samples = 2;
+    info->flags = f->flags[g];
     return TW_OK;
 }
 
-static tw_code sf_build(void *ctx, size_t node, size_t g, size_t c, tw_error *err)
+static tw_code sf_build(void *ctx, size_t node, size_t g, size_t c, tw_build_facts *facts,
+                        tw_error *err)
 {
     search_fake *f = ctx;
 
     CHECK_INT(node, f->node_seen);
     CHECK_INT(f->opened[g], 1);
     CHECK_INT(f->commits[g], 0); /* built inside its group */
+    CHECK_INT(facts->reason, TW_REASON_NONE);
+    CHECK(facts->max_error != facts->max_error && facts->tolerance != facts->tolerance);
     f->builds[g][c]++;
+    f->env.now += f->build_cost;
+    if (f->facts[g][c].reason != TW_REASON_NONE || f->facts[g][c].max_error != 0) {
+        *facts = f->facts[g][c];
+    }
     if (f->build_rc[g][c] != TW_OK) {
         return tw_error_set(err, f->build_rc[g][c], "%s does not build",
                             f->names[g][c] != NULL ? f->names[g][c] : "it");
@@ -299,6 +312,59 @@ static void test_every_candidate_fails(void)
 }
 
 /* A candidate whose measurement fails loses; the others are measured again. */
+/* The build facts live in the result: the host's reason, largest error and
+ * tolerance, the engine's build time by the host's clock, the group's flags; a
+ * failed build the host gave no reason for reads "build failed", and a
+ * candidate that failed while measured has none. */
+static void test_build_facts(void)
+{
+    static const unsigned flags[MAX_CANDS] = {0, TW_CAND_LOWERS_PRECISION | TW_CAND_VARIANT,
+                                              0, 0};
+    search_fake f;
+    tw_module_result *m = NULL;
+    tw_candidate_report r;
+
+    sf_setup(&f);
+    f.n_groups = 1;
+    f.kind[0] = TW_STRATEGY_HIGHEST_THROUGHPUT;
+    f.n_cands[0] = 4;
+    f.flags[0] = flags;
+    f.build_cost = 250;
+    f.facts[0][0].max_error = 2e-5;
+    f.facts[0][0].tolerance = NAN;
+    f.build_rc[0][1] = TW_ECALLBACK;
+    f.facts[0][1].reason = TW_REASON_MISMATCH;
+    f.facts[0][1].max_error = 0.5;
+    f.facts[0][1].tolerance = 0.01;
+    f.build_rc[0][2] = TW_ECALLBACK;
+    f.run_rc[0][3] = TW_ECALLBACK;
+    CHECK_INT(sf_tune(&f, "layers.0", &m, NULL), TW_OK);
+    r = sf_report(m, 0, 0, NULL);
+    CHECK_INT(r.state, TW_CAND_MEASURED);
+    CHECK_INT(r.facts.reason, TW_REASON_NONE);
+    CHECK_NEAR(r.facts.max_error, 2e-5, 1e-12);
+    CHECK(r.facts.tolerance != r.facts.tolerance);
+    CHECK_INT(r.build_ns, 250);
+    CHECK_INT(r.flags, 0);
+    r = sf_report(m, 0, 1, NULL);
+    CHECK_INT(r.state, TW_CAND_FAILED);
+    CHECK_INT(r.facts.reason, TW_REASON_MISMATCH);
+    CHECK_NEAR(r.facts.max_error, 0.5, 1e-12);
+    CHECK_NEAR(r.facts.tolerance, 0.01, 1e-12);
+    CHECK_INT(r.build_ns, 250);
+    /* a module searched alone has no budget: the variant was built */
+    CHECK_INT(f.builds[0][1], 1);
+    CHECK_INT(r.flags, TW_CAND_LOWERS_PRECISION | TW_CAND_VARIANT);
+    r = sf_report(m, 0, 2, NULL);
+    CHECK_INT(r.facts.reason, TW_REASON_BUILD_FAILED);
+    CHECK(r.facts.max_error != r.facts.max_error);
+    r = sf_report(m, 0, 3, NULL);
+    CHECK_INT(r.state, TW_CAND_FAILED);
+    CHECK_INT(r.facts.reason, TW_REASON_NONE);
+    CHECK_INT(r.build_ns, 250);
+    tw_module_result_destroy(m);
+}
+
 static void test_measurement_failure(void)
 {
     search_fake f;
@@ -543,6 +609,7 @@ int main(void)
 {
     test_groups_and_picks();
     test_every_candidate_fails();
+    test_build_facts();
     test_measurement_failure();
     test_no_groups();
     test_group_failures();

@@ -270,6 +270,85 @@ static void test_time_budget(void)
     fake_model_teardown(&m, result);
 }
 
+/* The engine's one clock also bounds the variants: once the budget is used up
+ * in the middle of a depth, a candidate flagged TW_CAND_VARIANT is not built
+ * (reason "time budget", no build time) and the strategy's own candidate still
+ * is, so the module still gets a choice. */
+static void test_time_budget_variants(void)
+{
+    fake_model m;
+    tw_tweak_config cfg = fake_model_config();
+    tw_result *result = NULL;
+    tw_candidate_report report;
+    const tw_module_result *search;
+    const char *name = NULL;
+
+    /* a budget not used up: the variant builds, and first-wins keeps it */
+    fake_model_setup(&m);
+    m.variants = 1;
+    m.build_cost = 500;
+    cfg.max_depth = 0;
+    cfg.time_budget_ns = 1000000;
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
+    CHECK_INT(m.builds[ROOT][0], 1);
+    CHECK_INT(m.builds[ROOT][1], 0);
+    CHECK_INT(m.committed[ROOT], 0);
+    search = tw_result_module_search(result, ROOT);
+    CHECK_INT(tw_module_result_candidate(search, 0, 0, &name, &report, NULL), TW_OK);
+    CHECK_STR(name, "fake [variant]");
+    CHECK_INT(report.state, TW_CAND_BUILT);
+    CHECK_INT(report.flags, TW_CAND_VARIANT | TW_CAND_LOWERS_PRECISION);
+    CHECK_INT(report.facts.reason, TW_REASON_NONE);
+    CHECK(report.facts.max_error == 0.001);
+    CHECK(report.facts.tolerance != report.facts.tolerance);
+    CHECK_INT(report.build_ns, 500);
+    CHECK_INT(tw_module_result_candidate(search, 0, 1, NULL, &report, NULL), TW_OK);
+    CHECK_INT(report.state, TW_CAND_NOT_TRIED);
+    CHECK_INT(report.flags, 0);
+    CHECK_INT(report.build_ns, 0);
+    fake_model_teardown(&m, result);
+
+    /* the budget used up while the root's search began (groups() takes 2 ms):
+     * the variant is skipped without a call, the backend after it builds */
+    fake_model_setup(&m);
+    m.variants = 1;
+    m.build_cost = 500;
+    m.tune_cost[ROOT] = 2000000;
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
+    CHECK_INT(m.builds[ROOT][0], 0);
+    CHECK_INT(m.builds[ROOT][1], 1);
+    CHECK_INT(m.committed[ROOT], 1);
+    search = tw_result_module_search(result, ROOT);
+    CHECK_INT(tw_module_result_candidate(search, 0, 0, NULL, &report, NULL), TW_OK);
+    CHECK_INT(report.state, TW_CAND_FAILED);
+    CHECK_INT(report.facts.reason, TW_REASON_BUDGET);
+    CHECK_STR(tw_reason_name(report.facts.reason), "time budget");
+    CHECK_HAS(report.msg, "not built: the time budget was used up before this variant's turn");
+    CHECK_INT(report.build_ns, 0);
+    CHECK(report.facts.max_error != report.facts.max_error);
+    CHECK_INT(tw_module_result_candidate(search, 0, 1, NULL, &report, NULL), TW_OK);
+    CHECK_INT(report.state, TW_CAND_BUILT);
+    CHECK_INT(report.build_ns, 500);
+    CHECK_INT(tw_module_result_state(search), 1);
+    CHECK_INT(fake_model_row(result, 0).state, TW_ROW_MEASURED);
+    fake_model_teardown(&m, result);
+
+    /* no budget: nothing is skipped, however long the search takes */
+    fake_model_setup(&m);
+    m.variants = 1;
+    m.tune_cost[ROOT] = 2000000;
+    cfg.time_budget_ns = 0;
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
+    CHECK_INT(m.builds[ROOT][0], 1);
+    CHECK_INT(m.committed[ROOT], 0);
+    fake_model_teardown(&m, result);
+
+    /* the reasons' names, as the bindings and the reports read them */
+    CHECK_STR(tw_reason_name(TW_REASON_NONE), "");
+    CHECK_STR(tw_reason_name(TW_REASON_MISMATCH), "mismatch");
+    CHECK(tw_reason_name((tw_reason)TW_REASON_COUNT) == NULL);
+}
+
 static void test_dry_run(void)
 {
     fake_model m;
@@ -1135,6 +1214,7 @@ int main(void)
     test_model_fails_at_depth();
     test_enter_activate_fail();
     test_time_budget();
+    test_time_budget_variants();
     test_dry_run();
     test_apply_fails();
     test_leave_fails();

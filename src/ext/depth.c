@@ -116,6 +116,7 @@ tt_py_check_tweak_config(PyObject *module, PyObject *args, PyObject *kwargs)
                              NULL};
     PyObject *min_depth = NULL, *max_depth = NULL, *tie = NULL, *budget = NULL;
     PyObject *config = Py_None; /* all borrowed */
+    PyObject *seconds, *deepest; /* new references, given to the dict */
     tw_tweak_config cfg;
 
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$OOOOO:check_tweak_config", kwlist,
@@ -124,7 +125,19 @@ tt_py_check_tweak_config(PyObject *module, PyObject *args, PyObject *kwargs)
     if (tt_tweak_config((TtState *)PyModule_GetState(module), min_depth, max_depth, tie, budget,
                         0, config, &cfg) < 0)
         return NULL;
-    Py_RETURN_NONE;
+    /* the settings as the engine reads them: the one value a tweak hashes and passes on */
+    if (budget == NULL || budget == Py_None)
+        seconds = Py_NewRef(Py_None);
+    else if ((seconds = PyNumber_Float(budget)) == NULL)
+        return NULL;
+    if (cfg.max_depth < 0)
+        deepest = Py_NewRef(Py_None);
+    else if ((deepest = PyLong_FromLong(cfg.max_depth)) == NULL) {
+        Py_DECREF(seconds);
+        return NULL;
+    }
+    return Py_BuildValue("{s:i,s:N,s:d,s:N}", "min_depth", cfg.min_depth, "max_depth", deepest,
+                         "tie_tolerance", cfg.tie_tolerance, "time_budget", seconds);
 }
 
 /* ================================================================ tweak */

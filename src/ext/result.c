@@ -8,6 +8,7 @@
 #include "call.h"
 #include "tree.h"
 
+#include <math.h>
 #include <string.h>
 
 /* =============================================================== Result */
@@ -193,12 +194,20 @@ tt_result_module(TtResult *self, PyObject *arg)
     return Py_BuildValue("(is)", state, error != NULL ? error : "");
 }
 
-/* One candidate of a group as a dict. New reference. */
+/* A float, or None for NaN (not known). New reference. */
+static PyObject *
+tt_float_or_none(double value)
+{
+    return isnan(value) ? Py_NewRef(Py_None) : PyFloat_FromDouble(value);
+}
+
+/* One candidate of a group as a dict, with its build's facts. New reference. */
 static PyObject *
 tt_candidate_to_dict(const tw_module_result *module, size_t g, size_t c, long chosen)
 {
-    PyObject *stats = NULL; /* new reference */
+    PyObject *stats = NULL, *max_error = NULL, *tolerance = NULL, *build_s = NULL; /* new */
     PyObject *result = NULL;
+    const char *reason;
     tw_candidate_report report;
     const char *name = NULL;
     tw_error err;
@@ -210,12 +219,30 @@ tt_candidate_to_dict(const tw_module_result *module, size_t g, size_t c, long ch
     }
     if ((stats = tt_stats_or_none(&report.stats, report.state == TW_CAND_MEASURED)) == NULL)
         goto cleanup;
-    result = Py_BuildValue("{s:s,s:s,s:s,s:s,s:O}", "name", name != NULL ? name : "(unnamed)",
-                           "state", tw_candidate_state_name(report.state), "verdict",
+    reason = tw_reason_name(report.facts.reason);
+    if ((max_error = tt_float_or_none(report.facts.max_error)) == NULL ||
+        (tolerance = tt_float_or_none(report.facts.tolerance)) == NULL)
+        goto cleanup;
+    if (report.state == TW_CAND_NOT_TRIED) {
+        build_s = Py_NewRef(Py_None);
+    } else if ((build_s = PyFloat_FromDouble((double)report.build_ns / 1e9)) == NULL) {
+        goto cleanup;
+    }
+    result = Py_BuildValue("{s:s,s:s,s:s,s:s,s:O,s:s,s:O,s:O,s:O,s:N,s:N}", "name",
+                           name != NULL ? name : "(unnamed)", "state",
+                           tw_candidate_state_name(report.state), "verdict",
                            tw_candidate_verdict(&report, (long)c == chosen), "error",
-                           report.state == TW_CAND_FAILED ? report.msg : "", "stats", stats);
+                           report.state == TW_CAND_FAILED ? report.msg : "", "stats", stats,
+                           "reason", reason != NULL ? reason : "", "max_error", max_error,
+                           "tolerance", tolerance, "build_s", build_s, "variant",
+                           PyBool_FromLong((report.flags & TW_CAND_VARIANT) != 0),
+                           "lowers_precision",
+                           PyBool_FromLong((report.flags & TW_CAND_LOWERS_PRECISION) != 0));
 cleanup:
     Py_XDECREF(stats);
+    Py_XDECREF(max_error);
+    Py_XDECREF(tolerance);
+    Py_XDECREF(build_s);
     return result;
 }
 
@@ -463,7 +490,9 @@ tt_result_exec(PyObject *module, TtState *st)
     if (st->ResultType == NULL)
         goto error;
     if (PyModule_AddObjectRef(module, "Result", (PyObject *)st->ResultType) < 0 ||
-        tt_add_float(module, "BUSY_SHARE", TW_BUSY_SHARE) < 0)
+        tt_add_float(module, "BUSY_SHARE", TW_BUSY_SHARE) < 0 ||
+        PyModule_AddIntConstant(module, "CANDIDATE_VARIANT", TW_CAND_VARIANT) < 0 ||
+        PyModule_AddIntConstant(module, "CANDIDATE_LOWERS_PRECISION", TW_CAND_LOWERS_PRECISION) < 0)
         goto error;
     rc = 0;
 error:

@@ -57,6 +57,8 @@ tt_modules_release(TtModules *m)
     Py_CLEAR(m->info);
     PyMem_Free(m->names);
     m->names = NULL;
+    PyMem_Free(m->flags);
+    m->flags = NULL;
 }
 
 /* func(ints[0], ..., ints[n - 1]). always: even after an interrupt (commit). */
@@ -116,7 +118,43 @@ cleanup:
     return code;
 }
 
-/* info from group()'s (text, kind, names, n_samples); -1 with an exception. */
+/* The candidates' flags from group()'s optional fifth item (a tuple of ints,
+ * one per name, of CANDIDATE_VARIANT and CANDIDATE_LOWERS_PRECISION) into
+ * m->flags; -1 with an exception. */
+static int
+tt_group_flags_from(TtModules *m, PyObject *flags, Py_ssize_t n)
+{
+    Py_ssize_t i;
+    long v;
+
+    PyMem_Free(m->flags);
+    m->flags = NULL;
+    if (!PyTuple_Check(flags) || PyTuple_GET_SIZE(flags) != n) {
+        PyErr_Format(PyExc_TypeError, "group(): flags must be a tuple of %zd ints, one per name",
+                     n);
+        return -1;
+    }
+    if ((m->flags = PyMem_Calloc((size_t)n + 1, sizeof(unsigned))) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (i = 0; i < n; i++) {
+        PyObject *item = PyTuple_GET_ITEM(flags, i);
+
+        v = PyLong_Check(item) ? PyLong_AsLong(item) : -1;
+        if (v < 0 || v > (long)(TW_CAND_VARIANT | TW_CAND_LOWERS_PRECISION)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "group(): flags[%zd] must be CANDIDATE_VARIANT, "
+                         "CANDIDATE_LOWERS_PRECISION, both or 0, not %R", i, item);
+            return -1;
+        }
+        m->flags[i] = (unsigned)v;
+    }
+    return 0;
+}
+
+/* info from group()'s (text, kind, names, n_samples[, flags]); -1 with an
+ * exception. */
 static int
 tt_group_info_from(TtModules *m, PyObject *res, tw_group_info *info)
 {
@@ -124,11 +162,12 @@ tt_group_info_from(TtModules *m, PyObject *res, tw_group_info *info)
     Py_ssize_t n, i, n_samples;
     tw_strategy_kind kind;
 
-    if (!PyTuple_Check(res) || PyTuple_GET_SIZE(res) != 4 ||
+    if (!PyTuple_Check(res) || PyTuple_GET_SIZE(res) < 4 || PyTuple_GET_SIZE(res) > 5 ||
         !PyUnicode_Check(PyTuple_GET_ITEM(res, 0)) || !PyTuple_Check(PyTuple_GET_ITEM(res, 2))) {
         PyErr_Format(PyExc_TypeError,
                      "group() must return (text: str, kind: str, names: tuple of str, "
-                     "n_samples: int), not %.100s", Py_TYPE(res)->tp_name);
+                     "n_samples: int[, flags: tuple of int]), not %.100s",
+                     Py_TYPE(res)->tp_name);
         return -1;
     }
     if (tt_strategy_parse(PyTuple_GET_ITEM(res, 1), &kind) < 0)
@@ -158,11 +197,19 @@ tt_group_info_from(TtModules *m, PyObject *res, tw_group_info *info)
         if ((m->names[i] = PyUnicode_AsUTF8(name)) == NULL)
             return -1;
     }
+    if (PyTuple_GET_SIZE(res) == 5) {
+        if (tt_group_flags_from(m, PyTuple_GET_ITEM(res, 4), n) < 0)
+            return -1;
+    } else {
+        PyMem_Free(m->flags);
+        m->flags = NULL;
+    }
     if ((info->text = PyUnicode_AsUTF8(PyTuple_GET_ITEM(res, 0))) == NULL)
         return -1;
     info->kind = kind;
     info->n_candidates = (size_t)n;
     info->names = m->names;
+    info->flags = m->flags;
     info->n_samples = (size_t)n_samples;
     return 0;
 }
@@ -199,13 +246,90 @@ cleanup:
     return code;
 }
 
+/* *out from a float or int; anything else, or one out of range, leaves it. */
+static void
+tt_fact_number(PyObject *value, double *out)
+{
+    double d;
+
+    if (PyFloat_Check(value) || PyLong_Check(value)) {
+        d = PyFloat_AsDouble(value);
+        if (d == -1.0 && PyErr_Occurred())
+            PyErr_Clear();
+        else
+            *out = d;
+    }
+}
+
+/* facts from a (reason: str, max_error: float | None, tolerance: float | None)
+ * tuple: what build() returned, or its exception's tt_facts. Anything else, or
+ * a reason the engine does not know, says nothing (an unknown reason: the
+ * engine's "build failed"). Never raises. */
+static void
+tt_facts_from(PyObject *given, tw_build_facts *facts)
+{
+    PyObject *reason, *max_error, *tolerance; /* borrowed */
+    const char *text;
+    int r;
+
+    if (given == NULL || !PyTuple_Check(given) || PyTuple_GET_SIZE(given) != 3)
+        goto cleanup;
+    reason = PyTuple_GET_ITEM(given, 0);
+    max_error = PyTuple_GET_ITEM(given, 1);
+    tolerance = PyTuple_GET_ITEM(given, 2);
+    text = PyUnicode_Check(reason) ? PyUnicode_AsUTF8(reason) : NULL;
+    for (r = 0; text != NULL && r < TW_REASON_COUNT; r++) {
+        if (strcmp(text, tw_reason_name((tw_reason)r)) == 0) {
+            facts->reason = (tw_reason)r;
+            break;
+        }
+    }
+    PyErr_Clear();
+    tt_fact_number(max_error, &facts->max_error);
+    tt_fact_number(tolerance, &facts->tolerance);
+cleanup:
+    return;
+}
+
+/* build(node, group, candidate): returns None or its facts (see
+ * tt_facts_from); a failing build's exception may carry them as tt_facts. */
 static tw_code
-tt_modules_build(void *ctx, size_t node, size_t group, size_t cand, tw_error *err)
+tt_modules_build(void *ctx, size_t node, size_t group, size_t cand, tw_build_facts *facts,
+                 tw_error *err)
 {
     TtModules *m = (TtModules *)ctx;
-    Py_ssize_t ints[3] = {(Py_ssize_t)node, (Py_ssize_t)group, (Py_ssize_t)cand};
+    PyObject *args[3] = {NULL, NULL, NULL}; /* new references */
+    PyObject *res = NULL, *given = NULL;    /* new references */
+    tw_code code = TW_OK;
+    size_t i;
 
-    return tt_call_invoke_ints(m->call, m->build, ints, 3, 0, err);
+    if (TT_UNLIKELY(m->call->stash != NULL)) {
+        code = tw_error_set(err, TW_EINTERRUPT, "interrupted");
+        goto cleanup;
+    }
+    if ((args[0] = PyLong_FromSize_t(node)) == NULL ||
+        (args[1] = PyLong_FromSize_t(group)) == NULL ||
+        (args[2] = PyLong_FromSize_t(cand)) == NULL) {
+        code = tt_call_fail(m->call, err);
+        goto cleanup;
+    }
+    res = PyObject_Vectorcall(m->build, args, 3, NULL);
+    if (res != NULL) {
+        tt_facts_from(res, facts);
+        goto cleanup;
+    }
+    code = tt_call_fail(m->call, err);
+    if (code == TW_ECALLBACK && m->call->failure != NULL) {
+        given = PyObject_GetAttrString(m->call->failure, "tt_facts");
+        PyErr_Clear();
+        tt_facts_from(given, facts);
+    }
+cleanup:
+    for (i = 0; i < 3; i++)
+        Py_XDECREF(args[i]);
+    Py_XDECREF(res);
+    Py_XDECREF(given);
+    return code;
 }
 
 static tw_code

@@ -17,6 +17,7 @@ typedef struct TtModules {
     PyObject *info;        /* new reference: group()'s answer, held while its
                             * strings are the engine's */
     const char **names;    /* PyMem: the names of the group in progress */
+    unsigned *flags;       /* PyMem: their TW_CAND_* flags, NULL when group() gave none */
 } TtModules;
 
 /* Fetches the callbacks of `modules` into m; -1 with TypeError naming the one

@@ -84,7 +84,11 @@ ModuleReport = dict[str, Any]
 "groups": [{"text", "strategy", "samples", "chosen": index or -1, "error",
 "candidates": [{"name", "state": "not tried"|"failed"|"built"|"measured",
 "verdict": "chosen"|"slower"|"failed"|"not tried"|"built", "error",
-"stats": Stats or None}]}]}."""
+"stats": Stats or None, and the build's facts: "reason" ("" or the engine's
+reason name: "build failed", "unavailable", "crashed", "mismatch", "dynamic
+shapes", "out of memory", "time budget"), "max_error" and "tolerance" (float or
+None), "build_s" (seconds by the clock, None when not tried), "variant" and
+"lowers_precision" (the flags group() gave)}]}]}."""
 
 ModuleSearch = Any
 """The callbacks of one module's search (tune_module, tweak's ``modules``): an
@@ -92,9 +96,13 @@ object whose methods are read once per call, as bound methods. node is the
 caller's number for the module (a tree index in a tweak); g a signature group;
 c a candidate. A callback that raises an Exception fails that one step:
 - groups(node) -> int: how many signature groups; 0: never called (it fails).
-- group(node, g) -> (text, strategy kind, candidate names tuple, n_samples):
-  begins group g.
-- build(node, g, c): builds and checks candidate c; raise to reject it.
+- group(node, g) -> (text, strategy kind, candidate names tuple, n_samples[,
+  flags tuple]): begins group g; flags, one int per name, of CANDIDATE_VARIANT
+  (not built once tweak's time budget is used up) and CANDIDATE_LOWERS_PRECISION.
+- build(node, g, c) -> None or (reason, max_error, tolerance): builds and checks
+  candidate c and says what it knows (reason "" when it passed; a float or None
+  each); raise to reject it, and the exception's ``tt_facts``, when it has that
+  tuple, says why.
 - run(node, g, c, sample): makes recorded call `sample` with candidate c.
 - commit(node, g, chosen): ends group g with the chosen index or -1; follows
   every group() call, also after an interrupt."""
@@ -108,9 +116,12 @@ def tune_module(modules: ModuleSearch, node: int, *, path: str = "",
 
 def check_tweak_config(*, min_depth: int = 0, max_depth: Optional[int] = 1,
                        tie_tolerance: float = 0.02, time_budget: Optional[float] = None,
-                       config: Optional[dict[str, Any]] = None) -> None:
+                       config: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Raises ValueError, with the message a user reads, for settings tweak would
-    refuse (tw_tweak_config_check and the forms Python gives them)."""
+    refuse (tw_tweak_config_check and the forms Python gives them). Returns the
+    settings as the engine reads them, the keyword arguments of tweak:
+    {"min_depth": int, "max_depth": int or None, "tie_tolerance": float,
+    "time_budget": float seconds or None}."""
 
 class Result:
     """tw_result. str() is the engine's table."""
@@ -285,6 +296,8 @@ class Dispatcher:
         """Calls in every mode."""
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
 
+CANDIDATE_VARIANT: int
+CANDIDATE_LOWERS_PRECISION: int
 ENTRY_SERIALIZE: int
 ENTRY_NO_AUTOGRAD: int
 ENTRY_LAYOUT_ONLY: int

@@ -82,18 +82,18 @@ class ModuleResult:
         return text + ("\n\nerrors in full:\n" + "\n".join(errors) if errors else "")
 
 
-def candidates_of(group: dict, notes: list[dict]) -> list[dict]:
+def candidates_of(group: dict) -> list[dict]:
     """The candidate dicts of one signature group of the engine's result (a ``_C`` module
-    report's group), with what only Python knew of each build (notes: reason, max_error,
-    tolerance), in the form SignatureResult.candidates documents."""
+    report's group, whose candidates carry their builds' facts: reason, max_error, tolerance,
+    lowers_precision), in the form SignatureResult.candidates documents."""
     found = []
-    for candidate, note in zip(group["candidates"], notes):
+    for candidate in group["candidates"]:
         stats = candidate["stats"]
         found.append({"backend": candidate["name"], "state": candidate["state"],
                       "latency_ms": None if stats is None else stats["median_ns"] / 1e6,
-                      "error": candidate["error"], "reason": note.get("reason", ""),
-                      "max_error": note.get("max_error"), "tolerance": note.get("tolerance"),
-                      "lowers_precision": bool(note.get("lowers_precision", False))})
+                      "error": candidate["error"], "reason": candidate["reason"],
+                      "max_error": candidate["max_error"], "tolerance": candidate["tolerance"],
+                      "lowers_precision": candidate["lowers_precision"]})
     return found
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import time
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -83,13 +82,8 @@ def build_scopes(backends: Sequence[Backend], static: bool) -> Iterator[None]:
 OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
-class BudgetSkip(Exception):
-    """A variant not built: the tweak's time budget was used up before its turn."""
-
-
 def _reason(exc: BaseException) -> str:
-    if isinstance(exc, BudgetSkip):
-        return "time budget"
+    """The engine's reason name for a failed build (tw_reason_name)."""
     if isinstance(exc, OUT_OF_MEMORY):
         return "out of memory"
     if isinstance(exc, BackendUnavailable):
@@ -111,12 +105,10 @@ class ModuleSearch:
 
     wrapper_of(node) and strategy_of(node): the module's wrapper (recorded) and strategy
     template. done(node): called once a module's last group is committed (or at once when
-    it has none). notes[(node, group, candidate)]: what only Python knows of a build
-    (reason, max_error, tolerance, build_s, lowers_precision), read with the engine's result
-    (see absorb).
-    deadline: None, or a time.monotonic() value (tt.tweak's time_budget) after which no variant
-    of effort= or precision= is built; the strategy's own backends still are, so every module of
-    the depth in progress still gets a choice. None: no deadline.
+    it has none). What only Python knows of a build (its reason, largest error and tolerance)
+    goes to the engine with the build (see build), which keeps it in its result with the
+    build time; group() flags the variants of effort= and precision=, which the engine stops
+    building once tt.tweak's time_budget is used up, and the candidates that lower precision.
     """
 
     def __init__(self, wrapper_of: Callable[[int], TunedModule], strategy_of: Callable[[int], Strategy],
@@ -128,8 +120,6 @@ class ModuleSearch:
         self.progress = progress
         self.model_class = model_class
         self.done = done
-        self.deadline: float | None = None  # tt.tweak sets it from time_budget
-        self.notes: dict[tuple[int, int, int], dict] = {}
         self._open: _OpenGroup | None = None
 
     def groups(self, node: int) -> int:
@@ -138,7 +128,7 @@ class ModuleSearch:
             self.done(node)
         return count
 
-    def group(self, node: int, g: int) -> tuple[str, str, tuple[str, ...], int]:
+    def group(self, node: int, g: int) -> tuple[str, str, tuple[str, ...], int, tuple[int, ...]]:
         wrapper = self.wrapper_of(node)
         group = wrapper.tt_signatures[g]
         strategy = self.strategy_of(node)
@@ -157,37 +147,34 @@ class ModuleSearch:
             raise
         stateful = any(unstorable(s) is not None for s in group.samples)  # a cache passed in: copied per call
         self._open = _OpenGroup(node, g, group, backends, module, state, stack, stateful, label, variants)
-        return (group.text, strategy.kind, tuple(b.name for b in backends), len(group.samples))
+        flags = tuple((_C.CANDIDATE_VARIANT if i in variants else 0)
+                      | (_C.CANDIDATE_LOWERS_PRECISION if b.config.lowers_precision() else 0)
+                      for i, b in enumerate(backends))
+        return (group.text, strategy.kind, tuple(b.name for b in backends), len(group.samples), flags)
 
-    def build(self, node: int, g: int, c: int) -> None:
+    def build(self, node: int, g: int, c: int) -> tuple[str, float, None]:
+        """Builds and checks candidate c; returns its facts for the engine's result (reason,
+        largest error, tolerance). A build that fails raises, its facts as the exception's
+        ``tt_facts`` (see _C.ModuleSearch)."""
         o = self._current(node, g)
         backend, group, wrapper = o.backends[c], o.group, self.wrapper_of(node)
-        note = self.notes.setdefault((node, g, c), {})
-        note["lowers_precision"] = backend.config.lowers_precision()  # what the report names (precision=)
-        if c in o.variants and self.deadline is not None and time.monotonic() >= self.deadline:
-            note["reason"], note["build_s"] = "time budget", 0.0
-            raise BudgetSkip("not built: the time budget was used up before this variant's turn (the backends "
-                             "alone still are); a larger time_budget, or None, tries every variant")
         if self.progress is not None:
             self.progress.step(o.label, f"building {backend.name}")
         path = log_path(self.model_class, wrapper.tt_name, group.key, backend.name)
         title = f"{backend!r} for {wrapper.tt_name or '(root)'} of {self.model_class}, signature {group.text}"
-        started = time.monotonic()
         with capture_build(path, title) as log:
             try:
                 worst = build_checked(backend, o.module, group.samples, group.outputs, self.device, o.state, log)
             except Exception as exc:
-                note["build_s"] = time.monotonic() - started
-                note["reason"] = _reason(exc)
+                mismatch = isinstance(exc, MismatchError)
+                _tell(exc, (_reason(exc), exc.error if mismatch else None, exc.tolerance if mismatch else None))
                 if isinstance(exc, OUT_OF_MEMORY) and torch.cuda.is_initialized():
                     torch.cuda.empty_cache()  # what the failed build cached goes back to the next candidate
-                if isinstance(exc, MismatchError):
-                    note["max_error"], note["tolerance"] = exc.error, exc.tolerance
+                if mismatch:
                     log.outcome = f"failed the correctness check: {exc}"
                 raise
-            note["max_error"] = worst
-            note["build_s"] = time.monotonic() - started
             log.outcome = f"built; passed the correctness check (largest relative error {worst:.3g})"
+        return ("", float(worst), None)
 
     def run(self, node: int, g: int, c: int, i: int) -> None:
         o = self._open
@@ -218,6 +205,14 @@ class ModuleSearch:
         return o
 
 
+def _tell(exc: BaseException, facts: tuple) -> None:
+    """Gives a failed build's facts to the engine with its exception (``tt_facts``)."""
+    try:
+        exc.tt_facts = facts  # type: ignore[attr-defined]
+    except AttributeError:  # an exception that takes no attributes: the engine's "build failed"
+        pass
+
+
 @dataclasses.dataclass
 class _OpenGroup:
     """The signature group the engine is searching: its candidates and what to put back."""
@@ -231,22 +226,21 @@ class _OpenGroup:
     stack: contextlib.ExitStack
     stateful: bool
     label: str
-    variants: frozenset[int] = frozenset()  # the candidates an axis added (see ModuleSearch.deadline)
+    variants: frozenset[int] = frozenset()  # the candidates an axis added (flagged CANDIDATE_VARIANT)
 
 
-def absorb(wrapper: TunedModule, report: dict, notes: dict[tuple[int, int, int], dict], node: int) -> None:
-    """Copies what the engine's search of one module found (a ``_C`` module report) onto the
-    wrapper's signature groups (report, error) and the wrapper (tt_report, tt_error), with
-    what only Python knew of each build; logs each candidate at DEBUG."""
+def absorb(wrapper: TunedModule, report: dict) -> None:
+    """Copies what the engine's search of one module found (a ``_C`` module report, with its
+    builds' facts) onto the wrapper's signature groups (report, error) and the wrapper
+    (tt_report, tt_error); logs each candidate at DEBUG."""
     groups = wrapper.tt_signatures
-    for g, (group, found) in enumerate(zip(groups, report["groups"])):
-        group.report = candidates_of(found, [notes.get((node, g, c), {}) for c in range(len(found["candidates"]))])
+    for group, found in zip(groups, report["groups"]):
+        group.report = candidates_of(found)
         group.error = found["error"]
         label = wrapper.tt_name if len(groups) == 1 else f"{wrapper.tt_name} {group.text}"
-        for c, candidate in enumerate(group.report):
-            note = notes.get((node, g, c), {})
+        for candidate, built in zip(group.report, found["candidates"]):
             logger.debug("%s: %s %s%s%s", label or "(root)", candidate["backend"], candidate["state"],
-                         f" in {note['build_s']:.2f} s" if "build_s" in note else "",
+                         f" in {built['build_s']:.2f} s" if built["build_s"] is not None else "",
                          f", {candidate['latency_ms']:.3f} ms" if candidate["latency_ms"] is not None
                          else f": {fold(candidate['error'])}" if candidate["error"] else "")
     wrapper.tt_report = [dict(r, signature=g.text) for g in groups for r in g.report]
@@ -382,7 +376,7 @@ def tune(model: nn.Module, dataset: Any, *, strategy: Strategy | None = None, de
                                         config=measure_for(device, measure))
             finally:
                 release(wrapper)
-            absorb(wrapper, report, search.notes, node)
+            absorb(wrapper, report)
             if not wrapper.tt_activate():
                 wrapper.tt_deactivate()
             chosen[path] = wrapper.tt_backend.name if wrapper.tt_backend is not None else None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from typing import Any, Literal
 
 import torch
@@ -390,7 +389,7 @@ class _Session:
         for report in engine.modules:
             node = report["node"]
             wrapper = self.wrappers[node]
-            absorb(wrapper, report, self.search.notes, node)
+            absorb(wrapper, report)
             signatures = [(g.text, g.key, g.report, g.unstorable) for g in wrapper.tt_signatures]
             results[wrapper.tt_name] = module_result(report, signatures)
         return results
@@ -420,7 +419,7 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
     "bf16", "int8", "fp8"), each checked against its tolerance; None (the default): none.
     Once ``time_budget`` is used up, the variants of either not built yet are left out.
     """
-    device, measuring, asked, job, calls = _checked(
+    device, measuring, asked, job, calls, limits = _checked(
         model, dataset, workload=workload, strategy=strategy, device=device, measure=measure, cache=cache,
         effort=effort, precision=precision, min_depth=min_depth, max_depth=max_depth, tie_tolerance=tie_tolerance,
         time_budget=time_budget)
@@ -445,8 +444,7 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
                 dataclasses.replace(asked, heavy=axes.heavy_modules(model, tree)))
         key = parts = None
         if cache and not dry_run and job is None:
-            settings = {"min_depth": min_depth, "max_depth": max_depth, "tie_tolerance": float(tie_tolerance),
-                        "time_budget": time_budget, "measure": measure}
+            settings = dict(limits, measure=measure)  # the settings as checked, the engine's forms
             if asked:
                 settings.update(effort=effort, precision=[list(p) for p in asked.precision])
             key, parts = _cache_key(model, calls, device, strategy, settings)
@@ -457,10 +455,8 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
                     generation.arm(model)
                     return result
         session = _session(model, tree, calls, job, strategy, device, measuring, shown, depths, dry_run=dry_run,
-                           speaks_tokens=speaks_tokens, compiled_loop=compiled_loop, time_budget=time_budget)
-        engine = _search(model, session, calls, job, shown, device, min_depth=min_depth,
-                         max_depth=max_depth, tie_tolerance=tie_tolerance, time_budget=time_budget,
-                         dry_run=dry_run, config=measuring)
+                           speaks_tokens=speaks_tokens, compiled_loop=compiled_loop)
+        engine = _search(model, session, calls, job, shown, device, **limits, dry_run=dry_run, config=measuring)
         result = _kept(model, engine, tree, session, time_budget, dry_run)
         if speaks_tokens:
             _speak_tokens(result, job)
@@ -479,12 +475,13 @@ def _checked(model: nn.Module, dataset: Any, *, workload: Any, strategy: Strateg
              measure: dict | None, cache: Any, effort: Any, precision: Any, min_depth: int, max_depth: int | None,
              tie_tolerance: float, time_budget: float | None) -> tuple:
     """tt.tweak's arguments checked before anything runs: (device, the measurement config, the
-    axes asked for, the workload or None, the dataset's calls or None)."""
+    axes asked for, the workload or None, the dataset's calls or None, the depth search's
+    settings as the engine checked them: the one value the cache hashes and the engine gets)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     # the engine's rules, raised before anything runs
-    _C.check_tweak_config(min_depth=min_depth, max_depth=max_depth, tie_tolerance=tie_tolerance,
-                          time_budget=time_budget)
+    limits = _C.check_tweak_config(min_depth=min_depth, max_depth=max_depth, tie_tolerance=tie_tolerance,
+                                   time_budget=time_budget)
     if not isinstance(cache, bool):
         raise TypeError(f"cache must be True or False, not {cache!r}; tt.clear_cache() empties the cache")
     if strategy is not None and not isinstance(strategy, Strategy):
@@ -507,16 +504,16 @@ def _checked(model: nn.Module, dataset: Any, *, workload: Any, strategy: Strateg
         if dataset is not None:
             raise TypeError("pass a dataset or a workload, not both: a workload is a callable that runs the model, "
                             "e.g. workload=lambda m: m.generate(ids, max_new_tokens=64)")
-        return device, measuring, asked, Workload(model, workload, device), None
+        return device, measuring, asked, Workload(model, workload, device), None, limits
     if dataset is None:
         raise TypeError("tt.tweak needs a dataset, e.g. tt.tweak(model, [x1, x2]), or a workload, "
                         "e.g. tt.tweak(model, workload=lambda m: m.generate(ids, max_new_tokens=64))")
-    return device, measuring, asked, None, load_dataset(dataset, device)
+    return device, measuring, asked, None, load_dataset(dataset, device), limits
 
 
 def _session(model: nn.Module, tree: ModuleTree, calls: Any, job: Workload | None, strategy: Strategy | None,
              device: torch.device, measuring: dict, shown: Progress, depths: list, *, dry_run: bool,
-             speaks_tokens: bool, compiled_loop: bool, time_budget: float | None) -> "_Session":
+             speaks_tokens: bool, compiled_loop: bool) -> "_Session":
     """The callbacks of one tweak's engine search, with its progress planned."""
     run_dataset = dataset_runner(model, calls) if job is None else job.run
     session = _Session(model, tree, run_dataset, strategy, device, measuring, shown, depths)
@@ -529,10 +526,6 @@ def _session(model: nn.Module, tree: ModuleTree, calls: Any, job: Workload | Non
     if compiled_loop:
         session.refuse = ("the decode steps run transformers' compiled forward (decode loop \"compiled\"), "
                           "which must see the model's own modules to give the untuned tokens")
-    if time_budget is not None and not dry_run:
-        # the engine's budget counts from here too: once it is used up, no variant of effort= or
-        # precision= is built any more (one max-autotune compile can take minutes)
-        session.search.deadline = time.monotonic() + float(time_budget)
     return session
 
 
