@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import weakref
 from typing import Any, Literal
 
 import torch
@@ -20,6 +21,9 @@ from .progress import Progress
 from .report import ModuleResults, fold, module_result
 from .strategy import Strategy, default_backends, default_strategy
 from .serial import Unstorable
+from .status import status
+from .shapes import DECLARED, check_calls, check_shapes, edge_calls
+from .signatures import forward_params
 from .tuning import (ModuleSearch, absorb, check_measure, dataset_runner, measure_for, model_class_name, record,
                      release)
 from .workload import TokenRow, Workload, choose_loop
@@ -107,6 +111,7 @@ class TweakResult:
     decode_loop: str | None = None
     loop_report: "list[dict] | None" = None
     hint = ""
+    _model: "weakref.ref[nn.Module] | None" = None  # the tuned model, for its buckets (shapes_lines)
 
     def __init__(self, engine: "_C.Result", tree: ModuleTree, modules: ModuleResults) -> None:
         self._engine = engine
@@ -145,9 +150,16 @@ class TweakResult:
             # the engine knows depths only: with a decode loop kept, what stays untuned is the modules
             table = self._engine.format(untuned=f"its modules stay untuned; generate() runs tweak's decode "
                                         f"loop ({self.decode_loop})" if self.decode_loop else None)
-            return table + "".join("\n" + line for line in self.precision_lines()) + \
+            lines = self.precision_lines() + self.shapes_lines()
+            return table + "".join("\n" + line for line in lines) + \
                 self._tokens_table()
-        return self._table + f"\n{self.cache_note()}"
+        return self._table + "".join("\n" + line for line in self.shapes_lines()) + f"\n{self.cache_note()}"
+
+    def shapes_lines(self) -> list[str]:
+        """The declared shapes, and per padded group of the tuned model its buckets, their calls
+        since tuning, the padding waste, the graphs and their memory (tt.status's lines)."""
+        model = self._model() if self._model is not None else None
+        return [] if model is None else status(model).shapes_lines()
 
     def cache_note(self) -> str:
         """What a result from the tuning cache says about its figures."""
@@ -317,6 +329,7 @@ class _Session:
         self.model_class = model_class_name(model)
         self.on_measure = None  # called with the depth before its first measurement (a workload's TTFT)
         self.refuse = ""  # why no depth can be tuned (each is then skipped with it)
+        self.run_edges = None  # runs the calls at the declared shapes' ends (tt.tweak's shapes=)
         self.search = ModuleSearch(lambda node: self.wrappers[node],
                                    lambda node: strategy if strategy is not None else default_strategy(device),
                                    device, progress, self.model_class, done=self.tuned)
@@ -344,7 +357,7 @@ class _Session:
             fresh = [self.wrappers[n] for n, t in zip(nodes, tune) if t]
             if fresh:
                 self.progress.step("", f"recording {len(fresh)} modules")
-                record(fresh, self.run_dataset)
+                record(fresh, self.run_dataset, self.run_edges)
         except BaseException:
             self.leave()
             raise
@@ -400,7 +413,7 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
           max_depth: int | None = DEFAULT_MAX_DEPTH, strategy: Strategy | None = None,
           tie_tolerance: float = DEFAULT_TIE_TOLERANCE, time_budget: float | None = None, dry_run: bool = False, device: Any = None,
           progress: bool = True, measure: dict | None = None, cache: bool = True, effort: Effort = "default",
-          precision: dict[str, float] | None = None) -> TweakResult:
+          precision: dict[str, float] | None = None, shapes: dict[str, tuple[int, int]] | None = None) -> TweakResult:
     """Tunes `model` in place at every depth from min_depth to max_depth and keeps the fastest.
     Returns a TweakResult, a report: keep calling the model itself, under
     torch.inference_mode() (in grad mode a backend without autograd runs the original
@@ -419,11 +432,19 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
     ``precision``: {policy: tolerance} of lower-precision candidates you allow ("tf32",
     "bf16", "int8", "fp8"), each checked against its tolerance; None (the default): none.
     Once ``time_budget`` is used up, the variants of either not built yet are left out.
+    ``shapes``: the ranges of the sizes the traffic takes, beyond the dataset's, e.g.
+    ``{"batch": (1, 32), "length": (8, 512)}`` (batch: axis 0 of every tensor argument;
+    length: axis 1 of attention_mask and the arguments shaped like it; torch_tweak.shapes,
+    docs/serving.md); each module's candidates are also built and checked on calls at both
+    ends, and the padded backend serves the whole range. None (the default): the dataset's.
     """
     device, measuring, asked, job, calls = _checked(
         model, dataset, workload=workload, strategy=strategy, device=device, measure=measure, cache=cache,
         effort=effort, precision=precision, min_depth=min_depth, max_depth=max_depth, tie_tolerance=tie_tolerance,
         time_budget=time_budget)
+    declared, edges = _declared(model, shapes, calls, job)
+    if declared is not None:
+        strategy = (strategy if strategy is not None else default_strategy(device)).with_shapes(declared)
     # Tracing, recording and measuring run the model; anything they or a build changed is put
     # back when the tweak ends, however it ends.
     with model_state.kept(model):
@@ -449,19 +470,28 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
                         "time_budget": time_budget, "measure": measure}
             if asked:
                 settings.update(effort=effort, precision=[list(p) for p in asked.precision])
+            if declared is not None:
+                settings["shapes"] = declared.as_dict()
             key, parts = _cache_key(model, calls, device, strategy, settings)
             if key is not None:
                 result = _from_cache(model, tree, calls, device, strategy, key, parts, shown)
-                if result is not None:
+                if result is not None:  # plan.apply kept the strategy's shapes (DECLARED), as the entry was tuned
+                    result._model = weakref.ref(model)
                     arm_untuned(model)
                     generation.arm(model)
                     return result
         session = _session(model, tree, calls, job, strategy, device, measuring, shown, depths, dry_run=dry_run,
                            speaks_tokens=speaks_tokens, compiled_loop=compiled_loop, time_budget=time_budget)
+        session.run_edges = dataset_runner(model, edges) if edges else None
         engine = _search(model, session, calls, job, shown, device, min_depth=min_depth,
                          max_depth=max_depth, tie_tolerance=tie_tolerance, time_budget=time_budget,
                          dry_run=dry_run, config=measuring)
         result = _kept(model, engine, tree, session, time_budget, dry_run)
+        result._model = weakref.ref(model)
+        if not dry_run:
+            DECLARED.pop(model, None)
+            if declared is not None and result.selected_depth is not None:
+                DECLARED[model] = declared
         if speaks_tokens:
             _speak_tokens(result, job)
         if key is not None:
@@ -512,6 +542,20 @@ def _checked(model: nn.Module, dataset: Any, *, workload: Any, strategy: Strateg
         raise TypeError("tt.tweak needs a dataset, e.g. tt.tweak(model, [x1, x2]), or a workload, "
                         "e.g. tt.tweak(model, workload=lambda m: m.generate(ids, max_new_tokens=64))")
     return device, measuring, asked, None, load_dataset(dataset, device)
+
+
+def _declared(model: nn.Module, shapes: Any, calls: Any, job: Workload | None) -> tuple:
+    """(the declared shapes or None, the calls at their ends): shapes= checked against the
+    dataset's calls before anything runs (TypeError or ValueError; the model is untouched)."""
+    declared = check_shapes(shapes)
+    if declared is None:
+        return None, []
+    if job is not None:
+        raise TypeError("shapes= declares the sizes of a dataset's calls; a workload (generate()) tunes its own "
+                        "calls: leave shapes=None, or pass a dataset")
+    params = forward_params(model)
+    check_calls(declared, calls, params)
+    return declared, edge_calls(declared, calls, params)
 
 
 def _session(model: nn.Module, tree: ModuleTree, calls: Any, job: Workload | None, strategy: Strategy | None,

@@ -29,7 +29,8 @@ batch) or that ignores its mask fails there, and the reason says which.
 
 Buckets are recorded at build for the recorded calls, and on first sight for a new bucket
 inside the range (batch up to twice the largest seen, rounded up to a bucket; length up
-to the largest seen; or the declared max_batch and max_length), while there are fewer than
+to the largest seen; or the declared max_batch and max_length, which tt.tweak's shapes= sets:
+for_shapes), while there are fewer than
 max_graphs and their memory stays under max_graph_memory_mb. The first call of a new bucket
 runs the original module too and is answered with the original's result; the bucket serves
 later calls only if its answer matched. A call outside the range, or past those caps, runs
@@ -54,6 +55,7 @@ import torch.utils._pytree as pytree
 from .._samples import Call, fresh
 from ..correctness import MismatchError, check
 from ..schema import Count, Flag
+from ..shapes import MASK_NAMES, Shapes
 from .base import Backend, BackendConfig, BackendUnavailable
 from .graph import _DeviceApi, capture, graph_unavailable, warm_up
 from .inductor import compile_module, shared_compiles
@@ -61,8 +63,6 @@ from .registry import register
 
 logger = logging.getLogger("torch_tweak")
 
-MASK_NAMES = ("attention_mask",)
-"""Argument names taken as a mask of valid positions along axis 1 (transformers' name)."""
 
 
 class PaddingRefused(MismatchError):
@@ -514,6 +514,15 @@ class PaddedGraphBackend(Backend):
         call.prove(samples)
         call.building = False
         return call
+
+    def for_shapes(self, shapes: Shapes) -> "PaddedGraphBackend":
+        """A fresh copy whose max_batch and max_length are the declared maxima, where its config
+        left them None (a value set on the config wins)."""
+        clone = self.fresh()
+        for field, declared in (("max_batch", shapes.batch), ("max_length", shapes.length)):
+            if declared is not None and getattr(clone.config, field) is None:
+                setattr(clone.config, field, declared[1])
+        return clone
 
     def describe(self) -> dict | None:
         """The buckets, their hits, the padding waste, the graphs and their memory; None unbuilt."""
