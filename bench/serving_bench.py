@@ -8,18 +8,22 @@ row here is such a stream, with random weights built from configs:
     vit       timm ViT-B/16, 224x224, 100 requests of batch 1-16
     bert      BERT-base, 120 requests of batch 1/2/4/8, each row a random length 8-256, the
               batch padded to its longest row (padding id 0) with its attention mask
-    (--cpu: resnet18 at 112x112 with batch 1-8, and a 4-layer BERT of width 256 with batch
-    1/2/4 and lengths 8-128: a table for this machine's CPU, with OpenVINO's dynamic shapes)
+    (--cpu: resnet18 at 112x112, 24 requests of batch 1-8, and a 4-layer BERT of width 256,
+    24 requests of batch 1/2/4 and lengths 8-128: a table for this machine's CPU, with
+    OpenVINO's dynamic shapes; a few minutes on 2 cores)
 
 Columns, each on a copy of the same model and the same requests:
 
     eager            the model as it is
-    compile          torch.compile, default mode (torch's automatic dynamic shapes)
+    compile          torch.compile, default mode (torch's automatic dynamic shapes; cuda, or
+                     --columns on the CPU)
     dynamic          torch.compile(dynamic=True)
     reduce-overhead  torch.compile(mode="reduce-overhead") (cuda)
     openvino         openvino.convert_model with dynamic shapes, compiled for the CPU (--cpu)
     tweak            tt.tweak on the first 8 requests of the stream (the samples a user has),
-                     its defaults, cache=False
+                     its defaults, cache=False; on the CPU with shapes= declaring the ranges of
+                     both streams (vision: batch 1-16; bert: batch 1-4, length 8-128), as a
+                     user who knows the traffic would (--no-shapes: without)
 
 Passes, per column, one after the other (a column's passes run before the next column is
 built; dynamo is reset and the compiler caches are fresh before each build, as a user's first
@@ -38,7 +42,11 @@ as the largest absolute difference over eager's largest magnitude, over both str
 
     python bench/serving_bench.py [--rows resnet50:bf16,bert:bf16] [--columns ...] [--rounds 3]
                                   [--json bench/results/runs/serving-<commit>.json]
-    python bench/serving_bench.py --cpu [--rows resnet18:fp32,bert:fp32]
+    python bench/serving_bench.py --cpu [--rows resnet18:fp32,bert:fp32] [--no-shapes]
+    python bench/serving_bench.py --cpu --smoke   # tiny models and streams, every column checked, no figures
+
+On the CPU each row also records the load average before and after each column (the machine
+may be shared: a figure measured beside other work is not the model's alone).
     python bench/serving_bench.py --report RUN.json [...] [--out bench/results/serving.md]
 """
 
@@ -52,6 +60,7 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -64,9 +73,13 @@ from gpu_bench import cold_compiler, first_tensor, source_commit  # noqa: E402  
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CUDA_COLUMNS = ("eager", "compile", "dynamic", "reduce-overhead", "tweak")
-CPU_COLUMNS = ("eager", "compile", "dynamic", "openvino", "tweak")
+CPU_COLUMNS = ("eager", "dynamic", "openvino", "tweak")
 N_TUNE = 8
 DEVICE = "cuda"
+SMOKE = False
+"""--smoke: tiny models and streams, one round: checks that every column serves and matches eager."""
+SMOKE_TOLERANCE = 1e-3
+"""--smoke: the largest error against eager a column may have (fp32, relative to eager's largest value)."""
 
 
 def sync() -> None:
@@ -115,8 +128,9 @@ def text_stream(n: int, batches: list[int], lengths: list[int], vocab: int, seed
     return out
 
 
-def build(name: str, dtype: torch.dtype, seed: int) -> tuple[torch.nn.Module, list[Request], list[Request], str]:
-    """The model (random weights, eval), the stream, the new-shapes stream, and their description."""
+def build(name: str, dtype: torch.dtype, seed: int) -> tuple[torch.nn.Module, list[Request], list[Request], str, dict]:
+    """The model (random weights, eval), the stream, the new-shapes stream, their description,
+    and the ranges both streams take (what tweak's shapes= declares on the CPU)."""
     torch.manual_seed(0)
     if name in ("resnet50", "resnet18", "vit"):
         if name == "vit":
@@ -125,20 +139,26 @@ def build(name: str, dtype: torch.dtype, seed: int) -> tuple[torch.nn.Module, li
         else:
             import torchvision
             model = getattr(torchvision.models, name)(weights=None)
-        side = 224 if DEVICE == "cuda" or name == "vit" else 112
-        top = 16 if DEVICE == "cuda" else 8
+        side = 224 if DEVICE == "cuda" or name == "vit" else 32 if SMOKE else 112
+        top = 16 if DEVICE == "cuda" else 4 if SMOKE else 8
         model = model.to(DEVICE, dtype).eval()
-        stream = vision_stream(100 if DEVICE == "cuda" else 40, list(range(1, top + 1)), side, dtype, seed)
+        stream = vision_stream(100 if DEVICE == "cuda" else 8 if SMOKE else 24, list(range(1, top + 1)), side, dtype,
+                               seed)
         new = vision_stream(len(stream) // 2, list(range(top + 1, top + 9)), side, dtype, seed + 1)
         what = f"{name}, {side}x{side}, {len(stream)} requests of batch 1-{top}; new: batch {top + 1}-{top + 8}"
+        ranges = {"batch": (1, top + 8)}
     elif name == "bert":
         import transformers
         if DEVICE == "cuda":
             config, batches, top, n = transformers.BertConfig(), [1, 2, 4, 8], 256, 120
+        elif SMOKE:
+            config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                             intermediate_size=128, vocab_size=1000)
+            batches, top, n = [1, 2, 4], 32, 8
         else:
             config = transformers.BertConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
                                              intermediate_size=1024)
-            batches, top, n = [1, 2, 4], 128, 40
+            batches, top, n = [1, 2, 4], 128, 24
         model = transformers.BertModel(config, add_pooling_layer=False).to(DEVICE, dtype).eval()
         rng = random.Random(seed)
         seen = sorted(rng.sample(range(8, top + 1), (top - 7) // 2))
@@ -150,9 +170,10 @@ def build(name: str, dtype: torch.dtype, seed: int) -> tuple[torch.nn.Module, li
         what = (f"BERT {config.num_hidden_layers} layers, width {config.hidden_size}, {len(stream)} requests of batch "
                 f"{'/'.join(map(str, batches))}, rows of length 8-{top} padded to the longest (attention mask); "
                 f"new: {len(new)} requests padded to lengths the stream never had")
+        ranges = {"batch": (1, max(batches)), "length": (8, top)}
     else:
         raise ValueError(f"unknown row {name!r}")
-    return model, stream, new, what
+    return model, stream, new, what, ranges
 
 
 def call(fn: Callable[..., Any], r: Request) -> Any:
@@ -220,16 +241,43 @@ def error_of(fn: Callable[..., Any], streams: list[list[Request]], refs: list[li
     return worst
 
 
+def load_average() -> float | None:
+    """The 1-minute load average (None where the system has none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def tweak_column(model: torch.nn.Module, stream: list[Request], ranges: dict | None, row: dict) -> Any:
+    """tt.tweak on a copy of the model and the stream's first N_TUNE requests (shapes=ranges on
+    the CPU); its table and the ranges go in the row."""
+    import torch_tweak as tt
+
+    fn = copy.deepcopy(model)
+    tuned = [r.kwargs if r.kwargs else r.args[0] for r in stream[:N_TUNE]]
+    options: dict[str, Any] = {"shapes": ranges} if ranges else {}
+    if SMOKE:
+        options.update(max_depth=0, measure={"rounds_max": 5, "time_cap": 0.5})
+    result = tt.tweak(fn, tuned, progress=False, cache=False, **options)
+    row["tweak_table"] = str(result)
+    row["tweak_shapes"] = ranges
+    return fn
+
+
 def bench_row(name: str, dtype_name: str, columns: list[str], rounds: int, seed: int,
-              partial: Callable[[dict], None] = lambda row: None) -> dict:
+              partial: Callable[[dict], None] = lambda row: None, declare: bool = True) -> dict:
     dtype = DTYPES[dtype_name]
-    model, stream, new, what = build(name, dtype, seed)
+    model, stream, new, what, ranges = build(name, dtype, seed)
     refs = references(model, [stream, new])
     row: dict[str, Any] = {"model": name, "dtype": dtype_name, "stream": what, "device": DEVICE,
                            "shapes": len({r.shape() for r in stream}), "new_shapes": len({r.shape() for r in new}),
                            "cold_s": {}, "warm_s": {}, "new_first_s": {}, "new_s": {}, "error": {}, "errors": {}}
+    if DEVICE == "cpu":
+        row["load"] = {}
     for column in columns:
         print(f"  {name} {dtype_name}: {column}", flush=True)
+        before = load_average()
         torch._dynamo.reset()
         gc.collect()
         if DEVICE == "cuda":
@@ -249,13 +297,9 @@ def bench_row(name: str, dtype_name: str, columns: list[str], rounds: int, seed:
             elif column == "openvino":
                 fn = openvino_dynamic(model, stream[0])
             elif column == "tweak":
-                import torch_tweak as tt
-                fn = copy.deepcopy(model)
-                tuned = [r.kwargs if r.kwargs else r.args[0] for r in stream[:N_TUNE]]
-                result = tt.tweak(fn, tuned, progress=False, cache=False)
+                fn = tweak_column(model, stream, ranges if DEVICE == "cpu" and declare else None, row)
                 sync()
                 row["tune_s"] = time.perf_counter() - t0
-                row["tweak_table"] = str(result)
             else:
                 raise ValueError(f"unknown column {column!r}")
             row["cold_s"][column] = time.perf_counter() - t0 + serve(fn, stream)
@@ -264,12 +308,15 @@ def bench_row(name: str, dtype_name: str, columns: list[str], rounds: int, seed:
             row["new_first_s"][column] = serve(fn, new)
             row["new_s"][column] = statistics.median(serve(fn, new) for _ in range(rounds))
             if column == "tweak":
+                import torch_tweak as tt
                 row["tweak_status"] = str(tt.status(fn))
         except Exception as exc:  # a column that cannot serve the stream is reported, not fatal
             traceback.print_exc()
             row["errors"][column] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
         finally:
             fn = None  # type: ignore[assignment]
+            if "load" in row:
+                row["load"][column] = [before, load_average()]
         print(f"    {json.dumps({k: row[k].get(column) for k in ('cold_s', 'warm_s', 'new_first_s', 'new_s', 'error')})}",
               flush=True)
         partial(row)
@@ -325,7 +372,10 @@ def report(paths: list[str], out: str) -> None:
             lines.append(f"- **{row['model']} {row['dtype']} ({row['device']}, {commit_of(run)})**: {row['stream']}; {row['shapes']} "
                          f"shapes, {row['new_shapes']} new. Largest error against eager on valid positions: {errs}. "
                          + (f"tweak's tuning alone: {row['tune_s']:.1f} s. " if "tune_s" in row else "")
-                         + "".join(f"{c} failed: {e}. " for c, e in row["errors"].items()))
+                         + (f"tweak's shapes=: {row['tweak_shapes']}. " if row.get("tweak_shapes") else "")
+                         + "".join(f"{c} failed: {e}. " for c, e in row["errors"].items())
+                         + ("Load average (1 min) before and after each column: " + ", ".join(
+                             f"{c} {b}-{a}" for c, (b, a) in row["load"].items()) + ". " if row.get("load") else ""))
     with open(out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {out}")
@@ -338,6 +388,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU rows, one round, every column checked "
+                        "against eager; writes no figures into bench/results")
+    parser.add_argument("--no-shapes", action="store_true", help="tweak on the CPU without shapes=")
     parser.add_argument("--json", default=None)
     parser.add_argument("--report", nargs="+", metavar="JSON")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "serving.md"))
@@ -345,7 +398,9 @@ def main() -> None:
     if args.report:
         report(args.report, args.out)
         return
-    global DEVICE
+    global DEVICE, SMOKE
+    if args.smoke:
+        SMOKE, args.cpu, args.rounds = True, True, 1
     if args.cpu:
         DEVICE = "cpu"
     elif not torch.cuda.is_available():
@@ -353,7 +408,8 @@ def main() -> None:
     default_rows = "resnet18:fp32,bert:fp32" if args.cpu else "resnet50:bf16,bert:bf16,vit:bf16,resnet50:fp32,bert:fp32"
     rows = [r.split(":") for r in (args.rows or default_rows).split(",") if r]
     columns = [c for c in args.columns.split(",") if c] or list(CPU_COLUMNS if args.cpu else CUDA_COLUMNS)
-    path = args.json or os.path.join(HERE, "results", "runs", f"serving-{source_commit()}-{DEVICE}.json")
+    path = args.json or (os.path.join(tempfile.gettempdir(), "serving-smoke.json") if SMOKE else
+                         os.path.join(HERE, "results", "runs", f"serving-{source_commit()}-{DEVICE}.json"))
     import platform
 
     import torch_tweak
@@ -364,10 +420,30 @@ def main() -> None:
         with open(path, "w") as f:
             json.dump(dict(run, rows=run["rows"] + ([row] if row else [])), f, indent=1)
 
+    if DEVICE == "cpu":
+        run["environment"] += f", {os.cpu_count()} CPUs"
     for name, dtype_name in rows:
-        run["rows"].append(bench_row(name, dtype_name, columns, args.rounds, args.seed, save))
+        run["rows"].append(bench_row(name, dtype_name, columns, args.rounds, args.seed, save, not args.no_shapes))
         save()
     print(f"wrote {path}")
+    if SMOKE:
+        sys.exit(smoke_verdict(run["rows"]))
+
+
+def smoke_verdict(rows: list[dict]) -> int:
+    """--smoke: 0 when every column served both streams within SMOKE_TOLERANCE of eager (a column
+    whose package is not installed is skipped), else 1; one line per row."""
+    failed = False
+    for row in rows:
+        missing = {c: e for c, e in row["errors"].items() if "No module named" in e}
+        broken = {c: e for c, e in row["errors"].items() if c not in missing}
+        off = {c: e for c, e in row["error"].items() if e > SMOKE_TOLERANCE}
+        failed |= bool(broken or off)
+        print(f"smoke {row['model']}: " + ("ok" if not broken and not off else "FAILED") +
+              "".join(f"; {c} failed: {e}" for c, e in broken.items()) +
+              "".join(f"; {c} is {e:.1e} from eager" for c, e in off.items()) +
+              "".join(f"; {c} skipped ({e})" for c, e in missing.items()))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

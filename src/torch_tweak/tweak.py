@@ -432,19 +432,14 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
     ``precision``: {policy: tolerance} of lower-precision candidates you allow ("tf32",
     "bf16", "int8", "fp8"), each checked against its tolerance; None (the default): none.
     Once ``time_budget`` is used up, the variants of either not built yet are left out.
-    ``shapes``: the ranges of the sizes the traffic takes, beyond the dataset's, e.g.
-    ``{"batch": (1, 32), "length": (8, 512)}`` (batch: axis 0 of every tensor argument;
-    length: axis 1 of attention_mask and the arguments shaped like it; torch_tweak.shapes,
-    docs/serving.md); each module's candidates are also built and checked on calls at both
-    ends, and the padded backend serves the whole range. None (the default): the dataset's.
+    ``shapes``: ranges the traffic's sizes take beyond the dataset's, ``{"batch": (1, 32), "length": (8, 512)}``:
+    candidates are also checked at both ends; the padded backend serves them (docs/serving.md).
     """
     device, measuring, asked, job, calls = _checked(
         model, dataset, workload=workload, strategy=strategy, device=device, measure=measure, cache=cache,
         effort=effort, precision=precision, min_depth=min_depth, max_depth=max_depth, tie_tolerance=tie_tolerance,
         time_budget=time_budget)
-    declared, edges = _declared(model, shapes, calls, job)
-    if declared is not None:
-        strategy = (strategy if strategy is not None else default_strategy(device)).with_shapes(declared)
+    strategy, declared, edges = _declared(model, shapes, calls, job, strategy, device)
     # Tracing, recording and measuring run the model; anything they or a build changed is put
     # back when the tweak ends, however it ends.
     with model_state.kept(model):
@@ -467,31 +462,22 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
         key = parts = None
         if cache and not dry_run and job is None:
             settings = {"min_depth": min_depth, "max_depth": max_depth, "tie_tolerance": float(tie_tolerance),
-                        "time_budget": time_budget, "measure": measure}
+                        "time_budget": time_budget, "measure": measure, **({"shapes": declared.as_dict()} if declared else {})}
             if asked:
                 settings.update(effort=effort, precision=[list(p) for p in asked.precision])
-            if declared is not None:
-                settings["shapes"] = declared.as_dict()
             key, parts = _cache_key(model, calls, device, strategy, settings)
             if key is not None:
                 result = _from_cache(model, tree, calls, device, strategy, key, parts, shown)
                 if result is not None:  # plan.apply kept the strategy's shapes (DECLARED), as the entry was tuned
-                    result._model = weakref.ref(model)
                     arm_untuned(model)
                     generation.arm(model)
                     return result
         session = _session(model, tree, calls, job, strategy, device, measuring, shown, depths, dry_run=dry_run,
-                           speaks_tokens=speaks_tokens, compiled_loop=compiled_loop, time_budget=time_budget)
-        session.run_edges = dataset_runner(model, edges) if edges else None
+                           speaks_tokens=speaks_tokens, compiled_loop=compiled_loop, time_budget=time_budget, edges=edges)
         engine = _search(model, session, calls, job, shown, device, min_depth=min_depth,
                          max_depth=max_depth, tie_tolerance=tie_tolerance, time_budget=time_budget,
                          dry_run=dry_run, config=measuring)
-        result = _kept(model, engine, tree, session, time_budget, dry_run)
-        result._model = weakref.ref(model)
-        if not dry_run:
-            DECLARED.pop(model, None)
-            if declared is not None and result.selected_depth is not None:
-                DECLARED[model] = declared
+        result = _kept(model, engine, tree, session, time_budget, dry_run, declared)
         if speaks_tokens:
             _speak_tokens(result, job)
         if key is not None:
@@ -544,26 +530,31 @@ def _checked(model: nn.Module, dataset: Any, *, workload: Any, strategy: Strateg
     return device, measuring, asked, None, load_dataset(dataset, device)
 
 
-def _declared(model: nn.Module, shapes: Any, calls: Any, job: Workload | None) -> tuple:
-    """(the declared shapes or None, the calls at their ends): shapes= checked against the
-    dataset's calls before anything runs (TypeError or ValueError; the model is untouched)."""
+def _declared(model: nn.Module, shapes: Any, calls: Any, job: Workload | None, strategy: Strategy | None,
+              device: torch.device) -> tuple:
+    """(the strategy, given the declared shapes; the declared shapes or None; the calls at their
+    ends): shapes= checked against the dataset's calls before anything runs (TypeError or
+    ValueError; the model is untouched)."""
     declared = check_shapes(shapes)
     if declared is None:
-        return None, []
+        return strategy, None, []
     if job is not None:
         raise TypeError("shapes= declares the sizes of a dataset's calls; a workload (generate()) tunes its own "
                         "calls: leave shapes=None, or pass a dataset")
     params = forward_params(model)
     check_calls(declared, calls, params)
-    return declared, edge_calls(declared, calls, params)
+    strategy = (strategy if strategy is not None else default_strategy(device)).with_shapes(declared)
+    return strategy, declared, edge_calls(declared, calls, params)
 
 
 def _session(model: nn.Module, tree: ModuleTree, calls: Any, job: Workload | None, strategy: Strategy | None,
              device: torch.device, measuring: dict, shown: Progress, depths: list, *, dry_run: bool,
-             speaks_tokens: bool, compiled_loop: bool, time_budget: float | None) -> "_Session":
-    """The callbacks of one tweak's engine search, with its progress planned."""
+             speaks_tokens: bool, compiled_loop: bool, time_budget: float | None, edges: list = ()) -> "_Session":
+    """The callbacks of one tweak's engine search, with its progress planned; edges: the calls
+    at the declared shapes' ends, recorded with the dataset's."""
     run_dataset = dataset_runner(model, calls) if job is None else job.run
     session = _Session(model, tree, run_dataset, strategy, device, measuring, shown, depths)
+    session.run_edges = dataset_runner(model, edges) if edges else None
     modules = {n for d in depths for n in tree.tree.cut(d)}
     shown.plan(len(modules) + len(depths) + 2)  # each module tuned once, each measurement
     if not dry_run:
@@ -618,12 +609,18 @@ def _search(model: nn.Module, session: "_Session", calls: Any, job: Workload | N
 
 
 def _kept(model: nn.Module, engine: Any, tree: ModuleTree, session: "_Session", time_budget: float | None,
-          dry_run: bool) -> "TweakResult":
-    """The result of the engine's search; the wrappers of the cuts not kept release their calls."""
+          dry_run: bool, declared: Any = None) -> "TweakResult":
+    """The result of the engine's search; the wrappers of the cuts not kept release their calls;
+    a kept depth keeps the declared shapes (tt.save writes them, tt.status shows them)."""
     selected = engine.selected
     kept_depth = engine.rows[selected]["depth"] if selected >= 0 else None
     result = TweakResult(engine, tree, session.module_results(engine, kept_depth))
     result.time_budget = time_budget
+    result._model = weakref.ref(model)
+    if not dry_run:
+        DECLARED.pop(model, None)
+        if declared is not None and result.selected_depth is not None:
+            DECLARED[model] = declared
     kept = installed(model)
     for wrapper in session.wrappers.values():
         if kept.get(wrapper.tt_name) is not wrapper:
@@ -711,6 +708,7 @@ def _from_cache(model: nn.Module, tree: ModuleTree, calls: list, device: torch.d
         logger.warning("tuning cache entry %s dropped (%s); tuning afresh", key, failure)
         tuning_cache.drop(key)
         return None
+    result._model = weakref.ref(model)
     shown.finish(f"{result.outcome()} {result.cache_note()}")
     logger.info("tweak: %s %s", result.outcome(), result.cache_note())
     return result
