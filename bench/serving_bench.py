@@ -128,6 +128,46 @@ def text_stream(n: int, batches: list[int], lengths: list[int], vocab: int, seed
     return out
 
 
+class BasicBlock(torch.nn.Module):
+    """ResNet's basic block (two 3x3 convolutions and a shortcut), as torchvision's."""
+
+    def __init__(self, inp: int, out: int, stride: int) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.conv1, self.bn1 = nn.Conv2d(inp, out, 3, stride, 1, bias=False), nn.BatchNorm2d(out)
+        self.conv2, self.bn2 = nn.Conv2d(out, out, 3, 1, 1, bias=False), nn.BatchNorm2d(out)
+        self.downsample = (nn.Sequential(nn.Conv2d(inp, out, 1, stride, bias=False), nn.BatchNorm2d(out))
+                           if stride != 1 or inp != out else nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(y)) + self.downsample(x))
+
+
+def resnet18_here() -> torch.nn.Module:
+    """ResNet-18's architecture (torchvision's layers, widths and strides), for a machine
+    without torchvision."""
+    nn = torch.nn
+    stages, inp = [], 64
+    for out, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        stages.append(nn.Sequential(BasicBlock(inp, out, stride), BasicBlock(out, out, 1)))
+        inp = out
+    return nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
+                         *stages, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, 1000))
+
+
+def vision_model(name: str) -> torch.nn.Module:
+    """torchvision's model by name (random weights); ResNet-18 built here when torchvision is
+    not installed (the CPU rows need only torch)."""
+    try:
+        import torchvision
+    except Exception:  # not installed, or built for another torch
+        if name == "resnet18":
+            return resnet18_here()
+        raise
+    return getattr(torchvision.models, name)(weights=None)
+
+
 def build(name: str, dtype: torch.dtype, seed: int) -> tuple[torch.nn.Module, list[Request], list[Request], str, dict]:
     """The model (random weights, eval), the stream, the new-shapes stream, their description,
     and the ranges both streams take (what tweak's shapes= declares on the CPU)."""
@@ -137,8 +177,7 @@ def build(name: str, dtype: torch.dtype, seed: int) -> tuple[torch.nn.Module, li
             import timm
             model = timm.create_model("vit_base_patch16_224", pretrained=False)
         else:
-            import torchvision
-            model = getattr(torchvision.models, name)(weights=None)
+            model = vision_model(name)
         side = 224 if DEVICE == "cuda" or name == "vit" else 32 if SMOKE else 112
         top = 16 if DEVICE == "cuda" else 4 if SMOKE else 8
         model = model.to(DEVICE, dtype).eval()
