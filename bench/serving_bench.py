@@ -23,7 +23,8 @@ Columns, each on a copy of the same model and the same requests:
     tweak            tt.tweak on the first 8 requests of the stream (the samples a user has),
                      its defaults, cache=False; on the CPU with shapes= declaring the ranges of
                      both streams (vision: batch 1-16; bert: batch 1-4, length 8-128), as a
-                     user who knows the traffic would (--no-shapes: without)
+                     user who knows the traffic would (--no-shapes: without), and depth 0
+                     only, so that a run takes minutes on 2 cores (--max-depth 1: tweak's default)
 
 Passes, per column, one after the other (a column's passes run before the next column is
 built; dynamo is reset and the compiler caches are fresh before each build, as a user's first
@@ -78,6 +79,8 @@ N_TUNE = 8
 DEVICE = "cuda"
 SMOKE = False
 """--smoke: tiny models and streams, one round: checks that every column serves and matches eager."""
+MAX_DEPTH: int | None = None
+"""tweak's max_depth: None is its default (cuda); --cpu: 0 unless --max-depth says otherwise."""
 SMOKE_TOLERANCE = 1e-3
 """--smoke: the largest error against eager a column may have (fp32, relative to eager's largest value)."""
 
@@ -296,11 +299,14 @@ def tweak_column(model: torch.nn.Module, stream: list[Request], ranges: dict | N
     fn = copy.deepcopy(model)
     tuned = [r.kwargs if r.kwargs else r.args[0] for r in stream[:N_TUNE]]
     options: dict[str, Any] = {"shapes": ranges} if ranges else {}
+    if MAX_DEPTH is not None:
+        options["max_depth"] = MAX_DEPTH
     if SMOKE:
-        options.update(max_depth=0, measure={"rounds_max": 5, "time_cap": 0.5})
+        options.update(measure={"rounds_max": 5, "time_cap": 0.5})
     result = tt.tweak(fn, tuned, progress=False, cache=False, **options)
     row["tweak_table"] = str(result)
     row["tweak_shapes"] = ranges
+    row["tweak_max_depth"] = MAX_DEPTH
     return fn
 
 
@@ -430,6 +436,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny CPU rows, one round, every column checked "
                         "against eager; writes no figures into bench/results")
     parser.add_argument("--no-shapes", action="store_true", help="tweak on the CPU without shapes=")
+    parser.add_argument("--max-depth", type=int, default=None, help="tweak's max_depth (default: tweak's own on "
+                        "cuda, 0 on the CPU)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--report", nargs="+", metavar="JSON")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "serving.md"))
@@ -437,11 +445,12 @@ def main() -> None:
     if args.report:
         report(args.report, args.out)
         return
-    global DEVICE, SMOKE
+    global DEVICE, SMOKE, MAX_DEPTH
     if args.smoke:
         SMOKE, args.cpu, args.rounds = True, True, 1
     if args.cpu:
         DEVICE = "cpu"
+    MAX_DEPTH = args.max_depth if args.max_depth is not None else 0 if args.cpu else None
     elif not torch.cuda.is_available():
         sys.exit("serving_bench needs a CUDA device (or --cpu)")
     default_rows = "resnet18:fp32,bert:fp32" if args.cpu else "resnet50:bf16,bert:bf16,vit:bf16,resnet50:fp32,bert:fp32"

@@ -92,7 +92,7 @@ def status(model: nn.Module) -> ModelStatus:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     result = ModelStatus()
-    result.declared = DECLARED.get(model)
+    result.declared = DECLARED.get(model) if installed(model) else None  # unwrapped: nothing serves them
     loop = loop_of(model)
     if loop is not None:
         result.decode_loop = {"kind": loop.kind, "calls": loop.calls, "fallbacks": dict(loop.fallbacks)}
