@@ -45,6 +45,7 @@ as the largest absolute difference over eager's largest magnitude, over both str
                                   [--json bench/results/runs/serving-<commit>.json]
     python bench/serving_bench.py --cpu [--rows resnet18:fp32,bert:fp32] [--no-shapes]
     python bench/serving_bench.py --cpu --smoke   # tiny models and streams, every column checked, no figures
+                                                  # (minutes on 2 cores, most of it compiling)
 
 On the CPU each row also records the load average before and after each column (the machine
 may be shared: a figure measured beside other work is not the model's alone).
@@ -307,6 +308,7 @@ def tweak_column(model: torch.nn.Module, stream: list[Request], ranges: dict | N
     row["tweak_table"] = str(result)
     row["tweak_shapes"] = ranges
     row["tweak_max_depth"] = MAX_DEPTH
+    row["tweak_kept"] = result.selected_depth
     return fn
 
 
@@ -450,9 +452,9 @@ def main() -> None:
         SMOKE, args.cpu, args.rounds = True, True, 1
     if args.cpu:
         DEVICE = "cpu"
-    MAX_DEPTH = args.max_depth if args.max_depth is not None else 0 if args.cpu else None
     elif not torch.cuda.is_available():
         sys.exit("serving_bench needs a CUDA device (or --cpu)")
+    MAX_DEPTH = args.max_depth if args.max_depth is not None else 0 if args.cpu else None
     default_rows = "resnet18:fp32,bert:fp32" if args.cpu else "resnet50:bf16,bert:bf16,vit:bf16,resnet50:fp32,bert:fp32"
     rows = [r.split(":") for r in (args.rows or default_rows).split(",") if r]
     columns = [c for c in args.columns.split(",") if c] or list(CPU_COLUMNS if args.cpu else CUDA_COLUMNS)
@@ -487,7 +489,10 @@ def smoke_verdict(rows: list[dict]) -> int:
         broken = {c: e for c, e in row["errors"].items() if c not in missing}
         off = {c: e for c, e in row["error"].items() if e > SMOKE_TOLERANCE}
         failed |= bool(broken or off)
+        kept = row.get("tweak_kept")
         print(f"smoke {row['model']}: " + ("ok" if not broken and not off else "FAILED") +
+              ("" if "tweak_table" not in row else f"; tweak kept depth {kept}" if kept is not None
+               else f"; tweak kept the model untuned ({row['tweak_table'].strip().splitlines()[-1][:160]})") +
               "".join(f"; {c} failed: {e}" for c, e in broken.items()) +
               "".join(f"; {c} is {e:.1e} from eager" for c, e in off.items()) +
               "".join(f"; {c} skipped ({e})" for c, e in missing.items()))
