@@ -1,9 +1,9 @@
 """A Plan: what tuning decided for a model, and the one way to apply it and to take it out.
 
-A Plan holds the depth kept, the declared shapes (tt.tweak's shapes=) and, per tuned module (by its dotted path), its input signatures
-in order, each with the backend chosen for it (an unbuilt Backend: its class and config are
-the choice; None: the signature runs the original forward) and the recorded calls and
-original outputs it is built on again and checked against. The tuning cache and tt.save /
+A Plan holds the depth kept, the declared shapes (tt.tweak's shapes=) and, per tuned module
+(by its dotted path), its input signatures in order, each with the backend chosen for it (an
+unbuilt Backend: its class and config are the choice; None: the signature runs the original
+forward) and the recorded calls and original outputs it is built on again and checked against. The tuning cache and tt.save /
 tt.load each store a Plan, each in its own encoding (tuning_cache.py, checkpoint.py); both
 apply it with apply(), and revert() takes it out.
 
