@@ -89,8 +89,9 @@ def check_shapes(shapes: Any) -> Shapes | None:
     return Shapes(**ranges)
 
 
-def _named_leaves(call: Call, params: Sequence[str | None]) -> tuple[list, Any, dict[int, str]]:
-    """The call's leaves, its structure, and the name of the argument each leaf came from."""
+def named_leaves(call: Call, params: Sequence[str | None]) -> tuple[list, Any, dict[int, str]]:
+    """The call's leaves, its structure, and the name of the argument each leaf came from
+    ({leaf index: name}; params: the names of forward's positional parameters)."""
     args, kwargs = call
     leaves, spec = pytree.tree_flatten(call)
     named: dict[int, str] = {}
@@ -105,10 +106,17 @@ def _named_leaves(call: Call, params: Sequence[str | None]) -> tuple[list, Any, 
     return leaves, spec, named
 
 
+def find_mask(leaves: list, tensors: Sequence[int], named: dict[int, str]) -> int | None:
+    """The index of the call's mask among its leaves: an argument named in MASK_NAMES, 2-d, of
+    integers or booleans; None when it has none."""
+    return next((i for i in tensors if named.get(i) in MASK_NAMES and leaves[i].dim() == 2
+                 and not leaves[i].is_floating_point()), None)
+
+
 def _axes_of(call: Call, params: Sequence[str | None], shapes: Shapes, where: str) -> tuple[list, Any, list, int | None]:
     """(leaves, structure, tensor slots, mask slot) of a call, checking that it has the axes
     `shapes` declares; ValueError naming what is missing."""
-    leaves, spec, named = _named_leaves(call, params)
+    leaves, spec, named = named_leaves(call, params)
     tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     if not tensors:
         raise ValueError(f"shapes= declares sizes, but {where} passes no tensor")
@@ -117,8 +125,7 @@ def _axes_of(call: Call, params: Sequence[str | None], shapes: Shapes, where: st
         sizes = ", ".join(f"{named.get(i, f'tensor {k}')}: {tuple(leaves[i].shape)}" for k, i in enumerate(tensors))
         raise ValueError(f"shapes['batch'] is {AXES['batch']}, but the tensor arguments of {where} do not share "
                          f"one axis-0 size ({sizes}); leave 'batch' out of shapes= for this model")
-    mask = next((i for i in tensors if named.get(i) in MASK_NAMES and leaves[i].dim() == 2
-                 and not leaves[i].is_floating_point()), None)
+    mask = find_mask(leaves, tensors, named)
     if shapes.length is not None and mask is None:
         raise ValueError(f"shapes['length'] is {AXES['length']}, but {where} passes no 2-d integer or bool "
                          "attention_mask; leave 'length' out of shapes= for this model")

@@ -306,25 +306,16 @@ def merge_varying(groups: list[SignatureGroup], samples: Sequence[Call], outputs
         taken.update(id(samples[i]) for i in members)
     if not merged:
         return _without(groups, edges)
-    taken.update(edges)
-    rest = []
-    for group in groups:  # a group none of whose calls went into a class's group stays
-        pairs = [(s, o) for s, o in zip(group.samples, group.outputs) if id(s) not in taken]
-        if group.samples and not pairs:
-            continue
-        group.samples[:] = [s for s, _ in pairs]
-        group.outputs[:] = [o for _, o in pairs]
-        rest.append(group)
-    return merged + rest
+    return merged + _without(groups, taken | set(edges))  # a group none of whose calls went into a class's stays
 
 
-def _without(groups: list[SignatureGroup], edges: set[int] | frozenset[int]) -> list[SignatureGroup]:
-    """`groups` without the samples in `edges` (a group left with none is dropped)."""
-    if not edges:
+def _without(groups: list[SignatureGroup], taken: set[int] | frozenset[int]) -> list[SignatureGroup]:
+    """`groups` without the samples whose ids are in `taken` (a group left with none is dropped)."""
+    if not taken:
         return groups
     rest = []
     for group in groups:
-        pairs = [(s, o) for s, o in zip(group.samples, group.outputs) if id(s) not in edges]
+        pairs = [(s, o) for s, o in zip(group.samples, group.outputs) if id(s) not in taken]
         if group.samples and not pairs:
             continue
         group.samples[:] = [s for s, _ in pairs]

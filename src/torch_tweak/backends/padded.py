@@ -55,7 +55,7 @@ import torch.utils._pytree as pytree
 from .._samples import Call, fresh
 from ..correctness import MismatchError, check
 from ..schema import Count, Flag
-from ..shapes import MASK_NAMES, Shapes
+from ..shapes import Shapes, find_mask, named_leaves
 from .base import Backend, BackendConfig, BackendUnavailable
 from .graph import _DeviceApi, capture, graph_unavailable, warm_up
 from .inductor import compile_module, shared_compiles
@@ -189,19 +189,8 @@ def make_plan(samples: Sequence[Call], refs: Sequence[Any], names: Sequence[str 
     tensors = [i for i, leaf in enumerate(calls[0]) if isinstance(leaf, torch.Tensor)]
     if not tensors:
         raise NothingToPad("the calls pass no tensor")
-    # the mask: an argument by that name, 2-d, of integers or booleans
-    args0, kwargs0 = samples[0]
-    named: dict[int, str] = {}
-    position = 0
-    for i, value in enumerate(list(args0) + list(kwargs0.values())):
-        name = (names[i] if i < len(args0) and i < len(names) else
-                list(kwargs0)[i - len(args0)] if i >= len(args0) else None)
-        for _ in pytree.tree_leaves(value):
-            if name is not None:
-                named[position] = name
-            position += 1
-    mask = next((i for i in tensors if named.get(i) in MASK_NAMES and calls[0][i].dim() == 2
-                 and not calls[0][i].is_floating_point()), None)
+    named = named_leaves(samples[0], names)[2]
+    mask = find_mask(calls[0], tensors, named)  # an attention_mask argument, 2-d, of integers or booleans
     batch = all(c[i].dim() >= 1 for c in calls for i in tensors) and all(
         len({int(c[i].shape[0]) for i in tensors}) == 1 for c in calls)
     batch_sizes = {int(c[tensors[0]].shape[0]) for c in calls} if batch else set()
