@@ -261,3 +261,45 @@ def test_openvino_converts_for_the_declared_range():
             x = torch.randn(b, 16)
             torch.testing.assert_close(model(x), untuned(x), rtol=1e-4, atol=1e-5)
     assert sum(tt.installed(model)[""].tt_untuned.values()) == 0
+
+
+@pytest.mark.parametrize("forged", [{"batch": [0, 4]}, {"seq": [1, 8]}, "batch", {"batch": [1, 1 << 40]},
+                                    {"batch": [1, {"float": "nan"}]}, {}])
+def test_a_file_whose_declared_shapes_are_not_valid_is_refused(tmp_path, forged):
+    import forgery
+
+    model = slow_linear()
+    untuned = copy.deepcopy(model)
+    tweak(model, [torch.randn(8, 16) for _ in range(3)], PaddedSkip(graph=False, compile=False),
+          shapes={"batch": (1, 32)})
+    tt.save(model, tmp_path / "genuine.tt")
+    assert forgery.members(tmp_path / "genuine.tt")["plan.json"].count(b'"shapes"') == 1
+
+    def edit(plan):
+        plan["shapes"] = forged
+
+    path = forgery.with_plan(tmp_path, "forged", forgery.members(tmp_path / "genuine.tt"), edit)
+    fresh = copy.deepcopy(untuned)
+    before = forgery.state_of(fresh)
+    with pytest.raises(tt.CheckpointError, match="its declared shapes are not valid"):
+        tt.load(fresh, path, backends=[PaddedSkip(graph=False, compile=False, max_batch=32)])
+    assert forgery.unchanged(fresh, before) and fresh not in declared_shapes.DECLARED
+
+
+def test_every_module_of_a_depth_is_checked_on_the_declared_ends():
+    torch.manual_seed(0)
+    model = nn.Sequential(Slow(nn.Linear(16, 16)), Slow(nn.Linear(16, 4))).eval()
+    untuned = copy.deepcopy(model)
+    backend = InnerBackend()
+    result = tt.tweak(model, [torch.randn(8, 16) for _ in range(3)], strategy=tt.OneBackendStrategy(backend),
+                      min_depth=1, max_depth=1, progress=False, measure=FAST, cache=False,
+                      shapes={"batch": (1, 32)})
+    assert result.selected_depth == 1
+    for path in ("0", "1"):
+        (group,) = tt.installed(model)[path].tt_signatures
+        assert group.varying and group.declared == 2 and group.text.startswith("(float32[1-32, ")
+    with torch.inference_mode():
+        for b in (1, 13, 32):
+            x = torch.randn(b, 16)
+            torch.testing.assert_close(model(x), untuned(x))
+    assert all(sum(w.tt_untuned.values()) == 0 for w in tt.installed(model).values())
