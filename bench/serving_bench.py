@@ -47,8 +47,10 @@ as the largest absolute difference over eager's largest magnitude, over both str
     python bench/serving_bench.py --cpu --smoke   # tiny models and streams, every column checked, no figures
                                                   # (minutes on 2 cores, most of it compiling)
 
-On the CPU each row also records the load average before and after each column (the machine
-may be shared: a figure measured beside other work is not the model's alone).
+On the CPU each row also records the load average before and after each column, and the share
+of the CPUs other processes took during it (torch_tweak.cpu_load: this process and its compile
+workers are not others): the machine may be shared, and a figure measured beside other work is
+not the model's alone.
     python bench/serving_bench.py --report RUN.json [...] [--out bench/results/serving.md]
 """
 
@@ -292,6 +294,14 @@ def load_average() -> float | None:
         return None
 
 
+def others_share(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    """The share of the machine's CPUs other processes took between two readings of
+    torch_tweak.cpu_load (this process and its compile workers are not others); None unknown."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return round(max(0.0, (after[0] - before[0]) / (after[1] - before[1])), 3)
+
+
 def tweak_column(model: torch.nn.Module, stream: list[Request], ranges: dict | None, row: dict) -> Any:
     """tt.tweak on a copy of the model and the stream's first N_TUNE requests (shapes=ranges on
     the CPU); its table and the ranges go in the row."""
@@ -320,11 +330,12 @@ def bench_row(name: str, dtype_name: str, columns: list[str], rounds: int, seed:
     row: dict[str, Any] = {"model": name, "dtype": dtype_name, "stream": what, "device": DEVICE,
                            "shapes": len({r.shape() for r in stream}), "new_shapes": len({r.shape() for r in new}),
                            "cold_s": {}, "warm_s": {}, "new_first_s": {}, "new_s": {}, "error": {}, "errors": {}}
+    from torch_tweak import cpu_load
     if DEVICE == "cpu":
-        row["load"] = {}
+        row["load"], row["others_share"] = {}, {}
     for column in columns:
         print(f"  {name} {dtype_name}: {column}", flush=True)
-        before = load_average()
+        before, reading = load_average(), cpu_load.reading()
         torch._dynamo.reset()
         gc.collect()
         if DEVICE == "cuda":
@@ -364,6 +375,7 @@ def bench_row(name: str, dtype_name: str, columns: list[str], rounds: int, seed:
             fn = None  # type: ignore[assignment]
             if "load" in row:
                 row["load"][column] = [before, load_average()]
+                row["others_share"][column] = others_share(reading, cpu_load.reading())
         print(f"    {json.dumps({k: row[k].get(column) for k in ('cold_s', 'warm_s', 'new_first_s', 'new_s', 'error')})}",
               flush=True)
         partial(row)
@@ -421,8 +433,12 @@ def report(paths: list[str], out: str) -> None:
                          + (f"tweak's tuning alone: {row['tune_s']:.1f} s. " if "tune_s" in row else "")
                          + (f"tweak's shapes=: {row['tweak_shapes']}. " if row.get("tweak_shapes") else "")
                          + "".join(f"{c} failed: {e}. " for c, e in row["errors"].items())
-                         + ("Load average (1 min) before and after each column: " + ", ".join(
-                             f"{c} {b}-{a}" for c, (b, a) in row["load"].items()) + ". " if row.get("load") else ""))
+                         + ("Load average (1 min) before and after each column (the bench's own compiles "
+                            "included): " + ", ".join(f"{c} {b}-{a}" for c, (b, a) in row["load"].items()) + ". "
+                            if row.get("load") else "")
+                         + ("Other processes' share of the CPUs during each column: " + ", ".join(
+                             f"{c} -" if v is None else f"{c} {v:.0%}" for c, v in row["others_share"].items()) + ". "
+                            if row.get("others_share") else ""))
     with open(out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {out}")
