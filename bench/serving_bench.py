@@ -78,6 +78,8 @@ from gpu_bench import cold_compiler, first_tensor, source_commit  # noqa: E402  
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CUDA_COLUMNS = ("eager", "compile", "dynamic", "reduce-overhead", "tweak")
 CPU_COLUMNS = ("eager", "dynamic", "openvino", "tweak")
+COLUMN_ORDER = ("eager", "compile", "dynamic", "reduce-overhead", "openvino", "tweak")
+"""The report's column order (tweak last, beside its ratio)."""
 N_TUNE = 8
 DEVICE = "cuda"
 SMOKE = False
@@ -184,13 +186,15 @@ def build(name: str, dtype: torch.dtype, seed: int) -> tuple[torch.nn.Module, li
             model = timm.create_model("vit_base_patch16_224", pretrained=False)
         else:
             model = vision_model(name)
+        label = name + (" (ResNet-18's layers built here: torchvision not installed)"
+                        if isinstance(model, torch.nn.Sequential) else "")
         side = 224 if DEVICE == "cuda" or name == "vit" else 32 if SMOKE else 112
         top = 16 if DEVICE == "cuda" else 4 if SMOKE else 8
         model = model.to(DEVICE, dtype).eval()
         stream = vision_stream(100 if DEVICE == "cuda" else 8 if SMOKE else 24, list(range(1, top + 1)), side, dtype,
                                seed)
         new = vision_stream(len(stream) // 2, list(range(top + 1, top + 9)), side, dtype, seed + 1)
-        what = f"{name}, {side}x{side}, {len(stream)} requests of batch 1-{top}; new: batch {top + 1}-{top + 8}"
+        what = f"{label}, {side}x{side}, {len(stream)} requests of batch 1-{top}; new: batch {top + 1}-{top + 8}"
         ranges = {"batch": (1, top + 8)}
     elif name == "bert":
         import transformers
@@ -390,7 +394,7 @@ def cell(seconds: float | None) -> str:
 
 
 def commit_of(run: dict) -> str:
-    return run["environment"].rsplit(" at ", 1)[-1]
+    return run["environment"].rsplit(" at ", 1)[-1].split(",")[0]
 
 
 def report(paths: list[str], out: str) -> None:
@@ -409,7 +413,7 @@ def report(paths: list[str], out: str) -> None:
                        ("new_first_s", "New shapes, first sight"), ("new_s", "New shapes, warm")):
         lines += ["", f"## {title}", ""]
         columns = sorted({c for run in runs for row in run["rows"] for c in row[key]},
-                         key=lambda c: (CUDA_COLUMNS + CPU_COLUMNS).index(c))
+                         key=lambda c: COLUMN_ORDER.index(c))
         last = "tweak over the slowest other (target: at most 3x)" if key == "cold_s" else "tweak vs best other"
         lines.append("| row | " + " | ".join(columns) + f" | {last} |")
         lines.append("|---|" + "---:|" * (len(columns) + 1))
