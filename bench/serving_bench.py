@@ -8,18 +8,23 @@ row here is such a stream, with random weights built from configs:
     vit       timm ViT-B/16, 224x224, 100 requests of batch 1-16
     bert      BERT-base, 120 requests of batch 1/2/4/8, each row a random length 8-256, the
               batch padded to its longest row (padding id 0) with its attention mask
-    (--cpu: resnet18 at 112x112 with batch 1-8, and a 4-layer BERT of width 256 with batch
-    1/2/4 and lengths 8-128: a table for this machine's CPU, with OpenVINO's dynamic shapes)
+    (--cpu: resnet18 at 112x112, 24 requests of batch 1-8, and a 4-layer BERT of width 256,
+    24 requests of batch 1/2/4 and lengths 8-128: a table for this machine's CPU, with
+    OpenVINO's dynamic shapes; a few minutes on 2 cores)
 
 Columns, each on a copy of the same model and the same requests:
 
     eager            the model as it is
-    compile          torch.compile, default mode (torch's automatic dynamic shapes)
+    compile          torch.compile, default mode (torch's automatic dynamic shapes; cuda, or
+                     --columns on the CPU)
     dynamic          torch.compile(dynamic=True)
     reduce-overhead  torch.compile(mode="reduce-overhead") (cuda)
     openvino         openvino.convert_model with dynamic shapes, compiled for the CPU (--cpu)
     tweak            tt.tweak on the first 8 requests of the stream (the samples a user has),
-                     its defaults, cache=False
+                     its defaults, cache=False; on the CPU with shapes= declaring the ranges of
+                     both streams (vision: batch 1-16; bert: batch 1-4, length 8-128), as a
+                     user who knows the traffic would (--no-shapes: without), and depth 0
+                     only, so that a run takes minutes on 2 cores (--max-depth 1: tweak's default)
 
 Passes, per column, one after the other (a column's passes run before the next column is
 built; dynamo is reset and the compiler caches are fresh before each build, as a user's first
@@ -38,7 +43,14 @@ as the largest absolute difference over eager's largest magnitude, over both str
 
     python bench/serving_bench.py [--rows resnet50:bf16,bert:bf16] [--columns ...] [--rounds 3]
                                   [--json bench/results/runs/serving-<commit>.json]
-    python bench/serving_bench.py --cpu [--rows resnet18:fp32,bert:fp32]
+    python bench/serving_bench.py --cpu [--rows resnet18:fp32,bert:fp32] [--no-shapes]
+    python bench/serving_bench.py --cpu --smoke   # tiny models and streams, every column checked, no figures
+                                                  # (minutes on 2 cores, most of it compiling)
+
+On the CPU each row also records the load average before and after each column, and the share
+of the CPUs other processes took during it (torch_tweak.cpu_load: this process and its compile
+workers are not others): the machine may be shared, and a figure measured beside other work is
+not the model's alone.
     python bench/serving_bench.py --report RUN.json [...] [--out bench/results/serving.md]
 """
 
@@ -52,6 +64,7 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -64,9 +77,17 @@ from gpu_bench import cold_compiler, first_tensor, source_commit  # noqa: E402  
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CUDA_COLUMNS = ("eager", "compile", "dynamic", "reduce-overhead", "tweak")
-CPU_COLUMNS = ("eager", "compile", "dynamic", "openvino", "tweak")
+CPU_COLUMNS = ("eager", "dynamic", "openvino", "tweak")
+COLUMN_ORDER = ("eager", "compile", "dynamic", "reduce-overhead", "openvino", "tweak")
+"""The report's column order (tweak last, beside its ratio)."""
 N_TUNE = 8
 DEVICE = "cuda"
+SMOKE = False
+"""--smoke: tiny models and streams, one round: checks that every column serves and matches eager."""
+MAX_DEPTH: int | None = None
+"""tweak's max_depth: None is its default (cuda); --cpu: 0 unless --max-depth says otherwise."""
+SMOKE_TOLERANCE = 1e-3
+"""--smoke: the largest error against eager a column may have (fp32, relative to eager's largest value)."""
 
 
 def sync() -> None:
@@ -115,30 +136,78 @@ def text_stream(n: int, batches: list[int], lengths: list[int], vocab: int, seed
     return out
 
 
-def build(name: str, dtype: torch.dtype, seed: int) -> tuple[torch.nn.Module, list[Request], list[Request], str]:
-    """The model (random weights, eval), the stream, the new-shapes stream, and their description."""
+class BasicBlock(torch.nn.Module):
+    """ResNet's basic block (two 3x3 convolutions and a shortcut), as torchvision's."""
+
+    def __init__(self, inp: int, out: int, stride: int) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.conv1, self.bn1 = nn.Conv2d(inp, out, 3, stride, 1, bias=False), nn.BatchNorm2d(out)
+        self.conv2, self.bn2 = nn.Conv2d(out, out, 3, 1, 1, bias=False), nn.BatchNorm2d(out)
+        self.downsample = (nn.Sequential(nn.Conv2d(inp, out, 1, stride, bias=False), nn.BatchNorm2d(out))
+                           if stride != 1 or inp != out else nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(y)) + self.downsample(x))
+
+
+def resnet18_here() -> torch.nn.Module:
+    """ResNet-18's architecture (torchvision's layers, widths and strides), for a machine
+    without torchvision."""
+    nn = torch.nn
+    stages, inp = [], 64
+    for out, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        stages.append(nn.Sequential(BasicBlock(inp, out, stride), BasicBlock(out, out, 1)))
+        inp = out
+    return nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
+                         *stages, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, 1000))
+
+
+def vision_model(name: str) -> torch.nn.Module:
+    """torchvision's model by name (random weights); ResNet-18 built here when torchvision is
+    not installed (the CPU rows need only torch)."""
+    try:
+        import torchvision
+    except Exception:  # not installed, or built for another torch
+        if name == "resnet18":
+            return resnet18_here()
+        raise
+    return getattr(torchvision.models, name)(weights=None)
+
+
+def build(name: str, dtype: torch.dtype, seed: int) -> tuple[torch.nn.Module, list[Request], list[Request], str, dict]:
+    """The model (random weights, eval), the stream, the new-shapes stream, their description,
+    and the ranges both streams take (what tweak's shapes= declares on the CPU)."""
     torch.manual_seed(0)
     if name in ("resnet50", "resnet18", "vit"):
         if name == "vit":
             import timm
             model = timm.create_model("vit_base_patch16_224", pretrained=False)
         else:
-            import torchvision
-            model = getattr(torchvision.models, name)(weights=None)
-        side = 224 if DEVICE == "cuda" or name == "vit" else 112
-        top = 16 if DEVICE == "cuda" else 8
+            model = vision_model(name)
+        label = name + (" (ResNet-18's layers built here: torchvision not installed)"
+                        if isinstance(model, torch.nn.Sequential) else "")
+        side = 224 if DEVICE == "cuda" or name == "vit" else 32 if SMOKE else 112
+        top = 16 if DEVICE == "cuda" else 4 if SMOKE else 8
         model = model.to(DEVICE, dtype).eval()
-        stream = vision_stream(100 if DEVICE == "cuda" else 40, list(range(1, top + 1)), side, dtype, seed)
+        stream = vision_stream(100 if DEVICE == "cuda" else 8 if SMOKE else 24, list(range(1, top + 1)), side, dtype,
+                               seed)
         new = vision_stream(len(stream) // 2, list(range(top + 1, top + 9)), side, dtype, seed + 1)
-        what = f"{name}, {side}x{side}, {len(stream)} requests of batch 1-{top}; new: batch {top + 1}-{top + 8}"
+        what = f"{label}, {side}x{side}, {len(stream)} requests of batch 1-{top}; new: batch {top + 1}-{top + 8}"
+        ranges = {"batch": (1, top + 8)}
     elif name == "bert":
         import transformers
         if DEVICE == "cuda":
             config, batches, top, n = transformers.BertConfig(), [1, 2, 4, 8], 256, 120
+        elif SMOKE:
+            config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                             intermediate_size=128, vocab_size=1000)
+            batches, top, n = [1, 2, 4], 32, 8
         else:
             config = transformers.BertConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
                                              intermediate_size=1024)
-            batches, top, n = [1, 2, 4], 128, 40
+            batches, top, n = [1, 2, 4], 128, 24
         model = transformers.BertModel(config, add_pooling_layer=False).to(DEVICE, dtype).eval()
         rng = random.Random(seed)
         seen = sorted(rng.sample(range(8, top + 1), (top - 7) // 2))
@@ -150,9 +219,10 @@ def build(name: str, dtype: torch.dtype, seed: int) -> tuple[torch.nn.Module, li
         what = (f"BERT {config.num_hidden_layers} layers, width {config.hidden_size}, {len(stream)} requests of batch "
                 f"{'/'.join(map(str, batches))}, rows of length 8-{top} padded to the longest (attention mask); "
                 f"new: {len(new)} requests padded to lengths the stream never had")
+        ranges = {"batch": (1, max(batches)), "length": (8, top)}
     else:
         raise ValueError(f"unknown row {name!r}")
-    return model, stream, new, what
+    return model, stream, new, what, ranges
 
 
 def call(fn: Callable[..., Any], r: Request) -> Any:
@@ -220,16 +290,56 @@ def error_of(fn: Callable[..., Any], streams: list[list[Request]], refs: list[li
     return worst
 
 
+def load_average() -> float | None:
+    """The 1-minute load average (None where the system has none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def others_share(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    """The share of the machine's CPUs other processes took between two readings of
+    torch_tweak.cpu_load (this process and its compile workers are not others); None unknown."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return round(max(0.0, (after[0] - before[0]) / (after[1] - before[1])), 3)
+
+
+def tweak_column(model: torch.nn.Module, stream: list[Request], ranges: dict | None, row: dict) -> Any:
+    """tt.tweak on a copy of the model and the stream's first N_TUNE requests (shapes=ranges on
+    the CPU); its table and the ranges go in the row."""
+    import torch_tweak as tt
+
+    fn = copy.deepcopy(model)
+    tuned = [r.kwargs if r.kwargs else r.args[0] for r in stream[:N_TUNE]]
+    options: dict[str, Any] = {"shapes": ranges} if ranges else {}
+    if MAX_DEPTH is not None:
+        options["max_depth"] = MAX_DEPTH
+    if SMOKE:
+        options.update(measure={"rounds_max": 5, "time_cap": 0.5})
+    result = tt.tweak(fn, tuned, progress=False, cache=False, **options)
+    row["tweak_table"] = str(result)
+    row["tweak_shapes"] = ranges
+    row["tweak_max_depth"] = MAX_DEPTH
+    row["tweak_kept"] = result.selected_depth
+    return fn
+
+
 def bench_row(name: str, dtype_name: str, columns: list[str], rounds: int, seed: int,
-              partial: Callable[[dict], None] = lambda row: None) -> dict:
+              partial: Callable[[dict], None] = lambda row: None, declare: bool = True) -> dict:
     dtype = DTYPES[dtype_name]
-    model, stream, new, what = build(name, dtype, seed)
+    model, stream, new, what, ranges = build(name, dtype, seed)
     refs = references(model, [stream, new])
     row: dict[str, Any] = {"model": name, "dtype": dtype_name, "stream": what, "device": DEVICE,
                            "shapes": len({r.shape() for r in stream}), "new_shapes": len({r.shape() for r in new}),
                            "cold_s": {}, "warm_s": {}, "new_first_s": {}, "new_s": {}, "error": {}, "errors": {}}
+    from torch_tweak import cpu_load
+    if DEVICE == "cpu":
+        row["load"], row["others_share"] = {}, {}
     for column in columns:
         print(f"  {name} {dtype_name}: {column}", flush=True)
+        before, reading = load_average(), cpu_load.reading()
         torch._dynamo.reset()
         gc.collect()
         if DEVICE == "cuda":
@@ -249,13 +359,9 @@ def bench_row(name: str, dtype_name: str, columns: list[str], rounds: int, seed:
             elif column == "openvino":
                 fn = openvino_dynamic(model, stream[0])
             elif column == "tweak":
-                import torch_tweak as tt
-                fn = copy.deepcopy(model)
-                tuned = [r.kwargs if r.kwargs else r.args[0] for r in stream[:N_TUNE]]
-                result = tt.tweak(fn, tuned, progress=False, cache=False)
+                fn = tweak_column(model, stream, ranges if DEVICE == "cpu" and declare else None, row)
                 sync()
                 row["tune_s"] = time.perf_counter() - t0
-                row["tweak_table"] = str(result)
             else:
                 raise ValueError(f"unknown column {column!r}")
             row["cold_s"][column] = time.perf_counter() - t0 + serve(fn, stream)
@@ -264,12 +370,16 @@ def bench_row(name: str, dtype_name: str, columns: list[str], rounds: int, seed:
             row["new_first_s"][column] = serve(fn, new)
             row["new_s"][column] = statistics.median(serve(fn, new) for _ in range(rounds))
             if column == "tweak":
+                import torch_tweak as tt
                 row["tweak_status"] = str(tt.status(fn))
         except Exception as exc:  # a column that cannot serve the stream is reported, not fatal
             traceback.print_exc()
             row["errors"][column] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
         finally:
             fn = None  # type: ignore[assignment]
+            if "load" in row:
+                row["load"][column] = [before, load_average()]
+                row["others_share"][column] = others_share(reading, cpu_load.reading())
         print(f"    {json.dumps({k: row[k].get(column) for k in ('cold_s', 'warm_s', 'new_first_s', 'new_s', 'error')})}",
               flush=True)
         partial(row)
@@ -284,7 +394,7 @@ def cell(seconds: float | None) -> str:
 
 
 def commit_of(run: dict) -> str:
-    return run["environment"].rsplit(" at ", 1)[-1]
+    return run["environment"].rsplit(" at ", 1)[-1].split(",")[0]
 
 
 def report(paths: list[str], out: str) -> None:
@@ -303,7 +413,7 @@ def report(paths: list[str], out: str) -> None:
                        ("new_first_s", "New shapes, first sight"), ("new_s", "New shapes, warm")):
         lines += ["", f"## {title}", ""]
         columns = sorted({c for run in runs for row in run["rows"] for c in row[key]},
-                         key=lambda c: (CUDA_COLUMNS + CPU_COLUMNS).index(c))
+                         key=lambda c: COLUMN_ORDER.index(c))
         last = "tweak over the slowest other (target: at most 3x)" if key == "cold_s" else "tweak vs best other"
         lines.append("| row | " + " | ".join(columns) + f" | {last} |")
         lines.append("|---|" + "---:|" * (len(columns) + 1))
@@ -325,7 +435,14 @@ def report(paths: list[str], out: str) -> None:
             lines.append(f"- **{row['model']} {row['dtype']} ({row['device']}, {commit_of(run)})**: {row['stream']}; {row['shapes']} "
                          f"shapes, {row['new_shapes']} new. Largest error against eager on valid positions: {errs}. "
                          + (f"tweak's tuning alone: {row['tune_s']:.1f} s. " if "tune_s" in row else "")
-                         + "".join(f"{c} failed: {e}. " for c, e in row["errors"].items()))
+                         + (f"tweak's shapes=: {row['tweak_shapes']}. " if row.get("tweak_shapes") else "")
+                         + "".join(f"{c} failed: {e}. " for c, e in row["errors"].items())
+                         + ("Load average (1 min) before and after each column (the bench's own compiles "
+                            "included): " + ", ".join(f"{c} {b}-{a}" for c, (b, a) in row["load"].items()) + ". "
+                            if row.get("load") else "")
+                         + ("Other processes' share of the CPUs during each column: " + ", ".join(
+                             f"{c} -" if v is None else f"{c} {v:.0%}" for c, v in row["others_share"].items()) + ". "
+                            if row.get("others_share") else ""))
     with open(out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {out}")
@@ -338,6 +455,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU rows, one round, every column checked "
+                        "against eager; writes no figures into bench/results")
+    parser.add_argument("--no-shapes", action="store_true", help="tweak on the CPU without shapes=")
+    parser.add_argument("--max-depth", type=int, default=None, help="tweak's max_depth (default: tweak's own on "
+                        "cuda, 0 on the CPU)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--report", nargs="+", metavar="JSON")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "serving.md"))
@@ -345,15 +467,19 @@ def main() -> None:
     if args.report:
         report(args.report, args.out)
         return
-    global DEVICE
+    global DEVICE, SMOKE, MAX_DEPTH
+    if args.smoke:
+        SMOKE, args.cpu, args.rounds = True, True, 1
     if args.cpu:
         DEVICE = "cpu"
     elif not torch.cuda.is_available():
         sys.exit("serving_bench needs a CUDA device (or --cpu)")
+    MAX_DEPTH = args.max_depth if args.max_depth is not None else 0 if args.cpu else None
     default_rows = "resnet18:fp32,bert:fp32" if args.cpu else "resnet50:bf16,bert:bf16,vit:bf16,resnet50:fp32,bert:fp32"
     rows = [r.split(":") for r in (args.rows or default_rows).split(",") if r]
     columns = [c for c in args.columns.split(",") if c] or list(CPU_COLUMNS if args.cpu else CUDA_COLUMNS)
-    path = args.json or os.path.join(HERE, "results", "runs", f"serving-{source_commit()}-{DEVICE}.json")
+    path = args.json or (os.path.join(tempfile.gettempdir(), "serving-smoke.json") if SMOKE else
+                         os.path.join(HERE, "results", "runs", f"serving-{source_commit()}-{DEVICE}.json"))
     import platform
 
     import torch_tweak
@@ -364,10 +490,33 @@ def main() -> None:
         with open(path, "w") as f:
             json.dump(dict(run, rows=run["rows"] + ([row] if row else [])), f, indent=1)
 
+    if DEVICE == "cpu":
+        run["environment"] += f", {os.cpu_count()} CPUs"
     for name, dtype_name in rows:
-        run["rows"].append(bench_row(name, dtype_name, columns, args.rounds, args.seed, save))
+        run["rows"].append(bench_row(name, dtype_name, columns, args.rounds, args.seed, save, not args.no_shapes))
         save()
     print(f"wrote {path}")
+    if SMOKE:
+        sys.exit(smoke_verdict(run["rows"]))
+
+
+def smoke_verdict(rows: list[dict]) -> int:
+    """--smoke: 0 when every column served both streams within SMOKE_TOLERANCE of eager (a column
+    whose package is not installed is skipped), else 1; one line per row."""
+    failed = False
+    for row in rows:
+        missing = {c: e for c, e in row["errors"].items() if "No module named" in e}
+        broken = {c: e for c, e in row["errors"].items() if c not in missing}
+        off = {c: e for c, e in row["error"].items() if e > SMOKE_TOLERANCE}
+        failed |= bool(broken or off)
+        kept = row.get("tweak_kept")
+        print(f"smoke {row['model']}: " + ("ok" if not broken and not off else "FAILED") +
+              ("" if "tweak_table" not in row else f"; tweak kept depth {kept}" if kept is not None
+               else f"; tweak kept the model untuned ({row['tweak_table'].strip().splitlines()[-1][:160]})") +
+              "".join(f"; {c} failed: {e}" for c, e in broken.items()) +
+              "".join(f"; {c} is {e:.1e} from eager" for c, e in off.items()) +
+              "".join(f"; {c} skipped ({e})" for c, e in missing.items()))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from .module import installed, own_class, resolve_paths
 from . import plan as planning
 from .generation import LOOPS, LoopPlan, check_bounds, check_layouts
 from .plan import SELECTED_DEPTHS, ModulePlan, Plan, plan_of
+from .shapes import Shapes, check_shapes
 from .workload import MAX_GENERATE_CALLS
 from .serial import (MAX_JSON_VALUES, Unstorable, build_backend, class_path, decode, describe_backend, device_name, dumps, encode,
                      known_types, loads)
@@ -160,6 +161,8 @@ def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None =
             raise ValueError(message + "; save with strict=False to write the file anyway")
         warnings.warn(message, stacklevel=2)
     plan = {"depth": tuned.depth, "modules": modules}
+    if tuned.shapes is not None:
+        plan["shapes"] = tuned.shapes.as_dict()
     if tuned.generate is not None:
         plan["generate"] = _loop_entry(tuned.generate, tensors, path, strict)
     members = {PLAN: dumps(plan), SAMPLES: _tensor_bytes(tensors)}
@@ -415,6 +418,7 @@ def load(model: nn.Module, path: str | os.PathLike | None = None, *, device: Any
                                      artifacts=trust_artifacts)
         _check_target(model, target, device is None, manifest, path)
         steps = _check_plan(model, plan, given, path)
+        shapes = _shapes_of(plan, path)
         stored = _stored(data, target, path)
         groups = _groups(plan, stored, path, model, known_types(types))
         loop = _loop_plan(plan, stored, path, known_types(types), model)
@@ -434,14 +438,22 @@ def load(model: nn.Module, path: str | os.PathLike | None = None, *, device: Any
         for group, backend in zip(module_groups, backends):
             group.backend = backend
         modules.append(ModulePlan(name, module_groups))
-    failures = planning.apply(model, Plan(plan.get("depth"), modules, loop), device=target, bounded=True,
-                              strict=False)
+    failures = planning.apply(model, Plan(plan.get("depth"), modules, loop, shapes), device=target,
+                              bounded=True, strict=False)
     for failure in failures:
         warnings.warn(f"tt.load: {failure.path or '(root)'} {failure.group.text}: {failure}; these calls run the "
                       "original forward", stacklevel=2)
     wrappers = installed(model)
     return {m.path: None if wrappers[m.path].tt_backend is None else wrappers[m.path].tt_backend.name
             for m in modules}
+
+
+def _shapes_of(plan: dict, path: Any) -> Shapes | None:
+    """The declared shapes the file keeps (tt.tweak's shapes=), checked as tt.tweak checks them."""
+    try:
+        return check_shapes(plan.get("shapes"))
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: its declared shapes are not valid ({exc})") from None
 
 
 def _given_backends(backends: Any) -> list[Backend]:

@@ -376,10 +376,14 @@ def _refuse_aliases(model: nn.Module, paths: list[str], table: dict) -> None:
 def arm_untuned(model: nn.Module) -> None:
     """Inference starts: every wrapper of `model` counts its calls and untuned calls from 0 and
     logs the first untuned one per reason (tuning's own calls are neither counted nor logged);
-    the model's first grad-mode call also warns once on the warnings channel."""
+    the model's first grad-mode call also warns once on the warnings channel. A backend that
+    counts its calls (padded buckets' hits) counts from 0 too."""
     warned: set = set()
     for wrapper in installed(model).values():
         wrapper.tt_reset_untuned(notify=True, warned=warned)
+        for group in wrapper.tt_signatures:
+            if group.backend is not None:
+                getattr(group.backend.callable, "reset_counts", lambda: None)()
 
 
 def set_mode(model: nn.Module, active: bool) -> int:

@@ -1,9 +1,9 @@
 """A Plan: what tuning decided for a model, and the one way to apply it and to take it out.
 
-A Plan holds the depth kept and, per tuned module (by its dotted path), its input signatures
-in order, each with the backend chosen for it (an unbuilt Backend: its class and config are
-the choice; None: the signature runs the original forward) and the recorded calls and
-original outputs it is built on again and checked against. The tuning cache and tt.save /
+A Plan holds the depth kept, the declared shapes (tt.tweak's shapes=) and, per tuned module
+(by its dotted path), its input signatures in order, each with the backend chosen for it (an
+unbuilt Backend: its class and config are the choice; None: the signature runs the original
+forward) and the recorded calls and original outputs it is built on again and checked against. The tuning cache and tt.save /
 tt.load each store a Plan, each in its own encoding (tuning_cache.py, checkpoint.py); both
 apply it with apply(), and revert() takes it out.
 
@@ -27,7 +27,8 @@ from ._samples import Call
 from .generation import LoopPlan, apply_loop, plan_loop, uninstall as uninstall_loop
 from .backends.base import Backend
 from .module import TunedModule, arm_untuned, install_all, installed, unwrap
-from .signatures import SignatureGroup, is_other
+from .shapes import DECLARED, Shapes, edge_calls
+from .signatures import SignatureGroup, forward_params, is_other
 from .tuning import apply_groups, dataset_runner, model_class_name, rebuild_group, record, release
 
 SELECTED_DEPTHS: "weakref.WeakKeyDictionary[nn.Module, int | None]" = weakref.WeakKeyDictionary()
@@ -72,6 +73,7 @@ class Plan:
     depth: int | None
     modules: list[ModulePlan] = dataclasses.field(default_factory=list)
     generate: LoopPlan | None = None  # tweak's decode loop behind generate() (docs/generate.md)
+    shapes: Shapes | None = None  # the declared ranges (tt.tweak's shapes=, torch_tweak.shapes)
 
     @property
     def paths(self) -> list[str]:
@@ -91,7 +93,8 @@ def plan_of(model: nn.Module) -> Plan:
     modules = [ModulePlan(path, [_copy(g, None if g.backend is None else g.backend.fresh())
                                  for g in wrapper.tt_signatures], wrapper.tt_error, list(wrapper.tt_report))
                for path, wrapper in sorted(installed(model).items())]
-    return Plan(SELECTED_DEPTHS.get(model) if modules else None, modules, plan_loop(model))
+    return Plan(SELECTED_DEPTHS.get(model) if modules else None, modules, plan_loop(model),
+                DECLARED.get(model) if modules else None)
 
 
 def apply(model: nn.Module, plan: Plan, *, device: torch.device, calls: Sequence[Call] | None = None,
@@ -118,10 +121,11 @@ def apply(model: nn.Module, plan: Plan, *, device: torch.device, calls: Sequence
     whose model is in training mode keeps its state (model_state.kept), as tt.tweak does."""
     model_class = model_class_name(model)
     failures: list[RebuildFailed] = []
+    edges = edge_calls(plan.shapes, calls, forward_params(model)) if calls is not None else []
     wrappers = install_all(model, plan.paths)
     try:
-        if calls is not None and wrappers:
-            record(wrappers, dataset_runner(model, calls))
+        if calls is not None and wrappers:  # the declared shapes' ends too: the groups were formed with them
+            record(wrappers, dataset_runner(model, calls), dataset_runner(model, edges) if edges else None)
         for wrapper, module in zip(wrappers, plan.modules):
             if calls is None:
                 wrapper.tt_signatures[:] = [_copy(g, None) for g in module.groups]
@@ -133,6 +137,8 @@ def apply(model: nn.Module, plan: Plan, *, device: torch.device, calls: Sequence
                 if planned.backend is None:
                     continue
                 backend = planned.backend.fresh()
+                if plan.shapes is not None:
+                    backend = backend.for_shapes(plan.shapes)
                 try:
                     _build(wrapper, group, backend, device, model_class, bounded)
                 except RebuildFailed as failure:
@@ -163,6 +169,10 @@ def apply(model: nn.Module, plan: Plan, *, device: torch.device, calls: Sequence
             uninstall_loop(model)
         raise
     SELECTED_DEPTHS[model] = plan.depth
+    if plan.shapes is not None:
+        DECLARED[model] = plan.shapes
+    else:
+        DECLARED.pop(model, None)
     arm_untuned(model)
     return failures
 

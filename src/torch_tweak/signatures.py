@@ -75,6 +75,7 @@ class SignatureGroup:
     unstorable: int = 0
     serves: tuple = ()  # "any other call": the Signatures its backend serves (proven_signatures)
     varying: bool = False  # the calls of one shape class whose sizes vary (merge_varying)
+    declared: int = 0  # its last calls are at the ends of the declared shapes: checked on, never measured
 
     def release(self) -> None:
         self.samples.clear()
@@ -258,16 +259,21 @@ def describe_class(samples: Sequence[Any]) -> str:
 
 
 def merge_varying(groups: list[SignatureGroup], samples: Sequence[Call], outputs: Sequence[Any],
-                  params: tuple = ()) -> list[SignatureGroup]:
+                  params: tuple = (), edges: set[int] | frozenset[int] = frozenset()) -> list[SignatureGroup]:
     """The recorded groups with the calls of each shape class that show more than one size
     made one group (see the module docstring): its Signature fits the class with the axes
     that varied left free (proven_signatures), its calls are the class's first
     MAX_CALLS_PER_SIGNATURE recorded calls in their recorded order (samples and outputs: every
     recorded call in order, as the groups store them). The groups whose calls it took are
     dropped ("any other call" keeps its calls of other classes); groups of one size stay. A
-    module called with live state is left as it is."""
+    module called with live state is left as it is.
+
+    edges: the ids of the samples recorded from the calls at the ends of the declared shapes
+    (torch_tweak.shapes): each goes after the traffic's calls of its class's group (counted in
+    its ``declared``), whose free axes they widen; one whose class has no call of the
+    traffic is dropped, as is every one when nothing is merged."""
     if not MERGE_VARYING or len(samples) < 2 or any(unstorable(s) is not None for s in samples):
-        return groups
+        return _without(groups, edges)
     classes: list[tuple[Any, list[int]]] = []
     for i, (args, kwargs) in enumerate(samples):
         for cls, members in classes:
@@ -282,28 +288,37 @@ def merge_varying(groups: list[SignatureGroup], samples: Sequence[Call], outputs
     merged: list[SignatureGroup] = []
     taken: set[int] = set()
     for cls, members in classes:
-        if len({tuple(_leaf_shapes(*samples[i])) for i in members}) < 2:
+        traffic = [i for i in members if id(samples[i]) not in edges]
+        if not traffic or len({tuple(_leaf_shapes(*samples[i])) for i in members}) < 2:
             continue
-        kept = members[:MAX_CALLS_PER_SIGNATURE]
+        ends = [i for i in members if id(samples[i]) in edges]
+        kept = traffic[:MAX_CALLS_PER_SIGNATURE] + ends
         calls = [samples[i] for i in kept]
         try:
             (signature,) = proven_signatures(calls, params)
         except ValueError:
             continue
         text = describe_class(calls)
-        group = SignatureGroup(signature, text, key_of(text), varying=True)
+        group = SignatureGroup(signature, text, key_of(text), varying=True, declared=len(ends))
         group.samples.extend(calls)
         group.outputs.extend(outputs[i] for i in kept)
         merged.append(group)
         taken.update(id(samples[i]) for i in members)
     if not merged:
+        return _without(groups, edges)
+    return merged + _without(groups, taken | set(edges))  # a group none of whose calls went into a class's stays
+
+
+def _without(groups: list[SignatureGroup], taken: set[int] | frozenset[int]) -> list[SignatureGroup]:
+    """`groups` without the samples whose ids are in `taken` (a group left with none is dropped)."""
+    if not taken:
         return groups
     rest = []
-    for group in groups:  # a group none of whose calls went into a class's group stays
+    for group in groups:
         pairs = [(s, o) for s, o in zip(group.samples, group.outputs) if id(s) not in taken]
         if group.samples and not pairs:
             continue
         group.samples[:] = [s for s, _ in pairs]
         group.outputs[:] = [o for _, o in pairs]
         rest.append(group)
-    return merged + rest
+    return rest

@@ -14,6 +14,7 @@ from torch import nn
 
 from .generation import loop_of
 from .module import UNTUNED_REASONS, installed
+from .shapes import DECLARED, Shapes
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -50,6 +51,7 @@ class ModelStatus(dict):
     the calls it served and, by reason, those it left to transformers."""
 
     decode_loop: dict | None = None
+    declared: Shapes | None = None  # the ranges tt.tweak's shapes= (or tt.load) declared
 
     @property
     def untuned(self) -> dict[str, int]:
@@ -61,13 +63,7 @@ class ModelStatus(dict):
             rows.append([path or "(root)", s.backend or "original", "yes" if s.active else "no", str(s.calls),
                          *(str(s.untuned.get(reason, 0)) for reason in UNTUNED_REASONS)])
         text = _table(rows) if len(rows) > 1 else "no tuned modules"
-        for path, s in sorted(self.items()):
-            for signature, d in s.shapes.items():
-                buckets = ", ".join(f"{k}: {n}" for k, n in d["buckets"].items())
-                text += (f"\n{path or '(root)'} {signature}: buckets (calls) {buckets or 'none'}; padding waste "
-                         f"{d['padding_waste']:.0%}; {d['graphs']} graphs, {d['graph_memory_mb']:.0f} MiB; "
-                         f"{d['outside_range']} calls outside the range" +
-                         (f"; {d['refused_buckets']} new buckets refused" if d["refused_buckets"] else ""))
+        text += "".join("\n" + line for line in self.shapes_lines())
         loop = self.decode_loop
         if loop is not None:
             calls = f"{loop['calls']} call" + ("" if loop["calls"] == 1 else "s")
@@ -76,11 +72,27 @@ class ModelStatus(dict):
         return text
 
 
+    def shapes_lines(self) -> list[str]:
+        """The declared shapes, then per padded group its buckets and their calls, the padding
+        waste, the graphs and their memory, the calls outside the range (print(result) shows
+        them too)."""
+        lines = [f"declared shapes: {self.declared}"] if self.declared is not None else []
+        for path, s in sorted(self.items()):
+            for signature, d in s.shapes.items():
+                buckets = ", ".join(f"{k}: {n}" for k, n in d["buckets"].items())
+                lines.append(f"{path or '(root)'} {signature}: buckets (calls) {buckets or 'none'}; padding waste "
+                             f"{d['padding_waste']:.0%}; {d['graphs']} graphs, {d['graph_memory_mb']:.0f} MiB; "
+                             f"{d['outside_range']} calls outside the range" +
+                             (f"; {d['refused_buckets']} new buckets refused" if d["refused_buckets"] else ""))
+        return lines
+
+
 def status(model: nn.Module) -> ModelStatus:
     """The status of every wrapped module of `model` (see ModuleStatus); empty when none."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     result = ModelStatus()
+    result.declared = DECLARED.get(model) if installed(model) else None  # unwrapped: nothing serves them
     loop = loop_of(model)
     if loop is not None:
         result.decode_loop = {"kind": loop.kind, "calls": loop.calls, "fallbacks": dict(loop.fallbacks)}

@@ -13,6 +13,7 @@ import torch
 from . import _C
 from .axes import Axes
 from .backends import Backend, registry
+from .shapes import Shapes
 
 
 def default_backends(device: Any) -> list[Backend]:
@@ -39,6 +40,9 @@ class Strategy:
     axes: Axes | None = None
     """The variants this strategy adds to its backends (torch_tweak.axes.Axes); None: none.
     tt.tweak sets it from effort= and precision=; with_axes() gives a copy with other axes."""
+    shapes: Shapes | None = None
+    """The declared ranges of the sizes that vary (tt.tweak's shapes=, torch_tweak.shapes): each
+    backend is given them (Backend.for_shapes); with_shapes() gives a copy with others."""
     measures = False
     """True for a strategy that measures every candidate and keeps the fastest: only such a
     strategy can choose between variants of a backend."""
@@ -65,6 +69,8 @@ class Strategy:
 
     def _bases(self, device: torch.device) -> list[Backend]:
         backends = self.backends if self.backends is not None else default_backends(device)
+        if self.shapes is not None:
+            return [b.fresh().for_shapes(self.shapes) for b in backends]
         return [b.fresh() for b in backends]
 
     def _candidates(self, device: torch.device) -> list[tuple[Backend, str]]:
@@ -101,6 +107,12 @@ class Strategy:
         clone.axes = axes if axes else None
         return clone
 
+    def with_shapes(self, shapes: Shapes | None) -> "Strategy":
+        """A copy of this strategy whose backends serve the declared ranges `shapes`."""
+        clone = self.fresh()
+        clone.shapes = shapes
+        return clone
+
     def fresh(self) -> "Strategy":
         clone = object.__new__(type(self))
         clone.__dict__.update(self.__dict__)
@@ -109,7 +121,7 @@ class Strategy:
 
     def __repr__(self) -> str:
         names = "defaults" if self.backends is None else ", ".join(b.name for b in self.backends)
-        more = f", axes={self.axes}" if self.axes else ""
+        more = (f", axes={self.axes}" if self.axes else "") + (f", shapes={self.shapes}" if self.shapes else "")
         return f"{type(self).__name__}({names}{more})"
 
 

@@ -25,22 +25,30 @@ from .strategy import Strategy, default_backends, default_strategy
 logger = logging.getLogger("torch_tweak")
 
 
-def record(wrappers: Iterable[TunedModule], run_dataset: Callable[[], None]) -> None:
+def record(wrappers: Iterable[TunedModule], run_dataset: Callable[[], None],
+           run_edges: Callable[[], None] | None = None) -> None:
     """Runs the dataset once with `wrappers` recording their calls and original outputs,
-    grouped by input signature (see torch_tweak.signatures)."""
+    grouped by input signature (see torch_tweak.signatures). run_edges: then runs the calls
+    at the ends of the declared shapes (torch_tweak.shapes), each recorded by every wrapper
+    and added to its shape class's group, to be checked on and never measured."""
     wrappers = list(wrappers)
+    edges: set[int] = set()  # ids of the samples the edge calls recorded
+    mode = {"edges": None}
     with contextlib.ExitStack() as recording:
         for wrapper in wrappers:
             release(wrapper, keep_chosen=False)
             wrapper.tt_signatures.clear()
-            recording.enter_context(wrapper.tt_record_with(_recorder(wrapper)))
+            recording.enter_context(wrapper.tt_record_with(_recorder(wrapper, mode)))
         run_dataset()
+        if run_edges is not None:
+            mode["edges"] = edges
+            run_edges()
     for wrapper in wrappers:  # traffic whose sizes vary: one group per shape class
         wrapper.tt_signatures[:] = merge_varying(wrapper.tt_signatures, wrapper.tt_samples, wrapper.tt_outputs,
-                                                 forward_params(wrapper._tt_original))
+                                                 forward_params(wrapper._tt_original), edges)
 
 
-def _recorder(wrapper: TunedModule) -> Callable[..., Any]:
+def _recorder(wrapper: TunedModule, mode: dict) -> Callable[..., Any]:
     original = wrapper._tt_original
     groups = wrapper.tt_signatures
     samples = wrapper.tt_samples
@@ -56,8 +64,11 @@ def _recorder(wrapper: TunedModule) -> Callable[..., Any]:
             args, kwargs = before
         if group.signature is not None:  # stored as the backend will be called: the recorded layout
             args, kwargs = group.signature.bind(args, kwargs)
-        if len(group.samples) < MAX_CALLS_PER_SIGNATURE:
+        edges = mode["edges"]
+        if len(group.samples) < MAX_CALLS_PER_SIGNATURE or edges is not None:
             sample, result = (clone(args), clone(kwargs)), clone(out)
+            if edges is not None:
+                edges.add(id(sample))
             group.samples.append(sample)
             group.outputs.append(result)
             samples.append(sample)
@@ -150,7 +161,8 @@ class ModuleSearch:
         flags = tuple((_C.CANDIDATE_VARIANT if i in variants else 0)
                       | (_C.CANDIDATE_LOWERS_PRECISION if b.config.lowers_precision() else 0)
                       for i, b in enumerate(backends))
-        return (group.text, strategy.kind, tuple(b.name for b in backends), len(group.samples), flags)
+        # the calls at the declared shapes' ends (the last ones) are built and checked on, not measured
+        return (group.text, strategy.kind, tuple(b.name for b in backends), len(group.samples) - group.declared, flags)
 
     def build(self, node: int, g: int, c: int) -> tuple[str, float, None]:
         """Builds and checks candidate c; returns its facts for the engine's result (reason,

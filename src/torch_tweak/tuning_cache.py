@@ -291,7 +291,7 @@ def plan_of_entry(entry: dict, strategy: Strategy | None, device: torch.device) 
                                          report=list(info.get("candidates", [])),
                                          unstorable=info.get("unstorable", 0)))
         modules.append(ModulePlan(item["path"], groups, report["error"], list(report["candidates"])))
-    return Plan(module_results(entry).kept_depth, modules)
+    return Plan(module_results(entry).kept_depth, modules, shapes=template.shapes)  # shapes: part of the key
 
 
 def apply(entry: dict, model: nn.Module, calls: Sequence[Call], device: torch.device,

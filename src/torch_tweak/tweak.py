@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from typing import Any, Literal
 
 import torch
@@ -19,6 +20,9 @@ from .progress import Progress
 from .report import ModuleResults, fold, module_result
 from .strategy import Strategy, default_backends, default_strategy
 from .serial import Unstorable
+from .status import status
+from .shapes import DECLARED, check_calls, check_shapes, edge_calls
+from .signatures import forward_params
 from .tuning import (ModuleSearch, absorb, check_measure, dataset_runner, measure_for, model_class_name, record,
                      release)
 from .workload import TokenRow, Workload, choose_loop
@@ -106,6 +110,7 @@ class TweakResult:
     decode_loop: str | None = None
     loop_report: "list[dict] | None" = None
     hint = ""
+    _model: "weakref.ref[nn.Module] | None" = None  # the tuned model, for its buckets (shapes_lines)
 
     def __init__(self, engine: "_C.Result", tree: ModuleTree, modules: ModuleResults) -> None:
         self._engine = engine
@@ -144,9 +149,16 @@ class TweakResult:
             # the engine knows depths only: with a decode loop kept, what stays untuned is the modules
             table = self._engine.format(untuned=f"its modules stay untuned; generate() runs tweak's decode "
                                         f"loop ({self.decode_loop})" if self.decode_loop else None)
-            return table + "".join("\n" + line for line in self.precision_lines()) + \
+            lines = self.precision_lines() + self.shapes_lines()
+            return table + "".join("\n" + line for line in lines) + \
                 self._tokens_table()
-        return self._table + f"\n{self.cache_note()}"
+        return self._table + "".join("\n" + line for line in self.shapes_lines()) + f"\n{self.cache_note()}"
+
+    def shapes_lines(self) -> list[str]:
+        """The declared shapes, and per padded group of the tuned model its buckets, their calls
+        since tuning, the padding waste, the graphs and their memory (tt.status's lines)."""
+        model = self._model() if self._model is not None else None
+        return [] if model is None else status(model).shapes_lines()
 
     def cache_note(self) -> str:
         """What a result from the tuning cache says about its figures."""
@@ -316,6 +328,7 @@ class _Session:
         self.model_class = model_class_name(model)
         self.on_measure = None  # called with the depth before its first measurement (a workload's TTFT)
         self.refuse = ""  # why no depth can be tuned (each is then skipped with it)
+        self.run_edges = None  # runs the calls at the declared shapes' ends (tt.tweak's shapes=)
         self.search = ModuleSearch(lambda node: self.wrappers[node],
                                    lambda node: strategy if strategy is not None else default_strategy(device),
                                    device, progress, self.model_class, done=self.tuned)
@@ -343,7 +356,7 @@ class _Session:
             fresh = [self.wrappers[n] for n, t in zip(nodes, tune) if t]
             if fresh:
                 self.progress.step("", f"recording {len(fresh)} modules")
-                record(fresh, self.run_dataset)
+                record(fresh, self.run_dataset, self.run_edges)
         except BaseException:
             self.leave()
             raise
@@ -399,7 +412,7 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
           max_depth: int | None = DEFAULT_MAX_DEPTH, strategy: Strategy | None = None,
           tie_tolerance: float = DEFAULT_TIE_TOLERANCE, time_budget: float | None = None, dry_run: bool = False, device: Any = None,
           progress: bool = True, measure: dict | None = None, cache: bool = True, effort: Effort = "default",
-          precision: dict[str, float] | None = None) -> TweakResult:
+          precision: dict[str, float] | None = None, shapes: dict[str, tuple[int, int]] | None = None) -> TweakResult:
     """Tunes `model` in place at every depth from min_depth to max_depth and keeps the fastest.
     Returns a TweakResult, a report: keep calling the model itself, under
     torch.inference_mode() (in grad mode a backend without autograd runs the original
@@ -418,11 +431,14 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
     ``precision``: {policy: tolerance} of lower-precision candidates you allow ("tf32",
     "bf16", "int8", "fp8"), each checked against its tolerance; None (the default): none.
     Once ``time_budget`` is used up, the variants of either not built yet are left out.
+    ``shapes``: ranges the traffic's sizes take beyond the dataset's, ``{"batch": (1, 32), "length": (8, 512)}``:
+    candidates are also checked at both ends; the padded backend serves them (docs/serving.md).
     """
     device, measuring, asked, job, calls, limits = _checked(
         model, dataset, workload=workload, strategy=strategy, device=device, measure=measure, cache=cache,
         effort=effort, precision=precision, min_depth=min_depth, max_depth=max_depth, tie_tolerance=tie_tolerance,
         time_budget=time_budget)
+    strategy, declared, edges = _declared(model, shapes, calls, job, strategy, device)
     # Tracing, recording and measuring run the model; anything they or a build changed is put
     # back when the tweak ends, however it ends.
     with model_state.kept(model):
@@ -445,19 +461,21 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
         key = parts = None
         if cache and not dry_run and job is None:
             settings = dict(limits, measure=measure)  # the settings as checked, the engine's forms
+            if declared:
+                settings["shapes"] = declared.as_dict()
             if asked:
                 settings.update(effort=effort, precision=[list(p) for p in asked.precision])
             key, parts = _cache_key(model, calls, device, strategy, settings)
             if key is not None:
                 result = _from_cache(model, tree, calls, device, strategy, key, parts, shown)
-                if result is not None:
+                if result is not None:  # plan.apply kept the strategy's shapes (DECLARED), as the entry was tuned
                     arm_untuned(model)
                     generation.arm(model)
                     return result
         session = _session(model, tree, calls, job, strategy, device, measuring, shown, depths, dry_run=dry_run,
-                           speaks_tokens=speaks_tokens, compiled_loop=compiled_loop)
+                           speaks_tokens=speaks_tokens, compiled_loop=compiled_loop, edges=edges)
         engine = _search(model, session, calls, job, shown, device, **limits, dry_run=dry_run, config=measuring)
-        result = _kept(model, engine, tree, session, time_budget, dry_run)
+        result = _kept(model, engine, tree, session, time_budget, dry_run, declared)
         if speaks_tokens:
             _speak_tokens(result, job)
         if key is not None:
@@ -511,12 +529,31 @@ def _checked(model: nn.Module, dataset: Any, *, workload: Any, strategy: Strateg
     return device, measuring, asked, None, load_dataset(dataset, device), limits
 
 
+def _declared(model: nn.Module, shapes: Any, calls: Any, job: Workload | None, strategy: Strategy | None,
+              device: torch.device) -> tuple:
+    """(the strategy, given the declared shapes; the declared shapes or None; the calls at their
+    ends): shapes= checked against the dataset's calls before anything runs (TypeError or
+    ValueError; the model is untouched)."""
+    declared = check_shapes(shapes)
+    if declared is None:
+        return strategy, None, []
+    if job is not None:
+        raise TypeError("shapes= declares the sizes of a dataset's calls; a workload (generate()) tunes its own "
+                        "calls: leave shapes=None, or pass a dataset")
+    params = forward_params(model)
+    check_calls(declared, calls, params)
+    strategy = (strategy if strategy is not None else default_strategy(device)).with_shapes(declared)
+    return strategy, declared, edge_calls(declared, calls, params)
+
+
 def _session(model: nn.Module, tree: ModuleTree, calls: Any, job: Workload | None, strategy: Strategy | None,
              device: torch.device, measuring: dict, shown: Progress, depths: list, *, dry_run: bool,
-             speaks_tokens: bool, compiled_loop: bool) -> "_Session":
-    """The callbacks of one tweak's engine search, with its progress planned."""
+             speaks_tokens: bool, compiled_loop: bool, edges: list = ()) -> "_Session":
+    """The callbacks of one tweak's engine search, with its progress planned; edges: the calls
+    at the declared shapes' ends, recorded with the dataset's."""
     run_dataset = dataset_runner(model, calls) if job is None else job.run
     session = _Session(model, tree, run_dataset, strategy, device, measuring, shown, depths)
+    session.run_edges = dataset_runner(model, edges) if edges else None
     modules = {n for d in depths for n in tree.tree.cut(d)}
     shown.plan(len(modules) + len(depths) + 2)  # each module tuned once, each measurement
     if not dry_run:
@@ -567,12 +604,18 @@ def _search(model: nn.Module, session: "_Session", calls: Any, job: Workload | N
 
 
 def _kept(model: nn.Module, engine: Any, tree: ModuleTree, session: "_Session", time_budget: float | None,
-          dry_run: bool) -> "TweakResult":
-    """The result of the engine's search; the wrappers of the cuts not kept release their calls."""
+          dry_run: bool, declared: Any = None) -> "TweakResult":
+    """The result of the engine's search; the wrappers of the cuts not kept release their calls;
+    a kept depth keeps the declared shapes (tt.save writes them, tt.status shows them)."""
     selected = engine.selected
     kept_depth = engine.rows[selected]["depth"] if selected >= 0 else None
     result = TweakResult(engine, tree, session.module_results(engine, kept_depth))
     result.time_budget = time_budget
+    result._model = weakref.ref(model)
+    if not dry_run:
+        DECLARED.pop(model, None)
+        if declared is not None and result.selected_depth is not None:
+            DECLARED[model] = declared
     kept = installed(model)
     for wrapper in session.wrappers.values():
         if kept.get(wrapper.tt_name) is not wrapper:
@@ -660,6 +703,7 @@ def _from_cache(model: nn.Module, tree: ModuleTree, calls: list, device: torch.d
         logger.warning("tuning cache entry %s dropped (%s); tuning afresh", key, failure)
         tuning_cache.drop(key)
         return None
+    result._model = weakref.ref(model)
     shown.finish(f"{result.outcome()} {result.cache_note()}")
     logger.info("tweak: %s %s", result.outcome(), result.cache_note())
     return result

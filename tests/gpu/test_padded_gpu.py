@@ -136,3 +136,38 @@ def test_tweak_with_the_defaults_serves_varying_batches():
         for request in bert_requests(20, 3):
             same_valid(model(**request), untuned(**request), request["attention_mask"])
     assert any(g.varying for w in installed(model).values() for g in w.tt_signatures) or result.selected_depth is None
+
+
+def test_declared_shapes_record_the_graphs_of_both_ends_at_tuning():
+    # tt.tweak(shapes=...): the dataset has one batch size; the declared range's ends are
+    # recorded as graphs at tuning and every size within it is served by a graph
+    import time
+
+    class Slow(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = mlp()
+
+        def forward(self, x):
+            time.sleep(0.002)
+            return self.inner(x)
+
+    class PaddedInner(PaddedGraphBackend):
+        def build(self, module, samples, device):
+            return super().build(module.inner, samples, device)
+
+    model = Slow().eval()
+    untuned = copy.deepcopy(model)
+    data = [torch.randn(8, 64, device="cuda") for _ in range(3)]
+    result = tt.tweak(model, data, strategy=tt.OneBackendStrategy(PaddedInner(compile=False)), max_depth=0,
+                      progress=False, cache=False, shapes={"batch": (1, 32)})
+    assert result.selected_depth == 0
+    (group,) = installed(model)[""].tt_signatures
+    stats = group.backend.describe()
+    assert stats["batch_range"] == (1, 32) and {"1", "8", "32"} <= set(stats["buckets"]) and stats["graphs"] >= 3
+    with torch.inference_mode():
+        for b in (1, 5, 8, 20, 32, 32, 40):
+            x = torch.randn(b, 64, device="cuda")
+            torch.testing.assert_close(model(x), untuned(x), rtol=1e-4, atol=1e-4)
+    assert sum(installed(model)[""].tt_untuned.values()) == 0
+    assert "declared shapes: batch 1-32" in str(result) and "graphs" in str(result)

@@ -14,6 +14,7 @@ import torch.utils._pytree as pytree
 from .. import noise
 from .._samples import Call, unstorable
 from ..schema import Fraction, Spec
+from ..shapes import Shapes
 
 
 @dataclasses.dataclass
@@ -178,6 +179,13 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def build(self, module: torch.nn.Module, samples: Sequence[Call], device: torch.device) -> Callable[..., Any]:
         """A callable that runs `module` on this backend, built and warmed on `samples`."""
+
+    def for_shapes(self, shapes: Shapes) -> "Backend":
+        """This backend for traffic within the declared ranges `shapes` (tt.tweak's shapes=,
+        torch_tweak.shapes): a backend whose config bounds the sizes it serves returns a fresh
+        copy bounded by them (the padded backend's range). Here: itself, unchanged; every
+        backend is also built and checked on the calls at the ranges' ends."""
+        return self
 
     def fresh(self) -> "Backend":
         """A new, unbuilt backend with a copy of this one's config."""

@@ -29,7 +29,8 @@ batch) or that ignores its mask fails there, and the reason says which.
 
 Buckets are recorded at build for the recorded calls, and on first sight for a new bucket
 inside the range (batch up to twice the largest seen, rounded up to a bucket; length up
-to the largest seen; or the declared max_batch and max_length), while there are fewer than
+to the largest seen; or the declared max_batch and max_length, which tt.tweak's shapes= sets:
+for_shapes), while there are fewer than
 max_graphs and their memory stays under max_graph_memory_mb. The first call of a new bucket
 runs the original module too and is answered with the original's result; the bucket serves
 later calls only if its answer matched. A call outside the range, or past those caps, runs
@@ -54,6 +55,7 @@ import torch.utils._pytree as pytree
 from .._samples import Call, fresh
 from ..correctness import MismatchError, check
 from ..schema import Count, Flag
+from ..shapes import Shapes, find_mask, named_leaves
 from .base import Backend, BackendConfig, BackendUnavailable
 from .graph import _DeviceApi, capture, graph_unavailable, warm_up
 from .inductor import compile_module, shared_compiles
@@ -61,8 +63,6 @@ from .registry import register
 
 logger = logging.getLogger("torch_tweak")
 
-MASK_NAMES = ("attention_mask",)
-"""Argument names taken as a mask of valid positions along axis 1 (transformers' name)."""
 
 
 class PaddingRefused(MismatchError):
@@ -189,19 +189,8 @@ def make_plan(samples: Sequence[Call], refs: Sequence[Any], names: Sequence[str 
     tensors = [i for i, leaf in enumerate(calls[0]) if isinstance(leaf, torch.Tensor)]
     if not tensors:
         raise NothingToPad("the calls pass no tensor")
-    # the mask: an argument by that name, 2-d, of integers or booleans
-    args0, kwargs0 = samples[0]
-    named: dict[int, str] = {}
-    position = 0
-    for i, value in enumerate(list(args0) + list(kwargs0.values())):
-        name = (names[i] if i < len(args0) and i < len(names) else
-                list(kwargs0)[i - len(args0)] if i >= len(args0) else None)
-        for _ in pytree.tree_leaves(value):
-            if name is not None:
-                named[position] = name
-            position += 1
-    mask = next((i for i in tensors if named.get(i) in MASK_NAMES and calls[0][i].dim() == 2
-                 and not calls[0][i].is_floating_point()), None)
+    named = named_leaves(samples[0], names)[2]
+    mask = find_mask(calls[0], tensors, named)  # an attention_mask argument, 2-d, of integers or booleans
     batch = all(c[i].dim() >= 1 for c in calls for i in tensors) and all(
         len({int(c[i].shape[0]) for i in tensors}) == 1 for c in calls)
     batch_sizes = {int(c[tensors[0]].shape[0]) for c in calls} if batch else set()
@@ -514,6 +503,15 @@ class PaddedGraphBackend(Backend):
         call.prove(samples)
         call.building = False
         return call
+
+    def for_shapes(self, shapes: Shapes) -> "PaddedGraphBackend":
+        """A fresh copy whose max_batch and max_length are the declared maxima, where its config
+        left them None (a value set on the config wins)."""
+        clone = self.fresh()
+        for field, declared in (("max_batch", shapes.batch), ("max_length", shapes.length)):
+            if declared is not None and getattr(clone.config, field) is None:
+                setattr(clone.config, field, declared[1])
+        return clone
 
     def describe(self) -> dict | None:
         """The buckets, their hits, the padding waste, the graphs and their memory; None unbuilt."""
