@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from . import _C, isolation, model_state
+from . import _C, distributed, isolation, model_state
 from ._samples import Call, clone, fresh, load_dataset, resolve_device, synchronizer, unstorable
 from .backends.base import Backend, BackendUnavailable
 from .buildlog import BuildLog, capture_build, log_path
@@ -164,7 +164,7 @@ class ModuleSearch:
         backend, group, wrapper = o.backends[c], o.group, self.wrapper_of(node)
         note = self.notes.setdefault((node, g, c), {})
         note["lowers_precision"] = backend.config.lowers_precision()  # what the report names (precision=)
-        if c in o.variants and self.deadline is not None and time.monotonic() >= self.deadline:
+        if c in o.variants and self.budget_used():
             note["reason"], note["build_s"] = "time budget", 0.0
             raise BudgetSkip("not built: the time budget was used up before this variant's turn (the backends "
                              "alone still are); a larger time_budget, or None, tries every variant")
@@ -188,6 +188,12 @@ class ModuleSearch:
             note["max_error"] = worst
             note["build_s"] = time.monotonic() - started
             log.outcome = f"built; passed the correctness check (largest relative error {worst:.3g})"
+
+    def budget_used(self) -> bool:
+        """Whether the deadline has passed; under torch.distributed, on any rank (the ranks agree)."""
+        used = self.deadline is not None and time.monotonic() >= self.deadline
+        ranks = distributed.current()
+        return used if ranks is None or self.deadline is None else ranks.any(used)
 
     def run(self, node: int, g: int, c: int, i: int) -> None:
         o = self._open
@@ -429,19 +435,24 @@ def build_checked(backend: Backend, module: nn.Module, samples: Sequence[Call], 
     registrations; training flags, parameters, buffers) is put back, also when they raise, and
     written in the build log. The structure is put back before the check: the candidate is
     checked on the module as the user will have it. bounded: the tolerance came from a file."""
+    refused = distributed.enter_build(backend)
+    if refused is not None:
+        raise BackendUnavailable(refused)
+    # under torch.distributed each step is agreed on by every rank (a failure anywhere fails it everywhere)
+    step = distributed.step
     if backend.isolate_build:
         isolation.check(backend, module, samples, device, log.notes)  # raises BuildCrashed
     try:
         try:
             # a key/value cache in a call grows at every call: each use gets its own copy
-            fn = backend.prepare(module, [fresh(s) for s in samples], device)
+            fn = step(lambda: backend.prepare(module, [fresh(s) for s in samples], device), "the build")
         finally:
             put_back(state, log)  # before the check: weights a backend moved are back on their device
         worst = 0.0
         for j, sample in enumerate(samples):
             args, kwargs = fresh(sample)
-            worst = max(worst, check(fn(*args, **kwargs), refs[j], backend.check_tolerance(), where=f"sample {j}",
-                                     bounded=bounded))
+            worst = max(worst, step(lambda: check(fn(*args, **kwargs), refs[j], backend.check_tolerance(),
+                                                  where=f"sample {j}", bounded=bounded), f"the check of sample {j}"))
     finally:
         put_back(state, log)
     return worst

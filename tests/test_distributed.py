@@ -1,0 +1,240 @@
+"""tt.tweak, tt.save and tt.load under torch.distributed: ranks that tune a sharded model
+together (gloo on the CPU, 2 and 4 processes).
+
+The model is a tensor-parallel MLP made by hand (column-parallel up projection, row-parallel
+down projection ending in an all_reduce) from an unsharded model built with the same seed,
+whose outputs every rank's tuned model must give. One rank is made slower (a sleep inside a
+module on rank 1) or made to fail a candidate (a build that raises on rank 1 only): every rank
+must still keep the same plan, measured by the slowest rank."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+import torch_tweak as tt
+from torch_tweak.tweak import plan_digest
+
+WIDTH, BATCH = 16, 4
+MEASURE = {"warmup_max": 4, "rounds_min": 3, "rounds_max": 10, "time_cap": 1.0}
+DELAY = 0.003  # the sleep inside each block on rank 1
+
+
+# ------------------------------------------------------------------ processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn, world: int, port: int, folder: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from torch_tweak import cpu_load
+
+    cpu_load.reading = lambda also=(): None  # as in conftest: no decision turns on the CI machine's load
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        result = fn(rank, world, Path(folder))
+        (Path(folder) / f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, folder: Path, timeout: float = 120.0) -> list[dict]:
+    """fn(rank, world, folder) on `world` processes of one gloo group; what each returned (JSON)."""
+    context = mp.start_processes(_entry, args=(fn, world, free_port(), str(folder)), nprocs=world, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise AssertionError(f"the ranks were still running after {timeout:.0f} s: a rank waits in a collective")
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+# ---------------------------------------------------------------------- model
+
+
+class Block(nn.Module):
+    """A residual MLP block; `delay` seconds of sleep in its forward (a slow rank)."""
+
+    def __init__(self, norm: nn.Module, up: nn.Module, down: nn.Module, delay: float = 0.0) -> None:
+        super().__init__()
+        self.norm, self.up, self.down, self.delay = norm, up, down, delay
+
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.delay:
+            time.sleep(self.delay)
+        return self.compute(x)
+
+
+class ColumnParallel(nn.Module):
+    """Rows [rank * n, (rank + 1) * n) of a Linear's weight: this rank's slice of its outputs."""
+
+    def __init__(self, full: nn.Linear, rank: int, world: int) -> None:
+        super().__init__()
+        n = full.out_features // world
+        self.weight = nn.Parameter(full.weight.detach()[rank * n:(rank + 1) * n].clone())
+        self.bias = nn.Parameter(full.bias.detach()[rank * n:(rank + 1) * n].clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallel(nn.Module):
+    """Columns of a Linear's weight for this rank's slice of its inputs; the partial sums are
+    added across ranks (all_reduce), then the bias."""
+
+    def __init__(self, full: nn.Linear, rank: int, world: int) -> None:
+        super().__init__()
+        n = full.in_features // world
+        self.weight = nn.Parameter(full.weight.detach()[:, rank * n:(rank + 1) * n].clone())
+        self.bias = nn.Parameter(full.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        dist.all_reduce(y)
+        return y + self.bias
+
+
+def full_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    blocks = [Block(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)) for _ in range(2)]
+    return nn.Sequential(*blocks, nn.Linear(WIDTH, 8)).eval()
+
+
+def sharded_model(rank: int, world: int, slow_rank: int | None = None) -> nn.Sequential:
+    full = full_model()
+    blocks = [Block(b.norm, ColumnParallel(b.up, rank, world), RowParallel(b.down, rank, world),
+                    DELAY if rank == slow_rank else 0.0) for b in full[:2]]
+    return nn.Sequential(*blocks, full[2]).eval()
+
+
+def dataset() -> list[torch.Tensor]:
+    torch.manual_seed(1)
+    return [torch.randn(BATCH, WIDTH) for _ in range(2)]
+
+
+# ------------------------------------------------------------------- backends
+
+
+@dataclasses.dataclass
+class PlainConfig(tt.BackendConfig):
+    pass
+
+
+class Shortcut(tt.Backend):
+    """The module's work without its sleep (Block.compute); any other module as it is."""
+
+    name = "Shortcut"
+    config_class = PlainConfig
+
+    def build(self, module, samples, device):
+        return getattr(module, "compute", module)
+
+
+class FailsOnRank1(Shortcut):
+    """Shortcut's callable, but its build raises on rank 1 only: on rank 0 alone it would tie."""
+
+    name = "FailsOnRank1"
+
+    def build(self, module, samples, device):
+        if dist.get_rank() == 1:
+            raise RuntimeError("this candidate fails on rank 1 only")
+        return super().build(module, samples, device)
+
+
+class LagsOnRank1(Shortcut):
+    """Shortcut's callable, 4 ms slower on rank 1 only: rank 0 alone could keep it."""
+
+    name = "LagsOnRank1"
+
+    def build(self, module, samples, device):
+        fn = super().build(module, samples, device)
+        if dist.get_rank() != 1:
+            return fn
+
+        def lagging(*args, **kwargs):
+            time.sleep(0.004)
+            return fn(*args, **kwargs)
+
+        return lagging
+
+
+def strategy() -> tt.Strategy:
+    return tt.HighestThroughputStrategy([FailsOnRank1(), LagsOnRank1(), Shortcut()])
+
+
+# ---------------------------------------------------------------------- ranks
+
+
+def _tune_save_load(rank: int, world: int, folder: Path) -> dict:
+    model = sharded_model(rank, world, slow_rank=1)
+    data = dataset()
+    with torch.inference_mode():
+        expected = [full_model()(x) for x in data]
+    result = tt.tweak(model, data, strategy=strategy(), measure=MEASURE, cache=False, progress=False)
+    with torch.inference_mode():
+        same = all(torch.allclose(model(x), e, atol=1e-5, rtol=1e-4) for x, e in zip(data, expected))
+    tt.save(model, folder / f"plan{rank}.tt")
+    fresh = sharded_model(rank, world, slow_rank=1)
+    loaded = tt.load(fresh, folder / f"plan{rank}.tt", backends=[Shortcut()])
+    with torch.inference_mode():
+        loaded_same = all(torch.allclose(fresh(x), e, atol=1e-5, rtol=1e-4) for x, e in zip(data, expected))
+    other = folder / f"plan{(rank + 1) % world}.tt"
+    dist.barrier()  # every rank's file is written
+    try:
+        tt.load(sharded_model(rank, world), other, backends=[Shortcut()])
+        refused = ""
+    except tt.CheckpointError as exc:
+        refused = str(exc)
+    return {"depth": result.selected_depth, "digest": plan_digest(model),
+            "chosen": {p: m.backend for p, m in result.modules.items()},
+            "errors": {p: [c["error"] for s in m.signatures for c in s.candidates if c["backend"] == "FailsOnRank1"]
+                       for p, m in result.modules.items()},
+            "same": same, "loaded": loaded, "loaded_same": loaded_same, "refused": refused}
+
+
+def check_agreed(results: list[dict], world: int) -> None:
+    first = results[0]
+    for r, got in enumerate(results):
+        assert got["same"] and got["loaded_same"], f"rank {r}: outputs differ from the unsharded model's"
+        assert got["digest"] == first["digest"] and got["chosen"] == first["chosen"], f"rank {r} kept another plan"
+        assert got["depth"] == 1, f"rank {r}: the slowest rank's latency should keep depth 1: {got}"
+        # the blocks keep the shortcut (the head may keep Torch Eager, the baseline every strategy tries);
+        # no module keeps the failing or the lagging candidate
+        assert [got["chosen"][p] for p in ("0", "1")] == ["Shortcut"] * 2, got["chosen"]
+        assert not {"FailsOnRank1", "LagsOnRank1"} & set(got["chosen"].values()), got["chosen"]
+        for path, errors in got["errors"].items():
+            assert errors and all("rank 1" in e for e in errors), (r, path, errors)
+        assert "rank" in got["refused"] and f"{world} processes" in got["refused"], got["refused"]
+
+
+def test_two_ranks_keep_one_plan_measured_by_the_slowest(tmp_path):
+    results = run_ranks(_tune_save_load, 2, tmp_path)
+    check_agreed(results, 2)
+
+
+@pytest.mark.slow
+def test_four_ranks_keep_one_plan(tmp_path):
+    results = run_ranks(_tune_save_load, 4, tmp_path, timeout=240.0)
+    check_agreed(results, 4)
