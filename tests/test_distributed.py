@@ -238,3 +238,50 @@ def test_two_ranks_keep_one_plan_measured_by_the_slowest(tmp_path):
 def test_four_ranks_keep_one_plan(tmp_path):
     results = run_ranks(_tune_save_load, 4, tmp_path, timeout=240.0)
     check_agreed(results, 4)
+
+
+# ------------------------------------------------- transformers' tensor parallelism
+
+
+def tiny_llama(folder: Path) -> None:
+    """A tiny Llama saved to `folder`, for transformers' from_pretrained(tp_plan="auto")."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    LlamaForCausalLM(config).save_pretrained(folder / "llama")
+
+
+def _tune_llama(rank: int, world: int, folder: Path) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    model = AutoModelForCausalLM.from_pretrained(folder / "llama", tp_plan="auto", dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(folder / "llama", dtype=torch.float32).eval()
+    sharded = type(model.model.layers[0].mlp.down_proj.weight).__name__
+    torch.manual_seed(2)
+    data = [{"input_ids": torch.randint(0, 64, (1, 6))} for _ in range(2)]
+    with torch.inference_mode():
+        expected = [reference(**x).logits for x in data]
+    result = tt.tweak(model, data, strategy=tt.HighestThroughputStrategy([FailsOnRank1(), LagsOnRank1()]),
+                      measure=MEASURE, cache=False, progress=False, max_depth=2)
+    with torch.inference_mode():
+        same = all(torch.allclose(model(**x).logits, e, atol=1e-5, rtol=1e-4) for x, e in zip(data, expected))
+    return {"sharded": sharded, "depth": result.selected_depth, "digest": plan_digest(model), "same": same,
+            "chosen": sorted({m.backend or "" for m in result.modules.values()})}
+
+
+@pytest.mark.slow
+def test_two_ranks_tune_a_transformers_tp_plan(tmp_path):
+    """transformers' own tensor parallelism (tp_plan="auto": DTensor weights, its hooks'
+    all_reduce on gloo) tuned together; needs accelerate, as tp_plan does."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="transformers' tp_plan needs accelerate")
+    tiny_llama(tmp_path)
+    results = run_ranks(_tune_llama, 2, tmp_path)
+    for r, got in enumerate(results):
+        assert got["sharded"] == "DTensor", got
+        assert got["same"], f"rank {r}: logits differ from the unsharded model's"
+        assert got["digest"] == results[0]["digest"], f"rank {r} kept another plan"
+        assert "FailsOnRank1" not in got["chosen"], got
