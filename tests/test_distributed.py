@@ -285,3 +285,92 @@ def test_two_ranks_tune_a_transformers_tp_plan(tmp_path):
         assert got["same"], f"rank {r}: logits differ from the unsharded model's"
         assert got["digest"] == results[0]["digest"], f"rank {r} kept another plan"
         assert "FailsOnRank1" not in got["chosen"], got
+
+
+# ------------------------------------------------------------- one process alone
+
+
+class FakeRanks:
+    """What enter_build reads of a Ranks: its backend, and the barrier it waits at."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self.barriers = 0
+
+    def barrier(self) -> None:
+        self.barriers += 1
+
+
+class Recording(Shortcut):
+    name = "Recording"
+    records_graph = True
+
+
+class Isolated(Shortcut):
+    name = "Isolated"
+    isolate_build = True
+
+
+def test_candidates_refused_under_ranks():
+    from torch_tweak import distributed
+
+    assert distributed.enter_build(Recording()) is None  # alone: nothing refused, no barrier
+    gloo = FakeRanks("gloo")
+    with distributed.using(gloo):
+        assert "NCCL" in distributed.enter_build(Recording()) and "gloo" in distributed.enter_build(Recording())
+        assert "child process" in distributed.enter_build(Isolated())
+        assert distributed.enter_build(Shortcut()) is None
+    assert gloo.barriers == 0
+    nccl = FakeRanks("nccl")
+    with distributed.using(nccl):
+        assert distributed.enter_build(Recording()) is None
+        assert distributed.current() is nccl
+    assert nccl.barriers == 1, "a graph recording begins on every rank together"
+    assert distributed.current() is None
+
+
+def test_a_bad_group_is_refused_and_the_model_left_as_it_was():
+    model = full_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for bad, kind in ((True, TypeError), ("world", TypeError), (3, TypeError)):
+        with pytest.raises(kind, match="group must be"):
+            tt.tweak(model, dataset(), group=bad, cache=False, progress=False)
+    from torch_tweak.module import installed
+
+    assert not installed(model)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert type(model) is nn.Sequential
+
+
+def test_saved_ranks_must_match_the_loading_process():
+    from torch_tweak.checkpoint import CheckpointError, _check_ranks
+
+    _check_ranks({}, None, "old.tt")  # a file from before: loads alone
+    with pytest.raises(CheckpointError, match="single process.*rank 1 of 2.*one file per rank"):
+        _check_ranks({}, (1, 2), "old.tt")
+    saved = {"ranks": {"rank": 1, "world_size": 2}}
+    _check_ranks(saved, (1, 2), "r1.tt")
+    with pytest.raises(CheckpointError, match=r"rank 1 of 2 processes.*runs alone.*torchrun --nproc-per-node 2"):
+        _check_ranks(saved, None, "r1.tt")
+    with pytest.raises(CheckpointError, match="rank 1 of 2 processes, and this is rank 0 of 2"):
+        _check_ranks(saved, (0, 2), "r1.tt")
+    with pytest.raises(CheckpointError, match=r"and this is rank 1 of 4 processes.*tune again"):
+        _check_ranks(saved, (1, 4), "r1.tt")
+    for forged in ({"rank": 2, "world_size": 2}, {"rank": "0", "world_size": 2}, [0, 2]):
+        with pytest.raises(CheckpointError, match="damaged"):
+            _check_ranks({"ranks": forged}, (0, 2), "forged.tt")
+
+
+def test_a_single_process_file_says_no_ranks_and_loads(tmp_path):
+    model = full_model()
+    tt.tweak(model, dataset(), strategy=tt.FirstWinsStrategy([Shortcut()]), max_depth=0, measure=MEASURE,
+             cache=False, progress=False)
+    tt.save(model, tmp_path / "alone.tt")
+    from torch_tweak import checkpoint
+
+    manifest = checkpoint._read(tmp_path / "alone.tt", 1 << 30, None)[0]
+    assert "ranks" not in manifest
+    fresh = full_model()
+    tt.load(fresh, tmp_path / "alone.tt", backends=[Shortcut()])
+    with torch.inference_mode():
+        assert all(torch.allclose(fresh(x), full_model()(x)) for x in dataset())
