@@ -180,6 +180,26 @@ class LagsOnRank1(Shortcut):
         return lagging
 
 
+class BreaksOnRank1(Shortcut):
+    """Passes its check, then fails while measured on rank 1 only (after the module's own
+    all_reduce, so that the ranks' collectives still pair)."""
+
+    name = "BreaksOnRank1"
+
+    def build(self, module, samples, device):
+        fn = super().build(module, samples, device)
+        calls = [0]
+
+        def breaking(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            calls[0] += 1
+            if dist.get_rank() == 1 and calls[0] > len(samples):
+                raise RuntimeError("this candidate breaks on rank 1 while measured")
+            return out
+
+        return breaking
+
+
 def strategy() -> tt.Strategy:
     return tt.HighestThroughputStrategy([FailsOnRank1(), LagsOnRank1(), Shortcut()])
 
@@ -214,6 +234,27 @@ def _tune_save_load(rank: int, world: int, folder: Path) -> dict:
             "same": same, "loaded": loaded, "loaded_same": loaded_same, "refused": refused}
 
 
+def _break_and_cache(rank: int, world: int, folder: Path) -> dict:
+    os.environ["TORCH_TWEAK_CACHE"] = str(folder / f"cache{rank}")  # each rank its own cache folder
+    data = dataset()
+    with torch.inference_mode():
+        expected = [full_model()(x) for x in data]
+    tweaks = []
+    for attempt in range(3):
+        if attempt == 1 and rank == 1:
+            tt.clear_cache()  # a hit on rank 0 only: every rank must tune afresh
+        model = sharded_model(rank, world, slow_rank=1)
+        result = tt.tweak(model, data, strategy=tt.HighestThroughputStrategy([BreaksOnRank1(), Shortcut()]),
+                          measure=MEASURE, progress=False)
+        with torch.inference_mode():
+            same = all(torch.allclose(model(x), e, atol=1e-5, rtol=1e-4) for x, e in zip(data, expected))
+        errors = [c["error"] for m in result.modules.values() for g in m.signatures for c in g.candidates
+                  if c["backend"] == "BreaksOnRank1"]
+        tweaks.append({"cached": result.cached, "errors": errors, "digest": plan_digest(model), "same": same,
+                       "chosen": {p: m.backend for p, m in result.modules.items()}})
+    return {"tweaks": tweaks}
+
+
 def check_agreed(results: list[dict], world: int) -> None:
     first = results[0]
     for r, got in enumerate(results):
@@ -232,6 +273,20 @@ def check_agreed(results: list[dict], world: int) -> None:
 def test_two_ranks_keep_one_plan_measured_by_the_slowest(tmp_path):
     results = run_ranks(_tune_save_load, 2, tmp_path)
     check_agreed(results, 2)
+
+
+@pytest.mark.slow
+def test_a_call_failing_on_one_rank_and_a_cache_hit_on_one_rank_are_agreed(tmp_path):
+    results = run_ranks(_break_and_cache, 2, tmp_path, timeout=180.0)
+    for i in range(3):
+        tweaks = [got["tweaks"][i] for got in results]
+        # rank 1's miss is everyone's; a hit (the third tweak, unless its figures were not replayable) is agreed
+        assert len({t["cached"] for t in tweaks}) == 1 and (i != 1 or not tweaks[0]["cached"]), (i, tweaks)
+        for r, t in enumerate(tweaks):
+            assert t["same"] and t["digest"] == tweaks[0]["digest"], (i, r, t)
+            assert "BreaksOnRank1" not in t["chosen"].values(), (i, r, t)
+            if not t["cached"]:  # failed while measured, on every rank, naming rank 1 (on rank 0: "failed on rank 1")
+                assert t["errors"] and all("rank 1" in e for e in t["errors"]), (i, r, t["errors"])
 
 
 @pytest.mark.slow
