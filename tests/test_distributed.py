@@ -260,7 +260,8 @@ def check_agreed(results: list[dict], world: int) -> None:
     for r, got in enumerate(results):
         assert got["same"] and got["loaded_same"], f"rank {r}: outputs differ from the unsharded model's"
         assert got["digest"] == first["digest"] and got["chosen"] == first["chosen"], f"rank {r} kept another plan"
-        assert got["depth"] == 1, f"rank {r}: the slowest rank's latency should keep depth 1: {got}"
+        # the depth kept turns on the machine's noise (4 ranks on 2 cores): the same on every rank is what counts
+        assert got["depth"] == first["depth"], f"rank {r} kept another depth: {got}"
         # the blocks keep the shortcut (the head may keep Torch Eager, the baseline every strategy tries);
         # no module keeps the failing or the lagging candidate
         assert [got["chosen"][p] for p in ("0", "1")] == ["Shortcut"] * 2, got["chosen"]
@@ -348,9 +349,15 @@ def test_two_ranks_tune_a_transformers_tp_plan(tmp_path):
 class FakeRanks:
     """What enter_build reads of a Ranks: its backend, and the barrier it waits at."""
 
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: str, others_used: bool = False) -> None:
         self.backend = backend
         self.barriers = 0
+        self.others_used = others_used  # another rank's time budget is used up
+        self.asked = 0
+
+    def any(self, flag: bool) -> bool:
+        self.asked += 1
+        return flag or self.others_used
 
     def barrier(self) -> None:
         self.barriers += 1
@@ -429,3 +436,16 @@ def test_a_single_process_file_says_no_ranks_and_loads(tmp_path):
     tt.load(fresh, tmp_path / "alone.tt", backends=[Shortcut()])
     with torch.inference_mode():
         assert all(torch.allclose(fresh(x), full_model()(x)) for x in dataset())
+
+
+def test_the_time_budget_is_used_up_on_every_rank_when_on_any():
+    from torch_tweak import distributed
+    from torch_tweak.tuning import ModuleSearch
+
+    search = ModuleSearch(lambda node: None, lambda node: None, torch.device("cpu"), None, "Model")
+    ranks = FakeRanks("gloo", others_used=True)
+    with distributed.using(ranks):
+        assert not search.budget_used() and ranks.asked == 0  # no budget: nothing to agree on
+        search.deadline = time.monotonic() + 3600
+        assert search.budget_used() and ranks.asked == 1  # another rank's ran out: this one skips the variant too
+    assert not search.budget_used()  # alone, its own deadline only
