@@ -252,7 +252,12 @@ def _break_and_cache(rank: int, world: int, folder: Path) -> dict:
                   if c["backend"] == "BreaksOnRank1"]
         tweaks.append({"cached": result.cached, "errors": errors, "digest": plan_digest(model), "same": same,
                        "chosen": {p: m.backend for p, m in result.modules.items()}})
-    return {"tweaks": tweaks}
+    model = sharded_model(rank, world, slow_rank=1)  # tt.wrap + tt.tune: the same search, together
+    tt.wrap(model, ["0", "1"])
+    tuned = tt.tune(model, data, strategy=strategy(), measure=MEASURE)
+    with torch.inference_mode():
+        same = all(torch.allclose(model(x), e, atol=1e-5, rtol=1e-4) for x, e in zip(data, expected))
+    return {"tweaks": tweaks, "tune": {"chosen": tuned, "same": same}}
 
 
 def check_agreed(results: list[dict], world: int) -> None:
@@ -279,6 +284,8 @@ def test_two_ranks_keep_one_plan_measured_by_the_slowest(tmp_path):
 @pytest.mark.slow
 def test_a_call_failing_on_one_rank_and_a_cache_hit_on_one_rank_are_agreed(tmp_path):
     results = run_ranks(_break_and_cache, 2, tmp_path, timeout=180.0)
+    for r, got in enumerate(results):  # the slowest rank's latency chose, on every rank alike
+        assert got["tune"] == {"chosen": {"0": "Shortcut", "1": "Shortcut"}, "same": True}, (r, got["tune"])
     for i in range(3):
         tweaks = [got["tweaks"][i] for got in results]
         # rank 1's miss is everyone's; a hit (the third tweak, unless its figures were not replayable) is agreed

@@ -230,6 +230,21 @@ class Ranks:
                              _dist().ReduceOp.SUM)
         return (total[1], total[2]) if total[0] == self.size else None
 
+    def agreeing(self, search: Any, path_of: Callable[[int], str]) -> None:
+        """Makes the engine's module search callbacks (a tuning.ModuleSearch: the engine reads
+        them from the object) agreed on by every rank: the signatures and candidates compared,
+        opening and committing a group agreed, the timed calls' failures kept for the sync.
+        The build agrees on each of its steps itself (tuning.build_checked). path_of(node):
+        the module's path, for messages."""
+        groups, group, commit, run = search.groups, search.group, search.commit, search.run
+        search.groups = lambda node: self.same(self.step(lambda: groups(node), "recording a module's calls"),
+                                               f"the number of signatures of module {path_of(node)!r}")
+        search.group = lambda node, g: self.same(self.step(lambda: group(node, g), "opening a signature"),
+                                                 "a signature's candidates")
+        search.commit = lambda node, g, chosen: self.step(lambda: commit(node, g, chosen),
+                                                          "installing a module's choice")
+        search.run = self.deferred(run)
+
     def describe(self) -> dict[str, int]:
         """What a saved file says of the ranks."""
         return {"rank": self.rank, "world_size": self.size}

@@ -635,22 +635,15 @@ def _search(model: nn.Module, session: "_Session", calls: Any, job: Workload | N
 def _together(ranks: "distributed.Ranks", session: "_Session", hooks: dict) -> dict:
     """The engine's callbacks when the ranks tune together (torch_tweak.distributed): each
     step agreed on by every rank, the timed calls' failures agreed at the sync that follows
-    them, the ranks' clock and load; the module search's callbacks likewise, on the search
-    itself (the engine reads them from it)."""
-    search = session.search
-    groups, group, commit, run = search.groups, search.group, search.commit, search.run
+    them, the ranks' clock and load; the module search's likewise (Ranks.agreeing)."""
+    ranks.agreeing(session.search, session.tree.tree.path)
 
-    def agreed(fn: Any, what: str) -> Any:
+    def agreed(name: str, what: str) -> Any:
+        fn = hooks[name]
         return lambda *args: ranks.step(lambda: fn(*args), what)
 
-    search.groups = lambda node: ranks.same(ranks.step(lambda: groups(node), "recording a module's calls"),
-                                            f"the number of signatures of module {session.tree.tree.path(node)!r}")
-    search.group = lambda node, g: ranks.same(ranks.step(lambda: group(node, g), "opening a signature"),
-                                              "a signature's candidates")
-    search.commit = agreed(commit, "installing a module's choice")
-    search.run = ranks.deferred(run)
-    return dict(hooks, enter=agreed(hooks["enter"], "entering a cut"), activate=agreed(hooks["activate"], "activating a cut"),
-                leave=agreed(hooks["leave"], "leaving a cut"), deactivate=agreed(hooks["deactivate"], "deactivating a cut"),
+    return dict(hooks, enter=agreed("enter", "entering a cut"), activate=agreed("activate", "activating a cut"),
+                leave=agreed("leave", "leaving a cut"), deactivate=agreed("deactivate", "deactivating a cut"),
                 run=ranks.deferred(hooks["run"]), sync=ranks.sync_with(hooks["sync"]), load=ranks.load,
                 clock=ranks.clock)
 
