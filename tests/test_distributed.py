@@ -303,6 +303,31 @@ def test_four_ranks_keep_one_plan(tmp_path):
     check_agreed(results, 4)
 
 
+def _default_backends(rank: int, world: int, folder: Path) -> dict:
+    model = sharded_model(rank, world)
+    data = dataset()
+    with torch.inference_mode():
+        expected = [full_model()(x) for x in data]
+    result = tt.tweak(model, data, measure=MEASURE, cache=False, progress=False)
+    with torch.inference_mode():
+        same = all(torch.allclose(model(x), e, atol=1e-5, rtol=1e-4) for x, e in zip(data, expected))
+    return {"same": same, "digest": plan_digest(model),
+            "states": {c["backend"]: (c["state"], c["error"]) for m in result.modules.values() for g in m.signatures
+                       for c in g.candidates}}
+
+
+@pytest.mark.slow
+def test_two_ranks_with_the_default_backends(tmp_path):
+    """Inductor compiles modules holding the all_reduce (dynamo traces the collective) on both
+    ranks; OpenVINO, whose build runs in a child process, is not built under ranks."""
+    results = run_ranks(_default_backends, 2, tmp_path, timeout=240.0)
+    for r, got in enumerate(results):
+        assert got["same"] and got["digest"] == results[0]["digest"], (r, got)
+        assert got["states"]["TorchInductor"][0] in ("measured", "built"), got["states"]
+        if "OpenVINO" in got["states"]:
+            assert "child process" in got["states"]["OpenVINO"][1], got["states"]
+
+
 # ------------------------------------------------- transformers' tensor parallelism
 
 
