@@ -51,6 +51,7 @@ def _entry(rank: int, fn, world: int, port: int, folder: str) -> None:
     try:
         result = fn(rank, world, Path(folder))
         (Path(folder) / f"rank{rank}.json").write_text(json.dumps(result))
+        dist.barrier()  # no rank closes its connections while another still uses them
     finally:
         dist.destroy_process_group()
 
