@@ -54,6 +54,8 @@ PY
 "$VPY" -c "import matplotlib" 2>/dev/null || optional+=("matplotlib>=3.5")
 # transformers: its models are tested end to end (built from configs, nothing downloaded)
 "$VPY" -c "import transformers" 2>/dev/null || optional+=("transformers==5.24.0")
+# accelerate: transformers' tensor parallelism (tp_plan="auto") needs it; tests/test_distributed.py tunes one
+"$VPY" -c "import accelerate" 2>/dev/null || optional+=("accelerate==1.15.0")
 if [ ${#optional[@]} -gt 0 ]; then
     echo "setup: installing the optional ${optional[*]}"
     if [ "${CI:-}" = true ]; then

@@ -37,7 +37,7 @@ from torch import nn
 
 from ._samples import resolve_device, unstorable
 from .backends import Backend
-from . import archive
+from . import archive, distributed
 from .storage import NotRegular, atomic_file
 from .module import installed, own_class, resolve_paths
 from . import plan as planning
@@ -116,7 +116,7 @@ def default_max_bytes(model: nn.Module) -> int:
 
 
 def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None = None,
-         strict: bool = False) -> None:
+         strict: bool = False, group: Any = None) -> None:
     """Writes the tuned model's plan, recorded calls and artifacts to `path`, atomically.
 
     The file is written to a temporary file in the same folder, synced, then renamed over
@@ -126,6 +126,9 @@ def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None =
     lists, dicts, named tuples, dataclasses (transformers' ModelOutputs) and key/value caches
     in outputs; a recorded call that cannot be stored (a cache passed in is live state) is
     named in a warning, or a ValueError with strict=True, before anything is written.
+    Under torch.distributed (``group``: None, the default group when one is initialised;
+    False: none; or a ProcessGroup) the file says this process's rank and the world size, and
+    tt.load takes it only on that rank of a run as large: save one file per rank.
     """
     from ._version import __version__
 
@@ -134,6 +137,7 @@ def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None =
     secret = _key_bytes(key)
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be True or False, not {strict!r}")
+    where = distributed.position(group)  # (rank, world size) under torch.distributed, else None
     tuned = plan_of(model)
     if not tuned.modules and model not in SELECTED_DEPTHS:
         raise ValueError("nothing to save: the model has no torch-tweak wrappers; tune it first (tt.tweak)")
@@ -177,6 +181,8 @@ def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None =
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "members": {name: hashlib.sha256(data).hexdigest() for name, data in members.items()},
     }
+    if where is not None:
+        manifest["ranks"] = {"rank": where[0], "world_size": where[1]}
     data = _seal(_zip({MANIFEST: dumps(manifest), **members}), secret)
     with atomic_file(Path(path)) as f:
         f.write(data)
@@ -372,7 +378,7 @@ def read_summary(path: str | os.PathLike, *, key: bytes | str | None = None,
 
 def load(model: nn.Module, path: str | os.PathLike | None = None, *, device: Any = None, trust_artifacts: bool = False,
          backends: Sequence[Backend] | None = None, key: bytes | str | None = None,
-         max_bytes: int | None = None, types: Sequence[type] = ()) -> dict[str, str | None]:
+         max_bytes: int | None = None, types: Sequence[type] = (), group: Any = None) -> dict[str, str | None]:
     """Applies a file written by tt.save to a freshly built `model`, with no tuning.
 
     Every check (seal and hashes, versions, device, model class, module paths, classes and
@@ -393,8 +399,27 @@ def load(model: nn.Module, path: str | os.PathLike | None = None, *, device: Any
     max_bytes: the largest file to read (default: 4 x the model's weights + 256 MiB).
     types: classes of your own (named tuples, dataclasses) that the stored calls and outputs
     may be rebuilt as; transformers' ModelOutputs and torch.return_types need no listing.
+    group: under torch.distributed, the ranks that load together (None: the default group
+    when one is initialised; False: this process alone; or a ProcessGroup): every rank loads
+    the file its own rank saved, in a run of the same world size (else CheckpointError), and
+    the backends are built again on every rank together, each step agreed on (a failure on
+    one rank is a failure on all). A file saved by a single process loads only alone.
     Returns {path: the backend of its first signature, or None}.
     """
+    ranks = distributed.resolve(group)
+    with distributed.using(ranks):
+        target, manifest, plan, data, steps, groups, loop, shapes = distributed.step(lambda: _opened(
+            model, path, device=device, trust_artifacts=trust_artifacts, backends=backends, key=key,
+            max_bytes=max_bytes, types=types, where=None if ranks is None else (ranks.rank, ranks.size)),
+            "reading the file")
+        return _applied(model, path, target, manifest, plan, data, steps, groups, loop, shapes, trust_artifacts)
+
+
+def _opened(model: nn.Module, path: Any, *, device: Any, trust_artifacts: bool, backends: Any, key: Any,
+            max_bytes: Any, types: Sequence[type], where: tuple[int, int] | None) -> tuple:
+    """tt.load's arguments and file checked, before the model changes: (the device, the
+    manifest, the plan, the members, the backends per module, the signature groups, the loop,
+    the declared shapes)."""
     if path is None and isinstance(model, (str, os.PathLike)):
         raise TypeError("tt.load(model, path) applies a saved file to a model you build first: build the model as "
                         "you did before tt.save (same class, weights loaded), then tt.load(model, "
@@ -417,6 +442,7 @@ def load(model: nn.Module, path: str | os.PathLike | None = None, *, device: Any
         manifest, plan, data = _read(path, default_max_bytes(model) if max_bytes is None else max_bytes, secret,
                                      artifacts=trust_artifacts)
         _check_target(model, target, device is None, manifest, path)
+        _check_ranks(manifest, where, path)
         steps = _check_plan(model, plan, given, path)
         shapes = _shapes_of(plan, path)
         stored = _stored(data, target, path)
@@ -426,6 +452,13 @@ def load(model: nn.Module, path: str | os.PathLike | None = None, *, device: Any
         raise
     except Exception as exc:  # whatever a damaged file makes a reader raise is one error, and the model is as it was
         raise CheckpointError(f"{path} is damaged or forged: {type(exc).__name__}: {str(exc)[:200]}") from None
+    return target, manifest, plan, data, steps, groups, loop, shapes
+
+
+def _applied(model: nn.Module, path: Any, target: torch.device, manifest: dict, plan: dict, data: dict,
+             steps: list, groups: list, loop: Any, shapes: Shapes | None,
+             trust_artifacts: bool) -> dict[str, str | None]:
+    """The checked file applied to the model (tt.load's second half)."""
     artifacts = data.get(ARTIFACTS)
     if trust_artifacts and artifacts is not None:
         if manifest.get("torch") == torch.__version__:
@@ -470,6 +503,33 @@ def _given_backends(backends: Any) -> list[Backend]:
             raise TypeError(f"backends must hold torch_tweak backends (e.g. tt.backends.TorchInductorBackend("
                             f"options=...)), not {type(item).__name__}")
     return items
+
+
+def _check_ranks(manifest: dict, where: tuple[int, int] | None, path: Any) -> None:
+    """The file's rank and world size (tt.save under torch.distributed) against this process's
+    (None: it runs alone). A file with none was saved by a single process."""
+    saved = manifest.get("ranks")
+    if saved is None:
+        if where is not None:
+            raise CheckpointError(
+                f"{path} was saved by a single process, and this is rank {where[0]} of {where[1]} processes "
+                "(torch.distributed): a plan holds for the shard it was tuned on; tune under torchrun (tt.tweak on "
+                "every rank) and save one file per rank, or load with group=False when every rank holds the whole "
+                "model")
+        return
+    rank, size = (saved.get("rank"), saved.get("world_size")) if type(saved) is dict else (None, None)
+    if type(rank) is not int or type(size) is not int or not 0 <= rank < size:
+        raise CheckpointError(f"{path} is damaged: its manifest's ranks are not a rank and a world size")
+    if where is None:
+        raise CheckpointError(
+            f"{path} was saved by rank {rank} of {size} processes (torch.distributed), and this process runs alone: "
+            f"load it on rank {rank} of a run of {size} processes (torchrun --nproc-per-node {size}), after "
+            "torch.distributed.init_process_group, into that rank's shard of the model")
+    if where != (rank, size):
+        raise CheckpointError(
+            f"{path} was saved by rank {rank} of {size} processes, and this is rank {where[0]} of {where[1]} "
+            f"processes: each rank loads the file its own rank saved, in a run of as many processes ({size}); "
+            f"for {where[1]} processes, tune again under that run (tt.tweak on every rank)")
 
 
 def _check_target(model: nn.Module, target: torch.device, implicit: bool, manifest: dict, path: Any) -> None:

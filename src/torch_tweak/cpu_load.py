@@ -59,15 +59,16 @@ def process_ticks(stat: str) -> tuple[int, int, int] | None:
         return None
 
 
-def own_ticks(me: int, processes: Iterable[tuple[int, int, int]]) -> int:
+def own_ticks(me: int, processes: Iterable[tuple[int, int, int]], also: Iterable[int] = ()) -> int:
     """The ticks of process `me` and of every descendant of it among `processes`
-    ((pid, ppid, ticks), as process_ticks gives them)."""
+    ((pid, ppid, ticks), as process_ticks gives them); the processes in `also` (the other
+    ranks of a torch.distributed tweak on this host) and their descendants count too."""
     ticks: dict[int, int] = {}
     children: dict[int, list[int]] = {}
     for pid, ppid, used in processes:
         ticks[pid] = used
         children.setdefault(ppid, []).append(pid)
-    total, todo, seen = 0, [me], set()
+    total, todo, seen = 0, [me, *also], set()
     while todo:
         pid = todo.pop()
         if pid in seen:
@@ -78,16 +79,17 @@ def own_ticks(me: int, processes: Iterable[tuple[int, int, int]]) -> int:
     return total
 
 
-def reading_of(stat: str, process_stats: Iterable[str], me: int, hz: int = 100) -> tuple[float, float] | None:
+def reading_of(stat: str, process_stats: Iterable[str], me: int, hz: int = 100,
+               also: Iterable[int] = ()) -> tuple[float, float] | None:
     """(others, capacity) in CPU-seconds from the texts of /proc/stat and of every
     /proc/<pid>/stat (see the module's docs), whose clock ticks `hz` a second; None when
-    /proc/stat says nothing."""
+    /proc/stat says nothing. also: processes whose time is the tweak's own (see own_ticks)."""
     cpus = cpu_ticks(stat)
     if cpus is None:
         return None
     busy, total = cpus
     processes = [p for p in map(process_ticks, process_stats) if p is not None]
-    return (busy - own_ticks(me, processes)) / hz, total / hz
+    return (busy - own_ticks(me, processes, also)) / hz, total / hz
 
 
 def _read(path: str) -> str:
@@ -108,11 +110,12 @@ def process_stats() -> list[str]:
     return texts
 
 
-def reading() -> tuple[float, float] | None:
+def reading(also: Iterable[int] = ()) -> tuple[float, float] | None:
     """The reading now (see reading_of), or None where the load cannot be read (no
-    /proc/stat). Never raises."""
+    /proc/stat). also: the process ids of the other ranks on this host (torch_tweak.distributed),
+    whose time is the tweak's own. Never raises."""
     try:
         return reading_of(_read(os.path.join(PROC, "stat")), process_stats(), os.getpid(),
-                          os.sysconf("SC_CLK_TCK"))
+                          os.sysconf("SC_CLK_TCK"), also)
     except Exception:
         return None

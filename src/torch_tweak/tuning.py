@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from . import _C, isolation, model_state
+from . import _C, distributed, isolation, model_state
 from ._samples import Call, clone, fresh, load_dataset, resolve_device, synchronizer, unstorable
 from .backends.base import Backend, BackendUnavailable
 from .buildlog import BuildLog, capture_build, log_path
@@ -351,7 +351,7 @@ def dataset_runner(model: nn.Module, calls: Sequence[Call]) -> Callable[[], None
 
 
 def tune(model: nn.Module, dataset: Any, *, strategy: Strategy | None = None, device: Any = None,
-         measure: dict | None = None, progress: bool = False) -> dict[str, str | None]:
+         measure: dict | None = None, progress: bool = False, group: Any = None) -> dict[str, str | None]:
     """Records samples for every wrapped module of `model` by running `dataset`, then tunes each
     with the engine's module search (the same as tt.tweak's).
 
@@ -359,7 +359,46 @@ def tune(model: nn.Module, dataset: Any, *, strategy: Strategy | None = None, de
     keeps its original forward}.
     Modules whose tuning fails keep their original forward; their reason is in
     ``wrapper.tt_error`` and ``wrapper.tt_report``.
+    group: under torch.distributed, the ranks that tune together, as tt.tweak's (every rank
+    wraps the same modules and calls tt.tune; the slowest rank's latency counts).
     """
+    ranks = distributed.resolve(group)
+    with distributed.using(ranks):
+        device, paths, templates, calls = distributed.step(
+            lambda: _tune_checked(model, dataset, strategy, device, measure), "checking tt.tune's arguments")
+        if ranks is not None:
+            ranks.same(paths, "the wrapped modules")
+        wrappers = installed(model)
+        shown = Progress(progress and (ranks is None or ranks.rank == 0))
+        search = ModuleSearch(lambda node: wrappers[paths[node]],
+                              lambda node: templates[node] if templates[node] is not None else default_strategy(device),
+                              device, shown, model_class_name(model))
+        timing = {"sync": synchronizer(device)}
+        if ranks is not None:  # every step agreed on, the slowest rank's clock
+            ranks.agreeing(search, lambda node: paths[node])
+            timing = {"sync": ranks.sync_with(timing["sync"]), "clock": ranks.clock}
+        chosen: dict[str, str | None] = {}
+        with model_state.kept(model):  # recording a train-mode model moves its batch-norm statistics
+            distributed.step(lambda: record(wrappers.values(), dataset_runner(model, calls)), "recording the calls")
+            for node, path in enumerate(paths):
+                wrapper = wrappers[path]
+                try:
+                    report = _C.tune_module(search, node, path=path, config=measure_for(device, measure), **timing)
+                finally:
+                    release(wrapper)
+                absorb(wrapper, report)
+                if not wrapper.tt_activate():
+                    wrapper.tt_deactivate()
+                chosen[path] = wrapper.tt_backend.name if wrapper.tt_backend is not None else None
+        shown.close()
+        arm_untuned(model)
+        return chosen
+
+
+def _tune_checked(model: nn.Module, dataset: Any, strategy: Strategy | None, device: Any,
+                  measure: dict | None) -> tuple:
+    """tt.tune's arguments checked: (the device, the wrapped paths, each one's strategy template
+    or None, the dataset's calls)."""
     wrappers = installed(model)
     if not wrappers:
         raise ValueError("the model has no wrapped modules: call tt.wrap(model, modules) first")
@@ -373,28 +412,7 @@ def tune(model: nn.Module, dataset: Any, *, strategy: Strategy | None = None, de
     for template in templates:
         if template is not None:
             template.check_device(device)  # a backend this device cannot run fails here
-    calls = load_dataset(dataset, device)
-    shown = Progress(progress)
-    search = ModuleSearch(lambda node: wrappers[paths[node]],
-                          lambda node: templates[node] if templates[node] is not None else default_strategy(device),
-                          device, shown, model_class_name(model))
-    chosen: dict[str, str | None] = {}
-    with model_state.kept(model):  # recording a train-mode model moves its batch-norm statistics
-        record(wrappers.values(), dataset_runner(model, calls))
-        for node, path in enumerate(paths):
-            wrapper = wrappers[path]
-            try:
-                report = _C.tune_module(search, node, path=path, sync=synchronizer(device),
-                                        config=measure_for(device, measure))
-            finally:
-                release(wrapper)
-            absorb(wrapper, report)
-            if not wrapper.tt_activate():
-                wrapper.tt_deactivate()
-            chosen[path] = wrapper.tt_backend.name if wrapper.tt_backend is not None else None
-    shown.close()
-    arm_untuned(model)
-    return chosen
+    return device, paths, templates, load_dataset(dataset, device)
 
 
 def release(wrapper: TunedModule, keep_chosen: bool = True) -> None:
@@ -435,19 +453,24 @@ def build_checked(backend: Backend, module: nn.Module, samples: Sequence[Call], 
     registrations; training flags, parameters, buffers) is put back, also when they raise, and
     written in the build log. The structure is put back before the check: the candidate is
     checked on the module as the user will have it. bounded: the tolerance came from a file."""
+    refused = distributed.enter_build(backend)
+    if refused is not None:
+        raise BackendUnavailable(refused)
+    # under torch.distributed each step is agreed on by every rank (a failure anywhere fails it everywhere)
+    step = distributed.step
     if backend.isolate_build:
         isolation.check(backend, module, samples, device, log.notes)  # raises BuildCrashed
     try:
         try:
             # a key/value cache in a call grows at every call: each use gets its own copy
-            fn = backend.prepare(module, [fresh(s) for s in samples], device)
+            fn = step(lambda: backend.prepare(module, [fresh(s) for s in samples], device), "the build")
         finally:
             put_back(state, log)  # before the check: weights a backend moved are back on their device
         worst = 0.0
         for j, sample in enumerate(samples):
             args, kwargs = fresh(sample)
-            worst = max(worst, check(fn(*args, **kwargs), refs[j], backend.check_tolerance(), where=f"sample {j}",
-                                     bounded=bounded))
+            worst = max(worst, step(lambda: check(fn(*args, **kwargs), refs[j], backend.check_tolerance(),
+                                                  where=f"sample {j}", bounded=bounded), f"the check of sample {j}"))
     finally:
         put_back(state, log)
     return worst

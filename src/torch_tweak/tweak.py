@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import weakref
 from typing import Any, Literal
@@ -10,12 +11,12 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from . import _C, axes, generation, model_state, tuning_cache
+from . import _C, axes, distributed, generation, model_state, tuning_cache
 from . import cpu_load
 from ._samples import load_dataset, resolve_device, synchronizer
 from .inspecting import ModuleTree, trace
 from .module import TunedModule, arm_untuned, install, installed, make_wrapper, uninstall, unwrap
-from .plan import SELECTED_DEPTHS
+from .plan import SELECTED_DEPTHS, plan_of
 from .progress import Progress
 from .report import ModuleResults, fold, module_result
 from .strategy import Strategy, default_backends, default_strategy
@@ -412,7 +413,8 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
           max_depth: int | None = DEFAULT_MAX_DEPTH, strategy: Strategy | None = None,
           tie_tolerance: float = DEFAULT_TIE_TOLERANCE, time_budget: float | None = None, dry_run: bool = False, device: Any = None,
           progress: bool = True, measure: dict | None = None, cache: bool = True, effort: Effort = "default",
-          precision: dict[str, float] | None = None, shapes: dict[str, tuple[int, int]] | None = None) -> TweakResult:
+          precision: dict[str, float] | None = None, shapes: dict[str, tuple[int, int]] | None = None,
+          group: Any = None) -> TweakResult:
     """Tunes `model` in place at every depth from min_depth to max_depth and keeps the fastest.
     Returns a TweakResult, a report: keep calling the model itself, under
     torch.inference_mode() (in grad mode a backend without autograd runs the original
@@ -433,60 +435,114 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
     Once ``time_budget`` is used up, the variants of either not built yet are left out.
     ``shapes``: ranges the traffic's sizes take beyond the dataset's, ``{"batch": (1, 32), "length": (8, 512)}``:
     candidates are also checked at both ends; the padded backend serves them (docs/serving.md).
+    ``group``: under torch.distributed (torchrun, a tensor-parallel model), the ranks that
+    tune together, each its own shard, every decision taken by all of them (the slowest
+    rank's latency counts; every rank keeps the same plan): None (the default) is the
+    default group when one is initialised with several processes, False tunes this process
+    alone, or a ProcessGroup (docs/tweak.md, "Tensor-parallel models").
     """
-    device, measuring, asked, job, calls, limits = _checked(
-        model, dataset, workload=workload, strategy=strategy, device=device, measure=measure, cache=cache,
-        effort=effort, precision=precision, min_depth=min_depth, max_depth=max_depth, tie_tolerance=tie_tolerance,
-        time_budget=time_budget)
-    strategy, declared, edges = _declared(model, shapes, calls, job, strategy, device)
-    # Tracing, recording and measuring run the model; anything they or a build changed is put
-    # back when the tweak ends, however it ends.
-    with model_state.kept(model):
-        speaks_tokens = False
-        if job is not None:
-            job.record()
-            speaks_tokens = job.generates and not dry_run
-        shown = Progress(progress)
-        if speaks_tokens:
-            # the decode loop first: the depths are then tuned and measured under it, and a
-            # loop's decode steps replay the untuned model, so module tuning serves the prefill
-            _choose_loop(job, device, measuring, shown)
-        compiled_loop = job is not None and job.loop == "compiled"
-        with generation.uncompiled(model):  # hooks traced into transformers' compiled forward compile it again
-            tree = ModuleTree(model, trace(model, calls, job.run if job is not None else None))
-        depths = tree.depths(min_depth, max_depth)
-        if asked:  # the axes' variants, max-autotune for the modules that take most of the time
-            strategy = (strategy if strategy is not None else default_strategy(device)).with_axes(
-                dataclasses.replace(asked, heavy=axes.heavy_modules(model, tree)))
-        key = parts = None
-        if cache and not dry_run and job is None:
-            settings = dict(limits, measure=measure)  # the settings as checked, the engine's forms
-            if declared:
-                settings["shapes"] = declared.as_dict()
-            if asked:
-                settings.update(effort=effort, precision=[list(p) for p in asked.precision])
-            key, parts = _cache_key(model, calls, device, strategy, settings)
-            if key is not None:
-                result = _from_cache(model, tree, calls, device, strategy, key, parts, shown)
-                if result is not None:  # plan.apply kept the strategy's shapes (DECLARED), as the entry was tuned
-                    arm_untuned(model)
-                    generation.arm(model)
-                    return result
-        session = _session(model, tree, calls, job, strategy, device, measuring, shown, depths, dry_run=dry_run,
-                           speaks_tokens=speaks_tokens, compiled_loop=compiled_loop, edges=edges)
-        engine = _search(model, session, calls, job, shown, device, **limits, dry_run=dry_run, config=measuring)
-        result = _kept(model, engine, tree, session, time_budget, dry_run, declared)
-        if speaks_tokens:
-            _speak_tokens(result, job)
+    ranks = distributed.resolve(group)
+    with distributed.using(ranks):
+        device, measuring, asked, job, calls, limits = distributed.step(lambda: _checked(
+            model, dataset, workload=workload, strategy=strategy, device=device, measure=measure, cache=cache,
+            effort=effort, precision=precision, min_depth=min_depth, max_depth=max_depth,
+            tie_tolerance=tie_tolerance, time_budget=time_budget), "checking tt.tweak's arguments")
+        strategy, declared, edges = distributed.step(
+            lambda: _declared(model, shapes, calls, job, strategy, device), "checking shapes=")
+        # Tracing, recording and measuring run the model; anything they or a build changed is put
+        # back when the tweak ends, however it ends.
+        with model_state.kept(model):
+            result = _tweak(model, calls, job, device, measuring, asked, strategy=strategy,
+                            progress=progress and (ranks is None or ranks.rank == 0), dry_run=dry_run,
+                            cache=cache, limits=limits, settings={"measure": measure, "effort": effort},
+                            declared=declared, edges=edges)
+            if ranks is not None and not dry_run:
+                _same_plan(model, ranks)
+            return result
+
+
+def _tweak(model: nn.Module, calls: Any, job: Workload | None, device: torch.device, measuring: dict | None,
+           asked: Any, *, strategy: Strategy | None, progress: bool, dry_run: bool, cache: bool,
+           limits: dict, settings: dict, declared: Any, edges: list) -> TweakResult:
+    """tt.tweak once its arguments passed: the tuning cache, else the engine's search.
+    limits: the depth search's settings as checked (the engine's forms)."""
+    min_depth, max_depth, time_budget = limits["min_depth"], limits["max_depth"], limits["time_budget"]
+    speaks_tokens = False
+    if job is not None:
+        job.record()
+        speaks_tokens = job.generates and not dry_run
+    shown = Progress(progress)
+    if speaks_tokens:
+        # the decode loop first: the depths are then tuned and measured under it, and a
+        # loop's decode steps replay the untuned model, so module tuning serves the prefill
+        _choose_loop(job, device, measuring, shown)
+    compiled_loop = job is not None and job.loop == "compiled"
+    with generation.uncompiled(model):  # hooks traced into transformers' compiled forward compile it again
+        tree = ModuleTree(model, distributed.step(lambda: trace(model, calls, job.run if job is not None else None),
+                                                  "running the dataset"))
+    depths = tree.depths(min_depth, max_depth)
+    ranks = distributed.current()
+    if ranks is not None:
+        ranks.same([tree.tree.path(n) for n in range(len(tree.tree))], "the modules the dataset called")
+    if asked:  # the axes' variants, max-autotune for the modules that take most of the time
+        strategy = (strategy if strategy is not None else default_strategy(device)).with_axes(
+            dataclasses.replace(asked, heavy=axes.heavy_modules(model, tree)))
+    key = parts = None
+    if cache and not dry_run and job is None:
+        wanted = dict(limits, measure=settings["measure"])  # the settings as checked, the engine's forms
+        if declared:
+            wanted["shapes"] = declared.as_dict()
+        if asked:
+            wanted.update(effort=settings["effort"], precision=[list(p) for p in asked.precision])
+        if ranks is not None:  # each rank its own entry: its shard, its rank's plan
+            wanted.update(ranks=[ranks.rank, ranks.size])
+        key, parts = _cache_key(model, calls, device, strategy, wanted)
+        if ranks is not None and not ranks.all(key is not None):
+            key = parts = None  # a rank that cannot cache: none does
         if key is not None:
-            tuning_cache.write(key, tuning_cache.entry_of(parts, result.to_record(), result.modules, model,
-                                                          result.selected_depth))
-        outcome = result.outcome()
-        logger.info("tweak of %s: %s", session.model_class, outcome)
-        shown.finish(outcome)
-        arm_untuned(model)
-        generation.arm(model)
-        return result
+            result = _from_cache(model, tree, calls, device, strategy, key, parts, shown)
+            if result is not None:  # plan.apply kept the strategy's shapes (DECLARED), as the entry was tuned
+                arm_untuned(model)
+                generation.arm(model)
+                return result
+    session = _session(model, tree, calls, job, strategy, device, measuring, shown, depths, dry_run=dry_run,
+                       speaks_tokens=speaks_tokens, compiled_loop=compiled_loop, edges=edges)
+    engine = _search(model, session, calls, job, shown, device, **limits, dry_run=dry_run, config=measuring)
+    result = _kept(model, engine, tree, session, time_budget, dry_run, declared)
+    if speaks_tokens:
+        _speak_tokens(result, job)
+    if key is not None:
+        tuning_cache.write(key, tuning_cache.entry_of(parts, result.to_record(), result.modules, model,
+                                                      result.selected_depth))
+    outcome = result.outcome()
+    logger.info("tweak of %s: %s", session.model_class, outcome)
+    shown.finish(outcome)
+    arm_untuned(model)
+    generation.arm(model)
+    return result
+
+
+def plan_digest(model: nn.Module) -> str:
+    """What the installed plan decided, as one line per tuned module: its path and, per
+    signature, the backend kept (its label) or "original"; what the ranks compare."""
+    lines = [f"depth {SELECTED_DEPTHS.get(model)}"]
+    for planned in plan_of(model).modules:
+        chosen = ", ".join(f"{g.text}: {g.backend!r}" if g.backend is not None else f"{g.text}: original"
+                           for g in planned.groups)
+        lines.append(f"{planned.path or '(root)'} [{chosen}]")
+    return "\n".join(lines)
+
+
+def _same_plan(model: nn.Module, ranks: "distributed.Ranks") -> None:
+    """Every rank installed the same plan, or the model is unwrapped on every rank and the
+    difference raised."""
+    digests = ranks.gather(hashlib.sha256(plan_digest(model).encode()).hexdigest())
+    if len(set(digests)) == 1:
+        return
+    mine = plan_digest(model)
+    unwrap(model)
+    raise RuntimeError(f"the ranks installed different plans (digests {', '.join(d[:12] for d in digests)}); "
+                       f"every rank's model is untuned again. This rank ({ranks.rank}) had:\n{mine}")
 
 
 def _checked(model: nn.Module, dataset: Any, *, workload: Any, strategy: Strategy | None, device: Any,
@@ -519,6 +575,10 @@ def _checked(model: nn.Module, dataset: Any, *, workload: Any, strategy: Strateg
     if asked:
         (strategy if strategy is not None else default_strategy(device)).with_axes(asked)  # raises when it cannot
     if workload is not None:
+        if distributed.current() is not None:
+            raise ValueError("a workload (generate()) is not tuned under torch.distributed yet: pass a dataset of the "
+                             "model's forward calls (the same on every rank), or group=False to tune each process "
+                             "alone")
         if dataset is not None:
             raise TypeError("pass a dataset or a workload, not both: a workload is a callable that runs the model, "
                             "e.g. workload=lambda m: m.generate(ids, max_new_tokens=64)")
@@ -587,20 +647,37 @@ def _search(model: nn.Module, session: "_Session", calls: Any, job: Workload | N
         model(*args, **kwargs)
 
     limits["dry_run"] = bool(limits["dry_run"])
+    hooks = dict(enter=session.enter, activate=session.activate, leave=session.leave,
+                 deactivate=session.deactivate, run=run if job is None else lambda i: job.run(),
+                 sync=synchronizer(device), load=cpu_load.reading)
+    ranks = distributed.current()
+    if ranks is not None:
+        hooks = _together(ranks, session, hooks)
     try:
         with torch.no_grad():
-            return _C.tweak(
-                session.tree.tree, enter=session.enter, modules=session.search, activate=session.activate,
-                leave=session.leave, deactivate=session.deactivate, log=_engine_log,
-                run=run if job is None else lambda i: job.run(),
-                n_samples=len(calls) if job is None else 1, sync=synchronizer(device), load=cpu_load.reading,
-                **limits,
-            )
+            return _C.tweak(session.tree.tree, modules=session.search, log=_engine_log,
+                            n_samples=len(calls) if job is None else 1, **hooks, **limits)
     except BaseException:
         unwrap(model)  # whatever happened, the model is as it was (the decode loop too)
         raise
     finally:
         shown.close()
+
+
+def _together(ranks: "distributed.Ranks", session: "_Session", hooks: dict) -> dict:
+    """The engine's callbacks when the ranks tune together (torch_tweak.distributed): each
+    step agreed on by every rank, the timed calls' failures agreed at the sync that follows
+    them, the ranks' clock and load; the module search's likewise (Ranks.agreeing)."""
+    ranks.agreeing(session.search, session.tree.tree.path)
+
+    def agreed(name: str, what: str) -> Any:
+        fn = hooks[name]
+        return lambda *args: ranks.step(lambda: fn(*args), what)
+
+    return dict(hooks, enter=agreed("enter", "entering a cut"), activate=agreed("activate", "activating a cut"),
+                leave=agreed("leave", "leaving a cut"), deactivate=agreed("deactivate", "deactivating a cut"),
+                run=ranks.deferred(hooks["run"]), sync=ranks.sync_with(hooks["sync"]), load=ranks.load,
+                clock=ranks.clock)
 
 
 def _kept(model: nn.Module, engine: Any, tree: ModuleTree, session: "_Session", time_budget: float | None,
@@ -688,6 +765,9 @@ def _from_cache(model: nn.Module, tree: ModuleTree, calls: list, device: torch.d
     """The cached result, its backends built again and active; None on a miss (or a
     rebuild that fails, whose entry is dropped)."""
     entry = tuning_cache.read(key, parts)
+    ranks = distributed.current()
+    if ranks is not None and not ranks.all(entry is not None):
+        return None  # a hit on some ranks only: every rank tunes afresh
     if entry is None:
         return None
     shown.line(f"tuning cache hit {key}: building the cached choices again, no measurement")
@@ -696,9 +776,14 @@ def _from_cache(model: nn.Module, tree: ModuleTree, calls: list, device: torch.d
                                          entry.get("created"))
     except Exception:  # an entry of another shape is a miss like any other
         result = None
-        failure = "the entry is damaged"
+    whole = result is not None if ranks is None else ranks.all(result is not None)
+    if not whole:
+        failure = "the entry is damaged" if result is None else "another rank's entry is damaged"
     else:
         failure = tuning_cache.apply(entry, model, calls, device, strategy)
+    if ranks is not None and not ranks.all(failure is None) and failure is None:
+        unwrap(model)  # another rank could not apply its entry: none keeps its own
+        failure = "another rank's entry could not be applied"
     if failure is not None:
         logger.warning("tuning cache entry %s dropped (%s); tuning afresh", key, failure)
         tuning_cache.drop(key)

@@ -111,6 +111,11 @@ class Backend(abc.ABC):
     compiler): tuning then first builds this candidate in a child process, once per module,
     signature and library versions, and a crash there rejects it instead of killing the
     user's process (see torch_tweak.isolation). Opt-in for a backend of your own."""
+    records_graph = False
+    """True when build records the module's work in a device graph that calls replay (the
+    device graph, the padded graphs). Under torch.distributed every rank then records at the
+    same step, together, and a group whose collectives a graph cannot record (not NCCL) has
+    the candidate refused (torch_tweak.distributed.enter_build)."""
     packages: tuple[str, ...] = ()
     compiles_with_inductor = False
     """True when the built callable runs Inductor-compiled code: tt.save then keeps

@@ -341,6 +341,7 @@ class DeviceGraphBackend(Backend):
 
     name = "DeviceGraph"
     config_class = DeviceGraphBackendConfig
+    records_graph = True  # under torch.distributed: recorded on every rank together, NCCL only
     checks_inputs = True  # GraphReplay checks its signature and falls back by itself
     # One set of static input and output buffers per recording: two calls at once would
     # overwrite each other's inputs, or a lent output, so the dispatcher serialises them.

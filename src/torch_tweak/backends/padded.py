@@ -475,6 +475,7 @@ class PaddedGraphBackend(Backend):
     sizes vary; a module called with one shape is the device graph's."""
 
     name = "PaddedGraph"
+    records_graph = True  # under torch.distributed: recorded on every rank together, NCCL only
     config_class = PaddedGraphBackendConfig
     needs_varying_sizes = True
     """It serves only calls whose sizes vary (a module called with one shape: NothingToPad)."""
