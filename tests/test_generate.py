@@ -65,6 +65,30 @@ def test_the_loop_gives_transformers_tokens(kind, cache, batch):
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("kind", ["graph", "compiled-graph"])
+def test_a_graph_loop_off_a_cuda_device_runs_its_steps_one_by_one(kind):
+    """A graph loop records a step only on CUDA with a static cache: elsewhere it serves the call
+    step by step (the plain forward: here transformers compiles nothing), with the untuned tokens;
+    what a recorded step could not replay is named (processors reading the sequence so far)."""
+    model = build("llama")
+    untuned = copy.deepcopy(model)
+    loop = generation.DecodeLoop(model, kind)
+    generation.install(model, loop)
+    ids = prompt(2)
+    for cache in (None, "static"):
+        assert torch.equal(generate(model, ids, cache), generate(untuned, ids, cache)), cache
+    assert loop.calls == 2 and not loop.fallbacks and not loop._graphs
+    call = generation.greedy_call(model, (ids,), dict(max_new_tokens=4, cache_implementation="static",
+                                                      repetition_penalty=1.2))
+    assert loop.graph_problem(call) is None  # not recorded on a CPU: nothing to refuse
+    loop.records = lambda c: True  # as on a CUDA device
+    why = loop.graph_problem(call)
+    assert why is not None and "RepetitionPenaltyLogitsProcessor" in why, why
+    sampled = generation.greedy_call(model, (ids,), dict(max_new_tokens=4, cache_implementation="static",
+                                                         do_sample=True, temperature=0.7, top_k=5, top_p=0.9))
+    assert loop.graph_problem(sampled) is None  # temperature, top-k, top-p: recorded with the draw
+
+
 @pytest.mark.parametrize("cache", [None, "static"])
 @pytest.mark.slow
 def test_the_loop_stops_and_pads_as_transformers_does(cache):

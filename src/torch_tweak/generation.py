@@ -54,13 +54,21 @@ from .module import install as install_wrapper, installed, uninstall as uninstal
 
 logger = logging.getLogger("torch_tweak")
 
-LOOPS = ("loop", "graph", "compiled")
+LOOPS = ("loop", "graph", "compiled", "compiled-graph")
 """The decode loops tweak tries: steps run one by one through the model; each step a device
 graph replay of the untuned forward (CUDA and a static cache only); each step through
 transformers' own compiled forward (calls transformers compiles: the untuned tokens are
-then those of its compiled kernels, which no other build reproduces). A step graph of a
-separate Inductor build was tried too and dropped: its tokens differed from the untuned
-eager model's within a few steps on the benchmarked decoders (bench/results/generate.md)."""
+then those of its compiled kernels, which no other build reproduces); each step a device
+graph replay of that same compiled forward, built again from transformers' compile settings
+with Inductor's own device graphs off (the same kernels, with the step's choice of the next
+token recorded beside them: no Python per token). A step graph of a separate Inductor build
+of an eager call was tried too and dropped: its tokens differed from the untuned eager
+model's within a few steps on the benchmarked decoders (bench/results/generate.md)."""
+
+GRAPH_PROCESSORS = frozenset({"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper",
+                              "MinPLogitsWarper"})
+"""The processors a recorded step runs: those that read only the scores (never the sequence so
+far, whose length grows, nor its length), so the same recorded work serves every step."""
 
 CHECK_EVERY = 16
 """Graph replays between two reads of the stopping rule (each read waits for the device)."""
@@ -449,10 +457,14 @@ def _logits(out: Any) -> torch.Tensor:
 
 
 class _StepGraph:
-    """One decode step recorded as a device graph, for one static cache (batch, length)."""
+    """One decode step recorded as a device graph, for one static cache (batch, length): the
+    forward, the choice of the next token (the argmax, or GRAPH_PROCESSORS and a draw), the
+    next input and the token's place in the output. `compiled`: the step calls that forward
+    (transformers' compiled forward built without its own graphs) with the arguments laid out
+    as transformers lays them out for it; else the loop's forward with the workload's layout."""
 
     def __init__(self, loop: "DecodeLoop", cache: Any, batch: int, length: int, device: torch.device,
-                 prompt: Greedy) -> None:
+                 prompt: Greedy, compiled: Callable | None = None) -> None:
         self.cache = cache
         self.length = length
         self.token = torch.zeros(batch, 1, dtype=prompt.input_ids.dtype, device=device)
@@ -460,16 +472,24 @@ class _StepGraph:
         self.step = torch.zeros(1, dtype=torch.int64, device=device)
         self.position = torch.zeros((), dtype=torch.int64, device=device)
         self.arange = torch.arange(length, device=device)
-        forward = loop.model
+        positions = loop._positions(prompt)
+        # the position ids as the step-by-step loop passes them: the shape of the prompt's last column
+        self.base = None if positions is None else torch.zeros_like(positions[..., -1:])
         shape = (batch, 1, 1, length)
 
         def mask() -> Any:
             return loop.mask_form((self.arange <= self.position).view(1, 1, 1, length).expand(shape))
 
+        def arguments() -> dict:
+            if compiled is None:
+                return lay_out(loop.layouts["decode"], loop.cache_arg, self.token, cache, self.position, None, mask)
+            at = None if self.base is None else self.base + self.position
+            return {k: _contiguous(v) for k, v in loop._kwargs("decode", self.token, cache, at, mask()).items()}
+
+        forward = loop.model if compiled is None else compiled
+
         def step() -> None:
-            kwargs = lay_out(loop.layouts["decode"], loop.cache_arg, self.token, cache, self.position, None, mask)
-            out = forward(**kwargs)
-            nxt = _logits(out)[:, -1, :].argmax(-1)
+            nxt = loop._choose(prompt, _logits(forward(**arguments())), None)
             self.token.copy_(nxt.view(batch, 1))
             self.tokens.index_copy_(1, self.step, nxt.view(batch, 1))
             self.step.add_(1)
@@ -477,16 +497,18 @@ class _StepGraph:
 
         # the warm-up runs write a step into the cache: the caller resets it afterwards. They
         # run on the stream the step is then recorded on, so that what a library makes per
-        # stream on first use (cuBLAS's workspace) exists before the recording starts
+        # stream on first use (cuBLAS's workspace) exists before the recording starts. Their
+        # draws (a sampling step) come from a fork of the generators: the caller's are kept
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream), _Plain(loop.model), _decoding(loop.model):
-            for _ in range(3):
+        with torch.random.fork_rng(devices=[device]):
+            with torch.cuda.stream(stream), _Plain(loop.model), _decoding(loop.model):
+                for _ in range(3):
+                    step()
+            stream.synchronize()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, stream=stream), _Plain(loop.model), _decoding(loop.model):
                 step()
-        stream.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=stream), _Plain(loop.model), _decoding(loop.model):
-            step()
         torch.cuda.current_stream(device).wait_stream(stream)
 
     def run(self, first: torch.Tensor, prompt_len: int, max_new: int, finished: Callable[[int], bool]) -> torch.Tensor:
@@ -528,6 +550,7 @@ class DecodeLoop:
         self._checks: list[tuple[tuple, dict, torch.Tensor]] = []
         self.kinds: frozenset | None = None  # the call kinds served (call_kind); None: every kind
         self._graphs: dict[tuple, _StepGraph] = {}
+        self._graph_forward: tuple[str, Callable] | None = None  # compiled-graph: (settings, compiled forward)
         self._caches: dict[tuple, Any] = {}  # the compiled loop's static caches, per shape
         self._lock = threading.Lock()
         self._previous_len: int = -1
@@ -607,19 +630,59 @@ class DecodeLoop:
         return None
 
     def graph_problem(self, call: Greedy) -> str | None:
-        """Why the graph loop cannot record this call's decode step, or None. A recorded step
-        replays fixed work: greedy, no logits processor, no padding, and masks the loop makes
-        itself (plain_causal: a sliding window's static cache keeps its place in Python)."""
-        if self.kind != "graph" or not call.static or call.input_ids.device.type != "cuda":
+        """Why a graph loop cannot record this call's decode step, or None. A recorded step
+        replays fixed work: the argmax or a draw after processors that read only the scores
+        (GRAPH_PROCESSORS), no padding, and masks the loop makes itself (plain_causal: a sliding
+        window's static cache keeps its place in Python). The compiled-graph loop records
+        transformers' compiled forward (Inductor's); a call transformers does not compile runs
+        its steps one by one through the plain forward, as the compiled loop does. A call with no
+        static cache or not on CUDA runs its steps one by one."""
+        if self.kind not in ("graph", "compiled-graph") or not self.records(call):
             return None
-        if call.sample or call.processors is not None:
-            return "sampling or logits processing, which the graph loop does not record"
+        other = [type(p).__name__ for p in (call.processors or ()) if type(p).__name__ not in GRAPH_PROCESSORS]
+        if other:
+            return f"logits processing that reads the sequence so far ({', '.join(other)}), which a graph loop " \
+                   "does not record"
+        if self.kind == "compiled-graph" and self._compile_settings(call).get("backend", "inductor") != "inductor":
+            return "a compile_config whose backend is not Inductor"
         if call.mask is not None:
             return "padding in the prompt, which the graph loop does not record"
         if not plain_causal(self.model):
             return "attention other than one causal mask (a sliding window, chunks, not SDPA): the graph loop " \
                    "does not record it"
         return None
+
+    def records(self, call: Greedy) -> bool:
+        """Whether this loop records the call's decode step as a device graph."""
+        if self.kind not in ("graph", "compiled-graph") or not call.static or call.input_ids.device.type != "cuda":
+            return False
+        return self.kind == "graph" or transformers_compiles(self.model, call, probe_cache(self.model, call))
+
+    def _compile_settings(self, call: Greedy) -> dict:
+        """transformers' torch.compile settings for the call (its compile_config, or the model's default)."""
+        config = getattr(call.config, "compile_config", None)
+        if config is None:
+            default = getattr(self.model, "_default_compile_config", None)
+            if callable(default):
+                config = default()
+            else:
+                from transformers.generation.configuration_utils import CompileConfig
+
+                config = CompileConfig()
+        return dict(config.to_dict())
+
+    def graph_forward(self, call: Greedy) -> Callable:
+        """transformers' compiled forward for the call, built again from its settings with
+        Inductor's own device graphs off (the same kernels; the step graph records them)."""
+        settings = self._compile_settings(call)
+        key = repr(sorted(settings.items(), key=lambda kv: kv[0]))
+        if self._graph_forward is None or self._graph_forward[0] != key:
+            mode = settings.pop("mode", None)
+            options = dict(torch._inductor.list_mode_options(mode)) if mode else {}
+            options.update(settings.pop("options", None) or {})
+            options["triton.cudagraphs"] = False
+            self._graph_forward = (key, torch.compile(self.model.__call__, options=options, **settings))
+        return self._graph_forward[1]
 
     def mask_form(self, mask: torch.Tensor) -> Any:
         """The loop's own causal mask in the form the model takes: one tensor, or one per
@@ -648,18 +711,22 @@ class DecodeLoop:
         device = ids.device
         eos = torch.tensor(call.eos, dtype=ids.dtype, device=device) if call.eos else None
         length = self._static_length(call) if call.static else 0
-        graphs = self.kind == "graph" and call.static and device.type == "cuda"
+        # a graph loop's step runs one by one where its processed scores are read (the check of
+        # a sampling call's distribution) or where the plain forward must run (uncompiled)
+        stepwise = self.captured is not None or self.eager
+        graphs = not stepwise and self.records(call)
         if graphs:
-            key = (batch, length, device, ids.dtype)
+            key = (batch, length, device, ids.dtype, self._sampling_key(call))
             entry = self._graphs.get(key)
             if entry is None:
                 cache = new_cache(self.model, call.static, length)
                 self._prefill(call, cache)  # lays the cache out before the step is recorded
-                entry = _StepGraph(self, cache, batch, length, device, call)
+                compiled_forward = self.graph_forward(call) if self.kind == "compiled-graph" else None
+                entry = _StepGraph(self, cache, batch, length, device, call, compiled_forward)
                 self._graphs[key] = entry
             cache = entry.cache
             cache.reset()
-        elif self.kind == "compiled" and call.static:
+        elif self.kind in ("compiled", "compiled-graph") and call.static:
             # one cache per shape, reset between calls: its tensors keep their addresses, so the
             # compiled forward's device graphs replay instead of recording again
             key = (batch, length, device, ids.dtype)
@@ -670,17 +737,28 @@ class DecodeLoop:
                 cache.reset()
         else:
             cache = new_cache(self.model, call.static, length)
-        compiled = self.kind == "compiled" and not self.eager and transformers_compiles(self.model, call, cache)
+        compiled = self.kind in ("compiled", "compiled-graph") and not self.eager \
+            and transformers_compiles(self.model, call, cache)
         logits = self._prefill(call, cache)
         if graphs:
             def finished(n: int) -> bool:
                 self._in_time()
                 return eos is not None and bool(_finished(entry.tokens[:, :n], eos).all())
 
-            tokens = entry.run(logits[:, -1, :].argmax(-1), prompt, call.max_new, finished)
+            first = self._choose(call, logits, ids if call.processors is not None else None)
+            tokens = entry.run(first, prompt, call.max_new, finished)
         else:
             tokens = self._steps(logits, cache, call, eos, length, compiled)
         return torch.cat([ids, _stop(tokens, eos, call.pad)], dim=1)
+
+    @staticmethod
+    def _sampling_key(call: Greedy) -> tuple:
+        """What of a call's choice of the next token a recorded step bakes in: whether it draws,
+        and each processor's settings (its plain attributes)."""
+        processors = tuple((type(p).__name__, tuple(sorted((k, v) for k, v in vars(p).items()
+                                                           if isinstance(v, (bool, int, float, str)))))
+                           for p in (call.processors or ()))
+        return (call.sample, processors)
 
     def _positions(self, call: Greedy) -> torch.Tensor | None:
         """The prompt's position ids as transformers' generate() makes them (from the attention
