@@ -65,14 +65,13 @@ def test_the_loop_gives_transformers_tokens(kind, cache, batch):
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("kind", ["graph", "compiled-graph"])
-def test_a_graph_loop_off_a_cuda_device_runs_its_steps_one_by_one(kind):
-    """A graph loop records a step only on CUDA with a static cache: elsewhere it serves the call
-    step by step (the plain forward: here transformers compiles nothing), with the untuned tokens;
-    what a recorded step could not replay is named (processors reading the sequence so far)."""
+def test_the_graph_loop_off_a_cuda_device_runs_its_steps_one_by_one():
+    """The graph loop records a step only on CUDA with a static cache: elsewhere it serves the
+    call step by step, with the untuned tokens; what a recorded step could not replay is named
+    (processors reading the sequence so far), and score-only sampling is recorded."""
     model = build("llama")
     untuned = copy.deepcopy(model)
-    loop = generation.DecodeLoop(model, kind)
+    loop = generation.DecodeLoop(model, "graph")
     generation.install(model, loop)
     ids = prompt(2)
     for cache in (None, "static"):

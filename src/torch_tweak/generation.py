@@ -54,16 +54,16 @@ from .module import install as install_wrapper, installed, uninstall as uninstal
 
 logger = logging.getLogger("torch_tweak")
 
-LOOPS = ("loop", "graph", "compiled", "compiled-graph")
+LOOPS = ("loop", "graph", "compiled")
 """The decode loops tweak tries: steps run one by one through the model; each step a device
 graph replay of the untuned forward (CUDA and a static cache only); each step through
 transformers' own compiled forward (calls transformers compiles: the untuned tokens are
-then those of its compiled kernels, which no other build reproduces); each step a device
-graph replay of that same compiled forward, built again from transformers' compile settings
-with Inductor's own device graphs off (the same kernels, with the step's choice of the next
-token recorded beside them: no Python per token). A step graph of a separate Inductor build
-of an eager call was tried too and dropped: its tokens differed from the untuned eager
-model's within a few steps on the benchmarked decoders (bench/results/generate.md)."""
+then those of its compiled kernels, which no other build reproduces). Two step graphs of
+Inductor kernels were tried and dropped: a separate build of an eager call (its tokens
+differed from the untuned eager model's within a few steps), and transformers' compiled
+forward built again without Inductor's own graphs and recorded with the argmax (the
+compiled tokens, but no faster than the compiled loop: its kernels alone take 1.50 ms a
+token on the Llama-1B shape, bench/results/decode-anatomy.md)."""
 
 GRAPH_PROCESSORS = frozenset({"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper",
                               "MinPLogitsWarper"})
@@ -458,13 +458,11 @@ def _logits(out: Any) -> torch.Tensor:
 
 class _StepGraph:
     """One decode step recorded as a device graph, for one static cache (batch, length): the
-    forward, the choice of the next token (the argmax, or GRAPH_PROCESSORS and a draw), the
-    next input and the token's place in the output. `compiled`: the step calls that forward
-    (transformers' compiled forward built without its own graphs) with the arguments laid out
-    as transformers lays them out for it; else the loop's forward with the workload's layout."""
+    untuned forward with the workload's layout, the choice of the next token (the argmax, or
+    GRAPH_PROCESSORS and a draw), the next input and the token's place in the output."""
 
     def __init__(self, loop: "DecodeLoop", cache: Any, batch: int, length: int, device: torch.device,
-                 prompt: Greedy, compiled: Callable | None = None) -> None:
+                 prompt: Greedy) -> None:
         self.cache = cache
         self.length = length
         self.token = torch.zeros(batch, 1, dtype=prompt.input_ids.dtype, device=device)
@@ -472,24 +470,16 @@ class _StepGraph:
         self.step = torch.zeros(1, dtype=torch.int64, device=device)
         self.position = torch.zeros((), dtype=torch.int64, device=device)
         self.arange = torch.arange(length, device=device)
-        positions = loop._positions(prompt)
-        # the position ids as the step-by-step loop passes them: the shape of the prompt's last column
-        self.base = None if positions is None else torch.zeros_like(positions[..., -1:])
         shape = (batch, 1, 1, length)
 
         def mask() -> Any:
             return loop.mask_form((self.arange <= self.position).view(1, 1, 1, length).expand(shape))
 
-        def arguments() -> dict:
-            if compiled is None:
-                return lay_out(loop.layouts["decode"], loop.cache_arg, self.token, cache, self.position, None, mask)
-            at = None if self.base is None else self.base + self.position
-            return {k: _contiguous(v) for k, v in loop._kwargs("decode", self.token, cache, at, mask()).items()}
-
-        forward = loop.model if compiled is None else compiled
+        forward = loop.model
 
         def step() -> None:
-            nxt = loop._choose(prompt, _logits(forward(**arguments())), None)
+            kwargs = lay_out(loop.layouts["decode"], loop.cache_arg, self.token, cache, self.position, None, mask)
+            nxt = loop._choose(prompt, _logits(forward(**kwargs)), None)
             self.token.copy_(nxt.view(batch, 1))
             self.tokens.index_copy_(1, self.step, nxt.view(batch, 1))
             self.step.add_(1)
@@ -550,7 +540,6 @@ class DecodeLoop:
         self._checks: list[tuple[tuple, dict, torch.Tensor]] = []
         self.kinds: frozenset | None = None  # the call kinds served (call_kind); None: every kind
         self._graphs: dict[tuple, _StepGraph] = {}
-        self._graph_forward: tuple[str, Callable] | None = None  # compiled-graph: (settings, compiled forward)
         self._caches: dict[tuple, Any] = {}  # the compiled loop's static caches, per shape
         self._lock = threading.Lock()
         self._previous_len: int = -1
@@ -633,18 +622,14 @@ class DecodeLoop:
         """Why a graph loop cannot record this call's decode step, or None. A recorded step
         replays fixed work: the argmax or a draw after processors that read only the scores
         (GRAPH_PROCESSORS), no padding, and masks the loop makes itself (plain_causal: a sliding
-        window's static cache keeps its place in Python). The compiled-graph loop records
-        transformers' compiled forward (Inductor's); a call transformers does not compile runs
-        its steps one by one through the plain forward, as the compiled loop does. A call with no
-        static cache or not on CUDA runs its steps one by one."""
-        if self.kind not in ("graph", "compiled-graph") or not self.records(call):
+        window's static cache keeps its place in Python). A call with no static cache or not on
+        CUDA runs its steps one by one."""
+        if self.kind != "graph" or not self.records(call):
             return None
         other = [type(p).__name__ for p in (call.processors or ()) if type(p).__name__ not in GRAPH_PROCESSORS]
         if other:
             return f"logits processing that reads the sequence so far ({', '.join(other)}), which a graph loop " \
                    "does not record"
-        if self.kind == "compiled-graph" and self._compile_settings(call).get("backend", "inductor") != "inductor":
-            return "a compile_config whose backend is not Inductor"
         if call.mask is not None:
             return "padding in the prompt, which the graph loop does not record"
         if not plain_causal(self.model):
@@ -654,35 +639,7 @@ class DecodeLoop:
 
     def records(self, call: Greedy) -> bool:
         """Whether this loop records the call's decode step as a device graph."""
-        if self.kind not in ("graph", "compiled-graph") or not call.static or call.input_ids.device.type != "cuda":
-            return False
-        return self.kind == "graph" or transformers_compiles(self.model, call, probe_cache(self.model, call))
-
-    def _compile_settings(self, call: Greedy) -> dict:
-        """transformers' torch.compile settings for the call (its compile_config, or the model's default)."""
-        config = getattr(call.config, "compile_config", None)
-        if config is None:
-            default = getattr(self.model, "_default_compile_config", None)
-            if callable(default):
-                config = default()
-            else:
-                from transformers.generation.configuration_utils import CompileConfig
-
-                config = CompileConfig()
-        return dict(config.to_dict())
-
-    def graph_forward(self, call: Greedy) -> Callable:
-        """transformers' compiled forward for the call, built again from its settings with
-        Inductor's own device graphs off (the same kernels; the step graph records them)."""
-        settings = self._compile_settings(call)
-        key = repr(sorted(settings.items(), key=lambda kv: kv[0]))
-        if self._graph_forward is None or self._graph_forward[0] != key:
-            mode = settings.pop("mode", None)
-            options = dict(torch._inductor.list_mode_options(mode)) if mode else {}
-            options.update(settings.pop("options", None) or {})
-            options["triton.cudagraphs"] = False
-            self._graph_forward = (key, torch.compile(self.model.__call__, options=options, **settings))
-        return self._graph_forward[1]
+        return self.kind == "graph" and call.static and call.input_ids.device.type == "cuda"
 
     def mask_form(self, mask: torch.Tensor) -> Any:
         """The loop's own causal mask in the form the model takes: one tensor, or one per
@@ -721,12 +678,11 @@ class DecodeLoop:
             if entry is None:
                 cache = new_cache(self.model, call.static, length)
                 self._prefill(call, cache)  # lays the cache out before the step is recorded
-                compiled_forward = self.graph_forward(call) if self.kind == "compiled-graph" else None
-                entry = _StepGraph(self, cache, batch, length, device, call, compiled_forward)
+                entry = _StepGraph(self, cache, batch, length, device, call)
                 self._graphs[key] = entry
             cache = entry.cache
             cache.reset()
-        elif self.kind in ("compiled", "compiled-graph") and call.static:
+        elif self.kind == "compiled" and call.static:
             # one cache per shape, reset between calls: its tensors keep their addresses, so the
             # compiled forward's device graphs replay instead of recording again
             key = (batch, length, device, ids.dtype)
@@ -737,8 +693,7 @@ class DecodeLoop:
                 cache.reset()
         else:
             cache = new_cache(self.model, call.static, length)
-        compiled = self.kind in ("compiled", "compiled-graph") and not self.eager \
-            and transformers_compiles(self.model, call, cache)
+        compiled = self.kind == "compiled" and not self.eager and transformers_compiles(self.model, call, cache)
         logits = self._prefill(call, cache)
         if graphs:
             def finished(n: int) -> bool:

@@ -206,10 +206,6 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None) 
     # kernels': only its own compiled forward gives them
     if static and generation.transformers_compiles(model, call, generation.probe_cache(model, call)):
         kinds = ["compiled"]
-        # the same compiled forward recorded in a device graph with the choice of the next token,
-        # where its step is one a graph records
-        if device.type == "cuda" and not generation.DecodeLoop(model, "compiled-graph", workload.layouts).graph_problem(call):
-            kinds.append("compiled-graph")
     else:
         kinds = ["graph"] if device.type == "cuda" and static else ["loop"]
         if kinds == ["graph"] and generation.DecodeLoop(model, "graph", workload.layouts).graph_problem(call):

@@ -110,7 +110,7 @@ def test_a_compiled_static_workload_keeps_the_compiled_loop_and_saves_it(tmp_pat
     ids = torch.randint(3, 256, (1, 8), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
     result = tt.tweak(model, workload=lambda m: compiled_generate(m, ids, 32), progress=False,
                       measure={"rounds_max": 8, "time_cap": 1.0})
-    assert result.decode_loop in ("compiled", "compiled-graph"), str(result)
+    assert result.decode_loop == "compiled", str(result)
     assert all(row.latency_ms is None and "compiled forward" in row.error for row in result.rows)
     other = torch.randint(3, 256, (1, 8), device="cuda", generator=torch.Generator("cuda").manual_seed(6))
     assert torch.equal(compiled_generate(model, other, 32), compiled_generate(untuned, other, 32))
@@ -182,37 +182,17 @@ def test_seeded_sampling_on_the_gpu_equals_transformers(kind):
     assert loop.calls == 2 and not loop.fallbacks
 
 
-def test_the_compiled_graph_loop_records_transformers_compiled_step():
-    """The compiled-graph loop records the kernels of transformers' compiled forward (built
-    again without Inductor's own graphs) with the argmax in one device graph: the tokens of
-    transformers' compiled static path, one graph per shape, the end-of-sequence rule kept."""
-    model = build("llama", torch.bfloat16)
-    untuned = copy.deepcopy(model)
-    loop = generation.DecodeLoop(model, "compiled-graph")
-    generation.install(model, loop)
-    for batch, length, seed in ((1, 7, 0), (1, 7, 1), (2, 7, 2)):
-        ids = torch.randint(3, 256, (batch, length), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
-        assert torch.equal(compiled_generate(model, ids), compiled_generate(untuned, ids)), (batch, length, seed)
-    assert loop.calls == 3 and not loop.fallbacks
-    assert len(loop._graphs) == 2  # (batch 1), (batch 2): the second call replayed the first's graph
-    ids = torch.randint(3, 256, (2, 7), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
-    eos = int(compiled_generate(untuned, ids)[0, 7 + 20])
-    assert torch.equal(compiled_generate(model, ids, eos_token_id=eos, pad_token_id=0),
-                       compiled_generate(untuned, ids, eos_token_id=eos, pad_token_id=0))
-
-
-@pytest.mark.parametrize("kind", ["graph", "compiled-graph"])
-def test_seeded_sampling_inside_a_step_graph_equals_transformers(kind):
+def test_seeded_sampling_inside_a_step_graph_equals_transformers():
     """Temperature, top-k and top-p sampling recorded inside the step graph: after the same
     torch.manual_seed, the replays draw transformers' tokens; a processor that reads the
     sequence so far (a repetition penalty) is left to transformers, with the reason."""
     model = build("llama", torch.bfloat16)
     untuned = copy.deepcopy(model)
-    loop = generation.DecodeLoop(model, kind)
+    loop = generation.DecodeLoop(model, "graph")
     generation.install(model, loop)
     ids = torch.randint(3, 256, (4, 7), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     settings = dict(max_new_tokens=32, do_sample=True, temperature=0.7, top_k=50, top_p=0.9,
-                    cache_implementation="static", disable_compile=kind == "graph")
+                    cache_implementation="static", disable_compile=True)
     for seed in (0, 1, 2):
         outs = []
         for subject in (untuned, model):
@@ -228,30 +208,3 @@ def test_seeded_sampling_inside_a_step_graph_equals_transformers(kind):
     with torch.no_grad():
         assert torch.equal(penalised, untuned.generate(ids, repetition_penalty=1.1, **settings))
     assert any("RepetitionPenaltyLogitsProcessor" in why for why in loop.fallbacks)
-
-
-@pytest.mark.parametrize("sample", [False, True])
-def test_tweak_on_a_compiled_workload_tries_the_compiled_graph_loop(sample, tmp_path):
-    model = build("llama", torch.bfloat16)
-    untuned = copy.deepcopy(model)
-    ids = torch.randint(3, 256, (1, 8), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
-    settings = dict(do_sample=sample, cache_implementation="static")
-    if sample:
-        settings.update(temperature=0.7, top_k=50, top_p=0.9)
-
-    def call(m, n=32):
-        torch.manual_seed(3)
-        with torch.no_grad():
-            return m.generate(ids, max_new_tokens=n, **settings)
-
-    result = tt.tweak(model, workload=call, progress=False, measure={"rounds_max": 8, "time_cap": 1.0})
-    tried = {row["candidate"]: row for row in result.loop_report}
-    assert "decode loop (compiled-graph)" in tried, tried
-    assert tried["decode loop (compiled-graph)"]["state"] == "measured", tried
-    assert result.decode_loop in ("compiled", "compiled-graph"), str(result)
-    assert torch.equal(call(model), call(untuned))
-    tt.save(model, tmp_path / "decoder.tt")
-    fresh = copy.deepcopy(untuned)
-    tt.load(fresh, tmp_path / "decoder.tt")
-    assert generation.loop_of(fresh).kind == result.decode_loop
-    assert torch.equal(call(fresh), call(untuned))
