@@ -161,6 +161,17 @@ def test_each_family_through_the_compiled_and_the_graph_loop(name):
         assert loop.calls == 1 and not loop.fallbacks
 
 
+def assert_same_draws(untuned, model, ids, settings, seeds):
+    """After the same torch.manual_seed, the tuned model's sampling call gives the untuned one's tokens."""
+    for seed in seeds:
+        outs = []
+        for subject in (untuned, model):
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                outs.append(subject.generate(ids, **settings))
+        assert torch.equal(outs[0], outs[1]), seed
+
+
 @pytest.mark.parametrize("kind", ["compiled", "loop"])
 def test_seeded_sampling_on_the_gpu_equals_transformers(kind):
     """The seed rule on a GPU: after the same torch.manual_seed, a sampling call through the
@@ -172,13 +183,7 @@ def test_seeded_sampling_on_the_gpu_equals_transformers(kind):
     ids = torch.randint(3, 256, (4, 7), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     settings = dict(max_new_tokens=32, do_sample=True, temperature=0.7, top_k=50, top_p=0.9,
                     repetition_penalty=1.1, cache_implementation="static", disable_compile=kind == "loop")
-    for seed in (0, 1):
-        outs = []
-        for subject in (untuned, model):
-            torch.manual_seed(seed)
-            with torch.no_grad():
-                outs.append(subject.generate(ids, **settings))
-        assert torch.equal(outs[0], outs[1]), seed
+    assert_same_draws(untuned, model, ids, settings, seeds=(0, 1))
     assert loop.calls == 2 and not loop.fallbacks
 
 
@@ -193,13 +198,7 @@ def test_seeded_sampling_inside_a_step_graph_equals_transformers():
     ids = torch.randint(3, 256, (4, 7), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     settings = dict(max_new_tokens=32, do_sample=True, temperature=0.7, top_k=50, top_p=0.9,
                     cache_implementation="static", disable_compile=True)
-    for seed in (0, 1, 2):
-        outs = []
-        for subject in (untuned, model):
-            torch.manual_seed(seed)
-            with torch.no_grad():
-                outs.append(subject.generate(ids, **settings))
-        assert torch.equal(outs[0], outs[1]), seed
+    assert_same_draws(untuned, model, ids, settings, seeds=(0, 1, 2))
     assert loop.calls == 3 and not loop.fallbacks and len(loop._graphs) == 1
     torch.manual_seed(0)
     with torch.no_grad():
