@@ -483,7 +483,9 @@ def main() -> None:
     import platform
 
     import torch_tweak
-    run = {"path": path, "environment": f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else platform.processor() or 'CPU'}"
+    # the run file names itself relative to the repository (a machine's own folders stay out of it)
+    where = os.path.relpath(os.path.abspath(path), os.path.dirname(HERE))
+    run = {"path": where if not where.startswith("..") else os.path.basename(path), "environment": f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else platform.processor() or 'CPU'}"
            f", torch {torch.__version__}, torch-tweak {torch_tweak.__version__} at {source_commit()}", "rows": []}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     def save(row: dict | None = None) -> None:  # after every column: a run stopped at its limit keeps them
