@@ -668,10 +668,9 @@ class DecodeLoop:
         device = ids.device
         eos = torch.tensor(call.eos, dtype=ids.dtype, device=device) if call.eos else None
         length = self._static_length(call) if call.static else 0
-        # a graph loop's step runs one by one where its processed scores are read (the check of
-        # a sampling call's distribution) or where the plain forward must run (uncompiled)
-        stepwise = self.captured is not None or self.eager
-        graphs = not stepwise and self.records(call)
+        # the graph loop's step runs one by one where its processed scores are read (the check
+        # of a sampling call's distribution)
+        graphs = self.captured is None and self.records(call)
         if graphs:
             key = (batch, length, device, ids.dtype, self._sampling_key(call))
             entry = self._graphs.get(key)
