@@ -32,7 +32,7 @@ def latency_ms(model, dataset, device: str) -> dict:
     """The engine's measurement of the model over the dataset: median and quartiles per call, ms."""
     import torch
     from torch_tweak import _C
-    from torch_tweak._samples import synchronizer
+    from torch_tweak._core._samples import synchronizer
 
     def run(i: int) -> None:
         model(dataset[i])
@@ -89,7 +89,7 @@ def main() -> int:
 
     import encoder
     import torch_tweak as tt
-    from torch_tweak.serial import device_name
+    from torch_tweak._store.serial import device_name
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dataset = encoder.samples(device)

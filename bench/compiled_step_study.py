@@ -5,7 +5,7 @@ runs against that commit. Usage: python bench/compiled_step_study.py 1b compiled
 Prints tokens per second of transformers' static path and of the loop, whether their tokens
 are equal, and the recorded step's device time replayed alone."""
 import copy, sys, time, torch, transformers
-from torch_tweak import generation
+from torch_tweak._runtime import generation
 size = sys.argv[1]
 torch.manual_seed(0)
 if size == "1b":

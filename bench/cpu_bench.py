@@ -314,7 +314,7 @@ def bench_one(name: str, columns: list[str], args: argparse.Namespace) -> dict:
 
 def environment() -> dict:
     import torch_tweak
-    from torch_tweak.serial import device_name
+    from torch_tweak._store.serial import device_name
     info = {"cpu": device_name(torch.device("cpu")), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version(), "torch_tweak": torch_tweak.__version__,
             "commit": source_commit()}

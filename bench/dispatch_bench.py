@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from torch_tweak import _C
-from torch_tweak.module import install, make_wrapper
+from torch_tweak._runtime.module import install, make_wrapper
 
 
 class TunedLike(_C.Dispatcher, nn.Module):

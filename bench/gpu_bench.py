@@ -444,7 +444,7 @@ def dispatcher_overhead(model: torch.nn.Module, data: list) -> list[dict]:
     of each entry's backend (the entries' signatures kept), so only the dispatcher's own
     work, its signature check included, is left in the difference."""
     import torch_tweak as tt
-    from torch_tweak.tuning import dataset_runner, record, release
+    from torch_tweak._search.tuning import dataset_runner, record, release
 
     wrappers = tt.installed(model)
     active = {p: w for p, w in wrappers.items() if w.tt_backend is not None}

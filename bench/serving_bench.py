@@ -48,7 +48,7 @@ as the largest absolute difference over eager's largest magnitude, over both str
                                                   # (minutes on 2 cores, most of it compiling)
 
 On the CPU each row also records the load average before and after each column, and the share
-of the CPUs other processes took during it (torch_tweak.cpu_load: this process and its compile
+of the CPUs other processes took during it (torch_tweak._core.cpu_load: this process and its compile
 workers are not others): the machine may be shared, and a figure measured beside other work is
 not the model's alone.
     python bench/serving_bench.py --report RUN.json [...] [--out bench/results/serving.md]
@@ -300,7 +300,7 @@ def load_average() -> float | None:
 
 def others_share(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
     """The share of the machine's CPUs other processes took between two readings of
-    torch_tweak.cpu_load (this process and its compile workers are not others); None unknown."""
+    torch_tweak._core.cpu_load (this process and its compile workers are not others); None unknown."""
     if before is None or after is None or after[1] <= before[1]:
         return None
     return round(max(0.0, (after[0] - before[0]) / (after[1] - before[1])), 3)
@@ -334,7 +334,7 @@ def bench_row(name: str, dtype_name: str, columns: list[str], rounds: int, seed:
     row: dict[str, Any] = {"model": name, "dtype": dtype_name, "stream": what, "device": DEVICE,
                            "shapes": len({r.shape() for r in stream}), "new_shapes": len({r.shape() for r in new}),
                            "cold_s": {}, "warm_s": {}, "new_first_s": {}, "new_s": {}, "error": {}, "errors": {}}
-    from torch_tweak import cpu_load
+    from torch_tweak._core import cpu_load
     if DEVICE == "cpu":
         row["load"], row["others_share"] = {}, {}
     for column in columns:

@@ -15,7 +15,7 @@ Rows (each model sharded over every rank of the run, one process per GPU):
 Columns:
     untuned   the sharded model as it is
     compile   torch.compile(model) (default mode) on every rank
-    tweak     tt.tweak(model, dataset) on every rank together (torch_tweak.distributed: every
+    tweak     tt.tweak(model, dataset) on every rank together (torch_tweak._core.distributed: every
               candidate built and checked on all ranks, timed by the slowest, one plan kept);
               for llama the dataset is the forward calls one generate() makes (prefill and
               decode steps, recorded with copies of their key/value cache); its tuning time

@@ -57,7 +57,7 @@ def profiled_tweak(model: torch.nn.Module, data: list, share: bool, static: bool
                    **tweak_args: Any) -> dict[str, Any]:
     """tt.tweak on a copy of `model`, cold, with its wall time split (see the module docstring)."""
     import torch_tweak as tt
-    from torch_tweak import tuning
+    from torch_tweak._search import tuning
     tweak_module = sys.modules["torch_tweak.tweak"]  # the module, not the function tt.tweak
     from torch_tweak.backends.base import Backend
 

@@ -10,7 +10,7 @@ import torch
 
 import torch_tweak as tt
 from support import FAST, MLP, encoder
-from torch_tweak.cpu_load import reading as REAL_READING
+from torch_tweak._core.cpu_load import reading as REAL_READING
 
 
 SLOW_FIXTURES = ("encoder_tweak", "tweaked")
@@ -39,11 +39,11 @@ def cache_folder(tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def load_unknown():
-    """The machine's load reads as unknown (torch_tweak.cpu_load.reading returns None), so that
+    """The machine's load reads as unknown (torch_tweak._core.cpu_load.reading returns None), so that
     no test's decision turns on what else the CI machine runs: a tweak measured while other
     processes take more than a quarter of the CPUs claims no speedup and keeps only a 2x
     gain. test_busy.py reads the real load (the real_load fixture) or a fake one."""
-    from torch_tweak import cpu_load as load
+    from torch_tweak._core import cpu_load as load
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(load, "reading", lambda: None)
@@ -52,8 +52,8 @@ def load_unknown():
 
 @pytest.fixture
 def real_load(monkeypatch):
-    """torch_tweak.cpu_load.reading reads the machine's load again (see load_unknown)."""
-    from torch_tweak import cpu_load as load
+    """torch_tweak._core.cpu_load.reading reads the machine's load again (see load_unknown)."""
+    from torch_tweak._core import cpu_load as load
 
     monkeypatch.setattr(load, "reading", REAL_READING)
 
@@ -73,7 +73,7 @@ def steady_figures(monkeypatch):
     beyond the engine's agreement margin between the depth search and the side-by-side
     measurement, and such an entry is not replayed. test_figures.py tests that rule itself, on
     figures made inconsistent on purpose."""
-    from torch_tweak import tuning_cache
+    from torch_tweak._store import tuning_cache
 
     monkeypatch.setattr(tuning_cache, "REPLAYED", ("consistent", "remeasured", "inconsistent"), raising=False)
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 import torch_tweak as tt
-from torch_tweak import checkpoint
+from torch_tweak._store import checkpoint
 from torch_tweak.backends import TorchEagerBackend
 from support import FAST
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import torch_tweak as tt
-from torch_tweak.module import is_wrapped
+from torch_tweak._runtime.module import is_wrapped
 from torch_tweak.backends import TorchEagerBackend, TorchInductorBackend
 from support import FAST, BrokenBackend, CountingBackend, NaNBackend, NoisyBackend
 

@@ -1,4 +1,4 @@
-"""Axes of a candidate beyond its backend (torch_tweak.axes): channels-last, SDPA kernels,
+"""Axes of a candidate beyond its backend (torch_tweak.backends.axes): channels-last, SDPA kernels,
 max-autotune for heavy modules, opt-in precision. Each variant is built, checked against the
 untuned outputs and measured like a backend, labelled in the result, and kept by tt.save /
 tt.load; none is tried unless asked for."""
@@ -15,7 +15,7 @@ from torch import nn
 
 import torch_tweak as tt
 from support import FAST
-from torch_tweak import axes
+from torch_tweak.backends import axes
 from torch_tweak.backends import TorchEagerBackend, TorchInductorBackend
 
 EAGER = [TorchEagerBackend()]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import torch_tweak as tt
-from torch_tweak import checkpoint
+from torch_tweak._store import checkpoint
 
 pytestmark = pytest.mark.slow  # files of up to 40 MiB built and read, some in child processes
 

@@ -1,4 +1,4 @@
-"""A busy machine: other processes' CPU time while tweak measures is read (torch_tweak.cpu_load),
+"""A busy machine: other processes' CPU time while tweak measures is read (torch_tweak._core.cpu_load),
 the result says the machine was busy and claims no speedup, and the tuning cache does not
 replay it. The share computed from fake /proc snapshots, a fake load through the whole tweak,
 and a real one: busy-loop processes beside the tweak."""
@@ -17,9 +17,9 @@ from torch import nn
 
 import torch_tweak as tt
 from torch_tweak import _C
-from torch_tweak import cpu_load as load
+from torch_tweak._core import cpu_load as load
 from support import FAST, CountingBackend
-from torch_tweak.cpu_load import reading as REAL_READING  # the real one: conftest's load_unknown replaces load.reading
+from torch_tweak._core.cpu_load import reading as REAL_READING  # the real one: conftest's load_unknown replaces load.reading
 
 ME = 100
 
@@ -170,7 +170,7 @@ def test_a_wide_gain_is_kept_on_a_busy_machine_without_a_figure_and_not_replayed
     with torch.no_grad():
         for x, want in zip(mlp_data, untuned_outputs((0.004, 0.0), mlp_data)):
             assert torch.equal(model(x), want)
-    from torch_tweak.plotting import bars
+    from torch_tweak._view.plotting import bars
 
     assert "x)" not in bars(result)[4] and "a busy machine: no speedup claimed" in bars(result)[4]  # nor the chart
     # the entry is written with its quality, and the next tweak measures again

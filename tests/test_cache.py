@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 import torch_tweak as tt
-from torch_tweak import _C, tuning_cache
+from torch_tweak import _C
+from torch_tweak._store import tuning_cache
 from support import FAST, MLP, BrokenBackend, CountingBackend, Slow, SlowNet as Net
 
 pytestmark = pytest.mark.usefixtures("steady_figures")  # the quality rule: test_figures.py and below

@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 import torch_tweak as tt
-from torch_tweak import checkpoint, correctness, schema, serial
-from torch_tweak import plan as planning
-from torch_tweak.schema import Fraction
+from torch_tweak._store import checkpoint, serial
+from torch_tweak._core import correctness, schema
+from torch_tweak._search import plan as planning
+from torch_tweak._core.schema import Fraction
 from torch_tweak.backends import TorchEagerBackend
 from support import FAST, MLP, BrokenBackend, CountingBackend, encoder
 from test_api import assert_unchanged, snapshot

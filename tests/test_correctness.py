@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torch_tweak.correctness import MismatchError, check
+from torch_tweak._core.correctness import MismatchError, check
 
 
 def test_values_within_tolerance_pass_and_report_error():

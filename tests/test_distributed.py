@@ -44,7 +44,7 @@ def free_port() -> int:
 def _entry(rank: int, fn, world: int, port: int, folder: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from torch_tweak import cpu_load
+    from torch_tweak._core import cpu_load
 
     cpu_load.reading = lambda also=(): None  # as in conftest: no decision turns on the CI machine's load
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
@@ -407,7 +407,7 @@ class Isolated(Shortcut):
 
 
 def test_candidates_refused_under_ranks():
-    from torch_tweak import distributed
+    from torch_tweak._core import distributed
 
     assert distributed.enter_build(Recording()) is None  # alone: nothing refused, no barrier
     gloo = FakeRanks("gloo")
@@ -430,7 +430,7 @@ def test_a_bad_group_is_refused_and_the_model_left_as_it_was():
     for bad, kind in ((True, TypeError), ("world", TypeError), (3, TypeError)):
         with pytest.raises(kind, match="group must be"):
             tt.tweak(model, dataset(), group=bad, cache=False, progress=False)
-    from torch_tweak.module import installed
+    from torch_tweak._runtime.module import installed
 
     assert not installed(model)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
@@ -438,7 +438,7 @@ def test_a_bad_group_is_refused_and_the_model_left_as_it_was():
 
 
 def test_saved_ranks_must_match_the_loading_process():
-    from torch_tweak.checkpoint import CheckpointError, _check_ranks
+    from torch_tweak._store.checkpoint import CheckpointError, _check_ranks
 
     _check_ranks({}, None, "old.tt")  # a file from before: loads alone
     with pytest.raises(CheckpointError, match="single process.*rank 1 of 2.*one file per rank"):
@@ -461,7 +461,7 @@ def test_a_single_process_file_says_no_ranks_and_loads(tmp_path):
     tt.tweak(model, dataset(), strategy=tt.FirstWinsStrategy([Shortcut()]), max_depth=0, measure=MEASURE,
              cache=False, progress=False)
     tt.save(model, tmp_path / "alone.tt")
-    from torch_tweak import checkpoint
+    from torch_tweak._store import checkpoint
 
     manifest = checkpoint._read(tmp_path / "alone.tt", 1 << 30, None)[0]
     assert "ranks" not in manifest

@@ -935,7 +935,7 @@ def test_the_untimed_opening_call_is_for_a_cpu():
     there); on another device it sets settle 0, unless measure= names it."""
     import torch
 
-    from torch_tweak.tuning import measure_for
+    from torch_tweak._search.tuning import measure_for
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert measure_for(cpu, None) is None and measure_for(cpu, {"rounds_min": 3}) == {"rounds_min": 3}
     assert measure_for(cuda, None) == {"settle": 0}

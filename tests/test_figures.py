@@ -100,7 +100,7 @@ def test_a_burst_during_the_side_by_side_measurement_makes_up_no_speedup(mlp_dat
     again = [r for r in caplog.records if "measuring again" in r.getMessage()]
     assert len(again) == 2
     # the chart: one measurement's bars (the search's), titled with the reported figure
-    from torch_tweak.plotting import bars
+    from torch_tweak._view.plotting import bars
 
     labels, values, _, _, title = bars(result)
     assert labels[0] == "untuned" and values[0] == result.untuned.latency_ms and values[1] == kept.latency_ms

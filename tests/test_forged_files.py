@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from torch_tweak import checkpoint
+from torch_tweak._store import checkpoint
 
 pytestmark = pytest.mark.slow  # each tunes and saves a model in a child process, then forges its file
 
@@ -88,7 +88,7 @@ def test_a_file_whose_reference_outputs_are_nan_builds_nothing_on_them(tmp_path)
     the group runs the original forward, with a warning saying why."""
     pytest.importorskip("openvino")
     import torch_tweak as tt
-    from torch_tweak.signatures import OTHER, SignatureGroup
+    from torch_tweak._core.signatures import OTHER, SignatureGroup
 
     x8, x5 = torch.randn(8, 16), torch.randn(5, 16)
     model = scaled()

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import torch_tweak as tt
-from torch_tweak import generation
+from torch_tweak._runtime import generation
 from torch_tweak.backends.base import Backend
-from torch_tweak.correctness import MismatchError
-from torch_tweak.workload import Workload
+from torch_tweak._core.correctness import MismatchError
+from torch_tweak._runtime.workload import Workload
 
 transformers = pytest.importorskip("transformers")
 
@@ -278,7 +278,7 @@ TESTS = __import__("os").path.dirname(__import__("os").path.abspath(__file__))
 def with_loop(kind: str = "llama"):
     """A decoder with tweak's loop behind generate(), as tt.tweak leaves one that kept it
     (the loop's checks are the workload's generate() calls and their untuned tokens)."""
-    from torch_tweak.plan import SELECTED_DEPTHS
+    from torch_tweak._search.plan import SELECTED_DEPTHS
 
     model = build(kind)
     ids = prompt(2)
@@ -341,7 +341,7 @@ def test_a_kept_loop_serves_only_the_kinds_of_call_it_was_measured_on():
 
 @pytest.mark.slow
 def test_a_loaded_loop_is_checked_against_the_untuned_generate_not_the_stored_tokens(tmp_path):
-    from torch_tweak import plan as planning
+    from torch_tweak._search import plan as planning
 
     model, ids = with_loop()
     fresh = build("llama")
@@ -379,7 +379,7 @@ def test_a_forged_loop_storing_its_own_tokens_is_not_installed(tmp_path):
     generation.install(model, loop)
     kwargs = {"max_new_tokens": 8, "do_sample": False}
     loop.checks = [((ids,), kwargs, model.generate(ids, **kwargs))]  # the forged loop's own tokens
-    from torch_tweak.plan import SELECTED_DEPTHS
+    from torch_tweak._search.plan import SELECTED_DEPTHS
     SELECTED_DEPTHS[model] = None
     path = tmp_path / "forged.tt"
     tt.save(model, path)
@@ -396,7 +396,7 @@ def test_a_forged_loop_storing_its_own_tokens_is_not_installed(tmp_path):
 
 
 def test_a_loop_check_past_its_time_bound_leaves_generate_as_it_was(monkeypatch):
-    from torch_tweak import plan as planning
+    from torch_tweak._search import plan as planning
 
     model, ids = with_loop()
     fresh = build("llama")

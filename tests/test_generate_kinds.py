@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import torch_tweak as tt
-from torch_tweak import generation
+from torch_tweak._runtime import generation
 
 pytestmark = pytest.mark.slow  # tiny decoders of eight families, each generating
 
@@ -69,7 +69,7 @@ def both(model, ids, seed: int = 3, recorded: bool = False, **kwargs):
     torch.manual_seed(seed): a sampling call draws from the same generator state. recorded:
     the loop lays out the forward's arguments as the call's own generate() did (what tt.tweak
     gives it: the dict of masks, the sliding window's mask), not its defaults."""
-    from torch_tweak.workload import Workload
+    from torch_tweak._runtime.workload import Workload
 
     assert generation.loop_of(model) is None
     torch.manual_seed(seed)
@@ -384,8 +384,8 @@ def test_a_saved_sampling_loop_is_checked_under_the_seed_and_installed_again(tmp
     """tt.save keeps a sampling, padded, processed call (its mask, its bad words); tt.load runs
     it untuned and through the loop, each under the forked seeded generator, and installs the
     loop when they draw the same tokens; a seeded call then gives the untuned model's tokens."""
-    from torch_tweak.plan import SELECTED_DEPTHS
-    from torch_tweak.workload import Workload
+    from torch_tweak._search.plan import SELECTED_DEPTHS
+    from torch_tweak._runtime.workload import Workload
 
     model = family("qwen2")
     ids, mask = padded()

@@ -1,5 +1,5 @@
 """Native crash isolation: a backend whose build crashes the process is rejected, the tweak goes
-on, and the verdict is kept on disk (torch_tweak.isolation, torch_tweak.verdicts)."""
+on, and the verdict is kept on disk (torch_tweak._search.isolation, torch_tweak._search.verdicts)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import torch_tweak as tt
-from torch_tweak import isolation, verdicts
+from torch_tweak._search import isolation, verdicts
 from torch_tweak.backends import Backend, TorchEagerBackend
 from support import FAST, MLP
 
@@ -388,7 +388,7 @@ def test_a_verdict_of_the_former_format_is_not_served():
     samples = [((torch.randn(2, 4),), {})]
     parts = verdicts.parts_of(SegfaultBackend(), module, samples, torch.device("cpu"))
     # what the format before instruction-set keys wrote: the CPU by its model name, versions only
-    from torch_tweak.serial import device_name
+    from torch_tweak._store.serial import device_name
     former = {"version": 1, "backend": parts["backend"], "config": parts["config"], "modules": parts["modules"],
               "tensors": parts["tensors"], "calls": parts["calls"], "device": "cpu",
               "cpu": device_name(torch.device("cpu")),
@@ -407,7 +407,7 @@ HANG = """
 import os, sys, time
 import torch
 import torch_tweak as tt
-from torch_tweak import isolation, verdicts
+from torch_tweak._search import isolation, verdicts
 from torch_tweak.backends import TorchEagerBackend
 from hang_support import Hangs
 from support import FAST, MLP

@@ -202,3 +202,24 @@ def long_functions(limit: int = MAX_FUNCTION_LINES) -> list[str]:
 def test_no_function_is_longer_than_80_lines():
     assert long_functions(10**6) == [] and long_functions(3) != []  # the scan sees functions at all
     assert long_functions() == []
+
+
+def folder_of(name: str) -> str:
+    """The folder of the package a module's file lies in ('' for the package's own folder)."""
+    path = modules()[name]
+    return path.parent.relative_to(PACKAGE).as_posix() if path.parent != PACKAGE else ""
+
+
+def test_each_folder_is_one_layer_of_the_written_order():
+    """The folders are the layers: a folder's modules stand together in the written order, so
+    a module put into another layer's folder breaks its folder's block. The package's own
+    folder holds only the door and the version."""
+    blocks = []
+    for name in written_order():
+        folder = folder_of(name)
+        if not blocks or blocks[-1] != folder:
+            blocks.append(folder)
+    inner = [b for b in blocks if b]
+    assert len(inner) == len(set(inner)), f"a folder split by another layer: {blocks}"
+    door = {f"{PACKAGE.name}.{m}" if m else PACKAGE.name for m in ("", "_version", "tweak", "cli", "__main__")}
+    assert {name for name in modules() if folder_of(name) == ""} == door

@@ -1,5 +1,5 @@
 """A build never changes the model: training flags, parameters and buffers are as they were after
-every candidate, and after a tweak, however it ends (torch_tweak.model_state)."""
+every candidate, and after a tweak, however it ends (torch_tweak._core.model_state)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import torch_tweak as tt
-from torch_tweak import model_state
+from torch_tweak._core import model_state
 from torch_tweak.backends import Backend, TorchEagerBackend
 from torch_tweak.backends.base import copy_module
 from support import FAST

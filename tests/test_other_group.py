@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 import torch_tweak as tt
-from torch_tweak import _C, signatures
+from torch_tweak import _C
+from torch_tweak._core import signatures
 from torch_tweak.backends import Backend, OpenVINOBackend
 from support import FAST
 

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import torch_tweak as tt
-from torch_tweak import plan as planning
+from torch_tweak._search import plan as planning
 from torch_tweak.backends import Backend
-from torch_tweak.module import MODE_ORIGINAL, MODE_RECORD, is_wrapped
+from torch_tweak._runtime.module import MODE_ORIGINAL, MODE_RECORD, is_wrapped
 from support import FAST, BrokenBackend, SlowNet
 from test_api import assert_unchanged, snapshot
 
@@ -184,9 +184,10 @@ def test_the_cache_and_tt_load_go_through_the_one_apply(mlp_data, tmp_path, monk
 
 
 def test_the_wrapper_state_is_set_by_the_tuned_module_type_alone():
-    package = Path(planning.__file__).parent
-    setters = [p.name for p in sorted(package.glob("*.py")) if re.search(r"\._tt_mode\s*=[^=]", p.read_text())]
-    assert setters == ["module.py"]
+    package = Path(tt.__file__).parent
+    setters = [p.relative_to(package).as_posix() for p in sorted(package.rglob("*.py"))
+               if re.search(r"\._tt_mode\s*=[^=]", p.read_text())]
+    assert setters == ["_runtime/module.py"]
 
 
 def test_recording_puts_the_state_back_however_it_ends(mlp, mlp_data):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import torch_tweak as tt
-from torch_tweak.progress import Progress
+from torch_tweak._view.progress import Progress
 from support import FAST, Slow
 
 

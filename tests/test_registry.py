@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import torch_tweak as tt
-from torch_tweak import backends, tuning_cache
+from torch_tweak import backends
+from torch_tweak._store import tuning_cache
 from torch_tweak.backends import registry
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import torch_tweak as tt
-from torch_tweak import buildlog, signatures, storage
+from torch_tweak._search import buildlog
+from torch_tweak._core import signatures, storage
 from torch_tweak.backends import Backend, TorchEagerBackend
 from support import FAST, BrokenBackend, NoisyBackend
 
@@ -26,6 +27,14 @@ class MissingBackend(Backend):
 
 class StaticOnlyBackend(Backend):
     name = "StaticOnly"
+
+    def build(self, module, samples, device):
+        raise tt.backends.ShapesVary("argument 0 axis 0 varies")
+
+
+class SaysDynamicBackend(Backend):
+    """Its error's text reads like a reason: the text decides nothing, the class does."""
+    name = "SaysDynamic"
 
     def build(self, module, samples, device):
         raise RuntimeError("dynamic shapes: argument 0 axis 0 varies")
@@ -64,7 +73,8 @@ class MovingBackend(Backend):
 @pytest.mark.slow
 def test_result_shows_every_candidates_latency_or_why_it_lost(mlp, mlp_data):
     strategy = tt.HighestThroughputStrategy([MissingBackend(), BrokenBackend(), NoisyBackend(),
-                                             StaticOnlyBackend(), TorchEagerBackend()])
+                                             StaticOnlyBackend(), SaysDynamicBackend(),
+                                             TorchEagerBackend()])
     result = tt.tweak(mlp, mlp_data, max_depth=1, min_depth=1, strategy=strategy, progress=False, measure=FAST)
     head = result.modules["head"]
     (sig,) = head.signatures
@@ -75,6 +85,7 @@ def test_result_shows_every_candidates_latency_or_why_it_lost(mlp, mlp_data):
     assert by_name["Noisy"]["reason"] == "mismatch" and by_name["Noisy"]["max_error"] > 0.001
     assert by_name["Noisy"]["tolerance"] == tt.TOLERANCES[torch.float32]
     assert by_name["StaticOnly"]["reason"] == "dynamic shapes"
+    assert by_name["SaysDynamic"]["reason"] == "build failed"
     assert by_name["TorchEager"]["latency_ms"] > 0 and by_name["TorchEager"]["max_error"] == 0.0
     text = str(result.modules)
     for expected in ("module", "signature", "latency ms", "blocks.0", "head", "(float32[8, 16])",
@@ -84,7 +95,7 @@ def test_result_shows_every_candidates_latency_or_why_it_lost(mlp, mlp_data):
                      "depth 1 (kept)" if result.selected_depth == 1 else "depth 1 (not kept)"):
         assert expected in text, (expected, text)
     table, errors = str(head).split("\n\nerrors in full:\n")
-    assert table.splitlines()[1].startswith("head") and len(table.splitlines()) == 6
+    assert table.splitlines()[1].startswith("head") and len(table.splitlines()) == 7
     assert "Broken (float32[8, 16]):" in errors and "this backend cannot" in errors
     assert text.count("TorchEager") == 3  # one row per module
 
@@ -187,7 +198,8 @@ def test_result_modules_are_the_engines_result_read_once(mlp, mlp_data):
 
 def test_tune_goes_through_the_engines_module_search(mlp, mlp_data, monkeypatch):
     """tt.tune has no loop of its own over groups or candidates: one engine search per module."""
-    from torch_tweak import _C, tuning
+    from torch_tweak import _C
+    from torch_tweak._search import tuning
 
     untuned = [mlp(x).detach() for x in mlp_data]
     searched = []

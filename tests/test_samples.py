@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torch_tweak._samples import as_call, load_dataset
+from torch_tweak._core._samples import as_call, load_dataset
 
 
 def test_every_sample_form():

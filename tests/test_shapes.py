@@ -1,4 +1,4 @@
-"""tt.tweak's shapes=: declared ranges of the sizes that vary (torch_tweak.shapes).
+"""tt.tweak's shapes=: declared ranges of the sizes that vary (torch_tweak._core.shapes).
 
 The calls at both ends of each declared range are recorded with the dataset's, checked on and
 never measured; the class group's signature leaves the declared axes free; the padded backend
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import torch_tweak as tt
-from torch_tweak import shapes as declared_shapes
+from torch_tweak._core import shapes as declared_shapes
 from torch_tweak.backends import Backend, PaddedGraphBackend
 from support import FAST, Slow
 from test_varying import requests

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 import torch_tweak as tt
-from torch_tweak import signatures
-from torch_tweak._samples import load_dataset
-from torch_tweak.tuning import dataset_runner, record
+from torch_tweak._core import signatures
+from torch_tweak._core._samples import load_dataset
+from torch_tweak._search.tuning import dataset_runner, record
 from torch_tweak.backends import Backend, TorchEagerBackend
 from support import FAST
 

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 import torch_tweak as tt
-from torch_tweak import correctness, serial
-from torch_tweak._samples import CacheRecord
+from torch_tweak._core import correctness
+from torch_tweak._store import serial
+from torch_tweak._core._samples import CacheRecord
 
 transformers = pytest.importorskip("transformers")
 TESTS = os.path.dirname(os.path.abspath(__file__))

@@ -63,7 +63,8 @@ def test_time_budget_stops_new_depths(mlp, mlp_data):
 def test_one_settings_value_is_checked_hashed_and_passed_on(mlp, mlp_data, monkeypatch):
     """The depth search's settings are checked once, by the engine's rules, and that one value,
     in the engine's forms, is what the tuning cache hashes and what the engine gets."""
-    from torch_tweak import _C, tuning_cache
+    from torch_tweak import _C
+    from torch_tweak._store import tuning_cache
 
     checked, hashed, passed = [], [], []
     check, search, key_parts = _C.check_tweak_config, _C.tweak, tuning_cache.key_parts
@@ -251,7 +252,7 @@ def test_bad_settings_raise_the_engines_message_before_anything_runs(mlp, mlp_da
 def test_interrupt_in_a_build_leaves_the_model_as_it_was(mlp, mlp_data):
     """A KeyboardInterrupt inside a candidate's build: the engine commits the open group (its
     build scopes close, grad mode comes back), leaves the cut, and the interrupt propagates."""
-    from torch_tweak.module import is_wrapped
+    from torch_tweak._runtime.module import is_wrapped
 
     class Interrupting(tt.Backend):
         name = "Interrupting"

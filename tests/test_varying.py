@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import torch_tweak as tt
-from torch_tweak import signatures
+from torch_tweak._core import signatures
 from torch_tweak.backends import PaddedGraphBackend
 from support import FAST
 from test_other_group import BakingBackend, build, calls

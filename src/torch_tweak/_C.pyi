@@ -203,7 +203,7 @@ def tweak(tree: Tree, *,
     the original forward (given: the kept depth is confirmed side by side).
     log(level, text): the engine's lines, level 0 info, 1 warning.
     load(): the machine's load, (others, capacity) running totals of CPU-seconds
-    (torch_tweak.cpu_load.reading), or None when unknown; read around each
+    (torch_tweak._core.cpu_load.reading), or None when unknown; read around each
     measurement of the untuned model and each side-by-side one, to tell a busy
     machine (BUSY_SHARE)."""
 

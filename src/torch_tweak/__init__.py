@@ -15,18 +15,18 @@ from typing import Any
 from torch import nn
 
 from . import backends
-from .axes import Axes, precision_backends
+from .backends.axes import Axes, precision_backends
 from .backends import Backend, BackendConfig
-from .checkpoint import CheckpointError, load, save
-from .correctness import TOLERANCES
-from .inspecting import ModuleTree, inspect
-from .module import TunedModule, install_all, installed, resolve_paths, set_mode, unwrap
-from .strategy import (FirstWinsStrategy, HighestThroughputStrategy, OneBackendStrategy, Strategy,
-                       default_backends, default_strategy)
-from .tuning import tune
-from .tuning_cache import clear_cache
-from .report import ModuleResult, ModuleResults, SignatureResult
-from .status import ModelStatus, ModuleStatus, status
+from ._store.checkpoint import CheckpointError, load, save
+from ._core.correctness import TOLERANCES
+from ._runtime.inspecting import ModuleTree, inspect
+from ._runtime.module import TunedModule, install_all, installed, resolve_paths, set_mode, unwrap
+from .backends.strategy import (FirstWinsStrategy, HighestThroughputStrategy, OneBackendStrategy, Strategy,
+                                default_backends, default_strategy)
+from ._search.tuning import tune
+from ._store.tuning_cache import clear_cache
+from ._view.report import ModuleResult, ModuleResults, SignatureResult
+from ._view.status import ModelStatus, ModuleStatus, status
 from .tweak import DepthResult, TweakResult, tweak
 from ._version import __version__
 

@@ -181,7 +181,7 @@ def command_tweak(args: argparse.Namespace) -> int:
 def command_show(args: argparse.Namespace) -> int:
     if not os.path.lexists(args.file):
         raise CliError(f"{args.file} does not exist")
-    from .checkpoint import read_summary
+    from ._store.checkpoint import read_summary
     try:
         summary = read_summary(args.file)
     except (ValueError, OSError) as exc:

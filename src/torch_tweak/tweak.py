@@ -11,22 +11,26 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from . import _C, axes, distributed, generation, model_state, tuning_cache
-from . import cpu_load
-from ._samples import load_dataset, resolve_device, synchronizer
-from .inspecting import ModuleTree, trace
-from .module import TunedModule, arm_untuned, install, installed, make_wrapper, uninstall, unwrap
-from .plan import SELECTED_DEPTHS, plan_of
-from .progress import Progress
-from .report import ModuleResults, fold, module_result
-from .strategy import Strategy, default_backends, default_strategy
-from .serial import Unstorable
-from .status import status
-from .shapes import DECLARED, check_calls, check_shapes, edge_calls
-from .signatures import forward_params
-from .tuning import (ModuleSearch, absorb, check_measure, dataset_runner, measure_for, model_class_name, record,
-                     release)
-from .workload import TokenRow, Workload, choose_loop
+from . import _C
+from .backends import axes
+from ._core import distributed, model_state
+from ._runtime import generation
+from ._store import tuning_cache
+from ._core import cpu_load
+from ._core._samples import load_dataset, resolve_device, synchronizer
+from ._runtime.inspecting import ModuleTree, trace
+from ._runtime.module import TunedModule, arm_untuned, install, installed, make_wrapper, uninstall, unwrap
+from ._search.plan import SELECTED_DEPTHS, plan_of
+from ._view.progress import Progress
+from ._view.report import ModuleResults, fold, module_result
+from .backends.strategy import Strategy, default_backends, default_strategy
+from ._store.serial import Unstorable
+from ._view.status import status
+from ._core.shapes import DECLARED, check_calls, check_shapes, edge_calls
+from ._core.signatures import forward_params
+from ._search.tuning import (ModuleSearch, absorb, check_measure, dataset_runner, measure_for, model_class_name,
+                             record, release)
+from ._runtime.workload import TokenRow, Workload, choose_loop
 
 _DEFAULTS = _C.default_tweak_config()  # the engine owns every default of the depth search
 
@@ -95,7 +99,7 @@ class TweakResult:
     measured_at: then, when its figures were measured (UTC, ISO 8601), else None.
     tokens: for a workload that calls generate(), a TokenRow (tokens per second, time to
     first token) for the untuned model, each depth and the kept configuration; else None.
-    decode_loop: the decode loop kept behind generate() (torch_tweak.generation.LOOPS), or None;
+    decode_loop: the decode loop kept behind generate() (torch_tweak._runtime.generation.LOOPS), or None;
     loop_report: each decode-loop candidate's latency or why it lost.
     """
 
@@ -289,7 +293,7 @@ class TweakResult:
     def plot(self, path: Any, alternatives: dict[str, float] | None = None) -> str:
         """Writes a PNG chart of latency per depth against the untuned model (and any
         `alternatives` you measured, {label: ms}) to `path`; returns the path. Needs matplotlib."""
-        from .plotting import plot_result
+        from ._view.plotting import plot_result
 
         return plot_result(self, path, alternatives)
 
@@ -429,7 +433,7 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
     measures is then one run of it, and a workload is never cached. ``effort``: "default", or
     "high" to also try, on the heavy modules (the model and those taking at least 20 % of its
     time), channels-last, every SDPA kernel (CUDA), max-autotune and combo kernels (CUDA)
-    (torch_tweak.axes).
+    (torch_tweak.backends.axes).
     ``precision``: {policy: tolerance} of lower-precision candidates you allow ("tf32",
     "bf16", "int8", "fp8"), each checked against its tolerance; None (the default): none.
     Once ``time_budget`` is used up, the variants of either not built yet are left out.
@@ -665,7 +669,7 @@ def _search(model: nn.Module, session: "_Session", calls: Any, job: Workload | N
 
 
 def _together(ranks: "distributed.Ranks", session: "_Session", hooks: dict) -> dict:
-    """The engine's callbacks when the ranks tune together (torch_tweak.distributed): each
+    """The engine's callbacks when the ranks tune together (torch_tweak._core.distributed): each
     step agreed on by every rank, the timed calls' failures agreed at the sync that follows
     them, the ranks' clock and load; the module search's likewise (Ranks.agreeing)."""
     ranks.agreeing(session.search, session.tree.tree.path)

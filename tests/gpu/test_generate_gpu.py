@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torch_tweak as tt
-from torch_tweak import generation
+from torch_tweak._runtime import generation
 
 transformers = pytest.importorskip("transformers")
 

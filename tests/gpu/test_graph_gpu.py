@@ -11,10 +11,11 @@ import torch
 from torch import nn
 
 import torch_tweak as tt
-from torch_tweak import _C, signatures
+from torch_tweak import _C
+from torch_tweak._core import signatures
 from torch_tweak.backends import DeviceGraphBackend, InductorGraphBackend, TorchEagerBackend
 from torch_tweak.backends.graph import GraphUnsupported
-from torch_tweak.signatures import MAX_SIGNATURES
+from torch_tweak._core.signatures import MAX_SIGNATURES
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples", "Tweak"))
 import encoder  # noqa: E402

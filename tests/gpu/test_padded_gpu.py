@@ -12,7 +12,7 @@ from torch import nn
 
 import torch_tweak as tt
 from torch_tweak.backends import PaddedGraphBackend
-from torch_tweak.module import installed
+from torch_tweak._runtime.module import installed
 
 
 def mlp() -> nn.Module:

@@ -1,19 +1,21 @@
 """Backends: each runs a module one way and has a config object.
 
-Every module of this package but ``base``, ``variants`` and ``registry`` is one backend's
-file: it is imported here, registers its backend (``registry.register``), and this package
-exports the registered class and its config class by their names. Adding a backend is its
-file (with its registration) and its tests."""
+Every module of this package but the support modules (``base``: the contract; ``variants``:
+the variant fields; ``registry``; ``axes`` and ``strategy``: a module's candidates made of the
+registrations) is one backend's file: it is imported here, registers its backend
+(``registry.register``), and this package exports the registered class and its config class by
+their names. Adding a backend is its file (with its registration) and its tests."""
 
 import importlib
 import pkgutil
 
 from . import registry
-from .base import Backend, BackendConfig, BackendUnavailable
+from .base import Backend, BackendConfig, BackendUnavailable, ShapesVary
 from .variants import VariantConfig
 
-_SUPPORT = ("base", "registry", "variants")
-"""The modules every backend builds on; the others are backends' files."""
+_SUPPORT = ("axes", "base", "registry", "strategy", "variants")
+"""The modules every backend builds on, and those that make candidates of the backends; the
+others are backends' files."""
 
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     if _module not in _SUPPORT and not _module.startswith("_"):
@@ -26,6 +28,6 @@ for _cls in BUILT_IN:
     globals()[_cls.__name__] = _cls
     globals()[_cls.config_class.__name__] = _cls.config_class
 
-__all__ = sorted(["Backend", "BackendConfig", "BackendUnavailable", "VariantConfig",
+__all__ = sorted(["Backend", "BackendConfig", "BackendUnavailable", "ShapesVary", "VariantConfig",
                   *(c.__name__ for c in BUILT_IN), *(c.config_class.__name__ for c in BUILT_IN)])
 """The base classes every backend builds on, and each built-in backend with its config class."""

@@ -11,10 +11,10 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from .. import noise
-from .._samples import Call, unstorable
-from ..schema import Fraction, Spec
-from ..shapes import Shapes
+from .._core import noise
+from .._core._samples import Call, unstorable
+from .._core.schema import Fraction, Spec
+from .._core.shapes import Shapes
 
 
 @dataclasses.dataclass
@@ -22,13 +22,13 @@ class BackendConfig:
     """Settings every backend shares.
 
     tolerance: the relative tolerance of the correctness check for this backend
-    (None: the per-dtype default of torch_tweak.correctness.TOLERANCES).
+    (None: the per-dtype default of torch_tweak._core.correctness.TOLERANCES).
     """
 
     tolerance: float | None = None
 
     SCHEMA: ClassVar[dict[str, Spec]] = {"tolerance": Fraction(0.0, 1.0)}
-    """What a saved file may hold of each field (torch_tweak.schema). A subclass declares
+    """What a saved file may hold of each field (torch_tweak._core.schema). A subclass declares
     its own fields here; a field left out, or a value its spec refuses, is saved only as a
     fingerprint, and tt.load takes it from the caller's backends=, never from the file."""
 
@@ -66,6 +66,12 @@ class BackendConfig:
 
 class BackendUnavailable(Exception):
     """The backend cannot run here (a package not installed, a device it does not support)."""
+
+
+class ShapesVary(Exception):
+    """The backend serves one shape and the recorded calls' sizes vary (the engine's reason
+    "dynamic shapes"). A build raises it, or a subclass, to say so; any other exception is
+    "build failed"."""
 
 
 class Backend(abc.ABC):
@@ -110,12 +116,12 @@ class Backend(abc.ABC):
     """True when build runs native code that can crash the process (a segfault in a
     compiler): tuning then first builds this candidate in a child process, once per module,
     signature and library versions, and a crash there rejects it instead of killing the
-    user's process (see torch_tweak.isolation). Opt-in for a backend of your own."""
+    user's process (see torch_tweak._search.isolation). Opt-in for a backend of your own."""
     records_graph = False
     """True when build records the module's work in a device graph that calls replay (the
     device graph, the padded graphs). Under torch.distributed every rank then records at the
     same step, together, and a group whose collectives a graph cannot record (not NCCL) has
-    the candidate refused (torch_tweak.distributed.enter_build)."""
+    the candidate refused (torch_tweak._core.distributed.enter_build)."""
     packages: tuple[str, ...] = ()
     compiles_with_inductor = False
     """True when the built callable runs Inductor-compiled code: tt.save then keeps
@@ -187,7 +193,7 @@ class Backend(abc.ABC):
 
     def for_shapes(self, shapes: Shapes) -> "Backend":
         """This backend for traffic within the declared ranges `shapes` (tt.tweak's shapes=,
-        torch_tweak.shapes): a backend whose config bounds the sizes it serves returns a fresh
+        torch_tweak._core.shapes): a backend whose config bounds the sizes it serves returns a fresh
         copy bounded by them (the padded backend's range). Here: itself, unchanged; every
         backend is also built and checked on the calls at the ranges' ends."""
         return self

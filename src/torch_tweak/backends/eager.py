@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .._samples import Call
+from .._core._samples import Call
 from .base import Backend
 from .registry import register
 from .variants import CHANNELS_LAST, LOWER_PRECISION, VariantConfig

@@ -35,13 +35,12 @@ import torch
 import torch.utils._pytree as pytree
 
 from .. import _C
-from .._samples import Call
-from ..schema import Count, Flag, OneOf
-from .base import Backend
+from .._core._samples import Call
+from .._core.schema import Count, Flag, OneOf
+from .base import Backend, ShapesVary
 from .inductor import compile_module, shared_compiles
 from .registry import register
-from .variants import (AUTOTUNE_MODE, CHANNELS_LAST, COMBO_KERNELS, LOWER_PRECISION, MAX_AUTOTUNE, SDPA,
-                       VariantConfig)
+from .variants import AUTOTUNE_MODE, CHANNELS_LAST, COMBO_KERNELS, LOWER_PRECISION, MAX_AUTOTUNE, SDPA, VariantConfig
 
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 
@@ -52,6 +51,10 @@ PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, t
 
 class GraphUnsupported(Exception):
     """The recorded samples or the module's outputs cannot be served by one static graph."""
+
+
+class GraphShapesVary(GraphUnsupported, ShapesVary):
+    """The recorded samples' sizes vary: one static graph cannot serve them."""
 
 
 class GraphCaptureError(Exception):
@@ -177,12 +180,12 @@ def _check_tensors(values: list, where: str, device: torch.device) -> None:
         if value.dtype != first.dtype:
             raise GraphUnsupported(f"{where} is {first.dtype} in sample 0 but {value.dtype} in sample {n}")
         if value.dim() != first.dim():
-            raise GraphUnsupported(f"dynamic shapes: {where} has {first.dim()} dims in sample 0, "
+            raise GraphShapesVary(f"dynamic shapes: {where} has {first.dim()} dims in sample 0, "
                                    f"{value.dim()} in sample {n}")
     for axis in range(first.dim()):
         sizes = sorted({int(v.shape[axis]) for v in values})
         if len(sizes) > 1:
-            raise GraphUnsupported(f"dynamic shapes: {where} axis {axis} varies "
+            raise GraphShapesVary(f"dynamic shapes: {where} axis {axis} varies "
                                    f"(sizes {', '.join(map(str, sizes))})")
 
 

@@ -10,8 +10,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .._samples import Call
-from ..schema import Flag, OneOf
+from .._core._samples import Call
+from .._core.schema import Flag, OneOf
 from .base import Backend, NeedsStorableSamples
 from .registry import register
 from .variants import AUTOTUNE_MODE, CHANNELS_LAST, LOWER_PRECISION, MAX_AUTOTUNE, VariantConfig

@@ -29,9 +29,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from .. import noise
-from .._samples import Call, unstorable
-from ..schema import Count, OneOf
+from .._core import noise
+from .._core._samples import Call, unstorable
+from .._core.schema import Count, OneOf
 from .base import Backend, BackendConfig, FlatModule, OutputForm
 from .registry import register
 
@@ -43,7 +43,7 @@ MAX_THREADS = 1024
 ONNX_EXPORT = {"torch.onnx._internal.exporter._registration": ("is not installed. Skipping",),
                "onnxscript.optimizer._constant_folding": ("Evaluation failed:",)}
 """What torch's dynamo ONNX exporter says about packages the user does not have (dropped while it
-runs, torch_tweak.noise): a warning for every torchvision operator it would register when
+runs, torch_tweak._core.noise): a warning for every torchvision operator it would register when
 torchvision is not installed ("torchvision is not installed. Skipping torchvision::nms"), on
 every export, and onnxscript's constant folding's "Evaluation failed" for a constant it leaves
 unfolded (the exported model is unchanged by it)."""

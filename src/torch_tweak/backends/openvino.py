@@ -43,9 +43,9 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from .._samples import Call, move, unstorable
-from ..model_state import restore_places, weight_places
-from ..schema import Name, OneOf
+from .._core._samples import Call, move, unstorable
+from .._core.model_state import restore_places, weight_places
+from .._core.schema import Name, OneOf
 from .base import Backend, BackendConfig, FlatModule, OutputForm
 from .registry import register
 

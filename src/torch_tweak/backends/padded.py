@@ -52,10 +52,10 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from .._samples import Call, fresh
-from ..correctness import MismatchError, check
-from ..schema import Count, Flag
-from ..shapes import Shapes, find_mask, named_leaves
+from .._core._samples import Call, fresh
+from .._core.correctness import MismatchError, check
+from .._core.schema import Count, Flag
+from .._core.shapes import Shapes, find_mask, named_leaves
 from .base import Backend, BackendConfig, BackendUnavailable
 from .graph import _DeviceApi, capture, graph_unavailable, warm_up
 from .inductor import compile_module, shared_compiles
@@ -491,7 +491,7 @@ class PaddedGraphBackend(Backend):
         return graph_unavailable(device) if self.config.graph else None
 
     def build(self, module: torch.nn.Module, samples: Sequence[Call], device: torch.device) -> Callable[..., Any]:
-        from ..signatures import forward_params
+        from .._core.signatures import forward_params
         if len(samples) < 1:
             raise NothingToPad("no recorded call")
         with torch.no_grad():

@@ -19,9 +19,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .. import noise
-from .._samples import Call
-from ..schema import Flag, OneOf
+from .._core import noise
+from .._core._samples import Call
+from .._core.schema import Flag, OneOf
 from .base import Backend, BackendConfig, NeedsStorableSamples, copy_module
 from .registry import register
 from .variants import Variant
@@ -35,7 +35,7 @@ outputs by about 0.5 % of their scale, and errors add up through a block."""
 TORCHAO_IMPORT = {"torchao": ("Failed to load",),
                   "torch.utils._pytree": ("is an Enum subclass and is now natively supported",)}
 """What importing a torchao that does not match the installed torch says (dropped while it runs,
-torch_tweak.noise): "Failed to load" for each of its native libraries it cannot load (its CUDA
+torch_tweak._core.noise): "Failed to load" for each of its native libraries it cannot load (its CUDA
 kernels on a CPU machine), and the Enum types its import registers, which this torch logs as
 deprecated. torch-tweak imports torchao only when TorchAO is asked for (TorchAOBackend,
 precision={"int8"|"fp8": ...})."""

@@ -1,7 +1,7 @@
 """A candidate's variant settings beyond its backend (memory layout, attention kernel, TF32,
 autocast): the config fields every config that carries them has, their schema and checks, the
 label they give a candidate, their tolerance, where they cannot run, and the build wrapper that
-runs a backend's callable under them. torch_tweak.axes decides which variants a tweak tries."""
+runs a backend's callable under them. torch_tweak.backends.axes decides which variants a tweak tries."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from .._samples import Call
-from ..correctness import tolerance_for
-from ..schema import DType, Flag, OneOf
+from .._core._samples import Call
+from .._core.correctness import tolerance_for
+from .._core.schema import DType, Flag, OneOf
 from .base import BackendConfig, copy_module
 
 LAYOUTS = (None, "channels_last")
@@ -80,7 +80,7 @@ def _contiguous(value: Any) -> Any:
 
 @dataclasses.dataclass
 class VariantConfig(BackendConfig):
-    """The config of a backend that offers variants (torch_tweak.axes): the variant fields, their
+    """The config of a backend that offers variants (torch_tweak.backends.axes): the variant fields, their
     schema and check, the label they give a candidate, their tolerance, where they cannot run,
     whether they lower precision, and the build wrapper that runs the backend's own callable
     under them. The fields are keyword-only, after a subclass's own.
@@ -122,7 +122,7 @@ class VariantConfig(BackendConfig):
         return any(getattr(self, name) not in (None, False) for name in AXIS_SCHEMA)
 
     def takes_variants(self) -> bool:
-        """Whether torch_tweak.axes may add variants to this config: it is the backend as it
+        """Whether torch_tweak.backends.axes may add variants to this config: it is the backend as it
         is (no variant field set, not lowering precision; a subclass adds its own settings)."""
         return not self.has_variants() and not self.lowers_precision()
 
@@ -218,11 +218,11 @@ class VariantConfig(BackendConfig):
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """A variant a backend offers (declared in its registration, torch_tweak.backends.registry):
-    tried when tt.tweak is asked for it, on the modules its rule picks (torch_tweak.axes).
+    tried when tt.tweak is asked for it, on the modules its rule picks (torch_tweak.backends.axes).
 
     asked: "high" (effort="high") or a precision policy ("tf32", "bf16", "int8", "fp8"; the
     policy's tolerance becomes the variant's). rule: the modules it applies to ("conv",
-    "heavy", "sdpa", "fp32", "linear"; torch_tweak.axes.Axes.applies). fields: the config
+    "heavy", "sdpa", "fp32", "linear"; torch_tweak.backends.axes.Axes.applies). fields: the config
     fields it sets. order: its place among the variants of one `asked` (backends in their own
     order within one place). devices: the device types it is offered on (empty: all).
     alone: a candidate of its own, the registered class built with `fields`, instead of a

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from torch import nn
 
-from . import _C
+from .. import _C
 
 MODE_ORIGINAL = _C.MODE_ORIGINAL
 MODE_ACTIVE = _C.MODE_ACTIVE
@@ -77,7 +77,7 @@ class TunedModule(_C.Dispatcher, nn.Module):
     tt_name: the full dotted path of the module in its model ("" for the root).
     tt_backend: the chosen backend (of the first signature), or None while untuned or when
     tuning failed.
-    tt_signatures: the recorded input signatures (torch_tweak.signatures.SignatureGroup),
+    tt_signatures: the recorded input signatures (torch_tweak._core.signatures.SignatureGroup),
     each with its own backend and report.
     tt_report: what every candidate backend did per signature (state, latency, error).
     """
@@ -296,7 +296,7 @@ def unwrap(model: nn.Module, paths: Iterable[str] | None = None) -> None:
     table = installed(model)
     targets = table.keys() if paths is None else paths
     if paths is None and getattr(model.__dict__.get("generate"), "_tt_decode_loop", False):
-        del model.__dict__["generate"]  # tweak's decode loop (torch_tweak.generation)
+        del model.__dict__["generate"]  # tweak's decode loop (torch_tweak._runtime.generation)
     # Deepest first, so a parent is never restored around a child that is still wrapped.
     for path in sorted(targets, key=lambda p: -p.count(".") - (p != "")):
         if path in table:

@@ -35,20 +35,21 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ._samples import resolve_device, unstorable
-from .backends import Backend
-from . import archive, distributed
-from .storage import NotRegular, atomic_file
-from .module import installed, own_class, resolve_paths
-from . import plan as planning
-from .generation import LOOPS, LoopPlan, check_bounds, check_layouts
-from .plan import SELECTED_DEPTHS, ModulePlan, Plan, plan_of
-from .shapes import Shapes, check_shapes
-from .workload import MAX_GENERATE_CALLS
-from .serial import (MAX_JSON_VALUES, Unstorable, build_backend, class_path, decode, describe_backend, device_name, dumps, encode,
-                     known_types, loads)
-from .signatures import (MAX_CALLS_PER_SIGNATURE, MAX_SIGNATURES, OTHER, SignatureGroup, forward_params,
-                         make_signature, proven_signatures)
+from .._core._samples import resolve_device, unstorable
+from ..backends import Backend
+from . import archive
+from .._core import distributed
+from .._core.storage import NotRegular, atomic_file
+from .._runtime.module import installed, own_class, resolve_paths
+from .._search import plan as planning
+from .._runtime.generation import LOOPS, LoopPlan, check_bounds, check_layouts
+from .._search.plan import SELECTED_DEPTHS, ModulePlan, Plan, plan_of
+from .._core.shapes import Shapes, check_shapes
+from .._runtime.workload import MAX_GENERATE_CALLS
+from .serial import (MAX_JSON_VALUES, Unstorable, build_backend, class_path, decode, describe_backend,
+                     device_name, dumps, encode, known_types, loads)
+from .._core.signatures import (MAX_CALLS_PER_SIGNATURE, MAX_SIGNATURES, OTHER, SignatureGroup, forward_params,
+                                make_signature, proven_signatures)
 
 FORMAT = "torch-tweak"
 VERSION = 2
@@ -130,7 +131,7 @@ def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None =
     False: none; or a ProcessGroup) the file says this process's rank and the world size, and
     tt.load takes it only on that rank of a run as large: save one file per rank.
     """
-    from ._version import __version__
+    from .._version import __version__
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")

@@ -12,9 +12,9 @@ import dataclasses
 
 from torch import nn
 
-from .generation import loop_of
-from .module import UNTUNED_REASONS, installed
-from .shapes import DECLARED, Shapes
+from .._runtime.generation import loop_of
+from .._runtime.module import UNTUNED_REASONS, installed
+from .._core.shapes import DECLARED, Shapes
 
 
 def _table(rows: list[list[str]]) -> str:

@@ -10,17 +10,19 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from . import _C, distributed, isolation, model_state
-from ._samples import Call, clone, fresh, load_dataset, resolve_device, synchronizer, unstorable
-from .backends.base import Backend, BackendUnavailable
+from .. import _C
+from .._core import distributed, model_state
+from . import isolation
+from .._core._samples import Call, clone, fresh, load_dataset, resolve_device, synchronizer, unstorable
+from ..backends.base import Backend, BackendUnavailable, ShapesVary
 from .buildlog import BuildLog, capture_build, log_path
-from .correctness import MismatchError, check
-from .module import TunedModule, arm_untuned, installed, own_class
-from .progress import Progress
-from .report import candidates_of, fold
-from .signatures import (MAX_CALLS_PER_SIGNATURE, SignatureGroup, forward_params, group_for, is_other, merge_varying,
-                         proven_signatures)
-from .strategy import Strategy, default_backends, default_strategy
+from .._core.correctness import MismatchError, check
+from .._runtime.module import TunedModule, arm_untuned, installed, own_class
+from .._view.progress import Progress
+from .._view.report import candidates_of, fold
+from .._core.signatures import (MAX_CALLS_PER_SIGNATURE, SignatureGroup, forward_params, group_for, is_other,
+                                merge_varying, proven_signatures)
+from ..backends.strategy import Strategy, default_backends, default_strategy
 
 logger = logging.getLogger("torch_tweak")
 
@@ -28,8 +30,8 @@ logger = logging.getLogger("torch_tweak")
 def record(wrappers: Iterable[TunedModule], run_dataset: Callable[[], None],
            run_edges: Callable[[], None] | None = None) -> None:
     """Runs the dataset once with `wrappers` recording their calls and original outputs,
-    grouped by input signature (see torch_tweak.signatures). run_edges: then runs the calls
-    at the ends of the declared shapes (torch_tweak.shapes), each recorded by every wrapper
+    grouped by input signature (see torch_tweak._core.signatures). run_edges: then runs the calls
+    at the ends of the declared shapes (torch_tweak._core.shapes), each recorded by every wrapper
     and added to its shape class's group, to be checked on and never measured."""
     wrappers = list(wrappers)
     edges: set[int] = set()  # ids of the samples the edge calls recorded
@@ -103,7 +105,7 @@ def _reason(exc: BaseException) -> str:
         return "crashed"
     if isinstance(exc, MismatchError):
         return "mismatch"
-    if str(exc).startswith("dynamic shapes"):
+    if isinstance(exc, ShapesVary):
         return "dynamic shapes"
     return "build failed"
 

@@ -125,7 +125,7 @@ def status(candidate: dict, chosen: bool, unstorable: int) -> str:
     if reason == "mismatch" and candidate.get("max_error") is not None:
         return f"failed the correctness check: error {candidate['max_error']:.3g} > {candidate['tolerance']:.3g}"
     if reason == "dynamic shapes":
-        return "rejected for dynamic shapes: " + error.split("dynamic shapes: ", 1)[-1]
+        return "rejected for dynamic shapes: " + error.split(": ", 1)[-1].removeprefix("dynamic shapes: ")
     if reason == "unavailable":
         return error.removeprefix("BackendUnavailable: ")
     if reason == "crashed":

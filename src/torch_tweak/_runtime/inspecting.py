@@ -8,8 +8,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from . import _C
-from ._samples import Call, load_dataset, resolve_device
+from .. import _C
+from .._core._samples import Call, load_dataset, resolve_device
 
 
 class ModuleTree:
@@ -68,7 +68,7 @@ def trace(model: nn.Module, calls: Sequence[Call] | None, runner: Callable[[], A
 
     A sample the model rejects raises ValueError naming the sample; the hooks are
     removed whatever happens, so the model is left as it was. runner: instead of `calls`,
-    a callable that runs the model (a workload, see torch_tweak.workload).
+    a callable that runs the model (a workload, see torch_tweak._runtime.workload).
     """
     names: dict[int, str] = {}
     for path, module in model.named_modules():

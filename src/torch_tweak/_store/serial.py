@@ -2,7 +2,7 @@
 
 Values (recorded calls, their outputs, backend configs) become JSON trees: a tensor is a
 reference into a tensor table, tuples, dicts, dtypes and devices are tagged objects. A
-backend config is stored through its class's closed schema (torch_tweak.schema): values the
+backend config is stored through its class's closed schema (torch_tweak._core.schema): values the
 schema refuses are kept only as fingerprints. Nothing here imports a module or builds an
 object other than tensors, dtypes, devices, plain values, and a backend that is either one
 of torch-tweak's own (built from schema-checked values) or one the caller passed.
@@ -20,9 +20,9 @@ from typing import Any, Sequence
 
 import torch
 
-from ._samples import CacheRecord, cache_layers
-from .backends.base import Backend, BackendConfig
-from .schema import FINGERPRINT, SUPPLIED as SUPPLIED_SPEC, fingerprint, is_fingerprint, spec_of
+from .._core._samples import CacheRecord, cache_layers
+from ..backends.base import Backend, BackendConfig
+from .._core.schema import FINGERPRINT, SUPPLIED as SUPPLIED_SPEC, fingerprint, is_fingerprint, spec_of
 
 MAX_JSON_DEPTH = 64
 """Deeper JSON is refused: nothing torch-tweak writes nests more than a dozen levels."""
@@ -230,7 +230,7 @@ def build_backend(tree: Any, given: Sequence[Backend] = ()) -> Backend:
     copied. Otherwise the class must be one of torch-tweak's own (backends.BUILT_IN), not
     opt-in, and every field must hold a value its schema accepts: a fingerprint (a value the
     file may not hold) asks the caller for the backend. No class is imported by name."""
-    from .backends import BUILT_IN
+    from ..backends import BUILT_IN
 
     if (type(tree) is not dict or type(tree.get("class")) is not str or type(tree.get("config")) is not dict
             or not all(type(k) is str for k in tree["config"])):

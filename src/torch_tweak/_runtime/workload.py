@@ -5,7 +5,7 @@ model for that callable instead of for a list of forward calls: tweak runs it to
 modules it calls and to record their calls (a decoder's prefill and its decode steps become
 separate input signatures), and what it measures per depth is one whole run of the
 callable. When the callable calls ``generate()`` of a transformers model, tweak also tries
-its own greedy decode loop (torch_tweak.generation) on the kept depth, and the result speaks
+its own greedy decode loop (torch_tweak._runtime.generation) on the kept depth, and the result speaks
 in tokens: tokens per second and time to first token, per depth and untuned.
 """
 
@@ -19,8 +19,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import _C, generation
-from ._samples import synchronizer
+from .. import _C
+from . import generation
+from .._core._samples import synchronizer
 
 MAX_GENERATE_CALLS = 4
 """generate() calls of the workload kept to check a decode loop's tokens against."""
@@ -171,7 +172,7 @@ class Workload:
 
     def check_tokens(self) -> None:
         """Raises MismatchError unless every recorded generate() call gives the untuned tokens."""
-        from .correctness import MismatchError
+        from .._core.correctness import MismatchError
 
         with torch.no_grad():
             for i, call in enumerate(self.generate_calls):
@@ -231,7 +232,7 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None) 
                 for recorded in workload.generate_calls:  # a sampling call: its distributions, step by step
                     problem = generation.distribution_difference(model, loop, recorded.args, recorded.kwargs)
                     if problem is not None:
-                        from .correctness import MismatchError
+                        from .._core.correctness import MismatchError
 
                         raise MismatchError(problem)
                 if loop.fallbacks:

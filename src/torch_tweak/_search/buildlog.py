@@ -18,7 +18,7 @@ import warnings
 from pathlib import Path
 from typing import Iterator
 
-from .storage import cache_dir
+from .._core.storage import cache_dir
 
 
 def _safe(part: str) -> str:

@@ -36,7 +36,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from .storage import open_regular
+from .._core.storage import open_regular
 
 CHUNK = 1 << 20
 """Bytes read (or inflated) at a time for a member that is streamed."""

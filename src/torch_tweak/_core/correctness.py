@@ -13,7 +13,7 @@ of its values finite (or none) compares too little to accept anything: every
 backend is refused for it (a file whose stored outputs are NaN is one). Integer
 and bool tensors must be equal. The defaults per
 dtype are in ``TOLERANCES``; change one for the whole process with
-``torch_tweak.correctness.TOLERANCES[torch.float32] = 1e-2``, or give a backend
+``torch_tweak._core.correctness.TOLERANCES[torch.float32] = 1e-2``, or give a backend
 config its own ``tolerance``.
 """
 

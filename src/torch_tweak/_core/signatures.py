@@ -41,7 +41,7 @@ from typing import Any, Sequence
 
 import torch
 
-from . import _C
+from .. import _C
 from ._samples import Call, describe_cache, structure_key, unstorable
 
 _C.set_value_keyer(structure_key)  # a key/value cache fits a signature by its structure, not its identity
@@ -269,7 +269,7 @@ def merge_varying(groups: list[SignatureGroup], samples: Sequence[Call], outputs
     module called with live state is left as it is.
 
     edges: the ids of the samples recorded from the calls at the ends of the declared shapes
-    (torch_tweak.shapes): each goes after the traffic's calls of its class's group (counted in
+    (torch_tweak._core.shapes): each goes after the traffic's calls of its class's group (counted in
     its ``declared``), whose free axes they widen; one whose class has no call of the
     traffic is dropped, as is every one when nothing is merged."""
     if not MERGE_VARYING or len(samples) < 2 or any(unstorable(s) is not None for s in samples):

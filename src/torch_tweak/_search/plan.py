@@ -23,12 +23,12 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ._samples import Call
-from .generation import LoopPlan, apply_loop, plan_loop, uninstall as uninstall_loop
-from .backends.base import Backend
-from .module import TunedModule, arm_untuned, install_all, installed, unwrap
-from .shapes import DECLARED, Shapes, edge_calls
-from .signatures import SignatureGroup, forward_params, is_other
+from .._core._samples import Call
+from .._runtime.generation import LoopPlan, apply_loop, plan_loop, uninstall as uninstall_loop
+from ..backends.base import Backend
+from .._runtime.module import TunedModule, arm_untuned, install_all, installed, unwrap
+from .._core.shapes import DECLARED, Shapes, edge_calls
+from .._core.signatures import SignatureGroup, forward_params, is_other
 from .tuning import apply_groups, dataset_runner, model_class_name, rebuild_group, record, release
 
 SELECTED_DEPTHS: "weakref.WeakKeyDictionary[nn.Module, int | None]" = weakref.WeakKeyDictionary()
@@ -73,7 +73,7 @@ class Plan:
     depth: int | None
     modules: list[ModulePlan] = dataclasses.field(default_factory=list)
     generate: LoopPlan | None = None  # tweak's decode loop behind generate() (docs/generate.md)
-    shapes: Shapes | None = None  # the declared ranges (tt.tweak's shapes=, torch_tweak.shapes)
+    shapes: Shapes | None = None  # the declared ranges (tt.tweak's shapes=, torch_tweak._core.shapes)
 
     @property
     def paths(self) -> list[str]:

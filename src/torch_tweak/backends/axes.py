@@ -3,7 +3,7 @@ autotuning and precision. A candidate is a backend plus its axis settings; tunin
 checks and measures each candidate like any other and keeps the fastest.
 
 The axis settings are fields of the backend's config (Torch Eager, Torch Inductor, the
-device graphs), so they have a closed schema (torch_tweak.schema) and survive tt.save,
+device graphs), so they have a closed schema (torch_tweak._core.schema) and survive tt.save,
 tt.load and the tuning cache like the rest of the config (their fields, checks and build
 wrapper: torch_tweak.backends.variants):
 
@@ -36,9 +36,9 @@ from typing import Any, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from ._samples import Call
-from .backends import registry
-from .backends.variants import VariantConfig
+from .._core._samples import Call
+from . import registry
+from .variants import VariantConfig
 
 EFFORTS = ("default", "high")
 """tt.tweak(effort=...): "default" tries the backends alone (today's tuning time); "high" also
@@ -85,8 +85,8 @@ def calls_sdpa(module: torch.nn.Module, samples: Sequence[Call]) -> bool:
     with a TorchFunctionMode; the module's state is put back afterwards)."""
     from torch.overrides import TorchFunctionMode
 
-    from . import model_state
-    from ._samples import fresh
+    from .._core import model_state
+    from .._core._samples import fresh
 
     target = torch.nn.functional.scaled_dot_product_attention
     seen = []

@@ -49,7 +49,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import _C
+from .. import _C
 from .module import install as install_wrapper, installed, uninstall as uninstall_wrapper
 
 logger = logging.getLogger("torch_tweak")
@@ -406,7 +406,7 @@ signatures tuned on them."""
 
 def describe_argument(value: Any) -> tuple:
     """One argument of a forward call as a layout holds it (plain JSON)."""
-    from ._samples import kv_cache_class
+    from .._core._samples import kv_cache_class
 
     if isinstance(value, torch.Tensor):
         return ("tensor", str(value.dtype), value.dim())

@@ -112,7 +112,7 @@ def process_stats() -> list[str]:
 
 def reading(also: Iterable[int] = ()) -> tuple[float, float] | None:
     """The reading now (see reading_of), or None where the load cannot be read (no
-    /proc/stat). also: the process ids of the other ranks on this host (torch_tweak.distributed),
+    /proc/stat). also: the process ids of the other ranks on this host (torch_tweak._core.distributed),
     whose time is the tweak's own. Never raises."""
     try:
         return reading_of(_read(os.path.join(PROC, "stat")), process_stats(), os.getpid(),

@@ -32,9 +32,9 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ._samples import Call
-from .storage import atomic_file, cache_dir
-from .signatures import describe_call
+from .._core._samples import Call
+from .._core.storage import atomic_file, cache_dir
+from .._core.signatures import describe_call
 
 VERSION = 2
 """2: the CPU by its instruction set and the libraries by their builds (1 named the CPU model)."""
@@ -99,7 +99,7 @@ def _build_of(name: str) -> str | None:
 def builds(names: Sequence[str]) -> dict[str, Any]:
     """The version and build of torch (its git revision and build configuration), of torch-tweak
     and of each distribution in `names` (None for one not installed)."""
-    from ._version import __version__
+    from .._version import __version__
 
     try:
         config = _digest(torch.__config__.show())

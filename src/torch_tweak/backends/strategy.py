@@ -10,10 +10,11 @@ from typing import Any, Sequence
 
 import torch
 
-from . import _C
+from .. import _C
 from .axes import Axes
-from .backends import Backend, registry
-from .shapes import Shapes
+from .base import Backend
+from . import registry
+from .._core.shapes import Shapes
 
 
 def default_backends(device: Any) -> list[Backend]:
@@ -38,10 +39,10 @@ class Strategy:
 
     kind = ""
     axes: Axes | None = None
-    """The variants this strategy adds to its backends (torch_tweak.axes.Axes); None: none.
+    """The variants this strategy adds to its backends (torch_tweak.backends.axes.Axes); None: none.
     tt.tweak sets it from effort= and precision=; with_axes() gives a copy with other axes."""
     shapes: Shapes | None = None
-    """The declared ranges of the sizes that vary (tt.tweak's shapes=, torch_tweak.shapes): each
+    """The declared ranges of the sizes that vary (tt.tweak's shapes=, torch_tweak._core.shapes): each
     backend is given them (Backend.for_shapes); with_shapes() gives a copy with others."""
     measures = False
     """True for a strategy that measures every candidate and keeps the fastest: only such a

@@ -36,17 +36,17 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ._samples import Call
-from .backends import registry
-from .storage import atomic_file, cache_dir, read_regular
-from .correctness import TOLERANCES
-from . import plan as planning
-from .plan import ModulePlan, Plan, PlanError, RebuildFailed, plan_of
-from .report import ModuleResult, ModuleResults, SignatureResult
-from .schema import fingerprint
+from .._core._samples import Call
+from ..backends import registry
+from .._core.storage import atomic_file, cache_dir, read_regular
+from .._core.correctness import TOLERANCES
+from .._search import plan as planning
+from .._search.plan import ModulePlan, Plan, PlanError, RebuildFailed, plan_of
+from .._view.report import ModuleResult, ModuleResults, SignatureResult
+from .._core.schema import fingerprint
 from .serial import Unstorable, class_path, describe_backend, device_name, dumps, loads
-from .signatures import SignatureGroup, describe_call
-from .strategy import Strategy, default_strategy
+from .._core.signatures import SignatureGroup, describe_call
+from ..backends.strategy import Strategy, default_strategy
 
 ENTRY_VERSION = 4
 """4: the calls of one shape class whose sizes vary are one group (signatures.merge_varying):
@@ -74,7 +74,7 @@ def key_parts(model: nn.Module, calls: Sequence[Call], device: torch.device, str
               settings: dict[str, Any]) -> dict[str, Any]:
     """Everything a tweak's result depends on, as JSON; Unstorable when a backend config has
     a value with no JSON form (that tweak is not cached)."""
-    from ._version import __version__
+    from .._version import __version__
 
     template = strategy if strategy is not None else default_strategy(device)
     packages = {}

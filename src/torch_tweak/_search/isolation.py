@@ -6,7 +6,7 @@ each call once; it only proves that this does not kill the process. A child that
 a signal, or exits before it finished, rejects the candidate (BuildCrashed, "OpenVINO
 crashed while compiling (signal 11, SIGSEGV)"); an exception in the child is not a crash
 (the real build, in the parent, raises it again and reports it). The verdict is stored
-(torch_tweak.verdicts), so the child runs once per backend config, module, signature and
+(torch_tweak._search.verdicts), so the child runs once per backend config, module, signature and
 library versions; the real build then happens in the parent as before. Nothing of this
 is on the path of a tuned call.
 
@@ -53,8 +53,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from . import _C, verdicts
-from ._samples import Call
+from .. import _C
+from . import verdicts
+from .._core._samples import Call
 
 ISOLATION_ENV = "TORCH_TWEAK_ISOLATION"
 CAP = float(os.environ.get("TORCH_TWEAK_ISOLATION_TIMEOUT", "600"))
@@ -288,7 +289,7 @@ def _spawn(backend: Any, module: nn.Module, samples: Sequence[Call], device: tor
         return None
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     with open(output, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "torch_tweak.isolation", str(payload), str(status),
+        proc = subprocess.Popen([sys.executable, "-m", "torch_tweak._search.isolation", str(payload), str(status),
                                  str(os.getpid())],
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
 
@@ -371,7 +372,7 @@ def _build_and_run(backend: Any, module: nn.Module, samples: Sequence[Call], dev
 
 
 def _spawned_main(payload: str, status: str, parent: str | None = None) -> int:
-    """The spawned child's entry point (python -m torch_tweak.isolation PAYLOAD STATUS PARENT_PID)."""
+    """The spawned child's entry point (python -m torch_tweak._search.isolation PAYLOAD STATUS PARENT_PID)."""
     if parent is not None:
         _die_with(int(parent), _prctl())
     try:
