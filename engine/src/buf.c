@@ -49,6 +49,7 @@ static int tw_buf_reserve(tw_buf *buf, size_t extra)
     }
     buf->data = data;
     buf->cap = cap;
+    TW_ASSERT(buf->len < buf->cap && buf->data[buf->len] == '\0');
     ok = 1;
     goto cleanup;
 error:

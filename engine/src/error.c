@@ -220,3 +220,14 @@ void tw_free(void *ptr)
 cleanup:
     return;
 }
+
+#ifdef TW_CHECK_INVARIANTS
+/* Debug and sanitizer builds only (internal.h): a broken invariant of the
+ * engine's own code stops the test process at the cause. */
+void tw_invariant_failed(const char *cond, const char *file, int line)
+{
+    fprintf(stderr, "tweak engine: invariant broken at %s:%d: %s\n", file, line, cond);
+    fflush(stderr);
+    abort();
+}
+#endif

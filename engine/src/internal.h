@@ -37,6 +37,21 @@ char *tw_host_strdup(const tw_host *host, const char *s);
  * host's release function in a header in front of the returned pointer. */
 void *tw_free_alloc(const tw_host *host, size_t size);
 
+/* ------------------------------------------------------------- invariants */
+
+/* TW_ASSERT(cond): an invariant of the engine's own code, never a check of its
+ * input (bad input is an error code with a message). The debug and sanitizer
+ * builds (TW_DEBUG, TW_SANITIZE: TW_CHECK_INVARIANTS) check it: a broken one
+ * names its condition, file and line on stderr and stops the process there,
+ * so the test that broke it fails at the cause. The release build compiles
+ * it out; nothing a user runs stops on one. */
+#ifdef TW_CHECK_INVARIANTS
+void tw_invariant_failed(const char *cond, const char *file, int line);
+#define TW_ASSERT(cond) ((cond) ? (void)0 : tw_invariant_failed(#cond, __FILE__, __LINE__))
+#else
+#define TW_ASSERT(cond) ((void)0)
+#endif
+
 /* ------------------------------------------------------------------ error */
 
 /* Resets a callback's error slot before a call, so that an empty message

@@ -77,7 +77,11 @@ static double tw_quantile(const double *sorted, size_t n, double p)
 {
     double h = p * (double)(n - 1);
     size_t lo = (size_t)floor(h);
-    double value = sorted[lo];
+    double value;
+
+    TW_ASSERT(n > 0 && p >= 0.0 && p <= 1.0 && lo < n);
+    value = sorted[lo];
+    TW_ASSERT(lo + 1 >= n || sorted[lo] <= sorted[lo + 1]);
 
     if (lo + 1 < n) {
         value += (h - (double)lo) * (sorted[lo + 1] - sorted[lo]);

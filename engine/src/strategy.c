@@ -123,6 +123,7 @@ static tw_code tw_choose_first(const tw_host *host, const tw_candidate *cands, s
             goto cleanup;
         }
         if (built) {
+            TW_ASSERT(reports[i].state == TW_CAND_BUILT || reports[i].state == TW_CAND_MEASURED);
             *chosen = (long)i;
         }
     }

@@ -247,6 +247,7 @@ static void tw_link_child(tw_tree *tree, size_t parent, size_t child)
 {
     tw_node *p = &tree->nodes[parent];
 
+    TW_ASSERT(parent < tree->size && child < tree->size && parent != child);
     if (p->last_child < 0) {
         p->first_child = (long)child;
     } else {
@@ -440,6 +441,7 @@ tw_code tw_tree_cut(const tw_tree *tree, int depth, size_t *out, size_t cap,
         }
     }
 cleanup:
+    TW_ASSERT(rc != TW_OK || n <= tree->size);
     if (count != NULL) {
         *count = rc == TW_OK ? n : 0;
     }
