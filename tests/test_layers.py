@@ -6,6 +6,7 @@ backend, and no function over MAX_FUNCTION_LINES (80) lines."""
 from __future__ import annotations
 
 import ast
+import re
 import os
 import subprocess
 import sys
@@ -223,3 +224,15 @@ def test_each_folder_is_one_layer_of_the_written_order():
     assert len(inner) == len(set(inner)), f"a folder split by another layer: {blocks}"
     door = {f"{PACKAGE.name}.{m}" if m else PACKAGE.name for m in ("", "_version", "tweak", "cli", "__main__")}
     assert {name for name in modules() if folder_of(name) == ""} == door
+
+
+def test_the_docs_import_nothing_private():
+    """A user imports from torch_tweak and torch_tweak.backends: no snippet of the docs, the
+    README or the examples imports a module of a private folder (a constant may be named where
+    it lives, as a reference)."""
+    root = ARCHITECTURE.parent
+    texts = [*root.glob("docs/*.md"), root / "README.md", *root.glob("examples/**/*.py")]
+    private = [f"{path.relative_to(root)}:{n}: {line.strip()}" for path in texts
+               for n, line in enumerate(path.read_text().splitlines(), 1)
+               if re.search(r"\b(from|import)\s+torch_tweak\._(?!C\b)", line)]
+    assert private == []

@@ -17,7 +17,7 @@ from torch import nn
 from . import backends
 from .backends.axes import Axes, precision_backends
 from .backends import Backend, BackendConfig
-from ._store.checkpoint import CheckpointError, load, save
+from ._store.checkpoint import CheckpointError, load, read_summary, save
 from ._core.correctness import TOLERANCES
 from ._runtime.inspecting import ModuleTree, inspect
 from ._runtime.module import TunedModule, install_all, installed, resolve_paths, set_mode, unwrap
@@ -60,11 +60,12 @@ def deactivate(model: nn.Module) -> int:
 
 
 __all__ = [
-    "Axes", "Backend", "BackendConfig", "CheckpointError", "DepthResult", "FirstWinsStrategy", "HighestThroughputStrategy",
-    "ModelStatus", "ModuleResult", "ModuleResults", "ModuleStatus", "ModuleTree", "OneBackendStrategy", "Strategy",
-    "TOLERANCES", "TunedModule", "SignatureResult", "TweakResult", "activate", "backends", "clear_cache",
-    "deactivate", "default_backends", "default_strategy", "inspect", "installed", "load", "precision_backends", "save", "status", "tune",
-    "tweak", "unwrap", "wrap",
+    "Axes", "Backend", "BackendConfig", "CheckpointError", "DepthResult", "FirstWinsStrategy",
+    "HighestThroughputStrategy", "ModelStatus", "ModuleResult", "ModuleResults", "ModuleStatus", "ModuleTree",
+    "OneBackendStrategy", "Strategy", "TOLERANCES", "TunedModule", "SignatureResult", "TweakResult",
+    "activate", "backends", "clear_cache", "deactivate", "default_backends", "default_strategy", "inspect",
+    "installed", "load", "precision_backends", "read_summary", "save", "status", "tune", "tweak", "unwrap",
+    "wrap",
 ]
 
 

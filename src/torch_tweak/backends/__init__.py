@@ -10,6 +10,7 @@ import importlib
 import pkgutil
 
 from . import registry
+from .._core.schema import Count, DType, Flag, Fraction, Name, OneOf, Supplied
 from .base import Backend, BackendConfig, BackendUnavailable, ShapesVary
 from .variants import VariantConfig
 
@@ -29,5 +30,7 @@ for _cls in BUILT_IN:
     globals()[_cls.config_class.__name__] = _cls.config_class
 
 __all__ = sorted(["Backend", "BackendConfig", "BackendUnavailable", "ShapesVary", "VariantConfig",
+                  "Count", "DType", "Flag", "Fraction", "Name", "OneOf", "Supplied",  # a config's SCHEMA
                   *(c.__name__ for c in BUILT_IN), *(c.config_class.__name__ for c in BUILT_IN)])
-"""The base classes every backend builds on, and each built-in backend with its config class."""
+"""The base classes every backend builds on, the specs of a config's SCHEMA, and each built-in
+backend with its config class."""
