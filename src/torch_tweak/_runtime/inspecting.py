@@ -68,7 +68,9 @@ def trace(model: nn.Module, calls: Sequence[Call] | None, runner: Callable[[], A
 
     A sample the model rejects raises ValueError naming the sample; the hooks are
     removed whatever happens, so the model is left as it was. runner: instead of `calls`,
-    a callable that runs the model (a workload, see torch_tweak._runtime.workload).
+    a callable that runs the model (a workload, see torch_tweak._runtime.workload). Code the model
+    compiles (transformers' compiled forward for a static-cache generate(), say) runs eagerly
+    meanwhile: dynamo would trace the hooks into it (a graph break at each) and compile it again.
     """
     names: dict[int, str] = {}
     for path, module in model.named_modules():
@@ -94,7 +96,7 @@ def trace(model: nn.Module, calls: Sequence[Call] | None, runner: Callable[[], A
                 continue
             handles.append(module.register_forward_pre_hook(pre))
             handles.append(module.register_forward_hook(post_of(path)))
-        with torch.no_grad():
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             if runner is not None:
                 try:
                     runner()
