@@ -138,10 +138,9 @@ def run_case(name: str, rounds: int) -> dict:
     backend = group.backend
     assert backend is not None, group.error
     callable_ = backend.callable
-    call = getattr(callable_, "slow", callable_)
-    plan = call.plan
+    plan = callable_.plan
     original = w._tt_original
-    padded = [padded_call(call, plan, c) for c in stream]
+    padded = [padded_call(callable_, plan, c) for c in stream]
     with torch.inference_mode():  # every call of the stream inside a recorded bucket: no first sight while timed
         for c in stream:
             module(**c)
@@ -152,7 +151,10 @@ def run_case(name: str, rounds: int) -> dict:
     with torch.inference_mode():
         worst = max(float((a - b).abs().max()) for a, b in
                     ((pytree.tree_leaves(module(**c))[0], pytree.tree_leaves(original(**c))[0]) for c in stream))
-    return {"case": name, "calls": len(stream), "c_path": type(callable_).__module__ == "torch_tweak._C",
+    from torch_tweak import _C
+    in_c = isinstance(callable_, getattr(_C, "PaddedReplay", ())) and callable_.fast_calls > 0
+    return {"case": name, "calls": len(stream), "c_path": in_c,
+            "fast_calls": getattr(callable_, "fast_calls", None), "slow_calls": getattr(callable_, "slow_calls", None),
             "work_us": work * 1e6, "backend_us": through_backend * 1e6, "model_us": through_model * 1e6,
             "padding_us": (through_backend - work) * 1e6, "padding_dispatch_us": (through_model - work) * 1e6,
             "largest_error": worst, "buckets": backend_describe_before["buckets"]}
