@@ -437,6 +437,7 @@ tt_pad_serve(TtPaddedReplay *self, TtPadBucket *bk, PyObject **found, const Py_s
     /* held across the call: Python code run by torch may set this bucket again */
     PyObject *buffers = Py_NewRef(bk->buffers);
     PyObject *graph = Py_XNewRef(bk->graph);
+    PyObject *outputs = Py_XNewRef(bk->outputs);
     PyObject *rebuild = Py_XNewRef(bk->rebuild);
     PyObject *leaves = NULL; /* new reference */
     PyObject *result = NULL;
@@ -447,9 +448,13 @@ tt_pad_serve(TtPaddedReplay *self, TtPadBucket *bk, PyObject **found, const Py_s
     if (tt_pad_copy_in(self, bk, buffers, found, b, n) < 0)
         goto cleanup;
     if (graph != NULL) {
+        if (outputs == NULL) {
+            PyErr_SetString(PyExc_RuntimeError, "PaddedReplay: a graph bucket without outputs");
+            goto cleanup;
+        }
         if (tt_graph_launch(graph, stream) < 0)
             goto cleanup;
-        leaves = Py_NewRef(bk->outputs);
+        leaves = Py_NewRef(outputs);
     }
     else if ((leaves = tt_pad_run_target(self, buffers, rebuild, args, nargsf, kwnames, at)) ==
              NULL) {
@@ -464,6 +469,7 @@ tt_pad_serve(TtPaddedReplay *self, TtPadBucket *bk, PyObject **found, const Py_s
 cleanup:
     Py_DECREF(buffers);
     Py_XDECREF(graph);
+    Py_XDECREF(outputs);
     Py_XDECREF(rebuild);
     Py_XDECREF(leaves);
     return result;
