@@ -133,6 +133,27 @@ def test_a_call_outside_every_bucket_goes_back_to_python():
     assert call.slow_calls == slow + 2 and call.describe()["outside_range"] == 2
 
 
+def in_threads(n, check, threads=8):
+    """check(i) for i in range(n), spread over `threads` threads under inference_mode; the
+    first failure is raised here."""
+    errors = []
+
+    def serve(k):
+        try:
+            with torch.inference_mode():
+                for i in range(k, n, threads):
+                    check(i)
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    started = [threading.Thread(target=serve, args=(k,)) for k in range(threads)]
+    for t in started:
+        t.start()
+    for t in started:
+        t.join()
+    assert not errors, errors[0]
+
+
 def test_eight_threads_calling_with_mixed_shapes():
     torch.manual_seed(0)
     model = Pool(True).eval()
@@ -141,22 +162,7 @@ def test_eight_threads_calling_with_mixed_shapes():
     stream = requests(96, 4, batches=(1, 2, 3, 4), lengths=range(2, 40))
     with torch.inference_mode():
         wanted = [untuned(**r) for r in stream]
-    errors = []
-
-    def serve(k):
-        try:
-            with torch.inference_mode():
-                for i in range(k, len(stream), 8):
-                    torch.testing.assert_close(model(**stream[i]), wanted[i])
-        except Exception as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=serve, args=(k,)) for k in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    in_threads(len(stream), lambda i: torch.testing.assert_close(model(**stream[i]), wanted[i]))
     assert call.fast_calls > 0
 
 
@@ -169,22 +175,7 @@ def test_eight_threads_calling_the_backend_itself():
     xs = [torch.randn(1 + i % 8, 16) for i in range(160)]
     with torch.inference_mode():
         wanted = [untuned(x) for x in xs]
-    errors = []
-
-    def serve(k):
-        try:
-            with torch.inference_mode():
-                for i in range(k, len(xs), 8):
-                    torch.testing.assert_close(call(xs[i]), wanted[i])
-        except Exception as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=serve, args=(k,)) for k in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    in_threads(len(xs), lambda i: torch.testing.assert_close(call(xs[i]), wanted[i]))
 
 
 @pytest.mark.parametrize("through", ["model", "backend"])
