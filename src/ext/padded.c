@@ -18,10 +18,11 @@
  *
  * Any other call goes back to Python, to the subclass's _slow method: a new
  * bucket's first sight, recording, a call outside every range, or one that
- * does not fit (another dtype or device, a tensor subclass...). So does a
- * call made while another is inside this object (the dispatcher serialises
- * a backend that is not thread-safe; this is a call made from inside one):
- * it runs the target on its own arguments, never the buffers.
+ * does not fit (another dtype or device, a tensor subclass...). A call made
+ * while another is inside this object, here or in _slow (the dispatcher
+ * serialises a backend that is not thread-safe: this is a call made from
+ * inside one, or past the dispatcher) runs the target on its own arguments,
+ * never the buffers.
  *
  * Which buckets exist, their ranges and what they hold are Python's
  * decisions (backends/padded.py), set through _pad_bucket; nothing of the
@@ -485,7 +486,7 @@ tt_pad_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyOb
     PyObject **found = NULL;
     Py_ssize_t *at = NULL;
     TtPadBucket *bk = NULL;
-    int fits = 0;
+    int fits = 0, busy = 0; /* busy: this call set self->busy for _slow */
 
     Py_INCREF(self); /* a callback may drop the caller's reference */
     if (TT_UNLIKELY(self->busy)) {
@@ -515,13 +516,20 @@ tt_pad_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyOb
         goto cleanup;
     }
     self->slow++;
-    if (go == NULL && (go = PyObject_GetAttr(callable, self->state->str_slow)) == NULL)
-        goto cleanup;
+    if (go == NULL) {
+        if ((go = PyObject_GetAttr(callable, self->state->str_slow)) == NULL)
+            goto cleanup;
+        /* _slow writes buffers too (recording, a first sight's check): a call that comes
+         * in meanwhile runs the target */
+        self->busy = busy = 1;
+    }
     if (Py_EnterRecursiveCall(" in a padded call"))
         goto cleanup;
     result = PyObject_Vectorcall(go, args, nargsf, kwnames);
     Py_LeaveRecursiveCall();
 cleanup:
+    if (busy)
+        self->busy = 0;
     PyMem_Free(found);
     PyMem_Free(at);
     Py_XDECREF(go);
