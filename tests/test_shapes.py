@@ -256,10 +256,34 @@ def test_openvino_converts_for_the_declared_range():
     untuned = copy.deepcopy(model)
     result = tweak(model, [torch.randn(8, 16) for _ in range(2)], OpenVINOInner(), shapes={"batch": (1, 32)})
     assert result.selected_depth == 0
+    (group,) = tt.installed(model)[""].tt_signatures
+    assert group.backend.callable.input_shapes == ["[1..32,16]"]  # the declared bounds, not a dynamic batch
     with torch.inference_mode():
-        for b in (1, 7, 32, 33):  # one converted model with a dynamic batch, beyond the range too
+        for b in (1, 7, 32, 33):  # one converted model for the declared range; past it, the module itself
             x = torch.randn(b, 16)
             torch.testing.assert_close(model(x), untuned(x), rtol=1e-4, atol=1e-5)
+    assert sum(tt.installed(model)[""].tt_untuned.values()) == 0
+
+
+def test_openvino_converts_a_declared_length_along_the_mask():
+    pytest.importorskip("openvino")
+    from torch_tweak.backends import OpenVINOBackend
+
+    class OpenVINOInner(OpenVINOBackend):
+        def build(self, module, samples, device):
+            return super().build(getattr(module, "inner", module), samples, device)
+
+    torch.manual_seed(0)
+    model = SlowPool().eval()
+    untuned = copy.deepcopy(model)
+    data = requests(4, 0, batches=(2, 3), lengths=range(10, 20))
+    result = tweak(model, data, OpenVINOInner(), shapes={"batch": (1, 4), "length": (4, 48)})
+    assert result.selected_depth == 0
+    (group,) = tt.installed(model)[""].tt_signatures
+    assert group.backend.callable.input_shapes == ["[1..4,4..48]", "[1..4,4..48]"]
+    with torch.inference_mode():
+        for r in requests(8, 3, batches=(1, 2, 4, 5), lengths=range(2, 60)):  # some past the bounds
+            torch.testing.assert_close(model(**r), untuned(**r), rtol=1e-4, atol=1e-5)
     assert sum(tt.installed(model)[""].tt_untuned.values()) == 0
 
 

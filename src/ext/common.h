@@ -23,6 +23,9 @@
  * graph      the GraphReplay type, the device-graph replay path (graph.h);
  *            its files share graph_replay.h: graph_call (a call),
  *            graph_record (the recordings it holds), graph (the type)
+ * padded     the PaddedReplay type, the padded backend's per-call path: a
+ *            bucket's copies in, its graph launched through graph.h, the
+ *            outputs cut back (padded.h)
  * module     module definition and init: calls every file's exec function
  *
  * Every name carries the prefix tt_ (TT_ for macros); structs are CamelCase.

@@ -5,6 +5,8 @@
  * outputs while the caller holds none of the last ones); and the tensor
  * queries the recordings share. See graph.c for the design.
  */
+#include "graph.h"
+
 #include "graph_replay.h"
 
 int
@@ -594,4 +596,81 @@ tt_graph_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
     Py_DECREF(self);
 cleanup:
     return result;
+}
+
+/* ------------------------------------------- the launch alone (graph.h) */
+
+int
+tt_graph_launch_begin(PyObject *replay, TtCuStream *stream)
+{
+    TtGraphReplay *self = (TtGraphReplay *)replay;
+    PyObject *stream_obj = NULL; /* new reference */
+    int rc = -1, pushed = 0;
+
+    *stream = NULL;
+    if (TT_UNLIKELY(self->signature == NULL)) {
+        PyErr_SetString(PyExc_RuntimeError, "GraphReplay has been cleared");
+        goto cleanup;
+    }
+    if (!self->driver) {
+        rc = 0;
+        goto cleanup;
+    }
+    stream_obj = PyObject_CallOneArg(self->state->cuda_raw_stream, self->device);
+    if (stream_obj == NULL)
+        goto cleanup;
+    *stream = (TtCuStream)PyLong_AsVoidPtr(stream_obj);
+    if (*stream == NULL && PyErr_Occurred())
+        goto cleanup;
+    if (TT_UNLIKELY(self->launched && *stream != self->last_stream)) {
+        if (tt_graph_enter_context(self, &pushed) < 0)
+            goto cleanup;
+        rc = tt_graph_order_streams(self, *stream);
+        tt_graph_leave_context(pushed);
+        if (rc != 0) {
+            rc = -1;
+            goto cleanup;
+        }
+    }
+    rc = 0;
+cleanup:
+    Py_XDECREF(stream_obj);
+    return rc;
+}
+
+int
+tt_graph_launch(PyObject *replay, TtCuStream stream)
+{
+    TtGraphReplay *self = (TtGraphReplay *)replay;
+    const TtGraphRec *rec = &self->recs[TT_REC_COPY];
+    PyObject *done; /* new reference */
+    TtCuResult cu;
+    int rc = -1, pushed = 0;
+
+    if (TT_UNLIKELY(self->signature == NULL || (rec->exec == NULL && rec->replay == NULL))) {
+        PyErr_SetString(PyExc_RuntimeError, "GraphReplay has been cleared");
+        goto cleanup;
+    }
+    if (!self->driver) {
+        done = PyObject_CallNoArgs(rec->replay);
+        if (done == NULL)
+            goto cleanup;
+        Py_DECREF(done);
+    }
+    else {
+        if (tt_graph_enter_context(self, &pushed) < 0)
+            goto cleanup;
+        cu = tt_cuda.GraphLaunch(rec->exec, stream);
+        tt_graph_leave_context(pushed);
+        if (cu != 0) {
+            tt_graph_raise_cuda(cu, "cuGraphLaunch");
+            goto cleanup;
+        }
+        self->last_stream = stream;
+        self->launched = 1;
+    }
+    self->replays++;
+    rc = 0;
+cleanup:
+    return rc;
 }

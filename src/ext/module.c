@@ -9,6 +9,7 @@
 #include "dispatcher.h"
 #include "graph.h"
 #include "measure.h"
+#include "padded.h"
 #include "result.h"
 #include "rootcall.h"
 #include "depth.h"
@@ -38,7 +39,8 @@ tt_module_exec(PyObject *module)
         goto error;
     if (tt_tree_exec(module, st) < 0 || tt_result_exec(module, st) < 0 ||
         tt_signature_exec(module, st) < 0 || tt_dispatcher_exec(module, st) < 0 ||
-        tt_graph_exec(module, st) < 0 || tt_root_call_exec(module, st) < 0)
+        tt_graph_exec(module, st) < 0 || tt_padded_exec(module, st) < 0 ||
+        tt_root_call_exec(module, st) < 0)
         goto error;
     rc = 0;
 error:

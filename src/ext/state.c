@@ -37,7 +37,10 @@ tt_state_init(TtState *st)
         (st->str_is_contiguous = tt_intern("is_contiguous")) == NULL ||
         (st->str_copy_ = tt_intern("copy_")) == NULL ||
         (st->str_clone = tt_intern("clone")) == NULL ||
-        (st->str_detach = tt_intern("detach")) == NULL)
+        (st->str_detach = tt_intern("detach")) == NULL ||
+        (st->str_narrow = tt_intern("narrow")) == NULL ||
+        (st->str_zero_ = tt_intern("zero_")) == NULL ||
+        (st->str_slow = tt_intern("_slow")) == NULL)
         goto error;
     rc = 0;
 error:
@@ -53,6 +56,7 @@ tt_state_traverse(TtState *st, visitproc visit, void *arg)
     Py_VISIT(st->SignatureType);
     Py_VISIT(st->DispatcherType);
     Py_VISIT(st->GraphReplayType);
+    Py_VISIT(st->PaddedReplayType);
     Py_VISIT(st->tensor_type);
     Py_VISIT(st->grad_enabled);
     Py_VISIT(st->cuda_raw_stream);
@@ -76,6 +80,7 @@ tt_state_clear(TtState *st)
     Py_CLEAR(st->SignatureType);
     Py_CLEAR(st->DispatcherType);
     Py_CLEAR(st->GraphReplayType);
+    Py_CLEAR(st->PaddedReplayType);
     Py_CLEAR(st->tensor_type);
     Py_CLEAR(st->grad_enabled);
     Py_CLEAR(st->cuda_raw_stream);
@@ -100,6 +105,9 @@ tt_state_clear(TtState *st)
     Py_CLEAR(st->str_copy_);
     Py_CLEAR(st->str_clone);
     Py_CLEAR(st->str_detach);
+    Py_CLEAR(st->str_narrow);
+    Py_CLEAR(st->str_zero_);
+    Py_CLEAR(st->str_slow);
 }
 
 TtState *

@@ -18,6 +18,7 @@ typedef struct TtState {
     PyTypeObject *SignatureType;
     PyTypeObject *DispatcherType;
     PyTypeObject *GraphReplayType;
+    PyTypeObject *PaddedReplayType;
     PyTypeObject *tensor_type;    /* torch.Tensor; NULL until first needed */
     TtGetter tensor_dtype;        /* torch.Tensor's getters of dtype, shape, device */
     TtGetter tensor_shape;
@@ -47,6 +48,9 @@ typedef struct TtState {
     PyObject *str_copy_;
     PyObject *str_clone;
     PyObject *str_detach;
+    PyObject *str_narrow;         /* tensor methods a padded call calls */
+    PyObject *str_zero_;
+    PyObject *str_slow;           /* "_slow": a padded call's way back to Python */
 } TtState;
 
 /* The module definition that tt_state_from_type looks for; module.c tells it

@@ -296,6 +296,39 @@ class Dispatcher:
         """Calls in every mode."""
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
 
+
+class PaddedReplay:
+    """Base type of the padded backend's callable (backends.padded.PaddedCall): the
+    steady per-call path of a call of varying sizes. A call of the layout set by
+    ``_pad_layout`` whose batch and length fall in a ready bucket's range
+    (``_pad_bucket``) is copied into the bucket's buffers (the length axis past the
+    call's own zeroed), runs the bucket's graph (its GraphReplay's launch alone) or the
+    target on the buffers, and returns copies of the outputs cut back to the call's
+    sizes; any other call goes to ``self._slow(*args, **kwargs)``, and a call made while
+    another is inside runs the target on its own arguments."""
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+    def _pad_layout(self, call: Optional[tuple[tuple, dict]], slots: Sequence[tuple[int | str, bool, bool]],
+                    outputs: Sequence[tuple[bool, bool]], length: bool, target: Callable[..., Any],
+                    flatten: Callable[[Any], list]) -> None:
+        """Set once. call None: every call goes to _slow."""
+    def _pad_bucket(self, b: int, n: int, low_b: int, low_n: int, buffers: Sequence[Any],
+                    graph: Optional[GraphReplay], outputs: Optional[list],
+                    rebuild: Optional[Callable[[list], Any]]) -> None:
+        """Bucket (b, n) serves the calls of batch low_b..b and length low_n..n from now on."""
+    def _pad_count(self, b: int, n: int, hits: int, valid: int, served: int) -> None: ...
+    def _pad_counts(self) -> dict[tuple[int, int], tuple[int, int, int]]: ...
+    def _pad_ready(self) -> list[tuple[int, int]]: ...
+    def reset_counts(self) -> None: ...
+    @property
+    def fast_calls(self) -> int:
+        """Calls served in C, from a ready bucket."""
+    @property
+    def slow_calls(self) -> int:
+        """Calls handed to _slow (or to the target while busy)."""
+    @property
+    def serves_here(self) -> bool:
+        """Whether _pad_layout was given a call: calls of its layout can be served in C."""
+
 CANDIDATE_VARIANT: int
 CANDIDATE_LOWERS_PRECISION: int
 ENTRY_SERIALIZE: int

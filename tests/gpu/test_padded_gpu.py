@@ -46,6 +46,7 @@ def test_batches_padded_to_buckets_give_the_untuned_answers(compile):
     assert after["buckets"]["12"] >= 3 and after["buckets"]["16"] >= 1
     assert after["outside_range"] >= 4 and after["refused_buckets"] == 0
     assert sum(w.tt_untuned.values()) == 0
+    assert backend.callable.fast_calls >= 8  # the calls of ready buckets were served in C, from graphs
 
 
 def test_a_batch_statistic_refuses_padding():
@@ -99,6 +100,27 @@ def test_padded_batches_of_a_transformer_give_the_untuned_answers_on_valid_posit
             same_valid(model(**request), untuned(**request), request["attention_mask"])
     stats = backend.describe()
     assert stats["graphs"] >= 2 and stats["length_range"] is not None and stats["refused_buckets"] == 0
+    assert backend.callable.fast_calls > 0
+
+
+def test_hostile_calls_of_a_padded_graph_get_the_untuned_answers_or_its_error():
+    model = mlp()
+    untuned = copy.deepcopy(model)
+    w, backend = tune_padded(model, [torch.randn(b, 64, device="cuda") for b in (3, 5, 1, 8, 6, 2)], compile=False)
+    cases = [torch.randn(64, 6, device="cuda").t(), torch.randn(4, 64, device="cuda", dtype=torch.float64),
+             torch.randn(4, 64), torch.randn(3, 64, device="cuda", dtype=torch.bfloat16)]
+    with torch.inference_mode():
+        for x in cases:
+            for fn in (model, backend.callable):
+                try:
+                    want = untuned(x)
+                except Exception as exc:  # the original's own refusal
+                    with pytest.raises(type(exc)):
+                        fn(x)
+                    continue
+                torch.testing.assert_close(fn(x), want, rtol=1e-4, atol=1e-4)
+        x = torch.randn(3, 64, device="cuda")
+        torch.testing.assert_close(model(x), untuned(x), rtol=1e-4, atol=1e-4)
 
 
 def test_eight_threads_with_mixed_shapes():

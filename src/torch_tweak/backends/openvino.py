@@ -46,6 +46,7 @@ import torch.utils._pytree as pytree
 from .._core._samples import Call, move, unstorable
 from .._core.model_state import restore_places, weight_places
 from .._core.schema import Name, OneOf
+from .._core.shapes import Shapes, find_mask, named_leaves
 from .base import Backend, BackendConfig, FlatModule, OutputForm
 from .registry import register
 
@@ -206,6 +207,18 @@ def native() -> Iterator[None]:
         yield
 
 
+def _within(leaves: list, slots: list[int], bounds: list) -> bool:
+    """Whether each tensor slot's sizes are within its axes' bounds (OpenVINOBackend.bounds)."""
+    for i, axes in zip(slots, bounds):
+        shape = leaves[i].shape
+        if len(shape) != len(axes):
+            return False
+        for size, want in zip(shape, axes):
+            if (size < want[0] or size > want[1]) if isinstance(want, tuple) else want not in (-1, size):
+                return False
+    return True
+
+
 class OpenVINOBackend(Backend):
     """OpenVINO: the module converted and compiled for an OpenVINO device (the CPU, or an
     Intel GPU), an optional package: "not installed" when it is missing. Weights it moves
@@ -216,6 +229,38 @@ class OpenVINOBackend(Backend):
     supports_autograd = False  # outputs come back from numpy arrays
     isolate_build = True  # compile_model has segfaulted on some CPUs (docs/backends.md)
     packages = ("openvino",)
+    declared: Shapes | None = None
+    """tt.tweak's shapes= (for_shapes): the bounds convert_model gives the declared axes."""
+
+    def for_shapes(self, shapes: Shapes) -> "OpenVINOBackend":
+        """A fresh copy that converts the declared axes with the declared ranges as their
+        bounds (min..max), not as fully dynamic; a call past them runs the module itself."""
+        clone = self.fresh()
+        clone.declared = shapes
+        return clone
+
+    def bounds(self, samples: Sequence[Call], slots: list[int], module: torch.nn.Module) -> list | None:
+        """Per tensor slot, per axis: its size where every sample has the same, the declared
+        (min, max) on a declared axis that varies, -1 (any size) on another axis that varies;
+        None without declared shapes (then every axis that varies is fully dynamic)."""
+        if self.declared is None:
+            return None
+        from .._core.signatures import forward_params
+        leaves, _, named = named_leaves(samples[0], forward_params(module))
+        mask = find_mask(leaves, slots, named)
+        flats = [pytree.tree_leaves(s) for s in samples]
+        dims = []
+        for i in slots:
+            shape = tuple(leaves[i].shape)
+            along = mask is not None and shape[:2] == tuple(leaves[mask].shape)
+            axes: list = []
+            for axis, size in enumerate(shape):
+                varies = len({int(f[i].shape[axis]) for f in flats}) > 1
+                declared = (self.declared.batch if axis == 0 else
+                            self.declared.length if axis == 1 and along else None)
+                axes.append(int(size) if not varies else declared if declared is not None else -1)
+            dims.append(axes)
+        return dims
 
     @property
     def thread_safe(self) -> bool:  # type: ignore[override]
@@ -309,10 +354,13 @@ class OpenVINOBackend(Backend):
         static = all(
             [tuple(leaf.shape) for leaf in pytree.tree_leaves(s) if isinstance(leaf, torch.Tensor)]
             == [tuple(t.shape) for t in example] for s in samples)
+        bounds = None if static else self.bounds(samples, slots, module)
         flat = FlatModule(module, constants, spec, slots).eval()
         with torch.no_grad():
             model = ov.convert_model(flat, example_input=example,
-                                     input=[tuple(t.shape) for t in example] if static else None)
+                                     input=[tuple(t.shape) for t in example] if static else None if bounds is None
+                                     else [ov.PartialShape([ov.Dimension(*d) if isinstance(d, tuple) else d
+                                                            for d in axes]) for axes in bounds])
         compiled = ov.Core().compile_model(model, self.ov_device(device), self.properties(samples, module))
         args, kwargs = move(samples[0], torch.device("cpu"))
         with torch.no_grad():
@@ -325,9 +373,10 @@ class OpenVINOBackend(Backend):
 
         def run(*args: Any, **kwargs: Any) -> Any:
             flat_in, in_spec = pytree.tree_flatten((args, kwargs))
-            if in_spec != spec:
+            if in_spec != spec or (bounds is not None and not _within(flat_in, slots, bounds)):
                 # Another layout or structure than the converted one (only possible in the
-                # "any other call" group, which has no signature to bind calls to).
+                # "any other call" group, which has no signature to bind calls to), or sizes
+                # past the declared bounds it was converted for.
                 return module(*args, **kwargs)
             request = getattr(local, "request", None)
             if request is None:
@@ -336,6 +385,7 @@ class OpenVINOBackend(Backend):
             tensors = (torch.from_numpy(array) for array in results)
             return form.fill(tensors if target is None else (t.to(target) for t in tensors))
 
+        run.input_shapes = [str(i.get_partial_shape()) for i in compiled.inputs]  # type: ignore[attr-defined]
         return run
 
 

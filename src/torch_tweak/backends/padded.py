@@ -40,6 +40,15 @@ graph that was not checked.
 The graphs of one module share one memory pool, and the outputs are copied out of it after
 each replay, so a later replay never changes what a caller holds; calls run one at a time
 (the dispatcher serialises them: static buffers).
+
+The steady per-call path is C: PaddedCall's base type, _C.PaddedReplay (src/ext/padded.c),
+serves a call of a ready bucket (a bucket recorded at build, or one whose first call matched)
+when its tensors are plain torch.Tensor arguments of the recorded dtype, device and rank: it
+finds the bucket whose range holds the call's sizes, copies the call in, launches the bucket's
+graph through its _C.GraphReplay (or runs the target on the buffers, graph=False), cuts the
+outputs back and copies them out, and counts the call. Every other call comes back to
+PaddedCall._slow here: first sight, recording, the proof's checks, calls outside the range, and
+calls that do not fit the recording (another dtype, device or structure: the target runs them).
 """
 
 from __future__ import annotations
@@ -52,12 +61,13 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
+from .. import _C
 from .._core._samples import Call, fresh
 from .._core.correctness import MismatchError, check
 from .._core.schema import Count, Flag
 from .._core.shapes import Shapes, find_mask, named_leaves
 from .base import Backend, BackendConfig, BackendUnavailable
-from .graph import _DeviceApi, capture, graph_unavailable, warm_up
+from .graph import DeviceGraphBackend, _DeviceApi, capture, graph_unavailable, warm_up
 from .inductor import compile_module, shared_compiles
 from .registry import register
 
@@ -154,6 +164,8 @@ class Plan:
     max_batch: int
     max_length: int
     step: int
+    meta: dict[int, tuple[torch.dtype, torch.device, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
+    """Per input slot, the recorded dtype, device and shape (the padded axes' sizes vary)."""
 
     def key(self, b: int, n: int) -> tuple[int, int] | None:
         """The bucket (batch, length) of a call of batch b and length n, or None outside the range."""
@@ -161,6 +173,31 @@ class Plan:
             return None
         return (batch_bucket(b) if self.batch else b,
                 min(-(-n // self.step) * self.step, self.max_length) if self.length else n)
+
+    def fits(self, leaves: list, spec: Any) -> bool:
+        """Whether a call (its leaves and structure) is one the plan pads: the recorded
+        structure, each input tensor of the recorded dtype, device and rank, with the recorded
+        sizes but on the padded axes, one batch and one length among them."""
+        if spec != self.spec:
+            return False
+        b = n = None
+        for i in self.tensors:
+            x = leaves[i]
+            dtype, device, shape = self.meta[i]
+            if not isinstance(x, torch.Tensor) or x.dtype != dtype or x.device != device or x.dim() != len(shape):
+                return False
+            for axis, size in enumerate(x.shape):
+                if axis == 0 and self.batch:
+                    b = size if b is None else b
+                    if size != b:
+                        return False
+                elif axis == 1 and i in self.seq_inputs:
+                    n = size if n is None else n
+                    if size != n:
+                        return False
+                elif size != shape[axis]:
+                    return False
+        return True
 
     def lower(self, key: tuple[int, int]) -> tuple[int, int]:
         """The smallest batch and length that fall into bucket `key`."""
@@ -232,37 +269,62 @@ def make_plan(samples: Sequence[Call], refs: Sequence[Any], names: Sequence[str 
     max_length = config.max_length if config.max_length is not None else most_n
     per = -(-max(max_length, most_n) // config.length_buckets)  # a length bucket's step: a multiple of 8
     step = max(8, -(-per // 8) * 8) if pad_length else 1
+    meta = {i: (calls[0][i].dtype, calls[0][i].device, tuple(calls[0][i].shape)) for i in tensors}
     return Plan(spec, tensors, pad_batch, pad_length, mask if pad_length else None, seq_inputs if pad_length else set(),
-                out_batch, out_length, max(max_batch, most_b), max(max_length, most_n), step)
+                out_batch, out_length, max(max_batch, most_b), max(max_length, most_n), step, meta)
 
 
 # ----------------------------------------------------------------- buckets
 
 
 class _Bucket:
-    """The static inputs of one bucket shape, its recording (or None), its outputs."""
+    """The static inputs of one bucket shape, its recording (or None), its outputs; its
+    counters (hits, valid and served elements) are kept by the C part of PaddedCall."""
 
-    __slots__ = ("key", "buffers", "graph", "outputs", "spec", "hits", "valid", "served",
-                 "memory", "ok")
+    __slots__ = ("key", "buffers", "graph", "replay", "outputs", "spec", "memory", "ok")
 
     def __init__(self, key: tuple[int, int]) -> None:
         self.key = key
         self.buffers: dict[int, torch.Tensor] = {}
         self.graph: Any = None
+        self.replay: Any = None    # the graph as a _C.GraphReplay, which the C path launches
         self.outputs: list = []
         self.spec: Any = None
-        self.hits = 0
-        self.valid = 0      # elements of the calls served (their own sizes)
-        self.served = 0     # elements computed (the bucket's sizes)
         self.memory = 0
         self.ok = True
 
 
-class PaddedCall:
-    """The built callable: picks a call's bucket, copies the call in, replays, cuts out."""
+def _slots(plan: Plan, sample: Call) -> list[tuple[int | str, bool, bool]] | None:
+    """Per input tensor of the plan, (position or keyword name, batch, length): where the C
+    path finds it in a call laid out as `sample`; None when a tensor sits inside a container
+    argument or is not a plain torch.Tensor (then every call takes the Python path)."""
+    args, kwargs = sample
+    where: dict[int, int | str] = {}
+    position = 0
+    for key, value in list(enumerate(args)) + list(kwargs.items()):
+        if type(value) is torch.Tensor:
+            where[position] = key
+        position += len(pytree.tree_leaves(value))
+    if any(i not in where for i in plan.tensors):
+        return None
+    return [(where[i], plan.batch, i in plan.seq_inputs) for i in plan.tensors]
+
+
+_launch_of = DeviceGraphBackend._launch
+"""How a recorded graph is launched (the CUDA driver's exec handle, or replay()): the device
+graph backend's rule, which reads nothing of its backend object."""
+
+
+class PaddedCall(_C.PaddedReplay):
+    """The built callable. A call of a ready bucket is served by the C base type
+    (_C.PaddedReplay: the bucket found from the call's sizes, the copies in, the replay, the
+    cuts and copies out, the counters); any other call comes back here, to _slow: a new
+    bucket's first sight, recording, a call outside the range or one that does not fit."""
 
     def __init__(self, module: torch.nn.Module, target: Callable[..., Any], plan: Plan,
-                 config: PaddedGraphBackendConfig, device: torch.device, tolerance: float | None) -> None:
+                 config: PaddedGraphBackendConfig, device: torch.device, tolerance: float | None,
+                 sample: Call | None = None) -> None:
+        super().__init__()
         self.module = module
         self.target = target
         self.plan = plan
@@ -271,15 +333,19 @@ class PaddedCall:
         self.api = _DeviceApi(device) if config.graph else None
         self.pool = self.api.mod.graph_pool_handle() if self.api is not None else None
         self.buckets: dict[tuple[int, int], _Bucket] = {}
-        self.outside = 0    # calls outside the range, or past the caps: the dynamic target
+        self.outside = 0    # calls outside the range, or past the caps, or not fitting: the dynamic target
         self.refused = 0    # first-sight buckets whose answer differed from the original's
         self.building = True
+        self.slots = _slots(plan, sample) if sample is not None else None
+        self._pad_layout(sample if self.slots is not None else None, self.slots or [],
+                         list(zip(plan.out_batch, plan.out_length)), plan.length, target, pytree.tree_leaves)
 
     # ---- what status and print(result) show
     def describe(self) -> dict:
-        valid = sum(b.valid for b in self.buckets.values())
-        served = sum(b.served for b in self.buckets.values())
-        return {"buckets": {f"{b}x{n}" if self.plan.length else f"{b}": bucket.hits
+        counts = self._pad_counts()
+        valid = sum(c[1] for c in counts.values())
+        served = sum(c[2] for c in counts.values())
+        return {"buckets": {f"{b}x{n}" if self.plan.length else f"{b}": counts.get((b, n), (0, 0, 0))[0]
                             for (b, n), bucket in sorted(self.buckets.items()) if bucket.ok},
                 "graphs": sum(1 for b in self.buckets.values() if b.graph is not None),
                 "graph_memory_mb": round(sum(b.memory for b in self.buckets.values()) / 2**20, 1),
@@ -290,14 +356,16 @@ class PaddedCall:
 
     def reset_counts(self) -> None:
         """Counts start again from 0 (the calls of tuning itself are not the user's)."""
-        for bucket in self.buckets.values():
-            bucket.hits = bucket.valid = bucket.served = 0
+        super().reset_counts()
         self.outside = 0
 
-    # ---- a call
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    # ---- a call that the C path hands back
+    def _slow(self, *args: Any, **kwargs: Any) -> Any:
         # one call at a time: the dispatcher serialises a backend that is not thread-safe
-        leaves = pytree.tree_leaves((args, kwargs))
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if not self.plan.fits(leaves, spec):  # another structure, dtype, device or size: not padded
+            self.outside += 1
+            return self.target(*args, **kwargs)
         b, n = _sizes(leaves, self.plan.tensors, self.plan.mask)
         key = self.plan.key(b, n)
         bucket = self.buckets.get(key) if key is not None else None
@@ -310,7 +378,9 @@ class PaddedCall:
             return self.target(*args, **kwargs)
         return self._run(bucket, leaves, b, n)
 
-    def _run(self, bucket: _Bucket, leaves: list, b: int, n: int) -> Any:
+    def _run(self, bucket: _Bucket, leaves: list, b: int, n: int, hit: bool = True) -> Any:
+        """The Python path of one call of a bucket (the C base type's, written in Python): the
+        calls while a bucket is recorded and checked, and those the C path cannot lay out."""
         plan = self.plan
         for i in plan.tensors:
             buffer = bucket.buffers[i]
@@ -335,13 +405,23 @@ class PaddedCall:
                     leaf = leaf[:, :n]
                 leaf = leaf.clone()
             out.append(leaf)
-        bucket.hits += 1
-        bucket.valid += b * (n if plan.length else 1)
-        bucket.served += bucket.key[0] * (bucket.key[1] if plan.length else 1)
+        self._pad_count(*bucket.key, int(hit), b * (n if plan.length else 1),
+                        bucket.key[0] * (bucket.key[1] if plan.length else 1))
         return pytree.tree_unflatten(out, bucket.spec)
 
     def _leaves_of(self, bucket: _Bucket, leaves: list) -> list:
         return [bucket.buffers.get(i, leaf) for i, leaf in enumerate(leaves)]
+
+    def _ready(self, bucket: _Bucket) -> None:
+        """The C path serves the bucket's calls from now on (when it can lay them out)."""
+        if self.slots is None or (bucket.graph is not None and bucket.replay is None):
+            return
+        low_b, low_n = self.plan.lower(bucket.key)
+        b, n = bucket.key
+        self._pad_bucket(b, n, low_b, low_n if self.plan.length else 0,
+                         [bucket.buffers[i] for i in self.plan.tensors], bucket.replay,
+                         list(bucket.outputs) if bucket.replay is not None else None,
+                         None if bucket.spec.is_leaf() else bucket.spec.unflatten)
 
     def _record(self, key: tuple[int, int], leaves: list) -> _Bucket | None:
         """A new bucket for `key`, its buffers filled from the call, recorded; None past the caps."""
@@ -359,7 +439,8 @@ class PaddedCall:
                 shape[0] = bb
             if i in plan.seq_inputs:
                 shape[1] = bn
-            buffer = torch.zeros(shape, dtype=x.dtype, device=x.device)
+            with torch.inference_mode(False):  # a plain tensor, written also by calls outside inference mode
+                buffer = torch.zeros(shape, dtype=x.dtype, device=x.device)
             b = int(x.shape[0]) if plan.batch else bb
             view = buffer[:b]
             if i in plan.seq_inputs:
@@ -374,6 +455,8 @@ class PaddedCall:
         else:
             self._capture(bucket, args, kwargs)
         self.buckets[key] = bucket
+        if self.building:  # checked by prove() before the backend serves anything
+            self._ready(bucket)
         return bucket
 
     def _capture(self, bucket: _Bucket, args: tuple, kwargs: dict) -> None:
@@ -387,6 +470,21 @@ class PaddedCall:
             bucket.memory = max(0, api.mod.memory_reserved(api.device) - before)
         bucket.graph = graph
         bucket.outputs, bucket.spec = pytree.tree_flatten(out)
+        if self.slots is not None:
+            bucket.replay = self._replayer(bucket, args, kwargs)
+
+    def _replayer(self, bucket: _Bucket, args: tuple, kwargs: dict) -> Any:
+        """The bucket's graph as a _C.GraphReplay on its buffers (whose launch the C path
+        uses), or None when one cannot be made (then the bucket's calls take the Python path)."""
+        api = self.api
+        try:
+            handle, replay = _launch_of(None, api, bucket.graph)  # type: ignore[arg-type]
+            inputs = [(key, -1, bucket.buffers[i]) for i, (key, _, _) in zip(self.plan.tensors, self.slots or [])]
+            return _C.GraphReplay(handle, api.index, _C.Signature(args, kwargs), inputs, list(bucket.outputs),
+                                  self.module, rebuild=bucket.spec.unflatten, replay=replay, keep=[bucket.graph])
+        except Exception as exc:  # noqa: BLE001 - the Python path still serves the bucket
+            logger.warning("torch-tweak: bucket %s is replayed from Python: %s", bucket.key, exc)
+            return None
 
     def _first_sight(self, key: tuple[int, int], leaves: list, args: tuple, kwargs: dict) -> Any:
         """A call of a bucket not seen before: answered by the original; the new bucket serves
@@ -407,13 +505,15 @@ class PaddedCall:
             return reference
         b, n = _sizes(leaves, self.plan.tensors, self.plan.mask)
         try:
-            check(self._run(bucket, leaves, b, n), reference, self.tolerance, where="a new bucket's first call")
-            bucket.hits -= 1
+            check(self._run(bucket, leaves, b, n, hit=False), reference, self.tolerance,
+                  where="a new bucket's first call")
         except MismatchError as exc:
             bucket.ok = False
             self.refused += 1
             logger.warning("torch-tweak: a new bucket %s gave another answer than the original (%s); its calls run "
                            "the module compiled for dynamic shapes", key, exc)
+            return reference
+        self._ready(bucket)
         return reference
 
     # ---- the proof, at build
@@ -498,7 +598,7 @@ class PaddedGraphBackend(Backend):
             refs = [module(*fresh(s)[0], **fresh(s)[1]) for s in samples]
         plan = make_plan(samples, refs, forward_params(module), self.config)
         target = (compile_module(module, samples, dynamic=None) if self.config.compile else module)
-        call = PaddedCall(module, target, plan, self.config, device, self.check_tolerance())
+        call = PaddedCall(module, target, plan, self.config, device, self.check_tolerance(), samples[0])
         for sample in samples:
             call(*sample[0], **sample[1])
         call.prove(samples)

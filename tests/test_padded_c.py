@@ -1,0 +1,249 @@
+"""The padded backend's steady per-call path in C (_C.PaddedReplay, the base type of
+backends.padded.PaddedCall): a call of a ready bucket is found, copied in, run and cut back
+in C; anything else comes back to Python (_slow). On a CPU the bucket runs the module on its
+buffers (graph=False; tests/gpu/test_padded_gpu.py replays graphs).
+
+Every test compares the tuned model (or its backend's callable) with an untuned copy taken
+before tuning; the C path's counters with the Python path's on the same calls."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import torch_tweak as tt
+from torch_tweak import _C
+from torch_tweak.backends import PaddedGraphBackend
+from torch_tweak.backends import padded as padded_module
+from support import FAST
+from test_varying import Pool, mlp, requests
+
+
+def tune(model, data, **options):
+    (w,) = tt.wrap(model, [""], strategy=tt.OneBackendStrategy(
+        PaddedGraphBackend(graph=False, compile=False, **options)))
+    tt.tune(model, data, measure=FAST)
+    (group,) = [g for g in w.tt_signatures if g.varying]
+    assert group.backend is not None, group.error
+    call = group.backend.callable
+    assert isinstance(call, _C.PaddedReplay) and call.serves_here
+    return w, call
+
+
+def same_or_both_raise(tuned, untuned):
+    """tuned() gives untuned()'s answer, or both raise."""
+    try:
+        want = untuned()
+    except Exception as exc:  # the original's own refusal
+        with pytest.raises(type(exc)):
+            tuned()
+        return
+    torch.testing.assert_close(tuned(), want)
+
+
+def test_batches_padded_in_c_give_the_untuned_answers():
+    model = mlp()
+    untuned = copy.deepcopy(model)
+    w, call = tune(model, [torch.randn(b, 16) for b in (3, 5, 1, 8, 6)])
+    before = call.slow_calls
+    with torch.inference_mode():
+        for b in (1, 3, 4, 5, 7, 8, 8, 6, 1, 3):  # every one inside a recorded bucket (1, 4, 8)
+            x = torch.randn(b, 16)
+            torch.testing.assert_close(model(x), untuned(x))
+    assert call.fast_calls == 10 and call.slow_calls == before
+    assert sum(w.tt_untuned.values()) == 0
+
+
+def test_lengths_padded_in_c_are_zeroed_past_each_call():
+    # long calls then short ones in the same buckets: positions a short call does not have
+    # hold the last long call's tokens unless the C path zeroes them (the mask there too)
+    torch.manual_seed(0)
+    model = Pool(True).eval()
+    untuned = copy.deepcopy(model)
+    w, call = tune(model, requests(8, 0, batches=(1, 2, 4), lengths=range(5, 40)))
+    stream = requests(40, 1, batches=(1, 2, 4), lengths=range(2, 40))
+    stream = sorted(stream, key=lambda r: -r["input_ids"].shape[1])
+    with torch.inference_mode():
+        for r in stream:
+            torch.testing.assert_close(model(**r), untuned(**r))
+    assert call.fast_calls >= 30
+    assert sum(w.tt_untuned.values()) == 0
+
+
+def test_a_transformer_padded_in_c_gives_the_untuned_answers_on_valid_positions():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=64)
+    model = transformers.BertModel(config, add_pooling_layer=False).eval()
+    untuned = copy.deepcopy(model)
+    w, call = tune(model, requests(8, 0, batches=(1, 2, 4), lengths=range(5, 40)))
+    with torch.inference_mode():
+        for r in requests(20, 2, batches=(1, 2, 3, 4), lengths=range(3, 40)):
+            got, want = model(**r).last_hidden_state, untuned(**r).last_hidden_state
+            valid = r["attention_mask"].bool()
+            torch.testing.assert_close(got[valid], want[valid], rtol=1e-4, atol=1e-5)
+    assert call.fast_calls > 0
+
+
+def counted(monkeypatch, c_path: bool):
+    """A Pool tuned with the padded backend, the C path on or off, and the stream's describe()."""
+    if not c_path:
+        monkeypatch.setattr(padded_module, "_slots", lambda plan, sample: None)
+    torch.manual_seed(0)
+    model = Pool(True).eval()
+    untuned = copy.deepcopy(model)
+    _, call = tune_any(model)
+    with torch.inference_mode():
+        for r in requests(30, 3, batches=(1, 2, 3, 4), lengths=range(2, 40)):
+            torch.testing.assert_close(model(**r), untuned(**r))
+    monkeypatch.undo()
+    return call, call.describe()
+
+
+def tune_any(model):
+    (w,) = tt.wrap(model, [""], strategy=tt.OneBackendStrategy(PaddedGraphBackend(graph=False, compile=False)))
+    tt.tune(model, requests(8, 0, batches=(1, 2, 4), lengths=range(5, 40)), measure=FAST)
+    (group,) = [g for g in w.tt_signatures if g.varying]
+    return w, group.backend.callable
+
+
+def test_the_c_path_counts_what_the_python_path_counted(monkeypatch):
+    fast, in_c = counted(monkeypatch, c_path=True)
+    slow, in_python = counted(monkeypatch, c_path=False)
+    assert fast.fast_calls > 0 and not slow.serves_here and slow.fast_calls == 0
+    assert in_c == in_python
+    assert sum(in_c["buckets"].values()) > 0 and in_c["padding_waste"] > 0
+
+
+def test_a_call_outside_every_bucket_goes_back_to_python():
+    model = mlp()
+    untuned = copy.deepcopy(model)
+    w, call = tune(model, [torch.randn(b, 16) for b in (3, 5, 1, 8, 6)])
+    top = call.describe()["batch_range"][1]
+    slow = call.slow_calls
+    with torch.inference_mode():
+        for b in (top + 1, top + 40):
+            x = torch.randn(b, 16)
+            torch.testing.assert_close(model(x), untuned(x))
+    assert call.slow_calls == slow + 2 and call.describe()["outside_range"] == 2
+
+
+def in_threads(n, check, threads=8):
+    """check(i) for i in range(n), spread over `threads` threads under inference_mode; the
+    first failure is raised here."""
+    errors = []
+
+    def serve(k):
+        try:
+            with torch.inference_mode():
+                for i in range(k, n, threads):
+                    check(i)
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    started = [threading.Thread(target=serve, args=(k,)) for k in range(threads)]
+    for t in started:
+        t.start()
+    for t in started:
+        t.join()
+    assert not errors, errors[0]
+
+
+def test_eight_threads_calling_with_mixed_shapes():
+    torch.manual_seed(0)
+    model = Pool(True).eval()
+    untuned = copy.deepcopy(model)
+    _, call = tune(model, requests(8, 0, batches=(1, 2, 4), lengths=range(5, 40)))
+    stream = requests(96, 4, batches=(1, 2, 3, 4), lengths=range(2, 40))
+    with torch.inference_mode():
+        wanted = [untuned(**r) for r in stream]
+    in_threads(len(stream), lambda i: torch.testing.assert_close(model(**stream[i]), wanted[i]))
+    assert call.fast_calls > 0
+
+
+def test_eight_threads_calling_the_backend_itself():
+    # past the dispatcher's lock: a call while another is inside runs the target on its own
+    # arguments, never on the buffers another call is writing
+    model = mlp()
+    untuned = copy.deepcopy(model)
+    _, call = tune(model, [torch.randn(b, 16) for b in (3, 5, 1, 8, 6)])
+    xs = [torch.randn(1 + i % 8, 16) for i in range(160)]
+    with torch.inference_mode():
+        wanted = [untuned(x) for x in xs]
+    in_threads(len(xs), lambda i: torch.testing.assert_close(call(xs[i]), wanted[i]))
+
+
+@pytest.mark.parametrize("through", ["model", "backend"])
+def test_hostile_calls_get_the_original_answer_or_its_error(through):
+    model = mlp()
+    untuned = copy.deepcopy(model)
+    _, call = tune(model, [torch.randn(b, 16) for b in (3, 5, 1, 8, 6)])
+    fn = model if through == "model" else call
+    wide = torch.randn(16, 6)
+    cases = {
+        "non-contiguous": wide.t(),                           # a transposed view, batch 6
+        "strided rows": torch.randn(10, 16)[::2],             # every other row, batch 5
+        "float64": torch.randn(4, 16, dtype=torch.float64),   # the recorded dtype is float32
+        "int64": torch.ones(4, 16, dtype=torch.long),
+        "meta": torch.empty(4, 16, device="meta"),            # another device
+        "wrong width": torch.randn(4, 12),
+        "a subclass": nn.Parameter(torch.randn(3, 16), requires_grad=False),
+    }
+    with torch.inference_mode():
+        for name, x in cases.items():
+            same_or_both_raise(lambda: fn(x), lambda: untuned(x))
+        # and the buffers were left fit for the next call
+        x = torch.randn(3, 16)
+        torch.testing.assert_close(fn(x), untuned(x))
+    assert call.describe()["refused_buckets"] == 0
+
+
+def test_a_call_outside_inference_mode_after_a_bucket_seen_inside_it():
+    # a bucket first seen under inference_mode: its buffers are plain tensors, so a later call
+    # under no_grad can still write them
+    model = mlp()
+    untuned = copy.deepcopy(model)
+    _, call = tune(model, [torch.randn(b, 16) for b in (3, 5, 1, 8, 6)])
+    x = torch.randn(12, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x), untuned(x))  # first sight of bucket 12
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(model(x), untuned(x))
+    assert call.describe()["buckets"]["12"] == 2
+
+
+def test_bad_layouts_and_buckets_are_refused():
+    class Bare(_C.PaddedReplay):
+        pass
+
+    x = torch.randn(4, 16)
+    bare = Bare()
+    with pytest.raises(TypeError, match="call must be an"):
+        bare._pad_layout([x], [(0, True, False)], [(True, False)], False, len, list)
+    fresh = Bare()
+    with pytest.raises(ValueError, match="names no argument"):
+        fresh._pad_layout(((x,), {}), [(3, True, False)], [(True, False)], False, len, list)
+    with pytest.raises(RuntimeError, match="set once"):
+        fresh._pad_layout(((x,), {}), [(0, True, False)], [(True, False)], False, len, list)
+    good = Bare()
+    good._pad_layout(((x,), {}), [(0, True, False)], [(True, False)], False, lambda t: t * 2, list)
+    with pytest.raises(ValueError, match="is not a bucket's"):
+        good._pad_bucket(4, 0, 5, 0, [torch.zeros(4, 16)], None, None, None)
+    with pytest.raises(ValueError, match="1 slots"):
+        good._pad_bucket(4, 0, 3, 0, [], None, None, None)
+    with pytest.raises(ValueError, match="dtype"):
+        good._pad_bucket(4, 0, 3, 0, [torch.zeros(4, 16, dtype=torch.float64)], None, None, None)
+    with pytest.raises(TypeError, match="GraphReplay"):
+        good._pad_bucket(4, 0, 3, 0, [torch.zeros(4, 16)], object(), [], None)
+    good._pad_bucket(4, 0, 3, 0, [torch.zeros(4, 16)], None, None, None)
+    y = torch.randn(3, 16)
+    torch.testing.assert_close(good(y), y * 2)  # served in C: the target on the buffer, cut back
+    assert good.fast_calls == 1 and good._pad_counts() == {(4, 0): (1, 3, 4)}
+    with pytest.raises(AttributeError):  # a call no bucket takes goes to _slow, which Bare lacks
+        good(torch.randn(5, 16))
