@@ -602,3 +602,31 @@ def test_modules_shared_at_two_paths_are_refused_before_anything_changes(tmp_pat
         assert_unchanged(model, before)
     with torch.no_grad():
         assert torch.equal(model(x), expected)
+
+
+def test_a_saved_file_names_no_private_module(tmp_path, mlp_data):
+    """A file names torch-tweak's classes by their public paths only (torch_tweak.backends...):
+    moving the package's private modules (its folders by layer) never breaks a file written before."""
+    model = fresh_mlp()
+    tt.wrap(model, ["blocks.0", "head"], strategy=tt.OneBackendStrategy(TorchEagerBackend()))
+    tt.tune(model, mlp_data)
+    path = tmp_path / "net.tt"
+    tt.save(model, path)
+    named = []
+
+    def walk(tree):
+        if isinstance(tree, dict):
+            named.extend(v for k, v in tree.items() if k in ("class", "model") and isinstance(v, str))
+            for v in tree.values():
+                walk(v)
+        elif isinstance(tree, list):
+            for v in tree:
+                walk(v)
+
+    walk(tt.read_summary(path))
+    ours = [name for name in named if name.startswith("torch_tweak")]
+    assert ours and all(name.startswith("torch_tweak.backends.") for name in ours), ours
+    fresh, untuned = fresh_mlp(), fresh_mlp()
+    assert tt.load(fresh, path) == {"blocks.0": "TorchEager", "head": "TorchEager"}
+    with torch.no_grad():
+        assert all(torch.equal(fresh(x), untuned(x)) for x in mlp_data)
