@@ -4,6 +4,7 @@ that need it (Inductor compiles on a CPU are slow)."""
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
@@ -35,6 +36,17 @@ def cache_folder(tmp_path_factory):
         os.environ.pop("TORCH_TWEAK_CACHE", None)
     else:
         os.environ["TORCH_TWEAK_CACHE"] = previous
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ctrl_c_raises():
+    """Ctrl-C raises KeyboardInterrupt here, as in a terminal, also when the suite was started
+    in the background of a shell without job control (which starts it with SIGINT ignored,
+    and Python then keeps it ignored): the tests of Ctrl-C need it, and so do their children,
+    which start with the default disposition once this process handles the signal."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
 
 
 @pytest.fixture(scope="session", autouse=True)
