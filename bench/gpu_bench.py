@@ -712,6 +712,13 @@ def source_commit() -> str:
     return head + ("+changes" if dirty else "")
 
 
+def run_file_name(path: str) -> str:
+    """What a run file calls itself: its path relative to the repository, or its bare name
+    when it lies outside (a machine's own folders stay out of the file)."""
+    where = os.path.relpath(os.path.abspath(path), os.path.dirname(HERE))
+    return where if not where.startswith("..") else os.path.basename(path)
+
+
 def environment() -> dict:
     import torch_tweak
     info = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (smoke run)", "torch": torch.__version__,

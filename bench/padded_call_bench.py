@@ -36,7 +36,7 @@ import torch.utils._pytree as pytree
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from gpu_bench import source_commit  # noqa: E402
+from gpu_bench import run_file_name, source_commit  # noqa: E402
 
 
 def mlp_case() -> tuple[torch.nn.Module, list[dict], list[dict]]:
@@ -196,8 +196,7 @@ def main() -> None:
     import torch_tweak
     commit = source_commit()
     path = args.json or os.path.join(HERE, "results", "runs", f"padded-call-{commit}.json")
-    where = os.path.relpath(os.path.abspath(path), os.path.dirname(HERE))
-    run = {"path": where if not where.startswith("..") else os.path.basename(path), "commit": commit,
+    run = {"path": run_file_name(path), "commit": commit,
            "environment": f"{platform.processor() or 'CPU'}, torch {torch.__version__}, torch-tweak "
                           f"{torch_tweak.__version__} at {commit}, {os.cpu_count()} CPUs, 1 thread", "rows": []}
     for name in args.cases.split(","):

@@ -73,7 +73,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from gpu_bench import cold_compiler, first_tensor, source_commit  # noqa: E402  (one cold cache and commit stamp for every bench)
+from gpu_bench import cold_compiler, first_tensor, run_file_name, source_commit  # noqa: E402  (one cold cache and commit stamp for every bench)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CUDA_COLUMNS = ("eager", "compile", "dynamic", "reduce-overhead", "tweak")
@@ -483,9 +483,7 @@ def main() -> None:
     import platform
 
     import torch_tweak
-    # the run file names itself relative to the repository (a machine's own folders stay out of it)
-    where = os.path.relpath(os.path.abspath(path), os.path.dirname(HERE))
-    run = {"path": where if not where.startswith("..") else os.path.basename(path), "environment": f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else platform.processor() or 'CPU'}"
+    run = {"path": run_file_name(path), "environment": f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else platform.processor() or 'CPU'}"
            f", torch {torch.__version__}, torch-tweak {torch_tweak.__version__} at {source_commit()}", "rows": []}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     def save(row: dict | None = None) -> None:  # after every column: a run stopped at its limit keeps them

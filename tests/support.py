@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -107,3 +108,24 @@ def run_in_child(code: str, timeout: float = 120) -> None:
     assert proc.returncode == 0, (
         f"exit code {proc.returncode} (negative: killed by that signal)\n{proc.stdout[-2000:]}\n"
         f"{proc.stderr[-3000:]}")
+
+
+def in_threads(n, check, threads=8, mode=torch.inference_mode):
+    """check(i) for i in range(n), spread over `threads` threads, each under `mode`; the
+    first failure is raised here."""
+    errors: list[BaseException] = []
+
+    def serve(k: int) -> None:
+        try:
+            with mode():
+                for i in range(k, n, threads):
+                    check(i)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    started = [threading.Thread(target=serve, args=(k,)) for k in range(threads)]
+    for t in started:
+        t.start()
+    for t in started:
+        t.join()
+    assert not errors, errors[0]

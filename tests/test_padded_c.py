@@ -9,7 +9,6 @@ before tuning; the C path's counters with the Python path's on the same calls.""
 from __future__ import annotations
 
 import copy
-import threading
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ import torch_tweak as tt
 from torch_tweak import _C
 from torch_tweak.backends import PaddedGraphBackend
 from torch_tweak.backends import padded as padded_module
-from support import FAST
+from support import FAST, in_threads
 from test_varying import Pool, mlp, requests
 
 
@@ -131,27 +130,6 @@ def test_a_call_outside_every_bucket_goes_back_to_python():
             x = torch.randn(b, 16)
             torch.testing.assert_close(model(x), untuned(x))
     assert call.slow_calls == slow + 2 and call.describe()["outside_range"] == 2
-
-
-def in_threads(n, check, threads=8):
-    """check(i) for i in range(n), spread over `threads` threads under inference_mode; the
-    first failure is raised here."""
-    errors = []
-
-    def serve(k):
-        try:
-            with torch.inference_mode():
-                for i in range(k, n, threads):
-                    check(i)
-        except Exception as exc:  # reported below
-            errors.append(exc)
-
-    started = [threading.Thread(target=serve, args=(k,)) for k in range(threads)]
-    for t in started:
-        t.start()
-    for t in started:
-        t.join()
-    assert not errors, errors[0]
 
 
 def test_eight_threads_calling_with_mixed_shapes():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import random
-import threading
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from torch import nn
 import torch_tweak as tt
 from torch_tweak._core import signatures
 from torch_tweak.backends import PaddedGraphBackend
-from support import FAST
+from support import FAST, in_threads
 from test_other_group import BakingBackend, build, calls
 
 
@@ -189,22 +188,7 @@ def test_eight_threads_calling_with_mixed_shapes():
     stream = requests(160, 7, batches=(1, 2, 3, 4, 6, 8), lengths=range(2, 45))
     with torch.no_grad():
         wanted = [untuned(**r) for r in stream]
-    errors: list[BaseException] = []
-
-    def serve(k: int) -> None:
-        try:
-            with torch.no_grad():
-                for i in range(k, len(stream), 8):
-                    torch.testing.assert_close(model(**stream[i]), wanted[i])
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=serve, args=(k,)) for k in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    in_threads(len(stream), lambda i: torch.testing.assert_close(model(**stream[i]), wanted[i]), mode=torch.no_grad)
 
 
 def test_the_class_group_serves_only_the_plain_values_it_was_checked_on():
