@@ -225,3 +225,27 @@ def test_bad_layouts_and_buckets_are_refused():
     assert good.fast_calls == 1 and good._pad_counts() == {(4, 0): (1, 3, 4)}
     with pytest.raises(AttributeError):  # a call no bucket takes goes to _slow, which Bare lacks
         good(torch.randn(5, 16))
+
+
+class ManyInputs(nn.Module):
+    """More tensors per call than the C path keeps in its frame (its arrays go to the heap)."""
+
+    def __init__(self, count: int = 20) -> None:
+        super().__init__()
+        self.weights = nn.Parameter(torch.randn(count, 16), requires_grad=False)
+
+    def forward(self, *xs):
+        return sum(x * w for x, w in zip(xs, self.weights))
+
+
+def test_a_call_of_many_tensors_is_served_in_c():
+    torch.manual_seed(0)
+    model = ManyInputs().eval()
+    untuned = copy.deepcopy(model)
+    _, call = tune(model, [tuple(torch.randn(b, 16) for _ in range(20)) for b in (3, 5, 1, 8, 6)])
+    before = call.fast_calls
+    with torch.inference_mode():
+        for b in (3, 7, 1, 8):  # each inside a recorded bucket (1, 4, 8)
+            xs = tuple(torch.randn(b, 16) for _ in range(20))
+            torch.testing.assert_close(model(*xs), untuned(*xs))
+    assert call.fast_calls == before + 4

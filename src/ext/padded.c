@@ -483,11 +483,16 @@ tt_pad_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyOb
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf), b = 0, n = 0;
     PyObject *result = NULL;
     PyObject *go = NULL; /* new reference: where a call that is not served here goes */
-    PyObject **found = NULL;
-    Py_ssize_t *at = NULL;
+    PyObject **found = NULL;      /* each slot's tensor of the call: in the frame when few */
+    Py_ssize_t *at = NULL;        /* each slot's place among the arguments */
+    Py_ssize_t at_small[TT_SMALL_STACK];
+    Py_ssize_t *at_heap = NULL;
+    TtStack stack;
     TtPadBucket *bk = NULL;
     int fits = 0, busy = 0; /* busy: this call set self->busy for _slow */
 
+    stack.heap = NULL;
+    stack.room = 0;
     Py_INCREF(self); /* a callback may drop the caller's reference */
     if (TT_UNLIKELY(self->busy)) {
         if (self->target == NULL) {
@@ -497,12 +502,17 @@ tt_pad_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyOb
         go = Py_NewRef(self->target);
     }
     else if (self->nparams > 0) {
-        found = PyMem_Calloc((size_t)self->nslots + 1, sizeof(*found));
-        at = PyMem_Calloc((size_t)self->nslots + 1, sizeof(*at));
-        if (found == NULL || at == NULL) {
+        /* no allocation per call for up to TT_SMALL_STACK - 1 tensors */
+        if ((found = tt_stack_reserve(&stack, self->nslots)) == NULL)
+            goto cleanup;
+        if (self->nslots + 1 <= TT_SMALL_STACK)
+            at = at_small;
+        else if ((at = at_heap = PyMem_Malloc(sizeof(*at) * ((size_t)self->nslots + 1))) == NULL) {
             PyErr_NoMemory();
             goto cleanup;
         }
+        memset(found, 0, sizeof(*found) * ((size_t)self->nslots + 1));
+        memset(at, 0, sizeof(*at) * ((size_t)self->nslots + 1));
         fits = tt_pad_fit(self, args, nargs, kwnames, found, at, &b, &n);
         if (fits < 0)
             goto cleanup;
@@ -530,8 +540,9 @@ tt_pad_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyOb
 cleanup:
     if (busy)
         self->busy = 0;
-    PyMem_Free(found);
-    PyMem_Free(at);
+    if (stack.heap != NULL)
+        PyMem_Free(stack.heap);
+    PyMem_Free(at_heap);
     Py_XDECREF(go);
     Py_DECREF(self);
     return result;
