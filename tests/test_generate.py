@@ -512,6 +512,99 @@ def test_eight_threads_share_a_decode_loop_and_each_gets_its_untuned_tokens():
 # ------------------------------------------------- transformers' compiled decode steps
 
 
+def test_the_tuned_loop_compiles_with_transformers_settings_plus_coordinate_descent():
+    """The "tuned" loop's torch.compile arguments: transformers' compile config, its mode's
+    options spelled out (torch.compile takes a mode or options, not both) and the user's
+    options kept, coordinate descent tuning added; a config that does not compile with
+    Inductor (the option is Inductor's) or no config at all gives none."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    got = generation.tuned_settings(CompileConfig())  # transformers' default: reduce-overhead
+    assert "mode" not in got and got["backend"] == "inductor"
+    assert got["options"] == {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
+    assert generation.tuned_settings(CompileConfig(mode="max-autotune"))["options"] == {
+        "max_autotune": True, "triton.cudagraphs": True, "coordinate_descent_tuning": True}
+    got = generation.tuned_settings(CompileConfig(mode=None, options={"epilogue_fusion": False}, fullgraph=True))
+    assert got["options"] == {"epilogue_fusion": False, "coordinate_descent_tuning": True} and got["fullgraph"]
+    assert generation.tuned_settings(CompileConfig(backend="eager")) is None
+    assert generation.tuned_settings(None) is None and generation.tuned_settings({"mode": "default"}) is None
+
+
+def test_the_tuned_loop_is_tried_only_on_cuda_for_one_sequence():
+    """tweak offers the tuned loop beside the compiled one only where it can differ: on CUDA
+    (coordinate descent tuning tunes Triton kernels) and for calls of one sequence (a step's
+    matrix products of one row are what it turns into bandwidth-tuned reductions)."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    from torch_tweak._runtime.workload import tuned_applies
+
+    model = build("llama")
+
+    def workload_of(batch, **kwargs):
+        job = Workload(model, lambda m: m.generate(prompt(batch), max_new_tokens=4, do_sample=False,
+                                                   cache_implementation="static", **kwargs),
+                       torch.device("cpu"))
+        job.record()
+        return job
+
+    one, two = workload_of(1), workload_of(2)
+    assert tuned_applies(model, torch.device("cuda"), one)
+    assert not tuned_applies(model, torch.device("cpu"), one)
+    assert not tuned_applies(model, torch.device("cuda"), two)
+    model.generation_config.compile_config = CompileConfig(backend="eager")
+    assert not tuned_applies(model, torch.device("cuda"), workload_of(1))
+
+
+@pytest.mark.slow
+def test_the_tuned_loop_gives_the_untuned_compiled_tokens_and_builds_once(monkeypatch):
+    """The tuned loop on a call transformers compiles (on a CPU through the compile config's
+    _compile_all_devices: Inductor's C++ kernels, which coordinate descent tuning leaves as
+    they are, so the tokens must be transformers' compiled ones): its forward is built once
+    with tuned_settings, serves later calls without compiling again, and a call whose compile
+    config is not Inductor's runs transformers' own generate(), counted."""
+    import torch._dynamo.utils as dynamo_utils
+    from transformers.generation.configuration_utils import CompileConfig
+
+    model = build("llama")
+    config = CompileConfig(mode="default")
+    config._compile_all_devices = True
+    model.generation_config.compile_config = config
+    untuned = copy.deepcopy(model)
+    builds = []
+    real_compile = torch.compile
+
+    def spying(fn, **kwargs):
+        builds.append(kwargs)
+        return real_compile(fn, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", spying)
+    loop = generation.DecodeLoop(model, "tuned")
+    generation.install(model, loop)
+    ids = prompt(1)
+    with torch.no_grad():
+        got = model.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation="static")
+        graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+        again = model.generate(prompt(1, seed=1), max_new_tokens=12, do_sample=False, cache_implementation="static")
+        assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs  # the same build serves it
+    tuned_builds = [b for b in builds if b.get("options", {}).get("coordinate_descent_tuning")]
+    assert len(tuned_builds) == 1 and "mode" not in tuned_builds[0], builds
+    with torch.no_grad():
+        assert torch.equal(got, untuned.generate(ids, max_new_tokens=12, do_sample=False,
+                                                 cache_implementation="static"))
+        assert torch.equal(again, untuned.generate(prompt(1, seed=1), max_new_tokens=12, do_sample=False,
+                                                   cache_implementation="static"))
+    assert loop.calls == 2 and not loop.fallbacks
+    other = CompileConfig(backend="eager")
+    other._compile_all_devices = True
+    with torch.no_grad():
+        theirs = model.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation="static",
+                                compile_config=other)
+        assert torch.equal(theirs, untuned.generate(ids, max_new_tokens=12, do_sample=False,
+                                                    cache_implementation="static", compile_config=other))
+    assert loop.calls == 2 and sum(loop.fallbacks.values()) == 1
+    assert "not Inductor" in next(iter(loop.fallbacks))
+
+
 @pytest.mark.slow
 def test_a_call_transformers_compiles_keeps_the_compiled_loop_and_its_tokens(tmp_path):
     """A static-cache call that transformers compiles (here on a CPU, through its compile

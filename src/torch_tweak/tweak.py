@@ -480,7 +480,7 @@ def _tweak(model: nn.Module, calls: Any, job: Workload | None, device: torch.dev
         # the decode loop first: the depths are then tuned and measured under it, and a
         # loop's decode steps replay the untuned model, so module tuning serves the prefill
         _choose_loop(job, device, measuring, shown)
-    compiled_loop = job is not None and job.loop == "compiled"
+    compiled_loop = job is not None and job.loop in generation.COMPILED_LOOPS
     with generation.uncompiled(model):  # hooks traced into transformers' compiled forward compile it again
         tree = ModuleTree(model, distributed.step(lambda: trace(model, calls, job.run if job is not None else None),
                                                   "running the dataset"))

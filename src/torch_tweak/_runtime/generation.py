@@ -54,16 +54,24 @@ from .module import install as install_wrapper, installed, uninstall as uninstal
 
 logger = logging.getLogger("torch_tweak")
 
-LOOPS = ("loop", "graph", "compiled")
+LOOPS = ("loop", "graph", "compiled", "tuned")
 """The decode loops tweak tries: steps run one by one through the model; each step a device
 graph replay of the untuned forward (CUDA and a static cache only); each step through
 transformers' own compiled forward (calls transformers compiles: the untuned tokens are
-then those of its compiled kernels, which no other build reproduces). Two step graphs of
+then those of its compiled kernels); each step through transformers' forward compiled again
+with transformers' settings plus Inductor's coordinate descent tuning (tuned_settings: on
+CUDA a one-row matrix product, each linear layer of a batch-1 step, becomes a reduction
+kernel tuned for the memory's bandwidth instead of a cuBLAS product; other kernels, so its
+tokens are checked against the untuned call's like any candidate's). Two step graphs of
 Inductor kernels were tried and dropped: a separate build of an eager call (its tokens
 differed from the untuned eager model's within a few steps), and transformers' compiled
 forward built again without Inductor's own graphs and recorded with the argmax (the
 compiled tokens, but no faster than the compiled loop: its kernels alone take 1.50 ms a
 token on the Llama-1B shape, bench/results/decode-anatomy.md)."""
+
+COMPILED_LOOPS = frozenset({"compiled", "tuned"})
+"""The loops whose decode steps run a compiled forward: only for calls transformers compiles
+(transformers_compiles), and the model's modules are then left untuned."""
 
 GRAPH_PROCESSORS = frozenset({"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper",
                               "MinPLogitsWarper"})
@@ -351,6 +359,37 @@ def transformers_compiles(model: nn.Module, call: Greedy, cache: Any) -> bool:
         return False
 
 
+def tuned_settings(config: Any) -> dict | None:
+    """torch.compile's arguments for the "tuned" loop: transformers' compile config (its
+    CompileConfig, as its get_compiled_call passes it) with Inductor's coordinate descent
+    tuning added to its mode's options, or None when the config does not compile with Inductor
+    (the option is Inductor's)."""
+    try:
+        settings = dict(config.to_dict())
+    except Exception:  # not a CompileConfig
+        return None
+    if settings.get("backend", "inductor") != "inductor":
+        return None
+    mode = settings.pop("mode", None)
+    from torch._inductor import list_mode_options
+
+    options = dict(list_mode_options(mode)) if mode else {}  # no mode: no mode's options (not every mode's)
+    options.update(settings.get("options") or {})
+    options["coordinate_descent_tuning"] = True
+    settings["options"] = options
+    return settings
+
+
+def compile_config(model: nn.Module, call: Greedy) -> Any:
+    """The compile config transformers' get_compiled_call uses for the call: the call's, else
+    the model's default."""
+    config = getattr(call.config, "compile_config", None)
+    if config is None:
+        default = getattr(model, "_default_compile_config", None)
+        config = default() if callable(default) else None
+    return config
+
+
 def _cache_arg(model: nn.Module) -> str | None:
     try:
         params = inspect.signature(model.forward).parameters
@@ -544,6 +583,7 @@ class DecodeLoop:
         self._lock = threading.Lock()
         self._previous_len: int = -1
         self.eager = False  # set by uncompiled(): the compiled loop's steps run the plain forward
+        self._tuned: tuple[Any, Callable] | None = None  # the "tuned" loop's (compile config, compiled forward)
         self.deadline: float | None = None  # a time.monotonic() value: set while apply_loop checks it
 
     def _in_time(self) -> None:
@@ -579,7 +619,7 @@ class DecodeLoop:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         call = greedy_call(self.model, args, kwargs)
         why = call if isinstance(call, str) else \
-            self.unmeasured(call) or self.layout_problem(call) or self.graph_problem(call)
+            self.unmeasured(call) or self.layout_problem(call) or self.graph_problem(call) or self.tuned_problem(call)
         if why is not None:
             if why not in self.fallbacks:
                 logger.warning("torch-tweak: generate() ran transformers' own loop for %s; further such calls "
@@ -637,6 +677,13 @@ class DecodeLoop:
                    "does not record it"
         return None
 
+    def tuned_problem(self, call: Greedy) -> str | None:
+        """Why the tuned loop cannot build its forward for this call (a compile config that
+        does not compile with Inductor), or None."""
+        if self.kind != "tuned" or not call.static or tuned_settings(compile_config(self.model, call)) is not None:
+            return None
+        return "a compile config whose backend is not Inductor, whose option the tuned loop adds"
+
     def records(self, call: Greedy) -> bool:
         """Whether this loop records the call's decode step as a device graph."""
         return self.kind == "graph" and call.static and call.input_ids.device.type == "cuda"
@@ -681,7 +728,7 @@ class DecodeLoop:
                 self._graphs[key] = entry
             cache = entry.cache
             cache.reset()
-        elif self.kind == "compiled" and call.static:
+        elif self.kind in COMPILED_LOOPS and call.static:
             # one cache per shape, reset between calls: its tensors keep their addresses, so the
             # compiled forward's device graphs replay instead of recording again
             key = (batch, length, device, ids.dtype)
@@ -692,7 +739,7 @@ class DecodeLoop:
                 cache.reset()
         else:
             cache = new_cache(self.model, call.static, length)
-        compiled = self.kind == "compiled" and not self.eager and transformers_compiles(self.model, call, cache)
+        compiled = self.kind in COMPILED_LOOPS and not self.eager and transformers_compiles(self.model, call, cache)
         logits = self._prefill(call, cache)
         if graphs:
             def finished(n: int) -> bool:
@@ -794,7 +841,7 @@ class DecodeLoop:
         contiguous as transformers lays them out, so that its guards hold and nothing compiles
         again. No step reads the device, but the stopping rule every CHECK_EVERY steps."""
         model = self.model
-        forward = model.get_compiled_call(getattr(call.config, "compile_config", None)) if compiled else model
+        forward = self.compiled_forward(call) if compiled else model
         ids = call.input_ids
         batch, prompt = ids.shape
         device = ids.device
@@ -836,6 +883,23 @@ class DecodeLoop:
                 # the logits are read (copied) before the next call reuses the output's memory
                 nxt = self._choose(call, _logits(forward(**kwargs)), seq)
         return tokens[:, :done]
+
+    def compiled_forward(self, call: Greedy) -> Callable:
+        """The compiled forward a compiled loop's steps run: transformers' own (the "compiled"
+        loop: compiled once per model and compile config, kept on the model), or the "tuned"
+        loop's build of the same forward with tuned_settings (kept on the loop, built again when
+        the call's compile config changes, as transformers does)."""
+        config = getattr(call.config, "compile_config", None)
+        if self.kind == "compiled":
+            return self.model.get_compiled_call(config)
+        config = compile_config(self.model, call)
+        if self._tuned is None or self._tuned[0] != config:
+            settings = tuned_settings(config)
+            if settings is None:
+                raise RuntimeError("the call's compile config does not compile with Inductor, whose option the "
+                                   "tuned loop adds")
+            self._tuned = (config, torch.compile(self.model.__call__, **settings))
+        return self._tuned[1]
 
     def _choose(self, call: Greedy, logits: torch.Tensor, seq: torch.Tensor | None) -> torch.Tensor:
         """The next token from a forward's logits, as transformers' _sample chooses it."""

@@ -192,6 +192,21 @@ def _hint(model: nn.Module, device: torch.device, call: Any) -> str:
     return ""
 
 
+def tuned_applies(model: nn.Module, device: torch.device, workload: Workload) -> bool:
+    """Whether the "tuned" loop is worth its build: on CUDA (coordinate descent tuning tunes
+    Triton kernels; a CPU build would be transformers' own), every recorded call one sequence
+    (the steps' matrix products have one row: what it turns into bandwidth-tuned reductions;
+    at more rows they stay cuBLAS products) and compiled with Inductor."""
+    if device.type != "cuda":
+        return False
+    for recorded in workload.generate_calls:
+        call = generation.greedy_call(model, recorded.args, recorded.kwargs)
+        if isinstance(call, str) or call.input_ids.shape[0] != 1 or \
+                generation.tuned_settings(generation.compile_config(model, call)) is None:
+            return False
+    return True
+
+
 def choose_loop(workload: Workload, device: torch.device, measure: dict | None) -> tuple[str | None, list[dict]]:
     """Tries tweak's decode loops on the model as tuned, keeps the fastest of them and
     transformers' own generate() whose tokens are the untuned ones; returns the kept loop's
@@ -207,6 +222,8 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None) 
     # kernels': only its own compiled forward gives them
     if static and generation.transformers_compiles(model, call, generation.probe_cache(model, call)):
         kinds = ["compiled"]
+        if tuned_applies(model, device, workload):
+            kinds.append("tuned")
     else:
         kinds = ["graph"] if device.type == "cuda" and static else ["loop"]
         if kinds == ["graph"] and generation.DecodeLoop(model, "graph", workload.layouts).graph_problem(call):
