@@ -479,7 +479,7 @@ def _tweak(model: nn.Module, calls: Any, job: Workload | None, device: torch.dev
     if speaks_tokens:
         # the decode loop first: the depths are then tuned and measured under it, and a
         # loop's decode steps replay the untuned model, so module tuning serves the prefill
-        _choose_loop(job, device, measuring, shown)
+        _choose_loop(job, device, measuring, shown, high=bool(asked) and asked.effort == "high")
     compiled_loop = job is not None and job.loop in generation.COMPILED_LOOPS
     with generation.uncompiled(model):  # hooks traced into transformers' compiled forward compile it again
         tree = ModuleTree(model, distributed.step(lambda: trace(model, calls, job.run if job is not None else None),
@@ -719,14 +719,16 @@ def _refuse_training(model: nn.Module) -> None:
                      "call model.eval() before tt.tweak (the model was not changed)")
 
 
-def _choose_loop(job: Workload, device: torch.device, measure: dict | None, shown: Progress) -> None:
-    """A generate() workload: tweak's decode loops tried on the untuned model; the kept one
-    stays installed (tt.unwrap takes it out)."""
+def _choose_loop(job: Workload, device: torch.device, measure: dict | None, shown: Progress, *,
+                 high: bool = False) -> None:
+    """A generate() workload: tweak's decode loops tried on the untuned model (with `high`,
+    effort="high", also the ones that cost a compile of their own); the kept one stays
+    installed (tt.unwrap takes it out)."""
     with torch.no_grad():
         job.measure_ttft("untuned")
     shown.phase("generate(): trying tweak's decode loops on the untuned model")
     try:
-        job.loop, job.loop_report = choose_loop(job, device, measure)
+        job.loop, job.loop_report = choose_loop(job, device, measure, high=high)
     finally:
         shown.end_phase()
     if job.loop is not None:

@@ -207,10 +207,13 @@ def tuned_applies(model: nn.Module, device: torch.device, workload: Workload) ->
     return True
 
 
-def choose_loop(workload: Workload, device: torch.device, measure: dict | None) -> tuple[str | None, list[dict]]:
+def choose_loop(workload: Workload, device: torch.device, measure: dict | None, *,
+                high: bool = False) -> tuple[str | None, list[dict]]:
     """Tries tweak's decode loops on the model as tuned, keeps the fastest of them and
     transformers' own generate() whose tokens are the untuned ones; returns the kept loop's
-    kind (None: transformers' loop) and a report per candidate."""
+    kind (None: transformers' loop) and a report per candidate. `high` (effort="high") adds
+    the tuned loop where it applies (tuned_applies): one more compile, about 55 s for the
+    Llama-1B shape on the H200, for other kernels whose tokens must still be the untuned ones."""
     model = workload.model
     first = workload.generate_calls[0]
     call = generation.greedy_call(model, first.args, first.kwargs)
@@ -222,7 +225,7 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None) 
     # kernels': only its own compiled forward gives them
     if static and generation.transformers_compiles(model, call, generation.probe_cache(model, call)):
         kinds = ["compiled"]
-        if tuned_applies(model, device, workload):
+        if high and tuned_applies(model, device, workload):
             kinds.append("tuned")
     else:
         kinds = ["graph"] if device.type == "cuda" and static else ["loop"]
