@@ -36,6 +36,12 @@ run is):
     new    a stream of shapes the first did not have (vision: batch 17-24 outside the range
            seen; bert: lengths the first stream never padded to), first sight and warm
 
+Then the warm passes are measured again side by side (--sequential: not): every column kept
+built, each serves both streams once more, and in each of --rounds rounds (at least 3) every
+column in turn serves the stream and the new stream, the order rotated per round; the medians
+are the warm and new-warm figures, so a drift of the machine's speed between two columns'
+passes falls on all of them alike.
+
 Each request is timed whole, the device synchronised after it (a service waits for each
 answer); a pass's figure is the sum over its requests. Every column's output is checked
 against eager's on the valid positions (bert: the rows' unpadded tokens; last_hidden_state),
@@ -85,6 +91,7 @@ DEVICE = "cuda"
 SMOKE = False
 """--smoke: tiny models and streams, one round: checks that every column serves and matches eager."""
 MAX_DEPTH: int | None = None
+INTERLEAVE = True  # --sequential: the warm figures of each column's own passes only
 """tweak's max_depth: None is its default (cuda); --cpu: 0 unless --max-depth says otherwise."""
 SMOKE_TOLERANCE = 1e-3
 """--smoke: the largest error against eager a column may have (fp32, relative to eager's largest value)."""
@@ -338,6 +345,7 @@ def bench_row(name: str, dtype_name: str, columns: list[str], rounds: int, seed:
     from torch_tweak._core import cpu_load
     if DEVICE == "cpu":
         row["load"], row["others_share"] = {}, {}
+    alive: dict[str, Callable[..., Any]] = {}  # the columns that served, for the interleaved rounds
     for column in columns:
         print(f"  {name} {dtype_name}: {column}", flush=True)
         before, reading = load_average(), cpu_load.reading()
@@ -374,6 +382,8 @@ def bench_row(name: str, dtype_name: str, columns: list[str], rounds: int, seed:
             if column == "tweak":
                 import torch_tweak as tt
                 row["tweak_status"] = str(tt.status(fn))
+            if INTERLEAVE:
+                alive[column] = fn
         except Exception as exc:  # a column that cannot serve the stream is reported, not fatal
             traceback.print_exc()
             row["errors"][column] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
@@ -385,7 +395,36 @@ def bench_row(name: str, dtype_name: str, columns: list[str], rounds: int, seed:
         print(f"    {json.dumps({k: row[k].get(column) for k in ('cold_s', 'warm_s', 'new_first_s', 'new_s', 'error')})}",
               flush=True)
         partial(row)
+    if INTERLEAVE and len(alive) > 1:
+        interleaved(row, alive, stream, new, rounds)
+        partial(row)
     return row
+
+
+def interleaved(row: dict, alive: dict[str, Callable[..., Any]], stream: list[Request], new: list[Request],
+                rounds: int) -> None:
+    """The warm figures measured again side by side: every built column kept, one warm-up pass
+    of each stream per column (a compiled column built before dynamo's reset for the next
+    column compiles again here), then `rounds` rounds in which each column in turn serves the
+    stream and the new stream, the order rotated each round. The medians replace the
+    sequential warm figures (kept as warm_seq_s, new_seq_s): a drift of the machine's speed
+    over the minutes between two columns' passes then falls on every column alike."""
+    order = list(alive)
+    for fn in alive.values():
+        serve(fn, stream)
+        serve(fn, new)
+    warm: dict[str, list[float]] = {c: [] for c in order}
+    fresh: dict[str, list[float]] = {c: [] for c in order}
+    for r in range(max(rounds, 3)):
+        for column in order[r % len(order):] + order[:r % len(order)]:
+            warm[column].append(serve(alive[column], stream))
+            fresh[column].append(serve(alive[column], new))
+    row["warm_seq_s"], row["new_seq_s"] = dict(row["warm_s"]), dict(row["new_s"])
+    for column in order:
+        row["warm_s"][column] = statistics.median(warm[column])
+        row["new_s"][column] = statistics.median(fresh[column])
+    row["interleaved"] = max(rounds, 3)
+    print(f"    interleaved: warm {json.dumps(row['warm_s'])}, new {json.dumps(row['new_s'])}", flush=True)
 
 
 # ------------------------------------------------------------------ report
@@ -443,6 +482,8 @@ def report(paths: list[str], out: str) -> None:
             lines.append(f"- **{row['model']} {row['dtype']} ({row['device']}, {commit_of(run)})**: {row['stream']}; {row['shapes']} "
                          f"shapes, {row['new_shapes']} new. Largest error against eager on valid positions: {errs}. "
                          + (f"tweak's tuning alone: {row['tune_s']:.1f} s. " if "tune_s" in row else "")
+                         + (f"Warm figures side by side: {row['interleaved']} interleaved rounds. "
+                            if row.get("interleaved") else "")
                          + (f"tweak's shapes=: {row['tweak_shapes']}. " if row.get("tweak_shapes") else "")
                          + "".join(f"{c} failed: {e}. " for c, e in row["errors"].items())
                          + ("Load average (1 min) before and after each column (the bench's own compiles "
@@ -468,6 +509,8 @@ def main() -> None:
     parser.add_argument("--no-shapes", action="store_true", help="tweak on the CPU without shapes=")
     parser.add_argument("--max-depth", type=int, default=None, help="tweak's max_depth (default: tweak's own on "
                         "cuda, 0 on the CPU)")
+    parser.add_argument("--sequential", action="store_true", help="warm figures from each column's own passes, "
+                        "not measured again side by side (every column then stays built to the end)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--report", nargs="+", metavar="JSON")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "serving.md"))
@@ -475,7 +518,8 @@ def main() -> None:
     if args.report:
         report(args.report, args.out)
         return
-    global DEVICE, SMOKE, MAX_DEPTH
+    global DEVICE, SMOKE, MAX_DEPTH, INTERLEAVE
+    INTERLEAVE = not args.sequential
     if args.smoke:
         SMOKE, args.cpu, args.rounds = True, True, 1
     if args.cpu:
