@@ -270,6 +270,53 @@ def test_token_check_names_the_first_difference():
         job.check_tokens()
 
 
+def test_the_untuned_tokens_of_a_call_transformers_compiles_come_from_a_later_call(monkeypatch):
+    """transformers' first call of a compiled static path compiles its forward, and on the H200
+    its tokens were not its later calls' (bench/first_call_study.py). A model whose first
+    generate() gives other tokens than its later ones stands for it here: for a call
+    transformers compiles, the recorded untuned tokens are a later call's, which every
+    candidate can give; for a call it does not compile, the recorded call's own."""
+    model = build("llama")
+    ids = prompt(1)
+    real = type(model).generate
+    made = []
+
+    def cold_then_warm(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        made.append(out.clone())
+        if len(made) == 1:  # the first call: a token no later call gives
+            out = out.clone()
+            out[0, -1] = (out[0, -1] + 1) % 256
+        return out
+
+    monkeypatch.setattr(type(model), "generate", cold_then_warm)
+    workload = lambda m: m.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static")  # noqa: E731
+    monkeypatch.setattr(generation, "transformers_compiles", lambda *a: True)
+    job = Workload(model, workload, torch.device("cpu"))
+    job.record()
+    assert len(made) == 2  # the recorded call, then a later one
+    assert torch.equal(job.generate_calls[0].tokens, made[1])
+    job.check_tokens()  # later calls give them: a candidate is held to what it can give
+    monkeypatch.setattr(generation, "transformers_compiles", lambda *a: False)
+    made.clear()
+    job = Workload(model, workload, torch.device("cpu"))
+    job.record()
+    assert len(made) == 1 and not torch.equal(job.generate_calls[0].tokens, made[0])  # the first call's own
+    with pytest.raises(MismatchError, match="token 5 of sequence 0"):
+        job.check_tokens()
+    # a loaded loop's check: the untuned generate() run there is warmed first, so the loop
+    # (which gives the later calls' tokens) is installed
+    plan = generation.LoopPlan("loop", None, [(c.args, c.kwargs, c.tokens) for c in job.generate_calls])
+    monkeypatch.setattr(generation, "transformers_compiles", lambda *a: True)
+    made.clear()
+    assert generation.apply_loop(model, plan) is None and generation.loop_of(model) is not None
+    assert len(made) == 2
+    generation.uninstall(model)
+    made.clear()
+    monkeypatch.setattr(generation, "transformers_compiles", lambda *a: False)  # one run: its cold token
+    assert "token 5 of sequence 0" in generation.apply_loop(model, plan) and generation.loop_of(model) is None
+
+
 # ------------------------------------------------------------- tt.save / tt.load
 
 TESTS = __import__("os").path.dirname(__import__("os").path.abspath(__file__))

@@ -131,9 +131,21 @@ class Workload:
                 model.__dict__.pop("prepare_inputs_for_generation", None)
                 if own is not None:
                     object.__setattr__(model, "prepare_inputs_for_generation", own)
+        if can:
+            self._warm_tokens()
         self.tokens = tokens
         if len(forwards) == 2:
             self.layouts = {"prefill": forwards[0], "decode": forwards[1]}
+
+    def _warm_tokens(self) -> None:
+        """The untuned tokens of a call transformers compiles, read from a second call: the
+        recorded one may have compiled transformers' forward, and a first call's tokens need
+        not be its later calls' (generation.compiled_by_transformers)."""
+        with torch.no_grad():
+            for call in self.generate_calls:
+                if generation.compiled_by_transformers(self.model, call.args, call.kwargs):
+                    with generation.same_draws(self.model, call.args, call.kwargs):
+                        call.tokens = self.model.generate(*call.args, **call.kwargs).clone()
 
     @property
     def generates(self) -> bool:
