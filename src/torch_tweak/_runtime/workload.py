@@ -219,13 +219,9 @@ def tuned_applies(model: nn.Module, device: torch.device, workload: Workload) ->
     return True
 
 
-def choose_loop(workload: Workload, device: torch.device, measure: dict | None, *,
-                high: bool = False) -> tuple[str | None, list[dict]]:
-    """Tries tweak's decode loops on the model as tuned, keeps the fastest of them and
-    transformers' own generate() whose tokens are the untuned ones; returns the kept loop's
-    kind (None: transformers' loop) and a report per candidate. `high` (effort="high") adds
-    the tuned loop where it applies (tuned_applies): one more compile, about 55 s for the
-    Llama-1B shape on the H200, for other kernels whose tokens must still be the untuned ones."""
+def _loop_kinds(workload: Workload, device: torch.device, high: bool) -> list[str]:
+    """The decode loops worth trying for the workload's first generate() call (and the hint
+    for the user, set on the workload)."""
     model = workload.model
     first = workload.generate_calls[0]
     call = generation.greedy_call(model, first.args, first.kwargs)
@@ -234,15 +230,24 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None, 
     # a device graph replay of a step does what the plain loop does with no launches from the
     # host: where it can run, the plain loop is not worth a measurement (each is a whole run).
     # Where transformers compiles the decode steps, the untuned tokens are its compiled
-    # kernels': only its own compiled forward gives them
+    # kernels': only its own compiled forward gives them (the tuned loop: its own, checked)
     if static and generation.transformers_compiles(model, call, generation.probe_cache(model, call)):
-        kinds = ["compiled"]
-        if high and tuned_applies(model, device, workload):
-            kinds.append("tuned")
-    else:
-        kinds = ["graph"] if device.type == "cuda" and static else ["loop"]
-        if kinds == ["graph"] and generation.DecodeLoop(model, "graph", workload.layouts).graph_problem(call):
-            kinds = ["loop"]  # a call whose step the graph loop does not record: the step-by-step loop
+        return ["compiled", "tuned"] if high and tuned_applies(model, device, workload) else ["compiled"]
+    if device.type == "cuda" and static and \
+            generation.DecodeLoop(model, "graph", workload.layouts).graph_problem(call) is None:
+        return ["graph"]
+    return ["loop"]  # no graph loop here, or a call whose step it does not record: step by step
+
+
+def choose_loop(workload: Workload, device: torch.device, measure: dict | None, *,
+                high: bool = False) -> tuple[str | None, list[dict]]:
+    """Tries tweak's decode loops on the model as tuned, keeps the fastest of them and
+    transformers' own generate() whose tokens are the untuned ones; returns the kept loop's
+    kind (None: transformers' loop) and a report per candidate. `high` (effort="high") adds
+    the tuned loop where it applies (tuned_applies): one more compile, about 55 s for the
+    Llama-1B shape on the H200, for other kernels whose tokens must still be the untuned ones."""
+    model = workload.model
+    kinds = _loop_kinds(workload, device, high)
     loops: dict[str, generation.DecodeLoop] = {}
 
     def build_of(kind: str | None):
