@@ -13,7 +13,6 @@ backend is shared by the tests of this file (Inductor compiles on a small CPU ar
 from __future__ import annotations
 
 import copy
-import threading
 import time
 
 import pytest
@@ -21,6 +20,7 @@ import torch
 from torch import nn
 
 import torch_tweak as tt
+from support import in_threads
 from torch_tweak.backends import Backend, registry
 
 NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -182,26 +182,17 @@ def test_eight_threads_get_their_own_answers(pair_model):
               for _ in range(THREADS)]
     with torch.no_grad():
         expected = [[reference(a, b) for a, b in mine] for mine in inputs]
-    wrong, errors = [], []
+    wrong = []
 
-    def work(t: int) -> None:
-        try:
-            with torch.no_grad():
-                for i in range(CALLS_PER_THREAD):
-                    a, b = inputs[t][i % 10]
-                    args, kwargs = layouts(a, b)[i % 4]
-                    got = model(*args, **kwargs)
-                    if not torch.allclose(got, expected[t][i % 10], rtol=1e-4, atol=1e-4):
-                        wrong.append((t, i))
-        except Exception as exc:  # every error is a failure: none is expected
-            errors.append(f"{type(exc).__name__}: {exc}")
+    def check(k: int) -> None:  # thread k % THREADS, its call k // THREADS
+        t, i = k % THREADS, k // THREADS
+        a, b = inputs[t][i % 10]
+        args, kwargs = layouts(a, b)[i % 4]
+        if not torch.allclose(model(*args, **kwargs), expected[t][i % 10], rtol=1e-4, atol=1e-4):
+            wrong.append((t, i))
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(THREADS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == [] and wrong == []
+    in_threads(THREADS * CALLS_PER_THREAD, check, threads=THREADS, mode=torch.no_grad)  # any error fails
+    assert wrong == []
     assert sum(wrapper.tt_untuned.values()) == 0  # every call was tuned
 
 
@@ -255,15 +246,10 @@ def test_a_backend_that_is_not_thread_safe_is_serialised():
         expected = [reference(x, y) for x, y in inputs]
     wrong = []
 
-    def work(t: int) -> None:
-        with torch.no_grad():
-            for _ in range(CALLS_PER_THREAD):
-                if not torch.equal(model(*inputs[t]), expected[t]):
-                    wrong.append(t)
+    def check(k: int) -> None:  # thread k % THREADS, on its own inputs
+        t = k % THREADS
+        if not torch.equal(model(*inputs[t]), expected[t]):
+            wrong.append(t)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(THREADS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_threads(THREADS * CALLS_PER_THREAD, check, threads=THREADS, mode=torch.no_grad)
     assert wrong == []

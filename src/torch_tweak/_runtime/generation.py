@@ -395,8 +395,8 @@ def compiled_by_transformers(model: nn.Module, args: tuple, kwargs: dict) -> boo
     forward. Its first such call compiles that forward, and on the H200 the first call's
     tokens are not those of its later calls (Llama-1B shape, bf16, prompt 512: every later
     call, and the compiled loop, left the first call's tokens at new token 100;
-    bench/first_call_study.py), so the untuned tokens are read from a later call
-    (untuned_tokens)."""
+    bench/first_call_study.py), so the untuned tokens of such a call are read from a later
+    call (Workload._warm_tokens, apply_loop)."""
     call = greedy_call(model, args, kwargs)
     return not isinstance(call, str) and transformers_compiles(model, call, probe_cache(model, call))
 
@@ -691,8 +691,11 @@ class DecodeLoop:
     def tuned_problem(self, call: Greedy) -> str | None:
         """Why the tuned loop cannot build its forward for this call (a compile config that
         does not compile with Inductor), or None."""
-        if self.kind != "tuned" or not call.static or tuned_settings(compile_config(self.model, call)) is not None:
+        if self.kind != "tuned" or not call.static:
             return None
+        config = compile_config(self.model, call)
+        if (self._tuned is not None and self._tuned[0] == config) or tuned_settings(config) is not None:
+            return None  # built for this config already, or buildable
         return "a compile config whose backend is not Inductor, whose option the tuned loop adds"
 
     def records(self, call: Greedy) -> bool:
@@ -900,9 +903,8 @@ class DecodeLoop:
         loop: compiled once per model and compile config, kept on the model), or the "tuned"
         loop's build of the same forward with tuned_settings (kept on the loop, built again when
         the call's compile config changes, as transformers does)."""
-        config = getattr(call.config, "compile_config", None)
         if self.kind == "compiled":
-            return self.model.get_compiled_call(config)
+            return self.model.get_compiled_call(getattr(call.config, "compile_config", None))
         config = compile_config(self.model, call)
         if self._tuned is None or self._tuned[0] != config:
             settings = tuned_settings(config)
