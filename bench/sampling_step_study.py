@@ -4,7 +4,8 @@ after each step) and recorded as one device graph.
 
 The choice is transformers' own for a sampling call (temperature 0.7, top-k 50, top-p 0.9, the
 softmax in float32, torch.multinomial), on logits of the Llama-3 vocabulary (128,256) in bf16;
-the greedy choice (the argmax) beside it. Per way and batch:
+the greedy choice (the argmax) beside it, and the same sampling call through tweak's
+sampling.TopSampler (the processed scores from the top scores alone). Per way and batch:
 
     host_us    seconds the host spends issuing one choice (perf_counter over --n calls, no
                synchronisation inside; the device kept busy by a long kernel first, so that
@@ -47,7 +48,14 @@ def choosers(logits: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
         scores = warpers(None, logits[:, -1].to(copy=True, dtype=torch.float32))
         return torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
 
-    return {"greedy": greedy, "sampling": sample}
+    from torch_tweak._runtime import sampling
+    sampler = sampling.TopSampler.of(warpers, True, logits.device)
+
+    def top_sampler() -> torch.Tensor:
+        scores = sampler.process(logits[:, -1].to(copy=True, dtype=torch.float32))
+        return torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+
+    return {"greedy": greedy, "sampling": sample, "top-sampler": top_sampler}
 
 
 def busy() -> None:
@@ -100,13 +108,22 @@ def main() -> None:
     for batch in (1, 4):
         torch.manual_seed(0)
         logits = torch.randn(batch, 1, VOCAB, device="cuda", dtype=torch.bfloat16) * 2
-        for way, fn in choosers(logits).items():
+        fns = choosers(logits)
+        for way, fn in fns.items():
             host, device = host_and_device(fn, args.n)
             row = {"batch": batch, "way": way, "eager_host_us": round(host, 1), "eager_device_us": round(device, 1)}
             graph, out = recorded(fn)
             host_g, device_g = host_and_device(graph.replay, args.n)
             row.update(graph_host_us=round(host_g, 1), graph_device_us=round(device_g, 1))
-            if way == "sampling":
+            if way == "top-sampler":  # its draws against transformers' processors' under the same seeds
+                same = 0
+                for seed in range(20):
+                    torch.manual_seed(seed)
+                    theirs = [fns["sampling"]().clone() for _ in range(4)]
+                    torch.manual_seed(seed)
+                    same += all(torch.equal(a, fn()) for a in theirs)
+                row["same_as_transformers_of_20_seeds"] = same
+            if way != "greedy":
                 same = 0
                 for seed in range(20):
                     torch.manual_seed(seed)

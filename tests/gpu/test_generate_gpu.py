@@ -207,3 +207,47 @@ def test_seeded_sampling_inside_a_step_graph_equals_transformers():
     with torch.no_grad():
         assert torch.equal(penalised, untuned.generate(ids, repetition_penalty=1.1, **settings))
     assert any("RepetitionPenaltyLogitsProcessor" in why for why in loop.fallbacks)
+
+
+def test_the_top_sampler_gives_transformers_processed_scores_on_cuda():
+    """On CUDA, with no change to torch.sort (the order it gives ties is what the sampler
+    reproduces): the processed scores of bf16 logits of the Llama-3 vocabulary, ties at the
+    k-th and across the top-p cut, equal transformers' processors'. A row may differ only
+    where a running sum lies within float32's last bits of 1 - top_p (the sampler's docstring):
+    at most one row of the 240 here."""
+    from torch_tweak._runtime import sampling
+
+    T = transformers
+    differing = 0
+    for temperature, top_k, top_p in ((0.7, 50, 0.9), (1.0, 50, None), (1.3, 200, 0.5), (0.7, 8, 0.95)):
+        chain = [T.TemperatureLogitsWarper(temperature), T.TopKLogitsWarper(top_k)]
+        chain += [T.TopPLogitsWarper(top_p)] if top_p is not None else []
+        chain = T.LogitsProcessorList(chain)
+        for seed in range(15):
+            g = torch.Generator("cuda").manual_seed(seed)
+            logits = (torch.randn(4, 128256, device="cuda", generator=g) * (0.5, 2.0, 8.0)[seed % 3]).bfloat16()
+            sampler = sampling.TopSampler.of(chain, True, torch.device("cuda"))
+            got = sampler.process(logits.float())
+            expected = chain(None, logits.float())
+            differing += int((got != expected).any(-1).sum())
+            assert not sampler.overflowed()
+    assert differing <= 1, differing
+
+
+@pytest.mark.parametrize("kind", ["compiled", "loop"])
+def test_seeded_top_k_top_p_sampling_through_the_top_sampler_equals_transformers(kind, monkeypatch):
+    from torch_tweak._runtime import sampling
+
+    served = []
+    process = sampling.TopSampler.process
+    monkeypatch.setattr(sampling.TopSampler, "process", lambda self, s: served.append(1) or process(self, s))
+    model = build("llama", torch.bfloat16)
+    untuned = copy.deepcopy(model)
+    loop = generation.DecodeLoop(model, kind)
+    generation.install(model, loop)
+    ids = torch.randint(3, 256, (4, 7), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    settings = dict(max_new_tokens=32, do_sample=True, temperature=0.7, top_k=50, top_p=0.9,
+                    cache_implementation="static", disable_compile=kind == "loop")
+    assert_same_draws(untuned, model, ids, settings, seeds=(0, 1, 2))
+    assert loop.calls == 3 and not loop.fallbacks and loop.resampled == 0
+    assert len(served) == 3 * 32

@@ -11,7 +11,9 @@ itself:
   model serves it with its tuned backends;
 - every decode step feeds the previous token and chooses the next as transformers does:
   transformers' own logits processors for the call (SERVED_PROCESSORS) on the sequence so
-  far, then the argmax, or a draw of ``torch.multinomial``, with the cache the user's call
+  far (a sampling call with temperature, top-k and top-p on CUDA: the same processed scores
+  from the top scores alone, sampling.TopSampler), then the argmax, or a draw of
+  ``torch.multinomial``, with the cache the user's call
   would have used (a ``DynamicCache``, or a ``StaticCache`` when the call asks for
   ``cache_implementation="static"``, sized by transformers' own rule), the position ids and
   the attention masks (one per layer type where the model has several) made as transformers
@@ -50,6 +52,7 @@ import torch
 from torch import nn
 
 from .. import _C
+from . import sampling
 from .module import install as install_wrapper, installed, uninstall as uninstall_wrapper
 
 logger = logging.getLogger("torch_tweak")
@@ -587,6 +590,7 @@ class DecodeLoop:
         self._takes_mask = "attention_mask" in params
         self.fallbacks: collections.Counter[str] = collections.Counter()
         self.calls = 0
+        self.resampled = 0  # calls made again with transformers' processors (sampling.TopSampler.overflowed)
         self._checks: list[tuple[tuple, dict, torch.Tensor]] = []
         self.kinds: frozenset | None = None  # the call kinds served (call_kind); None: every kind
         self._graphs: dict[tuple, _StepGraph] = {}
@@ -763,7 +767,19 @@ class DecodeLoop:
             first = self._choose(call, logits, ids if call.processors is not None else None)
             tokens = entry.run(first, prompt, call.max_new, finished)
         else:
-            tokens = self._steps(logits, cache, call, eos, length, compiled)
+            sampler = sampling.TopSampler.of(call.processors, call.sample, device)
+            state = sampling.rng_state(device) if sampler is not None else None
+            tokens = self._steps(logits, cache, call, eos, length, compiled, sampler)
+            if sampler is not None and sampler.overflowed():
+                # a step the sampler could not serve: the call again, from the same generator
+                # state, with transformers' processors
+                self.resampled += 1
+                sampling.set_rng_state(device, state)
+                if call.static:
+                    cache.reset()
+                else:
+                    cache = new_cache(self.model, False, length)
+                tokens = self._steps(self._prefill(call, cache), cache, call, eos, length, compiled, None)
         return torch.cat([ids, _stop(tokens, eos, call.pad)], dim=1)
 
     @staticmethod
@@ -846,14 +862,15 @@ class DecodeLoop:
         return _logits(self.model(**self._kwargs("prefill", ids, cache, positions, attention)))
 
     def _steps(self, logits: torch.Tensor, cache: Any, call: Greedy, eos: torch.Tensor | None, length: int,
-               compiled: bool) -> torch.Tensor:
+               compiled: bool, sampler: "sampling.TopSampler | None" = None) -> torch.Tensor:
         """Every new token after the prefill's `logits`, step by step, as transformers' decoding
         loop makes them: its logits processors on the sequence so far, then the argmax or a draw
         of torch.multinomial from the softmax, with finished sequences fed the pad token. With
         `compiled`, the steps run transformers' compiled forward (the one its generate() would
         call: compiled once per model and compile config, kept on the model), the arguments
         contiguous as transformers lays them out, so that its guards hold and nothing compiles
-        again. No step reads the device, but the stopping rule every CHECK_EVERY steps."""
+        again. No step reads the device, but the stopping rule every CHECK_EVERY steps. A
+        `sampler` processes the scores in place of the processors (sampling.TopSampler)."""
         model = self.model
         forward = self.compiled_forward(call) if compiled else model
         ids = call.input_ids
@@ -867,7 +884,7 @@ class DecodeLoop:
         arange = torch.arange(length, device=device) if own else None
         unfinished = torch.ones(batch, dtype=torch.long, device=device) if eos is not None else None
         tokens = torch.empty(batch, call.max_new, dtype=ids.dtype, device=device)
-        nxt = self._choose(call, logits, seq)
+        nxt = self._choose(call, logits, seq, sampler)
         done = 0
         with _decoding(model):
             while True:
@@ -895,7 +912,7 @@ class DecodeLoop:
                 if compiled:  # contiguous as transformers makes them (a dict of masks too): its guards hold
                     kwargs = {k: _contiguous(v) for k, v in kwargs.items()}
                 # the logits are read (copied) before the next call reuses the output's memory
-                nxt = self._choose(call, _logits(forward(**kwargs)), seq)
+                nxt = self._choose(call, _logits(forward(**kwargs)), seq, sampler)
         return tokens[:, :done]
 
     def compiled_forward(self, call: Greedy) -> Callable:
@@ -914,11 +931,15 @@ class DecodeLoop:
             self._tuned = (config, torch.compile(self.model.__call__, **settings))
         return self._tuned[1]
 
-    def _choose(self, call: Greedy, logits: torch.Tensor, seq: torch.Tensor | None) -> torch.Tensor:
+    def _choose(self, call: Greedy, logits: torch.Tensor, seq: torch.Tensor | None,
+                sampler: "sampling.TopSampler | None" = None) -> torch.Tensor:
         """The next token from a forward's logits, as transformers' _sample chooses it."""
         if call.processors is None and not call.sample:
             return logits[:, -1, :].argmax(-1)
-        scores = self._process(call, logits, seq)
+        if sampler is not None:
+            scores = sampler.process(logits[:, -1].to(copy=True, dtype=torch.float32))
+        else:
+            scores = self._process(call, logits, seq)
         if self.captured is not None:
             self.captured.append(scores.clone())
         if call.sample:

@@ -1,0 +1,117 @@
+"""A sampling call's processed scores without sorting the vocabulary.
+
+transformers' top-p warper sorts every score of the vocabulary at every step, after top-k has
+already set all but k of them to -inf. On the H200, choosing one sampled token that way (the
+Llama-3 vocabulary of 128,256, temperature, top-k 50, top-p 0.9, the softmax and the draw)
+takes 0.55 ms of the device's time at batch 1, a third of the decode step itself
+(bench/results/decode-anatomy.md). TopSampler gives the same processed scores from the top
+k + MARGIN scores alone: the entries top-k keeps (every score at least the k-th largest, ties
+included), ordered as a stable ascending sort orders them (by score, then by index: the order
+CUDA's sort of the whole vocabulary gives ties), their softmax and its running sum cut at
+1 - top_p as transformers cuts it, then scattered back into a row of -inf. The softmax of that
+row and torch.multinomial then run unchanged, as transformers runs them, so a draw under the
+same seed is transformers' draw.
+
+Where it can differ: the running sum over the kept entries is summed in another order than
+transformers' sum over the whole sorted row (whose other entries are exact zeros), so an entry
+whose running sum lies within a few float32 ulps of 1 - top_p can fall on the other side of
+the cut. Where it cannot serve: more tied scores at the k-th than MARGIN, or a NaN score. Both
+are seen on the device (overflowed) without a read per step; the loop reads the flag once per
+call, and then makes the call again with transformers' own processors from the same generator
+state (DecodeLoop.decode).
+
+Used on CUDA only: the CPU's sort does not keep ties in index order, so there no ordering of
+the kept entries can give transformers' cut among ties.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+MARGIN = 64
+"""Scores read past the k-th for ties with it: more ties than this make a call run again with
+transformers' own processors."""
+
+DEVICES = frozenset({"cuda"})
+"""The device types TopSampler serves (tests widen it to check its arithmetic on the CPU)."""
+
+
+class TopSampler:
+    """The processed scores of a sampling call whose logits processors are exactly transformers'
+    [TemperatureLogitsWarper], TopKLogitsWarper, [TopPLogitsWarper], in that order (as its
+    generate() builds them), each filtering to -inf."""
+
+    def __init__(self, temperature: Any, top_k: int, top_p: float | None, keep_p: int) -> None:
+        self.temperature = temperature  # transformers' own warper, or None
+        self.top_k = top_k
+        self.top_p = top_p
+        self.keep_p = keep_p  # the top-p warper's min_tokens_to_keep
+        self.flag: torch.Tensor | None = None  # any step overflowed (a device tensor)
+
+    @classmethod
+    def of(cls, processors: Any, sample: bool, device: torch.device) -> "TopSampler | None":
+        """The sampler for a call's processors, or None where it does not apply."""
+        if not sample or processors is None or device.type not in DEVICES:
+            return None
+        names = [type(p).__name__ for p in processors]
+        if not all(type(p).__module__.startswith("transformers.") for p in processors):
+            return None
+        temperature = None
+        if names and names[0] == "TemperatureLogitsWarper":
+            temperature, names, processors = processors[0], names[1:], list(processors)[1:]
+        if names not in (["TopKLogitsWarper"], ["TopKLogitsWarper", "TopPLogitsWarper"]):
+            return None
+        if any(getattr(p, "filter_value", None) != -float("inf") for p in processors):
+            return None
+        top_k = processors[0].top_k
+        top_p = processors[1].top_p if len(processors) == 2 else None
+        keep_p = processors[1].min_tokens_to_keep if len(processors) == 2 else 1
+        if not isinstance(top_k, int) or top_k < 1 or not isinstance(keep_p, int) or keep_p < 1:
+            return None
+        return cls(temperature, top_k, top_p, keep_p)
+
+    def process(self, scores: torch.Tensor) -> torch.Tensor:
+        """The processed scores of `scores` (batch x vocabulary, float32), as the processors give
+        them but where overflowed() says otherwise."""
+        if self.temperature is not None:
+            scores = self.temperature(None, scores)
+        vocab = scores.shape[-1]
+        k = min(self.top_k, vocab)
+        width = min(k + MARGIN, vocab)
+        values, indices = torch.topk(scores, width)  # descending
+        kth = values[:, k - 1:k]
+        kept = values >= kth  # top-k keeps every score not below the k-th, ties included
+        flag = torch.isnan(values[:, 0])  # topk puts a NaN first
+        if width < vocab:
+            flag = flag | (values[:, -1] >= kth[:, 0])  # ties may go on past the margin
+        self.flag = flag.any() if self.flag is None else self.flag | flag.any()
+        if self.top_p is not None:
+            # the stable ascending order: by index first, then a stable sort by score
+            by_index, order = indices.sort(dim=-1)
+            masked = values.gather(1, order).masked_fill(~kept.gather(1, order), -float("inf"))
+            values, place = torch.sort(masked, dim=-1, stable=True)
+            indices = by_index.gather(1, place)
+            cumulative = values.softmax(dim=-1).cumsum(dim=-1)
+            remove = cumulative <= (1 - self.top_p)
+            remove[..., -self.keep_p:] = False
+            kept = ~remove
+        out = torch.full_like(scores, -float("inf"))
+        return out.scatter_(1, indices, values.masked_fill(~kept, -float("inf")))
+
+    def overflowed(self) -> bool:
+        """Whether any step since the last reset could not be served (reads the device once)."""
+        return self.flag is not None and bool(self.flag)
+
+
+def rng_state(device: torch.device) -> torch.Tensor:
+    """The state of the generator a draw on `device` uses."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def set_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)

@@ -1,0 +1,156 @@
+"""The decode loop's sampler for temperature, top-k and top-p (sampling.TopSampler), against
+transformers' own processors: the same processed scores from the top scores alone, and, through
+the loop, transformers' tokens under the same seed. It serves CUDA only, where the sort of the
+vocabulary keeps ties in index order; here the CPU's sort is made stable for the reference
+(what CUDA's gives), and the sampler widened to the CPU, to check its arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torch_tweak._runtime import generation, sampling
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def as_on_cuda(monkeypatch):
+    """torch.sort keeps ties in index order (CUDA's sort of a row this long does) and the
+    sampler serves the CPU."""
+    sort = torch.sort
+
+    def stable(*args, **kwargs):
+        kwargs.setdefault("stable", True)
+        return sort(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "sort", stable)
+    monkeypatch.setattr(sampling, "DEVICES", frozenset({"cuda", "cpu"}))
+
+
+def processors(temperature, top_k, top_p=None, keep=1):
+    T = transformers
+    chain = [T.TemperatureLogitsWarper(temperature)] if temperature is not None else []
+    chain.append(T.TopKLogitsWarper(top_k))
+    if top_p is not None:
+        chain.append(T.TopPLogitsWarper(top_p, min_tokens_to_keep=keep))
+    return T.LogitsProcessorList(chain)
+
+
+SETTINGS = [(0.7, 50, 0.9, 1), (None, 50, None, 1), (1.3, 7, 0.5, 1), (0.7, 200, 0.95, 1), (0.7, 1, 0.9, 1),
+            (1.0, 40, 0.3, 5)]
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, keep", SETTINGS)
+def test_the_processed_scores_are_transformers_on_tied_scores(as_on_cuda, temperature, top_k, top_p, keep):
+    """Scores of bf16 logits (many equal values: ties at the k-th and across the top-p cut),
+    at three spreads: the sampler's processed scores equal the processors' exactly, -inf
+    included, and nothing overflows."""
+    cpu = torch.device("cpu")
+    ties = 0
+    for seed in range(60):
+        g = torch.Generator().manual_seed(seed)
+        scores = (torch.randn(3, 3000, generator=g) * (0.5, 2.0, 8.0)[seed % 3]).bfloat16().float()
+        chain = processors(temperature, top_k, top_p, keep)
+        sampler = sampling.TopSampler.of(chain, True, cpu)
+        assert sampler is not None
+        expected = chain(None, scores.clone())
+        got = sampler.process(scores.clone())
+        assert torch.equal(got, expected), (seed, (got != expected).sum())
+        assert not sampler.overflowed()
+        kth = torch.topk(scores, min(top_k, 3000)).values[:, -1:]
+        ties += int(((scores == kth).sum(-1) > 1).sum())
+    assert ties > 0  # the k-th score was tied in some rows: the case a plain top-k of k would get wrong
+
+
+def test_ties_past_the_margin_and_nan_are_flagged(as_on_cuda):
+    cpu = torch.device("cpu")
+    sampler = sampling.TopSampler.of(processors(0.7, 50, 0.9), True, cpu)
+    sampler.process(torch.randn(2, 3000))
+    assert not sampler.overflowed()
+    sampler.process(torch.zeros(2, 3000))  # every score ties with the k-th
+    assert sampler.overflowed()
+    other = sampling.TopSampler.of(processors(0.7, 50, 0.9), True, cpu)
+    scores = torch.randn(2, 3000)
+    scores[1, 17] = float("nan")
+    other.process(scores)
+    assert other.overflowed()
+
+
+def test_it_serves_only_the_chains_it_reproduces():
+    T = transformers
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert sampling.TopSampler.of(processors(0.7, 50, 0.9), True, cuda) is not None
+    assert sampling.TopSampler.of(processors(0.7, 50, 0.9), True, cpu) is None  # the CPU's sort: ties unordered
+    assert sampling.TopSampler.of(processors(0.7, 50, 0.9), False, cuda) is None  # greedy
+    assert sampling.TopSampler.of(None, True, cuda) is None
+    others = [
+        [T.TemperatureLogitsWarper(0.7), T.TopPLogitsWarper(0.9)],  # top-p without top-k: the whole row is sorted
+        [T.TopPLogitsWarper(0.9), T.TopKLogitsWarper(50)],  # another order
+        [T.RepetitionPenaltyLogitsProcessor(1.3), T.TopKLogitsWarper(50)],
+        [T.TopKLogitsWarper(50), T.MinPLogitsWarper(0.05)],
+        [T.TopKLogitsWarper(50, filter_value=-1e4)],
+    ]
+    for chain in others:
+        assert sampling.TopSampler.of(T.LogitsProcessorList(chain), True, cuda) is None, chain
+
+
+def tiny_llama(zero_head: bool = False):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=500, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = transformers.LlamaForCausalLM(config).eval()
+    if zero_head:  # every logit 0: every score ties with the k-th
+        with torch.no_grad():
+            model.lm_head.weight.zero_()
+    return model
+
+
+def loop_and_transformers(model, cache, **kwargs):
+    """transformers' tokens and the step-by-step loop's, each after torch.manual_seed(3), and
+    the loop and how many steps the sampler processed."""
+    ids = torch.randint(3, 500, (2, 5), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(max_new_tokens=12, do_sample=True, cache_implementation=cache, **kwargs)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        expected = model.generate(ids, **kwargs)
+    served = []
+    process = sampling.TopSampler.process
+
+    def counted(self, scores):
+        served.append(scores.shape)
+        return process(self, scores)
+
+    loop = generation.DecodeLoop(model, "loop")
+    generation.install(model, loop)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(sampling.TopSampler, "process", counted)
+            torch.manual_seed(3)
+            with torch.no_grad():
+                got = model.generate(ids, **kwargs)
+    finally:
+        generation.uninstall(model)
+    return expected, got, loop, len(served)
+
+
+@pytest.mark.parametrize("cache", ["static", None])
+@pytest.mark.parametrize("settings", [dict(temperature=0.7, top_k=50, top_p=0.9), dict(top_k=20),
+                                      dict(temperature=1.5, top_k=100, top_p=0.5)])
+def test_the_loop_draws_transformers_tokens_through_the_sampler(as_on_cuda, cache, settings):
+    expected, got, loop, served = loop_and_transformers(tiny_llama(), cache, **settings)
+    assert loop.calls == 1 and not loop.fallbacks and loop.resampled == 0
+    assert served == 12  # every new token's scores came from the sampler
+    assert torch.equal(got, expected), (got, expected)
+
+
+@pytest.mark.parametrize("cache", ["static", None])
+def test_a_call_the_sampler_cannot_serve_is_made_again_with_transformers_processors(as_on_cuda, cache):
+    """Every logit equal: top-k keeps the whole vocabulary, more ties than the margin. The
+    call is made again from the same generator state with transformers' processors, and its
+    tokens are transformers'."""
+    expected, got, loop, served = loop_and_transformers(tiny_llama(zero_head=True), cache, temperature=0.7,
+                                                        top_k=50, top_p=0.9)
+    assert loop.calls == 1 and loop.resampled == 1 and not loop.fallbacks
+    assert served == 12  # the first run went through the sampler; the second did not
+    assert torch.equal(got, expected), (got, expected)
