@@ -1,0 +1,103 @@
+"""A study for the generate() issue: tweak's sampler (sampling.TopSampler) against transformers'
+processors inside the same compiled decode loop, side by side in one process.
+
+Per model shape (bench/generate_bench.py's Llama-1B and Qwen-0.5B, bf16, random weights), one
+model, one compile: transformers' compiled forward is shared by every way below, so only the
+choice of the next token differs between the two loop ways. A sampling call (temperature 0.7,
+top-k 50, top-p 0.9, a static cache, 128 new tokens, batch 1 and 4, prompt 32), and the greedy
+call beside it, each way in turn per round, the order rotated per round:
+
+    static       transformers' own generate() (its static path, compiled)
+    loop         tweak's compiled loop with its sampler (sampling calls)
+    loop-plain   the same loop with transformers' processors (the sampler off)
+
+Prints tokens per second (median of --rounds) and whether each way's tokens equal the static
+path's under the same seed.
+
+    python bench/sampler_ab_study.py [--models llama1b,qwen05b] [--rounds 7] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import generate_bench as gb  # noqa: E402
+
+from torch_tweak._runtime import generation, sampling  # noqa: E402
+
+CALLS = {"sampling": dict(do_sample=True, temperature=0.7, top_k=50, top_p=0.9), "greedy": dict(do_sample=False)}
+
+
+def study(name: str, rounds: int, new: int) -> list[dict]:
+    model = gb.build_shape(name, torch.bfloat16, "cuda", False)
+    loop = generation.DecodeLoop(model, "compiled")
+    generation.install(model, loop)
+    cuda_only = sampling.DEVICES
+    rows = []
+    for batch in (1, 4):
+        torch.manual_seed(1)
+        ids = torch.randint(100, 500, (batch, 32), device="cuda")
+        for call, settings in CALLS.items():
+            kwargs = dict(settings, max_new_tokens=new, cache_implementation="static")
+
+            def run(way: str) -> tuple[float, torch.Tensor]:
+                sampling.DEVICES = cuda_only if way == "loop" else frozenset()
+                fn = loop.original if way == "static" else model.generate
+                torch.manual_seed(7)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    out = fn(ids, **kwargs)
+                torch.cuda.synchronize()
+                return time.perf_counter() - t0, out
+
+            ways = ["static", "loop", "loop-plain"] if call == "sampling" else ["static", "loop"]
+            for way in ways:  # the compile, and every cache shape, before the timed rounds
+                run(way)
+                run(way)
+            times: dict[str, list[float]] = {w: [] for w in ways}
+            tokens: dict[str, torch.Tensor] = {}
+            for r in range(rounds):
+                for way in ways[r % len(ways):] + ways[: r % len(ways)]:
+                    seconds, tokens[way] = run(way)
+                    times[way].append(seconds)
+            row = {"model": name, "batch": batch, "call": call, "new_tokens": new, "resampled": loop.resampled,
+                   "ways": {w: {"tokens_per_s": batch * new / statistics.median(t),
+                                "spread": (max(t) - min(t)) / statistics.median(t),
+                                "same_as_static": bool(torch.equal(tokens[w], tokens["static"]))}
+                            for w, t in times.items()}}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    sampling.DEVICES = cuda_only
+    generation.uninstall(model)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default="llama1b,qwen05b")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    run = {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
+           "commit": os.environ.get("TT_BENCH_COMMIT", ""), "rows": []}
+    for name in args.models.split(","):
+        run["rows"] += study(name, args.rounds, args.new)
+        torch.cuda.empty_cache()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(run, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
