@@ -8,8 +8,12 @@ top-k 50, top-p 0.9, a static cache, 128 new tokens, batch 1 and 4, prompt 32), 
 call beside it, each way in turn per round, the order rotated per round:
 
     static       transformers' own generate() (its static path, compiled)
-    loop         tweak's compiled loop with its sampler (sampling calls)
-    loop-plain   the same loop with transformers' processors (the sampler off)
+    loop         tweak's compiled loop with its sampler (sampling calls; top_sampler=True)
+    loop-plain   the same loop with transformers' processors (top_sampler=False)
+
+(At 049b1da, where the runs in bench/results/runs/sampler-ab-049b1da.json come from, the
+sampler served every call it could and loop-plain turned it off through sampling.DEVICES:
+the same two ways.)
 
 Prints tokens per second (median of --rounds) and whether each way's tokens equal the static
 path's under the same seed.
@@ -32,16 +36,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import generate_bench as gb  # noqa: E402
 
-from torch_tweak._runtime import generation, sampling  # noqa: E402
+from torch_tweak._runtime import generation  # noqa: E402
 
 CALLS = {"sampling": dict(do_sample=True, temperature=0.7, top_k=50, top_p=0.9), "greedy": dict(do_sample=False)}
 
 
 def study(name: str, rounds: int, new: int) -> list[dict]:
     model = gb.build_shape(name, torch.bfloat16, "cuda", False)
-    loop = generation.DecodeLoop(model, "compiled")
+    loop = generation.DecodeLoop(model, "compiled", top_sampler=True)
     generation.install(model, loop)
-    cuda_only = sampling.DEVICES
     rows = []
     for batch in (1, 4):
         torch.manual_seed(1)
@@ -50,7 +53,7 @@ def study(name: str, rounds: int, new: int) -> list[dict]:
             kwargs = dict(settings, max_new_tokens=new, cache_implementation="static")
 
             def run(way: str) -> tuple[float, torch.Tensor]:
-                sampling.DEVICES = cuda_only if way == "loop" else frozenset()
+                loop.top_sampler = way == "loop"
                 fn = loop.original if way == "static" else model.generate
                 torch.manual_seed(7)
                 torch.cuda.synchronize()
@@ -77,7 +80,6 @@ def study(name: str, rounds: int, new: int) -> list[dict]:
                             for w, t in times.items()}}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    sampling.DEVICES = cuda_only
     generation.uninstall(model)
     return rows
 

@@ -121,7 +121,7 @@ def loop_and_transformers(model, cache, **kwargs):
         served.append(scores.shape)
         return process(self, scores)
 
-    loop = generation.DecodeLoop(model, "loop")
+    loop = generation.DecodeLoop(model, "loop", top_sampler=True)
     generation.install(model, loop)
     try:
         with pytest.MonkeyPatch.context() as patch:
@@ -154,3 +154,66 @@ def test_a_call_the_sampler_cannot_serve_is_made_again_with_transformers_process
     assert loop.calls == 1 and loop.resampled == 1 and not loop.fallbacks
     assert served == 12  # the first run went through the sampler; the second did not
     assert torch.equal(got, expected), (got, expected)
+
+
+def test_tweak_measures_the_loop_with_and_without_the_sampler_and_a_saved_choice_loads(as_on_cuda, tmp_path):
+    """A sampling workload the sampler serves: tt.tweak measures the loop both ways (which is
+    faster depends on whether a step waits for the device or the host), keeps a loop whose
+    draws are the untuned ones, and tt.save / tt.load keep whether it samples with it."""
+    import copy
+    import warnings
+
+    import torch_tweak as tt
+
+    model = tiny_llama()
+    untuned = copy.deepcopy(model)
+    ids = torch.randint(3, 500, (2, 5), generator=torch.Generator().manual_seed(1))
+
+    def workload(m):
+        return m.generate(ids, max_new_tokens=8, do_sample=True, temperature=0.7, top_k=50, top_p=0.9,
+                          cache_implementation="static")
+
+    result = tt.tweak(model, workload=workload, max_depth=0, progress=False,
+                      measure={"warmup_min": 1, "warmup_max": 2, "rounds_min": 3, "rounds_max": 4, "time_cap": 0.5})
+    report = {r["candidate"]: r for r in result.loop_report}
+    assert list(report) == ["generate", "decode loop (loop)", "decode loop (loop, top-k sampler)"], list(report)
+    assert all(r["state"] != "failed" for r in report.values()), report
+    loop = generation.loop_of(model)
+    assert loop is not None and result.decode_loop == "loop"
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            got = workload(model)
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            assert torch.equal(got, workload(untuned))
+    for top in (loop.top_sampler, not loop.top_sampler):  # what tuning kept, then the other way
+        loop.top_sampler = top
+        path = tmp_path / f"top-{top}.tt"
+        with warnings.catch_warnings():  # a depth kept at the root: its calls hold the live cache, not stored
+            warnings.simplefilter("ignore")
+            tt.save(model, path, strict=False)
+        fresh = tiny_llama()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tt.load(fresh, path)
+        loaded = generation.loop_of(fresh)
+        assert loaded is not None and loaded.top_sampler is top, (top, loaded)
+        torch.manual_seed(2)
+        with torch.no_grad():
+            got = workload(fresh)
+        torch.manual_seed(2)
+        with torch.no_grad():
+            assert torch.equal(got, workload(untuned))
+    # a file whose loop says anything but true or false is refused whole, the model untouched
+    import forgery
+
+    def forged(plan):
+        plan["generate"]["top_sampler"] = "yes"
+
+    bad = forgery.with_plan(tmp_path, "forged", forgery.members(path), forged)
+    fresh = tiny_llama()
+    before = forgery.state_of(fresh)
+    with pytest.raises(tt.CheckpointError, match="decode loop of its plan is damaged: its top_sampler is true or false"):
+        tt.load(fresh, bad)
+    assert generation.loop_of(fresh) is None and forgery.unchanged(fresh, before)

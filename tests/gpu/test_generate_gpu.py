@@ -243,7 +243,7 @@ def test_seeded_top_k_top_p_sampling_through_the_top_sampler_equals_transformers
     monkeypatch.setattr(sampling.TopSampler, "process", lambda self, s: served.append(1) or process(self, s))
     model = build("llama", torch.bfloat16)
     untuned = copy.deepcopy(model)
-    loop = generation.DecodeLoop(model, kind)
+    loop = generation.DecodeLoop(model, kind, top_sampler=True)
     generation.install(model, loop)
     ids = torch.randint(3, 256, (4, 7), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     settings = dict(max_new_tokens=32, do_sample=True, temperature=0.7, top_k=50, top_p=0.9,

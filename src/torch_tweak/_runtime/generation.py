@@ -569,11 +569,12 @@ class DecodeLoop:
     """tweak's greedy decode loop, installed as the model's ``generate`` (an attribute of the
     instance: ``tt.unwrap`` removes it). ``kind`` is one of LOOPS."""
 
-    def __init__(self, model: nn.Module, kind: str, layouts: dict | None = None) -> None:
+    def __init__(self, model: nn.Module, kind: str, layouts: dict | None = None, top_sampler: bool = False) -> None:
         if kind not in LOOPS:
             raise ValueError(f"kind must be one of {', '.join(LOOPS)}, not {kind!r}")
         self.model = model
         self.kind = kind
+        self.top_sampler = top_sampler  # a sampling call's scores from sampling.TopSampler where it serves
         self.given = layouts
         self.layouts = layouts if layouts is not None else DEFAULT_LAYOUTS["dynamic"]
         self.cache_arg = next((k for k, spec in self.layouts["decode"] if spec[0] == "cache"), None)
@@ -629,7 +630,8 @@ class DecodeLoop:
                         "path), or call tt.unwrap(model) first")
 
     def __repr__(self) -> str:
-        return f"<torch-tweak decode loop ({self.kind}) of {type(self.model).__name__}.generate>"
+        top = ", top-k sampler" if self.top_sampler else ""
+        return f"<torch-tweak decode loop ({self.kind}{top}) of {type(self.model).__name__}.generate>"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         call = greedy_call(self.model, args, kwargs)
@@ -767,7 +769,7 @@ class DecodeLoop:
             first = self._choose(call, logits, ids if call.processors is not None else None)
             tokens = entry.run(first, prompt, call.max_new, finished)
         else:
-            sampler = sampling.TopSampler.of(call.processors, call.sample, device)
+            sampler = sampling.TopSampler.of(call.processors, call.sample, device) if self.top_sampler else None
             state = sampling.rng_state(device) if sampler is not None else None
             tokens = self._steps(logits, cache, call, eos, length, compiled, sampler)
             if sampler is not None and sampler.overflowed():
@@ -1040,6 +1042,7 @@ class LoopPlan:
     kind: str
     layouts: dict | None
     checks: list[tuple[tuple, dict, torch.Tensor]]
+    top_sampler: bool = False  # DecodeLoop.top_sampler
 
 
 def plan_loop(model: nn.Module) -> LoopPlan | None:
@@ -1058,7 +1061,7 @@ def plan_loop(model: nn.Module) -> LoopPlan | None:
             tokens = tokens[:, :call.input_ids.shape[1] + MAX_CHECK_NEW_TOKENS]
         if check_bounds(model, args, kwargs) is None:
             checks.append((args, kwargs, tokens))
-    return LoopPlan(loop.kind, loop.given, checks)
+    return LoopPlan(loop.kind, loop.given, checks, loop.top_sampler)
 
 
 def check_bounds(model: nn.Module, args: tuple, kwargs: dict) -> str | None:
@@ -1130,7 +1133,7 @@ def apply_loop(model: nn.Module, plan: LoopPlan, seconds: float | None = None) -
             return late
     except Exception as exc:
         return f"the untuned generate() failed on a stored call: {type(exc).__name__}: {str(exc)[:200]}"
-    loop = DecodeLoop(model, plan.kind, plan.layouts)
+    loop = DecodeLoop(model, plan.kind, plan.layouts, plan.top_sampler)
     loop.checks = [(args, kwargs, tokens) for (args, kwargs, _), tokens in zip(plan.checks, untuned)]
     loop.deadline = deadline
     install(model, loop)

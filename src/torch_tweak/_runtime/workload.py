@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .. import _C
-from . import generation
+from . import generation, sampling
 from .._core._samples import synchronizer
 
 MAX_GENERATE_CALLS = 4
@@ -248,14 +248,15 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None, 
     Llama-1B shape on the H200, for other kernels whose tokens must still be the untuned ones."""
     model = workload.model
     kinds = _loop_kinds(workload, device, high)
-    loops: dict[str, generation.DecodeLoop] = {}
+    options = [(k, False) for k in kinds] + [(k, True) for k in kinds if k != "graph" and top_sampler_serves(workload, device)]
+    loops: dict[tuple[str, bool], generation.DecodeLoop] = {}
 
-    def build_of(kind: str | None):
+    def build_of(option: tuple[str, bool] | None):
         def build() -> None:
             generation.uninstall(model)
-            if kind is None:
+            if option is None:
                 return
-            loop = generation.DecodeLoop(model, kind, workload.layouts)
+            loop = generation.DecodeLoop(model, option[0], workload.layouts, top_sampler=option[1])
             # fail fast: a recorded call the loop would leave to transformers refuses it before
             # anything runs (the reason is what the loop itself would say)
             for recorded in workload.generate_calls:
@@ -278,26 +279,26 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None, 
             except BaseException:
                 generation.uninstall(model)
                 raise
-            loops[kind] = loop
+            loops[option] = loop
         return build
 
-    def run_of(kind: str | None):
+    def run_of(option: tuple[str, bool] | None):
         def run(i: int) -> None:
-            if kind is None:
+            if option is None:
                 generation.uninstall(model)
             else:
-                generation.install(model, loops[kind])
+                generation.install(model, loops[option])
             workload.run()
         return run
 
-    names = ["generate"] + [f"decode loop ({k})" for k in kinds]
-    candidates = [(name, build_of(kind), run_of(kind)) for name, kind in zip(names, [None] + kinds)]
+    names = ["generate"] + [f"decode loop ({k}{', top-k sampler' if top else ''})" for k, top in options]
+    candidates = [(name, build_of(option), run_of(option)) for name, option in zip(names, [None] + options)]
     try:
         with torch.no_grad():
             index, reports = _C.choose("highest-throughput", candidates, 1, sync=workload.sync, config=measure)
     finally:
         generation.uninstall(model)
-    kept = None if index <= 0 else kinds[index - 1]
+    kept = None if index <= 0 else options[index - 1]
     if kept is not None:
         loops[kept].checks = [(c.args, c.kwargs, c.tokens) for c in workload.generate_calls]  # what tt.save keeps
         generation.install(model, loops[kept])
@@ -306,4 +307,16 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None, 
         stats = report.get("stats")
         out.append({"candidate": name, "state": report["state"], "error": report.get("error", ""),
                     "latency_ms": None if stats is None else stats["median_ns"] / 1e6})
-    return kept, out
+    return (None if kept is None else kept[0]), out
+
+
+def top_sampler_serves(workload: Workload, device: torch.device) -> bool:
+    """Whether a recorded generate() call is a sampling call sampling.TopSampler serves on
+    `device` (temperature, top-k, top-p): the loop is then measured with it and without it.
+    It spares the device a sort of the vocabulary per token but launches more kernels, so
+    which is faster depends on whether the step waits for the device or for the host."""
+    for recorded in workload.generate_calls:
+        call = generation.greedy_call(workload.model, recorded.args, recorded.kwargs)
+        if not isinstance(call, str) and sampling.TopSampler.of(call.processors, call.sample, device) is not None:
+            return True
+    return False

@@ -238,7 +238,10 @@ def _loop_entry(loop: LoopPlan, tensors: list[torch.Tensor], path: Any, strict: 
             warnings.warn(message, stacklevel=3)
     layouts = None if loop.layouts is None else {
         phase: [[name, list(spec)] for name, spec in layout] for phase, layout in loop.layouts.items()}
-    return {"kind": loop.kind, "layouts": layouts, "checks": checks}
+    entry = {"kind": loop.kind, "layouts": layouts, "checks": checks}
+    if loop.top_sampler:  # absent in files of a loop without it, and in files written before it
+        entry["top_sampler"] = True
+    return entry
 
 
 def _params(module: nn.Module) -> dict[str, list]:
@@ -637,7 +640,10 @@ def _loop_plan(plan: dict, stored: tuple, path: Any, types: dict[str, type], mod
             if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
                 raise ValueError("a stored generate() call's tokens are a 2-D tensor")
             calls.append((args, kwargs, tokens))
-        loop = LoopPlan(entry["kind"], check_layouts(entry.get("layouts")), calls)
+        top_sampler = entry.get("top_sampler", False)
+        if type(top_sampler) is not bool:
+            raise ValueError("its top_sampler is true or false")
+        loop = LoopPlan(entry["kind"], check_layouts(entry.get("layouts")), calls, top_sampler)
     except (ValueError, TypeError, KeyError, RuntimeError) as exc:
         raise CheckpointError(f"{path}: the decode loop of its plan is damaged: {str(exc)[:200]}") from None
     for args, kwargs, _ in loop.checks:  # what a file may ask the check to decode, before anything runs
