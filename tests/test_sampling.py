@@ -217,3 +217,32 @@ def test_tweak_measures_the_loop_with_and_without_the_sampler_and_a_saved_choice
     with pytest.raises(tt.CheckpointError, match="decode loop of its plan is damaged: its top_sampler is true or false"):
         tt.load(fresh, bad)
     assert generation.loop_of(fresh) is None and forgery.unchanged(fresh, before)
+
+
+def test_a_workload_the_sampler_cannot_serve_still_passes_the_distribution_check(as_on_cuda):
+    """Every logit equal: every call through the sampler is made again with transformers'
+    processors. The check of the loop's distributions at tuning compares the second run's
+    (the first run's are dropped), so the sampler's candidate is not refused for it, and the
+    tuned model draws the untuned tokens."""
+    import copy
+
+    import torch_tweak as tt
+
+    model = tiny_llama(zero_head=True)
+    untuned = copy.deepcopy(model)
+    ids = torch.randint(3, 500, (2, 5), generator=torch.Generator().manual_seed(1))
+
+    def workload(m):
+        return m.generate(ids, max_new_tokens=6, do_sample=True, temperature=0.7, top_k=50, top_p=0.9,
+                          cache_implementation="static")
+
+    result = tt.tweak(model, workload=workload, max_depth=0, progress=False,
+                      measure={"warmup_min": 1, "warmup_max": 2, "rounds_min": 3, "rounds_max": 4, "time_cap": 0.5})
+    report = {r["candidate"]: r for r in result.loop_report}
+    assert report["decode loop (loop, top-k sampler)"]["state"] != "failed", report
+    torch.manual_seed(5)
+    with torch.no_grad():
+        got = workload(model)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        assert torch.equal(got, workload(untuned))

@@ -771,11 +771,14 @@ class DecodeLoop:
         else:
             sampler = sampling.TopSampler.of(call.processors, call.sample, device) if self.top_sampler else None
             state = sampling.rng_state(device) if sampler is not None else None
+            mark = None if self.captured is None else len(self.captured)
             tokens = self._steps(logits, cache, call, eos, length, compiled, sampler)
             if sampler is not None and sampler.overflowed():
                 # a step the sampler could not serve: the call again, from the same generator
-                # state, with transformers' processors
+                # state, with transformers' processors (what the first run captured is dropped)
                 self.resampled += 1
+                if mark is not None:
+                    del self.captured[mark:]
                 sampling.set_rng_state(device, state)
                 if call.static:
                     cache.reset()

@@ -248,7 +248,10 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None, 
     Llama-1B shape on the H200, for other kernels whose tokens must still be the untuned ones."""
     model = workload.model
     kinds = _loop_kinds(workload, device, high)
-    options = [(k, False) for k in kinds] + [(k, True) for k in kinds if k != "graph" and top_sampler_serves(workload, device)]
+    # the sampler's option where a loop's steps take it without another compile (not the graph
+    # loop's recorded step, nor the tuned loop's build of its own)
+    served = top_sampler_serves(workload, device)
+    options = [(k, False) for k in kinds] + [(k, True) for k in kinds if served and k in ("loop", "compiled")]
     loops: dict[tuple[str, bool], generation.DecodeLoop] = {}
 
     def build_of(option: tuple[str, bool] | None):
