@@ -240,9 +240,15 @@ def test_a_workload_the_sampler_cannot_serve_still_passes_the_distribution_check
                       measure={"warmup_min": 1, "warmup_max": 2, "rounds_min": 3, "rounds_max": 4, "time_cap": 0.5})
     report = {r["candidate"]: r for r in result.loop_report}
     assert report["decode loop (loop, top-k sampler)"]["state"] != "failed", report
+    generation.loop_of(model).top_sampler = True  # whichever was kept: tt.status says so, and counts the calls made again
+    made_again = generation.loop_of(model).resampled
     torch.manual_seed(5)
     with torch.no_grad():
         got = workload(model)
     torch.manual_seed(5)
     with torch.no_grad():
         assert torch.equal(got, workload(untuned))
+    assert generation.loop_of(model).resampled == made_again + 1
+    status = str(tt.status(model))
+    assert "decode loop (loop, top-k sampler) served" in status and \
+        f"{made_again + 1} made again with transformers' processors" in status, status

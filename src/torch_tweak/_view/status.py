@@ -48,7 +48,8 @@ class ModuleStatus:
 class ModelStatus(dict):
     """{module path: ModuleStatus}; ``str()`` is a table, ``untuned`` the model's totals.
     decode_loop: tweak's decode loop behind generate() (docs/generate.md), or None: its kind,
-    the calls it served and, by reason, those it left to transformers."""
+    the calls it served and, by reason, those it left to transformers; whether it samples with
+    its top-k sampler, and how many calls it made again without it."""
 
     decode_loop: dict | None = None
     declared: Shapes | None = None  # the ranges tt.tweak's shapes= (or tt.load) declared
@@ -67,7 +68,10 @@ class ModelStatus(dict):
         loop = self.decode_loop
         if loop is not None:
             calls = f"{loop['calls']} call" + ("" if loop["calls"] == 1 else "s")
-            text += (f"\ngenerate(): tweak's decode loop ({loop['kind']}) served {calls}" +
+            top = ", top-k sampler" if loop.get("top_sampler") else ""
+            again = (f"; {loop['resampled']} made again with transformers' processors (ties past the sampler's "
+                     "margin, or a NaN score)") if loop.get("resampled") else ""
+            text += (f"\ngenerate(): tweak's decode loop ({loop['kind']}{top}) served {calls}{again}" +
                      "".join(f"; transformers' loop ran {n} for {why}" for why, n in loop["fallbacks"].items()))
         return text
 
@@ -95,7 +99,8 @@ def status(model: nn.Module) -> ModelStatus:
     result.declared = DECLARED.get(model) if installed(model) else None  # unwrapped: nothing serves them
     loop = loop_of(model)
     if loop is not None:
-        result.decode_loop = {"kind": loop.kind, "calls": loop.calls, "fallbacks": dict(loop.fallbacks)}
+        result.decode_loop = {"kind": loop.kind, "calls": loop.calls, "fallbacks": dict(loop.fallbacks),
+                              "top_sampler": loop.top_sampler, "resampled": loop.resampled}
     for path, wrapper in installed(model).items():
         names = list(dict.fromkeys(g.backend.name for g in wrapper.tt_signatures if g.backend is not None))
         if not names and wrapper.tt_backend is not None:
