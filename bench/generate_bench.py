@@ -38,7 +38,10 @@ Per row: tokens per second (batch x new tokens / median run), the memory floor (
 read once per step at 4.8 TB/s, the H200's bandwidth: batch / (bytes / 4.8e12) tokens per
 second) and the share of it each column reaches, time to first token, the first call (compile
 or tuning), and whether tweak's tokens equal the static path's: exactly for greedy, and for
-sampling under the same torch.manual_seed before each call. --smoke runs the same on the CPU
+sampling under the same torch.manual_seed before each call. The two columns are built one
+after the other (each its first call: compile or tuning), then their timed calls interleave,
+round by round in rotated order (since 65b9fc2; before, each column's calls ran apart, and
+the static column's figure moved by a third between runs). --smoke runs the same on the CPU
 with tiny configs and 8 new tokens (a check that the script runs, not a measurement).
 """
 
@@ -146,12 +149,18 @@ def call_row(name: str, dtype_name: str, call: str, batch: int, prompt: int, new
         sync()
         return time.perf_counter() - start, value
 
-    tokens = {}
-    for label in ("static", "tweak-compiled"):
+    # each column built (compiled, tuned) and its first call timed, one after the other; then
+    # their timed calls interleaved, round by round in rotated order, so that a drift of the
+    # machine's speed falls on both columns alike (the static column's figure moved by a third
+    # between runs when the columns were timed one after the other)
+    labels = ("static", "tweak-compiled")
+    subjects: dict = {}
+    for label in labels:
         subject = copy.deepcopy(base)
         if not smoke:
             cold()
         entry: dict = {}
+        out["columns"][label] = entry
         try:
             start = time.perf_counter()
             if label == "tweak-compiled":
@@ -161,26 +170,46 @@ def call_row(name: str, dtype_name: str, call: str, batch: int, prompt: int, new
                 print(result, flush=True)
             timed_call(lambda: generate(subject, new))
             entry["first_call_s"] = time.perf_counter() - start  # tuning (tweak) and the first call
-            # the tokens of a later call: transformers' first call of its compiled static path
-            # compiles it, and its tokens need not be its later calls' (bench/first_call_study.py)
-            timed = [timed_call(lambda: generate(subject, new)) for _ in range(ROUNDS)]
-            runs, tokens[label] = [t for t, _ in timed], timed[-1][1]
-            firsts = [timed_call(lambda: generate(subject, 1))[0] for _ in range(ROUNDS)]
-            median = statistics.median(runs)
-            entry.update(tokens_per_s=batch * new / median, run_ms=median * 1e3,
-                         ttft_ms=statistics.median(firsts) * 1e3, spread=(max(runs) - min(runs)) / median,
-                         of_floor=batch * new / median / out["floor_tokens_per_s"])
-            if label != "static" and "static" in tokens:
-                entry["same_as_static"] = bool(torch.equal(tokens[label], tokens["static"]))
+            subjects[label] = subject
         except Exception as exc:
             entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
             traceback.print_exc()
-        out["columns"][label] = entry
-        print(name, dtype_name, call, f"batch {batch} prompt {prompt}", label, json.dumps(entry), flush=True)
-        subject = None
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    # a later column's cold() reset the compiler: an earlier column compiles again here,
+    # untimed, and transformers' first compiled call gives tokens of its own
+    # (bench/first_call_study.py): two untimed calls each
+    runs: dict = {label: [] for label in subjects}
+    firsts: dict = {label: [] for label in subjects}
+    tokens: dict = {}
+    try:
+        for label, subject in subjects.items():
+            timed_call(lambda: generate(subject, new))
+            timed_call(lambda: generate(subject, new))
+        order = list(subjects)
+        for r in range(ROUNDS):
+            for label in order[r % len(order):] + order[: r % len(order)]:
+                seconds, tokens[label] = timed_call(lambda: generate(subjects[label], new))
+                runs[label].append(seconds)
+                firsts[label].append(timed_call(lambda: generate(subjects[label], 1))[0])
+    except Exception as exc:
+        for label in subjects:
+            out["columns"][label]["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        traceback.print_exc()
+        runs = {}
+    for label, times in runs.items():
+        entry = out["columns"][label]
+        median = statistics.median(times)
+        entry.update(tokens_per_s=batch * new / median, run_ms=median * 1e3,
+                     ttft_ms=statistics.median(firsts[label]) * 1e3, spread=(max(times) - min(times)) / median,
+                     of_floor=batch * new / median / out["floor_tokens_per_s"], interleaved_rounds=ROUNDS)
+        if label != "static" and "static" in tokens:  # the last timed call of each
+            entry["same_as_static"] = bool(torch.equal(tokens[label], tokens["static"]))
+    for label in labels:
+        print(name, dtype_name, call, f"batch {batch} prompt {prompt}", label, json.dumps(out["columns"][label]),
+              flush=True)
+    subjects = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return out
 
 
