@@ -40,7 +40,7 @@ second) and the share of it each column reaches, time to first token, the first 
 or tuning), and whether tweak's tokens equal the static path's: exactly for greedy, and for
 sampling under the same torch.manual_seed before each call. The two columns are built one
 after the other (each its first call: compile or tuning), then their timed calls interleave,
-round by round in rotated order (since 65b9fc2; before, each column's calls ran apart, and
+round by round in rotated order (rows before commit 2fcddfb timed each column apart, and
 the static column's figure moved by a third between runs). --smoke runs the same on the CPU
 with tiny configs and 8 new tokens (a check that the script runs, not a measurement).
 """
