@@ -173,10 +173,22 @@ def test_tweak_measures_the_loop_with_and_without_the_sampler_and_a_saved_choice
         return m.generate(ids, max_new_tokens=8, do_sample=True, temperature=0.7, top_k=50, top_p=0.9,
                           cache_implementation="static")
 
-    result = tt.tweak(model, workload=workload, max_depth=0, progress=False,
-                      measure={"warmup_min": 1, "warmup_max": 2, "rounds_min": 3, "rounds_max": 4, "time_cap": 0.5})
+    built = []
+    init = generation.DecodeLoop.__init__
+
+    def counted(self, *args, **kwargs):
+        built.append(args[1] if len(args) > 1 else kwargs.get("kind"))
+        init(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(generation.DecodeLoop, "__init__", counted)
+        result = tt.tweak(model, workload=workload, max_depth=0, progress=False,
+                          measure={"warmup_min": 1, "warmup_max": 2, "rounds_min": 3, "rounds_max": 4,
+                                   "time_cap": 0.5})
     report = {r["candidate"]: r for r in result.loop_report}
     assert list(report) == ["generate", "decode loop (loop)", "decode loop (loop, top-k sampler)"], list(report)
+    # both options are one loop, its sampler switched per run: one set of static caches
+    assert built.count("loop") == 1, built
     assert all(r["state"] != "failed" for r in report.values()), report
     loop = generation.loop_of(model)
     assert loop is not None and result.decode_loop == "loop"

@@ -249,7 +249,9 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None, 
     model = workload.model
     kinds = _loop_kinds(workload, device, high)
     # the sampler's option where a loop's steps take it without another compile (not the graph
-    # loop's recorded step, nor the tuned loop's build of its own)
+    # loop's recorded step, nor the tuned loop's build of its own). Both options of a kind are
+    # one loop, its sampler switched per run: one set of static caches, whose addresses the
+    # compiled forward's device graphs were recorded on
     served = top_sampler_serves(workload, device)
     options = [(k, False) for k in kinds] + [(k, True) for k in kinds if served and k in ("loop", "compiled")]
     loops: dict[tuple[str, bool], generation.DecodeLoop] = {}
@@ -259,7 +261,8 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None, 
             generation.uninstall(model)
             if option is None:
                 return
-            loop = generation.DecodeLoop(model, option[0], workload.layouts, top_sampler=option[1])
+            loop = loops.get((option[0], not option[1])) or generation.DecodeLoop(model, option[0], workload.layouts)
+            loop.top_sampler = option[1]
             # fail fast: a recorded call the loop would leave to transformers refuses it before
             # anything runs (the reason is what the loop itself would say)
             for recorded in workload.generate_calls:
@@ -291,6 +294,7 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None, 
                 generation.uninstall(model)
             else:
                 generation.install(model, loops[option])
+                loops[option].top_sampler = option[1]
             workload.run()
         return run
 
@@ -303,6 +307,7 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None, 
         generation.uninstall(model)
     kept = None if index <= 0 else options[index - 1]
     if kept is not None:
+        loops[kept].top_sampler = kept[1]
         loops[kept].checks = [(c.args, c.kwargs, c.tokens) for c in workload.generate_calls]  # what tt.save keeps
         generation.install(model, loops[kept])
     out = []
