@@ -134,6 +134,33 @@ def loop_and_transformers(model, cache, **kwargs):
     return expected, got, loop, len(served)
 
 
+QUICK = {"warmup_min": 1, "warmup_max": 2, "rounds_min": 3, "rounds_max": 4, "time_cap": 0.5}
+
+
+def sampling_workload(max_new=8, **settings):
+    ids = torch.randint(3, 500, (2, 5), generator=torch.Generator().manual_seed(1))
+    settings = {"temperature": 0.7, "top_k": 50, "top_p": 0.9, **settings}
+    return lambda m: m.generate(ids, max_new_tokens=max_new, do_sample=True, cache_implementation="static", **settings)
+
+
+def tweaked(model, workload):
+    """tt.tweak on the workload (depth 0, a short measurement); its loop report by candidate."""
+    import torch_tweak as tt
+
+    result = tt.tweak(model, workload=workload, max_depth=0, progress=False, measure=QUICK)
+    return result, {r["candidate"]: r for r in result.loop_report}
+
+
+def assert_untuned_draws(model, untuned, workload, seed):
+    """After the same torch.manual_seed, the tuned model's call gives the untuned one's tokens."""
+    outs = []
+    for subject in (model, untuned):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            outs.append(workload(subject))
+    assert torch.equal(outs[0], outs[1]), (seed, outs)
+
+
 @pytest.mark.parametrize("cache", ["static", None])
 @pytest.mark.parametrize("settings", [dict(temperature=0.7, top_k=50, top_p=0.9), dict(top_k=20),
                                       dict(temperature=1.5, top_k=100, top_p=0.5)])
@@ -167,12 +194,7 @@ def test_tweak_measures_the_loop_with_and_without_the_sampler_and_a_saved_choice
 
     model = tiny_llama()
     untuned = copy.deepcopy(model)
-    ids = torch.randint(3, 500, (2, 5), generator=torch.Generator().manual_seed(1))
-
-    def workload(m):
-        return m.generate(ids, max_new_tokens=8, do_sample=True, temperature=0.7, top_k=50, top_p=0.9,
-                          cache_implementation="static")
-
+    workload = sampling_workload()
     built = []
     init = generation.DecodeLoop.__init__
 
@@ -182,10 +204,7 @@ def test_tweak_measures_the_loop_with_and_without_the_sampler_and_a_saved_choice
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(generation.DecodeLoop, "__init__", counted)
-        result = tt.tweak(model, workload=workload, max_depth=0, progress=False,
-                          measure={"warmup_min": 1, "warmup_max": 2, "rounds_min": 3, "rounds_max": 4,
-                                   "time_cap": 0.5})
-    report = {r["candidate"]: r for r in result.loop_report}
+        result, report = tweaked(model, workload)
     assert list(report) == ["generate", "decode loop (loop)", "decode loop (loop, top-k sampler)"], list(report)
     # both options are one loop, its sampler switched per run: one set of static caches
     assert built.count("loop") == 1, built
@@ -193,12 +212,7 @@ def test_tweak_measures_the_loop_with_and_without_the_sampler_and_a_saved_choice
     loop = generation.loop_of(model)
     assert loop is not None and result.decode_loop == "loop"
     for seed in (0, 1):
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            got = workload(model)
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            assert torch.equal(got, workload(untuned))
+        assert_untuned_draws(model, untuned, workload, seed)
     for top in (loop.top_sampler, not loop.top_sampler):  # what tuning kept, then the other way
         loop.top_sampler = top
         path = tmp_path / f"top-{top}.tt"
@@ -211,12 +225,7 @@ def test_tweak_measures_the_loop_with_and_without_the_sampler_and_a_saved_choice
             tt.load(fresh, path)
         loaded = generation.loop_of(fresh)
         assert loaded is not None and loaded.top_sampler is top, (top, loaded)
-        torch.manual_seed(2)
-        with torch.no_grad():
-            got = workload(fresh)
-        torch.manual_seed(2)
-        with torch.no_grad():
-            assert torch.equal(got, workload(untuned))
+        assert_untuned_draws(fresh, untuned, workload, 2)
     # a file whose loop says anything but true or false is refused whole, the model untouched
     import forgery
 
@@ -242,25 +251,63 @@ def test_a_workload_the_sampler_cannot_serve_still_passes_the_distribution_check
 
     model = tiny_llama(zero_head=True)
     untuned = copy.deepcopy(model)
-    ids = torch.randint(3, 500, (2, 5), generator=torch.Generator().manual_seed(1))
-
-    def workload(m):
-        return m.generate(ids, max_new_tokens=6, do_sample=True, temperature=0.7, top_k=50, top_p=0.9,
-                          cache_implementation="static")
-
-    result = tt.tweak(model, workload=workload, max_depth=0, progress=False,
-                      measure={"warmup_min": 1, "warmup_max": 2, "rounds_min": 3, "rounds_max": 4, "time_cap": 0.5})
-    report = {r["candidate"]: r for r in result.loop_report}
+    workload = sampling_workload(max_new=6)
+    _, report = tweaked(model, workload)
     assert report["decode loop (loop, top-k sampler)"]["state"] != "failed", report
     generation.loop_of(model).top_sampler = True  # whichever was kept: tt.status says so, and counts the calls made again
     made_again = generation.loop_of(model).resampled
-    torch.manual_seed(5)
-    with torch.no_grad():
-        got = workload(model)
-    torch.manual_seed(5)
-    with torch.no_grad():
-        assert torch.equal(got, workload(untuned))
+    assert_untuned_draws(model, untuned, workload, 5)
     assert generation.loop_of(model).resampled == made_again + 1
     status = str(tt.status(model))
     assert "decode loop (loop, top-k sampler) served" in status and \
         f"{made_again + 1} made again with transformers' processors" in status, status
+
+
+def test_a_sampler_that_crashes_at_tuning_is_refused_and_the_untuned_draws_stay(as_on_cuda, monkeypatch):
+    """The sampler raising in every step: its candidate fails at tuning with the error, the
+    loop without it is measured, and the tuned model draws the untuned tokens."""
+    import copy
+
+    def broken(self, scores):
+        raise RuntimeError("the sampler broke")
+
+    monkeypatch.setattr(sampling.TopSampler, "process", broken)
+    model = tiny_llama()
+    untuned = copy.deepcopy(model)
+    workload = sampling_workload()
+    _, report = tweaked(model, workload)
+    failed = report["decode loop (loop, top-k sampler)"]
+    assert failed["state"] == "failed" and "the sampler broke" in failed["error"], failed
+    assert report["decode loop (loop)"]["state"] != "failed", report
+    loop = generation.loop_of(model)
+    assert loop is None or not loop.top_sampler
+    assert_untuned_draws(model, untuned, workload, 4)
+
+
+def test_eight_threads_sample_through_one_loop_with_the_sampler(as_on_cuda):
+    """Eight threads share one loop with the sampler. Top-k 1 leaves one token to draw, so a
+    call's tokens do not depend on the shared generator: each must be the untuned call's for
+    its own prompt, whatever the other threads do."""
+    import copy
+
+    import support
+
+    model = tiny_llama()
+    untuned = copy.deepcopy(model)
+    prompts = [torch.randint(3, 500, (1 + i % 3, 4 + i % 4), generator=torch.Generator().manual_seed(i))
+               for i in range(16)]
+    settings = dict(max_new_tokens=6, do_sample=True, temperature=0.7, top_k=1, top_p=0.9,
+                    cache_implementation="static")
+    with torch.no_grad():
+        expected = [untuned.generate(p, **settings) for p in prompts]
+    loop = generation.DecodeLoop(model, "loop", top_sampler=True)
+    generation.install(model, loop)
+    try:
+        def check(i):
+            got = model.generate(prompts[i], **settings)
+            assert torch.equal(got, expected[i]), i
+
+        support.in_threads(len(prompts), check)
+    finally:
+        generation.uninstall(model)
+    assert loop.calls == len(prompts) and not loop.fallbacks and loop.resampled == 0

@@ -48,7 +48,7 @@ class TopSampler:
         self.top_k = top_k
         self.top_p = top_p
         self.keep_p = keep_p  # the top-p warper's min_tokens_to_keep
-        self.flag: torch.Tensor | None = None  # any step overflowed (a device tensor)
+        self.flag: torch.Tensor | None = None  # per row: any step overflowed (a device tensor)
 
     @classmethod
     def of(cls, processors: Any, sample: bool, device: torch.device) -> "TopSampler | None":
@@ -86,7 +86,7 @@ class TopSampler:
         flag = torch.isnan(values[:, 0])  # topk puts a NaN first
         if width < vocab:
             flag = flag | (values[:, -1] >= kth[:, 0])  # ties may go on past the margin
-        self.flag = flag.any() if self.flag is None else self.flag | flag.any()
+        self.flag = flag if self.flag is None else self.flag | flag
         if self.top_p is not None:
             # the stable ascending order: by index first, then a stable sort by score
             by_index, order = indices.sort(dim=-1)
@@ -102,7 +102,7 @@ class TopSampler:
 
     def overflowed(self) -> bool:
         """Whether any step since the last reset could not be served (reads the device once)."""
-        return self.flag is not None and bool(self.flag)
+        return self.flag is not None and bool(self.flag.any())
 
 
 def rng_state(device: torch.device) -> torch.Tensor:
