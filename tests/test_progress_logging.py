@@ -69,7 +69,9 @@ def test_progress_and_logging_are_separate_and_each_line_appears_once(caplog, ca
     assert any("Verbose failed" in m for m in debug) and any("Skip built in" in m for m in debug)
     assert any(m.startswith("depth 0: 1 modules") for m in info) and any(m.startswith("depth 1:") for m in info)
     assert sum(m.startswith("tweak of Sequential: kept depth 1") for m in info) == 1
-    assert not warning  # nothing fell back
+    # nothing fell back (a busy machine may make the side-by-side check say its load changed:
+    # a figure of the machine, not a fallback)
+    assert not [m for m in warning if "the machine's load changed" not in m], warning
     with torch.no_grad():
         assert all(torch.allclose(model(x), e) for x, e in zip(DATA, untuned_outputs()))
     assert result.selected_depth == 1
