@@ -8,12 +8,14 @@ top-k 50, top-p 0.9, a static cache, 128 new tokens, batch 1 and 4, prompt 32), 
 call beside it, each way in turn per round, the order rotated per round:
 
     static       transformers' own generate() (its static path, compiled)
-    loop         tweak's compiled loop with its sampler (sampling calls; top_sampler=True)
+    loop         tweak's compiled loop with its sampler (sampling calls; top_sampler=True),
+                 its choice of a token recorded as a device graph (sampling.RecordedDraw)
+    loop-eager   the same sampler run eagerly, kernel by kernel (record_draws=False)
     loop-plain   the same loop with transformers' processors (top_sampler=False)
 
 (At 049b1da, where the runs in bench/results/runs/sampler-ab-049b1da.json come from, the
 sampler served every call it could and loop-plain turned it off through sampling.DEVICES:
-the same two ways.)
+the same two ways; the sampler then ran eagerly, so its "loop" is what "loop-eager" is now.)
 
 Prints tokens per second (median of --rounds) and whether each way's tokens equal the static
 path's under the same seed.
@@ -53,7 +55,8 @@ def study(name: str, rounds: int, new: int) -> list[dict]:
             kwargs = dict(settings, max_new_tokens=new, cache_implementation="static")
 
             def run(way: str) -> tuple[float, torch.Tensor]:
-                loop.top_sampler = way == "loop"
+                loop.top_sampler = way in ("loop", "loop-eager")
+                loop.record_draws = way == "loop"
                 fn = loop.original if way == "static" else model.generate
                 torch.manual_seed(7)
                 torch.cuda.synchronize()
@@ -63,7 +66,7 @@ def study(name: str, rounds: int, new: int) -> list[dict]:
                 torch.cuda.synchronize()
                 return time.perf_counter() - t0, out
 
-            ways = ["static", "loop", "loop-plain"] if call == "sampling" else ["static", "loop"]
+            ways = ["static", "loop", "loop-eager", "loop-plain"] if call == "sampling" else ["static", "loop"]
             for way in ways:  # the compile, and every cache shape, before the timed rounds
                 run(way)
                 run(way)

@@ -88,6 +88,24 @@ def test_the_graph_loop_off_a_cuda_device_runs_its_steps_one_by_one():
     assert loop.graph_problem(sampled) is None  # temperature, top-k, top-p: recorded with the draw
 
 
+def test_the_compiled_loop_keeps_a_cache_per_grad_mode_and_alternating_modes_give_the_untuned_tokens():
+    """The compiled loop keeps its static cache between calls (its steps' device graphs read
+    it in place). A cache first made in inference mode cannot be reset outside it: a call in
+    inference mode, then one under no_grad, then inference mode again each give the untuned
+    tokens, through two caches."""
+    model = build("llama")
+    untuned = copy.deepcopy(model)
+    loop = generation.DecodeLoop(model, "compiled")
+    loop.eager = True  # its steps run the plain forward: the caches are what is checked here
+    generation.install(model, loop)
+    ids = prompt(2)
+    expected = generate(untuned, ids, "static")
+    for mode in (torch.inference_mode, torch.no_grad, torch.inference_mode):
+        with mode():
+            assert torch.equal(generate(model, ids, "static"), expected), mode
+    assert loop.calls == 3 and not loop.fallbacks and len(loop._caches) == 2
+
+
 @pytest.mark.parametrize("cache", [None, "static"])
 @pytest.mark.slow
 def test_the_loop_stops_and_pads_as_transformers_does(cache):

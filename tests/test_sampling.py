@@ -311,3 +311,57 @@ def test_eight_threads_sample_through_one_loop_with_the_sampler(as_on_cuda):
     finally:
         generation.uninstall(model)
     assert loop.calls == len(prompts) and not loop.fallbacks and loop.resampled == 0
+
+
+def test_recorded_draws_are_kept_per_shape_and_setting_and_each_call_starts_unflagged(as_on_cuda, monkeypatch):
+    """The loop keeps one recorded draw per batch size and sampler setting (at most
+    RECORDED_DRAWS, the oldest dropped) and reuses it across calls: every call's seeded tokens
+    are still transformers', a call that overflowed does not make the next call of the same
+    draw run again, and a call in inference mode gets a draw of its own (its buffers could not
+    be written outside it)."""
+    import copy
+
+    monkeypatch.setattr(sampling, "RECORDED_DRAWS", 3)
+    model = tiny_llama()
+    untuned = copy.deepcopy(model)
+    loop = generation.DecodeLoop(model, "loop", top_sampler=True)
+    generation.install(model, loop)
+    prompt = {b: torch.randint(3, 500, (b, 5), generator=torch.Generator().manual_seed(b)) for b in (1, 2)}
+    calls = [(1, 50), (2, 50), (1, 50), (2, 20), (1, 7), (1, 50), (2, 50)]
+    try:
+        for i, (batch, top_k) in enumerate(calls):
+            settings = dict(max_new_tokens=6, do_sample=True, temperature=0.7, top_k=top_k, top_p=0.9,
+                            cache_implementation="static")
+            outs = []
+            for subject in (model, untuned):
+                torch.manual_seed(i)
+                with torch.no_grad():
+                    outs.append(subject.generate(prompt[batch], **settings))
+            assert torch.equal(outs[0], outs[1]), (i, outs)
+            assert len(loop._draws) <= 3
+        keys = [(k[0], k[5]) for k in loop._draws]
+        assert keys == [(1, 7), (1, 50), (2, 50)], keys  # each use makes a draw the newest
+        assert loop.resampled == 0 and not loop.fallbacks
+        # an overflowing call, then a plain one through the same draw: only the first is made again
+        draw = loop._draws[next(k for k in loop._draws if k[0] == 2 and k[5] == 50)]
+        before = draw.replays
+        draw.sampler.flag |= True  # as if a step of an earlier call had overflowed
+        torch.manual_seed(9)
+        with torch.no_grad():
+            got = model.generate(prompt[2], **settings)
+        torch.manual_seed(9)
+        with torch.no_grad():
+            assert torch.equal(got, untuned.generate(prompt[2], **settings))
+        assert loop.resampled == 0 and draw.replays == before + 6
+        # a draw first made in inference mode, then the same setting outside it
+        settings["top_k"] = 33
+        for seed, mode in ((10, torch.inference_mode), (11, torch.no_grad)):
+            torch.manual_seed(seed)
+            with mode():
+                got = model.generate(prompt[2], **settings)
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                assert torch.equal(got, untuned.generate(prompt[2], **settings)), seed
+        assert sorted(k[3] for k in loop._draws if k[5] == 33) == [False, True]
+    finally:
+        generation.uninstall(model)

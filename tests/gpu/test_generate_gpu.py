@@ -235,7 +235,11 @@ def test_the_top_sampler_gives_transformers_processed_scores_on_cuda():
 
 
 @pytest.mark.parametrize("kind", ["compiled", "loop"])
-def test_seeded_top_k_top_p_sampling_through_the_top_sampler_equals_transformers(kind, monkeypatch):
+@pytest.mark.parametrize("record", [True, False])
+def test_seeded_top_k_top_p_sampling_through_the_top_sampler_equals_transformers(kind, record, monkeypatch):
+    """Through the top-k sampler, its choice recorded as a device graph (sampling.RecordedDraw)
+    or run eagerly: after the same torch.manual_seed, transformers' tokens, every step served
+    by the sampler."""
     from torch_tweak._runtime import sampling
 
     served = []
@@ -244,10 +248,35 @@ def test_seeded_top_k_top_p_sampling_through_the_top_sampler_equals_transformers
     model = build("llama", torch.bfloat16)
     untuned = copy.deepcopy(model)
     loop = generation.DecodeLoop(model, kind, top_sampler=True)
+    loop.record_draws = record
     generation.install(model, loop)
     ids = torch.randint(3, 256, (4, 7), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     settings = dict(max_new_tokens=32, do_sample=True, temperature=0.7, top_k=50, top_p=0.9,
                     cache_implementation="static", disable_compile=kind == "loop")
     assert_same_draws(untuned, model, ids, settings, seeds=(0, 1, 2))
     assert loop.calls == 3 and not loop.fallbacks and loop.resampled == 0
-    assert len(served) == 3 * 32
+    if record:  # recorded once (two warm-up runs, then the recording), then replayed at every step
+        (draw,) = loop._draws.values()
+        assert draw.graph is not None and draw.replays == 3 * 32 and len(served) == 3, (draw.replays, len(served))
+    else:
+        assert len(served) == 3 * 32 and not loop._draws
+
+
+def test_a_recorded_draw_that_overflows_makes_the_call_again_with_transformers_tokens():
+    """Every logit 0 (a zeroed head): every score ties with the k-th, past the margin. The
+    recorded draw flags it on the device, the call is made again with transformers' processors
+    from the same generator state, and its tokens are transformers'; the flag is cleared for
+    the next call, and a call of another batch size records a draw of its own."""
+    model = build("llama", torch.bfloat16)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+    untuned = copy.deepcopy(model)
+    loop = generation.DecodeLoop(model, "compiled", top_sampler=True)
+    generation.install(model, loop)
+    settings = dict(max_new_tokens=16, do_sample=True, temperature=0.7, top_k=50, top_p=0.9,
+                    cache_implementation="static")
+    for batch in (1, 3):
+        ids = torch.randint(3, 256, (batch, 7), device="cuda", generator=torch.Generator("cuda").manual_seed(batch))
+        assert_same_draws(untuned, model, ids, settings, seeds=(0, 1))
+    assert loop.calls == 4 and loop.resampled == 4 and not loop.fallbacks
+    assert sorted(k[0] for k in loop._draws) == [1, 3] and all(d.graph is not None for d in loop._draws.values())

@@ -596,6 +596,8 @@ class DecodeLoop:
         self.kinds: frozenset | None = None  # the call kinds served (call_kind); None: every kind
         self._graphs: dict[tuple, _StepGraph] = {}
         self._caches: dict[tuple, Any] = {}  # the compiled loop's static caches, per shape
+        self.record_draws = True  # a top-k sampler's choice of the next token recorded (sampling.RecordedDraw)
+        self._draws: dict[tuple, sampling.RecordedDraw] = {}  # the recorded draws, the newest last
         self._lock = threading.Lock()
         self._previous_len: int = -1
         self.eager = False  # set by uncompiled(): the compiled loop's steps run the plain forward
@@ -739,7 +741,9 @@ class DecodeLoop:
         # of a sampling call's distribution)
         graphs = self.captured is None and self.records(call)
         if graphs:
-            key = (batch, length, device, ids.dtype, self._sampling_key(call))
+            # a cache made in inference mode cannot be written outside it: one per mode
+            mode = torch.is_inference_mode_enabled()
+            key = (batch, length, device, ids.dtype, mode, self._sampling_key(call))
             entry = self._graphs.get(key)
             if entry is None:
                 cache = new_cache(self.model, call.static, length)
@@ -751,7 +755,7 @@ class DecodeLoop:
         elif self.kind in COMPILED_LOOPS and call.static:
             # one cache per shape, reset between calls: its tensors keep their addresses, so the
             # compiled forward's device graphs replay instead of recording again
-            key = (batch, length, device, ids.dtype)
+            key = (batch, length, device, ids.dtype, torch.is_inference_mode_enabled())  # as the step graphs'
             cache = self._caches.get(key)
             if cache is None:
                 cache = self._caches[key] = new_cache(self.model, True, length)
@@ -769,7 +773,7 @@ class DecodeLoop:
             first = self._choose(call, logits, ids if call.processors is not None else None)
             tokens = entry.run(first, prompt, call.max_new, finished)
         else:
-            sampler = sampling.TopSampler.of(call.processors, call.sample, device) if self.top_sampler else None
+            sampler = self._sampler(call, logits.shape[-1]) if self.top_sampler else None
             state = sampling.rng_state(device) if sampler is not None else None
             mark = None if self.captured is None else len(self.captured)
             tokens = self._steps(logits, cache, call, eos, length, compiled, sampler)
@@ -786,6 +790,24 @@ class DecodeLoop:
                     cache = new_cache(self.model, False, length)
                 tokens = self._steps(self._prefill(call, cache), cache, call, eos, length, compiled, None)
         return torch.cat([ids, _stop(tokens, eos, call.pad)], dim=1)
+
+    def _sampler(self, call: Greedy, vocab: int) -> "sampling.TopSampler | sampling.RecordedDraw | None":
+        """The sampler of a call's choices (None where it does not serve): recorded as a device
+        graph once per batch, vocabulary and settings (sampling.RecordedDraw), but where the
+        loop's processed scores are read (the distribution check) or record_draws is off."""
+        batch, device = call.input_ids.shape[0], call.input_ids.device
+        sampler = sampling.TopSampler.of(call.processors, call.sample, device)
+        if sampler is None or self.captured is not None or not self.record_draws:
+            return sampler
+        key = sampling.RecordedDraw.key(sampler, batch, vocab, device)
+        draw = self._draws.pop(key, None)
+        if draw is None:
+            if len(self._draws) >= sampling.RECORDED_DRAWS:
+                self._draws.pop(next(iter(self._draws)))
+            draw = sampling.RecordedDraw(sampler, batch, vocab, device)
+        self._draws[key] = draw  # the newest last
+        draw.reset()
+        return draw
 
     @staticmethod
     def _sampling_key(call: Greedy) -> tuple:
@@ -867,7 +889,7 @@ class DecodeLoop:
         return _logits(self.model(**self._kwargs("prefill", ids, cache, positions, attention)))
 
     def _steps(self, logits: torch.Tensor, cache: Any, call: Greedy, eos: torch.Tensor | None, length: int,
-               compiled: bool, sampler: "sampling.TopSampler | None" = None) -> torch.Tensor:
+               compiled: bool, sampler: "sampling.TopSampler | sampling.RecordedDraw | None" = None) -> torch.Tensor:
         """Every new token after the prefill's `logits`, step by step, as transformers' decoding
         loop makes them: its logits processors on the sequence so far, then the argmax or a draw
         of torch.multinomial from the softmax, with finished sequences fed the pad token. With
@@ -937,10 +959,12 @@ class DecodeLoop:
         return self._tuned[1]
 
     def _choose(self, call: Greedy, logits: torch.Tensor, seq: torch.Tensor | None,
-                sampler: "sampling.TopSampler | None" = None) -> torch.Tensor:
+                sampler: "sampling.TopSampler | sampling.RecordedDraw | None" = None) -> torch.Tensor:
         """The next token from a forward's logits, as transformers' _sample chooses it."""
         if call.processors is None and not call.sample:
             return logits[:, -1, :].argmax(-1)
+        if isinstance(sampler, sampling.RecordedDraw):
+            return sampler(logits[:, -1])
         if sampler is not None:
             scores = sampler.process(logits[:, -1].to(copy=True, dtype=torch.float32))
         else:

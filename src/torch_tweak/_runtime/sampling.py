@@ -86,7 +86,10 @@ class TopSampler:
         flag = torch.isnan(values[:, 0])  # topk puts a NaN first
         if width < vocab:
             flag = flag | (values[:, -1] >= kth[:, 0])  # ties may go on past the margin
-        self.flag = flag if self.flag is None else self.flag | flag
+        if self.flag is None:
+            self.flag = flag
+        else:  # in place: a recorded draw's flag keeps its address (RecordedDraw)
+            self.flag |= flag
         if self.top_p is not None:
             # the stable ascending order: by index first, then a stable sort by score
             by_index, order = indices.sort(dim=-1)
@@ -103,6 +106,81 @@ class TopSampler:
     def overflowed(self) -> bool:
         """Whether any step since the last reset could not be served (reads the device once)."""
         return self.flag is not None and bool(self.flag.any())
+
+
+RECORDED_DRAWS = 8
+"""The recorded draws a decode loop keeps (one per batch size, vocabulary and sampler settings);
+past it the oldest is dropped."""
+
+
+class RecordedDraw:
+    """One sampling step's choice of the next token (the sampler's processed scores, the softmax
+    and torch.multinomial, as DecodeLoop._choose makes it) recorded as one device graph, for one
+    batch size, vocabulary and sampler: a step copies its last logits into the graph's input and
+    replays it, one launch from the host instead of about forty.
+
+    The draw is transformers' under a seed, as an eager one is: a replay reads the generator's
+    seed and offset when it is launched and moves the offset on by what the recorded kernels
+    take, as the same kernels run eagerly would. Recording runs the draw three times (two to
+    warm it up); the generator's state is put back after, so recording takes no draw from the
+    call. On a device without graphs (RECORDS) the same buffers are run eagerly."""
+
+    RECORDS = frozenset({"cuda"})
+
+    def __init__(self, sampler: TopSampler, batch: int, vocab: int, device: torch.device) -> None:
+        self.sampler = sampler
+        self.logits = torch.empty(batch, vocab, dtype=torch.float32, device=device)
+        sampler.flag = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.token: torch.Tensor | None = None
+        self.graph: Any = None
+        self.replays = 0
+        if device.type in self.RECORDS:
+            self._record(device)
+
+    def _draw(self) -> torch.Tensor:
+        scores = self.sampler.process(self.logits)
+        return torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+
+    def _record(self, device: torch.device) -> None:
+        state = rng_state(device)
+        self.logits.normal_()
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._draw()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self.token = self._draw()
+        finally:
+            set_rng_state(device, state)
+        self.graph = graph
+
+    def reset(self) -> None:
+        """Before a call: no step of it has overflowed yet."""
+        assert self.sampler.flag is not None
+        self.sampler.flag.zero_()
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token from a step's last logits (batch x vocabulary)."""
+        self.logits.copy_(logits)
+        self.replays += 1
+        if self.graph is None:
+            return self._draw()
+        self.graph.replay()
+        assert self.token is not None
+        return self.token.clone()  # the next replay writes over the graph's own
+
+    def overflowed(self) -> bool:
+        return self.sampler.overflowed()
+
+    @staticmethod
+    def key(sampler: TopSampler, batch: int, vocab: int, device: torch.device) -> tuple:
+        temperature = None if sampler.temperature is None else float(sampler.temperature.temperature)
+        return (batch, vocab, str(device), torch.is_inference_mode_enabled(), temperature, sampler.top_k,
+                sampler.top_p, sampler.keep_p)
 
 
 def rng_state(device: torch.device) -> torch.Tensor:
