@@ -167,7 +167,11 @@ def call_row(name: str, dtype_name: str, call: str, batch: int, prompt: int, new
                 result = tt.tweak(subject, workload=lambda m: generate(m, new), progress=False, **tweak_kwargs)
                 out["tweak_result"] = str(result)
                 out["decode_loop"] = result.decode_loop
-                print(result, flush=True)
+                # each loop option measured (with and without the top-k sampler), and the one kept
+                out["loop_report"] = [{k: r[k] for k in ("candidate", "state", "latency_ms")}
+                                      for r in result.loop_report]
+                out["loop_kept"] = repr(getattr(subject, "generate", None))
+                print(result, out["loop_report"], out["loop_kept"], flush=True)
             timed_call(lambda: generate(subject, new))
             entry["first_call_s"] = time.perf_counter() - start  # tuning (tweak) and the first call
             subjects[label] = subject
