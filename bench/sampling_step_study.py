@@ -5,7 +5,9 @@ after each step) and recorded as one device graph.
 The choice is transformers' own for a sampling call (temperature 0.7, top-k 50, top-p 0.9, the
 softmax in float32, torch.multinomial), on logits of the Llama-3 vocabulary (128,256) in bf16;
 the greedy choice (the argmax) beside it, and the same sampling call through tweak's
-sampling.TopSampler (the processed scores from the top scores alone). Per way and batch:
+sampling.TopSampler (the processed scores from the top scores alone), then torch.multinomial
+("top-sampler") or its own draw over the top scores alone (TopSampler.draw, "top-sampler-draw",
+what the loop's recorded draw runs). Per way and batch:
 
     host_us    seconds the host spends issuing one choice (perf_counter over --n calls, no
                synchronisation inside; the device kept busy by a long kernel first, so that
@@ -55,7 +57,12 @@ def choosers(logits: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
         scores = sampler.process(logits[:, -1].to(copy=True, dtype=torch.float32))
         return torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
 
-    return {"greedy": greedy, "sampling": sample, "top-sampler": top_sampler}
+    drawing = sampling.TopSampler.of(warpers, True, logits.device)
+
+    def top_sampler_draw() -> torch.Tensor:  # the loop's draw since it was recorded: sampling.TopSampler.draw
+        return drawing.draw(logits[:, -1].to(copy=True, dtype=torch.float32))
+
+    return {"greedy": greedy, "sampling": sample, "top-sampler": top_sampler, "top-sampler-draw": top_sampler_draw}
 
 
 def busy() -> None:
@@ -115,7 +122,7 @@ def main() -> None:
             graph, out = recorded(fn)
             host_g, device_g = host_and_device(graph.replay, args.n)
             row.update(graph_host_us=round(host_g, 1), graph_device_us=round(device_g, 1))
-            if way == "top-sampler":  # its draws against transformers' processors' under the same seeds
+            if way.startswith("top-sampler"):  # its draws against transformers' processors' under the same seeds
                 same = 0
                 for seed in range(20):
                     torch.manual_seed(seed)

@@ -365,3 +365,37 @@ def test_recorded_draws_are_kept_per_shape_and_setting_and_each_call_starts_unfl
         assert sorted(k[3] for k in loop._draws if k[5] == 33) == [False, True]
     finally:
         generation.uninstall(model)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, keep", SETTINGS[:4])
+def test_the_sampler_draws_torch_multinomials_token_from_the_candidates_alone(as_on_cuda, temperature, top_k,
+                                                                              top_p, keep):
+    """TopSampler.draw takes torch.multinomial's exponential variates and divisions but the
+    argmax over the top scores alone: under the same seed its tokens are torch.multinomial's on
+    the processed scores' softmax, on tie-heavy bf16 scores (equal probabilities among the
+    kept), and the generator ends where torch.multinomial leaves it."""
+    cpu = torch.device("cpu")
+    assert sampling.exact_draws(cpu)
+    for seed in range(40):
+        g = torch.Generator().manual_seed(seed)
+        scores = (torch.randn(3, 3000, generator=g) * (0.5, 2.0, 8.0)[seed % 3]).bfloat16().float()
+        sampler = sampling.TopSampler.of(processors(temperature, top_k, top_p, keep), True, cpu)
+        probs = torch.nn.functional.softmax(sampler.process(scores.clone()), dim=-1)
+        torch.manual_seed(seed)
+        expected = torch.multinomial(probs, num_samples=1).squeeze(1)
+        after = torch.rand(1)
+        torch.manual_seed(seed)
+        got = sampler.draw(scores.clone())
+        assert torch.equal(got, expected), (seed, got, expected)
+        assert torch.equal(torch.rand(1), after)
+
+
+def test_where_the_candidates_draw_is_not_torchs_the_sampler_draws_with_torch_multinomial(as_on_cuda, monkeypatch):
+    """exact_draws false (a torch whose multinomial draws another way): TopSampler.draw calls
+    torch.multinomial itself, and the loop's seeded tokens stay transformers'."""
+    monkeypatch.setitem(sampling._EXACT, "cpu", False)
+    called = []
+    multinomial = torch.multinomial
+    monkeypatch.setattr(torch, "multinomial", lambda *a, **k: called.append(1) or multinomial(*a, **k))
+    expected, got, loop, served = loop_and_transformers(tiny_llama(), "static", temperature=0.7, top_k=50, top_p=0.9)
+    assert served == 12 and len(called) >= 2 * 12 and torch.equal(got, expected)

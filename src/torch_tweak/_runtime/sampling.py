@@ -49,6 +49,7 @@ class TopSampler:
         self.top_p = top_p
         self.keep_p = keep_p  # the top-p warper's min_tokens_to_keep
         self.flag: torch.Tensor | None = None  # per row: any step overflowed (a device tensor)
+        self.candidates: torch.Tensor | None = None  # the last process()'s top scores' indices, ascending
 
     @classmethod
     def of(cls, processors: Any, sample: bool, device: torch.device) -> "TopSampler | None":
@@ -93,6 +94,7 @@ class TopSampler:
         if self.top_p is not None:
             # the stable ascending order: by index first, then a stable sort by score
             by_index, order = indices.sort(dim=-1)
+            self.candidates = by_index
             masked = values.gather(1, order).masked_fill(~kept.gather(1, order), -float("inf"))
             values, place = torch.sort(masked, dim=-1, stable=True)
             indices = by_index.gather(1, place)
@@ -100,12 +102,60 @@ class TopSampler:
             remove = cumulative <= (1 - self.top_p)
             remove[..., -self.keep_p:] = False
             kept = ~remove
+        else:
+            self.candidates = indices.sort(dim=-1).values
         out = torch.full_like(scores, -float("inf"))
         return out.scatter_(1, indices, values.masked_fill(~kept, -float("inf")))
 
     def overflowed(self) -> bool:
         """Whether any step since the last reset could not be served (reads the device once)."""
         return self.flag is not None and bool(self.flag.any())
+
+    def draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token of each row of `logits` (batch x vocabulary, float32): torch.multinomial's
+        one draw from the softmax of the processed scores, where that is exactly what draw_one
+        gives (exact_draws), else torch.multinomial itself."""
+        probs = torch.nn.functional.softmax(self.process(logits), dim=-1)
+        if not exact_draws(logits.device):
+            return torch.multinomial(probs, num_samples=1).squeeze(1)
+        assert self.candidates is not None
+        return draw_one(probs, self.candidates)
+
+
+def draw_one(probs: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw per row of `probs` as torch.multinomial(probs, 1) makes it, where every nonzero
+    probability lies in `candidates` (indices per row, ascending). torch draws one sample as the
+    argmax of probs / q, q an exponential variate per entry (torch.empty_like(probs).exponential_):
+    the same variates are taken from the generator here, and the ratios are the same divisions,
+    but the argmax runs over the candidates alone (outside them every ratio is 0; among equal
+    ratios the lowest index, as torch's argmax). It spares the device the full-row division, the
+    full-row argmax and multinomial's checks of the row (several reductions of the vocabulary)."""
+    q = torch.empty_like(probs).exponential_(1, generator=generator)
+    ratio = probs.gather(1, candidates) / q.gather(1, candidates)
+    return candidates.gather(1, ratio.argmax(dim=-1, keepdim=True)).squeeze(1)
+
+
+_EXACT: dict[str, bool] = {}
+
+
+def exact_draws(device: torch.device) -> bool:
+    """Whether draw_one gives torch.multinomial's draws on this device type with this torch:
+    checked once per process, on rows of probabilities with zeros and ties drawn with a
+    generator of the check's own (the user's generators are not touched)."""
+    known = _EXACT.get(device.type)
+    if known is None:
+        same = True
+        for seed in range(4):
+            g = torch.Generator(device).manual_seed(seed)
+            scores = torch.randn(4, 1000, device=device, generator=g).round(decimals=1)  # ties among the kept
+            scores[:, 100:] = -float("inf")
+            probs = torch.nn.functional.softmax(scores, dim=-1)
+            candidates = torch.arange(120, device=device).expand(4, 120).contiguous()
+            theirs = torch.multinomial(probs, num_samples=1, generator=g.manual_seed(100 + seed)).squeeze(1)
+            ours = draw_one(probs, candidates, g.manual_seed(100 + seed))
+            same = same and bool(torch.equal(ours, theirs))
+        known = _EXACT[device.type] = same
+    return known
 
 
 RECORDED_DRAWS = 8
@@ -138,8 +188,7 @@ class RecordedDraw:
             self._record(device)
 
     def _draw(self) -> torch.Tensor:
-        scores = self.sampler.process(self.logits)
-        return torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        return self.sampler.draw(self.logits)
 
     def _record(self, device: torch.device) -> None:
         state = rng_state(device)
