@@ -399,3 +399,35 @@ def test_where_the_candidates_draw_is_not_torchs_the_sampler_draws_with_torch_mu
     monkeypatch.setattr(torch, "multinomial", lambda *a, **k: called.append(1) or multinomial(*a, **k))
     expected, got, loop, served = loop_and_transformers(tiny_llama(), "static", temperature=0.7, top_k=50, top_p=0.9)
     assert served == 12 and len(called) >= 2 * 12 and torch.equal(got, expected)
+
+
+def test_a_draw_that_cannot_be_recorded_is_served_eagerly_and_not_tried_again(as_on_cuda, monkeypatch, caplog):
+    """Recording the choice failing (a capture error, memory): the call's seeded tokens are
+    still transformers', chosen kernel by kernel through the sampler, with one warning; later
+    calls of that shape do not try to record again."""
+    import copy
+    import logging
+
+    tries = []
+
+    def broken(self, device):
+        tries.append(device)
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(sampling.RecordedDraw, "RECORDS", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr(sampling.RecordedDraw, "_record", broken)
+    model = tiny_llama()
+    untuned = copy.deepcopy(model)
+    loop = generation.DecodeLoop(model, "loop", top_sampler=True)
+    generation.install(model, loop)
+    workload = sampling_workload()
+    try:
+        with caplog.at_level(logging.WARNING, logger="torch_tweak"):
+            for seed in (0, 1, 2):
+                assert_untuned_draws(model, untuned, workload, seed)
+    finally:
+        generation.uninstall(model)
+    assert len(tries) == 1 and loop.calls == 3 and loop.resampled == 0 and not loop.fallbacks
+    assert list(loop.unrecorded.values()) == ["RuntimeError: capture failed"] and not loop._draws
+    warned = [r for r in caplog.records if "could not record its sampler's choice" in r.getMessage()]
+    assert len(warned) == 1 and "capture failed" in warned[0].getMessage()

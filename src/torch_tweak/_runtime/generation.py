@@ -598,6 +598,7 @@ class DecodeLoop:
         self._caches: dict[tuple, Any] = {}  # the compiled loop's static caches, per shape
         self.record_draws = True  # a top-k sampler's choice of the next token recorded (sampling.RecordedDraw)
         self._draws: dict[tuple, sampling.RecordedDraw] = {}  # the recorded draws, the newest last
+        self.unrecorded: dict[tuple, str] = {}  # a draw whose recording failed: why (its calls run eagerly)
         self._lock = threading.Lock()
         self._previous_len: int = -1
         self.eager = False  # set by uncompiled(): the compiled loop's steps run the plain forward
@@ -800,11 +801,19 @@ class DecodeLoop:
         if sampler is None or self.captured is not None or not self.record_draws:
             return sampler
         key = sampling.RecordedDraw.key(sampler, batch, vocab, device)
+        if key in self.unrecorded:
+            return sampler
         draw = self._draws.pop(key, None)
         if draw is None:
             if len(self._draws) >= sampling.RECORDED_DRAWS:
                 self._draws.pop(next(iter(self._draws)))
-            draw = sampling.RecordedDraw(sampler, batch, vocab, device)
+            try:
+                draw = sampling.RecordedDraw(sampler, batch, vocab, device)
+            except Exception as exc:  # the call is served eagerly, and so are later ones of this shape
+                self.unrecorded[key] = f"{type(exc).__name__}: {exc}"
+                logger.warning("torch-tweak: the decode loop could not record its sampler's choice for batch %d "
+                               "(%s); such calls choose their tokens kernel by kernel", batch, self.unrecorded[key])
+                return sampling.TopSampler.of(call.processors, call.sample, device)
         self._draws[key] = draw  # the newest last
         draw.reset()
         return draw
