@@ -71,6 +71,12 @@ class ModelStatus(dict):
             top = ", top-k sampler" if loop.get("top_sampler") else ""
             again = (f"; {loop['resampled']} made again with transformers' processors (ties past the sampler's "
                      "margin, or a NaN score)") if loop.get("resampled") else ""
+            if loop.get("recorded_draws"):
+                n = loop["recorded_draws"]
+                again += f"; its choice of a token recorded as a device graph for {n} shape{'' if n == 1 else 's'}"
+            if loop.get("unrecorded"):
+                again += (f"; its choice not recorded for {len(loop['unrecorded'])} shape(s), chosen kernel by "
+                          f"kernel ({loop['unrecorded'][0]})")
             text += (f"\ngenerate(): tweak's decode loop ({loop['kind']}{top}) served {calls}{again}" +
                      "".join(f"; transformers' loop ran {n} for {why}" for why, n in loop["fallbacks"].items()))
         return text
@@ -100,7 +106,9 @@ def status(model: nn.Module) -> ModelStatus:
     loop = loop_of(model)
     if loop is not None:
         result.decode_loop = {"kind": loop.kind, "calls": loop.calls, "fallbacks": dict(loop.fallbacks),
-                              "top_sampler": loop.top_sampler, "resampled": loop.resampled}
+                              "top_sampler": loop.top_sampler, "resampled": loop.resampled,
+                              "recorded_draws": sum(d.graph is not None for d in loop._draws.values()),
+                              "unrecorded": list(loop.unrecorded.values())}
     for path, wrapper in installed(model).items():
         names = list(dict.fromkeys(g.backend.name for g in wrapper.tt_signatures if g.backend is not None))
         if not names and wrapper.tt_backend is not None:
