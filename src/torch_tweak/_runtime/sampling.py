@@ -192,17 +192,18 @@ class RecordedDraw:
 
     def _record(self, device: torch.device) -> None:
         state = rng_state(device)
-        self.logits.normal_()
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._draw()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self.token = self._draw()
+            with torch.cuda.device(device):  # the graph's stream is the device's, whichever is current
+                self.logits.normal_()
+                stream = torch.cuda.Stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        self._draw()
+                torch.cuda.current_stream(device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    self.token = self._draw()
         finally:
             set_rng_state(device, state)
         self.graph = graph
@@ -218,7 +219,11 @@ class RecordedDraw:
         self.replays += 1
         if self.graph is None:
             return self._draw()
-        self.graph.replay()
+        if self.logits.device.index == torch.cuda.current_device():
+            self.graph.replay()
+        else:  # a replay launches on the current device's stream
+            with torch.cuda.device(self.logits.device):
+                self.graph.replay()
         assert self.token is not None
         return self.token.clone()  # the next replay writes over the graph's own
 
