@@ -538,21 +538,13 @@ class _StepGraph:
             self.step.add_(1)
             self.position.add_(1)
 
-        # the warm-up runs write a step into the cache: the caller resets it afterwards. They
-        # run on the stream the step is then recorded on, so that what a library makes per
-        # stream on first use (cuBLAS's workspace) exists before the recording starts. Their
-        # draws (a sampling step) come from a fork of the generators: the caller's are kept
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.random.fork_rng(devices=[device]):
-            with torch.cuda.stream(stream), _Plain(loop.model), _decoding(loop.model):
-                for _ in range(3):
-                    step()
-            stream.synchronize()
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, stream=stream), _Plain(loop.model), _decoding(loop.model):
-                step()
-        torch.cuda.current_stream(device).wait_stream(stream)
+        @contextlib.contextmanager
+        def plain() -> Any:
+            with _Plain(loop.model), _decoding(loop.model):
+                yield
+
+        # the warm-up runs write a step into the cache: the caller resets it afterwards
+        self.graph, _ = sampling.record_graph(step, device, warmups=3, context=plain)
 
     def run(self, first: torch.Tensor, prompt_len: int, max_new: int, finished: Callable[[int], bool]) -> torch.Tensor:
         """Tokens 1..max_new-1 after `first`; returns the tokens buffer's first `max_new` columns
@@ -741,9 +733,10 @@ class DecodeLoop:
         # the graph loop's step runs one by one where its processed scores are read (the check
         # of a sampling call's distribution)
         graphs = self.captured is None and self.records(call)
+        # what is kept between calls is kept per grad mode: a cache made in inference mode
+        # cannot be written outside it
+        mode = torch.is_inference_mode_enabled()
         if graphs:
-            # a cache made in inference mode cannot be written outside it: one per mode
-            mode = torch.is_inference_mode_enabled()
             key = (batch, length, device, ids.dtype, mode, self._sampling_key(call))
             entry = self._graphs.get(key)
             if entry is None:
@@ -756,7 +749,7 @@ class DecodeLoop:
         elif self.kind in COMPILED_LOOPS and call.static:
             # one cache per shape, reset between calls: its tensors keep their addresses, so the
             # compiled forward's device graphs replay instead of recording again
-            key = (batch, length, device, ids.dtype, torch.is_inference_mode_enabled())  # as the step graphs'
+            key = (batch, length, device, ids.dtype, mode)
             cache = self._caches.get(key)
             if cache is None:
                 cache = self._caches[key] = new_cache(self.model, True, length)
@@ -813,7 +806,8 @@ class DecodeLoop:
                 self.unrecorded[key] = f"{type(exc).__name__}: {exc}"
                 logger.warning("torch-tweak: the decode loop could not record its sampler's choice for batch %d "
                                "(%s); such calls choose their tokens kernel by kernel", batch, self.unrecorded[key])
-                return sampling.TopSampler.of(call.processors, call.sample, device)
+                sampler.flag = None  # RecordedDraw gave it a buffer of its own
+                return sampler
         self._draws[key] = draw  # the newest last
         draw.reset()
         return draw

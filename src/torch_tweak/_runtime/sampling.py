@@ -26,7 +26,8 @@ the kept entries can give transformers' cut among ties.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Callable
 
 import torch
 
@@ -173,7 +174,7 @@ class RecordedDraw:
     seed and offset when it is launched and moves the offset on by what the recorded kernels
     take, as the same kernels run eagerly would. Recording runs the draw three times (two to
     warm it up); the generator's state is put back after, so recording takes no draw from the
-    call. On a device without graphs (RECORDS) the same buffers are run eagerly."""
+    call (record_graph). On a device without graphs (RECORDS) the same buffers are run eagerly."""
 
     RECORDS = frozenset({"cuda"})
 
@@ -191,22 +192,8 @@ class RecordedDraw:
         return self.sampler.draw(self.logits)
 
     def _record(self, device: torch.device) -> None:
-        state = rng_state(device)
-        try:
-            with torch.cuda.device(device):  # the graph's stream is the device's, whichever is current
-                self.logits.normal_()
-                stream = torch.cuda.Stream(device)
-                stream.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        self._draw()
-                torch.cuda.current_stream(device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                    self.token = self._draw()
-        finally:
-            set_rng_state(device, state)
-        self.graph = graph
+        self.logits.normal_(generator=torch.Generator(device).manual_seed(0))  # scores to warm up on
+        self.graph, self.token = record_graph(self._draw, device, warmups=2)
 
     def reset(self) -> None:
         """Before a call: no step of it has overflowed yet."""
@@ -235,6 +222,29 @@ class RecordedDraw:
         temperature = None if sampler.temperature is None else float(sampler.temperature.temperature)
         return (batch, vocab, str(device), torch.is_inference_mode_enabled(), temperature, sampler.top_k,
                 sampler.top_p, sampler.keep_p)
+
+
+def record_graph(fn: Callable[[], Any], device: torch.device, warmups: int,
+                 context: Callable[[], Any] = contextlib.nullcontext) -> tuple[Any, Any]:
+    """`fn` recorded as a device graph on `device`, whichever device is current; returns the graph
+    and what the recorded call returned. The warm-up calls run first on the stream the graph is
+    recorded on, so that what a library makes per stream on first use (cuBLAS's workspace)
+    exists before the recording starts; every call runs inside `context()`. Their draws come
+    from a fork of the generators: the caller's are as they were, so recording takes no random
+    numbers from the call. The capture is thread-local: another thread's work on the device
+    (another model's calls) goes on meanwhile instead of failing."""
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.device(device), torch.random.fork_rng(devices=[device]):
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream), context():
+            for _ in range(warmups):
+                fn()
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"), context():
+            out = fn()
+        torch.cuda.current_stream(device).wait_stream(stream)
+    return graph, out
 
 
 def rng_state(device: torch.device) -> torch.Tensor:
