@@ -12,6 +12,8 @@ call beside it, each way in turn per round, the order rotated per round:
                  its choice of a token recorded as a device graph (sampling.RecordedDraw)
     loop-eager   the same sampler run eagerly, kernel by kernel (record_draws=False)
     loop-plain   the same loop with transformers' processors (top_sampler=False)
+    loop-prefill-eager  "loop" with its prefill run eagerly, kernel by kernel, as before
+                 prefill.RecordedPrefill (record_prefills=False); every other way records it
 
 (At 049b1da, where the runs in bench/results/runs/sampler-ab-049b1da.json come from, the
 sampler served every call it could and loop-plain turned it off through sampling.DEVICES:
@@ -20,7 +22,8 @@ the same two ways; the sampler then ran eagerly, so its "loop" is what "loop-eag
 Prints tokens per second (median of --rounds) and whether each way's tokens equal the static
 path's under the same seed.
 
-    python bench/sampler_ab_study.py [--models llama1b,qwen05b] [--rounds 7] [--json PATH]
+    python bench/sampler_ab_study.py [--models llama1b,qwen05b] [--rounds 7] [--batches 1,4]
+        [--prompts 32] [--calls sampling,greedy] [--new 128] [--json PATH]
 """
 
 from __future__ import annotations
@@ -43,20 +46,22 @@ from torch_tweak._runtime import generation  # noqa: E402
 CALLS = {"sampling": dict(do_sample=True, temperature=0.7, top_k=50, top_p=0.9), "greedy": dict(do_sample=False)}
 
 
-def study(name: str, rounds: int, new: int) -> list[dict]:
+def study(name: str, rounds: int, new: int, batches: list[int], prompts: list[int], calls: list[str]) -> list[dict]:
     model = gb.build_shape(name, torch.bfloat16, "cuda", False)
     loop = generation.DecodeLoop(model, "compiled", top_sampler=True)
     generation.install(model, loop)
     rows = []
-    for batch in (1, 4):
+    for batch, length in [(b, p) for b in batches for p in prompts]:
         torch.manual_seed(1)
-        ids = torch.randint(100, 500, (batch, 32), device="cuda")
-        for call, settings in CALLS.items():
+        ids = torch.randint(100, 500, (batch, length), device="cuda")
+        for call in calls:
+            settings = CALLS[call]
             kwargs = dict(settings, max_new_tokens=new, cache_implementation="static")
 
             def run(way: str) -> tuple[float, torch.Tensor]:
-                loop.top_sampler = way in ("loop", "loop-eager")
-                loop.record_draws = way == "loop"
+                loop.top_sampler = way in ("loop", "loop-eager", "loop-prefill-eager")
+                loop.record_draws = way in ("loop", "loop-prefill-eager")
+                loop.record_prefills = way != "loop-prefill-eager"
                 fn = loop.original if way == "static" else model.generate
                 torch.manual_seed(7)
                 torch.cuda.synchronize()
@@ -66,7 +71,7 @@ def study(name: str, rounds: int, new: int) -> list[dict]:
                 torch.cuda.synchronize()
                 return time.perf_counter() - t0, out
 
-            ways = ["static", "loop", "loop-eager", "loop-plain"] if call == "sampling" else ["static", "loop"]
+            ways = ["static", "loop", "loop-prefill-eager"] + (["loop-eager", "loop-plain"] if call == "sampling" else [])
             for way in ways:  # the compile, and every cache shape, before the timed rounds
                 run(way)
                 run(way)
@@ -76,7 +81,9 @@ def study(name: str, rounds: int, new: int) -> list[dict]:
                 for way in ways[r % len(ways):] + ways[: r % len(ways)]:
                     seconds, tokens[way] = run(way)
                     times[way].append(seconds)
-            row = {"model": name, "batch": batch, "call": call, "new_tokens": new, "resampled": loop.resampled,
+            row = {"model": name, "batch": batch, "prompt": length, "call": call, "new_tokens": new,
+                   "resampled": loop.resampled, "recorded_prefills": len(loop._prefills),
+                   "unrecorded_prefills": list(loop.unrecorded_prefills.values()),
                    "ways": {w: {"tokens_per_s": batch * new / statistics.median(t),
                                 "spread": (max(t) - min(t)) / statistics.median(t),
                                 "same_as_static": bool(torch.equal(tokens[w], tokens["static"]))}
@@ -92,12 +99,16 @@ def main() -> None:
     parser.add_argument("--models", default="llama1b,qwen05b")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--batches", default="1,4")
+    parser.add_argument("--prompts", default="32")
+    parser.add_argument("--calls", default="sampling,greedy")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     run = {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
            "commit": os.environ.get("TT_BENCH_COMMIT", ""), "rows": []}
     for name in args.models.split(","):
-        run["rows"] += study(name, args.rounds, args.new)
+        run["rows"] += study(name, args.rounds, args.new, [int(b) for b in args.batches.split(",")],
+                             [int(p) for p in args.prompts.split(",")], args.calls.split(","))
         torch.cuda.empty_cache()
         if args.json:
             with open(args.json, "w") as f:

@@ -280,3 +280,74 @@ def test_a_recorded_draw_that_overflows_makes_the_call_again_with_transformers_t
         assert_same_draws(untuned, model, ids, settings, seeds=(0, 1))
     assert loop.calls == 4 and loop.resampled == 4 and not loop.fallbacks
     assert sorted(k[0] for k in loop._draws) == [1, 3] and all(d.graph is not None for d in loop._draws.values())
+
+
+@pytest.mark.parametrize("kind", ["compiled", "graph"])
+def test_a_recorded_prefill_gives_the_eager_prefills_bits_and_the_untuned_tokens(kind):
+    """A prompt shape's prefill is recorded at its second call and replayed after: every call
+    (a new prompt each) gives the untuned tokens, and on prompts the recording never saw the
+    replay's logits and cache are the eager prefill's, bit for bit."""
+    from torch_tweak._runtime import prefill
+
+    model = build("llama", torch.bfloat16)
+    untuned = copy.deepcopy(model)
+    loop = generation.DecodeLoop(model, kind)
+    generation.install(model, loop)
+    run = compiled_generate if kind == "compiled" else generate
+    shapes = [(1, 7), (1, 7), (2, 7), (2, 7), (1, 7), (2, 7), (1, 7)]
+    for seed, (batch, length) in enumerate(shapes):
+        ids = torch.randint(3, 256, (batch, length), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        assert torch.equal(run(model, ids), run(untuned, ids)), (seed, batch, length)
+    assert not loop.fallbacks and not loop.unrecorded_prefills, loop.unrecorded_prefills
+    recorded = list(loop._prefills.values())
+    assert len(recorded) == 2 and all(p.graph is not None and p.replays >= 2 for p in recorded)
+    assert "prefill recorded as a device graph for 2 prompt shapes" in str(tt.status(model))
+    for p in recorded:
+        batch, length = p.ids.shape
+        for seed in range(10, 13):
+            ids = torch.randint(3, 256, (batch, length), device="cuda",
+                                generator=torch.Generator("cuda").manual_seed(seed))
+            call = generation.greedy_call(model, (ids,), dict(max_new_tokens=40, do_sample=False,
+                                                                cache_implementation="static"))
+            with torch.no_grad():
+                p.cache.reset()
+                eager = loop._prefill(call, p.cache).clone()
+                eager_cache = prefill.prompt_part(p.cache, length)
+                got = p(ids).clone()
+            assert torch.equal(got, eager), (batch, seed)
+            assert all(torch.equal(a, b) for a, b in zip(prefill.prompt_part(p.cache, length), eager_cache))
+
+
+def test_a_sliding_window_cache_is_never_left_wrong_by_a_replayed_prefill():
+    """Mistral's sliding-window static cache: whatever the host-state guard decides, every
+    call (a new prompt each, longer than the window) gives transformers' compiled tokens."""
+    model = family("mistral")
+    untuned = copy.deepcopy(model)
+    loop = generation.DecodeLoop(model, "compiled")
+    generation.install(model, loop)
+    for seed in range(5):
+        ids = torch.randint(3, 256, (2, 12), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        assert torch.equal(compiled_generate(model, ids, 24), compiled_generate(untuned, ids, 24)), seed
+    assert not loop.fallbacks
+    print("recorded", len(loop._prefills), "refused", list(loop.unrecorded_prefills.values()))
+
+
+def test_recorded_graphs_outlive_dropped_blas_workspaces():
+    """torch.compile's device graphs drop cuBLAS's workspaces (and empty the cache) around each
+    of their recordings. The loop's recorded prefill and step must not use a workspace that
+    goes with them: after a drop, later calls still give the untuned tokens. (Last in the file:
+    a graph that did would fault the device for the tests after it.)"""
+    model = build("llama", torch.bfloat16)
+    untuned = copy.deepcopy(model)
+    loop = generation.DecodeLoop(model, "graph")
+    generation.install(model, loop)
+    for seed in range(6):
+        if seed == 2:
+            torch._C._cuda_clearCublasWorkspaces()
+            torch.cuda.empty_cache()
+            filler = [torch.full((1 << 20,), 7.0, device="cuda") for _ in range(64)]  # takes the freed memory
+        ids = torch.randint(3, 256, (1, 9), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        assert torch.equal(generate(model, ids), generate(untuned, ids)), seed
+    torch.cuda.synchronize()
+    assert all(bool((f == 7.0).all()) for f in filler)
+    assert len(loop._prefills) == 1 and not loop.unrecorded_prefills

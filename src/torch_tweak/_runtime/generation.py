@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from .. import _C
-from . import sampling
+from . import prefill, sampling
 from .module import install as install_wrapper, installed, uninstall as uninstall_wrapper
 
 logger = logging.getLogger("torch_tweak")
@@ -591,6 +591,10 @@ class DecodeLoop:
         self.record_draws = True  # a top-k sampler's choice of the next token recorded (sampling.RecordedDraw)
         self._draws: dict[tuple, sampling.RecordedDraw] = {}  # the recorded draws, the newest last
         self.unrecorded: dict[tuple, str] = {}  # a draw whose recording failed: why (its calls run eagerly)
+        self.record_prefills = True  # a kept cache's prefill recorded per prompt shape (prefill.RecordedPrefill)
+        self._prefills: dict[tuple, prefill.RecordedPrefill] = {}  # the recorded prefills, the newest last
+        self._prefill_calls: dict[tuple, int] = {}  # calls per prompt shape not recorded yet (prefill.RECORD_AFTER)
+        self.unrecorded_prefills: dict[tuple, str] = {}  # a prefill not recorded or not replayed: why
         self._lock = threading.Lock()
         self._previous_len: int = -1
         self.eager = False  # set by uncompiled(): the compiled loop's steps run the plain forward
@@ -736,29 +740,27 @@ class DecodeLoop:
         # what is kept between calls is kept per grad mode: a cache made in inference mode
         # cannot be written outside it
         mode = torch.is_inference_mode_enabled()
+        kept: tuple | None = None  # the key of a cache kept between calls (reset by _first_logits)
         if graphs:
-            key = (batch, length, device, ids.dtype, mode, self._sampling_key(call))
-            entry = self._graphs.get(key)
+            kept = ("graph", batch, length, device, ids.dtype, mode, self._sampling_key(call))
+            entry = self._graphs.get(kept[1:])
             if entry is None:
                 cache = new_cache(self.model, call.static, length)
                 self._prefill(call, cache)  # lays the cache out before the step is recorded
                 entry = _StepGraph(self, cache, batch, length, device, call)
-                self._graphs[key] = entry
+                self._graphs[kept[1:]] = entry
             cache = entry.cache
-            cache.reset()
         elif self.kind in COMPILED_LOOPS and call.static:
             # one cache per shape, reset between calls: its tensors keep their addresses, so the
             # compiled forward's device graphs replay instead of recording again
-            key = (batch, length, device, ids.dtype, mode)
-            cache = self._caches.get(key)
+            kept = ("cache", batch, length, device, ids.dtype, mode)
+            cache = self._caches.get(kept[1:])
             if cache is None:
-                cache = self._caches[key] = new_cache(self.model, True, length)
-            else:
-                cache.reset()
+                cache = self._caches[kept[1:]] = new_cache(self.model, True, length)
         else:
             cache = new_cache(self.model, call.static, length)
         compiled = self.kind in COMPILED_LOOPS and not self.eager and transformers_compiles(self.model, call, cache)
-        logits = self._prefill(call, cache)
+        logits = self._prefill(call, cache) if kept is None else self._first_logits(call, cache, kept)
         if graphs:
             def finished(n: int) -> bool:
                 self._in_time()
@@ -778,11 +780,12 @@ class DecodeLoop:
                 if mark is not None:
                     del self.captured[mark:]
                 sampling.set_rng_state(device, state)
-                if call.static:
-                    cache.reset()
+                if kept is not None:
+                    logits = self._first_logits(call, cache, kept)
                 else:
-                    cache = new_cache(self.model, False, length)
-                tokens = self._steps(self._prefill(call, cache), cache, call, eos, length, compiled, None)
+                    cache = new_cache(self.model, call.static, length)
+                    logits = self._prefill(call, cache)
+                tokens = self._steps(logits, cache, call, eos, length, compiled, None)
         return torch.cat([ids, _stop(tokens, eos, call.pad)], dim=1)
 
     def _sampler(self, call: Greedy, vocab: int) -> "sampling.TopSampler | sampling.RecordedDraw | None":
@@ -883,6 +886,60 @@ class DecodeLoop:
         if attention is not None and "attention_mask" not in kwargs:
             kwargs["attention_mask"] = attention
         return kwargs
+
+    def _first_logits(self, call: Greedy, cache: Any, kept: tuple) -> torch.Tensor:
+        """The prompt's logits on a cache kept between calls (`kept`: its key), the cache reset
+        first: from the prompt shape's recorded prefill where there is one (made at the
+        shape's RECORD_AFTER-th call, prefill.RecordedPrefill), else eagerly. A prefill that
+        cannot be recorded or replayed is said once and runs eagerly from then on."""
+        batch, prompt = call.input_ids.shape
+        key = kept + (prompt,)
+        recorded = self._prefills.pop(key, None) if self.record_prefills else None
+        if recorded is None and self.record_prefills and key not in self.unrecorded_prefills and \
+                prefill.RecordedPrefill.eligible(batch, prompt, call.mask is not None) is None:
+            calls = self._prefill_calls.pop(key, 0) + 1
+            if calls < prefill.RECORD_AFTER:
+                _bounded(self._prefill_calls, key, calls)
+            else:
+                try:
+                    recorded = self._record_prefill(call, cache)
+                except Exception as exc:  # this shape's prefills run eagerly
+                    self._unrecorded_prefill(key, batch, prompt, f"{type(exc).__name__}: {exc}")
+        if recorded is not None:
+            try:
+                logits = recorded(call.input_ids)
+            except prefill.Stale as exc:
+                self._unrecorded_prefill(key, batch, prompt, str(exc))
+            else:
+                while len(self._prefills) >= prefill.PREFILL_GRAPHS:
+                    self._prefills.pop(next(iter(self._prefills)))
+                self._prefills[key] = recorded  # the newest last
+                return logits
+        cache.reset()
+        return self._prefill(call, cache)
+
+    def _record_prefill(self, call: Greedy, cache: Any) -> prefill.RecordedPrefill:
+        """The call's prefill on `cache` recorded: the untuned forward on a buffer of the prompt,
+        with the position ids and attention mask of a prompt with no padding (they depend only
+        on its shape), the cache reset first."""
+        ids = call.input_ids.clone()
+        positions = self._positions(call)
+        cache.reset()
+        attention = self._attention(call, cache, None, positions, ids.shape[1], True)
+        kwargs = self._kwargs("prefill", ids, cache, positions, attention)
+        model = self.model
+
+        def run() -> torch.Tensor:
+            cache.reset()
+            return _logits(model(**kwargs))
+
+        return prefill.RecordedPrefill(run, ids, cache, lambda: _Plain(model))
+
+    def _unrecorded_prefill(self, key: tuple, batch: int, prompt: int, why: str) -> None:
+        if not self.unrecorded_prefills:
+            logger.warning("torch-tweak: the decode loop could not record its prefill for a prompt of %d x %d "
+                           "tokens (%s); such prompts run eagerly", batch, prompt, why)
+        _bounded(self.unrecorded_prefills, key, why)
 
     def _prefill(self, call: Greedy, cache: Any) -> torch.Tensor:
         """The prompt through the model; returns its logits."""
@@ -1022,6 +1079,18 @@ def distribution_difference(model: nn.Module, loop: DecodeLoop, args: tuple, kwa
             return (f"step {step}: the processed next-token distribution is {float(distance):.2e} (total variation) "
                     f"from transformers' processors', more than {DISTRIBUTION_BOUND:g}")
     return None
+
+
+KEPT_KEYS = 64
+"""The most prompt shapes a decode loop keeps a count or a reason for (the oldest dropped)."""
+
+
+def _bounded(table: dict, key: tuple, value: Any) -> None:
+    """table[key] = value, the oldest entry dropped past KEPT_KEYS."""
+    table.pop(key, None)
+    if len(table) >= KEPT_KEYS:
+        table.pop(next(iter(table)))
+    table[key] = value
 
 
 def _contiguous(value: Any) -> Any:

@@ -31,6 +31,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..backends.graph import own_blas_workspace
+
 MARGIN = 64
 """Scores read past the k-th for ties with it: more ties than this make a call run again with
 transformers' own processors."""
@@ -232,7 +234,8 @@ def record_graph(fn: Callable[[], Any], device: torch.device, warmups: int,
     exists before the recording starts; every call runs inside `context()`. Their draws come
     from a fork of the generators: the caller's are as they were, so recording takes no random
     numbers from the call. The capture is thread-local: another thread's work on the device
-    (another model's calls) goes on meanwhile instead of failing."""
+    (another model's calls) goes on meanwhile instead of failing. The graph's cuBLAS workspace
+    is its own, in its memory pool (own_blas_workspace)."""
     stream = torch.cuda.Stream(device)
     with torch.cuda.device(device), torch.random.fork_rng(devices=[device]):
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -241,7 +244,8 @@ def record_graph(fn: Callable[[], Any], device: torch.device, warmups: int,
                 fn()
         stream.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"), context():
+        with own_blas_workspace("cuda"), \
+                torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"), context():
             out = fn()
         torch.cuda.current_stream(device).wait_stream(stream)
     return graph, out

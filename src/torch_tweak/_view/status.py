@@ -77,6 +77,12 @@ class ModelStatus(dict):
             if loop.get("unrecorded"):
                 again += (f"; its choice not recorded for {len(loop['unrecorded'])} shape(s), chosen kernel by "
                           f"kernel ({loop['unrecorded'][0]})")
+            if loop.get("recorded_prefills"):
+                n = loop["recorded_prefills"]
+                again += f"; its prefill recorded as a device graph for {n} prompt shape{'' if n == 1 else 's'}"
+            if loop.get("unrecorded_prefills"):
+                again += (f"; its prefill run eagerly for {len(loop['unrecorded_prefills'])} prompt shape(s) "
+                          f"({loop['unrecorded_prefills'][0]})")
             text += (f"\ngenerate(): tweak's decode loop ({loop['kind']}{top}) served {calls}{again}" +
                      "".join(f"; transformers' loop ran {n} for {why}" for why, n in loop["fallbacks"].items()))
         return text
@@ -108,7 +114,9 @@ def status(model: nn.Module) -> ModelStatus:
         result.decode_loop = {"kind": loop.kind, "calls": loop.calls, "fallbacks": dict(loop.fallbacks),
                               "top_sampler": loop.top_sampler, "resampled": loop.resampled,
                               "recorded_draws": sum(d.graph is not None for d in loop._draws.values()),
-                              "unrecorded": list(loop.unrecorded.values())}
+                              "unrecorded": list(loop.unrecorded.values()),
+                              "recorded_prefills": sum(p.graph is not None for p in loop._prefills.values()),
+                              "unrecorded_prefills": list(loop.unrecorded_prefills.values())}
     for path, wrapper in installed(model).items():
         names = list(dict.fromkeys(g.backend.name for g in wrapper.tt_signatures if g.backend is not None))
         if not names and wrapper.tt_backend is not None:

@@ -1,0 +1,141 @@
+"""A decode loop's prefill recorded as a device graph, per prompt shape.
+
+The prefill (the prompt through the model, which gives the first token and fills the cache)
+runs the untuned model's eager forward, as transformers' own generate() does, so that the
+first logits and the cache are the untuned call's bit for bit. Eagerly that is one launch
+from the host per kernel: on the H200 the first token of a Llama-1B-shape call took about
+20 ms of a 208 ms call (bench/results/generate.md), for a 32-token prompt whose kernels take a
+few milliseconds of the device's time.
+
+RecordedPrefill records that forward once per static cache and prompt shape, together with
+the cache's reset, and replays it: the same kernels in the same order, so the same bits. It
+keeps the bits' word only after checking it: the recording call runs the prefill eagerly
+once more and replays the graph, and keeps the graph only when the logits and the prompt's
+part of the cache are equal, bit for bit. What a replay cannot redo is Python: a cache that
+keeps positions on the host (a sliding window's Python count) would be left as the recording
+left it. So the host-side state of the cache and its layers is read before every replay and
+must be what the recording's own run left; else the replay is refused (Stale) and the loop
+runs that shape eagerly from then on.
+
+On a device without graphs (RECORDS) the same buffers are run eagerly: the logic is the same,
+only the launches are not saved.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from . import sampling
+
+RECORDS = frozenset({"cuda"})
+"""The device types whose prefills are recorded as device graphs (elsewhere run eagerly)."""
+
+PREFILL_GRAPHS = 8
+"""The most recorded prefills a decode loop keeps (the least recently used is dropped)."""
+
+PREFILL_TOKENS = 4096
+"""The most prompt tokens (batch x prompt length) a recorded prefill takes: past them the
+device's own time dominates the prefill, and the recording's check holds a copy of the
+prompt's part of the cache."""
+
+RECORD_AFTER = 2
+"""A prompt shape is recorded at its RECORD_AFTER-th call (earlier calls run eagerly): a stream
+of prompts whose lengths never repeat does not pay a recording per call."""
+
+
+class Stale(Exception):
+    """The cache's host-side state is not what the recorded prefill's run left: a replay would
+    leave it wrong."""
+
+
+class Mismatch(Exception):
+    """The recorded prefill's replay did not give the eager run's logits and cache."""
+
+
+def host_state(cache: Any) -> tuple:
+    """The plain values (ints, floats, bools, strings, None) the cache and each of its layers
+    keep on the host: what a replay of device work cannot change."""
+    def plain(obj: Any) -> tuple:
+        return tuple(sorted((k, v) for k, v in vars(obj).items()
+                            if v is None or isinstance(v, (bool, int, float, str))))
+
+    layers = getattr(cache, "layers", None) or ()
+    return (plain(cache),) + tuple(plain(layer) for layer in layers)
+
+
+def prompt_part(cache: Any, prompt: int) -> list[torch.Tensor]:
+    """Copies of the prompt's positions of every layer's keys and values (batch x heads x
+    length x head size): what a prefill writes."""
+    out = []
+    for layer in getattr(cache, "layers", None) or ():
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor) and t.dim() == 4:
+                out.append(t[:, :, :prompt].clone())
+    return out
+
+
+class RecordedPrefill:
+    """One prompt shape's prefill on one static cache, recorded as a device graph.
+
+    `run` resets the cache and runs the prompt held in `ids` (a buffer the caller made for this
+    prefill) through the model, returning the logits; `context` is entered around every run
+    (the untuned model). A call copies its prompt into `ids` and replays the graph; the logits
+    returned are the graph's own output, overwritten by the next replay."""
+
+    def __init__(self, run: Callable[[], torch.Tensor], ids: torch.Tensor, cache: Any,
+                 context: Callable[[], Any]) -> None:
+        self.ids = ids
+        self.cache = cache
+        self.replays = 0
+        # run holds what the graph reads besides ids and the cache (the position ids, the
+        # attention mask): kept as long as the graph, so that their memory is never reused
+        self._run = run
+        self._context = context
+        device = ids.device
+        prompt = ids.shape[1]
+        self.graph, self.logits = (sampling.record_graph(run, device, warmups=2, context=context)
+                                   if device.type in RECORDS else (None, None))
+        with context():
+            expected = run().clone()
+        expected_cache = prompt_part(cache, prompt)
+        got = self._replay()
+        if got.shape != expected.shape or not torch.equal(got, expected):
+            raise Mismatch("its replay's logits are not the eager prefill's")
+        for a, b in zip(prompt_part(cache, prompt), expected_cache):
+            if not torch.equal(a, b):
+                raise Mismatch("its replay's cache is not the eager prefill's")
+        self.state = host_state(cache)  # as the eager run left it, and the replay does not touch it
+
+    def _replay(self) -> torch.Tensor:
+        self.replays += 1
+        if self.graph is None:
+            with self._context():
+                return self._run()
+        if self.ids.device.index == torch.cuda.current_device():
+            self.graph.replay()
+        else:  # a replay launches on the current device's stream
+            with torch.cuda.device(self.ids.device):
+                self.graph.replay()
+        assert self.logits is not None
+        return self.logits
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """The logits of the prompt `ids` (the recorded shape), the cache filled with it from
+        empty; Stale where the cache's host-side state is not the recording's."""
+        if host_state(self.cache) != self.state:
+            raise Stale("the cache keeps state on the host that a replay does not set (a sliding window's "
+                        "count of positions, say)")
+        self.ids.copy_(ids)
+        return self._replay()
+
+    @staticmethod
+    def eligible(batch: int, prompt: int, padded: bool) -> str | None:
+        """Why a prompt of this shape is not recorded, or None."""
+        if padded:
+            return "a padded prompt (its mask is the call's)"
+        if batch * prompt > PREFILL_TOKENS:
+            return f"more than {PREFILL_TOKENS} prompt tokens (PREFILL_TOKENS)"
+        return None

@@ -1,0 +1,209 @@
+"""The decode loop's recorded prefill (prefill.RecordedPrefill) on the CPU, where the same
+buffers run eagerly in place of a device graph: which prompt shapes are recorded and when,
+that a later prompt of a recorded shape is its own (the buffer is refilled), the LRU bound,
+the host-state guard and the check of a recording against the eager prefill. Every call is
+compared with transformers' generate() on an untuned copy. tests/gpu/test_generate_gpu.py
+checks the replayed graphs' bits on CUDA."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+
+import pytest
+import torch
+
+import torch_tweak as tt
+from torch_tweak._runtime import generation, prefill
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 200
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128)
+
+
+def build(name: str = "llama"):
+    torch.manual_seed(0)
+    if name == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).eval()
+    # every layer a sliding window of 4 positions: its static cache counts positions in Python
+    return transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON, sliding_window=4)).eval()
+
+
+def prompt(batch: int, length: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def generate(model, ids, n: int = 8, **kwargs):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=n, do_sample=False, cache_implementation="static", **kwargs)
+
+
+def kept_loop(model, layouts=None):
+    """The compiled loop's static caches, kept between calls, with its steps eager (on a CPU
+    transformers compiles nothing): the loop kind whose prefills are recorded."""
+    loop = generation.DecodeLoop(model, "compiled", layouts)
+    loop.eager = True
+    generation.install(model, loop)
+    return loop
+
+
+def layouts_of(model, ids):
+    from torch_tweak._runtime.workload import Workload
+
+    job = Workload(model, lambda m: generate(m, ids), torch.device("cpu"))
+    job.record()
+    return job.layouts
+
+
+def test_a_shape_is_recorded_at_its_second_call_and_serves_other_prompts_of_it():
+    """Each call a new prompt (another seed): a recorded shape's buffer is refilled, so every
+    call gives its own untuned tokens. A shape seen once is not recorded."""
+    model = build()
+    untuned = copy.deepcopy(model)
+    loop = kept_loop(model)
+    calls = [(2, 6, 0), (2, 6, 1), (2, 6, 2), (2, 6, 4), (1, 9, 3)]
+    for batch, length, seed in calls:
+        ids = prompt(batch, length, seed)
+        assert torch.equal(generate(model, ids), generate(untuned, ids)), (batch, length, seed)
+    assert not loop.fallbacks and not loop.unrecorded_prefills
+    recorded = {key[1:3] + key[-1:]: p for key, p in loop._prefills.items()}
+    assert list(recorded) == [(2, 13, 6)]  # (batch, cache length, prompt): the 9-token prompt was seen once
+    # the recording's check replayed it once; then the second, third and fourth calls did
+    assert recorded[(2, 13, 6)].replays == 4
+    assert list(loop._prefill_calls.values()) == [1]
+
+
+def test_prompts_that_are_padded_or_too_long_are_not_recorded(monkeypatch):
+    model = build()
+    untuned = copy.deepcopy(model)
+    loop = kept_loop(model)
+    monkeypatch.setattr(prefill, "PREFILL_TOKENS", 10)
+    ids = prompt(2, 6, 0)  # 12 tokens
+    padded = prompt(1, 4, 1)
+    mask = torch.tensor([[0, 1, 1, 1]])
+    for _ in range(3):
+        assert torch.equal(generate(model, ids), generate(untuned, ids))
+        assert torch.equal(generate(model, padded, attention_mask=mask), generate(untuned, padded, attention_mask=mask))
+    assert not loop._prefills and not loop._prefill_calls and not loop.unrecorded_prefills
+
+
+def test_record_prefills_off_records_nothing_and_replays_nothing():
+    model = build()
+    untuned = copy.deepcopy(model)
+    loop = kept_loop(model)
+    loop.record_prefills = False
+    for seed in range(3):
+        ids = prompt(1, 5, seed)
+        assert torch.equal(generate(model, ids), generate(untuned, ids))
+    assert not loop._prefills and not loop._prefill_calls
+    loop.record_prefills = True
+    for seed in range(3, 5):
+        ids = prompt(1, 5, seed)
+        assert torch.equal(generate(model, ids), generate(untuned, ids))
+    (recorded,) = loop._prefills.values()
+    loop.record_prefills = False  # a recorded prefill is kept, but not replayed
+    for seed in range(5, 7):
+        ids = prompt(1, 5, seed)
+        assert torch.equal(generate(model, ids), generate(untuned, ids))
+    assert recorded.replays == 2  # the recording's check and the fifth call
+
+
+def test_recorded_prefills_are_bounded_least_recently_used_first(monkeypatch):
+    monkeypatch.setattr(prefill, "PREFILL_GRAPHS", 2)
+    model = build()
+    untuned = copy.deepcopy(model)
+    loop = kept_loop(model)
+    for length in (4, 5, 6, 5, 7):  # each shape twice: recorded at its second call
+        for seed in (0, 1):
+            ids = prompt(1, length, seed + length)
+            assert torch.equal(generate(model, ids), generate(untuned, ids)), length
+    # the cache length never shrinks (transformers' rule): 4 + 7 = 11, then 14 for the 7-token prompt
+    assert [key[-1] for key in loop._prefills] == [5, 7]
+
+
+def test_a_cache_that_counts_positions_on_the_host_is_not_replayed(caplog):
+    """A sliding window's static cache keeps its count of positions in Python, which a replay
+    cannot set: the recording call's own replay is right (the count was just set), the next
+    call's is refused, said once, and the shape runs eagerly after; every call's tokens are the
+    untuned ones."""
+    model = build("mistral")
+    untuned = copy.deepcopy(model)
+    ids = prompt(2, 6, 0)
+    loop = kept_loop(model, layouts_of(model, ids))
+    with caplog.at_level(logging.WARNING, logger="torch_tweak"):
+        for seed in range(5):
+            ids = prompt(2, 6, seed)
+            assert torch.equal(generate(model, ids), generate(untuned, ids)), seed
+    assert not loop.fallbacks and not loop._prefills
+    reasons = list(loop.unrecorded_prefills.values())
+    assert len(reasons) == 1 and "keeps state on the host" in reasons[0]
+    said = [r for r in caplog.records if "could not record its prefill" in r.getMessage()]
+    assert len(said) == 1
+    assert "prefill run eagerly for 1 prompt shape" in str(tt.status(model))
+
+
+def test_a_recording_whose_replay_differs_is_not_kept(monkeypatch, caplog):
+    """The recording's check compares one replay with the eager prefill, bit for bit: a replay
+    one ulp off is refused and the shape runs eagerly, with the untuned tokens."""
+    model = build()
+    untuned = copy.deepcopy(model)
+    loop = kept_loop(model)
+    plain = prefill.RecordedPrefill._replay
+
+    def off(self):
+        return torch.nextafter(plain(self), torch.tensor(float("inf")))
+
+    monkeypatch.setattr(prefill.RecordedPrefill, "_replay", off)
+    with caplog.at_level(logging.WARNING, logger="torch_tweak"):
+        for seed in range(4):
+            ids = prompt(1, 6, seed)
+            assert torch.equal(generate(model, ids), generate(untuned, ids)), seed
+    assert not loop._prefills
+    assert list(loop.unrecorded_prefills.values()) == ["Mismatch: its replay's logits are not the eager prefill's"]
+    assert sum("could not record its prefill" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_recording_that_fails_leaves_the_call_eager(monkeypatch):
+    model = build()
+    untuned = copy.deepcopy(model)
+    loop = kept_loop(model)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(prefill.RecordedPrefill, "__init__", fail)
+    for seed in range(3):
+        ids = prompt(1, 6, seed)
+        assert torch.equal(generate(model, ids), generate(untuned, ids))
+    assert list(loop.unrecorded_prefills.values()) == ["RuntimeError: operation not permitted when stream is capturing"]
+    assert list(loop._prefill_calls) == []  # tried once at the second call, not again
+
+
+def test_eight_threads_with_mixed_prompt_shapes_each_get_their_untuned_tokens():
+    model = build()
+    untuned = copy.deepcopy(model)
+    loop = kept_loop(model)
+    shapes = [(1, 5), (2, 5), (1, 7), (2, 7)]
+    jobs = [(shapes[i % 4], i) for i in range(24)]
+    expected = {seed: generate(untuned, prompt(b, n, seed)) for (b, n), seed in jobs}
+    got: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def work(part):
+        try:
+            for (b, n), seed in part:
+                got[seed] = generate(model, prompt(b, n, seed))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(jobs[i::8],)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert all(torch.equal(got[seed], expected[seed]) for seed in expected)
+    assert loop.calls == 24 and len(loop._prefills) >= 2 and not loop.unrecorded_prefills
