@@ -31,7 +31,6 @@ from typing import Any, Callable
 
 import torch
 
-from ..backends.graph import own_blas_workspace
 
 MARGIN = 64
 """Scores read past the k-th for ties with it: more ties than this make a call run again with
@@ -226,12 +225,30 @@ class RecordedDraw:
                 sampler.top_p, sampler.keep_p)
 
 
+@contextlib.contextmanager
+def own_blas_workspace() -> Any:
+    """Around a capture on CUDA: cuBLAS's workspaces are dropped before and after it, so that
+    the capture allocates its own inside the graph's memory pool, which lives as long as the
+    graph. A workspace made outside the pool (by a warm-up on the same stream) would be freed
+    while the graph still writes to it by the next code that drops them: torch.compile's own
+    device graphs do, before and after each of their recordings. Dropping them after the
+    capture keeps eager work from sharing the graph's workspace."""
+    drop = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if drop is not None:
+        drop()
+    try:
+        yield
+    finally:
+        if drop is not None:
+            drop()
+
+
 def record_graph(fn: Callable[[], Any], device: torch.device, warmups: int,
                  context: Callable[[], Any] = contextlib.nullcontext) -> tuple[Any, Any]:
     """`fn` recorded as a device graph on `device`, whichever device is current; returns the graph
     and what the recorded call returned. The warm-up calls run first on the stream the graph is
-    recorded on, so that what a library makes per stream on first use (cuBLAS's workspace)
-    exists before the recording starts; every call runs inside `context()`. Their draws come
+    recorded on, so that what is made on first use (lazy state, a library's plans) exists
+    before the recording starts; every call runs inside `context()`. Their draws come
     from a fork of the generators: the caller's are as they were, so recording takes no random
     numbers from the call. The capture is thread-local: another thread's work on the device
     (another model's calls) goes on meanwhile instead of failing. The graph's cuBLAS workspace
@@ -244,7 +261,7 @@ def record_graph(fn: Callable[[], Any], device: torch.device, warmups: int,
                 fn()
         stream.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with own_blas_workspace("cuda"), \
+        with own_blas_workspace(), \
                 torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"), context():
             out = fn()
         torch.cuda.current_stream(device).wait_stream(stream)

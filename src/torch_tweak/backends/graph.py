@@ -27,7 +27,6 @@ tensors (the graph writes to its static copy). Outputs come back detached from a
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 from typing import Any, Callable, Sequence
@@ -302,24 +301,6 @@ def warm_up(api: _DeviceApi, target: Callable[..., Any], args: tuple, kwargs: di
     api.mod.synchronize()
 
 
-@contextlib.contextmanager
-def own_blas_workspace(device_type: str) -> Any:
-    """Around a capture on CUDA: cuBLAS's workspaces are dropped before and after it, so that
-    the capture allocates its own inside the graph's memory pool, which lives as long as the
-    graph. A workspace made outside the pool (by a warm-up on the same stream) would be freed
-    while the graph still writes to it by the next code that drops them: torch.compile's own
-    device graphs do, before and after each of their recordings. Dropping them after the
-    capture keeps eager work from sharing the graph's workspace."""
-    drop = getattr(torch._C, "_cuda_clearCublasWorkspaces", None) if device_type == "cuda" else None
-    if drop is not None:
-        drop()
-    try:
-        yield
-    finally:
-        if drop is not None:
-            drop()
-
-
 def capture(api: _DeviceApi, target: Callable[..., Any], args: tuple, kwargs: dict, pool: Any,
             mode: str) -> tuple[Any, Any]:
     """One call of `target` recorded in a new graph, in `pool`, with capture mode `mode`: (graph,
@@ -329,7 +310,7 @@ def capture(api: _DeviceApi, target: Callable[..., Any], args: tuple, kwargs: di
     graph = api.graph()
     failure: BaseException | None = None
     out = None
-    with api.mod.stream(side), own_blas_workspace(api.type):
+    with api.mod.stream(side):
         api.capture_begin(graph, pool, mode)
         try:
             out = target(*args, **kwargs)
