@@ -8,7 +8,10 @@ ids, left-padded batches; docs/generate.md has the table), this module runs the 
 itself:
 
 - the prompt (prefill) goes through the model as the user's code would call it, so a tuned
-  model serves it with its tuned backends;
+  model serves it with its tuned backends; on a static cache the loop keeps between calls (a
+  CUDA device), a prompt shape's prefill is recorded as a device graph of the untuned forward
+  at its second call and replayed after (prefill.RecordedPrefill: the same kernels, checked
+  bit for bit at recording);
 - every decode step feeds the previous token and chooses the next as transformers does:
   transformers' own logits processors for the call (SERVED_PROCESSORS) on the sequence so
   far (a sampling call with temperature, top-k and top-p on CUDA: the same processed scores
