@@ -353,6 +353,9 @@ def test_a_verdict_from_a_host_of_the_same_cpu_name_but_another_instruction_set_
         monkeypatch, tmp_path, children):
     plain = _cpuinfo(tmp_path, "plain", "fpu sse sse2 avx avx2 fma")
     avx512 = _cpuinfo(tmp_path, "avx512", "fpu sse sse2 avx avx2 fma avx512f avx512bw")
+    # torch's capability as on an AVX2 host, whatever this host's is (an AVX512 one would give
+    # the capability patched in below)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     monkeypatch.setattr(verdicts, "CPUINFO", plain, raising=False)
     parts = _parts()
     monkeypatch.setattr(verdicts, "CPUINFO", avx512, raising=False)
