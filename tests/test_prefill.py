@@ -142,7 +142,7 @@ def test_a_cache_that_counts_positions_on_the_host_is_not_replayed(caplog):
     assert len(reasons) == 1 and "keeps state on the host" in reasons[0]
     said = [r for r in caplog.records if "could not record its prefill" in r.getMessage()]
     assert len(said) == 1
-    assert "prefill run eagerly for 1 prompt shape" in str(tt.status(model))
+    assert "its prefill not recorded for 1 prompt shape(s), run eagerly (the cache keeps state" in str(tt.status(model))
 
 
 def test_a_recording_whose_replay_differs_is_not_kept(monkeypatch, caplog):

@@ -114,11 +114,7 @@ class RecordedPrefill:
         if self.graph is None:
             with self._context():
                 return self._run()
-        if self.ids.device.index == torch.cuda.current_device():
-            self.graph.replay()
-        else:  # a replay launches on the current device's stream
-            with torch.cuda.device(self.ids.device):
-                self.graph.replay()
+        sampling.replay(self.graph, self.ids.device)
         assert self.logits is not None
         return self.logits
 

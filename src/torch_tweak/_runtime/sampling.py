@@ -207,11 +207,7 @@ class RecordedDraw:
         self.replays += 1
         if self.graph is None:
             return self._draw()
-        if self.logits.device.index == torch.cuda.current_device():
-            self.graph.replay()
-        else:  # a replay launches on the current device's stream
-            with torch.cuda.device(self.logits.device):
-                self.graph.replay()
+        replay(self.graph, self.logits.device)
         assert self.token is not None
         return self.token.clone()  # the next replay writes over the graph's own
 
@@ -266,6 +262,16 @@ def record_graph(fn: Callable[[], Any], device: torch.device, warmups: int,
             out = fn()
         torch.cuda.current_stream(device).wait_stream(stream)
     return graph, out
+
+
+def replay(graph: Any, device: torch.device) -> None:
+    """One replay of a graph record_graph recorded on `device`, whichever device is current (a
+    replay launches on the current device's stream)."""
+    if device.index == torch.cuda.current_device():
+        graph.replay()
+    else:
+        with torch.cuda.device(device):
+            graph.replay()
 
 
 def rng_state(device: torch.device) -> torch.Tensor:

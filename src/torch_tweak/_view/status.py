@@ -71,18 +71,10 @@ class ModelStatus(dict):
             top = ", top-k sampler" if loop.get("top_sampler") else ""
             again = (f"; {loop['resampled']} made again with transformers' processors (ties past the sampler's "
                      "margin, or a NaN score)") if loop.get("resampled") else ""
-            if loop.get("recorded_draws"):
-                n = loop["recorded_draws"]
-                again += f"; its choice of a token recorded as a device graph for {n} shape{'' if n == 1 else 's'}"
-            if loop.get("unrecorded"):
-                again += (f"; its choice not recorded for {len(loop['unrecorded'])} shape(s), chosen kernel by "
-                          f"kernel ({loop['unrecorded'][0]})")
-            if loop.get("recorded_prefills"):
-                n = loop["recorded_prefills"]
-                again += f"; its prefill recorded as a device graph for {n} prompt shape{'' if n == 1 else 's'}"
-            if loop.get("unrecorded_prefills"):
-                again += (f"; its prefill run eagerly for {len(loop['unrecorded_prefills'])} prompt shape(s) "
-                          f"({loop['unrecorded_prefills'][0]})")
+            again += _recorded("its choice of a token", "shape", "chosen kernel by kernel",
+                               loop.get("recorded_draws", 0), loop.get("unrecorded", []))
+            again += _recorded("its prefill", "prompt shape", "run eagerly",
+                               loop.get("recorded_prefills", 0), loop.get("unrecorded_prefills", []))
             text += (f"\ngenerate(): tweak's decode loop ({loop['kind']}{top}) served {calls}{again}" +
                      "".join(f"; transformers' loop ran {n} for {why}" for why, n in loop["fallbacks"].items()))
         return text
@@ -101,6 +93,15 @@ class ModelStatus(dict):
                              f"{d['outside_range']} calls outside the range" +
                              (f"; {d['refused_buckets']} new buckets refused" if d["refused_buckets"] else ""))
         return lines
+
+
+def _recorded(what: str, shape: str, otherwise: str, n: int, refused: list[str]) -> str:
+    """What of the decode loop's work is recorded as device graphs, for how many shapes, and how
+    many shapes were refused (the first one's reason)."""
+    text = f"; {what} recorded as a device graph for {n} {shape}{'' if n == 1 else 's'}" if n else ""
+    if refused:
+        text += f"; {what} not recorded for {len(refused)} {shape}(s), {otherwise} ({refused[0]})"
+    return text
 
 
 def status(model: nn.Module) -> ModelStatus:
