@@ -207,3 +207,25 @@ def test_eight_threads_with_mixed_prompt_shapes_each_get_their_untuned_tokens():
     assert not errors
     assert all(torch.equal(got[seed], expected[seed]) for seed in expected)
     assert loop.calls == 24 and len(loop._prefills) >= 2 and not loop.unrecorded_prefills
+
+
+def test_a_weight_replaced_after_recording_drops_the_recording_and_records_again():
+    """A graph reads the weights where they were at recording. A parameter replaced by another
+    tensor (here the output head, scaled, on the tuned and the untuned copy alike) drops the
+    recording at the next call, which runs eagerly with the new weight; the shape is recorded
+    again at its next call, and every call gives the untuned copy's tokens."""
+    model = build()
+    untuned = copy.deepcopy(model)
+    loop = kept_loop(model)
+    for seed in range(3):
+        ids = prompt(1, 6, seed)
+        assert torch.equal(generate(model, ids), generate(untuned, ids)), seed
+    (first,) = loop._prefills.values()
+    for m in (model, untuned):
+        m.lm_head.weight = torch.nn.Parameter(m.lm_head.weight.detach() * -3.0)
+    for seed in range(3, 6):
+        ids = prompt(1, 6, seed)
+        assert torch.equal(generate(model, ids), generate(untuned, ids)), seed
+    (again,) = loop._prefills.values()
+    assert again is not first and first.replays == 3 and again.replays == 2  # recorded at seed 4, replayed at 5
+    assert not loop.unrecorded_prefills

@@ -911,6 +911,8 @@ class DecodeLoop:
         if recorded is not None:
             try:
                 logits = recorded(call.input_ids)
+            except prefill.Moved:  # dropped: recorded again at the shape's next calls
+                pass
             except prefill.Stale as exc:
                 self._unrecorded_prefill(key, batch, prompt, str(exc))
             else:
@@ -936,7 +938,7 @@ class DecodeLoop:
             cache.reset()
             return _logits(model(**kwargs))
 
-        return prefill.RecordedPrefill(run, ids, cache, lambda: _Plain(model))
+        return prefill.RecordedPrefill(run, ids, cache, lambda: _Plain(model), model)
 
     def _unrecorded_prefill(self, key: tuple, batch: int, prompt: int, why: str) -> None:
         if not self.unrecorded_prefills:

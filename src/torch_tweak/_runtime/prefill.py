@@ -15,7 +15,10 @@ part of the cache are equal, bit for bit. What a replay cannot redo is Python: a
 keeps positions on the host (a sliding window's Python count) would be left as the recording
 left it. So the host-side state of the cache and its layers is read before every replay and
 must be what the recording's own run left; else the replay is refused (Stale) and the loop
-runs that shape eagerly from then on.
+runs that shape eagerly from then on. Nor can a graph follow the model's weights to new
+tensors (a parameter replaced, the model moved to another dtype): their addresses are read
+before every replay, and a recording whose weights moved is dropped (Moved) and made again
+at the shape's next calls.
 
 On a device without graphs (RECORDS) the same buffers are run eagerly: the logic is the same,
 only the launches are not saved.
@@ -50,6 +53,12 @@ class Stale(Exception):
     leave it wrong."""
 
 
+class Moved(Exception):
+    """A weight or buffer of the model is another tensor than at recording (replaced, or the
+    model moved): the graph would read the old memory. The recording is dropped; the shape may
+    be recorded again."""
+
+
 class Mismatch(Exception):
     """The recorded prefill's replay did not give the eager run's logits and cache."""
 
@@ -63,6 +72,13 @@ def host_state(cache: Any) -> tuple:
 
     layers = getattr(cache, "layers", None) or ()
     return (plain(cache),) + tuple(plain(layer) for layer in layers)
+
+
+def weights_of(model: torch.nn.Module) -> tuple:
+    """The model's parameters and buffers by name and address: a graph reads them where they
+    were when it was recorded."""
+    return tuple((name, t.data_ptr(), t.dtype, t.device) for name, t in
+                 list(model.named_parameters()) + list(model.named_buffers()))
 
 
 def prompt_part(cache: Any, prompt: int) -> list[torch.Tensor]:
@@ -86,9 +102,11 @@ class RecordedPrefill:
     returned are the graph's own output, overwritten by the next replay."""
 
     def __init__(self, run: Callable[[], torch.Tensor], ids: torch.Tensor, cache: Any,
-                 context: Callable[[], Any]) -> None:
+                 context: Callable[[], Any], model: torch.nn.Module) -> None:
         self.ids = ids
         self.cache = cache
+        self.model = model
+        self.weights = weights_of(model)  # what the graph reads of the model, by address
         self.replays = 0
         # run holds what the graph reads besides ids and the cache (the position ids, the
         # attention mask): kept as long as the graph, so that their memory is never reused
@@ -124,6 +142,8 @@ class RecordedPrefill:
         if host_state(self.cache) != self.state:
             raise Stale("the cache keeps state on the host that a replay does not set (a sliding window's "
                         "count of positions, say)")
+        if weights_of(self.model) != self.weights:
+            raise Moved("a weight or buffer of the model is another tensor than when the prefill was recorded")
         self.ids.copy_(ids)
         return self._replay()
 
