@@ -217,7 +217,10 @@ def test_a_real_speedup_is_confirmed_side_by_side(mlp_data):
     side = result.confirmation
     assert side["confirmed"] and side["speedup_low"] > 1.0 and result.selected_depth == side["depth"]
     assert result.speedup == pytest.approx(side["speedup"]) and tt.installed(model)
-    assert "kept depth" in str(result) and "measured side by side" in str(result)
+    # the search's figure and the side-by-side one agree, or (a busy moment in either) the text
+    # says which it kept: a 2 ms sleep against a bare product is a speedup either way
+    assert "kept depth" in str(result)
+    assert "measured side by side" in str(result) or "the smaller of two figures that disagree" in str(result)
 
 
 def test_module_table_is_grouped_by_depth_with_the_kept_depth_marked(mlp_data):
