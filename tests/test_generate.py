@@ -88,6 +88,33 @@ def test_the_graph_loop_off_a_cuda_device_runs_its_steps_one_by_one():
     assert loop.graph_problem(sampled) is None  # temperature, top-k, top-p: recorded with the draw
 
 
+def test_a_step_graph_that_cannot_be_recorded_leaves_its_calls_step_by_step(monkeypatch, caplog):
+    """The graph loop's step recording fails (as a capture can on a device): the call is served
+    step by step with the untuned tokens, said once, and that shape is not tried again."""
+    import logging
+
+    model = build("llama")
+    untuned = copy.deepcopy(model)
+    loop = generation.DecodeLoop(model, "graph")
+    loop.records = lambda c: True  # as on a CUDA device
+    tries = []
+
+    def fail(*args, **kwargs):
+        tries.append(1)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(generation, "_StepGraph", fail)
+    generation.install(model, loop)
+    with caplog.at_level(logging.WARNING, logger="torch_tweak"):
+        for seed in range(3):
+            ids = prompt(2, seed)
+            assert torch.equal(generate(model, ids, "static"), generate(untuned, ids, "static")), seed
+    assert len(tries) == 1 and not loop._graphs and not loop.fallbacks and loop.calls == 3
+    assert list(loop.unrecorded_steps.values()) == ["RuntimeError: operation not permitted when stream is capturing"]
+    assert sum("could not record its decode step" in r.getMessage() for r in caplog.records) == 1
+    assert "its decode step not recorded for 1 shape(s), run step by step" in str(tt.status(model))
+
+
 def test_the_compiled_loop_keeps_a_cache_per_grad_mode_and_alternating_modes_give_the_untuned_tokens():
     """The compiled loop keeps its static cache between calls (its steps' device graphs read
     it in place). A cache first made in inference mode cannot be reset outside it: a call in

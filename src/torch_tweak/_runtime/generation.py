@@ -590,6 +590,7 @@ class DecodeLoop:
         self._checks: list[tuple[tuple, dict, torch.Tensor]] = []
         self.kinds: frozenset | None = None  # the call kinds served (call_kind); None: every kind
         self._graphs: dict[tuple, _StepGraph] = {}
+        self.unrecorded_steps: dict[tuple, str] = {}  # a step whose recording failed: why (run step by step)
         self._caches: dict[tuple, Any] = {}  # the compiled loop's static caches, per shape
         self.record_draws = True  # a top-k sampler's choice of the next token recorded (sampling.RecordedDraw)
         self._draws: dict[tuple, sampling.RecordedDraw] = {}  # the recorded draws, the newest last
@@ -744,14 +745,11 @@ class DecodeLoop:
         # cannot be written outside it
         mode = torch.is_inference_mode_enabled()
         kept: tuple | None = None  # the key of a cache kept between calls (reset by _first_logits)
-        if graphs:
-            kept = ("graph", batch, length, device, ids.dtype, mode, self._sampling_key(call))
-            entry = self._graphs.get(kept[1:])
-            if entry is None:
-                cache = new_cache(self.model, call.static, length)
-                self._prefill(call, cache)  # lays the cache out before the step is recorded
-                entry = _StepGraph(self, cache, batch, length, device, call)
-                self._graphs[kept[1:]] = entry
+        step = (batch, length, device, ids.dtype, mode, self._sampling_key(call))
+        entry = self._step_graph(call, step) if graphs else None
+        graphs = entry is not None
+        if entry is not None:
+            kept = ("graph",) + step
             cache = entry.cache
         elif self.kind in COMPILED_LOOPS and call.static:
             # one cache per shape, reset between calls: its tensors keep their addresses, so the
@@ -790,6 +788,25 @@ class DecodeLoop:
                     logits = self._prefill(call, cache)
                 tokens = self._steps(logits, cache, call, eos, length, compiled, None)
         return torch.cat([ids, _stop(tokens, eos, call.pad)], dim=1)
+
+    def _step_graph(self, call: Greedy, key: tuple) -> _StepGraph | None:
+        """The recorded decode step of the call's shape and settings (`key`), recorded at its
+        first call; None where its recording failed (said once: such calls run step by step)."""
+        entry = self._graphs.get(key)
+        if entry is None and key not in self.unrecorded_steps:
+            batch, length, device = key[:3]
+            cache = new_cache(self.model, call.static, length)
+            try:
+                self._prefill(call, cache)  # lays the cache out before the step is recorded
+                entry = _StepGraph(self, cache, batch, length, device, call)
+            except Exception as exc:  # this shape's calls run step by step
+                if not self.unrecorded_steps:
+                    logger.warning("torch-tweak: the graph loop could not record its decode step for batch %d (%s: "
+                                   "%s); such calls run step by step", batch, type(exc).__name__, exc)
+                _bounded(self.unrecorded_steps, key, f"{type(exc).__name__}: {exc}")
+                return None
+            self._graphs[key] = entry
+        return entry
 
     def _sampler(self, call: Greedy, vocab: int) -> "sampling.TopSampler | sampling.RecordedDraw | None":
         """The sampler of a call's choices (None where it does not serve): recorded as a device

@@ -71,6 +71,8 @@ class ModelStatus(dict):
             top = ", top-k sampler" if loop.get("top_sampler") else ""
             again = (f"; {loop['resampled']} made again with transformers' processors (ties past the sampler's "
                      "margin, or a NaN score)") if loop.get("resampled") else ""
+            again += _recorded("its decode step", "shape", "run step by step",
+                               loop.get("recorded_steps", 0), loop.get("unrecorded_steps", []))
             again += _recorded("its choice of a token", "shape", "chosen kernel by kernel",
                                loop.get("recorded_draws", 0), loop.get("unrecorded", []))
             again += _recorded("its prefill", "prompt shape", "run eagerly",
@@ -116,6 +118,8 @@ def status(model: nn.Module) -> ModelStatus:
                               "top_sampler": loop.top_sampler, "resampled": loop.resampled,
                               "recorded_draws": sum(d.graph is not None for d in loop._draws.values()),
                               "unrecorded": list(loop.unrecorded.values()),
+                              "recorded_steps": len(loop._graphs),
+                              "unrecorded_steps": list(loop.unrecorded_steps.values()),
                               "recorded_prefills": sum(p.graph is not None for p in loop._prefills.values()),
                               "unrecorded_prefills": list(loop.unrecorded_prefills.values())}
     for path, wrapper in installed(model).items():
