@@ -19,7 +19,11 @@ Columns, each on a copy of the same model and the same requests:
                      --columns on the CPU)
     dynamic          torch.compile(dynamic=True)
     reduce-overhead  torch.compile(mode="reduce-overhead") (cuda)
-    openvino         openvino.convert_model with dynamic shapes, compiled for the CPU (--cpu)
+    openvino         openvino.convert_model with dynamic shapes, compiled for the CPU at the row's
+                     own precision (INFERENCE_PRECISION_HINT f32 for fp32 rows) (--cpu)
+    openvino-default the same at OpenVINO's default precision, which is bf16 on a CPU with bf16
+                     instructions (--cpu): shown with its error, not counted as the best other
+                     column, since tweak holds its candidates to the row's own tolerance
     tweak            tt.tweak on the first 8 requests of the stream (the samples a user has),
                      its defaults, cache=False; on the CPU with shapes= declaring the ranges of
                      both streams (vision: batch 1-16; bert: batch 1-4, length 8-128), as a
@@ -83,8 +87,13 @@ from gpu_bench import cold_compiler, first_tensor, run_file_name, source_commit 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CUDA_COLUMNS = ("eager", "compile", "dynamic", "reduce-overhead", "tweak")
-CPU_COLUMNS = ("eager", "dynamic", "openvino", "tweak")
-COLUMN_ORDER = ("eager", "compile", "dynamic", "reduce-overhead", "openvino", "tweak")
+CPU_COLUMNS = ("eager", "dynamic", "openvino", "openvino-default", "tweak")
+COLUMN_ORDER = ("eager", "compile", "dynamic", "reduce-overhead", "openvino", "openvino-default", "tweak")
+LOWER_PRECISION = frozenset({"openvino-default"})
+"""Columns that may compute in a lower precision than the row's dtype: shown with their error,
+never the best other column tweak is compared with (tweak holds its candidates to the row's
+own tolerance)."""
+OV_PRECISION = {"fp32": "f32", "bf16": "bf16"}
 """The report's column order (tweak last, beside its ratio)."""
 N_TUNE = 8
 DEVICE = "cuda"
@@ -243,9 +252,11 @@ def compiled(model: torch.nn.Module, **options: Any) -> Callable[..., Any]:
     return torch.compile(copy.deepcopy(model), **options)
 
 
-def openvino_dynamic(model: torch.nn.Module, sample: Request) -> Callable[..., Any]:
+def openvino_dynamic(model: torch.nn.Module, sample: Request, precision: str | None) -> Callable[..., Any]:
     """openvino.convert_model with every input dimension dynamic, compiled for the CPU with the
-    latency hint; returns the outputs as torch tensors in the model's output order."""
+    latency hint and the inference precision `precision` (None: OpenVINO's own default, which is
+    bf16 on a CPU with bf16 instructions); returns the outputs as torch tensors in the model's
+    output order."""
     import openvino as ov
     example = sample.kwargs if sample.kwargs else sample.args
     names = list(sample.kwargs) if sample.kwargs else None
@@ -253,7 +264,10 @@ def openvino_dynamic(model: torch.nn.Module, sample: Request) -> Callable[..., A
     shapes = [ov.PartialShape([-1] * r) for r in ranks]
     inputs = list(zip(names, shapes)) if names else shapes
     converted = ov.convert_model(copy.deepcopy(model), example_input=example, input=inputs)
-    compiled_model = ov.Core().compile_model(converted, "CPU", {"PERFORMANCE_HINT": "LATENCY"})
+    config = {"PERFORMANCE_HINT": "LATENCY"}
+    if precision is not None:
+        config["INFERENCE_PRECISION_HINT"] = precision
+    compiled_model = ov.Core().compile_model(converted, "CPU", config)
     request = compiled_model.create_infer_request()
 
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -366,7 +380,9 @@ def bench_row(name: str, dtype_name: str, columns: list[str], rounds: int, seed:
             elif column == "reduce-overhead":
                 fn = compiled(model, mode="reduce-overhead")
             elif column == "openvino":
-                fn = openvino_dynamic(model, stream[0])
+                fn = openvino_dynamic(model, stream[0], OV_PRECISION[dtype_name])
+            elif column == "openvino-default":
+                fn = openvino_dynamic(model, stream[0], None)
             elif column == "tweak":
                 fn = tweak_column(model, stream, ranges if DEVICE == "cpu" and declare else None, row)
                 sync()
@@ -445,8 +461,9 @@ def report(paths: list[str], out: str) -> None:
     lines = ["# Serving streams of varying shapes", "",
              "Written by `bench/serving_bench.py --report` from the run files below; the protocol is the script's "
              "docstring. Seconds for the whole stream (each request synchronised), lower is better; *vs best* is the "
-             "best other column over tweak, in the same run (the cold pass: tweak over the slowest compiling column). Each "
-             "row names the commit it ran at.", ""]
+             "best other column over tweak, in the same run (the cold pass: tweak over the slowest compiling column); "
+             "openvino-default (OpenVINO's own inference precision, bf16 on a CPU with bf16 instructions) is shown "
+             "with its error and never counted as the best other. Each row names the commit it ran at.", ""]
     for run in runs:
         lines.append(f"- `runs/{os.path.basename(run['path'])}`: {run['environment']}")
     for key, title in (("cold_s", "Cold: build (compile, tuning) and the stream served once"),
@@ -465,7 +482,8 @@ def report(paths: list[str], out: str) -> None:
         for run in runs:
             for row in run["rows"]:
                 got = row[key]
-                others = {c: v for c, v in got.items() if c != "tweak" and (key != "cold_s" or c != "eager")}
+                others = {c: v for c, v in got.items()
+                          if c != "tweak" and c not in LOWER_PRECISION and (key != "cold_s" or c != "eager")}
                 ratio = "-"
                 if "tweak" in got and others:
                     pick = (max if key == "cold_s" else min)(others, key=others.__getitem__)
