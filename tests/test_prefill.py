@@ -229,3 +229,19 @@ def test_a_weight_replaced_after_recording_drops_the_recording_and_records_again
     (again,) = loop._prefills.values()
     assert again is not first and first.replays == 3 and again.replays == 2  # recorded at seed 4, replayed at 5
     assert not loop.unrecorded_prefills
+
+
+def test_weights_moved_sees_a_replaced_tensor_and_data_moved_in_place():
+    """What model.to(...) does (a parameter's data moved, the same Parameter) and what an
+    assignment does (another Parameter) are both seen; a call that leaves them is not."""
+    model = build()
+    weights = prefill.weights_of(model)
+    assert not prefill.weights_moved(weights)
+    model.model.norm.weight.data = model.model.norm.weight.data.clone()
+    assert prefill.weights_moved(weights)
+    weights = prefill.weights_of(model)
+    model.model.layers[0].mlp.up_proj.weight = torch.nn.Parameter(model.model.layers[0].mlp.up_proj.weight.detach())
+    assert prefill.weights_moved(weights)
+    weights = prefill.weights_of(model)
+    generate(model, prompt(1, 5, 0))
+    assert not prefill.weights_moved(weights)

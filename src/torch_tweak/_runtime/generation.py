@@ -916,7 +916,7 @@ class DecodeLoop:
         key = kept + (prompt,)
         recorded = self._prefills.pop(key, None) if self.record_prefills else None
         if recorded is None and self.record_prefills and key not in self.unrecorded_prefills and \
-                prefill.RecordedPrefill.eligible(batch, prompt, call.mask is not None) is None:
+                prefill.RecordedPrefill.eligible(batch, prompt, call.mask is not None):
             calls = self._prefill_calls.pop(key, 0) + 1
             if calls < prefill.RECORD_AFTER:
                 _bounded(self._prefill_calls, key, calls)

@@ -74,11 +74,17 @@ def host_state(cache: Any) -> tuple:
     return (plain(cache),) + tuple(plain(layer) for layer in layers)
 
 
-def weights_of(model: torch.nn.Module) -> tuple:
-    """The model's parameters and buffers by name and address: a graph reads them where they
-    were when it was recorded."""
-    return tuple((name, t.data_ptr(), t.dtype, t.device) for name, t in
-                 list(model.named_parameters()) + list(model.named_buffers()))
+def weights_of(model: torch.nn.Module) -> list[tuple[dict, str, torch.Tensor, int]]:
+    """Where a graph reads the model's parameters and buffers: per tensor, the module's own
+    table that holds it, its name there, the tensor and its address."""
+    return [(table, name, t, t.data_ptr()) for module in model.modules()
+            for table in (module._parameters, module._buffers) for name, t in table.items() if t is not None]
+
+
+def weights_moved(weights: list[tuple[dict, str, torch.Tensor, int]]) -> bool:
+    """Whether a tensor weights_of listed was replaced in its module, or its memory moved
+    (model.to(...) moves a parameter's data in place)."""
+    return any(table.get(name) is not t or t.data_ptr() != address for table, name, t, address in weights)
 
 
 def prompt_part(cache: Any, prompt: int) -> list[torch.Tensor]:
@@ -105,7 +111,6 @@ class RecordedPrefill:
                  context: Callable[[], Any], model: torch.nn.Module) -> None:
         self.ids = ids
         self.cache = cache
-        self.model = model
         self.weights = weights_of(model)  # what the graph reads of the model, by address
         self.replays = 0
         # run holds what the graph reads besides ids and the cache (the position ids, the
@@ -142,16 +147,13 @@ class RecordedPrefill:
         if host_state(self.cache) != self.state:
             raise Stale("the cache keeps state on the host that a replay does not set (a sliding window's "
                         "count of positions, say)")
-        if weights_of(self.model) != self.weights:
+        if weights_moved(self.weights):
             raise Moved("a weight or buffer of the model is another tensor than when the prefill was recorded")
         self.ids.copy_(ids)
         return self._replay()
 
     @staticmethod
-    def eligible(batch: int, prompt: int, padded: bool) -> str | None:
-        """Why a prompt of this shape is not recorded, or None."""
-        if padded:
-            return "a padded prompt (its mask is the call's)"
-        if batch * prompt > PREFILL_TOKENS:
-            return f"more than {PREFILL_TOKENS} prompt tokens (PREFILL_TOKENS)"
-        return None
+    def eligible(batch: int, prompt: int, padded: bool) -> bool:
+        """Whether a prompt of this shape is recorded: not padded (its mask is the call's), at
+        most PREFILL_TOKENS tokens."""
+        return not padded and batch * prompt <= PREFILL_TOKENS

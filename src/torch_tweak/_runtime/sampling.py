@@ -31,7 +31,6 @@ from typing import Any, Callable
 
 import torch
 
-
 MARGIN = 64
 """Scores read past the k-th for ties with it: more ties than this make a call run again with
 transformers' own processors."""
