@@ -34,6 +34,11 @@ that same call (tt.tweak(model, workload=that call), then the call), bf16, rando
     python bench/generate_bench.py --calls --models llama1b,qwen05b --dtypes bf16 --new 128 \
         --batches 1,4 --prompts 32,512 --json generate-calls.json
 
+The issue's other families run the same way from their public configs (FAMILIES: gpt2,
+qwen3_06b, gemma3_1b, gemma2_2b, phi3mini, mistral7b, qwen2moe), e.g.
+--calls --models gemma3_1b --call-kinds greedy --batches 1 --prompts 32; a mixture of experts'
+floor counts the experts one token is routed to.
+
 Per row: tokens per second (batch x new tokens / median run), the memory floor (weight bytes
 read once per step at 4.8 TB/s, the H200's bandwidth: batch / (bytes / 4.8e12) tokens per
 second) and the share of it each column reaches, time to first token, the first call (compile
@@ -75,6 +80,46 @@ SHAPES = {
     "llama1b": "Llama-3.2-1B shape (16 layers, hidden 2048, 32 heads, 8 KV heads, MLP 8192, vocab 128,256)",
     "qwen05b": "Qwen2.5-0.5B shape (24 layers, hidden 896, 14 heads, 2 KV heads, MLP 4864, vocab 151,936)",
 }
+FAMILIES = {
+    # the other families of the issue, each as one public checkpoint's config lays it out (random
+    # weights, built on the device in the row's dtype): name -> (description, model class, config
+    # class, config)
+    "gpt2": ("GPT-2 small (12 layers, 768 wide, vocab 50,257)", "GPT2LMHeadModel", "GPT2Config", {}),
+    "qwen3_06b": ("Qwen3-0.6B shape (28 layers, hidden 1024, 16 heads, 8 KV heads, head 128, MLP 3072, vocab 151,936)",
+                  "Qwen3ForCausalLM", "Qwen3Config",
+                  dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)),
+    "gemma3_1b": ("Gemma-3-1B shape (26 layers, 5 of each 6 a 512-position sliding window, hidden 1152, 4 heads, "
+                  "1 KV head, head 256, MLP 6912, vocab 262,144)", "Gemma3ForCausalLM", "Gemma3TextConfig",
+                  dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                       num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+                       query_pre_attn_scalar=256, tie_word_embeddings=True)),
+    "gemma2_2b": ("Gemma-2-2B shape (26 layers alternating a 4,096-position sliding window, soft-capped attention "
+                  "and logits, hidden 2304, 8 heads, 4 KV heads, head 256, MLP 9216, vocab 256,000)",
+                  "Gemma2ForCausalLM", "Gemma2Config",
+                  dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=256, sliding_window=4096,
+                       query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                       tie_word_embeddings=True)),
+    "phi3mini": ("Phi-3-mini shape (32 layers, hidden 3072, 32 heads, MLP 8192, vocab 32,064)",
+                 "Phi3ForCausalLM", "Phi3Config",
+                 dict(vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "mistral7b": ("Mistral-7B-v0.1 shape (32 layers, every one a 4,096-position sliding window, hidden 4096, 32 heads, "
+                  "8 KV heads, MLP 14336, vocab 32,000)", "MistralForCausalLM", "MistralConfig",
+                  dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, sliding_window=4096)),
+    "qwen2moe": ("Qwen1.5-MoE-A2.7B shape (24 layers, 60 experts of MLP 1408 and 4 routed a token, a shared expert "
+                 "of MLP 5632, hidden 2048, 16 heads, vocab 151,936)", "Qwen2MoeForCausalLM", "Qwen2MoeConfig",
+                 dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+                      num_attention_heads=16, num_key_value_heads=16, moe_intermediate_size=1408,
+                      shared_expert_intermediate_size=5632, num_experts=60, num_experts_per_tok=4)),
+}
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, sliding_window=16, moe_intermediate_size=32,
+            shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2)
+"""A family's config made tiny for --smoke: only the keys its config already sets."""
 CALLS = {
     "greedy": {"do_sample": False},
     "sampling": {"do_sample": True, "temperature": 0.7, "top_k": 50, "top_p": 0.9},
@@ -87,7 +132,9 @@ def build_shape(name: str, dtype: torch.dtype, device: str, smoke: bool) -> torc
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    if smoke:  # the same classes, tiny
+    if name in FAMILIES:
+        model = build_family(name, dtype, device, smoke)
+    elif smoke:  # the same classes, tiny
         small = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
         model = (LlamaForCausalLM(LlamaConfig(**small)) if name == "llama1b"
@@ -102,20 +149,45 @@ def build_shape(name: str, dtype: torch.dtype, device: str, smoke: bool) -> torc
             vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
             num_key_value_heads=2, max_position_embeddings=8192, rope_theta=1000000.0, tie_word_embeddings=True))
     else:
-        raise SystemExit(f"unknown model shape {name!r}: one of {', '.join(SHAPES)}")
+        raise SystemExit(f"unknown model shape {name!r}: one of {', '.join(list(SHAPES) + list(FAMILIES))}")
     model.generation_config.eos_token_id = None  # random weights: every call makes all its new tokens
     model.generation_config.pad_token_id = 0
     return model.eval().to(device, dtype)
 
 
+def build_family(name: str, dtype: torch.dtype, device: str, smoke: bool) -> torch.nn.Module:
+    """One of FAMILIES, its weights made on the device in the row's dtype (a 7B model's random
+    initialisation on the host takes minutes)."""
+    import transformers
+
+    _, model_class, config_class, config = FAMILIES[name]
+    if smoke:
+        config = {**config, **{k: v for k, v in TINY.items() if k in config}}
+        if name == "gpt2":
+            config = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512)
+    config = getattr(transformers, config_class)(**config)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return getattr(transformers, model_class)(config)
+    finally:
+        torch.set_default_dtype(default)
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the weights a decode step reads once (a tied embedding counted once)."""
-    seen, total = set(), 0
-    for p in model.parameters():
+    """Bytes of the weights a decode step reads once for one token: a tied embedding counted
+    once, and of a mixture of experts only the experts a token is routed to (top-k of E)."""
+    config = getattr(model, "config", None)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    routed = getattr(config, "num_experts_per_tok", None)
+    seen, total = set(), 0.0
+    for name, p in model.named_parameters():
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
+            share = routed / experts if experts and routed and ".experts." in name + "." else 1.0
+            total += p.numel() * p.element_size() * share
+    return int(total)
 
 
 def sync() -> None:
