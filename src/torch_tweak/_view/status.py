@@ -89,6 +89,9 @@ class ModelStatus(dict):
         lines = [f"declared shapes: {self.declared}"] if self.declared is not None else []
         for path, s in sorted(self.items()):
             for signature, d in s.shapes.items():
+                if "line" in d:  # a backend that words its own (OpenVINO's models per call shape)
+                    lines.append(f"{path or '(root)'} {signature}: {d['line']}")
+                    continue
                 buckets = ", ".join(f"{k}: {n}" for k, n in d["buckets"].items())
                 lines.append(f"{path or '(root)'} {signature}: buckets (calls) {buckets or 'none'}; padding waste "
                              f"{d['padding_waste']:.0%}; {d['graphs']} graphs, {d['graph_memory_mb']:.0f} MiB; "
