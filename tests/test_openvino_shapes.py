@@ -1,8 +1,9 @@
-"""OpenVINO's models per exact call shape (backends.openvino.StaticShapes), on the CPU: a
-module converted with dynamic sizes gets, at a shape's second call, a model compiled for that
-shape, checked against the module on that call before it serves. Every call here is compared
-with the module itself (an untuned copy); a model that answers wrong is refused, a cap holds,
-eight threads share the models."""
+"""OpenVINO's models per exact call shape (backends.ov_shapes.StaticShapes), on the CPU: a
+module converted with dynamic sizes hands a shape to a compiling thread at its second call;
+the first call after the compile is checked against the module before the shape's model
+serves. Every call here is compared with the module itself (an untuned copy); a model that
+answers wrong is refused, a cap holds, eight threads share the models, a fork waits for a
+compile."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch import nn
 
 import torch_tweak as tt
 from torch_tweak.backends import OpenVINOBackend
-from torch_tweak.backends import openvino as ovb
+from torch_tweak.backends import ov_shapes
 
 pytest.importorskip("openvino", reason="OpenVINO not installed: pip install torch-tweak[openvino]")
 CPU = torch.device("cpu")
@@ -58,43 +59,66 @@ def same(run, module, kwargs) -> None:
         torch.testing.assert_close(run(**kwargs), module(**kwargs), rtol=1e-5, atol=1e-5)
 
 
-def test_a_shapes_second_call_compiles_its_model_which_serves_its_later_calls(module):
+def test_a_shapes_model_is_compiled_off_the_call_path_and_checked_before_it_serves(module):
     run = build(module)
     special = run.static_shapes
-    for seed in range(4):  # four calls of one shape, each another prompt
+    same(run, module, call(4, 9, 0))
+    same(run, module, call(4, 9, 1))  # the second call: handed to the compiling thread
+    special.wait()
+    assert list(special.compiled) == [((4, 9), (4, 9))] and not special.ready
+    same(run, module, call(4, 9, 2))  # checked against the module, then answered by the model
+    assert list(special.ready) == [((4, 9), (4, 9))] and special.served == 1
+    for seed in (3, 4):
         same(run, module, call(4, 9, seed))
+    assert special.served == 3
     same(run, module, call(1, 3, 9))  # a shape seen once: not compiled
-    assert list(special.ready) == [((4, 9), (4, 9))]
-    assert special.served == 3  # the second call (checked, then answered by it), the third and the fourth
-    assert not special.refused
-    assert "models for 1 exact call shapes (of at most 32), 3 calls served" in special.describe()["line"]
+    special.wait()
+    assert list(special.ready) == [((4, 9), (4, 9))] and not special.compiled and not special.refused
+    assert "static shapes for 1 call shapes (of at most 32), 3 calls served" in special.describe()["line"]
 
 
 def test_a_model_that_answers_wrong_is_refused_and_the_shape_stays_dynamic(module, monkeypatch):
     """The shape's model is compiled from another module's weights: its check against the
-    module fails, the dynamic model answers, and the shape is not compiled again."""
+    module fails, the module's answer is given, and the shape is not compiled again."""
     run = build(module)
     special = run.static_shapes
     other = copy.deepcopy(module)
     with torch.no_grad():
         other.head.bias.add_(0.5)
     special.model = build(other).static_shapes.model  # what the shape's compile starts from
-    compiles = []
-    real = ovb.StaticShapes._specialise
-    monkeypatch.setattr(ovb.StaticShapes, "_specialise", lambda self, *a: compiles.append(1) or real(self, *a))
-    for seed in range(5):
+    handed = []
+    real = ov_shapes.StaticShapes._hand
+    monkeypatch.setattr(ov_shapes.StaticShapes, "_hand", lambda self, key: handed.append(key) or real(self, key))
+    for seed in range(6):
         same(run, module, call(2, 6, seed))
+        special.wait()
     assert not special.ready and list(special.refused) == [((2, 6), (2, 6))]
     assert "MismatchError" in special.refused[((2, 6), (2, 6))] and special.served == 0
-    assert len(compiles) == 1
+    assert handed == [((2, 6), (2, 6))]
     assert "1 refused" in special.describe()["line"]
+
+
+def test_a_compile_that_fails_leaves_the_shape_on_the_dynamic_model(module, monkeypatch):
+    run = build(module)
+    special = run.static_shapes
+
+    class Broken:
+        def compile_model(self, *args):
+            raise RuntimeError("no compile here")
+
+    monkeypatch.setattr(special, "ov", type("OV", (), {"Core": Broken, "PartialShape": special.ov.PartialShape}))
+    for seed in range(4):
+        same(run, module, call(3, 4, seed))
+        special.wait()
+    assert special.refused[((3, 4), (3, 4))] == "RuntimeError: no compile here" and not special.ready
 
 
 def test_the_count_cap_and_the_memory_cap_hold(module):
     run = build(module, static_shapes=2)
     for length in (4, 5, 6, 7):
-        for seed in range(2):
+        for seed in range(3):
             same(run, module, call(1, length, seed))
+            run.static_shapes.wait()
     assert len(run.static_shapes.ready) == 2
     assert build(module, static_memory_mb=0).static_shapes is None  # no room for one model
     assert build(module, static_shapes=0).static_shapes is None
@@ -124,8 +148,8 @@ def test_eight_threads_of_mixed_shapes_get_the_modules_answers(module):
     for t in threads:
         t.join()
     assert not errors, errors[0]
-    assert run.static_shapes.ready and set(run.static_shapes.ready) <= {(s, s) for s in shapes}
-    for b, n in shapes:  # a shape whose second calls all met another thread's compile: compiled now
+    run.static_shapes.wait()
+    for b, n in shapes:  # a shape compiled after the threads' last call of it is checked here
         same(run, module, call(b, n, 7))
     assert set(run.static_shapes.ready) == {(s, s) for s in shapes}
     assert run.static_shapes.served > 0 and not run.static_shapes.refused
@@ -147,9 +171,36 @@ def test_a_tuned_module_serves_through_them_and_status_says_so(module):
     (w,) = tt.wrap(model, ["inner"], strategy=tt.OneBackendStrategy(OpenVINOBackend()))
     tt.tune(model, data, measure={"rounds_max": 5, "time_cap": 0.5})
     assert w.tt_backend is not None and w.tt_backend.name == "OpenVINO", w.tt_error
-    for seed in range(3):
-        kwargs = call(3, 10, 50 + seed)  # a shape tuning never saw: its second call compiles its model
+    for seed in range(5):
+        kwargs = call(3, 10, 50 + seed)  # a shape tuning never saw: its second call hands it over
         with torch.no_grad():
             torch.testing.assert_close(model(**kwargs), untuned(**kwargs), rtol=1e-5, atol=1e-5)
+        w.tt_backend.callable.static_shapes.wait()
     text = str(tt.status(model))
-    assert "inner" in text and "OpenVINO models for" in text and "exact call shapes" in text, text
+    assert "inner" in text and "OpenVINO models of static shapes for" in text, text
+    assert ((3, 10), (3, 10)) in w.tt_backend.callable.static_shapes.ready
+
+
+def test_a_fork_waits_for_the_compile_in_progress_and_the_child_starts_clean(module):
+    """The isolated builds of tuning fork: the child gets no half-held compile lock and no
+    compiling thread of its parent's; it hands shapes to a thread of its own."""
+    import os
+    run = build(module)
+    special = run.static_shapes
+    for seed in range(2):
+        same(run, module, call(2, 3, seed))  # handed over: a compile may be running now
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            assert special.worker is None and not special.pending
+            for seed in range(2):
+                same(run, module, call(1, 7, seed))
+            special.wait()
+            code = 0 if ((1, 7), (1, 7)) in {**special.compiled, **special.ready} else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    special.wait()
+    assert ((2, 3), (2, 3)) in special.compiled

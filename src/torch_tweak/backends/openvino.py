@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-import logging
 import signal
 import threading
 from typing import Any, Callable, Iterator, Sequence
@@ -45,18 +44,17 @@ import torch
 import torch.utils._pytree as pytree
 
 from .._core._samples import Call, move, unstorable
-from .._core.correctness import MismatchError, check
 from .._core.model_state import restore_places, weight_places
 from .._core.schema import Count, Name, OneOf
 from .._core.shapes import Shapes, find_mask, named_leaves
 from .base import Backend, BackendConfig, FlatModule, OutputForm
+from .ov_shapes import StaticShapes
 from .registry import register
 
 PERFORMANCE_HINTS = ("LATENCY", "THROUGHPUT", "CUMULATIVE_THROUGHPUT")
 CONVERSIONS = ("convert_model", "torch_compile")
 PRECISIONS = {None: None, "f32": "f32", "f16": "f16", "bf16": "bf16"}
 _PRECISION_OF = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
-logger = logging.getLogger("torch_tweak")
 
 
 @dataclasses.dataclass
@@ -68,9 +66,10 @@ class OpenVINOBackendConfig(BackendConfig):
     (None: the dtype of the module's outputs, so a CPU with AMX does not silently run
     float32 in bfloat16). properties: further OpenVINO properties, passed as they are.
     static_shapes: on the CPU, how many call shapes of a module converted with dynamic sizes
-    get a model compiled for exactly that shape (StaticShapes: a shape's second call compiles
-    it and checks it against the module; 0: none). static_memory_mb: those models' memory,
-    counted as the module's weights each, stays under this.
+    get a model compiled for exactly that shape (ov_shapes.StaticShapes: compiled off the
+    call path after the shape's second call, checked against the module before it serves;
+    0: none). static_memory_mb: those models' memory, counted as the module's weights each,
+    stays under this.
     """
 
     performance_hint: str = "LATENCY"
@@ -231,76 +230,6 @@ def _within(leaves: list, slots: list[int], bounds: list) -> bool:
             if (size < want[0] or size > want[1]) if isinstance(want, tuple) else want not in (-1, size):
                 return False
     return True
-
-
-class StaticShapes:
-    """Models compiled for exactly one call shape, beside the dynamic one a module was converted
-    to. On the CPU a model of static shapes runs 5 to 20 % faster than the dynamic model at the
-    same shape (a 4-layer BERT, bench/results/serving.md), and its compile takes a tenth of a
-    second for a small encoder: a shape's second call compiles one (the first may be the
-    shape's only call), runs it, and checks its answer against the module's on that same
-    call; it serves that shape's later calls only if it matched. A shape that fails (the
-    compile, or the check) is not tried again. At most `limit` shapes; their memory is counted
-    as the module's weights each. Each thread has its own infer request per shape."""
-
-    def __init__(self, ov: Any, model: Any, device: str, properties: dict, limit: int, module: torch.nn.Module,
-                 form: OutputForm, tolerance: float | None) -> None:
-        self.ov, self.model, self.device, self.properties = ov, model, device, properties
-        self.limit, self.module, self.form, self.tolerance = limit, module, form, tolerance
-        self.ready: dict[tuple, Any] = {}
-        self.seen: dict[tuple, int] = {}
-        self.refused: dict[tuple, str] = {}
-        self.served = 0
-        self.lock = threading.Lock()
-        self.local = threading.local()
-
-    def infer(self, feed: list, args: tuple, kwargs: dict) -> tuple | None:
-        """The call's outputs from its shape's own model; None: run the dynamic model."""
-        key = tuple(a.shape for a in feed)
-        compiled = self.ready.get(key)
-        if compiled is None:
-            if key in self.refused or len(self.ready) >= self.limit:
-                return None
-            self.seen[key] = self.seen.get(key, 0) + 1
-            if self.seen[key] < 2 or not self.lock.acquire(blocking=False):  # another thread compiles one
-                return None
-            try:
-                return self._specialise(key, feed, args, kwargs)
-            finally:
-                self.lock.release()
-        requests = self.local.__dict__.setdefault("requests", {})
-        request = requests.get(key)
-        if request is None:
-            request = requests[key] = compiled.create_infer_request()
-        self.served += 1
-        return request.infer(feed).to_tuple()
-
-    def _specialise(self, key: tuple, feed: list, args: tuple, kwargs: dict) -> tuple | None:
-        if key in self.ready or key in self.refused:
-            return None
-        try:
-            model = self.model.clone()
-            model.reshape({model.inputs[i]: self.ov.PartialShape(list(shape)) for i, shape in enumerate(key)})
-            with native():
-                compiled = self.ov.Core().compile_model(model, self.device, self.properties)
-            results = compiled.create_infer_request().infer(feed).to_tuple()
-            with torch.no_grad():
-                reference = self.module(*args, **kwargs)
-            check(self.form.fill(torch.from_numpy(r) for r in results), reference, self.tolerance,
-                  where=f"OpenVINO's model for calls of shape {list(map(list, key))}")
-        except (MismatchError, RuntimeError, ValueError, TypeError) as exc:
-            self.refused[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-            logger.info("torch-tweak: no static OpenVINO model for shape %s (%s); the dynamic model serves it",
-                        key, self.refused[key])
-            return None
-        self.ready[key] = compiled
-        self.served += 1
-        return results
-
-    def describe(self) -> dict:
-        refused = f"; {len(self.refused)} refused" if self.refused else ""
-        return {"line": f"OpenVINO models for {len(self.ready)} exact call shapes (of at most {self.limit}), "
-                        f"{self.served} calls served by them{refused}"}
 
 
 class OpenVINOBackend(Backend):
