@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,6 +125,10 @@ def test_the_count_cap_and_the_memory_cap_hold(module):
     assert build(module, static_shapes=0).static_shapes is None
     samples = [((), call(2, 5, 0))] * 2  # one shape: converted static, nothing to add
     assert OpenVINOBackend().build(module, samples, CPU).static_shapes is None
+    capped = build(module)
+    capped.static_shapes.seen.update({((9, k), (9, k)): 1 for k in range(ov_shapes.SEEN_MAX)})
+    same(capped, module, call(1, 5, 0))
+    assert capped.static_shapes.seen == {((1, 5), (1, 5)): 1}  # the counts start again, bounded
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match="static_shapes must be an int >= 0"):
             OpenVINOBackend(static_shapes=bad)
@@ -204,3 +209,33 @@ def test_a_fork_waits_for_the_compile_in_progress_and_the_child_starts_clean(mod
     assert os.waitstatus_to_exitcode(status) == 0
     special.wait()
     assert ((2, 3), (2, 3)) in special.compiled
+
+
+def test_a_process_that_exits_during_a_warm_up_drops_the_shapes_still_waiting(tmp_path):
+    """At exit the compile in progress ends and the shapes still waiting are not compiled (a
+    process would otherwise wait for every one of them, with the rests between them)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exits.py"
+    script.write_text(
+        "import atexit, sys\n"
+        "late = []\n"  # registered before torch_tweak's own handler: runs after it
+        "atexit.register(lambda: print('compiled by the end', len(late[0].compiled) + len(late[0].ready)))\n"
+        "import torch\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from test_openvino_shapes import Masked, build, call\n"
+        "torch.manual_seed(0)\n"
+        "run = build(Masked().eval())\n"
+        "late.append(run.static_shapes)\n"
+        "for n in range(2, 42):\n"
+        "    for seed in range(2):\n"
+        "        run(**call(1, n, seed))\n"
+        "s = run.static_shapes\n"
+        "print('compiled at exit', len(s.compiled) + len(s.ready), 'waiting', s.jobs.qsize(), flush=True)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    words = out.stdout.split()
+    at_exit, waiting, by_end = int(words[3]), int(words[5]), int(words[-1])
+    assert waiting >= 10, out.stdout  # a backlog was there to drop
+    assert by_end <= at_exit + 1, out.stdout  # the one in progress at most

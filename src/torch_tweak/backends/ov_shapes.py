@@ -16,8 +16,10 @@ small encoder. So, per call shape of a dynamic model:
 
 At most `limit` shapes, counted with those being compiled. Each thread has its own infer
 request per shape. One compiling thread per model, started on the first shape it is handed;
-it ends when the process exits (waited for, so no compile is cut off), and a fork waits for
-the compile in progress (the isolated builds of tuning fork).
+while shapes wait it rests between compiles (DUTY), so that a warm-up takes a quarter of a
+core from the calls being served. At exit the compile in progress is waited for (none is cut
+off) and the shapes still waiting are dropped; a fork waits for the compile in progress (the
+isolated builds of tuning fork) and the child starts without its parent's thread.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -40,6 +43,12 @@ logger = logging.getLogger("torch_tweak")
 _COMPILING = threading.Lock()
 """Held by a compiling thread around each compile: a fork waits for it (register_at_fork)."""
 _LIVE: "weakref.WeakSet[StaticShapes]" = weakref.WeakSet()
+SEEN_MAX = 4096
+"""Call shapes counted at most (those seen once are the many); past it the counts start again."""
+DUTY = 4
+"""With shapes waiting, the compiling thread rests (DUTY - 1) times as long as each compile took:
+a warm-up spread over time takes a quarter of a core, not a core, from the calls being served."""
+PAUSE_MAX = 2.0
 
 
 class StaticShapes:
@@ -59,6 +68,7 @@ class StaticShapes:
         self.jobs: queue.Queue | None = None
         self.worker: threading.Thread | None = None
         self.start = threading.Lock()
+        self.stopping = False
         _LIVE.add(self)
 
     def infer(self, feed: list, args: tuple, kwargs: dict) -> tuple | None:
@@ -77,6 +87,8 @@ class StaticShapes:
             return self._check(key, unchecked, feed, args, kwargs)
         if key in self.refused or key in self.pending:
             return None
+        if len(self.seen) >= SEEN_MAX:  # a stream of shapes that never repeat: counted afresh
+            self.seen.clear()
         self.seen[key] = self.seen.get(key, 0) + 1
         if self.seen[key] >= 2 and len(self.ready) + len(self.compiled) + len(self.pending) < self.limit:
             self._hand(key)
@@ -119,8 +131,9 @@ class StaticShapes:
     def _work(self, jobs: queue.Queue) -> None:
         while True:
             key = jobs.get()
-            if key is None:
+            if key is None or self.stopping:
                 return
+            start = time.perf_counter()
             try:
                 model = self.model.clone()
                 model.reshape({model.inputs[i]: self.ov.PartialShape(list(shape)) for i, shape in enumerate(key)})
@@ -130,6 +143,8 @@ class StaticShapes:
                 self._refuse(key, exc)
             finally:
                 self.pending.discard(key)
+            if not jobs.empty():  # a backlog: compiled at most a quarter of the time, the calls go first
+                time.sleep(min(PAUSE_MAX, (DUTY - 1) * (time.perf_counter() - start)))
 
     def wait(self, timeout: float = 60.0) -> None:
         """Returns once the shapes handed over so far are compiled (or failed)."""
@@ -146,7 +161,9 @@ class StaticShapes:
 
 
 def _stop_all() -> None:
+    """At exit: the compile in progress ends, the shapes still waiting are dropped."""
     for shapes in list(_LIVE):
+        shapes.stopping = True
         shapes.wait(timeout=30.0)
 
 
