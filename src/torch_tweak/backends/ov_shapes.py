@@ -16,10 +16,11 @@ small encoder. So, per call shape of a dynamic model:
 
 At most `limit` shapes, counted with those being compiled. Each thread has its own infer
 request per shape. One compiling thread per model, started on the first shape it is handed;
-while shapes wait it rests between compiles (DUTY), so that a warm-up takes a quarter of a
-core from the calls being served. At exit the compile in progress is waited for (none is cut
-off) and the shapes still waiting are dropped; a fork waits for the compile in progress (the
-isolated builds of tuning fork) and the child starts without its parent's thread.
+while it compiles it takes a core from the calls being served (the warm-up's cost, shown in
+bench/results/serving.md's first-sight column). At exit the compile in progress is waited
+for (none is cut off) and the shapes still waiting are dropped; a fork waits for the compile
+in progress (the isolated builds of tuning fork) and the child starts without its parent's
+thread.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import logging
 import os
 import queue
 import threading
-import time
 import weakref
 from typing import Any
 
@@ -45,10 +45,6 @@ _COMPILING = threading.Lock()
 _LIVE: "weakref.WeakSet[StaticShapes]" = weakref.WeakSet()
 SEEN_MAX = 4096
 """Call shapes counted at most (those seen once are the many); past it the counts start again."""
-DUTY = 4
-"""With shapes waiting, the compiling thread rests (DUTY - 1) times as long as each compile took:
-a warm-up spread over time takes a quarter of a core, not a core, from the calls being served."""
-PAUSE_MAX = 2.0
 
 
 class StaticShapes:
@@ -133,7 +129,6 @@ class StaticShapes:
             key = jobs.get()
             if key is None or self.stopping:
                 return
-            start = time.perf_counter()
             try:
                 model = self.model.clone()
                 model.reshape({model.inputs[i]: self.ov.PartialShape(list(shape)) for i, shape in enumerate(key)})
@@ -143,8 +138,6 @@ class StaticShapes:
                 self._refuse(key, exc)
             finally:
                 self.pending.discard(key)
-            if not jobs.empty():  # a backlog: compiled at most a quarter of the time, the calls go first
-                time.sleep(min(PAUSE_MAX, (DUTY - 1) * (time.perf_counter() - start)))
 
     def wait(self, timeout: float = 60.0) -> None:
         """Returns once the shapes handed over so far are compiled (or failed)."""
