@@ -8,7 +8,6 @@ compile."""
 from __future__ import annotations
 
 import copy
-import threading
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from torch import nn
 import torch_tweak as tt
 from torch_tweak.backends import OpenVINOBackend
 from torch_tweak.backends import ov_shapes
+from support import in_threads
 
 pytest.importorskip("openvino", reason="OpenVINO not installed: pip install torch-tweak[openvino]")
 CPU = torch.device("cpu")
@@ -137,22 +137,8 @@ def test_the_count_cap_and_the_memory_cap_hold(module):
 def test_eight_threads_of_mixed_shapes_get_the_modules_answers(module):
     run = build(module)
     shapes = [(1, 4), (2, 8), (3, 5), (4, 11)]
-    errors: list = []
-
-    def serve(t: int) -> None:
-        try:
-            for i in range(12):
-                b, n = shapes[(t + i) % len(shapes)]
-                same(run, module, call(b, n, 100 * t + i))
-        except Exception as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=serve, args=(t,)) for t in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    # 96 calls over 8 threads, each its own prompt, the shapes mixed in every thread
+    in_threads(96, lambda i: same(run, module, call(*shapes[(i // 8 + i) % len(shapes)], i)))
     run.static_shapes.wait()
     for b, n in shapes:  # a shape compiled after the threads' last call of it is checked here
         same(run, module, call(b, n, 7))
