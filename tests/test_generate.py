@@ -4,12 +4,14 @@ are tiny decoders built from configs with random weights; nothing is downloaded.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 import pickle
 
 import pytest
 import torch
+from torch import nn
 
 import torch_tweak as tt
 from torch_tweak._runtime import generation
@@ -113,6 +115,50 @@ def test_a_step_graph_that_cannot_be_recorded_leaves_its_calls_step_by_step(monk
     assert list(loop.unrecorded_steps.values()) == ["RuntimeError: operation not permitted when stream is capturing"]
     assert sum("could not record its decode step" in r.getMessage() for r in caplog.records) == 1
     assert "its decode step not recorded for 1 shape(s), run step by step" in str(tt.status(model))
+
+
+def test_a_step_graph_recorded_on_weights_that_moved_is_recorded_again(monkeypatch):
+    """A weight replaced after the graph loop recorded its step (a new Parameter, or data moved
+    by model.to): the recording read the old memory, so the shape's step is recorded again on
+    the new weights, and every call gives the tokens of an untuned copy with the same weights.
+    On the CPU the "graph" replays the step eagerly; what is checked is that the stale
+    recording is dropped (a device replay of it would read freed memory)."""
+    model = build("llama")
+    untuned = copy.deepcopy(model)
+    loop = generation.DecodeLoop(model, "graph")
+    loop.records = lambda c: True  # as on a CUDA device
+    recorded = []
+
+    class Eager:  # the recorded step, run eagerly in its context
+        def __init__(self, fn, context):
+            self.fn, self.context = fn, context
+
+        def replay(self):
+            with self.context():
+                self.fn()
+
+    def record(fn, device, warmups, context=contextlib.nullcontext):
+        recorded.append(1)
+        with context():
+            for _ in range(warmups):
+                fn()
+        return Eager(fn, context), None
+
+    monkeypatch.setattr(generation.sampling, "record_graph", record)
+    generation.install(model, loop)
+    ids = prompt(2, 0)
+    for seed in range(2):
+        assert torch.equal(generate(model, prompt(2, seed), "static"), generate(untuned, prompt(2, seed), "static"))
+    assert len(recorded) == 1
+    for m in (model, untuned):  # the same new weight in both, as a new Parameter
+        with torch.no_grad():
+            m.lm_head.weight = nn.Parameter(m.lm_head.weight * 1.5)
+    for seed in (2, 3):
+        assert torch.equal(generate(model, prompt(2, seed), "static"), generate(untuned, prompt(2, seed), "static"))
+    assert len(recorded) == 2 and len(loop._graphs) == 1
+    model.float()  # the same tensors, moved in place: nothing to record again
+    assert torch.equal(generate(model, ids, "static"), generate(untuned, ids, "static"))
+    assert len(recorded) == 2
 
 
 def test_the_compiled_loop_keeps_a_cache_per_grad_mode_and_alternating_modes_give_the_untuned_tokens():

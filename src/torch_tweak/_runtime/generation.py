@@ -548,6 +548,7 @@ class _StepGraph:
 
         # the warm-up runs write a step into the cache: the caller resets it afterwards
         self.graph, _ = sampling.record_graph(step, device, warmups=3, context=plain)
+        self.weights = prefill.weights_of(loop.model)  # what the graph reads of the model, by address
 
     def run(self, first: torch.Tensor, prompt_len: int, max_new: int, finished: Callable[[int], bool]) -> torch.Tensor:
         """Tokens 1..max_new-1 after `first`; returns the tokens buffer's first `max_new` columns
@@ -793,6 +794,11 @@ class DecodeLoop:
         """The recorded decode step of the call's shape and settings (`key`), recorded at its
         first call; None where its recording failed (said once: such calls run step by step)."""
         entry = self._graphs.get(key)
+        if entry is not None and prefill.weights_moved(entry.weights):
+            # a weight replaced or moved since the recording (model.to, a new Parameter): the
+            # graph would read the old memory, so the step is recorded again on the new
+            del self._graphs[key]
+            entry = None
         if entry is None and key not in self.unrecorded_steps:
             batch, length, device = key[:3]
             cache = new_cache(self.model, call.static, length)
