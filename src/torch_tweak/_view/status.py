@@ -32,9 +32,11 @@ class ModuleStatus:
     module since tuning (or loading) ended, in every mode (tweak's own calls are not counted). untuned: calls since tuning (or loading) that
     ran the original forward while active, by reason: "no signature matched", "grad mode",
     "device graph fell back" (see docs/backends.md).
-    shapes: per group of calls whose sizes vary that a padding backend serves (PaddedGraph),
-    {its text: its buckets and their calls, the padding waste, the graphs recorded and their
-    memory, the calls outside the range} (see docs/serving.md); empty otherwise.
+    shapes: per group of calls whose sizes vary that a backend serves shape by shape, {its
+    text: its backend's describe()}: the padded backend's buckets and their calls, the padding
+    waste, the graphs recorded and their memory, the calls outside the range; OpenVINO's
+    models per call shape on the CPU; each with the "line" status prints (see
+    docs/serving.md); empty otherwise.
     """
 
     path: str
@@ -88,15 +90,8 @@ class ModelStatus(dict):
         them too)."""
         lines = [f"declared shapes: {self.declared}"] if self.declared is not None else []
         for path, s in sorted(self.items()):
-            for signature, d in s.shapes.items():
-                if "line" in d:  # a backend that words its own (OpenVINO's models per call shape)
-                    lines.append(f"{path or '(root)'} {signature}: {d['line']}")
-                    continue
-                buckets = ", ".join(f"{k}: {n}" for k, n in d["buckets"].items())
-                lines.append(f"{path or '(root)'} {signature}: buckets (calls) {buckets or 'none'}; padding waste "
-                             f"{d['padding_waste']:.0%}; {d['graphs']} graphs, {d['graph_memory_mb']:.0f} MiB; "
-                             f"{d['outside_range']} calls outside the range" +
-                             (f"; {d['refused_buckets']} new buckets refused" if d["refused_buckets"] else ""))
+            for signature, d in s.shapes.items():  # each backend words its own line (describe())
+                lines.append(f"{path or '(root)'} {signature}: {d['line']}")
         return lines
 
 

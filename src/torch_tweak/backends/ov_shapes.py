@@ -11,7 +11,7 @@ small encoder. So, per call shape of a dynamic model:
 - the first call after the compile runs the module and the new model both; the new model
   answers it and serves the shape's later calls only if its answer matched the module's
   (tweak's rule: checked against the original before it serves, as the padded backend's new
-  buckets are), and the dynamic model answers it otherwise;
+  buckets are), and the module's own answer is given otherwise;
 - a shape whose compile or check failed stays on the dynamic model and is not tried again.
 
 At most `limit` shapes, counted with those being compiled. Each thread has its own infer
@@ -34,6 +34,7 @@ import weakref
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from .._core.correctness import MismatchError, check
 from .base import OutputForm
@@ -90,9 +91,9 @@ class StaticShapes:
             self._hand(key)
         return None
 
-    def _check(self, key: tuple, compiled: Any, feed: list, args: tuple, kwargs: dict) -> tuple | None:
+    def _check(self, key: tuple, compiled: Any, feed: list, args: tuple, kwargs: dict) -> tuple:
         """The model's answer to the call where it matched the module's (the model then serves
-        the shape); None where it did not (the dynamic model answers)."""
+        the shape), else the module's own answer (no third run of the call)."""
         with torch.no_grad():
             reference = self.module(*args, **kwargs)
         try:
@@ -101,7 +102,8 @@ class StaticShapes:
                   where=f"OpenVINO's model for calls of shape {list(map(list, key))}")
         except (MismatchError, RuntimeError, ValueError, TypeError) as exc:
             self._refuse(key, exc)
-            return None
+            leaves = pytree.tree_leaves(reference)
+            return tuple(leaves[i].detach().numpy() for i in self.form.slots)
         self.ready[key] = compiled
         self.served += 1
         return results
@@ -140,7 +142,8 @@ class StaticShapes:
                 self.pending.discard(key)
 
     def wait(self, timeout: float = 60.0) -> None:
-        """Returns once the shapes handed over so far are compiled (or failed)."""
+        """Returns once the shapes handed over so far are compiled (or failed); the compiling
+        thread then ends, and the next shape handed over starts another."""
         worker, jobs = self.worker, self.jobs
         if worker is None or jobs is None or not worker.is_alive():
             return

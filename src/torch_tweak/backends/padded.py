@@ -345,14 +345,19 @@ class PaddedCall(_C.PaddedReplay):
         counts = self._pad_counts()
         valid = sum(c[1] for c in counts.values())
         served = sum(c[2] for c in counts.values())
-        return {"buckets": {f"{b}x{n}" if self.plan.length else f"{b}": counts.get((b, n), (0, 0, 0))[0]
-                            for (b, n), bucket in sorted(self.buckets.items()) if bucket.ok},
-                "graphs": sum(1 for b in self.buckets.values() if b.graph is not None),
-                "graph_memory_mb": round(sum(b.memory for b in self.buckets.values()) / 2**20, 1),
-                "padding_waste": round(1 - valid / served, 3) if served else 0.0,
-                "outside_range": self.outside, "refused_buckets": self.refused,
-                "batch_range": (1, self.plan.max_batch) if self.plan.batch else None,
-                "length_range": (1, self.plan.max_length) if self.plan.length else None}
+        d = {"buckets": {f"{b}x{n}" if self.plan.length else f"{b}": counts.get((b, n), (0, 0, 0))[0]
+                         for (b, n), bucket in sorted(self.buckets.items()) if bucket.ok},
+             "graphs": sum(1 for b in self.buckets.values() if b.graph is not None),
+             "graph_memory_mb": round(sum(b.memory for b in self.buckets.values()) / 2**20, 1),
+             "padding_waste": round(1 - valid / served, 3) if served else 0.0,
+             "outside_range": self.outside, "refused_buckets": self.refused,
+             "batch_range": (1, self.plan.max_batch) if self.plan.batch else None,
+             "length_range": (1, self.plan.max_length) if self.plan.length else None}
+        buckets = ", ".join(f"{k}: {n}" for k, n in d["buckets"].items())
+        d["line"] = (f"buckets (calls) {buckets or 'none'}; padding waste {d['padding_waste']:.0%}; {d['graphs']} "
+                     f"graphs, {d['graph_memory_mb']:.0f} MiB; {d['outside_range']} calls outside the range"
+                     + (f"; {d['refused_buckets']} new buckets refused" if d["refused_buckets"] else ""))
+        return d
 
     def reset_counts(self) -> None:
         """Counts start again from 0 (the calls of tuning itself are not the user's)."""
