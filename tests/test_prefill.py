@@ -124,25 +124,98 @@ def test_recorded_prefills_are_bounded_least_recently_used_first(monkeypatch):
     assert [key[-1] for key in loop._prefills] == [5, 7]
 
 
-def test_a_cache_that_counts_positions_on_the_host_is_not_replayed(caplog):
+def graph_like(monkeypatch):
+    """The CPU's eager replay made to leave Python's values as a device graph's replay does:
+    the forward's device work is done, the cache's host-side values are as before the replay."""
+    plain = prefill.RecordedPrefill._replay
+
+    def replay(self):
+        before = prefill.host_state(self.cache)
+        out = plain(self)
+        prefill.set_host_state(self.cache, before)
+        return out
+
+    monkeypatch.setattr(prefill.RecordedPrefill, "_replay", replay)
+
+
+def test_a_cache_that_counts_positions_on_the_host_is_reset_and_counted_as_eagerly(monkeypatch):
     """A sliding window's static cache keeps its count of positions in Python, which a replay
-    cannot set: the recording call's own replay is right (the count was just set), the next
-    call's is refused, said once, and the shape runs eagerly after; every call's tokens are the
-    untuned ones."""
+    does not set: a call's cache is reset on the host first, and after the replay its count is
+    set to what the eager prefill leaves. With a replay that leaves Python's values alone (as a
+    device graph's does), every call's tokens are the untuned ones, prompts longer than the
+    window included; without the count set, the steps after the prefill would read a count of 0."""
+    graph_like(monkeypatch)
     model = build("mistral")
     untuned = copy.deepcopy(model)
     ids = prompt(2, 6, 0)
     loop = kept_loop(model, layouts_of(model, ids))
+    for seed in range(5):
+        ids = prompt(2, 6, seed)
+        assert torch.equal(generate(model, ids), generate(untuned, ids)), seed
+    assert not loop.fallbacks and not loop.unrecorded_prefills
+    (recorded,) = loop._prefills.values()
+    assert recorded.replays == 5  # the recording's check at the second call, then the second to fifth
+    assert recorded.before != recorded.after  # the count: 0 after a reset, 6 after the prefill
+
+
+def test_a_cache_whose_reset_leaves_other_host_state_is_not_replayed(monkeypatch, caplog):
+    """A value on the host that the cache's reset does not set back (here a layer's attribute
+    set after the recording): the recorded forward's Python may have read it, so the replay is
+    refused, said once, and the shape runs eagerly after, with the untuned tokens."""
+    graph_like(monkeypatch)
+    model = build("mistral")
+    untuned = copy.deepcopy(model)
+    ids = prompt(2, 6, 0)
+    loop = kept_loop(model, layouts_of(model, ids))
+    for seed in range(2):
+        assert torch.equal(generate(model, prompt(2, 6, seed)), generate(untuned, prompt(2, 6, seed)))
+    (recorded,) = loop._prefills.values()
+    recorded.cache.layers[0].window_moved = 1
     with caplog.at_level(logging.WARNING, logger="torch_tweak"):
-        for seed in range(5):
+        for seed in range(2, 5):
             ids = prompt(2, 6, seed)
             assert torch.equal(generate(model, ids), generate(untuned, ids)), seed
     assert not loop.fallbacks and not loop._prefills
     reasons = list(loop.unrecorded_prefills.values())
     assert len(reasons) == 1 and "keeps state on the host" in reasons[0]
-    said = [r for r in caplog.records if "could not record its prefill" in r.getMessage()]
-    assert len(said) == 1
+    assert sum("could not record its prefill" in r.getMessage() for r in caplog.records) == 1
     assert "its prefill not recorded for 1 prompt shape(s), run eagerly (the cache keeps state" in str(tt.status(model))
+
+
+def test_masks_are_made_as_eagerly_while_a_prefill_is_recorded(monkeypatch):
+    """Recording a graph is tracing to transformers' mask functions: for a prompt on an empty
+    static cache they build an explicit mask where the eager forward passes none (SDPA's
+    is_causal), and the two are other kernels. Inside masks_as_eager the recording thread gets
+    the eager forward's mask (none); another thread still gets the traced one; after it, the
+    mask functions and the cache are as they were."""
+    from transformers import StaticCache, masking_utils
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)  # as during a recording
+    model = build()
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        model(input_ids=prompt(1, 5, 0), past_key_values=cache)
+    cache.reset()
+    embeds = torch.zeros(1, 5, COMMON["hidden_size"])
+    positions = torch.arange(5)[None]
+
+    def mask():
+        return masking_utils.create_causal_mask(model.config, embeds, None, cache, position_ids=positions)
+
+    own = masking_utils.is_tracing
+    assert isinstance(mask(), torch.Tensor)  # what a recording got
+    other: list = []
+    with prefill.masks_as_eager(cache):
+        assert mask() is None and cache.get_query_offset(0) == 0
+        t = threading.Thread(target=lambda: other.append(masking_utils.is_tracing()))
+        t.start()
+        t.join()
+        with prefill.masks_as_eager(cache):  # nested (two recordings at once): undone by the last out
+            pass
+        assert masking_utils.is_tracing is not own and not masking_utils.is_tracing()
+    assert other == [True]
+    assert masking_utils.is_tracing is own and "get_query_offset" not in vars(cache)
+    assert isinstance(mask(), torch.Tensor)
 
 
 def test_a_recording_whose_replay_differs_is_not_kept(monkeypatch, caplog):

@@ -318,18 +318,27 @@ def test_a_recorded_prefill_gives_the_eager_prefills_bits_and_the_untuned_tokens
             assert all(torch.equal(a, b) for a, b in zip(prefill.prompt_part(p.cache, length), eager_cache))
 
 
-def test_a_sliding_window_cache_is_never_left_wrong_by_a_replayed_prefill():
-    """Mistral's sliding-window static cache: whatever the host-state guard decides, every
-    call (a new prompt each, longer than the window) gives transformers' compiled tokens."""
-    model = family("mistral")
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+def test_a_sliding_window_cache_is_counted_as_eagerly_after_a_replayed_prefill(name):
+    """A sliding window's static cache counts its positions in Python, which a replay does not:
+    the cache is reset on the host before the replay and its count set after it as the eager
+    prefill sets it. Prompts longer (12) and shorter (6) than the window (8), a new prompt each
+    call: every call gives transformers' compiled tokens, and both shapes are recorded and
+    replayed (the masks made as eagerly while recording: prefill.masks_as_eager)."""
+    model = family(name)
     untuned = copy.deepcopy(model)
     loop = generation.DecodeLoop(model, "compiled")
     generation.install(model, loop)
-    for seed in range(5):
-        ids = torch.randint(3, 256, (2, 12), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+    for seed in range(8):
+        length = 12 if seed % 2 else 6
+        ids = torch.randint(3, 256, (2, length), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
         assert torch.equal(compiled_generate(model, ids, 24), compiled_generate(untuned, ids, 24)), seed
-    assert not loop.fallbacks
-    print("recorded", len(loop._prefills), "refused", list(loop.unrecorded_prefills.values()))
+    assert not loop.fallbacks and not loop.unrecorded_prefills, loop.unrecorded_prefills
+    # the cache never shrinks (transformers' rule): the 6-token prompts after the first have the
+    # 12-token prompts' cache, so they are recorded at seed 4 and the 12-token ones at seed 3; a
+    # recording call replays twice (the recording's check, then the call)
+    replays = {p.ids.shape[1]: p.replays for p in loop._prefills.values() if p.graph is not None}
+    assert replays == {6: 3, 12: 4}, replays
 
 
 def test_recorded_graphs_outlive_dropped_blas_workspaces():

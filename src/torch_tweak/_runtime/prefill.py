@@ -11,14 +11,28 @@ RecordedPrefill records that forward once per static cache and prompt shape, tog
 the cache's reset, and replays it: the same kernels in the same order, so the same bits. It
 keeps the bits' word only after checking it: the recording call runs the prefill eagerly
 once more and replays the graph, and keeps the graph only when the logits and the prompt's
-part of the cache are equal, bit for bit. What a replay cannot redo is Python: a cache that
-keeps positions on the host (a sliding window's Python count) would be left as the recording
-left it. So the host-side state of the cache and its layers is read before every replay and
-must be what the recording's own run left; else the replay is refused (Stale) and the loop
-runs that shape eagerly from then on. Nor can a graph follow the model's weights to new
-tensors (a parameter replaced, the model moved to another dtype): their addresses are read
-before every replay, and a recording whose weights moved is dropped (Moved) and made again
-at the shape's next calls.
+part of the cache are equal, bit for bit.
+
+Recording is tracing, to transformers: its mask functions cannot read the cache's length from
+the device while a graph is recorded, so they build an explicit causal mask where the eager
+forward, having read that the cache is empty, passes none and lets the attention kernel mask
+(SDPA's is_causal). Those are other kernels, with other bits: on the H200 every recording of
+Phi-3 and Mistral failed its check for it (bench/results/generate.md). So while it records,
+the recording thread is not tracing to transformers' mask functions, and the cache gives its
+query offset as a Python 0 (it is empty: the recorded run resets it first), which is what the
+eager forward read (masks_as_eager).
+
+What a replay cannot redo is Python: a cache that keeps positions on the host (a sliding
+window's Python count) is not counted by the graph. So the host-side state of the cache and
+its layers is recorded twice: as the recorded run's reset left it, and as its forward left
+it. A call whose cache's host state is not the second is reset first, on the host as eagerly,
+and must then be in the first (else the replay is refused, Stale, and the loop runs that shape
+eagerly from then on); after the replay the cache's host values are set to the second, which
+is what the eager prefill leaves: it starts from the reset, and a recorded forward reads no
+value from the device on the host (a capture cannot). Nor can a graph follow the model's
+weights to new tensors (a parameter replaced, the model moved to another dtype): their
+addresses are read before every replay, and a recording whose weights moved is dropped
+(Moved) and made again at the shape's next calls.
 
 On a device without graphs (RECORDS) the same buffers are run eagerly: the logic is the same,
 only the launches are not saved.
@@ -26,7 +40,9 @@ only the launches are not saved.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import threading
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -49,8 +65,8 @@ of prompts whose lengths never repeat does not pay a recording per call."""
 
 
 class Stale(Exception):
-    """The cache's host-side state is not what the recorded prefill's run left: a replay would
-    leave it wrong."""
+    """The cache's host-side state after a reset is not what it was when the prefill was
+    recorded: the recorded forward's Python may have decided otherwise from it."""
 
 
 class Moved(Exception):
@@ -63,15 +79,67 @@ class Mismatch(Exception):
     """The recorded prefill's replay did not give the eager run's logits and cache."""
 
 
+def _holders(cache: Any) -> list:
+    return [cache] + list(getattr(cache, "layers", None) or ())
+
+
 def host_state(cache: Any) -> tuple:
     """The plain values (ints, floats, bools, strings, None) the cache and each of its layers
     keep on the host: what a replay of device work cannot change."""
-    def plain(obj: Any) -> tuple:
-        return tuple(sorted((k, v) for k, v in vars(obj).items()
-                            if v is None or isinstance(v, (bool, int, float, str))))
+    return tuple(tuple(sorted((k, v) for k, v in vars(obj).items() if v is None or isinstance(v, (bool, int, float, str))))
+                 for obj in _holders(cache))
 
-    layers = getattr(cache, "layers", None) or ()
-    return (plain(cache),) + tuple(plain(layer) for layer in layers)
+
+def set_host_state(cache: Any, state: tuple) -> None:
+    """The cache's and its layers' plain values set to `state` (host_state's)."""
+    for obj, values in zip(_holders(cache), state):
+        vars(obj).update(values)
+
+
+_MASKS = threading.local()
+_PATCHING = threading.Lock()
+_patched: list = []  # [the mask functions' own is_tracing, the recordings in progress] while one is
+
+
+def _is_tracing(tensor: Any = None) -> bool:
+    if getattr(_MASKS, "depth", 0):  # this thread records a prefill: its forward is eager
+        return False
+    return _patched[0](tensor) if _patched else False
+
+
+@contextlib.contextmanager
+def masks_as_eager(cache: Any) -> Iterator[None]:
+    """Around the recording of a prefill that starts from an emptied cache: transformers' mask
+    functions decide as in the eager forward (see the module's docs). Other threads are not
+    affected: they see the mask functions' own test of tracing. Where transformers has neither
+    hook, nothing is changed, and a recording whose masks differ fails its check as before."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        masking_utils = None
+    own = getattr(masking_utils, "is_tracing", None)
+    offset = "get_query_offset" in dir(type(cache)) and "get_query_offset" not in vars(cache)  # not set already
+    with _PATCHING:
+        if own is not None and not _patched:
+            _patched[:] = [own, 0]
+            masking_utils.is_tracing = _is_tracing
+        if _patched:
+            _patched[1] += 1
+    if offset:
+        cache.get_query_offset = lambda *args, **kwargs: 0
+    _MASKS.depth = getattr(_MASKS, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _MASKS.depth -= 1
+        if offset:
+            vars(cache).pop("get_query_offset", None)
+        with _PATCHING:
+            if _patched:
+                _patched[1] -= 1
+                if _patched[1] == 0:
+                    masking_utils.is_tracing = _patched[0]
+                    _patched.clear()
 
 
 def weights_of(model: torch.nn.Module) -> list[tuple[dict, str, torch.Tensor, int]]:
@@ -119,18 +187,28 @@ class RecordedPrefill:
         self._context = context
         device = ids.device
         prompt = ids.shape[1]
-        self.graph, self.logits = (sampling.record_graph(run, device, warmups=2, context=context)
+
+        def recording() -> contextlib.ExitStack:
+            stack = contextlib.ExitStack()
+            stack.enter_context(context())
+            stack.enter_context(masks_as_eager(cache))
+            return stack
+
+        self.graph, self.logits = (sampling.record_graph(run, device, warmups=2, context=recording)
                                    if device.type in RECORDS else (None, None))
         with context():
             expected = run().clone()
         expected_cache = prompt_part(cache, prompt)
+        self.after = host_state(cache)  # as the eager prefill leaves it
+        cache.reset()
+        self.before = host_state(cache)  # as a reset leaves it
         got = self._replay()
+        set_host_state(cache, self.after)
         if got.shape != expected.shape or not torch.equal(got, expected):
             raise Mismatch("its replay's logits are not the eager prefill's")
         for a, b in zip(prompt_part(cache, prompt), expected_cache):
             if not torch.equal(a, b):
                 raise Mismatch("its replay's cache is not the eager prefill's")
-        self.state = host_state(cache)  # as the eager run left it, and the replay does not touch it
 
     def _replay(self) -> torch.Tensor:
         self.replays += 1
@@ -143,14 +221,18 @@ class RecordedPrefill:
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """The logits of the prompt `ids` (the recorded shape), the cache filled with it from
-        empty; Stale where the cache's host-side state is not the recording's."""
-        if host_state(self.cache) != self.state:
-            raise Stale("the cache keeps state on the host that a replay does not set (a sliding window's "
-                        "count of positions, say)")
+        empty and its host-side state set as the eager prefill sets it; Stale where a reset
+        does not leave the cache's host-side state as at recording."""
         if weights_moved(self.weights):
             raise Moved("a weight or buffer of the model is another tensor than when the prefill was recorded")
+        if host_state(self.cache) != self.after:  # a count on the host (a sliding window's): reset as eagerly
+            self.cache.reset()
+            if host_state(self.cache) != self.before:
+                raise Stale("the cache keeps state on the host that its reset does not set back as at recording")
         self.ids.copy_(ids)
-        return self._replay()
+        logits = self._replay()
+        set_host_state(self.cache, self.after)
+        return logits
 
     @staticmethod
     def eligible(batch: int, prompt: int, padded: bool) -> bool:
