@@ -1,13 +1,15 @@
 """OpenVINO's models per exact call shape (backends.ov_shapes.StaticShapes), on the CPU: a
-module converted with dynamic sizes hands a shape to a compiling thread at its second call;
-the first call after the compile is checked against the module before the shape's model
-serves. Every call here is compared with the module itself (an untuned copy); a model that
-answers wrong is refused, a cap holds, eight threads share the models, a fork waits for a
-compile."""
+module converted with dynamic sizes compiles the recorded calls' shapes when it is built, and
+hands another shape to a compiling thread once its calls have taken a compile's time (not
+before its second call; most tests here make that time 0, patience=0); the first call after
+a compile is checked against the module before the shape's model serves. Every call here is
+compared with the module itself (an untuned copy); a model that answers wrong is refused, a
+cap holds, eight threads share the models, a fork waits for a compile."""
 
 from __future__ import annotations
 
 import copy
+import itertools
 from pathlib import Path
 
 import pytest
@@ -50,9 +52,15 @@ def module():
     return Masked().eval()
 
 
-def build(module, **config):
+RECORDED = {((2, 5), (2, 5)), ((3, 7), (3, 7))}
+
+
+def build(module, patience: float = 0.0, **config):
     samples = [((), call(2, 5, 0)), ((), call(3, 7, 1))]  # sizes that vary: converted dynamic
-    return OpenVINOBackend(**config).build(module, samples, CPU)
+    run = OpenVINOBackend(**config).build(module, samples, CPU)
+    if run.static_shapes is not None:
+        run.static_shapes.patience = patience
+    return run
 
 
 def same(run, module, kwargs) -> None:
@@ -63,19 +71,48 @@ def same(run, module, kwargs) -> None:
 def test_a_shapes_model_is_compiled_off_the_call_path_and_checked_before_it_serves(module):
     run = build(module)
     special = run.static_shapes
+    assert set(special.compiled) == RECORDED and not special.ready  # the recorded shapes: compiled at build
+    same(run, module, call(2, 5, 7))  # checked against the module, then answered by the model
+    assert set(special.ready) == {((2, 5), (2, 5))} and special.served == 1
     same(run, module, call(4, 9, 0))
     same(run, module, call(4, 9, 1))  # the second call: handed to the compiling thread
     special.wait()
-    assert list(special.compiled) == [((4, 9), (4, 9))] and not special.ready
-    same(run, module, call(4, 9, 2))  # checked against the module, then answered by the model
-    assert list(special.ready) == [((4, 9), (4, 9))] and special.served == 1
+    assert set(special.compiled) == {((4, 9), (4, 9)), ((3, 7), (3, 7))}
+    same(run, module, call(4, 9, 2))  # checked, then answered by the model
+    assert ((4, 9), (4, 9)) in special.ready and special.served == 2
     for seed in (3, 4):
         same(run, module, call(4, 9, seed))
-    assert special.served == 3
+    assert special.served == 4
     same(run, module, call(1, 3, 9))  # a shape seen once: not compiled
     special.wait()
-    assert list(special.ready) == [((4, 9), (4, 9))] and not special.compiled and not special.refused
-    assert "static shapes for 1 call shapes (of at most 32), 3 calls served" in special.describe()["line"]
+    assert set(special.ready) == {((2, 5), (2, 5)), ((4, 9), (4, 9))} and not special.refused
+    assert set(special.compiled) == {((3, 7), (3, 7))}
+    assert "static shapes for 2 call shapes (of at most 32), 4 calls served" in special.describe()["line"]
+
+
+def test_a_new_shape_gets_its_model_once_its_calls_took_a_compiles_time(module, monkeypatch):
+    """The rule a service's traffic meets: a shape's calls on the dynamic model are timed, and
+    the shape is handed over once they add up to one compile's time (the compiles' mean so
+    far): a shape seen a few times costs no compile, one that keeps coming gets its model.
+    Here a compile is made to count as 50 ms and each dynamic call to take 20 ms: the third
+    call hands the shape over, not the second."""
+    run = build(module, patience=1.0)
+    special = run.static_shapes
+    assert special.compiles[0] == 2 and special.compile_s > 0  # the recorded shapes' compiles, timed
+    special.compile_s = 0.05
+    ticks = itertools.count()
+    monkeypatch.setattr(ov_shapes, "_clock", lambda: next(ticks) * 0.02)  # every timed call: 20 ms
+    handed = []
+    real = ov_shapes.StaticShapes._hand
+    monkeypatch.setattr(ov_shapes.StaticShapes, "_hand", lambda self, key: handed.append(key) or real(self, key))
+    for seed in range(2):
+        same(run, module, call(5, 6, seed))
+    assert handed == [] and special.seen[((5, 6), (5, 6))][0] == 2
+    same(run, module, call(5, 6, 2))
+    assert handed == [((5, 6), (5, 6))]
+    special.wait()
+    same(run, module, call(5, 6, 3))
+    assert ((5, 6), (5, 6)) in special.ready
 
 
 def test_a_model_that_answers_wrong_is_refused_and_the_shape_stays_dynamic(module, monkeypatch):
@@ -115,20 +152,24 @@ def test_a_compile_that_fails_leaves_the_shape_on_the_dynamic_model(module, monk
 
 
 def test_the_count_cap_and_the_memory_cap_hold(module):
-    run = build(module, static_shapes=2)
+    run = build(module, static_shapes=3)  # the two recorded shapes, and one more
     for length in (4, 5, 6, 7):
         for seed in range(3):
             same(run, module, call(1, length, seed))
             run.static_shapes.wait()
-    assert len(run.static_shapes.ready) == 2
+    # the 4-token length: handed over at its second call, checked and serving at its third;
+    # the other lengths find no room (the recorded shapes hold theirs, though never called)
+    assert set(run.static_shapes.compiled) == RECORDED and set(run.static_shapes.ready) == {((1, 4), (1, 4))}
+    assert set(build(module, static_shapes=1).static_shapes.compiled) == {((2, 5), (2, 5))}
     assert build(module, static_memory_mb=0).static_shapes is None  # no room for one model
     assert build(module, static_shapes=0).static_shapes is None
     samples = [((), call(2, 5, 0))] * 2  # one shape: converted static, nothing to add
     assert OpenVINOBackend().build(module, samples, CPU).static_shapes is None
     capped = build(module)
-    capped.static_shapes.seen.update({((9, k), (9, k)): 1 for k in range(ov_shapes.SEEN_MAX)})
+    capped.static_shapes.seen.update({((9, k), (9, k)): [1, 0.0] for k in range(ov_shapes.SEEN_MAX)})
     same(capped, module, call(1, 5, 0))
-    assert capped.static_shapes.seen == {((1, 5), (1, 5)): 1}  # the counts start again, bounded
+    seen = capped.static_shapes.seen
+    assert list(seen) == [((1, 5), (1, 5))] and seen[((1, 5), (1, 5))][0] == 1  # the counts start again, bounded
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match="static_shapes must be an int >= 0"):
             OpenVINOBackend(static_shapes=bad)
@@ -162,14 +203,20 @@ def test_a_tuned_module_serves_through_them_and_status_says_so(module):
     (w,) = tt.wrap(model, ["inner"], strategy=tt.OneBackendStrategy(OpenVINOBackend()))
     tt.tune(model, data, measure={"rounds_max": 5, "time_cap": 0.5})
     assert w.tt_backend is not None and w.tt_backend.name == "OpenVINO", w.tt_error
+    special = w.tt_backend.callable.static_shapes
+    # the recorded shapes were compiled at the build and checked by tuning's own calls
+    assert set(special.ready) == {((1, 4), (1, 4)), ((2, 6), (2, 6)), ((4, 9), (4, 9))}, special.refused
+    served = special.served
+    special.patience = 0.0  # a new shape is handed over at its second call
     for seed in range(5):
-        kwargs = call(3, 10, 50 + seed)  # a shape tuning never saw: its second call hands it over
-        with torch.no_grad():
-            torch.testing.assert_close(model(**kwargs), untuned(**kwargs), rtol=1e-5, atol=1e-5)
-        w.tt_backend.callable.static_shapes.wait()
+        for b, n in ((2, 6), (3, 10)):  # a recorded shape and one tuning never saw
+            kwargs = call(b, n, 50 + seed)
+            with torch.no_grad():
+                torch.testing.assert_close(model(**kwargs), untuned(**kwargs), rtol=1e-5, atol=1e-5)
+        special.wait()
     text = str(tt.status(model))
-    assert "inner" in text and "OpenVINO models of static shapes for" in text, text
-    assert ((3, 10), (3, 10)) in w.tt_backend.callable.static_shapes.ready
+    assert "inner" in text and "OpenVINO models of static shapes for 4 call shapes" in text, text
+    assert ((3, 10), (3, 10)) in special.ready and special.served >= served + 5 + 3
 
 
 def test_a_fork_waits_for_the_compile_in_progress_and_the_child_starts_clean(module):

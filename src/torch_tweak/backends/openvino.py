@@ -38,6 +38,7 @@ import dataclasses
 import importlib
 import signal
 import threading
+import time
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -374,16 +375,27 @@ class OpenVINOBackend(Backend):
                                      input=[tuple(t.shape) for t in example] if static else None if bounds is None
                                      else [ov.PartialShape([ov.Dimension(*d) if isinstance(d, tuple) else d
                                                             for d in axes]) for axes in bounds])
+        start = time.perf_counter()
         compiled = ov.Core().compile_model(model, self.ov_device(device), self.properties(samples, module))
+        compile_s = time.perf_counter() - start
         args, kwargs = move(samples[0], torch.device("cpu"))
         with torch.no_grad():
             form = OutputForm(module(*args, **kwargs))
         target = None if device.type == "cpu" else device
-        special = self._static_shapes(ov, model, device, static, samples, module, form)
+        special = self._static_shapes(ov, model, device, static, samples, module, form, compile_s)
+        if special is not None:  # the recorded calls' shapes: compiled now, checked at their first call
+            special.prepare(tuple(tuple(leaf.shape) for i, leaf in enumerate(pytree.tree_leaves(s)) if i in slots)
+                            for s in samples if pytree.tree_structure(s) == spec)
         # An infer request runs one inference at a time ("Infer Request is busy"), and the
         # compiled model's own __call__ shares one between all callers: each thread gets
         # its own, made on its first call.
         local = threading.local()
+
+        def dynamic(feed: list) -> tuple:
+            request = getattr(local, "request", None)
+            if request is None:
+                request = local.request = compiled.create_infer_request()
+            return request.infer(feed).to_tuple()
 
         def run(*args: Any, **kwargs: Any) -> Any:
             flat_in, in_spec = pytree.tree_flatten((args, kwargs))
@@ -393,12 +405,7 @@ class OpenVINOBackend(Backend):
                 # past the declared bounds it was converted for.
                 return module(*args, **kwargs)
             feed = [flat_in[i].detach().cpu().numpy() for i in slots]
-            results = special.infer(feed, args, kwargs) if special is not None else None
-            if results is None:
-                request = getattr(local, "request", None)
-                if request is None:
-                    request = local.request = compiled.create_infer_request()
-                results = request.infer(feed).to_tuple()
+            results = special.infer(feed, args, kwargs, dynamic) if special is not None else dynamic(feed)
             tensors = (torch.from_numpy(array) for array in results)
             return form.fill(tensors if target is None else (t.to(target) for t in tensors))
 
@@ -407,7 +414,7 @@ class OpenVINOBackend(Backend):
         return run
 
     def _static_shapes(self, ov: Any, model: Any, device: torch.device, static: bool, samples: Sequence[Call],
-                       module: torch.nn.Module, form: OutputForm) -> StaticShapes | None:
+                       module: torch.nn.Module, form: OutputForm, compile_s: float) -> StaticShapes | None:
         """Models per exact call shape, for a module converted with dynamic sizes to run on the
         CPU (an Intel GPU compiles for seconds); None where none are made."""
         cfg = self.config
@@ -416,7 +423,7 @@ class OpenVINOBackend(Backend):
         if static or limit < 1 or self.ov_device(device) != "CPU" or device.type != "cpu":
             return None
         return StaticShapes(ov, model, "CPU", self.properties(samples, module), limit, module, form,
-                            self.check_tolerance())
+                            self.check_tolerance(), compile_s)
 
     def describe(self) -> dict | None:
         """The models per exact call shape (StaticShapes); None where there are none."""

@@ -3,12 +3,18 @@ converted to (OpenVINOBackendConfig.static_shapes).
 
 On the CPU a model of static shapes runs 5 to 20 % faster than the dynamic model at the same
 shape (a 4-layer BERT, docs/serving.md), and compiles in about a tenth of a second for a
-small encoder. So, per call shape of a dynamic model:
+small encoder. A compile costs that tenth of a second of a core, and the check of its model
+one more forward of the module, so a shape gets its own model only where its calls pay it back:
 
-- its first call runs the dynamic model (it may be the shape's only call);
-- its second call runs the dynamic model too and hands the shape to a compiling thread, so
-  no call waits for a compile (OpenVINO releases the interpreter while it compiles);
-- the first call after the compile runs the module and the new model both; the new model
+- the shapes of the recorded calls are compiled when the module is built (tuning's time):
+  the traffic the user showed is served by them from its first call after tuning;
+- a shape the recording did not have runs the dynamic model, and is handed to a compiling
+  thread once its calls on the dynamic model have taken as long as one compile takes (the
+  compiles' mean so far; the dynamic model's own compile until there is one), and not before
+  its second call: a shape seen a few times in a burst costs no compile, a shape that keeps
+  coming gets its model after at most one compile's time spent without it. No call waits for
+  a compile (OpenVINO releases the interpreter while it compiles);
+- the first call after a compile runs the module and the new model both; the new model
   answers it and serves the shape's later calls only if its answer matched the module's
   (tweak's rule: checked against the original before it serves, as the padded backend's new
   buckets are), and the module's own answer is given otherwise;
@@ -16,11 +22,10 @@ small encoder. So, per call shape of a dynamic model:
 
 At most `limit` shapes, counted with those being compiled. Each thread has its own infer
 request per shape. One compiling thread per model, started on the first shape it is handed;
-while it compiles it takes a core from the calls being served (the warm-up's cost, shown in
-bench/results/serving.md's first-sight column). At exit the compile in progress is waited
-for (none is cut off) and the shapes still waiting are dropped; a fork waits for the compile
-in progress (the isolated builds of tuning fork) and the child starts without its parent's
-thread.
+while it compiles it takes a core from the calls being served. At exit the compile in
+progress is waited for (none is cut off) and the shapes still waiting are dropped; a fork waits
+for the compile in progress (the isolated builds of tuning fork) and the child starts without
+its parent's thread.
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ import logging
 import os
 import queue
 import threading
+import time
 import weakref
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.utils._pytree as pytree
@@ -46,21 +52,27 @@ _COMPILING = threading.Lock()
 _LIVE: "weakref.WeakSet[StaticShapes]" = weakref.WeakSet()
 SEEN_MAX = 4096
 """Call shapes counted at most (those seen once are the many); past it the counts start again."""
+_clock = time.perf_counter
+Dynamic = Callable[[list], tuple]
+"""The dynamic model's answer to a call's inputs."""
 
 
 class StaticShapes:
     """The models per call shape of one converted model (see the module docs)."""
 
     def __init__(self, ov: Any, model: Any, device: str, properties: dict, limit: int, module: torch.nn.Module,
-                 form: OutputForm, tolerance: float | None) -> None:
+                 form: OutputForm, tolerance: float | None, compile_s: float) -> None:
         self.ov, self.model, self.device, self.properties = ov, model, device, properties
         self.limit, self.module, self.form, self.tolerance = limit, module, form, tolerance
         self.ready: dict[tuple, Any] = {}     # checked: serves its shape
         self.compiled: dict[tuple, Any] = {}  # compiled, not yet checked
         self.pending: set[tuple] = set()      # handed to the compiling thread
-        self.seen: dict[tuple, int] = {}
+        self.seen: dict[tuple, list] = {}     # per shape not handed over: [calls, seconds on the dynamic model]
         self.refused: dict[tuple, str] = {}
         self.served = 0
+        self.compile_s = compile_s            # a compile's seconds: the compiles' mean once there are any
+        self.compiles = (0, 0.0)              # compiles timed, their seconds
+        self.patience = 1.0                   # compiles' worth of a shape's time on the dynamic model before its own
         self.local = threading.local()
         self.jobs: queue.Queue | None = None
         self.worker: threading.Thread | None = None
@@ -68,8 +80,16 @@ class StaticShapes:
         self.stopping = False
         _LIVE.add(self)
 
-    def infer(self, feed: list, args: tuple, kwargs: dict) -> tuple | None:
-        """The call's outputs from its shape's own model; None: run the dynamic model."""
+    def prepare(self, shapes: Iterable[tuple]) -> None:
+        """The recorded calls' shapes compiled now (at most `limit`), each checked at its first
+        call; a compile that fails leaves its shape on the dynamic model."""
+        for key in dict.fromkeys(shapes):
+            if len(self.compiled) >= self.limit:
+                break
+            self._compile(key)
+
+    def infer(self, feed: list, args: tuple, kwargs: dict, dynamic: Dynamic) -> tuple:
+        """The call's outputs: from its shape's own model where it has one, else `dynamic`'s."""
         key = tuple(a.shape for a in feed)
         compiled = self.ready.get(key)
         if compiled is not None:
@@ -83,13 +103,18 @@ class StaticShapes:
         if unchecked is not None:
             return self._check(key, unchecked, feed, args, kwargs)
         if key in self.refused or key in self.pending:
-            return None
+            return dynamic(feed)
+        start = _clock()
+        results = dynamic(feed)
+        took = _clock() - start
         if len(self.seen) >= SEEN_MAX:  # a stream of shapes that never repeat: counted afresh
             self.seen.clear()
-        self.seen[key] = self.seen.get(key, 0) + 1
-        if self.seen[key] >= 2 and len(self.ready) + len(self.compiled) + len(self.pending) < self.limit:
+        calls, spent = self.seen.get(key, (0, 0.0))
+        self.seen[key] = [calls + 1, spent + took]
+        if calls >= 1 and spent + took >= self.patience * self.compile_s and \
+                len(self.ready) + len(self.compiled) + len(self.pending) < self.limit:
             self._hand(key)
-        return None
+        return results
 
     def _check(self, key: tuple, compiled: Any, feed: list, args: tuple, kwargs: dict) -> tuple:
         """The model's answer to the call where it matched the module's (the model then serves
@@ -132,14 +157,24 @@ class StaticShapes:
             if key is None or self.stopping:
                 return
             try:
-                model = self.model.clone()
-                model.reshape({model.inputs[i]: self.ov.PartialShape(list(shape)) for i, shape in enumerate(key)})
                 with _COMPILING:
-                    self.compiled[key] = self.ov.Core().compile_model(model, self.device, self.properties)
-            except Exception as exc:  # noqa: BLE001 - a thread must not die of it: the shape stays dynamic
-                self._refuse(key, exc)
+                    self._compile(key)
             finally:
                 self.pending.discard(key)
+
+    def _compile(self, key: tuple) -> None:
+        """The model for `key`'s shapes into `compiled` (to be checked), its compile timed; a
+        failure refuses the shape."""
+        try:
+            start = _clock()
+            model = self.model.clone()
+            model.reshape({model.inputs[i]: self.ov.PartialShape(list(shape)) for i, shape in enumerate(key)})
+            self.compiled[key] = self.ov.Core().compile_model(model, self.device, self.properties)
+            count, total = self.compiles
+            self.compiles = (count + 1, total + _clock() - start)
+            self.compile_s = self.compiles[1] / self.compiles[0]
+        except Exception as exc:  # noqa: BLE001 - a compiling thread must not die of it: the shape stays dynamic
+            self._refuse(key, exc)
 
     def wait(self, timeout: float = 60.0) -> None:
         """Returns once the shapes handed over so far are compiled (or failed); the compiling
