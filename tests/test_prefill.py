@@ -138,17 +138,22 @@ def graph_like(monkeypatch):
     monkeypatch.setattr(prefill.RecordedPrefill, "_replay", replay)
 
 
+def sliding_window_loop(monkeypatch):
+    """Mistral with a window of 4 positions, its tuned copy on the kept-cache loop with the
+    graph-like replay, and an untuned copy."""
+    graph_like(monkeypatch)
+    model = build("mistral")
+    untuned = copy.deepcopy(model)
+    return model, untuned, kept_loop(model, layouts_of(model, prompt(2, 6, 0)))
+
+
 def test_a_cache_that_counts_positions_on_the_host_is_reset_and_counted_as_eagerly(monkeypatch):
     """A sliding window's static cache keeps its count of positions in Python, which a replay
     does not set: a call's cache is reset on the host first, and after the replay its count is
     set to what the eager prefill leaves. With a replay that leaves Python's values alone (as a
     device graph's does), every call's tokens are the untuned ones, prompts longer than the
     window included; without the count set, the steps after the prefill would read a count of 0."""
-    graph_like(monkeypatch)
-    model = build("mistral")
-    untuned = copy.deepcopy(model)
-    ids = prompt(2, 6, 0)
-    loop = kept_loop(model, layouts_of(model, ids))
+    model, untuned, loop = sliding_window_loop(monkeypatch)
     for seed in range(5):
         ids = prompt(2, 6, seed)
         assert torch.equal(generate(model, ids), generate(untuned, ids)), seed
@@ -162,11 +167,7 @@ def test_a_cache_whose_reset_leaves_other_host_state_is_not_replayed(monkeypatch
     """A value on the host that the cache's reset does not set back (here a layer's attribute
     set after the recording): the recorded forward's Python may have read it, so the replay is
     refused, said once, and the shape runs eagerly after, with the untuned tokens."""
-    graph_like(monkeypatch)
-    model = build("mistral")
-    untuned = copy.deepcopy(model)
-    ids = prompt(2, 6, 0)
-    loop = kept_loop(model, layouts_of(model, ids))
+    model, untuned, loop = sliding_window_loop(monkeypatch)
     for seed in range(2):
         assert torch.equal(generate(model, prompt(2, 6, seed)), generate(untuned, prompt(2, 6, seed)))
     (recorded,) = loop._prefills.values()
