@@ -67,9 +67,9 @@ class OpenVINOBackendConfig(BackendConfig):
     (None: the dtype of the module's outputs, so a CPU with AMX does not silently run
     float32 in bfloat16). properties: further OpenVINO properties, passed as they are.
     static_shapes: on the CPU, how many call shapes of a module converted with dynamic sizes
-    get a model compiled for exactly that shape (ov_shapes.StaticShapes: compiled off the
-    call path after the shape's second call, checked against the module before it serves;
-    0: none). static_memory_mb: those models' memory, counted as the module's weights each,
+    get a model compiled for exactly that shape (ov_shapes.StaticShapes: the recorded calls'
+    shapes at the build, another shape off the call path once its calls have run five
+    compiles' time; each checked against the module before it serves; 0: none). static_memory_mb: those models' memory, counted as the module's weights each,
     stays under this.
     """
 
