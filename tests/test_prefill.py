@@ -10,12 +10,14 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+import time
 
 import pytest
 import torch
 
 import torch_tweak as tt
 from torch_tweak._runtime import generation, prefill
+from support import in_threads
 
 transformers = pytest.importorskip("transformers")
 
@@ -217,6 +219,42 @@ def test_masks_are_made_as_eagerly_while_a_prefill_is_recorded(monkeypatch):
     assert other == [True]
     assert masking_utils.is_tracing is own and "get_query_offset" not in vars(cache)
     assert isinstance(mask(), torch.Tensor)
+
+
+def test_eight_threads_recording_at_once_each_get_eager_masks_and_leave_none_patched(monkeypatch):
+    """Eight threads, each with its own cache, enter and leave masks_as_eager at once, over
+    and over (eight loops recording their prefills together): inside, each thread's mask is
+    the eager forward's; a thread outside, at the same moment, still gets the traced one; when
+    the last leaves, the mask functions are transformers' own again."""
+    from transformers import StaticCache, masking_utils
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    own = masking_utils.is_tracing
+    model = build()
+    embeds = torch.zeros(1, 5, COMMON["hidden_size"])
+    positions = torch.arange(5)[None]
+    caches = []
+    for _ in range(8):
+        cache = StaticCache(config=model.config, max_cache_len=16)
+        with torch.no_grad():
+            model(input_ids=prompt(1, 5, 0), past_key_values=cache)
+        cache.reset()
+        caches.append(cache)
+
+    def mask(cache):
+        return masking_utils.create_causal_mask(model.config, embeds, None, cache, position_ids=positions)
+
+    def check(i):
+        cache = caches[i % 8]
+        with prefill.masks_as_eager(cache):
+            time.sleep(0.001)  # the others enter and leave meanwhile
+            assert mask(cache) is None and not masking_utils.is_tracing()  # (5.17 reads the latter)
+        if i % 8 == 0:  # outside: traced, whoever is inside now
+            assert masking_utils.is_tracing()
+
+    in_threads(400, check, mode=torch.no_grad)
+    assert masking_utils.is_tracing is own and not prefill._patched
+    assert all("get_query_offset" not in vars(c) for c in caches)
 
 
 def test_a_recording_whose_replay_differs_is_not_kept(monkeypatch, caplog):
