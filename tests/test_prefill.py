@@ -253,7 +253,7 @@ def test_eight_threads_recording_at_once_each_get_eager_masks_and_leave_none_pat
             assert masking_utils.is_tracing()
 
     in_threads(400, check, mode=torch.no_grad)
-    assert masking_utils.is_tracing is own and not prefill._patched
+    assert masking_utils.is_tracing is own and prefill._PATCH.own is None and prefill._PATCH.recordings == 0
     assert all("get_query_offset" not in vars(c) for c in caches)
 
 

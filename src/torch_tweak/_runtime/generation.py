@@ -49,7 +49,7 @@ import inspect
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -1228,6 +1228,16 @@ def token_difference(i: int, got: Any, expected: torch.Tensor, prompt: int | Non
             f"untuned {int(expected[row, col])}")
 
 
+def untuned_difference(i: int, got: Any, untuned: Sequence[torch.Tensor], prompt: int | None) -> str | None:
+    """None where generate call i's output equals one of the untuned runs' tokens (several
+    where the untuned model does not repeat its own: Workload._warm_tokens), else how it
+    differs from the first's."""
+    problem = token_difference(i, got, untuned[0], prompt)
+    if problem is not None and any(token_difference(i, got, other, prompt) is None for other in untuned[1:]):
+        return None
+    return problem
+
+
 def apply_loop(model: nn.Module, plan: LoopPlan, seconds: float | None = None) -> str | None:
     """Installs the plan's loop when, on every stored call, it gives the tokens of the untuned
     generate() run here (transformers' own loop on the model with its tuned modules taken
@@ -1271,17 +1281,13 @@ def apply_loop(model: nn.Module, plan: LoopPlan, seconds: float | None = None) -
     problem = None
     try:
         with torch.no_grad():
-            for i, (args, kwargs, tokens) in enumerate(loop.checks):
+            for i, (args, kwargs, _) in enumerate(loop.checks):
                 with same_draws(model, args, kwargs):
                     got = model.generate(*args, **kwargs)
                 if loop.fallbacks:
                     problem = f"generate call {i} is not one it serves ({next(iter(loop.fallbacks))})"
                 else:
-                    prompt = prompt_length(args, kwargs)
-                    problem = token_difference(i, got, tokens, prompt)
-                    if problem is not None and any(token_difference(i, got, other, prompt) is None
-                                                   for other in untuned[i][1:]):
-                        problem = None
+                    problem = untuned_difference(i, got, untuned[i], prompt_length(args, kwargs))
                 if problem is not None:
                     break
     except Exception as exc:

@@ -96,15 +96,22 @@ def set_host_state(cache: Any, state: tuple) -> None:
         vars(obj).update(values)
 
 
-_MASKS = threading.local()
+class _Patch:
+    """transformers' mask functions' own is_tracing, while recordings are in progress."""
+    own: Any = None
+    recordings = 0
+
+
+_PATCH = _Patch()
 _PATCHING = threading.Lock()
-_patched: list = []  # [the mask functions' own is_tracing, the recordings in progress] while one is
+_MASKS = threading.local()  # depth: this thread's recordings in progress
 
 
 def _is_tracing(tensor: Any = None) -> bool:
     if getattr(_MASKS, "depth", 0):  # this thread records a prefill: its forward is eager
         return False
-    return _patched[0](tensor) if _patched else False
+    own = _PATCH.own
+    return own(tensor) if own is not None else False
 
 
 @contextlib.contextmanager
@@ -120,11 +127,11 @@ def masks_as_eager(cache: Any) -> Iterator[None]:
     own = getattr(masking_utils, "is_tracing", None)
     offset = "get_query_offset" in dir(type(cache)) and "get_query_offset" not in vars(cache)  # not set already
     with _PATCHING:
-        if own is not None and not _patched:
-            _patched[:] = [own, 0]
+        if own is not None and _PATCH.own is None:
+            _PATCH.own = own
             masking_utils.is_tracing = _is_tracing
-        if _patched:
-            _patched[1] += 1
+        if _PATCH.own is not None:
+            _PATCH.recordings += 1
     if offset:
         cache.get_query_offset = lambda *args, **kwargs: 0
     _MASKS.depth = getattr(_MASKS, "depth", 0) + 1
@@ -135,11 +142,11 @@ def masks_as_eager(cache: Any) -> Iterator[None]:
         if offset:
             vars(cache).pop("get_query_offset", None)
         with _PATCHING:
-            if _patched:
-                _patched[1] -= 1
-                if _patched[1] == 0:
-                    masking_utils.is_tracing = _patched[0]
-                    _patched.clear()
+            if _PATCH.own is not None:
+                _PATCH.recordings -= 1
+                if _PATCH.recordings == 0:
+                    masking_utils.is_tracing = _PATCH.own
+                    _PATCH.own = None
 
 
 def weights_of(model: torch.nn.Module) -> list[tuple[dict, str, torch.Tensor, int]]:

@@ -206,9 +206,8 @@ class Workload:
             for i, call in enumerate(self.generate_calls):
                 with generation.same_draws(self.model, call.args, call.kwargs):
                     got = self.model.generate(*call.args, **call.kwargs)
-                problem = generation.token_difference(i, got, call.tokens, call.prompt)
-                if problem is not None and not any(generation.token_difference(i, got, other, call.prompt) is None
-                                                   for other in call.others):
+                problem = generation.untuned_difference(i, got, (call.tokens,) + call.others, call.prompt)
+                if problem is not None:
                     raise MismatchError(problem)
 
 

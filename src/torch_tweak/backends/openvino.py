@@ -69,8 +69,9 @@ class OpenVINOBackendConfig(BackendConfig):
     static_shapes: on the CPU, how many call shapes of a module converted with dynamic sizes
     get a model compiled for exactly that shape (ov_shapes.StaticShapes: the recorded calls'
     shapes at the build, another shape off the call path once its calls have run five
-    compiles' time; each checked against the module before it serves; 0: none). static_memory_mb: those models' memory, counted as the module's weights each,
-    stays under this.
+    compiles' time; each checked against the module before it serves; 0: none).
+    static_memory_mb: those models' memory, counted as the module's weights each, stays under
+    this.
     """
 
     performance_hint: str = "LATENCY"
@@ -384,8 +385,8 @@ class OpenVINOBackend(Backend):
         target = None if device.type == "cpu" else device
         special = self._static_shapes(ov, model, device, static, samples, module, form, compile_s)
         if special is not None:  # the recorded calls' shapes: compiled now, checked at their first call
-            special.prepare(tuple(tuple(leaf.shape) for i, leaf in enumerate(pytree.tree_leaves(s)) if i in slots)
-                            for s in samples if pytree.tree_structure(s) == spec)
+            special.prepare(tuple(tuple(flat[i].shape) for i in slots)
+                            for flat, layout in map(pytree.tree_flatten, samples) if layout == spec)
         # An infer request runs one inference at a time ("Infer Request is busy"), and the
         # compiled model's own __call__ shares one between all callers: each thread gets
         # its own, made on its first call.

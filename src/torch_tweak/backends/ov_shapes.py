@@ -76,8 +76,8 @@ class StaticShapes:
         self.seen: dict[tuple, list] = {}     # per shape not handed over: [calls, seconds on the dynamic model]
         self.refused: dict[tuple, str] = {}
         self.served = 0
-        self.compile_s = compile_s            # a compile's seconds: the compiles' mean once there are any
         self.compiles = (0, 0.0)              # compiles timed, their seconds
+        self.guess_s = compile_s              # a compile's seconds until one is timed (the dynamic model's)
         self.patience = PATIENCE              # compiles' worth of a shape's time on the dynamic model before its own
         self.local = threading.local()
         self.jobs: queue.Queue | None = None
@@ -86,11 +86,20 @@ class StaticShapes:
         self.stopping = False
         _LIVE.add(self)
 
+    @property
+    def compile_s(self) -> float:
+        """A compile's seconds: the mean of those timed, else the guess."""
+        count, total = self.compiles
+        return total / count if count else self.guess_s
+
+    def full(self) -> bool:
+        return len(self.ready) + len(self.compiled) + len(self.pending) >= self.limit
+
     def prepare(self, shapes: Iterable[tuple]) -> None:
         """The recorded calls' shapes compiled now (at most `limit`), each checked at its first
         call; a compile that fails leaves its shape on the dynamic model."""
         for key in dict.fromkeys(shapes):
-            if len(self.compiled) >= self.limit:
+            if self.full():
                 break
             self._compile(key)
 
@@ -108,7 +117,7 @@ class StaticShapes:
         unchecked = self.compiled.pop(key, None)  # one thread takes it
         if unchecked is not None:
             return self._check(key, unchecked, feed, args, kwargs)
-        if key in self.refused or key in self.pending:
+        if key in self.refused or key in self.pending or self.full():  # nothing to count it for
             return dynamic(feed)
         start = _clock()
         results = dynamic(feed)
@@ -117,8 +126,7 @@ class StaticShapes:
             self.seen.clear()
         calls, spent = self.seen.get(key, (0, 0.0))
         self.seen[key] = [calls + 1, spent + took]
-        if calls >= 1 and spent + took >= self.patience * self.compile_s and \
-                len(self.ready) + len(self.compiled) + len(self.pending) < self.limit:
+        if calls >= 1 and spent + took >= self.patience * self.compile_s:
             self._hand(key)
         return results
 
@@ -178,7 +186,6 @@ class StaticShapes:
             self.compiled[key] = self.ov.Core().compile_model(model, self.device, self.properties)
             count, total = self.compiles
             self.compiles = (count + 1, total + _clock() - start)
-            self.compile_s = self.compiles[1] / self.compiles[0]
         except Exception as exc:  # noqa: BLE001 - a compiling thread must not die of it: the shape stays dynamic
             self._refuse(key, exc)
 
