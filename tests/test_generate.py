@@ -452,6 +452,53 @@ def test_an_untuned_model_that_does_not_repeat_its_tokens_holds_a_candidate_to_e
     generation.uninstall(model)
 
 
+def test_when_the_compiled_loop_gives_other_tokens_no_depth_is_searched(monkeypatch):
+    """On the H200 (Llama-1B shape, prompt 512) the "compiled" loop, which runs transformers'
+    own compiled forward, gave other tokens than the untuned calls, and every depth then failed
+    the same check after minutes of builds. A model whose generate() gives one last token the
+    loop's steps do not stands for it (transformers' compiled forward is its plain forward
+    here, so nothing compiles): the loop fails its check, no depth is entered or built, the
+    result says why, and generate() gives the untuned copy's tokens. A depth whose check is
+    the eager loop's (a call transformers does not compile) is still searched."""
+    model = build("llama")
+    untuned = copy.deepcopy(model)
+    ids = prompt(1)
+    real = type(model).generate
+
+    def shifted(self, *args, **kwargs):
+        out = real(self, *args, **kwargs).clone()
+        out[0, -1] = (out[0, -1] + 1) % 256
+        return out
+
+    monkeypatch.setattr(type(model), "generate", shifted)
+    monkeypatch.setattr(type(model), "get_compiled_call", lambda self, config=None: self.__call__, raising=False)
+    monkeypatch.setattr(generation, "transformers_compiles", lambda *a: True)
+    built = []
+    build_eager = tt.backends.TorchEagerBackend.build
+    monkeypatch.setattr(tt.backends.TorchEagerBackend, "build",
+                        lambda self, *a, **k: built.append(a) or build_eager(self, *a, **k))
+    workload = lambda m: m.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static")  # noqa: E731
+    result = tt.tweak(model, workload=workload, strategy=EAGER, measure=QUICK, progress=False)
+    (loop,) = [r for r in result.loop_report if r["candidate"] == "decode loop (compiled)"]
+    assert loop["state"] == "failed" and "token 5 of sequence 0" in loop["error"], loop
+    assert result.decode_loop is None and result.selected_depth is None and not built
+    assert result.rows and all(r.latency_ms is None and "gave other tokens (generate call 0: token 5" in r.error and "not searched" in r.error
+                               for r in result.rows), [r.error for r in result.rows]
+    assert result.outcome().startswith("no depth was searched: the decode loop that runs transformers' own"), \
+        result.outcome()
+    with torch.no_grad():
+        assert torch.equal(workload(model), workload(untuned))
+    # the same model, but a call transformers does not compile: the eager loop's failure says
+    # nothing of the depths, which are searched (through this generate(), a depth gives its
+    # tokens: built, checked and measured)
+    monkeypatch.setattr(generation, "transformers_compiles", lambda *a: False)
+    result = tt.tweak(model, workload=workload, strategy=EAGER, measure=QUICK, max_depth=0, progress=False)
+    assert not result.refused and "no depth was searched" not in result.outcome(), result.outcome()
+    assert built and result.rows[0].latency_ms is not None, result.rows[0]  # built, checked and measured
+    with torch.no_grad():
+        assert torch.equal(workload(model), workload(untuned))
+
+
 # ------------------------------------------------------------- tt.save / tt.load
 
 TESTS = __import__("os").path.dirname(__import__("os").path.abspath(__file__))

@@ -30,7 +30,7 @@ from ._core.shapes import DECLARED, check_calls, check_shapes, edge_calls
 from ._core.signatures import forward_params
 from ._search.tuning import (ModuleSearch, absorb, check_measure, dataset_runner, measure_for, model_class_name,
                              record, release)
-from ._runtime.workload import TokenRow, Workload, choose_loop
+from ._runtime.workload import TokenRow, Workload, choose_loop, depths_cannot_match
 
 _DEFAULTS = _C.default_tweak_config()  # the engine owns every default of the depth search
 
@@ -115,6 +115,7 @@ class TweakResult:
     decode_loop: str | None = None
     loop_report: "list[dict] | None" = None
     hint = ""
+    refused = ""  # why no depth was searched (each row then failed with it), else ""
     _model: "weakref.ref[nn.Module] | None" = None  # the tuned model, for its buckets (shapes_lines)
 
     def __init__(self, engine: "_C.Result", tree: ModuleTree, modules: ModuleResults) -> None:
@@ -276,6 +277,8 @@ class TweakResult:
             verdict = "slower than" if side["speedup_high"] < 1.0 else "within noise of"
             return (f"depth {side['depth']} was {verdict} the untuned model ({side['speedup']:.2f}x, {how}): "
                     f"{stays}{loop}")
+        if self.refused and self.rows and all(r.latency_ms is None for r in self.rows):
+            return f"no depth was searched: {self.refused}: {stays}{loop}"
         if self.rows and all(r.error == "time budget used up" for r in self.rows):
             why = "was 0" if self.time_budget == 0 else "was used up before the first depth"
             return f"no depth was tried: the time budget {why}: {stays}{loop}"
@@ -627,6 +630,8 @@ def _session(model: nn.Module, tree: ModuleTree, calls: Any, job: Workload | Non
     if compiled_loop:
         session.refuse = (f"the decode steps run transformers' compiled forward (decode loop \"{job.loop}\"), "
                           "which must see the model's own modules to give the untuned tokens")
+    elif speaks_tokens:
+        session.refuse = depths_cannot_match(job)
     return session
 
 
@@ -692,6 +697,7 @@ def _kept(model: nn.Module, engine: Any, tree: ModuleTree, session: "_Session", 
     kept_depth = engine.rows[selected]["depth"] if selected >= 0 else None
     result = TweakResult(engine, tree, session.module_results(engine, kept_depth))
     result.time_budget = time_budget
+    result.refused = session.refuse
     result._model = weakref.ref(model)
     if not dry_run:
         DECLARED.pop(model, None)

@@ -334,6 +334,25 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None, 
     return (None if kept is None else kept[0]), out
 
 
+def depths_cannot_match(workload: Workload) -> str:
+    """Why no depth is searched once the decode loops were tried, or "". A call transformers
+    compiles gets its untuned tokens from its compiled forward's kernels, and the "compiled"
+    loop runs that same forward. Where the loop was held to those tokens and gave others, the
+    untuned tokens turn on near ties that the same kernels decide either way, and a depth,
+    which changes kernels, would be held to them too: the loop's failure says so in the time
+    of a few runs, where the depth search spends minutes. On the H200 (Llama-1B shape, bf16,
+    prompt 512; bench/results/generate.md) the search then took 6.5x the static path's first
+    call: depth 1 failed the same check and depth 0, which passed it, was 1.01x."""
+    for row in workload.loop_report:
+        if row["candidate"] == "decode loop (compiled)" and row["state"] == "failed" and \
+                row["error"].startswith("MismatchError: generate call"):
+            mismatch = row["error"].removeprefix("MismatchError: ")
+            return ("the decode loop that runs transformers' own compiled forward, whose kernels give the "
+                    f"untuned tokens, gave other tokens ({mismatch}): the untuned tokens turn on near ties the "
+                    "same kernels decide either way, so the depths, which change kernels, are not searched")
+    return ""
+
+
 def top_sampler_serves(workload: Workload, device: torch.device) -> bool:
     """Whether a recorded generate() call is a sampling call sampling.TopSampler serves on
     `device` (temperature, top-k, top-p): the loop is then measured with it and without it.
