@@ -257,6 +257,40 @@ def test_eight_threads_recording_at_once_each_get_eager_masks_and_leave_none_pat
     assert all("get_query_offset" not in vars(c) for c in caches)
 
 
+def test_recordings_ending_while_another_begins_leave_transformers_own_is_tracing():
+    """Found by an attack: a recording that began while the last one in progress ended could
+    read tweak's own is_tracing as transformers', keep it, and put it back at its end: the
+    mask functions were then never told of tracing again, and the next recording's saved
+    function called itself. Eight threads enter and leave over and over with thread switches
+    forced often; after each round transformers' own function is back and answers as before."""
+    import sys
+
+    from transformers import masking_utils
+
+    own = masking_utils.is_tracing
+
+    def churn():
+        for _ in range(1500):
+            with prefill.masks_as_eager(object()):
+                pass
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(3):
+            threads = [threading.Thread(target=churn) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert masking_utils.is_tracing is own and prefill._PATCH.own is None and prefill._PATCH.recordings == 0
+    finally:
+        sys.setswitchinterval(interval)
+    with prefill.masks_as_eager(object()):
+        assert prefill._PATCH.own is own  # the next recording keeps transformers' own, not tweak's
+    assert masking_utils.is_tracing() == own()
+
+
 def test_a_recording_whose_replay_differs_is_not_kept(monkeypatch, caplog):
     """The recording's check compares one replay with the eager prefill, bit for bit: a replay
     one ulp off is refused and the shape runs eagerly, with the untuned tokens."""

@@ -124,10 +124,10 @@ def masks_as_eager(cache: Any) -> Iterator[None]:
         from transformers import masking_utils
     except ImportError:
         masking_utils = None
-    own = getattr(masking_utils, "is_tracing", None)
     offset = "get_query_offset" in dir(type(cache)) and "get_query_offset" not in vars(cache)  # not set already
-    with _PATCHING:
-        if own is not None and _PATCH.own is None:
+    with _PATCHING:  # read under the lock: a recording that ends meanwhile puts transformers' own back
+        own = getattr(masking_utils, "is_tracing", None)
+        if own is not None and _PATCH.own is None and own is not _is_tracing:
             _PATCH.own = own
             masking_utils.is_tracing = _is_tracing
         if _PATCH.own is not None:
