@@ -107,14 +107,25 @@ def test_batches_padded_to_buckets_give_the_untuned_answers():
     assert "(root) (float32[1-8, 16]): buckets (calls)" in shown and "4 calls outside the range" in shown
 
 
-def test_rows_that_are_not_independent_refuse_padding_and_keep_the_original_answers():
-    model = nn.Sequential(nn.Linear(16, 16), Centre()).eval()
+class MaxCentre(nn.Module):
+    """A statistic over the batch that a duplicate row does not move (found by an attack:
+    padded rows that copied the call's first row let it through the proof, and served, the
+    rows of an earlier call changed its answer)."""
+
+    def forward(self, x):
+        return x - x.amax(0, keepdim=True)
+
+
+@pytest.mark.parametrize("statistic", [Centre, MaxCentre])
+def test_rows_that_are_not_independent_refuse_padding_and_keep_the_original_answers(statistic):
+    model = nn.Sequential(nn.Linear(16, 16), statistic()).eval()
     untuned = copy.deepcopy(model)
-    w, group = tune(model, [torch.randn(b, 16) for b in (3, 5, 6)], padded())
+    # one recorded call per bucket: no padded row the proof sees holds another call's rows
+    w, group = tune(model, [torch.randn(b, 16) for b in (3, 5)], padded())
     assert group.backend is None and "rows are not independent" in group.error
     with torch.no_grad():
-        for b in (2, 3, 7):
-            x = torch.randn(b, 16)
+        for b in (4, 2, 3, 7, 3):  # large rows first: an earlier call's rows are what padding holds
+            x = torch.randn(b, 16) * (100 if b == 4 else 1)
             torch.testing.assert_close(model(x), untuned(x))
 
 

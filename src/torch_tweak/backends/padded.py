@@ -11,7 +11,8 @@ What is padded, learned from the recorded calls (``plan``):
 - the batch: axis 0 of every input tensor, when it has one size per call and that size
   varies among the calls; buckets are powers of two up to 8, then steps of a quarter of the
   power of two below (12, 16, 20, 24, 28, 32, 40, 48...). Padded rows hold rows of earlier calls
-  (at first, copies of the call's first row): a module whose rows are independent gives the
+  (at first, rows unlike any of the call's: large values of alternating sign, or for token
+  ids and masks the call's rows reversed): a module whose rows are independent gives the
   same answer for the call's rows whatever they hold;
 - the length: axis 1 of the inputs shaped like an ``attention_mask`` argument (the mask
   itself, the token ids, the token types...), when it varies; buckets are steps of the
@@ -451,8 +452,8 @@ class PaddedCall(_C.PaddedReplay):
             if i in plan.seq_inputs:
                 view = view[:, :int(x.shape[1])]
             view.copy_(x)
-            if b < bb:  # the padded rows: copies of the call's first row
-                buffer[b:].copy_(buffer[:1].expand(bb - b, *buffer.shape[1:]))
+            if b < bb:
+                _fill_unlike(buffer, b)
             bucket.buffers[i] = buffer
         args, kwargs = pytree.tree_unflatten(self._leaves_of(bucket, leaves), plan.spec)
         if self.api is None:
@@ -569,6 +570,26 @@ class PaddedCall(_C.PaddedReplay):
                         else "the module's rows are not independent")
                 raise PaddingRefused(f"padding changes the answer ({what}): {exc}", exc.error,
                                      exc.tolerance) from None
+
+
+def _fill_unlike(buffer: torch.Tensor, b: int) -> None:
+    """A new bucket's padded rows (b:), filled unlike the call's rows. Served, they hold rows
+    of earlier calls (ext/padded.c), anything at all: the proof and a new bucket's first call
+    are checked with rows that move any statistic over the batch, so that a module whose
+    valid rows depend on them fails there. Copies of a row of the call would not: a max or a
+    min over the batch does not see a duplicate. Floating point: values of alternating sign
+    beyond every value of the call; other dtypes (token ids, masks: values the module takes)
+    the call's own rows reversed along their last axis."""
+    valid, pad = buffer[:b], buffer[b:]
+    if buffer.is_floating_point():
+        limit = torch.finfo(buffer.dtype).max / 8
+        big = (torch.nan_to_num(valid.abs().amax().float(), posinf=limit) * 4 + 1).clamp(max=limit)
+        signs = torch.arange(pad.numel(), device=buffer.device).reshape(pad.shape) % 2 * 2 - 1
+        pad.copy_(signs * big)
+        return
+    source = valid.flip(-1) if valid.dim() >= 2 else valid.flip(0)
+    rows = torch.arange(pad.shape[0], device=buffer.device) % b
+    pad.copy_(source[rows])
 
 
 # ----------------------------------------------------------------- backend
