@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import time
 from pathlib import Path
 
 import pytest
@@ -194,6 +195,48 @@ class Outer(nn.Module):
 
     def forward(self, **kwargs) -> torch.Tensor:
         return self.inner(**kwargs) * 2
+
+
+def until(condition, seconds: float = 30.0) -> bool:
+    end = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_dropped_model_is_freed_and_an_idle_compiling_thread_ends(module, monkeypatch):
+    """Found by an attack: the compiling thread held its model for good, so a service that
+    reloaded its model, or a notebook that tuned again, kept every earlier model's weights and
+    compiled models and one thread each. The thread holds the model only while it compiles:
+    dropped, the model is freed, and its thread ends; a thread with nothing to compile ends
+    after IDLE_S, and the next shape handed over starts another."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(ov_shapes, "IDLE_S", 0.2)
+    run = build(copy.deepcopy(module))
+    special = run.static_shapes
+    for seed in range(2):
+        same(run, module, call(4, 9, seed))  # the second call hands the shape over
+    first = special.worker
+    assert first is not None and until(lambda: ((4, 9), (4, 9)) in special.compiled)
+    assert until(lambda: not first.is_alive()) and special.worker is None  # idle: ended
+    for seed in range(3):
+        same(run, module, call(5, 3, seed))  # a new shape starts another thread; checked, then served
+        until(lambda: not special.pending)
+    assert ((5, 3), (5, 3)) in special.ready and special.served >= 1
+    for seed in range(2):
+        same(run, module, call(6, 2, seed))
+    second = special.worker
+    assert second is not None and second is not first and until(lambda: not special.pending)
+    owner = weakref.ref(special)
+    weights = weakref.ref(special.module.mix.weight)
+    del run, special
+    gc.collect()
+    assert owner() is None and weights() is None  # nothing the thread holds keeps them
+    assert until(lambda: not second.is_alive())
 
 
 def test_a_tuned_module_serves_through_them_and_status_says_so(module):

@@ -21,8 +21,10 @@ one more forward of the module, so a shape gets its own model only where its cal
 - a shape whose compile or check failed stays on the dynamic model and is not tried again.
 
 At most `limit` shapes, counted with those being compiled. Each thread has its own infer
-request per shape. One compiling thread per model, started on the first shape it is handed;
-while it compiles it takes a core from the calls being served. At exit the compile in
+request per shape. One compiling thread per model, started on the first shape it is handed
+and ended after IDLE_S with nothing to compile; while it compiles it takes a core from the
+calls being served. It holds the model only while it compiles: a tuned model its user drops
+is freed with its compiled models. At exit the compile in
 progress is waited for (none is cut off) and the shapes still waiting are dropped; a fork waits
 for the compile in progress (the isolated builds of tuning fork) and the child starts without
 its parent's thread.
@@ -58,6 +60,8 @@ the gain a static model brings is a fraction of each call (5 to 23 % on BERT, 1 
 docs/serving.md), so at a fifth of a call a compile is paid back after five compiles' time of
 the shape's calls, the break-even of renting against buying. A shape that stops before that
 has cost no compile; one that keeps coming gets its model at most that much later."""
+IDLE_S = 10.0
+"""A compiling thread with nothing to compile for this long ends."""
 _clock = time.perf_counter
 Dynamic = Callable[[list], tuple]
 """The dynamic model's answer to a call's inputs."""
@@ -158,23 +162,12 @@ class StaticShapes:
                 return
             if self.worker is None or not self.worker.is_alive():
                 self.jobs = queue.Queue()
-                self.worker = threading.Thread(target=self._work, args=(self.jobs,), daemon=True,
+                self.worker = threading.Thread(target=_work, args=(weakref.ref(self), self.jobs), daemon=True,
                                                name="torch-tweak OpenVINO shapes")
                 self.worker.start()
             self.pending.add(key)
             assert self.jobs is not None
             self.jobs.put(key)
-
-    def _work(self, jobs: queue.Queue) -> None:
-        while True:
-            key = jobs.get()
-            if key is None or self.stopping:
-                return
-            try:
-                with _COMPILING:
-                    self._compile(key)
-            finally:
-                self.pending.discard(key)
 
     def _compile(self, key: tuple) -> None:
         """The model for `key`'s shapes into `compiled` (to be checked), its compile timed; a
@@ -202,6 +195,35 @@ class StaticShapes:
         refused = f"; {len(self.refused)} refused" if self.refused else ""
         return {"line": f"OpenVINO models of static shapes for {len(self.ready)} call shapes (of at most "
                         f"{self.limit}), {self.served} calls served by them{refused}"}
+
+
+_IDLE = object()
+
+
+def _work(owner: "weakref.ref[StaticShapes]", jobs: queue.Queue) -> None:
+    """The compiling thread. It holds its models only while it compiles one: a model its user
+    dropped is freed (its compiled models too), and the thread ends at its next look; it also
+    ends after IDLE_S with nothing to compile (the next shape handed over starts another)."""
+    while True:
+        try:
+            key = jobs.get(timeout=IDLE_S)
+        except queue.Empty:
+            key = _IDLE
+        shapes = owner()
+        if shapes is None or key is None or shapes.stopping:
+            return
+        if key is _IDLE:
+            with shapes.start:  # _hand starts a thread where this one is gone
+                if jobs.empty():
+                    shapes.worker = None
+                    return
+            continue
+        try:
+            with _COMPILING:
+                shapes._compile(key)
+        finally:
+            shapes.pending.discard(key)
+            shapes = None  # not held while waiting for the next shape
 
 
 def _stop_all() -> None:
