@@ -15,7 +15,8 @@ CUBLAS_WORKSPACE_CONFIG=:4096:8, set before CUDA starts). In the process, the be
   compiling one: distinct sequences, and each one's first new token that differs from the
   first's.
 
-    python bench/repeat_study.py [--shape llama1b] [--prompt 512] [--deterministic] [--json PATH]
+    python bench/repeat_study.py [--shape llama1b] [--prompt 512] [--deterministic] [--mode default]
+                                 [--json PATH]
 """
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ def main() -> None:
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--json", default=None)
     parser.add_argument("--smoke", action="store_true", help="on the CPU, a tiny config: does it run")
+    parser.add_argument("--mode", default=None, help="transformers' compile mode for the static path (default: "
+                        "its CompileConfig's, reduce-overhead: Inductor's device graphs)")
     args = parser.parse_args()
     if args.deterministic:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
@@ -60,7 +63,11 @@ def main() -> None:
     torch.manual_seed(1)
     ids = torch.randint(100, 500, (1, args.prompt), device=device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    out: dict = {"shape": args.shape, "prompt": args.prompt, "deterministic": args.deterministic,
+    if args.mode is not None:
+        from transformers.generation.configuration_utils import CompileConfig
+
+        model.generation_config.compile_config = CompileConfig(mode=args.mode)
+    out: dict = {"shape": args.shape, "prompt": args.prompt, "deterministic": args.deterministic, "mode": args.mode,
                  "torch": torch.__version__, "repeats": REPEATS}
 
     def fresh_cache():
@@ -78,7 +85,7 @@ def main() -> None:
         out["prefill_distinct_caches"] = distinct(caches)
 
         # the first decode step through transformers' compiled forward, on one prefilled cache
-        compiled = model.get_compiled_call(None)
+        compiled = model.get_compiled_call(model.generation_config.compile_config)
         step_position = torch.tensor([args.prompt], device=device)
         steps = []
         for _ in range(REPEATS + 2):  # the first two compile and warm
