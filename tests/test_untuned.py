@@ -16,7 +16,7 @@ from torch_tweak.backends import OpenVINOBackend, TorchEagerBackend
 from support import MLP
 
 HAS_OPENVINO = importlib.util.find_spec("openvino") is not None
-ZERO = {"no signature matched": 0, "grad mode": 0, "device graph fell back": 0}
+ZERO = {"no signature matched": 0, "grad mode": 0, "train mode": 0, "device graph fell back": 0}
 
 
 def tuned_mlp(backend=TorchEagerBackend):
@@ -183,3 +183,74 @@ def test_status_counts_calls_from_the_end_of_tuning():
     status = tt.status(model)
     assert {p: s.calls for p, s in status.items()} == {"a": 3, "b": 3}
     assert status.untuned == ZERO
+
+
+class EvalCopy(TorchEagerBackend):
+    """What a converting or recording backend does (OpenVINO, ONNX Runtime, a device graph):
+    it runs the module as it was built, in eval mode, whatever its flag says later."""
+
+    name = "EvalCopy"
+
+    def build(self, module, samples, device):
+        def run(*args, **kwargs):
+            was = module.training
+            module.eval()
+            try:
+                return module(*args, **kwargs)
+            finally:
+                module.train(was)
+        return run
+
+
+class Noisy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(16, 16)
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Dropout(0.5))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.block(self.stem(x)))
+
+
+def test_a_tuned_module_in_train_mode_runs_its_original(caplog):
+    """Found by an attack: after model.train(), OpenVINO's model still ran the eval-mode
+    forward (no dropout, batch norm's running statistics, which it never updated), counted as
+    a served call. Every backend is built and checked in eval mode: in train mode a tuned
+    module runs its original (counted and said once, "train mode"), and model.eval() brings
+    the tuned path back. The differential: an untuned copy, the same draws."""
+    import copy
+
+    torch.manual_seed(0)
+    model = Noisy().eval()
+    untuned = copy.deepcopy(model)
+    tt.wrap(model, ["block", "head"])
+    tt.tune(model, [torch.randn(8, 16)], strategy=tt.OneBackendStrategy(EvalCopy()))
+    assert all(s.backend == "EvalCopy" for s in tt.status(model).values())
+    caplog.set_level(logging.WARNING, logger="torch_tweak")
+    model.train()
+    untuned.train()
+    x = torch.randn(8, 16)
+    for _ in range(2):
+        with torch.no_grad():
+            torch.manual_seed(1)
+            got = model(x)
+            torch.manual_seed(1)
+            want = untuned(x)
+        assert torch.equal(got, want)  # dropout drew the same, batch norm used the batch's statistics
+    bn, bn_untuned = model.block[1], untuned.block[1]
+    assert int(bn.num_batches_tracked) == int(bn_untuned.num_batches_tracked) == 2
+    assert torch.equal(bn.running_mean, bn_untuned.running_mean)
+    status = tt.status(model)
+    assert status["block"].untuned["train mode"] == 2 and status["head"].untuned["train mode"] == 2
+    assert sum("train mode" in m and "model.eval()" in m for m in warnings_of(caplog)) == 2  # once per module
+    assert "train mode" in str(status).splitlines()[0]
+    model.eval()
+    untuned.eval()
+    with torch.no_grad():
+        assert torch.equal(model(x), untuned(x))
+    assert tt.status(model)["block"].untuned["train mode"] == 2  # the tuned path again
+    model.block.train()  # one tuned module alone
+    with torch.no_grad():
+        model(x)
+    assert tt.status(model)["block"].untuned["train mode"] == 3 and tt.status(model)["head"].untuned["train mode"] == 2

@@ -16,8 +16,8 @@
 enum { TT_MODE_ORIGINAL = 0, TT_MODE_ACTIVE = 1, TT_MODE_RECORD = 2 };
 
 /* Why a call in active mode ran the original. */
-enum { TT_UNTUNED_NO_MATCH = 0, TT_UNTUNED_GRAD = 1 };
-static const char *const tt_untuned_reasons[] = {"no signature matched", "grad mode"};
+enum { TT_UNTUNED_NO_MATCH = 0, TT_UNTUNED_GRAD = 1, TT_UNTUNED_TRAIN = 2 };
+static const char *const tt_untuned_reasons[] = {"no signature matched", "grad mode", "train mode"};
 
 typedef struct {
     PyObject_HEAD
@@ -30,10 +30,12 @@ typedef struct {
     PyObject *notify;    /* NULL, or called with a reason on its first untuned call */
     Py_ssize_t last;     /* index of the last matching entry */
     int mode;
+    int training;        /* the module is not in the train/eval mode its backends were built in */
     int notified;        /* bit per TT_UNTUNED_* reason already notified */
     unsigned long long calls;
     unsigned long long fallbacks;      /* TT_UNTUNED_NO_MATCH */
     unsigned long long grad_fallbacks; /* TT_UNTUNED_GRAD */
+    unsigned long long train_fallbacks; /* TT_UNTUNED_TRAIN */
 } TtDispatcher;
 
 /* Counts a call that ran the original for `reason`, and tells notify the
@@ -50,6 +52,8 @@ tt_dispatcher_untuned(TtDispatcher *self, int reason)
 
     if (reason == TT_UNTUNED_GRAD)
         self->grad_fallbacks++;
+    else if (reason == TT_UNTUNED_TRAIN)
+        self->train_fallbacks++;
     else
         self->fallbacks++;
     if (TT_LIKELY(self->notify == NULL || (self->notified & (1 << reason))))
@@ -88,6 +92,14 @@ tt_dispatcher_vectorcall(PyObject *callable, PyObject *const *args, size_t nargs
     stack.room = 0;
     self->calls++;
     if (TT_LIKELY(self->mode == TT_MODE_ACTIVE)) {
+        if (TT_UNLIKELY(self->training)) {
+            /* the backends were built and checked on the module in the other mode
+             * (dropout, batch norm's statistics): the original runs */
+            if (tt_dispatcher_untuned(self, TT_UNTUNED_TRAIN) < 0)
+                goto cleanup;
+            target = self->original;
+            goto call;
+        }
         entries = self->entries;
         if (TT_UNLIKELY(entries == NULL)) { /* cleared by the GC, called by a finalizer */
             found = 0;
@@ -133,6 +145,7 @@ tt_dispatcher_vectorcall(PyObject *callable, PyObject *const *args, size_t nargs
     else {
         target = self->mode == TT_MODE_RECORD ? self->recorder : self->original;
     }
+call:
     if (TT_UNLIKELY(target == NULL)) {
         PyErr_SetString(PyExc_RuntimeError,
                         self->mode == TT_MODE_RECORD
@@ -389,7 +402,19 @@ tt_dispatcher_reset_untuned(TtDispatcher *self, PyObject *unused)
     (void)unused;
     self->fallbacks = 0;
     self->grad_fallbacks = 0;
+    self->train_fallbacks = 0;
     self->notified = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+tt_dispatcher_set_training(TtDispatcher *self, PyObject *mode)
+{
+    int training = PyObject_IsTrue(mode);
+
+    if (training < 0)
+        return NULL;
+    self->training = training;
     Py_RETURN_NONE;
 }
 
@@ -455,6 +480,10 @@ static PyGetSetDef tt_dispatcher_getset[] = {
      "Calls in active mode that matched an entry without autograd while autograd\n"
      "would record the call (see ENTRY_NO_AUTOGRAD), so the original ran.",
      TT_FIELD(TtDispatcher, grad_fallbacks)},
+    {"_tt_train_fallbacks", tt_get_counter, NULL,
+     "Calls in active mode while the module was not in the mode its backends were built\n"
+     "in (_tt_set_training), so the original ran.",
+     TT_FIELD(TtDispatcher, train_fallbacks)},
     {NULL, NULL, NULL, NULL, NULL}};
 
 static PyMethodDef tt_dispatcher_methods[] = {
@@ -467,7 +496,11 @@ static PyMethodDef tt_dispatcher_methods[] = {
      "ENTRY_NO_AUTOGRAD entries while grad mode is on."},
     {"_tt_set_notify", (PyCFunction)tt_dispatcher_set_notify, METH_O,
      "_tt_set_notify(callable or None): called with the reason of the first untuned\n"
-     "call per reason (\"no signature matched\", \"grad mode\") from now on."},
+     "call per reason (\"no signature matched\", \"grad mode\", \"train mode\") from now on."},
+    {"_tt_set_training", (PyCFunction)tt_dispatcher_set_training, METH_O,
+     "_tt_set_training(changed): whether the module is not in the train/eval mode its\n"
+     "backends were built in; in active mode such a call runs the original\n"
+     "(_tt_train_fallbacks)."},
     {"_tt_reset_untuned", (PyCFunction)tt_dispatcher_reset_untuned, METH_NOARGS,
      "_tt_reset_untuned(): the untuned counters to 0, every reason notified again."},
     {"_tt_set_recorder", (PyCFunction)tt_dispatcher_set_recorder, METH_O,
@@ -488,7 +521,9 @@ static PyType_Slot tt_dispatcher_slots[] = {
                 "None), mode 2 the recorder. An entry's\n"
                 "flags: ENTRY_SERIALIZE (one call at a time), ENTRY_NO_AUTOGRAD (the\n"
                 "original runs when autograd would record the call; _tt_grad_fallbacks),\n"
-                "ENTRY_LAYOUT_ONLY (bind the layout, the backend checks the values)."},
+                "ENTRY_LAYOUT_ONLY (bind the layout, the backend checks the values).\n"
+                "While _tt_set_training(True) (the module's train/eval mode changed), every\n"
+                "call in mode 1 runs the original (_tt_train_fallbacks)."},
     {Py_tp_new, tt_dispatcher_new},
     {Py_tp_dealloc, tt_dispatcher_dealloc},
     {Py_tp_traverse, tt_dispatcher_traverse},

@@ -277,6 +277,9 @@ class Dispatcher:
         """The module's parameter dicts (module._parameters of each submodule)."""
     def _tt_set_notify(self, notify: Optional[Callable[[str], object]]) -> None:
         """Called with the reason at the first untuned call per reason from now on."""
+    def _tt_set_training(self, changed: bool) -> None:
+        """Whether the module is not in the train/eval mode its backends were built in: in
+        mode 1 every call then runs the original."""
     def _tt_reset_untuned(self) -> None: ...
     def _tt_set_recorder(self, recorder: Optional[Callable[..., Any]]) -> None: ...
     _tt_mode: int
@@ -291,6 +294,8 @@ class Dispatcher:
     def _tt_fallbacks(self) -> int: ...
     @property
     def _tt_grad_fallbacks(self) -> int: ...
+    @property
+    def _tt_train_fallbacks(self) -> int: ...
     @property
     def _tt_calls(self) -> int:
         """Calls in every mode."""
