@@ -8,6 +8,7 @@ import logging
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from .. import _C
@@ -40,6 +41,7 @@ def record(wrappers: Iterable[TunedModule], run_dataset: Callable[[], None],
         for wrapper in wrappers:
             release(wrapper, keep_chosen=False)
             wrapper.tt_signatures.clear()
+            wrapper.__dict__.pop("tt_writes_inputs", None)  # set again if a recorded call writes into its input
             recording.enter_context(wrapper.tt_record_with(_recorder(wrapper, mode)))
         run_dataset()
         if run_edges is not None:
@@ -60,7 +62,10 @@ def _recorder(wrapper: TunedModule, mode: dict) -> Callable[..., Any]:
     def recorder(*args: Any, **kwargs: Any) -> Any:
         # the call is copied before it runs: a key/value cache passed in grows during it
         before = fresh((args, kwargs)) if unstorable((args, kwargs)) is not None else None
+        versions = _versions((args, kwargs))
         out = original(*args, **kwargs)
+        if _versions((args, kwargs)) != versions:  # it wrote into a tensor it was given
+            wrapper.__dict__["tt_writes_inputs"] = True
         group = group_for(groups, args, kwargs, params)  # the caller's own objects: what later calls match
         if before is not None:
             args, kwargs = before
@@ -93,6 +98,23 @@ def build_scopes(backends: Sequence[Backend], static: bool) -> Iterator[None]:
 
 
 OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
+def _versions(call: Any) -> list:
+    """The version counter of each tensor in a call (None for an inference tensor, which keeps
+    none): one that moved across the call was written into in place."""
+    out = []
+    for leaf in pytree.tree_leaves(call):
+        if isinstance(leaf, torch.Tensor):
+            try:
+                out.append(leaf._version)
+            except RuntimeError:
+                out.append(None)
+    return out
+
+
+WRITES_INPUTS = ("the module writes into a tensor it is given (an in-place operation on an argument, such as "
+                 "nn.ReLU(inplace=True)), and {backend} would not write into the caller's tensor")
 
 
 def _reason(exc: BaseException) -> str:
@@ -178,6 +200,8 @@ class ModuleSearch:
         title = f"{backend!r} for {wrapper.tt_name or '(root)'} of {self.model_class}, signature {group.text}"
         with capture_build(path, title) as log:
             try:
+                if wrapper.__dict__.get("tt_writes_inputs") and not backend.keeps_input_writes:
+                    raise ValueError(WRITES_INPUTS.format(backend=backend.name))
                 worst = build_checked(backend, o.module, group.samples, group.outputs, self.device, o.state, log)
             except Exception as exc:
                 mismatch = isinstance(exc, MismatchError)

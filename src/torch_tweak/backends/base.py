@@ -6,6 +6,7 @@ import abc
 import contextlib
 import copy
 import dataclasses
+import logging
 from typing import Any, Callable, ClassVar, Sequence
 
 import torch
@@ -103,6 +104,12 @@ class Backend(abc.ABC):
     dispatcher runs the original forward for every call made with grad mode on whose
     inputs or module weights require grad, so users' outputs keep requires_grad; those
     calls are counted as untuned ("grad mode")."""
+    writes_back = False
+    """True when the built callable runs the module's own operations on the caller's tensors
+    (eager, a torch.compile build), so that what forward writes into a tensor it is given
+    lands in the caller's tensor. A module seen writing into one while its calls were recorded
+    (nn.ReLU(inplace=True) on an argument) is never given a backend that says False: a
+    converted model or a device graph writes into its own copy. See keeps_input_writes."""
     checks_inputs = False
     """True when the built callable checks every call against what it was built for and
     runs the original module itself when a call does not fit (the device graph does). A
@@ -187,6 +194,11 @@ class Backend(abc.ABC):
         DynamicCache); a backend that needs samples then compiles on first call instead."""
         return True
 
+    @property
+    def keeps_input_writes(self) -> bool:
+        """writes_back, and the call's tensors are the caller's (no channels-last copy)."""
+        return self.writes_back and getattr(self.config, "memory_format", None) is None
+
     @abc.abstractmethod
     def build(self, module: torch.nn.Module, samples: Sequence[Call], device: torch.device) -> Callable[..., Any]:
         """A callable that runs `module` on this backend, built and warmed on `samples`."""
@@ -240,6 +252,58 @@ def copy_module(module: torch.nn.Module) -> torch.nn.Module:
 
     memo = {id(v): v for v in module.__dict__.values() if isinstance(v, _C.Dispatcher)}
     return copy.deepcopy(module, memo)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor keeps no version counter: its identity is checked
+        return None
+
+
+def _hook_tables(module: torch.nn.Module) -> list[dict]:
+    from torch.nn.modules import module as torch_module
+
+    return [table for m in module.modules() for table in (m._forward_hooks, m._forward_pre_hooks)] + [
+        torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks]
+
+
+class Baked:
+    """What a model converted for another runtime (OpenVINO, ONNX Runtime) took in when it was
+    built and cannot see change: the module's parameters and buffers, which became the model's
+    constants, and its forward hooks, which a conversion runs once. A module with forward hooks
+    is refused at the build (its hooks would never run per call). changed(), per call: whether
+    a weight was replaced or updated in place (load_state_dict, p.mul_) or a hook added since;
+    the first time it says what, once, in a warning, and from then on the backend answers with
+    the module's own forward (the caller's answers stay the module's)."""
+
+    def __init__(self, module: torch.nn.Module, backend: str) -> None:
+        hooks = _hook_tables(module)
+        if any(hooks):
+            raise ValueError(f"{backend}: the module has forward hooks, which a converted model runs once, at "
+                             "conversion, never per call; remove them before tuning (another backend keeps them)")
+        self.backend = backend
+        self.hooks = hooks
+        self.weights = [(table, f"{prefix}.{name}" if prefix else name, name, t, _version(t))
+                        for prefix, m in module.named_modules() for table in (m._parameters, m._buffers)
+                        for name, t in table.items() if t is not None]
+        self.stale = ""
+
+    def changed(self) -> bool:
+        if self.stale:
+            return True
+        why = next((f"{path} was replaced" if table.get(name) is not t else f"{path} was updated in place"
+                    for table, path, name, t, version in self.weights
+                    if table.get(name) is not t or (version is not None and t._version != version)), "")
+        if not why and any(self.hooks):
+            why = "a forward hook was added"
+        if why:
+            self.stale = why
+            logging.getLogger("torch_tweak").warning(
+                "torch-tweak: %s's model was built from the module as it was at tuning, and %s since: the "
+                "module's own forward answers its calls from now on; tune again for the new weights", self.backend,
+                why)
+        return bool(why)
 
 
 class FlatModule(torch.nn.Module):

@@ -26,6 +26,7 @@ class TorchEagerBackend(Backend):
     (unless the config sets one). With channels_last it runs a channels-last copy."""
 
     name = "TorchEager"
+    writes_back = True
     config_class = TorchEagerBackendConfig
 
     def build(self, module: torch.nn.Module, samples: Sequence[Call], device: torch.device) -> Callable[..., Any]:

@@ -152,6 +152,7 @@ class TorchInductorBackend(NeedsStorableSamples, Backend):
 
     name = "TorchInductor"
     config_class = TorchInductorBackendConfig
+    writes_back = True  # torch.compile writes a mutated input back into the caller's tensor
     compiles_with_inductor = True
     build_scope = staticmethod(shared_compiles)
 

@@ -32,7 +32,7 @@ import torch.utils._pytree as pytree
 from .._core import noise
 from .._core._samples import Call, unstorable
 from .._core.schema import Count, OneOf
-from .base import Backend, BackendConfig, FlatModule, OutputForm
+from .base import Backend, BackendConfig, Baked, FlatModule, OutputForm
 from .registry import register
 
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
@@ -187,14 +187,18 @@ class ONNXRuntimeBackend(Backend):
         with torch.no_grad():
             form = OutputForm(module(*samples[0][0], **samples[0][1]))
 
+        baked = Baked(module, "ONNX Runtime")
+
         def run(*args: Any, **kwargs: Any) -> Any:
             flat_in, in_spec = pytree.tree_flatten((args, kwargs))
-            if in_spec != spec:  # another layout than the exported one: the module itself answers
+            # another layout than the exported one, or weights changed since: the module itself answers
+            if in_spec != spec or baked.changed():
                 return module(*args, **kwargs)
             feed = {name: flat_in[i].detach().contiguous().numpy() for name, i in zip(inputs, slots)}
             results = session.run(None, feed)
             return form.fill(torch.from_numpy(array) for array in results)
 
+        run.baked = baked  # type: ignore[attr-defined]
         return run
 
 

@@ -48,7 +48,7 @@ from .._core._samples import Call, move, unstorable
 from .._core.model_state import restore_places, weight_places
 from .._core.schema import Count, Name, OneOf
 from .._core.shapes import Shapes, find_mask, named_leaves
-from .base import Backend, BackendConfig, FlatModule, OutputForm
+from .base import Backend, BackendConfig, Baked, FlatModule, OutputForm
 from .ov_shapes import StaticShapes
 from .registry import register
 
@@ -398,9 +398,11 @@ class OpenVINOBackend(Backend):
                 request = local.request = compiled.create_infer_request()
             return request.infer(feed).to_tuple()
 
+        baked = Baked(module, "OpenVINO")
+
         def run(*args: Any, **kwargs: Any) -> Any:
             flat_in, in_spec = pytree.tree_flatten((args, kwargs))
-            if in_spec != spec or (bounds is not None and not _within(flat_in, slots, bounds)):
+            if in_spec != spec or (bounds is not None and not _within(flat_in, slots, bounds)) or baked.changed():
                 # Another layout or structure than the converted one (only possible in the
                 # "any other call" group, which has no signature to bind calls to), or sizes
                 # past the declared bounds it was converted for.
@@ -412,6 +414,7 @@ class OpenVINOBackend(Backend):
 
         run.input_shapes = [str(i.get_partial_shape()) for i in compiled.inputs]  # type: ignore[attr-defined]
         run.static_shapes = special  # type: ignore[attr-defined]
+        run.baked = baked  # type: ignore[attr-defined]
         return run
 
     def _static_shapes(self, ov: Any, model: Any, device: torch.device, static: bool, samples: Sequence[Call],

@@ -1,0 +1,139 @@
+"""What a backend built at tuning cannot see change afterwards, found by an attack on the
+CPU: new weights (load_state_dict, an in-place update), forward hooks added or removed, and
+a module that writes into the tensors it is given. Each test compares the tuned model with
+an untuned copy given the same changes (a differential check)."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import torch_tweak as tt
+from torch_tweak.backends import TorchEagerBackend
+
+HAS_OPENVINO = importlib.util.find_spec("openvino") is not None
+QUICK = {"rounds_max": 6, "time_cap": 0.5}
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(16, 16)
+        self.head = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def forward(self, x):
+        return self.head(self.stem(x))
+
+
+def tuned(backend, paths=("head",)):
+    torch.manual_seed(0)
+    model = Net().eval()
+    untuned = copy.deepcopy(model)
+    tt.wrap(model, list(paths))
+    tt.tune(model, [torch.randn(8, 16)], strategy=tt.OneBackendStrategy(backend), measure=QUICK)
+    return model, untuned
+
+
+def same(model, untuned, x) -> float:
+    with torch.no_grad():
+        return float((model(x) - untuned(x)).abs().max())
+
+
+@pytest.mark.skipif(not HAS_OPENVINO, reason="OpenVINO not installed")
+def test_new_weights_after_tuning_are_the_modules_answers_not_the_converted_models(caplog):
+    """OpenVINO's model holds the weights as constants: after load_state_dict (or an in-place
+    update) the module's own forward answers, said once; an untouched model keeps the
+    converted model."""
+    from torch_tweak.backends import OpenVINOBackend
+
+    model, untuned = tuned(OpenVINOBackend())
+    assert tt.status(model)["head"].backend == "OpenVINO"
+    x = torch.randn(8, 16)
+    assert same(model, untuned, x) < 1e-5
+    baked = tt.installed(model)["head"].tt_backend.callable.baked
+    with torch.no_grad():
+        model(x)
+    assert not baked.stale  # the converted model served it
+    torch.manual_seed(5)
+    fresh = Net().eval().state_dict()
+    caplog.set_level(logging.WARNING, logger="torch_tweak")
+    model.load_state_dict(fresh)
+    untuned.load_state_dict(fresh)
+    assert same(model, untuned, x) == 0.0
+    with torch.no_grad():
+        model.head[0].weight.mul_(0.5)
+        untuned.head[0].weight.mul_(0.5)
+    assert same(model, untuned, x) == 0.0
+    said = [r.getMessage() for r in caplog.records if "built from the module as it was at tuning" in r.getMessage()]
+    assert len(said) == 1 and "0.weight was updated in place" in said[0], said  # said once
+    assert baked.stale == "0.weight was updated in place"  # the module's own forward from now on
+
+
+@pytest.mark.skipif(not HAS_OPENVINO, reason="OpenVINO not installed")
+def test_hooks_refuse_a_converting_backend_and_one_added_later_runs():
+    """A module with forward hooks is not converted (a converted model runs them once); a
+    hook added after tuning runs on every call, as on the untuned copy."""
+    from torch_tweak.backends import OpenVINOBackend
+
+    torch.manual_seed(0)
+    model = Net().eval()
+    handle = model.head.register_forward_hook(lambda m, a, out: out * 2)
+    tt.wrap(model, ["head"])
+    tt.tune(model, [torch.randn(8, 16)], strategy=tt.OneBackendStrategy(OpenVINOBackend()), measure=QUICK)
+    wrapper = tt.installed(model)["head"]
+    assert wrapper.tt_backend is None and "forward hooks" in wrapper.tt_error, wrapper.tt_error
+    handle.remove()
+    tt.unwrap(model)
+    model, untuned = tuned(OpenVINOBackend())
+    assert tt.status(model)["head"].backend == "OpenVINO"
+    seen = []
+    for m in (model, untuned):
+        m.head.register_forward_hook(lambda mod, a, out: seen.append(1) or out + 100)
+    x = torch.randn(8, 16)
+    assert same(model, untuned, x) == 0.0 and len(seen) == 2
+
+
+class CopiesInputs(TorchEagerBackend):
+    """What a converted model or a device graph does with the call's tensors: it runs on
+    its own copies of them."""
+
+    name = "CopiesInputs"
+    writes_back = False
+
+    def build(self, module, samples, device):
+        def run(*args, **kwargs):
+            return module(*(a.clone() for a in args), **kwargs)
+        return run
+
+
+class Rectify(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(16, 16)
+        self.head = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(16, 4))
+
+    def forward(self, x):
+        h = self.stem(x)
+        return torch.cat([self.head(h), h], 1)  # h as the head left it
+
+
+@pytest.mark.parametrize("backend, kept", [(CopiesInputs(), False), (TorchEagerBackend(), True)])
+def test_a_module_that_writes_into_its_input_keeps_only_backends_that_write_back(backend, kept):
+    """The head rectifies its input in place, and the parent reads that input after: a
+    backend running on copies passes the head's own check but changes the model's answer.
+    Such a module gets only backends that write into the caller's tensor."""
+    torch.manual_seed(0)
+    model = Rectify().eval()
+    untuned = copy.deepcopy(model)
+    tt.wrap(model, ["head"])
+    tt.tune(model, [torch.randn(8, 16)], strategy=tt.OneBackendStrategy(backend), measure=QUICK)
+    wrapper = tt.installed(model)["head"]
+    assert (wrapper.tt_backend is not None) == kept, wrapper.tt_error
+    if not kept:
+        assert "writes into a tensor it is given" in wrapper.tt_error
+    assert same(model, untuned, torch.randn(8, 16)) == 0.0
