@@ -44,15 +44,26 @@ def same(model, untuned, x) -> float:
         return float((model(x) - untuned(x)).abs().max())
 
 
-@pytest.mark.skipif(not HAS_OPENVINO, reason="OpenVINO not installed")
-def test_new_weights_after_tuning_are_the_modules_answers_not_the_converted_models(caplog):
-    """OpenVINO's model holds the weights as constants: after load_state_dict (or an in-place
-    update) the module's own forward answers, said once; an untouched model keeps the
-    converted model."""
-    from torch_tweak.backends import OpenVINOBackend
+def converting(name):
+    if name == "OpenVINO":
+        pytest.importorskip("openvino", reason="OpenVINO not installed")
+        from torch_tweak.backends import OpenVINOBackend
 
-    model, untuned = tuned(OpenVINOBackend())
-    assert tt.status(model)["head"].backend == "OpenVINO"
+        return OpenVINOBackend()
+    for package in ("onnxruntime", "onnx"):
+        pytest.importorskip(package, reason="ONNX Runtime not installed")
+    from torch_tweak.backends import ONNXRuntimeBackend
+
+    return ONNXRuntimeBackend(exporter="torchscript")
+
+
+@pytest.mark.parametrize("name", ["OpenVINO", "ONNXRuntime"])
+def test_new_weights_after_tuning_are_the_modules_answers_not_the_converted_models(caplog, name):
+    """A converted model holds the weights as constants: after load_state_dict (or an
+    in-place update) the module's own forward answers, said once; an untouched model keeps
+    the converted model."""
+    model, untuned = tuned(converting(name))
+    assert tt.status(model)["head"].backend == name
     x = torch.randn(8, 16)
     assert same(model, untuned, x) < 1e-5
     baked = tt.installed(model)["head"].tt_backend.callable.baked
