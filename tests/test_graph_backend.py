@@ -131,3 +131,64 @@ def test_on_the_cpu_it_says_why_and_strategies_move_on(mlp, mlp_data):
     tt.wrap(mlp, ["blocks.0"], strategy=tt.FirstWinsStrategy([DeviceGraphBackend(), tt.backends.TorchEagerBackend()]))
     assert tt.tune(mlp, mlp_data) == {"blocks.0": "TorchEager"}
     assert torch.allclose(mlp(mlp_data[0]), expected)
+
+
+def test_no_garbage_collection_runs_while_a_graph_is_captured():
+    """On the H200 a collection inside a capture freed another test's graph, whose reset is
+    not permitted while capturing, and the capture failed: capture() keeps the collector off
+    from capture_begin to capture_end, and puts it back as it was, also when the call raises."""
+    import gc
+
+    from torch_tweak.backends import graph as graph_module
+
+    seen = []
+
+    class Graph:
+        def capture_end(self):
+            seen.append(("end", gc.isenabled()))
+
+    class SideStream:
+        def wait_stream(self, other):
+            pass
+
+    class Mod:
+        Stream = SideStream
+
+        @staticmethod
+        def current_stream():
+            return SideStream()
+
+        @staticmethod
+        def synchronize():
+            pass
+
+        @staticmethod
+        def stream(s):
+            import contextlib
+
+            return contextlib.nullcontext()
+
+    class Api:
+        mod = Mod
+
+        def graph(self):
+            return Graph()
+
+        def capture_begin(self, graph, pool, mode):
+            seen.append(("begin", gc.isenabled()))
+
+    def target(x):
+        seen.append(("target", gc.isenabled()))
+        return x + 1
+
+    assert gc.isenabled()
+    graph, out = graph_module.capture(Api(), target, (torch.ones(2),), {}, None, "thread_local")
+    assert torch.equal(out, torch.full((2,), 2.0)) and seen == [("begin", False), ("target", False), ("end", False)]
+    assert gc.isenabled()
+
+    def failing(x):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        graph_module.capture(Api(), failing, (torch.ones(2),), {}, None, "thread_local")
+    assert gc.isenabled()

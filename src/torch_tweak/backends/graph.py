@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import gc
 from typing import Any, Callable, Sequence
 
 import torch
@@ -310,17 +311,26 @@ def capture(api: _DeviceApi, target: Callable[..., Any], args: tuple, kwargs: di
     graph = api.graph()
     failure: BaseException | None = None
     out = None
-    with api.mod.stream(side):
-        api.capture_begin(graph, pool, mode)
-        try:
-            out = target(*args, **kwargs)
-        except BaseException as exc:  # the capture must end before anything else runs
-            failure = exc
-        try:
-            graph.capture_end()
-        except Exception as exc:
-            if failure is None:
+    # no garbage collection while capturing: one could free another graph, whose reset is not
+    # permitted during a capture and spoils it (seen on the H200: "operation not permitted when
+    # stream is capturing (function reset)", then the capture failed)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with api.mod.stream(side):
+            api.capture_begin(graph, pool, mode)
+            try:
+                out = target(*args, **kwargs)
+            except BaseException as exc:  # the capture must end before anything else runs
                 failure = exc
+            try:
+                graph.capture_end()
+            except Exception as exc:
+                if failure is None:
+                    failure = exc
+    finally:
+        if collecting:
+            gc.enable()
     if failure is not None:
         del graph, out
         if not isinstance(failure, Exception):
