@@ -449,3 +449,48 @@ def test_an_input_item_below_minus_one_is_refused():
     x = torch.zeros(2)
     with pytest.raises(ValueError, match="input 0's item must be an index >= 0, or -1"):
         _C.GraphReplay(0, 0, _C.Signature(((x,),), {}), [(0, -7, x)], x, print, replay=print)
+
+
+def test_threads_whose_match_runs_python_never_share_the_static_buffers():
+    """Found by an attack: the busy flag was tested before the signature match and set after
+    it, and a match that runs Python (a plain argument's __eq__, here one that yields the
+    interpreter) let another thread through between the two: both wrote the static input and
+    one got the other's result. Eight threads, each result against the original's."""
+    import sys
+    import threading
+    import time
+
+    class Config:
+        def __eq__(self, other):
+            time.sleep(0)  # lets another thread in, as any Python in a match can
+            return type(other) is Config
+
+        __hash__ = object.__hash__
+
+    static_in, static_out = torch.zeros(16), torch.zeros(16)
+
+    def original(x, config):
+        return x * 2
+
+    replay = _C.GraphReplay(0, 0, _C.Signature((static_in, Config()), {}), [(0, -1, static_in)], static_out,
+                            original, replay=lambda: torch.mul(static_in, 2, out=static_out))
+    wrong = []
+
+    def work(k):
+        for i in range(300):
+            x = torch.full((16,), float(k * 1000 + i))
+            if not torch.equal(replay(x, Config()), original(x, None)):
+                wrong.append((k, i))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not wrong, wrong[:5]
+    assert replay.replays > 0 and replay.replays + replay.fallbacks == 8 * 300

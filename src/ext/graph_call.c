@@ -555,9 +555,14 @@ tt_graph_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
     int fits = 0, lend = 0;
 
     /* busy: a torch call inside a replay let another thread in; that call
-     * must not touch the static buffers, so it runs the original */
+     * must not touch the static buffers, so it runs the original. Taken
+     * before the match, which can run Python (a plain value's __eq__) and so
+     * let another thread in between a test and a set */
     if (TT_LIKELY(!self->busy && self->signature != NULL)) {
+        self->busy = 1;
         fits = tt_signature_fits(self->signature, args, nargs, kwnames);
+        if (TT_UNLIKELY(fits <= 0))
+            self->busy = 0;
         if (TT_UNLIKELY(fits < 0))
             goto cleanup;
     }
@@ -578,7 +583,6 @@ tt_graph_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
         Py_LeaveRecursiveCall();
         goto cleanup;
     }
-    self->busy = 1;
     /* a reference held across the call: a callback may clear this object */
     Py_INCREF(self);
     if (self->recs[TT_REC_LEND].lends)

@@ -489,7 +489,7 @@ tt_pad_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyOb
     Py_ssize_t *at_heap = NULL;
     TtStack stack;
     TtPadBucket *bk = NULL;
-    int fits = 0, busy = 0; /* busy: this call set self->busy for _slow */
+    int fits = 0, busy = 0; /* busy: this call set self->busy */
 
     stack.heap = NULL;
     stack.room = 0;
@@ -501,7 +501,12 @@ tt_pad_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyOb
         }
         go = Py_NewRef(self->target);
     }
-    else if (self->nparams > 0) {
+    else {
+        /* taken before the fit, which can run Python (a plain value's __eq__) and so let
+         * another thread in: that call runs the target, never the buffers */
+        self->busy = busy = 1;
+    }
+    if (busy && self->nparams > 0) {
         /* no allocation per call for up to TT_SMALL_STACK - 1 tensors */
         if ((found = tt_stack_reserve(&stack, self->nslots)) == NULL)
             goto cleanup;
@@ -520,19 +525,14 @@ tt_pad_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyOb
             bk = tt_pad_find(self, b, n);
     }
     if (bk != NULL) {
-        self->busy = 1;
         result = tt_pad_serve(self, bk, found, at, b, n, args, nargsf, kwnames);
-        self->busy = 0;
         goto cleanup;
     }
     self->slow++;
-    if (go == NULL) {
-        if ((go = PyObject_GetAttr(callable, self->state->str_slow)) == NULL)
-            goto cleanup;
-        /* _slow writes buffers too (recording, a first sight's check): a call that comes
-         * in meanwhile runs the target */
-        self->busy = busy = 1;
-    }
+    /* _slow writes buffers too (recording, a first sight's check): busy stays set, so a
+     * call that comes in meanwhile runs the target */
+    if (go == NULL && (go = PyObject_GetAttr(callable, self->state->str_slow)) == NULL)
+        goto cleanup;
     if (Py_EnterRecursiveCall(" in a padded call"))
         goto cleanup;
     result = PyObject_Vectorcall(go, args, nargsf, kwnames);
