@@ -19,6 +19,8 @@ import sys
 from typing import Any, Sequence
 
 EXIT_USAGE = 2
+MAX_ELEMENTS = 2**31
+"""The most elements one random input may have (8 GiB of float32)."""
 
 
 class CliError(Exception):
@@ -54,6 +56,14 @@ def parse_input(spec: str) -> tuple[str | None, tuple[int, ...], str, int | None
     shape = tuple(int(n) for n in match["shape"].split("x"))
     if 0 in shape:
         raise CliError(f"input spec {spec!r}: every dimension must be at least 1")
+    elements = 1
+    for n in shape:
+        elements *= n
+    if elements > MAX_ELEMENTS:
+        raise CliError(f"input spec {spec!r}: {elements:,} elements is more than one input may have here "
+                       f"({MAX_ELEMENTS:,}); give the shape of one real call")
+    if high is not None and high >= 2**63:
+        raise CliError(f"input spec {spec!r}: the upper bound must be below 2**63")
     return match["name"], shape, dtype, high
 
 
@@ -98,6 +108,13 @@ def check_writable(path: str) -> None:
         raise CliError(f"cannot write {path}: it is a folder")
     if not os.access(directory, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise CliError(f"cannot write {path}: permission denied")
+    # the file is written beside itself under a longer name first (tt.save): that name must fit too
+    try:
+        limit = os.pathconf(directory, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):
+        limit = 255
+    if len(f".{os.path.basename(path)}.12345678.tmp".encode()) > limit:
+        raise CliError(f"cannot write {path}: its file name is too long (at most {limit - 14} bytes here)")
 
 
 def make_dataset(specs: Sequence[str], count: int, device: Any, seed: int, float_dtype: str = "float32") -> list:
@@ -158,8 +175,14 @@ def command_tweak(args: argparse.Namespace) -> int:
     model = model.to(device).eval()
     if args.dtype:
         model = model.to(getattr(torch, DTYPES[args.dtype]))
-    dataset = make_dataset(args.input, args.samples, device, args.seed,
-                           DTYPES[args.dtype] if args.dtype else "float32")
+    if not 0 <= args.seed < 2**63:
+        raise CliError(f"--seed {args.seed}: give a seed from 0 to 2**63 - 1")
+    try:
+        dataset = make_dataset(args.input, args.samples, device, args.seed,
+                               DTYPES[args.dtype] if args.dtype else "float32")
+    except (RuntimeError, MemoryError) as exc:  # inputs too large for the device's memory
+        raise CliError(f"cannot make the random inputs {' '.join(args.input)} on {device}: "
+                       f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     try:
         depth = {} if args.max_depth is None else {"max_depth": args.max_depth}
         result = tt.tweak(model, dataset, min_depth=args.min_depth, time_budget=args.time_budget,
@@ -173,7 +196,10 @@ def command_tweak(args: argparse.Namespace) -> int:
         result.plot(args.plot)
         print(f"chart written to {args.plot}")
     if args.out:
-        tt.save(model, args.out)
+        try:
+            tt.save(model, args.out)
+        except OSError as exc:
+            raise CliError(f"the tuning above could not be saved to {args.out}: {exc}") from None
         print(f"tuned model saved to {args.out}; in production: build the model, then tt.load(model, {args.out!r})")
     return 0
 
