@@ -20,6 +20,16 @@ HAS_OPENVINO = importlib.util.find_spec("openvino") is not None
 QUICK = {"rounds_max": 6, "time_cap": 0.5}
 
 
+@pytest.fixture(autouse=True)
+def in_process(monkeypatch):
+    """The converting backends' builds run here, not in an isolated child: what is tested is
+    what a built model does afterwards (a child forked after OpenVINO's threads ran can hang,
+    and then the spawned one is tried: minutes for nothing these tests look at)."""
+    from torch_tweak._search import isolation
+
+    monkeypatch.setenv(isolation.ISOLATION_ENV, "off")
+
+
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()

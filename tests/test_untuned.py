@@ -113,7 +113,7 @@ def test_the_fast_path_passes_the_callers_arguments_untouched():
         def forward(self, x, *, scale=1.0):
             return x * scale
 
-    model = nn.Sequential(Probe())
+    model = nn.Sequential(Probe()).eval()
     tt.wrap(model, ["0"])
     x = torch.randn(2, 3)
     tt.tune(model, [((x,), {})], strategy=tt.OneBackendStrategy(TorchEagerBackend()))
@@ -254,3 +254,22 @@ def test_a_tuned_module_in_train_mode_runs_its_original(caplog):
     with torch.no_grad():
         model(x)
     assert tt.status(model)["block"].untuned["train mode"] == 3 and tt.status(model)["head"].untuned["train mode"] == 2
+    # found by an attack on the first version of this rule: a submodule inside a tuned module
+    # (MC dropout), a flag set directly, and tt.deactivate/tt.activate in train mode
+    model.eval()
+    untuned.load_state_dict(model.state_dict())  # the call above moved the tuned model's statistics alone
+    for switch in (lambda: model.block[2].train(), lambda: setattr(model.block[1], "training", True),
+                   lambda: (model.train(), tt.deactivate(model), tt.activate(model))):
+        model.eval()
+        untuned.eval()
+        switch()
+        for m, u in zip(model.modules(), untuned.modules()):
+            u.training = m.training
+        before = tt.status(model)["block"].untuned["train mode"]
+        with torch.no_grad():
+            torch.manual_seed(2)
+            got = model(x)
+            torch.manual_seed(2)
+            want = untuned(x)
+        assert torch.equal(got, want), (switch, [m.training for m in model.modules()])
+        assert tt.status(model)["block"].untuned["train mode"] == before + 1

@@ -27,10 +27,10 @@ typedef struct {
     PyObject *recorder;  /* NULL when none */
     PyObject *entries;   /* the entry table (entries.h) */
     PyObject *params;    /* NULL, or a tuple of the module's parameter dicts */
+    PyObject *modules;   /* NULL, or a tuple of the __dict__ of the module and each submodule */
     PyObject *notify;    /* NULL, or called with a reason on its first untuned call */
     Py_ssize_t last;     /* index of the last matching entry */
     int mode;
-    int training;        /* the module is not in the train/eval mode its backends were built in */
     int notified;        /* bit per TT_UNTUNED_* reason already notified */
     unsigned long long calls;
     unsigned long long fallbacks;      /* TT_UNTUNED_NO_MATCH */
@@ -75,6 +75,32 @@ cleanup:
     return rc;
 }
 
+/* 1 when the module or a submodule is in train mode (its "training" is True), 0
+ * when none is, -1 on an error. */
+static int
+tt_dispatcher_training(TtDispatcher *self)
+{
+    PyObject *modules = Py_NewRef(self->modules);
+    PyObject *training = self->state->str_training;
+    Py_ssize_t i;
+    int rc = 0;
+
+    for (i = 0; i < PyTuple_GET_SIZE(modules); i++) {
+        PyObject *flag = PyDict_GetItemWithError(PyTuple_GET_ITEM(modules, i), training);
+
+        if (flag == Py_True) {
+            rc = 1;
+            break;
+        }
+        if (flag == NULL && PyErr_Occurred()) {
+            rc = -1;
+            break;
+        }
+    }
+    Py_DECREF(modules);
+    return rc;
+}
+
 static PyObject *
 tt_dispatcher_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
                          PyObject *kwnames)
@@ -92,13 +118,19 @@ tt_dispatcher_vectorcall(PyObject *callable, PyObject *const *args, size_t nargs
     stack.room = 0;
     self->calls++;
     if (TT_LIKELY(self->mode == TT_MODE_ACTIVE)) {
-        if (TT_UNLIKELY(self->training)) {
-            /* the backends were built and checked on the module in the other mode
-             * (dropout, batch norm's statistics): the original runs */
-            if (tt_dispatcher_untuned(self, TT_UNTUNED_TRAIN) < 0)
+        if (TT_UNLIKELY(self->modules != NULL)) {
+            /* every backend was built and checked in eval mode: a module in train mode
+             * (dropout, batch norm's statistics) runs the original */
+            int training = tt_dispatcher_training(self);
+
+            if (training < 0)
                 goto cleanup;
-            target = self->original;
-            goto call;
+            if (TT_UNLIKELY(training)) {
+                if (tt_dispatcher_untuned(self, TT_UNTUNED_TRAIN) < 0)
+                    goto cleanup;
+                target = self->original;
+                goto call;
+            }
         }
         entries = self->entries;
         if (TT_UNLIKELY(entries == NULL)) { /* cleared by the GC, called by a finalizer */
@@ -200,6 +232,7 @@ tt_dispatcher_traverse(TtDispatcher *self, visitproc visit, void *arg)
     Py_VISIT(self->recorder);
     Py_VISIT(self->entries);
     Py_VISIT(self->params);
+    Py_VISIT(self->modules);
     Py_VISIT(self->notify);
     return 0;
 }
@@ -211,6 +244,7 @@ tt_dispatcher_clear(TtDispatcher *self)
     Py_CLEAR(self->recorder);
     Py_CLEAR(self->entries);
     Py_CLEAR(self->params);
+    Py_CLEAR(self->modules);
     Py_CLEAR(self->notify);
     /* a call after clear (from a finalizer) falls back and finds no original */
     self->mode = TT_MODE_ORIGINAL;
@@ -408,14 +442,23 @@ tt_dispatcher_reset_untuned(TtDispatcher *self, PyObject *unused)
 }
 
 static PyObject *
-tt_dispatcher_set_training(TtDispatcher *self, PyObject *mode)
+tt_dispatcher_set_modules(TtDispatcher *self, PyObject *modules)
 {
-    int training = PyObject_IsTrue(mode);
+    Py_ssize_t i;
 
-    if (training < 0)
-        return NULL;
-    self->training = training;
+    if (modules != Py_None) {
+        if (!PyTuple_Check(modules))
+            goto bad;
+        for (i = 0; i < PyTuple_GET_SIZE(modules); i++)
+            if (!PyDict_Check(PyTuple_GET_ITEM(modules, i)))
+                goto bad;
+    }
+    Py_XSETREF(self->modules, modules == Py_None ? NULL : Py_NewRef(modules));
     Py_RETURN_NONE;
+bad:
+    PyErr_SetString(PyExc_TypeError,
+                    "_tt_set_modules: a tuple of the __dict__ of the module and its submodules, or None");
+    return NULL;
 }
 
 static PyObject *
@@ -481,8 +524,8 @@ static PyGetSetDef tt_dispatcher_getset[] = {
      "would record the call (see ENTRY_NO_AUTOGRAD), so the original ran.",
      TT_FIELD(TtDispatcher, grad_fallbacks)},
     {"_tt_train_fallbacks", tt_get_counter, NULL,
-     "Calls in active mode while the module was not in the mode its backends were built\n"
-     "in (_tt_set_training), so the original ran.",
+     "Calls in active mode while the module or a submodule (_tt_set_modules) was in\n"
+     "train mode, so the original ran.",
      TT_FIELD(TtDispatcher, train_fallbacks)},
     {NULL, NULL, NULL, NULL, NULL}};
 
@@ -497,9 +540,9 @@ static PyMethodDef tt_dispatcher_methods[] = {
     {"_tt_set_notify", (PyCFunction)tt_dispatcher_set_notify, METH_O,
      "_tt_set_notify(callable or None): called with the reason of the first untuned\n"
      "call per reason (\"no signature matched\", \"grad mode\", \"train mode\") from now on."},
-    {"_tt_set_training", (PyCFunction)tt_dispatcher_set_training, METH_O,
-     "_tt_set_training(changed): whether the module is not in the train/eval mode its\n"
-     "backends were built in; in active mode such a call runs the original\n"
+    {"_tt_set_modules", (PyCFunction)tt_dispatcher_set_modules, METH_O,
+     "_tt_set_modules(tuple of dicts or None): the __dict__ of the module and each\n"
+     "submodule; in active mode a call while any says training=True runs the original\n"
      "(_tt_train_fallbacks)."},
     {"_tt_reset_untuned", (PyCFunction)tt_dispatcher_reset_untuned, METH_NOARGS,
      "_tt_reset_untuned(): the untuned counters to 0, every reason notified again."},
@@ -522,8 +565,8 @@ static PyType_Slot tt_dispatcher_slots[] = {
                 "flags: ENTRY_SERIALIZE (one call at a time), ENTRY_NO_AUTOGRAD (the\n"
                 "original runs when autograd would record the call; _tt_grad_fallbacks),\n"
                 "ENTRY_LAYOUT_ONLY (bind the layout, the backend checks the values).\n"
-                "While _tt_set_training(True) (the module's train/eval mode changed), every\n"
-                "call in mode 1 runs the original (_tt_train_fallbacks)."},
+                "A call in mode 1 while a module of _tt_set_modules is in train mode runs\n"
+                "the original (_tt_train_fallbacks)."},
     {Py_tp_new, tt_dispatcher_new},
     {Py_tp_dealloc, tt_dispatcher_dealloc},
     {Py_tp_traverse, tt_dispatcher_traverse},

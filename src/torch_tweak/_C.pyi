@@ -277,9 +277,9 @@ class Dispatcher:
         """The module's parameter dicts (module._parameters of each submodule)."""
     def _tt_set_notify(self, notify: Optional[Callable[[str], object]]) -> None:
         """Called with the reason at the first untuned call per reason from now on."""
-    def _tt_set_training(self, changed: bool) -> None:
-        """Whether the module is not in the train/eval mode its backends were built in: in
-        mode 1 every call then runs the original."""
+    def _tt_set_modules(self, modules: Optional[tuple[dict, ...]]) -> None:
+        """The __dict__ of the module and each submodule: in mode 1 a call while any of them
+        is in train mode runs the original (counted in _tt_train_fallbacks)."""
     def _tt_reset_untuned(self) -> None: ...
     def _tt_set_recorder(self, recorder: Optional[Callable[..., Any]]) -> None: ...
     _tt_mode: int

@@ -38,9 +38,9 @@ _HINTS = {
               "plain value or argument); tt.tune on such calls adds a signature",
     GRAD_MODE: "grad mode is on and an input or a weight requires grad, and its backend returns no "
                "autograd outputs; call the model under torch.inference_mode() or torch.no_grad()",
-    TRAIN_MODE: "the module is not in the mode it was tuned in (model.train() after tuning in eval mode), and "
-                "its backends were built and checked in that mode (dropout off, batch norm's running statistics); "
-                "model.eval() runs the tuned path",
+    TRAIN_MODE: "the module or one of its submodules is in train mode (model.train()), and its backends were "
+                "built and checked in eval mode (dropout off, batch norm's running statistics); model.eval() runs "
+                "the tuned path",
     GRAPH_FALLBACK: "the call does not fit the recorded device graph (another shape, dtype, device or "
                     "plain value)",
 }
@@ -95,7 +95,6 @@ class TunedModule(_C.Dispatcher, nn.Module):
         state["_buffers"] = module._buffers
         state["_modules"] = module._modules
         state["training"] = module.training
-        state["tt_tuned_training"] = module.training  # the mode its backends are built in (tt_activate)
         state["tt_name"] = name
         state["tt_backend"] = None
         state["tt_report"] = []
@@ -122,14 +121,7 @@ class TunedModule(_C.Dispatcher, nn.Module):
     def train(self, mode: bool = True) -> "TunedModule":
         nn.Module.train(self, mode)
         self._tt_original.train(mode)
-        self.tt_mode_set(mode)
         return self
-
-    def tt_mode_set(self, mode: bool) -> None:
-        """The module was put in train (True) or eval mode: in another mode than its backends
-        were built and checked in, every call runs the original (TRAIN_MODE)."""
-        self.__dict__["training"] = bool(mode)
-        self._tt_set_training(bool(mode) != self.__dict__["tt_tuned_training"])
 
     @property
     def tt_active(self) -> bool:
@@ -142,9 +134,6 @@ class TunedModule(_C.Dispatcher, nn.Module):
         wrapper has none (it keeps its original forward)."""
         if self.tt_backend is None:
             return False
-        mode = self._tt_original.training  # the mode the backends were built and checked in
-        self.__dict__["tt_tuned_training"] = mode
-        self.tt_mode_set(mode)
         self._tt_mode = MODE_ACTIVE
         return True
 
@@ -172,8 +161,8 @@ class TunedModule(_C.Dispatcher, nn.Module):
     def tt_untuned(self) -> dict[str, int]:
         """Calls since tuning (or the last tt_reset_untuned) that ran the original forward
         while the wrapper was active, by reason: "no signature matched", "grad mode" (see
-        Backend.supports_autograd), "train mode" (the module in train mode: its backends were
-        built and checked in eval mode), "device graph fell back"."""
+        Backend.supports_autograd), "train mode" (the module or a submodule in train mode: its
+        backends were built and checked in eval mode), "device graph fell back"."""
         base = self.__dict__.get("_tt_graph_base", {})
         graph = sum(g.fallbacks - base.get(id(g), 0) for g in self._tt_graphs())
         return {NO_MATCH: self._tt_fallbacks, GRAD_MODE: self._tt_grad_fallbacks,
@@ -218,20 +207,11 @@ def _refuse_copy(self: nn.Module, *args: Any) -> Any:
                     "or tt.unwrap(model) first and tune the copy")
 
 
-def _train_root(self: nn.Module, mode: bool = True) -> nn.Module:
-    """A tuned module's train(): its own, then its wrapper told (model.train() reaches it)."""
-    type(self)._tt_root_class.train(self, mode)
-    wrapper = self.__dict__.get("_tt_root")
-    if wrapper is not None:
-        wrapper.tt_mode_set(mode)
-    return self
-
-
 def _root_class(cls: type) -> type:
     """The subclass a tuned module gets: the same module, its call sent to the wrapper."""
     sub = _ROOT_CLASSES.get(cls)
     if sub is None:
-        sub = type(cls.__name__, (cls,), {"__call__": _call_root, "_tt_root_class": cls, "train": _train_root,
+        sub = type(cls.__name__, (cls,), {"__call__": _call_root, "_tt_root_class": cls,
                                           "__reduce_ex__": _refuse_copy, "__deepcopy__": _refuse_copy,
                                           "__module__": cls.__module__, "__qualname__": cls.__qualname__})
         _ROOT_CLASSES[cls] = sub

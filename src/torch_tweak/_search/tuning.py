@@ -333,7 +333,9 @@ def apply_groups(wrapper: TunedModule) -> list[SignatureGroup]:
             flags = entry_flags(other.backend)
             entries.extend((signature, other.backend.callable, flags) for signature in other.serves)
         wrapper._tt_set_entries(entries)
-    wrapper._tt_set_params(tuple(m._parameters for m in wrapper._tt_original.modules()))
+    modules = list(wrapper._tt_original.modules())
+    wrapper._tt_set_params(tuple(m._parameters for m in modules))
+    wrapper._tt_set_modules(tuple(vars(m) for m in modules))  # a call in train mode runs the original
     wrapper.tt_backend = chosen[0].backend if chosen else None
     wrapper.tt_reset_untuned()
     for group in chosen:  # a backend that counts its calls (padded buckets' hits) counts the user's
