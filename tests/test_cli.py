@@ -49,6 +49,7 @@ def test_input_specs():
         (["tweak", f"{FACTORY}:tiny", "--input", "99999999999999999999x8"], "elements is more than one input"),
         (["tweak", f"{FACTORY}:tiny", "--input", "100000x100000x100000"], "elements is more than one input"),
         (["tweak", f"{FACTORY}:tiny", "--input", "2x8:int64:99999999999999999999"], "upper bound must be below"),
+        (["tweak", f"{FACTORY}:tiny", "--input", "2x8:int64:0"], "upper bound must be at least 1"),
         (["tweak", f"{FACTORY}:tiny", "--input", "2x8", "--out", "a" * 300 + ".tt"], "file name is too long"),
     ],
 )

@@ -95,6 +95,42 @@ def test_new_weights_after_tuning_are_the_modules_answers_not_the_converted_mode
     assert baked.stale == "0.weight was updated in place"  # the module's own forward from now on
 
 
+@pytest.mark.parametrize("change", ["data", "submodule"])
+def test_weights_given_other_memory_or_a_replaced_submodule_are_seen(change):
+    """Found by an attack on the first version: p.data = ... (vector_to_parameters does it)
+    keeps the parameter object and its version counter, and a replaced submodule leaves the
+    old one's tables unchanged; both went on serving the converted model's old weights."""
+    model, untuned = tuned(converting("ONNXRuntime"))
+    x = torch.randn(8, 16)
+    torch.manual_seed(9)
+    if change == "data":
+        new = torch.randn(16, 16)
+        model.head[0].weight.data = new.clone()
+        untuned.head[0].weight.data = new.clone()
+    else:
+        layer = nn.Linear(16, 16)
+        model.head[0] = layer
+        untuned.head[0] = copy.deepcopy(layer)
+    assert same(model, untuned, x) == 0.0
+    assert tt.installed(model)["head"].tt_backend.callable.baked.stale
+
+
+def test_a_write_into_an_inference_tensor_is_seen_too():
+    """Tuned under torch.inference_mode(), the call's tensors keep no version counter: the
+    write is found by comparing their values (found by an attack on the first version)."""
+    torch.manual_seed(0)
+    model = Rectify().eval()
+    untuned = copy.deepcopy(model)
+    tt.wrap(model, ["head"])
+    with torch.inference_mode():
+        tt.tune(model, [torch.randn(8, 16)], strategy=tt.OneBackendStrategy(CopiesInputs()), measure=QUICK)
+    wrapper = tt.installed(model)["head"]
+    assert wrapper.tt_backend is None and "writes into a tensor it is given" in wrapper.tt_error
+    with torch.inference_mode():
+        x = torch.randn(8, 16)
+        assert torch.equal(model(x), untuned(x))
+
+
 @pytest.mark.skipif(not HAS_OPENVINO, reason="OpenVINO not installed")
 def test_hooks_refuse_a_converting_backend_and_one_added_later_runs():
     """A module with forward hooks is not converted (a converted model runs them once); a

@@ -116,6 +116,15 @@ class MaxCentre(nn.Module):
         return x - x.amax(0, keepdim=True)
 
 
+def test_a_max_over_large_half_precision_rows_is_refused_too():
+    """Found by an attack on the first fill: large finite values were capped at a fraction of
+    float16's range, below calls of 1e4 to 2e4, so the max did not move; infinities do."""
+    model = nn.Sequential(MaxCentre()).eval()
+    data = [torch.rand(b, 16, dtype=torch.float16) * 1e4 + 1e4 for b in (3, 5)]
+    w, group = tune(model, data, padded())
+    assert group.backend is None and "rows are not independent" in group.error
+
+
 @pytest.mark.parametrize("statistic", [Centre, MaxCentre])
 def test_rows_that_are_not_independent_refuse_padding_and_keep_the_original_answers(statistic):
     model = nn.Sequential(nn.Linear(16, 16), statistic()).eval()

@@ -51,6 +51,8 @@ def parse_input(spec: str) -> tuple[str | None, tuple[int, ...], str, int | None
         raise CliError(f"unknown dtype {dtype!r} in input spec {spec!r}; use one of {', '.join(sorted(DTYPES))}")
     dtype = DTYPES[dtype] if dtype is not None else None
     high = int(match["high"]) if match["high"] else None
+    if high is not None and high < 1:
+        raise CliError(f"input spec {spec!r}: the upper bound must be at least 1 (values are drawn from 0 to it)")
     if high is not None and dtype not in ("int64", "int32"):
         raise CliError(f"input spec {spec!r}: an upper bound (:{high}) goes only with an integer dtype")
     shape = tuple(int(n) for n in match["shape"].split("x"))

@@ -63,9 +63,11 @@ def _recorder(wrapper: TunedModule, mode: dict) -> Callable[..., Any]:
         # the call is copied before it runs: a key/value cache passed in grows during it
         before = fresh((args, kwargs)) if unstorable((args, kwargs)) is not None else None
         versions = _versions((args, kwargs))
+        # an inference tensor keeps no version counter: its values are compared instead
+        kept = [(t, t.clone()) for t, v in zip(_tensors((args, kwargs)), versions) if v is None]
         out = original(*args, **kwargs)
-        if _versions((args, kwargs)) != versions:  # it wrote into a tensor it was given
-            wrapper.__dict__["tt_writes_inputs"] = True
+        if _versions((args, kwargs)) != versions or any(not _same(t, copy) for t, copy in kept):
+            wrapper.__dict__["tt_writes_inputs"] = True  # it wrote into a tensor it was given
         group = group_for(groups, args, kwargs, params)  # the caller's own objects: what later calls match
         if before is not None:
             args, kwargs = before
@@ -100,17 +102,26 @@ def build_scopes(backends: Sequence[Backend], static: bool) -> Iterator[None]:
 OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
+def _tensors(call: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in pytree.tree_leaves(call) if isinstance(leaf, torch.Tensor)]
+
+
 def _versions(call: Any) -> list:
     """The version counter of each tensor in a call (None for an inference tensor, which keeps
     none): one that moved across the call was written into in place."""
     out = []
-    for leaf in pytree.tree_leaves(call):
-        if isinstance(leaf, torch.Tensor):
-            try:
-                out.append(leaf._version)
-            except RuntimeError:
-                out.append(None)
+    for leaf in _tensors(call):
+        try:
+            out.append(leaf._version)
+        except RuntimeError:
+            out.append(None)
     return out
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(torch.equal(a, b) or (a.is_floating_point() and
+                                                            torch.equal(a.isnan(), b.isnan()) and
+                                                            torch.equal(a.nan_to_num(), b.nan_to_num())))
 
 
 WRITES_INPUTS = ("the module writes into a tensor it is given (an in-place operation on an argument, such as "

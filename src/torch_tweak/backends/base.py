@@ -271,9 +271,10 @@ def _hook_tables(module: torch.nn.Module) -> list[dict]:
 class Baked:
     """What a model converted for another runtime (OpenVINO, ONNX Runtime) took in when it was
     built and cannot see change: the module's parameters and buffers, which became the model's
-    constants, and its forward hooks, which a conversion runs once. A module with forward hooks
-    is refused at the build (its hooks would never run per call). changed(), per call: whether
-    a weight was replaced or updated in place (load_state_dict, p.mul_) or a hook added since;
+    constants, its submodules, and its forward hooks, which a conversion runs once. A module
+    with forward hooks is refused at the build (its hooks would never run per call). changed(),
+    per call: whether a weight was replaced, updated in place (load_state_dict, p.mul_) or
+    given other memory (p.data = ...), a submodule replaced, or a hook added since;
     the first time it says what, once, in a warning, and from then on the backend answers with
     the module's own forward (the caller's answers stay the module's)."""
 
@@ -284,17 +285,24 @@ class Baked:
                              "conversion, never per call; remove them before tuning (another backend keeps them)")
         self.backend = backend
         self.hooks = hooks
-        self.weights = [(table, f"{prefix}.{name}" if prefix else name, name, t, _version(t))
-                        for prefix, m in module.named_modules() for table in (m._parameters, m._buffers)
+        named = list(module.named_modules())
+        self.weights = [(table, f"{prefix}.{name}" if prefix else name, name, t, _version(t), t.data_ptr())
+                        for prefix, m in named for table in (m._parameters, m._buffers)
                         for name, t in table.items() if t is not None]
+        self.children = [(m._modules, f"{prefix}.{name}" if prefix else name, name, child)
+                         for prefix, m in named for name, child in m._modules.items()]
         self.stale = ""
 
     def changed(self) -> bool:
         if self.stale:
             return True
         why = next((f"{path} was replaced" if table.get(name) is not t else f"{path} was updated in place"
-                    for table, path, name, t, version in self.weights
-                    if table.get(name) is not t or (version is not None and t._version != version)), "")
+                    for table, path, name, t, version, address in self.weights
+                    if table.get(name) is not t or (version is not None and t._version != version)
+                    or t.data_ptr() != address), "")  # p.data = ...: the same object, other memory
+        if not why:
+            why = next((f"submodule {path} was replaced" for table, path, name, child in self.children
+                        if table.get(name) is not child), "")
         if not why and any(self.hooks):
             why = "a forward hook was added"
         if why:

@@ -11,7 +11,7 @@ What is padded, learned from the recorded calls (``plan``):
 - the batch: axis 0 of every input tensor, when it has one size per call and that size
   varies among the calls; buckets are powers of two up to 8, then steps of a quarter of the
   power of two below (12, 16, 20, 24, 28, 32, 40, 48...). Padded rows hold rows of earlier calls
-  (at first, rows unlike any of the call's: large values of alternating sign, or for token
+  (at first, rows unlike any of the call's: infinities of alternating sign, or for token
   ids and masks the call's rows reversed): a module whose rows are independent gives the
   same answer for the call's rows whatever they hold;
 - the length: axis 1 of the inputs shaped like an ``attention_mask`` argument (the mask
@@ -577,15 +577,15 @@ def _fill_unlike(buffer: torch.Tensor, b: int) -> None:
     of earlier calls (ext/padded.c), anything at all: the proof and a new bucket's first call
     are checked with rows that move any statistic over the batch, so that a module whose
     valid rows depend on them fails there. Copies of a row of the call would not: a max or a
-    min over the batch does not see a duplicate. Floating point: values of alternating sign
-    beyond every value of the call; other dtypes (token ids, masks: values the module takes)
-    the call's own rows reversed along their last axis."""
+    min over the batch does not see a duplicate. Floating point: infinities of alternating
+    sign, beyond every value of any call; other dtypes (token ids, masks: values the module
+    takes; a value outside them could fail an index) the call's own rows reversed along their
+    last axis, which a statistic over the batch of integer inputs (the largest id) does not
+    see: such a module is not caught here."""
     valid, pad = buffer[:b], buffer[b:]
     if buffer.is_floating_point():
-        limit = torch.finfo(buffer.dtype).max / 8
-        big = (torch.nan_to_num(valid.abs().amax().float(), posinf=limit) * 4 + 1).clamp(max=limit)
         signs = torch.arange(pad.numel(), device=buffer.device).reshape(pad.shape) % 2 * 2 - 1
-        pad.copy_(signs * big)
+        pad.copy_(signs * float("inf"))
         return
     source = valid.flip(-1) if valid.dim() >= 2 else valid.flip(0)
     rows = torch.arange(pad.shape[0], device=buffer.device) % b
