@@ -397,24 +397,31 @@ tt_dispatcher_set_entries(TtDispatcher *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+/* *slot = value, a tuple of dicts (NULL for None); else a TypeError saying `what`. */
 static PyObject *
-tt_dispatcher_set_params(TtDispatcher *self, PyObject *params)
+tt_dispatcher_set_dicts(PyObject **slot, PyObject *value, const char *what)
 {
     Py_ssize_t i;
 
-    if (params != Py_None) {
-        if (!PyTuple_Check(params))
+    if (value != Py_None) {
+        if (!PyTuple_Check(value))
             goto bad;
-        for (i = 0; i < PyTuple_GET_SIZE(params); i++)
-            if (!PyDict_Check(PyTuple_GET_ITEM(params, i)))
+        for (i = 0; i < PyTuple_GET_SIZE(value); i++)
+            if (!PyDict_Check(PyTuple_GET_ITEM(value, i)))
                 goto bad;
     }
-    Py_XSETREF(self->params, params == Py_None ? NULL : Py_NewRef(params));
+    Py_XSETREF(*slot, value == Py_None ? NULL : Py_NewRef(value));
     Py_RETURN_NONE;
 bad:
-    PyErr_SetString(PyExc_TypeError,
-                    "_tt_set_params: a tuple of the module's parameter dicts, or None");
+    PyErr_SetString(PyExc_TypeError, what);
     return NULL;
+}
+
+static PyObject *
+tt_dispatcher_set_params(TtDispatcher *self, PyObject *params)
+{
+    return tt_dispatcher_set_dicts(&self->params, params,
+                                   "_tt_set_params: a tuple of the module's parameter dicts, or None");
 }
 
 static PyObject *
@@ -444,21 +451,9 @@ tt_dispatcher_reset_untuned(TtDispatcher *self, PyObject *unused)
 static PyObject *
 tt_dispatcher_set_modules(TtDispatcher *self, PyObject *modules)
 {
-    Py_ssize_t i;
-
-    if (modules != Py_None) {
-        if (!PyTuple_Check(modules))
-            goto bad;
-        for (i = 0; i < PyTuple_GET_SIZE(modules); i++)
-            if (!PyDict_Check(PyTuple_GET_ITEM(modules, i)))
-                goto bad;
-    }
-    Py_XSETREF(self->modules, modules == Py_None ? NULL : Py_NewRef(modules));
-    Py_RETURN_NONE;
-bad:
-    PyErr_SetString(PyExc_TypeError,
-                    "_tt_set_modules: a tuple of the __dict__ of the module and its submodules, or None");
-    return NULL;
+    return tt_dispatcher_set_dicts(
+        &self->modules, modules,
+        "_tt_set_modules: a tuple of the __dict__ of the module and its submodules, or None");
 }
 
 static PyObject *
