@@ -120,6 +120,26 @@ def test_round_trip_same_outputs_and_backends(saved):
     assert choices(again) == choices(model)
 
 
+def test_saving_through_a_symlink_writes_its_target_and_keeps_the_link(saved, tmp_path):
+    """Found by an attack: the rename over the path replaced a link with a file, leaving its
+    target as it was; open() and torch.save write through the link."""
+    import os
+
+    model, data, path = saved
+    link = tmp_path / "current.tt"
+    os.symlink(path, link)
+    path.write_bytes(b"an older file")  # what the link points at before the save
+    tt.save(model, link)
+    assert link.is_symlink() and os.path.realpath(link) == os.path.realpath(path)
+    assert path.read_bytes() != b"an older file"  # the target got the new file
+    assert not any(p.name.endswith(".tmp") for p in path.parent.iterdir())
+    fresh = fresh_mlp()
+    tt.load(fresh, path, backends=[CountingBackend()])
+    with torch.no_grad():
+        for x in data:
+            assert torch.equal(fresh(x), model(x))
+
+
 def test_untuned_model_saves_an_empty_plan(tmp_path, mlp_data):
     model = fresh_mlp()
     with pytest.raises(ValueError, match="nothing to save"):

@@ -103,7 +103,11 @@ def atomic_file(path: Path, mode: str = "wb", **open_args) -> Iterator[IO]:
     """A file to write `path` through: a temporary file in the same folder, flushed, synced
     and renamed over `path` when the block ends without an exception, removed when it
     raises. So an interrupted write leaves any earlier file at `path` intact. The file gets
-    the mode a plain open() would give it (the umask, or the mode of the file it replaces)."""
+    the mode a plain open() would give it (the umask, or the mode of the file it replaces).
+    A symbolic link is written through, as open() writes: its target gets the new file and
+    the link stays (a rename over the link would have replaced it with a file)."""
+    if os.path.islink(path):
+        path = Path(os.path.realpath(path))
     folder = path.parent if str(path.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
     try:
