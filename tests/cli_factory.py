@@ -11,3 +11,9 @@ def tiny() -> nn.Module:
 
 def not_a_module():
     return 42
+
+
+def exits():
+    import sys
+
+    sys.exit(0)

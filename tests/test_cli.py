@@ -50,6 +50,10 @@ def test_input_specs():
         (["tweak", f"{FACTORY}:tiny", "--input", "100000x100000x100000"], "elements is more than one input"),
         (["tweak", f"{FACTORY}:tiny", "--input", "2x8:int64:99999999999999999999"], "upper bound must be below"),
         (["tweak", f"{FACTORY}:tiny", "--input", "2x8:int64:0"], "upper bound must be at least 1"),
+        (["tweak", f"{FACTORY}:exits", "--input", "2x8"], "exited (sys.exit(0)) instead of returning a model"),
+        (["tweak", f"{os.path.join(HERE, 'cli_exits_factory.py')}:build", "--input", "2x8"], "exited (sys.exit(3))"),
+        (["tweak", f"{os.path.join(os.path.dirname(HERE), 'README.md')}:build", "--input", "2x8"],
+         "is not a Python file"),
         (["tweak", f"{FACTORY}:tiny", "--input", "2x8", "--out", "a" * 300 + ".tt"], "file name is too long"),
     ],
 )

@@ -84,6 +84,8 @@ def load_factory(target: str):
                 sys.path.insert(0, directory)  # so the file can import its neighbours
             name = os.path.splitext(os.path.basename(module_name))[0]
             spec = importlib.util.spec_from_file_location(name, module_name)
+            if spec is None or spec.loader is None:
+                raise CliError(f"the factory file {module_name} is not a Python file: give a .py file")
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
         else:
@@ -94,6 +96,9 @@ def load_factory(target: str):
         raise
     except ModuleNotFoundError as exc:
         raise CliError(f"cannot import {module_name}: {exc}") from None
+    except SystemExit as exc:
+        raise CliError(f"importing {module_name} exited (sys.exit({exc.code!r})) instead of defining the "
+                       "factory") from None
     except Exception as exc:
         raise CliError(f"importing {module_name} failed: {type(exc).__name__}: {exc}") from None
     factory = getattr(module, attr, None)
@@ -170,6 +175,9 @@ def command_tweak(args: argparse.Namespace) -> int:
     factory = load_factory(args.factory)
     try:
         model = factory()
+    except SystemExit as exc:
+        raise CliError(f"the factory {args.factory} exited (sys.exit({exc.code!r})) instead of returning a "
+                       "model") from None
     except Exception as exc:
         raise CliError(f"the factory {args.factory} failed: {type(exc).__name__}: {exc}") from None
     if not isinstance(model, torch.nn.Module):
