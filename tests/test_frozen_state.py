@@ -79,7 +79,7 @@ def test_new_weights_after_tuning_are_the_modules_answers_not_the_converted_mode
     baked = tt.installed(model)["head"].tt_backend.callable.baked
     with torch.no_grad():
         model(x)
-    assert not baked.stale  # the converted model served it
+    assert not baked.stale  # nothing changed yet: the converted model answers
     torch.manual_seed(5)
     fresh = Net().eval().state_dict()
     caplog.set_level(logging.WARNING, logger="torch_tweak")

@@ -284,3 +284,40 @@ def restore_places(places: list[Place]) -> int:
         getattr(owner, kind)[name] = tensor
         moved += 1
     return moved
+
+
+def version_of(t: torch.Tensor) -> int | None:
+    """The tensor's version counter; None for an inference tensor, which keeps none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+def weights_of(model: nn.Module) -> list[tuple]:
+    """Where a recorded graph or a converted model reads the model's parameters and buffers:
+    per tensor, its module's own table, its dotted path, its name in the table, the tensor,
+    its address and its version counter (weight_change compares them)."""
+    return [(table, f"{prefix}.{name}" if prefix else name, name, t, t.data_ptr(), version_of(t))
+            for prefix, module in model.named_modules() for table in (module._parameters, module._buffers)
+            for name, t in table.items() if t is not None]
+
+
+def weight_change(weights: list[tuple], in_place: bool = False) -> str:
+    """What changed since weights_of listed the weights, or "": a tensor replaced in its module
+    or given other memory (p.data = ..., model.to(...)); with in_place, also one written in
+    place (load_state_dict, p.mul_), which a graph sees and a converted model does not."""
+    for table, path, name, t, address, version in weights:
+        if table.get(name) is not t:
+            return f"{path} was replaced"
+        if t.data_ptr() != address:
+            return f"{path} was given other memory"
+        if in_place and version is not None and t._version != version:
+            return f"{path} was updated in place"
+    return ""
+
+
+def weights_moved(weights: list[tuple]) -> bool:
+    """Whether a weight weights_of listed was replaced or given other memory: what a recorded
+    graph, which reads them by address, cannot follow."""
+    return bool(weight_change(weights))

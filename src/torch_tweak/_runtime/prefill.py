@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .._core.model_state import weights_moved, weights_of
 from . import sampling
 
 RECORDS = frozenset({"cuda"})
@@ -147,19 +148,6 @@ def masks_as_eager(cache: Any) -> Iterator[None]:
                 if _PATCH.recordings == 0:
                     masking_utils.is_tracing = _PATCH.own
                     _PATCH.own = None
-
-
-def weights_of(model: torch.nn.Module) -> list[tuple[dict, str, torch.Tensor, int]]:
-    """Where a graph reads the model's parameters and buffers: per tensor, the module's own
-    table that holds it, its name there, the tensor and its address."""
-    return [(table, name, t, t.data_ptr()) for module in model.modules()
-            for table in (module._parameters, module._buffers) for name, t in table.items() if t is not None]
-
-
-def weights_moved(weights: list[tuple[dict, str, torch.Tensor, int]]) -> bool:
-    """Whether a tensor weights_of listed was replaced in its module, or its memory moved
-    (model.to(...) moves a parameter's data in place)."""
-    return any(table.get(name) is not t or t.data_ptr() != address for table, name, t, address in weights)
 
 
 def prompt_part(cache: Any, prompt: int) -> list[torch.Tensor]:

@@ -109,13 +109,7 @@ def _tensors(call: Any) -> list[torch.Tensor]:
 def _versions(call: Any) -> list:
     """The version counter of each tensor in a call (None for an inference tensor, which keeps
     none): one that moved across the call was written into in place."""
-    out = []
-    for leaf in _tensors(call):
-        try:
-            out.append(leaf._version)
-        except RuntimeError:
-            out.append(None)
-    return out
+    return [model_state.version_of(t) for t in _tensors(call)]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

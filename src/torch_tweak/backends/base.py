@@ -13,6 +13,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .._core import noise
+from .._core.model_state import weight_change, weights_of
 from .._core._samples import Call, unstorable
 from .._core.schema import Fraction, Spec
 from .._core.shapes import Shapes
@@ -254,13 +255,6 @@ def copy_module(module: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(module, memo)
 
 
-def _version(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # an inference tensor keeps no version counter: its identity is checked
-        return None
-
-
 def _hook_tables(module: torch.nn.Module) -> list[dict]:
     from torch.nn.modules import module as torch_module
 
@@ -285,21 +279,15 @@ class Baked:
                              "conversion, never per call; remove them before tuning (another backend keeps them)")
         self.backend = backend
         self.hooks = hooks
-        named = list(module.named_modules())
-        self.weights = [(table, f"{prefix}.{name}" if prefix else name, name, t, _version(t), t.data_ptr())
-                        for prefix, m in named for table in (m._parameters, m._buffers)
-                        for name, t in table.items() if t is not None]
+        self.weights = weights_of(module)
         self.children = [(m._modules, f"{prefix}.{name}" if prefix else name, name, child)
-                         for prefix, m in named for name, child in m._modules.items()]
+                         for prefix, m in module.named_modules() for name, child in m._modules.items()]
         self.stale = ""
 
     def changed(self) -> bool:
         if self.stale:
             return True
-        why = next((f"{path} was replaced" if table.get(name) is not t else f"{path} was updated in place"
-                    for table, path, name, t, version, address in self.weights
-                    if table.get(name) is not t or (version is not None and t._version != version)
-                    or t.data_ptr() != address), "")  # p.data = ...: the same object, other memory
+        why = weight_change(self.weights, in_place=True)
         if not why:
             why = next((f"submodule {path} was replaced" for table, path, name, child in self.children
                         if table.get(name) is not child), "")
