@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import faulthandler
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -42,6 +44,7 @@ def free_port() -> int:
 
 
 def _entry(rank: int, fn, world: int, port: int, folder: str) -> None:
+    faulthandler.enable(all_threads=True)  # a rank that aborts prints every thread's stack
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from torch_tweak._core import cpu_load
@@ -54,6 +57,14 @@ def _entry(rank: int, fn, world: int, port: int, folder: str) -> None:
         dist.barrier()  # no rank closes its connections while another still uses them
     finally:
         dist.destroy_process_group()
+    # The rank's work is done and written. Ending without the interpreter's teardown: gloo's
+    # worker threads can still be releasing tensors while the interpreter finalises, and the
+    # process then aborts ("terminate called without an active exception", SIGABRT: a thread
+    # made to exit while the interpreter finalises; seen once in CI). A failure above still
+    # raises, and torch.multiprocessing reports its traceback.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn, world: int, folder: Path, timeout: float = 120.0) -> list[dict]:
@@ -61,12 +72,22 @@ def run_ranks(fn, world: int, folder: Path, timeout: float = 120.0) -> list[dict
     context = mp.start_processes(_entry, args=(fn, world, free_port(), str(folder)), nprocs=world, join=False,
                                  start_method="spawn")
     deadline = time.monotonic() + timeout
-    while not context.join(timeout=1.0):
+    while not _joined(context, folder, world):
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
             raise AssertionError(f"the ranks were still running after {timeout:.0f} s: a rank waits in a collective")
     return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _joined(context, folder: Path, world: int) -> bool:
+    """context.join(1 s); a rank that died names the ranks whose results were written (a death
+    after every result is written is the teardown; before, the tuning)."""
+    try:
+        return context.join(timeout=1.0)
+    except mp.ProcessExitedException as exc:
+        written = [r for r in range(world) if (folder / f"rank{r}.json").exists()]
+        raise AssertionError(f"{exc}; ranks whose results were written: {written}") from exc
 
 
 # ---------------------------------------------------------------------- model
