@@ -194,3 +194,71 @@ def test_a_module_that_writes_into_its_input_keeps_only_backends_that_write_back
     if not kept:
         assert "writes into a tensor it is given" in wrapper.tt_error
     assert same(model, untuned, torch.randn(8, 16)) == 0.0
+
+
+class Bump(nn.Module):
+    """Adds one to its input in place (not idempotent, unlike a rectifier), then scales it."""
+
+    def forward(self, x):
+        x.add_(1)
+        return x * 2
+
+
+class Bumped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(16, 16)
+        self.head = Bump()
+
+    def forward(self, x):
+        x.mul_(0.5)  # the model writes into the caller's tensor too
+        h = self.stem(x)
+        return torch.cat([self.head(h), h], 1)  # h as the head left it
+
+
+def test_a_write_that_is_not_idempotent_is_checked_on_the_calls_values_and_the_dataset_is_left_alone():
+    """A module that writes into its input is recorded with the values it was called with
+    (they were recorded after its call, and Torch Eager then failed its own check with a
+    relative error of 0.59), checked and measured on copies, and the caller's dataset is never written
+    (tuning runs the model many times: the dataset held x * 0.5**n after)."""
+    torch.manual_seed(0)
+    model = Bumped().eval()
+    untuned = copy.deepcopy(model)
+    data = [torch.randn(8, 16), torch.randn(8, 16)]
+    kept = [x.clone() for x in data]
+    tt.wrap(model, ["head"])
+    tt.tune(model, data, strategy=tt.OneBackendStrategy(TorchEagerBackend()), measure=QUICK)
+    assert all(torch.equal(x, k) for x, k in zip(data, kept)), "tuning wrote into the caller's dataset"
+    wrapper = tt.installed(model)["head"]
+    assert wrapper.tt_backend is not None, wrapper.tt_error
+    x = torch.randn(8, 16)
+    x_untuned = x.clone()
+    with torch.no_grad():
+        assert torch.equal(model(x), untuned(x_untuned))
+    assert torch.equal(x, x_untuned)  # the model's own write into the caller's tensor, as untuned
+    model, untuned = Bumped().eval(), None
+    data = [torch.randn(8, 16)]
+    kept = data[0].clone()
+    tt.tweak(model, data, measure=QUICK, cache=False, progress=False)
+    assert torch.equal(data[0], kept), "tt.tweak wrote into the caller's dataset"
+
+
+def test_a_plan_loaded_onto_a_module_that_now_writes_into_its_input_refuses_a_copying_backend(tmp_path):
+    """A module whose code came to write into its input after tt.save (here its rectifier made
+    in place) does not get, from tt.load, a backend that runs on copies: the recorded call is
+    run once on the original at load to see it, and the module answers as its untuned copy."""
+    torch.manual_seed(0)
+    model = Rectify().eval()
+    model.head[0].inplace = False
+    tt.wrap(model, ["head"])
+    tt.tune(model, [torch.randn(8, 16)], strategy=tt.OneBackendStrategy(CopiesInputs()), measure=QUICK)
+    assert tt.installed(model)["head"].tt_backend is not None
+    tt.save(model, tmp_path / "plan.tt")
+    torch.manual_seed(0)
+    fresh = Rectify().eval()  # the rectifier in place again
+    untuned = copy.deepcopy(fresh)
+    with pytest.warns(UserWarning, match="writes into a tensor it is given"):
+        tt.load(fresh, tmp_path / "plan.tt", backends=[CopiesInputs()])
+    wrapper = tt.installed(fresh)["head"]
+    assert wrapper.tt_backend is None, "the copying backend was kept for a module that writes into its input"
+    assert same(fresh, untuned, torch.randn(8, 16)) == 0.0

@@ -33,7 +33,7 @@ def as_call(sample: Any, index: int) -> Call:
 
 
 def load_dataset(dataset: Any, device: torch.device | None = None) -> list[Call]:
-    """Every sample of the dataset as (args, kwargs), tensors moved to `device`."""
+    """Every sample of the dataset as (args, kwargs), copies of its tensors on `device`."""
     if isinstance(dataset, torch.Tensor):
         raise TypeError(
             "the dataset is a single Tensor; pass a sequence of samples instead, e.g. [x] "
@@ -49,7 +49,10 @@ def load_dataset(dataset: Any, device: torch.device | None = None) -> list[Call]
         raise ValueError("the dataset is empty; pass at least one sample, e.g. [x]")
     if device is not None:
         calls = [(move(args, device), move(kwargs, device)) for args, kwargs in calls]
-    return calls
+    # copies: tuning runs the model on each call many times, and a model that writes into its
+    # input (x.mul_(), ReLU(inplace=True) on an argument) must neither change the caller's
+    # tensors nor be called with values it changed
+    return [(clone(args), clone(kwargs)) for args, kwargs in calls]
 
 
 def move(value: Any, device: torch.device) -> Any:

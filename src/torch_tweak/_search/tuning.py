@@ -60,22 +60,20 @@ def _recorder(wrapper: TunedModule, mode: dict) -> Callable[..., Any]:
     params = forward_params(original)
 
     def recorder(*args: Any, **kwargs: Any) -> Any:
-        # the call is copied before it runs: a key/value cache passed in grows during it
-        before = fresh((args, kwargs)) if unstorable((args, kwargs)) is not None else None
-        versions = _versions((args, kwargs))
-        # an inference tensor keeps no version counter: its values are compared instead
-        kept = [(t, t.clone()) for t, v in zip(_tensors((args, kwargs)), versions) if v is None]
-        out = original(*args, **kwargs)
-        if _versions((args, kwargs)) != versions or any(not _same(t, copy) for t, copy in kept):
-            wrapper.__dict__["tt_writes_inputs"] = True  # it wrote into a tensor it was given
         group = group_for(groups, args, kwargs, params)  # the caller's own objects: what later calls match
+        edges = mode["edges"]
+        stored = len(group.samples) < MAX_CALLS_PER_SIGNATURE or edges is not None
+        # the call is copied before it runs: a key/value cache passed in grows during it, and a
+        # module that writes into its input would leave the values it was not called with
+        before = clone((args, kwargs)) if stored else None
+        out, wrote = call_writing(original, args, kwargs)
+        if wrote:
+            wrapper.__dict__["tt_writes_inputs"] = True
         if before is not None:
             args, kwargs = before
-        if group.signature is not None:  # stored as the backend will be called: the recorded layout
-            args, kwargs = group.signature.bind(args, kwargs)
-        edges = mode["edges"]
-        if len(group.samples) < MAX_CALLS_PER_SIGNATURE or edges is not None:
-            sample, result = (clone(args), clone(kwargs)), clone(out)
+            if group.signature is not None:  # stored as the backend will be called: the recorded layout
+                args, kwargs = group.signature.bind(args, kwargs)
+            sample, result = (args, kwargs), clone(out)
             if edges is not None:
                 edges.add(id(sample))
             group.samples.append(sample)
@@ -110,6 +108,15 @@ def _versions(call: Any) -> list:
     """The version counter of each tensor in a call (None for an inference tensor, which keeps
     none): one that moved across the call was written into in place."""
     return [model_state.version_of(t) for t in _tensors(call)]
+
+
+def call_writing(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, bool]:
+    """fn(*args, **kwargs), and whether it wrote into a tensor it was given (its version
+    counter moved; an inference tensor keeps none, so its values are compared instead)."""
+    versions = _versions((args, kwargs))
+    kept = [(t, t.clone()) for t, v in zip(_tensors((args, kwargs)), versions) if v is None]
+    out = fn(*args, **kwargs)
+    return out, _versions((args, kwargs)) != versions or any(not _same(t, copy) for t, copy in kept)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -186,7 +193,10 @@ class ModuleSearch:
             stack.close()
             raise
         stateful = any(unstorable(s) is not None for s in group.samples)  # a cache passed in: copied per call
-        self._open = _OpenGroup(node, g, group, backends, module, state, stack, stateful, label, variants)
+        # a module that writes into its input is measured on copies, which it may change at will:
+        # the recorded calls stay the ones the candidates are checked on
+        calls = [clone(s) for s in group.samples] if wrapper.__dict__.get("tt_writes_inputs") else group.samples
+        self._open = _OpenGroup(node, g, group, backends, module, state, stack, stateful, calls, label, variants)
         flags = tuple((_C.CANDIDATE_VARIANT if i in variants else 0)
                       | (_C.CANDIDATE_LOWERS_PRECISION if b.config.lowers_precision() else 0)
                       for i, b in enumerate(backends))
@@ -207,7 +217,8 @@ class ModuleSearch:
             try:
                 if wrapper.__dict__.get("tt_writes_inputs") and not backend.keeps_input_writes:
                     raise ValueError(WRITES_INPUTS.format(backend=backend.name))
-                worst = build_checked(backend, o.module, group.samples, group.outputs, self.device, o.state, log)
+                worst = build_checked(backend, o.module, group.samples, group.outputs, self.device, o.state, log,
+                                      writes=bool(wrapper.__dict__.get("tt_writes_inputs")))
             except Exception as exc:
                 mismatch = isinstance(exc, MismatchError)
                 _tell(exc, (_reason(exc), exc.error if mismatch else None, exc.tolerance if mismatch else None))
@@ -221,7 +232,7 @@ class ModuleSearch:
 
     def run(self, node: int, g: int, c: int, i: int) -> None:
         o = self._open
-        sample = o.group.samples[i]
+        sample = o.calls[i]
         args, kwargs = fresh(sample) if o.stateful else sample
         o.backends[c].callable(*args, **kwargs)
 
@@ -268,6 +279,7 @@ class _OpenGroup:
     state: model_state.Snapshot
     stack: contextlib.ExitStack
     stateful: bool
+    calls: list[Call]  # what the candidates are measured on: the recorded calls, or copies of them
     label: str
     variants: frozenset[int] = frozenset()  # the candidates an axis added (flagged CANDIDATE_VARIANT)
 
@@ -473,35 +485,45 @@ def rebuild_group(wrapper: TunedModule, group: SignatureGroup, backend: Backend,
     title = f"{backend!r} for {wrapper.tt_name or '(root)'} of {model_class}, signature {group.text} (rebuilt)"
     static = group.signature is not None and not group.varying
     with capture_build(path, title) as log, torch.no_grad(), build_scopes([backend], static):
-        worst = build_checked(backend, module, group.samples, group.outputs, device, state, log, bounded)
+        # the module may have come to write into its input since the plan was made (its code changed)
+        args, kwargs = clone(group.samples[0])
+        writes = call_writing(module, args, kwargs)[1]
+        put_back(state, log)
+        if writes and not backend.keeps_input_writes:
+            raise ValueError(WRITES_INPUTS.format(backend=backend.name))
+        worst = build_checked(backend, module, group.samples, group.outputs, device, state, log, bounded, writes)
         log.outcome = f"rebuilt; passed the correctness check (largest relative error {worst:.3g})"
     return worst
 
 
 def build_checked(backend: Backend, module: nn.Module, samples: Sequence[Call], refs: Sequence[Any],
-                  device: torch.device, state: model_state.Snapshot, log: BuildLog, bounded: bool = False) -> float:
+                  device: torch.device, state: model_state.Snapshot, log: BuildLog, bounded: bool = False,
+                  writes: bool = False) -> float:
     """Builds `backend` for `module` (first in an isolated child when the backend asks for it)
     and checks it on `samples` against `refs`; returns the largest error. Whatever the build
     and the check changed in the module (its structure: hooks, attributes, submodules,
     registrations; training flags, parameters, buffers) is put back, also when they raise, and
     written in the build log. The structure is put back before the check: the candidate is
-    checked on the module as the user will have it. bounded: the tolerance came from a file."""
+    checked on the module as the user will have it. bounded: the tolerance came from a file.
+    writes: the module writes into its inputs, so the build and each check get copies of the
+    calls (else only a key/value cache in them is copied)."""
     refused = distributed.enter_build(backend)
     if refused is not None:
         raise BackendUnavailable(refused)
     # under torch.distributed each step is agreed on by every rank (a failure anywhere fails it everywhere)
     step = distributed.step
+    copy = clone if writes else fresh
     if backend.isolate_build:
         isolation.check(backend, module, samples, device, log.notes)  # raises BuildCrashed
     try:
         try:
             # a key/value cache in a call grows at every call: each use gets its own copy
-            fn = step(lambda: backend.prepare(module, [fresh(s) for s in samples], device), "the build")
+            fn = step(lambda: backend.prepare(module, [copy(s) for s in samples], device), "the build")
         finally:
             put_back(state, log)  # before the check: weights a backend moved are back on their device
         worst = 0.0
         for j, sample in enumerate(samples):
-            args, kwargs = fresh(sample)
+            args, kwargs = copy(sample)
             worst = max(worst, step(lambda: check(fn(*args, **kwargs), refs[j], backend.check_tolerance(),
                                                   where=f"sample {j}", bounded=bounded), f"the check of sample {j}"))
     finally:
