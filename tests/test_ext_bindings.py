@@ -1054,3 +1054,40 @@ def test_replay_steps_stays_interruptible_when_no_python_runs_per_token():
     finally:
         killer.wait()
     assert time.monotonic() - start < 20
+
+
+# ---------------------------------------------------------------- weight_change
+
+
+def test_weight_change_finds_the_first_weight_replaced_moved_or_written():
+    torch = pytest.importorskip("torch")
+    from torch_tweak._core.model_state import weight_change, weights_of
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    weights = weights_of(model)
+    assert _C.weight_change(weights, True) is None and weight_change(weights, in_place=True) == ""
+    with torch.no_grad():
+        model[1].weight.mul_(2)  # in place: seen only with in_place
+    assert _C.weight_change(weights, False) is None
+    assert _C.weight_change(weights, True) == (2, 2)
+    assert weight_change(weights, in_place=True) == "1.weight was updated in place"
+    model[0].bias.data = torch.zeros(4)  # other memory, same object
+    assert _C.weight_change(weights, False) == (1, 1)
+    assert weight_change(weights) == "0.bias was given other memory"
+    model[0].weight = torch.nn.Parameter(model[0].weight.detach().clone())  # replaced in its module
+    assert _C.weight_change(weights, False) == (0, 0) and weight_change(weights) == "0.weight was replaced"
+    del model[1]._parameters["bias"]  # gone from its table: replaced
+    assert _C.weight_change(weights[3:], False) == (0, 0)
+    with torch.inference_mode():  # inference tensors keep no version counter: their version is None
+        frozen = torch.nn.Linear(2, 2)
+    listed = weights_of(frozen)
+    assert [entry[5] for entry in listed] == [None, None] and _C.weight_change(listed, True) is None
+
+
+@pytest.mark.parametrize("weights, in_place, error", [
+    ((), True, TypeError), ([("table", "p", "n", None, 0, None)], True, TypeError),
+    ([({}, "p")], False, TypeError), ([({"n": 1}, "p", "n", 1, 0, None)], False, AttributeError),
+])
+def test_weight_change_refuses_what_weights_of_does_not_make(weights, in_place, error):
+    with pytest.raises(error):
+        _C.weight_change(weights, in_place)

@@ -177,3 +177,73 @@ cleanup:
     Py_XDECREF(params);
     return rc;
 }
+
+/* 1 when `now` (a new reference, consumed; NULL with an exception) is not
+ * equal to `then`; 0 when equal; -1 on error. */
+static int
+tt_differs(PyObject *now, PyObject *then)
+{
+    int rc;
+
+    if (now == NULL)
+        return -1;
+    rc = PyObject_RichCompareBool(now, then, Py_NE);
+    Py_DECREF(now);
+    return rc;
+}
+
+/* The kind of change of one weights_of entry: -1 none, 0 replaced, 1 other
+ * memory, 2 written in place; -2 on error (an exception set). */
+static int
+tt_weight_entry_change(TtState *st, PyObject *entry, int in_place)
+{
+    PyObject *table, *name, *tensor, *address, *version; /* borrowed from entry */
+    PyObject *now;                                       /* borrowed from table */
+    int rc;
+
+    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 6 ||
+        !PyDict_Check(PyTuple_GET_ITEM(entry, 0))) {
+        PyErr_SetString(PyExc_TypeError, "weight_change: each entry must be a tuple (table, path, "
+                                         "name, tensor, address, version) as weights_of makes");
+        return -2;
+    }
+    table = PyTuple_GET_ITEM(entry, 0);
+    name = PyTuple_GET_ITEM(entry, 2);
+    tensor = PyTuple_GET_ITEM(entry, 3);
+    address = PyTuple_GET_ITEM(entry, 4);
+    version = PyTuple_GET_ITEM(entry, 5);
+    now = PyDict_GetItemWithError(table, name);
+    if (now == NULL && PyErr_Occurred())
+        return -2;
+    if (now != tensor)
+        return 0;
+    rc = tt_differs(PyObject_CallMethodNoArgs(tensor, st->str_data_ptr), address);
+    if (rc != 0)
+        return rc < 0 ? -2 : 1;
+    if (!in_place || version == Py_None)
+        return -1;
+    rc = tt_differs(PyObject_GetAttr(tensor, st->str_version), version);
+    return rc < 0 ? -2 : rc ? 2 : -1;
+}
+
+PyObject *
+tt_py_weight_change(PyObject *module, PyObject *args)
+{
+    TtState *st = (TtState *)PyModule_GetState(module);
+    PyObject *weights, *entry; /* borrowed */
+    Py_ssize_t i;
+    int in_place, kind;
+
+    if (!PyArg_ParseTuple(args, "O!p:weight_change", &PyList_Type, &weights, &in_place))
+        return NULL;
+    for (i = 0; i < PyList_GET_SIZE(weights); i++) {
+        entry = Py_NewRef(PyList_GET_ITEM(weights, i)); /* held: a call below may run Python */
+        kind = tt_weight_entry_change(st, entry, in_place);
+        Py_DECREF(entry);
+        if (kind == -2)
+            return NULL;
+        if (kind >= 0)
+            return Py_BuildValue("(ni)", i, kind);
+    }
+    Py_RETURN_NONE;
+}

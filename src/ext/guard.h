@@ -32,4 +32,13 @@ void tt_entry_lock_release(TtEntryLock *l);
  * read). */
 int tt_needs_grad(TtState *st, PyObject *module_params, PyObject *const *args, Py_ssize_t n);
 
+/* weight_change(weights, in_place) -> None or (index, kind): the first entry
+ * of `weights` (a list of (table, path, name, tensor, address, version), as
+ * torch_tweak._core.model_state.weights_of lists them) whose tensor changed
+ * since: kind 0, table[name] is no longer the tensor (replaced); 1, its
+ * data_ptr() is no longer address (other memory); 2, with in_place true and a
+ * version that is not None, its _version is no longer version (written in
+ * place). Read per call of a converted model and per prefill replay. */
+PyObject *tt_py_weight_change(PyObject *module, PyObject *args);
+
 #endif /* TT_GUARD_H */

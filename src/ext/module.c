@@ -8,6 +8,7 @@
 #include "config.h"
 #include "dispatcher.h"
 #include "graph.h"
+#include "guard.h"
 #include "measure.h"
 #include "padded.h"
 #include "result.h"
@@ -94,6 +95,11 @@ static PyMethodDef tt_module_methods[] = {
      "A decode loop's tokens start..stop-1: replay() once per token, in bursts of\n"
      "`every`; after each burst, finished(tokens so far) ends the loop\n"
      "when true. Returns the tokens so far (stop, or fewer when finished said so)."},
+    {"weight_change", (PyCFunction)tt_py_weight_change, METH_VARARGS,
+     "weight_change(weights, in_place) -> None or (index, kind)\n\n"
+     "The first entry of weights (model_state.weights_of's list) whose tensor changed:\n"
+     "kind 0 replaced in its module, 1 given other memory, 2 written in place (only\n"
+     "with in_place, and for a tensor that keeps a version counter)."},
     {"enable_vectorcall", (PyCFunction)tt_py_enable_vectorcall, METH_O,
      "enable_vectorcall(cls) -> bool\n\n"
      "Sets the vectorcall flag on a Python subclass of Dispatcher whose __call__\n"

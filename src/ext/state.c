@@ -41,7 +41,8 @@ tt_state_init(TtState *st)
         (st->str_narrow = tt_intern("narrow")) == NULL ||
         (st->str_zero_ = tt_intern("zero_")) == NULL ||
         (st->str_slow = tt_intern("_slow")) == NULL ||
-        (st->str_training = tt_intern("training")) == NULL)
+        (st->str_training = tt_intern("training")) == NULL ||
+        (st->str_version = tt_intern("_version")) == NULL)
         goto error;
     rc = 0;
 error:
@@ -110,6 +111,7 @@ tt_state_clear(TtState *st)
     Py_CLEAR(st->str_zero_);
     Py_CLEAR(st->str_slow);
     Py_CLEAR(st->str_training);
+    Py_CLEAR(st->str_version);
 }
 
 TtState *

@@ -52,6 +52,7 @@ typedef struct TtState {
     PyObject *str_zero_;
     PyObject *str_slow;           /* "_slow": a padded call's way back to Python */
     PyObject *str_training;       /* "training": a module's train mode, in its __dict__ */
+    PyObject *str_version;        /* "_version": a tensor's version counter */
 } TtState;
 
 /* The module definition that tt_state_from_type looks for; module.c tells it

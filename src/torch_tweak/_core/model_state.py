@@ -31,6 +31,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from .. import _C
+
 PARAM_COPY_LIMIT = 256 * 2**20
 """Parameters of a module up to this many bytes are copied by a snapshot, so values a
 backend wrote in place (even through ``.data``) are put back; larger ones are watched
@@ -307,14 +309,11 @@ def weight_change(weights: list[tuple], in_place: bool = False) -> str:
     """What changed since weights_of listed the weights, or "": a tensor replaced in its module
     or given other memory (p.data = ..., model.to(...)); with in_place, also one written in
     place (load_state_dict, p.mul_), which a graph sees and a converted model does not."""
-    for table, path, name, t, address, version in weights:
-        if table.get(name) is not t:
-            return f"{path} was replaced"
-        if t.data_ptr() != address:
-            return f"{path} was given other memory"
-        if in_place and version is not None and t._version != version:
-            return f"{path} was updated in place"
-    return ""
+    found = _C.weight_change(weights, in_place)  # per call of a converted model: read in C
+    if found is None:
+        return ""
+    index, kind = found
+    return f"{weights[index][1]} was {('replaced', 'given other memory', 'updated in place')[kind]}"
 
 
 def weights_moved(weights: list[tuple]) -> bool:
