@@ -262,3 +262,31 @@ def test_a_plan_loaded_onto_a_module_that_now_writes_into_its_input_refuses_a_co
     wrapper = tt.installed(fresh)["head"]
     assert wrapper.tt_backend is None, "the copying backend was kept for a module that writes into its input"
     assert same(fresh, untuned, torch.randn(8, 16)) == 0.0
+
+
+@pytest.mark.parametrize("name", ["Torch Eager", "OpenVINO"])
+def test_a_model_made_under_inference_mode_is_tuned_saved_and_loaded(tmp_path, name):
+    """Weights made under torch.inference_mode() are inference tensors, which keep no version
+    counter: tt.tweak and tt.tune raised "Inference tensors do not track version counter" from
+    their snapshot of the model, before anything was tuned."""
+    backend = TorchEagerBackend() if name == "Torch Eager" else converting(name)
+    x = torch.randn(8, 16)
+    with torch.inference_mode():
+        torch.manual_seed(0)
+        model = Net().eval()
+        untuned = copy.deepcopy(model)
+        result = tt.tweak(model, [torch.randn(8, 16)], strategy=tt.OneBackendStrategy(backend), measure=QUICK,
+                          cache=False, progress=False, max_depth=1)
+        assert all(row.failed == 0 and not row.error for row in result.rows), str(result)
+        assert same(model, untuned, x) < 1e-5
+        torch.manual_seed(0)
+        model = Net().eval()
+        tt.wrap(model, ["head"])
+        tt.tune(model, [torch.randn(8, 16)], strategy=tt.OneBackendStrategy(backend), measure=QUICK)
+        assert tt.status(model)["head"].backend == backend.name, tt.installed(model)["head"].tt_error
+        assert same(model, untuned, x) < 1e-5
+        tt.save(model, tmp_path / "plan.tt")
+        torch.manual_seed(0)
+        fresh = Net().eval()
+        tt.load(fresh, tmp_path / "plan.tt", backends=[backend.fresh()])
+        assert tt.status(fresh)["head"].backend == backend.name and same(fresh, untuned, x) < 1e-5

@@ -177,7 +177,7 @@ class Snapshot:
                             continue
                         keep = kind == "_buffers" or copy_params
                         self.tensors.append(_Tensor(owner, kind, name, tensor, tensor.data, tensor.requires_grad,
-                                                    tensor._version, tensor.detach().clone() if keep else None))
+                                                    version_of(tensor), tensor.detach().clone() if keep else None))
 
     def restore(self) -> list[str]:
         """Puts back whatever changed; returns one line per change (empty: nothing had)."""
@@ -223,7 +223,7 @@ def _restore_tensor(t: _Tensor, where: str) -> list[str]:
         if not _same(t.data, t.copy):
             t.data.copy_(t.copy)
             changes.append(f"{where}: written in place; its values put back")
-    elif t.tensor._version != t.version:
+    elif t.version is not None and version_of(t.tensor) != t.version:  # an inference tensor keeps none
         changes.append(f"{where}: written in place; NOT put back (parameters over "
                        f"{PARAM_COPY_LIMIT >> 20} MiB are not copied)")
     return changes
