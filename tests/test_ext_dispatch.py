@@ -560,11 +560,11 @@ def test_entry_flags_are_checked():
 
 
 def test_no_autograd_entry_runs_the_original_when_autograd_would_record():
-    lin = nn.Linear(3, 3)
+    lin = nn.Linear(3, 3).eval()  # in train mode, the train rule would run the original first
     x = torch.randn(2, 3)
     backend, calls = counting("backend")
     d = bound_dispatcher(_C.Signature((x,), {}), backend, _C.ENTRY_NO_AUTOGRAD, original=lin)
-    d._tt_set_params(tuple(m._parameters for m in lin.modules()))
+    d._tt_set_module(lin)
     assert d(x).requires_grad and d._tt_grad_fallbacks == 1 and not calls  # weights need grad
     with torch.no_grad():
         assert d(x) == "backend"
@@ -574,6 +574,50 @@ def test_no_autograd_entry_runs_the_original_when_autograd_would_record():
     assert d(x) == "backend"
     assert d(x.clone().requires_grad_()).requires_grad  # an input needs grad
     assert d._tt_grad_fallbacks == 2
+
+
+def test_the_rules_read_the_module_tree_as_it_is_at_each_call():
+    """A submodule added after _tt_set_module is read too: its parameters (the grad rule)
+    and its train flag (the train rule); a tree that contains itself is an error, not a hang."""
+    seq = nn.Sequential(nn.Linear(3, 3)).eval().requires_grad_(False)
+    x = torch.randn(2, 3)
+    backend, calls = counting("backend")
+    d = bound_dispatcher(_C.Signature((x,), {}), backend, _C.ENTRY_NO_AUTOGRAD, original=seq)
+    d._tt_set_module(seq)
+    assert d(x) == "backend"
+    seq.append(nn.Linear(3, 3).eval())  # its parameters require grad
+    assert d(x).requires_grad and d._tt_grad_fallbacks == 1
+    seq[1].requires_grad_(False)
+    assert d(x) == "backend" and d._tt_train_fallbacks == 0
+    seq[1].training = 1  # true for dropout and batch norm, though not True
+    assert torch.is_tensor(d(x)) and d._tt_train_fallbacks == 1
+    seq[1].training = False
+    seq._modules["loop"] = seq  # hostile: the tree contains itself
+    with pytest.raises(RecursionError, match="contains itself"):
+        d(x)
+    del seq._modules["loop"]
+    d._tt_set_module(None)
+    seq.train()
+    assert d(x) == "backend" and d._tt_train_fallbacks == 1  # no module: no rule read
+
+
+def test_dict_change_names_the_first_table_that_moved():
+    a, b = {"x": 1, "y": "s"}, {"m": None}
+    tables = [(a, dict(a), False), (b, dict(b), True), ({}, {}, True)]
+    assert _C.dict_change(tables) is None
+    a["z"] = 3  # a key added: only an exact table minds
+    assert _C.dict_change(tables) is None
+    b["n"] = 1
+    assert _C.dict_change(tables) == 1
+    del b["n"]
+    a["x"] = 2
+    assert _C.dict_change(tables) == 0
+    a["x"] = 1
+    del a["y"]
+    assert _C.dict_change(tables) == 0
+    for bad in ((), [(a, a)], [(a, "b", True)], [("a", a, True)]):
+        with pytest.raises(TypeError):
+            _C.dict_change(bad)
 
 
 def test_autograd_entries_never_read_grad_mode():

@@ -108,7 +108,7 @@ def test_weights_given_other_memory_or_a_replaced_submodule_are_seen(change):
         model.head[0].weight.data = new.clone()
         untuned.head[0].weight.data = new.clone()
     else:
-        layer = nn.Linear(16, 16)
+        layer = nn.Linear(16, 16).eval()
         model.head[0] = layer
         untuned.head[0] = copy.deepcopy(layer)
     assert same(model, untuned, x) == 0.0
@@ -290,3 +290,93 @@ def test_a_model_made_under_inference_mode_is_tuned_saved_and_loaded(tmp_path, n
         fresh = Net().eval()
         tt.load(fresh, tmp_path / "plan.tt", backends=[backend.fresh()])
         assert tt.status(fresh)["head"].backend == backend.name and same(fresh, untuned, x) < 1e-5
+
+
+# ---------------------------------------------- the module as it is at each call (a fifth attack)
+
+
+def tune_block(backend, block, samples=None):
+    """A Linear then `block`, with `block` tuned on `backend`; and an untuned copy."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), block).eval()
+    untuned = copy.deepcopy(model)
+    tt.wrap(model, ["1"])
+    tt.tune(model, samples or [torch.randn(8, 16)], strategy=tt.OneBackendStrategy(backend), measure=QUICK)
+    assert tt.status(model)["1"].backend == backend.name, tt.installed(model)["1"].tt_error
+    return model, untuned
+
+
+@pytest.mark.parametrize("change", ["appended", "attribute"])
+def test_a_submodule_added_or_an_attribute_set_after_tuning_is_seen(change):
+    """A converted model took in the module's submodules and plain attributes: a submodule
+    appended (Sequential.append) or a slope set afterwards went on being served by the
+    converted model, silently (relative error about 1)."""
+    model, untuned = tune_block(converting("ONNXRuntime"), nn.Sequential(nn.Linear(16, 16), nn.LeakyReLU(0.01)))
+    for m in (model, untuned):
+        if change == "appended":
+            torch.manual_seed(3)
+            m[1].append(nn.Linear(16, 16).eval())
+        else:
+            m[1][1].negative_slope = 0.5
+    assert same(model, untuned, torch.randn(8, 16)) == 0.0
+    stale = tt.installed(model)["1"].tt_backend.callable.baked.stale
+    assert ("a submodule of the module" if change == "appended" else "an attribute of module 1") in stale, stale
+
+
+class FlagBatchNorm(nn.BatchNorm1d):
+    """Keeps its train flag behind a property, so that its __dict__ has none."""
+
+    def __init__(self, n: int) -> None:
+        self._mode = True
+        super().__init__(n)
+
+    @property
+    def training(self):
+        return self._mode
+
+    @training.setter
+    def training(self, value):
+        self._mode = value
+
+
+@pytest.mark.parametrize("how", ["replaced", "1", "numpy", "tensor", "property"])
+def test_train_mode_is_read_on_the_module_as_it_is_at_the_call(how):
+    """The train rule read the flags of the submodules there were at tuning, and only a flag
+    that is True itself: a batch norm put in later (in train mode, as a new module is), a flag
+    set to 1, numpy's True or a true tensor (which batch norm and dropout take as train mode),
+    and a flag kept behind a property all left the converted model serving eval answers, and
+    the running statistics not updated. Each must run as the untuned copy does, counted."""
+    import numpy as np
+
+    norm = FlagBatchNorm(16) if how == "property" else nn.BatchNorm1d(16)
+    model, untuned = tune_block(converting("ONNXRuntime"), nn.Sequential(nn.Linear(16, 16), norm.eval()))
+    for m in (model, untuned):
+        if how == "replaced":
+            m[1][1] = nn.BatchNorm1d(16)
+        elif how == "property":
+            m[1][1].train()
+        else:
+            m[1][1].training = {"1": 1, "numpy": np.True_, "tensor": torch.tensor(True)}[how]
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        assert torch.equal(model(x), untuned(x))
+    assert torch.equal(model[1][1].running_mean, untuned[1][1].running_mean)
+    assert int(untuned[1][1].num_batches_tracked) == 1
+    assert tt.status(model)["1"].untuned["train mode"] == 1
+
+
+def test_a_padded_bucket_sees_a_batch_norm_put_in_after_tuning():
+    """A bucket pads the call: a batch norm in train mode there would take the padded rows
+    into its statistics (found by the attack with a PaddedGraphBackend without a graph)."""
+    from torch_tweak.backends import PaddedGraphBackend
+
+    model, untuned = tune_block(PaddedGraphBackend(graph=False, compile=False),
+                                nn.Sequential(nn.Linear(16, 16), nn.Identity()),
+                                [torch.randn(b, 16) for b in (2, 4, 8)])
+    for m in (model, untuned):
+        m[1][1] = nn.BatchNorm1d(16)
+    x = torch.randn(3, 16)  # padded to 4
+    with torch.no_grad():
+        assert torch.equal(model(x), untuned(x))
+    assert torch.equal(model[1][1].running_mean, untuned[1][1].running_mean)
+    assert tt.status(model)["1"].untuned["train mode"] == 1

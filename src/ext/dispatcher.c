@@ -26,8 +26,7 @@ typedef struct {
     PyObject *original;  /* NULL until _tt_bind */
     PyObject *recorder;  /* NULL when none */
     PyObject *entries;   /* the entry table (entries.h) */
-    PyObject *params;    /* NULL, or a tuple of the module's parameter dicts */
-    PyObject *modules;   /* NULL, or a tuple of the __dict__ of the module and each submodule */
+    PyObject *module;    /* NULL, or the module whose tree the train and grad rules read */
     PyObject *notify;    /* NULL, or called with a reason on its first untuned call */
     Py_ssize_t last;     /* index of the last matching entry */
     int mode;
@@ -75,29 +74,15 @@ cleanup:
     return rc;
 }
 
-/* 1 when the module or a submodule is in train mode (its "training" is True), 0
- * when none is, -1 on an error. */
+/* 1 when the module or a submodule is in train mode (tt_in_train_mode), 0 when
+ * none is, -1 on an error. */
 static int
 tt_dispatcher_training(TtDispatcher *self)
 {
-    PyObject *modules = Py_NewRef(self->modules);
-    PyObject *training = self->state->str_training;
-    Py_ssize_t i;
-    int rc = 0;
+    PyObject *module = Py_NewRef(self->module); /* held: the walk may run Python */
+    int rc = tt_in_train_mode(self->state, module);
 
-    for (i = 0; i < PyTuple_GET_SIZE(modules); i++) {
-        PyObject *flag = PyDict_GetItemWithError(PyTuple_GET_ITEM(modules, i), training);
-
-        if (flag == Py_True) {
-            rc = 1;
-            break;
-        }
-        if (flag == NULL && PyErr_Occurred()) {
-            rc = -1;
-            break;
-        }
-    }
-    Py_DECREF(modules);
+    Py_DECREF(module);
     return rc;
 }
 
@@ -118,7 +103,7 @@ tt_dispatcher_vectorcall(PyObject *callable, PyObject *const *args, size_t nargs
     stack.room = 0;
     self->calls++;
     if (TT_LIKELY(self->mode == TT_MODE_ACTIVE)) {
-        if (TT_UNLIKELY(self->modules != NULL)) {
+        if (TT_UNLIKELY(self->module != NULL)) {
             /* every backend was built and checked in eval mode: a module in train mode
              * (dropout, batch norm's statistics) runs the original */
             int training = tt_dispatcher_training(self);
@@ -146,7 +131,10 @@ tt_dispatcher_vectorcall(PyObject *callable, PyObject *const *args, size_t nargs
             found = 0; /* a signature kept on the original: counted as unmatched */
         if (TT_UNLIKELY(found && hit.flags != 0)) {
             if (hit.flags & TT_ENTRY_NO_AUTOGRAD) {
-                grad = tt_needs_grad(self->state, self->params, hit.args, hit.n);
+                PyObject *module = Py_XNewRef(self->module); /* held while read */
+
+                grad = tt_needs_grad(self->state, module, hit.args, hit.n);
+                Py_XDECREF(module);
                 if (grad < 0)
                     goto cleanup;
                 if (grad) {
@@ -231,8 +219,7 @@ tt_dispatcher_traverse(TtDispatcher *self, visitproc visit, void *arg)
     Py_VISIT(self->original);
     Py_VISIT(self->recorder);
     Py_VISIT(self->entries);
-    Py_VISIT(self->params);
-    Py_VISIT(self->modules);
+    Py_VISIT(self->module);
     Py_VISIT(self->notify);
     return 0;
 }
@@ -243,8 +230,7 @@ tt_dispatcher_clear(TtDispatcher *self)
     Py_CLEAR(self->original);
     Py_CLEAR(self->recorder);
     Py_CLEAR(self->entries);
-    Py_CLEAR(self->params);
-    Py_CLEAR(self->modules);
+    Py_CLEAR(self->module);
     Py_CLEAR(self->notify);
     /* a call after clear (from a finalizer) falls back and finds no original */
     self->mode = TT_MODE_ORIGINAL;
@@ -399,29 +385,10 @@ tt_dispatcher_set_entries(TtDispatcher *self, PyObject *arg)
 
 /* *slot = value, a tuple of dicts (NULL for None); else a TypeError saying `what`. */
 static PyObject *
-tt_dispatcher_set_dicts(PyObject **slot, PyObject *value, const char *what)
+tt_dispatcher_set_module(TtDispatcher *self, PyObject *module)
 {
-    Py_ssize_t i;
-
-    if (value != Py_None) {
-        if (!PyTuple_Check(value))
-            goto bad;
-        for (i = 0; i < PyTuple_GET_SIZE(value); i++)
-            if (!PyDict_Check(PyTuple_GET_ITEM(value, i)))
-                goto bad;
-    }
-    Py_XSETREF(*slot, value == Py_None ? NULL : Py_NewRef(value));
+    Py_XSETREF(self->module, module == Py_None ? NULL : Py_NewRef(module));
     Py_RETURN_NONE;
-bad:
-    PyErr_SetString(PyExc_TypeError, what);
-    return NULL;
-}
-
-static PyObject *
-tt_dispatcher_set_params(TtDispatcher *self, PyObject *params)
-{
-    return tt_dispatcher_set_dicts(&self->params, params,
-                                   "_tt_set_params: a tuple of the module's parameter dicts, or None");
 }
 
 static PyObject *
@@ -446,14 +413,6 @@ tt_dispatcher_reset_untuned(TtDispatcher *self, PyObject *unused)
     self->train_fallbacks = 0;
     self->notified = 0;
     Py_RETURN_NONE;
-}
-
-static PyObject *
-tt_dispatcher_set_modules(TtDispatcher *self, PyObject *modules)
-{
-    return tt_dispatcher_set_dicts(
-        &self->modules, modules,
-        "_tt_set_modules: a tuple of the __dict__ of the module and its submodules, or None");
 }
 
 static PyObject *
@@ -519,7 +478,7 @@ static PyGetSetDef tt_dispatcher_getset[] = {
      "would record the call (see ENTRY_NO_AUTOGRAD), so the original ran.",
      TT_FIELD(TtDispatcher, grad_fallbacks)},
     {"_tt_train_fallbacks", tt_get_counter, NULL,
-     "Calls in active mode while the module or a submodule (_tt_set_modules) was in\n"
+     "Calls in active mode while the module or a submodule (_tt_set_module) was in\n"
      "train mode, so the original ran.",
      TT_FIELD(TtDispatcher, train_fallbacks)},
     {NULL, NULL, NULL, NULL, NULL}};
@@ -529,16 +488,14 @@ static PyMethodDef tt_dispatcher_methods[] = {
      "_tt_bind(original): the callable for mode 0 and for fallbacks."},
     {"_tt_set_entries", (PyCFunction)tt_dispatcher_set_entries, METH_O,
      "_tt_set_entries([(signature or None, backend[, flags]), ...]); flags: ENTRY_* bits."},
-    {"_tt_set_params", (PyCFunction)tt_dispatcher_set_params, METH_O,
-     "_tt_set_params(tuple of dicts or None): the module's parameter dicts, read for\n"
-     "ENTRY_NO_AUTOGRAD entries while grad mode is on."},
     {"_tt_set_notify", (PyCFunction)tt_dispatcher_set_notify, METH_O,
      "_tt_set_notify(callable or None): called with the reason of the first untuned\n"
      "call per reason (\"no signature matched\", \"grad mode\", \"train mode\") from now on."},
-    {"_tt_set_modules", (PyCFunction)tt_dispatcher_set_modules, METH_O,
-     "_tt_set_modules(tuple of dicts or None): the __dict__ of the module and each\n"
-     "submodule; in active mode a call while any says training=True runs the original\n"
-     "(_tt_train_fallbacks)."},
+    {"_tt_set_module", (PyCFunction)tt_dispatcher_set_module, METH_O,
+     "_tt_set_module(module or None): the module whose tree, as it is at each call, the\n"
+     "rules read: in active mode a call while it or a submodule is in train mode runs\n"
+     "the original (_tt_train_fallbacks), and so does a call of an ENTRY_NO_AUTOGRAD\n"
+     "entry in grad mode while one of their parameters requires grad."},
     {"_tt_reset_untuned", (PyCFunction)tt_dispatcher_reset_untuned, METH_NOARGS,
      "_tt_reset_untuned(): the untuned counters to 0, every reason notified again."},
     {"_tt_set_recorder", (PyCFunction)tt_dispatcher_set_recorder, METH_O,
@@ -560,7 +517,7 @@ static PyType_Slot tt_dispatcher_slots[] = {
                 "flags: ENTRY_SERIALIZE (one call at a time), ENTRY_NO_AUTOGRAD (the\n"
                 "original runs when autograd would record the call; _tt_grad_fallbacks),\n"
                 "ENTRY_LAYOUT_ONLY (bind the layout, the backend checks the values).\n"
-                "A call in mode 1 while a module of _tt_set_modules is in train mode runs\n"
+                "A call in mode 1 while the _tt_set_module tree is in train mode runs\n"
                 "the original (_tt_train_fallbacks)."},
     {Py_tp_new, tt_dispatcher_new},
     {Py_tp_dealloc, tt_dispatcher_dealloc},

@@ -24,13 +24,29 @@ int tt_entry_lock_acquire(TtEntryLock *l);
 /* Gives back one acquire. */
 void tt_entry_lock_release(TtEntryLock *l);
 
+/* Called by tt_module_walk per module with its __dict__ (borrowed): > 0 stops
+ * the walk and is its result, 0 goes on, < 0 is an error (an exception set). */
+typedef int (*tt_module_visit)(TtState *st, PyObject *module, PyObject *dict, void *ctx);
+
+/* Visits `module` and every submodule as they are now (nn.Module._modules,
+ * followed from each module's __dict__, depth first; a module registered at
+ * two places is visited at each): what a submodule added or replaced since
+ * tuning holds is read too. Returns the first visit's result > 0, else 0;
+ * -1 on error (also past 2**20 visits: a tree that contains itself). */
+int tt_module_walk(TtState *st, PyObject *module, tt_module_visit visit, void *ctx);
+
+/* 1 when `module` or a submodule is in train mode: its training flag, from its
+ * __dict__ or else its class (a property), is true (1, numpy's True and a true
+ * tensor count, as they do for dropout and batch norm); 0 when none is; -1 on
+ * error. */
+int tt_in_train_mode(TtState *st, PyObject *module);
+
 /* 1 when autograd would record the original's work on this call: grad mode
  * is on and an argument (or a tensor in a tuple/list argument) or a
- * parameter of the module requires grad; 0 when not; -1 on error. Read only
- * for an entry whose backend returns no autograd outputs. module_params:
- * NULL, or a tuple of the module's parameter dicts (borrowed; held while
- * read). */
-int tt_needs_grad(TtState *st, PyObject *module_params, PyObject *const *args, Py_ssize_t n);
+ * parameter of `module` or of a submodule (NULL: none) requires grad; 0 when
+ * not; -1 on error. Read only for an entry whose backend returns no autograd
+ * outputs. */
+int tt_needs_grad(TtState *st, PyObject *module, PyObject *const *args, Py_ssize_t n);
 
 /* weight_change(weights, in_place) -> None or (index, kind): the first entry
  * of `weights` (a list of (table, path, name, tensor, address, version), as
@@ -40,5 +56,12 @@ int tt_needs_grad(TtState *st, PyObject *module_params, PyObject *const *args, P
  * version that is not None, its _version is no longer version (written in
  * place). Read per call of a converted model and per prefill replay. */
 PyObject *tt_py_weight_change(PyObject *module, PyObject *args);
+
+/* dict_change(pairs) -> None or index: the first (live, saved, exact) of the
+ * list `pairs` whose dict `live` no longer holds what `saved` (a copy taken
+ * earlier) holds: a key whose value is another object, or a key gone; with
+ * exact true, also a key added. What a converted model took in when it was
+ * built (its module's plain attributes, submodules, hook tables), per call. */
+PyObject *tt_py_dict_change(PyObject *module, PyObject *pairs);
 
 #endif /* TT_GUARD_H */

@@ -42,7 +42,9 @@ tt_state_init(TtState *st)
         (st->str_zero_ = tt_intern("zero_")) == NULL ||
         (st->str_slow = tt_intern("_slow")) == NULL ||
         (st->str_training = tt_intern("training")) == NULL ||
-        (st->str_version = tt_intern("_version")) == NULL)
+        (st->str_version = tt_intern("_version")) == NULL ||
+        (st->str_modules = tt_intern("_modules")) == NULL ||
+        (st->str_parameters = tt_intern("_parameters")) == NULL)
         goto error;
     rc = 0;
 error:
@@ -112,6 +114,8 @@ tt_state_clear(TtState *st)
     Py_CLEAR(st->str_slow);
     Py_CLEAR(st->str_training);
     Py_CLEAR(st->str_version);
+    Py_CLEAR(st->str_modules);
+    Py_CLEAR(st->str_parameters);
 }
 
 TtState *

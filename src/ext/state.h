@@ -53,6 +53,8 @@ typedef struct TtState {
     PyObject *str_slow;           /* "_slow": a padded call's way back to Python */
     PyObject *str_training;       /* "training": a module's train mode, in its __dict__ */
     PyObject *str_version;        /* "_version": a tensor's version counter */
+    PyObject *str_modules;        /* "_modules": a module's submodules, in its __dict__ */
+    PyObject *str_parameters;     /* "_parameters": a module's parameters, in its __dict__ */
 } TtState;
 
 /* The module definition that tt_state_from_type looks for; module.c tells it

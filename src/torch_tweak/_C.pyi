@@ -255,7 +255,7 @@ class Dispatcher:
       none does (counted in _tt_fallbacks). Entry flags (ENTRY_*): SERIALIZE
       runs the entry's calls one at a time under its own re-entrant lock,
       waited for without the GIL; NO_AUTOGRAD runs the original instead when
-      grad mode is on and an argument or a parameter in _tt_set_params requires
+      grad mode is on and an argument or a parameter in the _tt_set_module tree requires
       grad (counted in _tt_grad_fallbacks); LAYOUT_ONLY binds the layout but
       leaves the values to the backend.
     mode 2 (record): calls recorder(*args, **kwargs) and returns its result.
@@ -273,13 +273,13 @@ class Dispatcher:
                                                 | tuple[Optional[Signature], Optional[Callable[..., Any]], int]]) -> None:
         """A backend None: the calls its signature fits run the original, counted as
         unmatched (a signature kept on the original, shielded from later entries)."""
-    def _tt_set_params(self, params: Optional[tuple[dict, ...]]) -> None:
-        """The module's parameter dicts (module._parameters of each submodule)."""
     def _tt_set_notify(self, notify: Optional[Callable[[str], object]]) -> None:
         """Called with the reason at the first untuned call per reason from now on."""
-    def _tt_set_modules(self, modules: Optional[tuple[dict, ...]]) -> None:
-        """The __dict__ of the module and each submodule: in mode 1 a call while any of them
-        is in train mode runs the original (counted in _tt_train_fallbacks)."""
+    def _tt_set_module(self, module: Optional[Any]) -> None:
+        """The module whose tree, as it is at each call, the rules read: in mode 1 a call while
+        it or a submodule is in train mode runs the original (counted in _tt_train_fallbacks),
+        and so does a grad-mode call of an ENTRY_NO_AUTOGRAD entry while one of their
+        parameters requires grad (_tt_grad_fallbacks)."""
     def _tt_reset_untuned(self) -> None: ...
     def _tt_set_recorder(self, recorder: Optional[Callable[..., Any]]) -> None: ...
     _tt_mode: int

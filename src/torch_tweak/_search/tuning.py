@@ -350,9 +350,9 @@ def apply_groups(wrapper: TunedModule) -> list[SignatureGroup]:
             flags = entry_flags(other.backend)
             entries.extend((signature, other.backend.callable, flags) for signature in other.serves)
         wrapper._tt_set_entries(entries)
-    modules = list(wrapper._tt_original.modules())
-    wrapper._tt_set_params(tuple(m._parameters for m in modules))
-    wrapper._tt_set_modules(tuple(vars(m) for m in modules))  # a call in train mode runs the original
+    # read per call on the module's tree as it is then: a call in train mode runs the original, and
+    # so does a grad-mode call of a backend without autograd while a parameter requires grad
+    wrapper._tt_set_module(wrapper._tt_original)
     wrapper.tt_backend = chosen[0].backend if chosen else None
     wrapper.tt_reset_untuned()
     for group in chosen:  # a backend that counts its calls (padded buckets' hits) counts the user's

@@ -6,12 +6,14 @@ import abc
 import contextlib
 import copy
 import dataclasses
+import enum
 import logging
 from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 import torch.utils._pytree as pytree
 
+from .. import _C
 from .._core import noise
 from .._core.model_state import weight_change, weights_of
 from .._core._samples import Call, unstorable
@@ -262,15 +264,23 @@ def _hook_tables(module: torch.nn.Module) -> list[dict]:
         torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks]
 
 
+_PLAIN = (bool, int, float, complex, str, bytes, type(None), tuple, frozenset, torch.dtype, torch.device, enum.Enum)
+"""The attribute values a converted model takes in as constants (negative_slope, eps, p, a
+flag its forward reads); a module's other attributes (dicts, methods, objects) are not watched."""
+
+
 class Baked:
     """What a model converted for another runtime (OpenVINO, ONNX Runtime) took in when it was
     built and cannot see change: the module's parameters and buffers, which became the model's
-    constants, its submodules, and its forward hooks, which a conversion runs once. A module
-    with forward hooks is refused at the build (its hooks would never run per call). changed(),
-    per call: whether a weight was replaced, updated in place (load_state_dict, p.mul_) or
-    given other memory (p.data = ...), a submodule replaced, or a hook added since;
-    the first time it says what, once, in a warning, and from then on the backend answers with
-    the module's own forward (the caller's answers stay the module's)."""
+    constants, its plain attributes (_PLAIN: a slope, an epsilon, a flag), its submodules, and
+    its forward hooks, which a conversion runs once. A module with forward hooks is refused at
+    the build (its hooks would never run per call). changed(), per call (in C): whether a
+    weight was replaced, updated in place (load_state_dict, p.mul_) or given other memory
+    (p.data = ...), a plain attribute set to another value, a submodule added, removed or
+    replaced, or a hook added since; the first time it says what, once, in a warning, and from
+    then on the backend answers with the module's own forward (the caller's answers stay the
+    module's). The train flag is the dispatcher's to read (a call in train mode runs the
+    original, and eval mode serves the converted model again)."""
 
     def __init__(self, module: torch.nn.Module, backend: str) -> None:
         hooks = _hook_tables(module)
@@ -278,10 +288,17 @@ class Baked:
             raise ValueError(f"{backend}: the module has forward hooks, which a converted model runs once, at "
                              "conversion, never per call; remove them before tuning (another backend keeps them)")
         self.backend = backend
-        self.hooks = hooks
         self.weights = weights_of(module)
-        self.children = [(m._modules, f"{prefix}.{name}" if prefix else name, name, child)
-                         for prefix, m in module.named_modules() for name, child in m._modules.items()]
+        self.tables: list[tuple[dict, dict, bool]] = []  # (live, as at the build, exact): _C.dict_change
+        self.what: list[str] = []
+        for path, m in module.named_modules():
+            where = f"module {path}" if path else "the module"
+            plain = {k: v for k, v in vars(m).items() if k != "training" and not k.startswith("_tt_")
+                     and isinstance(v, _PLAIN)}
+            self.tables += [(vars(m), plain, False), (m._modules, dict(m._modules), True)]
+            self.what += [f"an attribute of {where} was set", f"a submodule of {where} was added, removed or replaced"]
+        self.tables += [(table, {}, True) for table in hooks]
+        self.what += ["a forward hook was added"] * len(hooks)
         self.stale = ""
 
     def changed(self) -> bool:
@@ -289,10 +306,8 @@ class Baked:
             return True
         why = weight_change(self.weights, in_place=True)
         if not why:
-            why = next((f"submodule {path} was replaced" for table, path, name, child in self.children
-                        if table.get(name) is not child), "")
-        if not why and any(self.hooks):
-            why = "a forward hook was added"
+            found = _C.dict_change(self.tables)
+            why = "" if found is None else self.what[found]
         if why:
             self.stale = why
             logging.getLogger("torch_tweak").warning(
