@@ -140,6 +140,16 @@ def test_saving_through_a_symlink_writes_its_target_and_keeps_the_link(saved, tm
             assert torch.equal(fresh(x), model(x))
 
 
+def test_saving_to_a_folder_says_so_and_writes_nothing(saved, tmp_path):
+    """Found by an attack: the rename's IsADirectoryError named the temporary file."""
+    model, data, path = saved
+    folder = tmp_path / "plans"
+    folder.mkdir()
+    with pytest.raises(IsADirectoryError, match="plans is a folder: give the path of a file"):
+        tt.save(model, folder)
+    assert list(folder.iterdir()) == [] and not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+
+
 def test_untuned_model_saves_an_empty_plan(tmp_path, mlp_data):
     model = fresh_mlp()
     with pytest.raises(ValueError, match="nothing to save"):

@@ -108,6 +108,8 @@ def atomic_file(path: Path, mode: str = "wb", **open_args) -> Iterator[IO]:
     the link stays (a rename over the link would have replaced it with a file)."""
     if os.path.islink(path):
         path = Path(os.path.realpath(path))
+    if os.path.isdir(path):  # found before anything is written (the rename would name the temporary file)
+        raise IsADirectoryError(f"{path} is a folder: give the path of a file to write, e.g. {Path(path) / 'model.tt'}")
     folder = path.parent if str(path.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
     try:
