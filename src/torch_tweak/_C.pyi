@@ -364,6 +364,17 @@ def root_call(self: Any, *args: Any, **kwargs: Any) -> Any:
     ValueError when _tt_root is self, RecursionError when it leads back to self.
     A method descriptor: read on a module it is a bound method."""
 
+def weight_change(weights: list[tuple], in_place: bool) -> Optional[tuple[int, int]]:
+    """The first entry of weights (model_state.weights_of's list of (table, path, name,
+    tensor, address, version)) whose tensor changed: (index, 0) replaced in its table,
+    (index, 1) given other memory, (index, 2) written in place (only with in_place, and for a
+    tensor that keeps a version counter). None when none did."""
+
+def dict_change(pairs: list[tuple[dict, dict, bool]]) -> Optional[int]:
+    """The index of the first (live, saved, exact) whose dict live no longer holds what saved
+    holds: a value that is another object, or a key gone; with exact, also a key added.
+    None when every one does."""
+
 def set_value_keyer(fn: Optional[Callable[[object], Optional[Hashable]]]) -> None:
     """fn(value) -> a key of the value's structure, or None. Signatures made
     afterwards match a value that fn keys (a key/value cache) by an equal key,
