@@ -5,7 +5,9 @@ an untuned copy given the same changes (a differential check)."""
 
 from __future__ import annotations
 
+import collections
 import copy
+import dataclasses
 import importlib.util
 import logging
 
@@ -320,7 +322,8 @@ def test_a_submodule_added_or_an_attribute_set_after_tuning_is_seen(change):
             m[1][1].negative_slope = 0.5
     assert same(model, untuned, torch.randn(8, 16)) == 0.0
     stale = tt.installed(model)["1"].tt_backend.callable.baked.stale
-    assert ("a submodule of the module" if change == "appended" else "an attribute of module 1") in stale, stale
+    assert ("a submodule was added to or removed from the module" if change == "appended"
+            else "attribute 'negative_slope' of module 1 was set") in stale, stale
 
 
 class FlagBatchNorm(nn.BatchNorm1d):
@@ -380,3 +383,172 @@ def test_a_padded_bucket_sees_a_batch_norm_put_in_after_tuning():
         assert torch.equal(model(x), untuned(x))
     assert torch.equal(model[1][1].running_mean, untuned[1][1].running_mean)
     assert tt.status(model)["1"].untuned["train mode"] == 1
+
+
+class Knobs(nn.Module):
+    """A block whose forward reads attributes of every kind a user may set after tuning."""
+
+    use_gelu = False  # a class default an instance attribute may shadow
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16, bias=False)
+        self.act = torch.tanh
+        self.dims = [-1]
+        self.shift = ([0.0],)
+        self.gain = torch.tensor(1.0)  # a tensor kept as a plain attribute, not a buffer
+
+    def forward(self, x):
+        self.scale = x.shape[-1] ** -0.5  # the forward stores a value of its own: equal at each call
+        y = self.lin(x)
+        y = nn.functional.gelu(y) if self.use_gelu else self.act(y)
+        if getattr(self, "clamp", False):
+            y = y.clamp(0, 0.1)
+        y = (y + y.sum(self.dims, keepdim=True) * 0.01 + self.shift[0][0]) * self.gain
+        return y + self.offset if hasattr(self, "offset") else y
+
+
+CHANGES = {
+    "instance attribute over a class default": lambda m: setattr(m, "use_gelu", True),
+    "attribute added, read by getattr": lambda m: setattr(m, "clamp", True),
+    "bias from None to a parameter": lambda m: setattr(m.lin, "bias", nn.Parameter(torch.ones(16))),
+    "buffer registered": lambda m: m.register_buffer("offset", torch.full((16,), 5.0)),
+    "function attribute replaced": lambda m: setattr(m, "act", torch.relu),
+    "list mutated in place": lambda m: m.dims.__setitem__(0, 0),
+    "list in a tuple mutated": lambda m: m.shift[0].__setitem__(0, 5.0),
+    "tensor attribute replaced": lambda m: setattr(m, "gain", torch.tensor(2.0)),
+    "tensor attribute written in place": lambda m: m.gain.mul_(2),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_what_a_user_sets_after_tuning_is_seen_and_what_the_forward_stores_is_not(change):
+    """Found by the attack on the first version of the attribute check: added keys, a bias
+    or buffer put in later, a function attribute and a list's items were not seen (wrong
+    answers), and a forward that stores a value equal to the last one (a float it computes
+    again) left the converted model for good at the first call (a silent slow path)."""
+    model, untuned = tune_block(converting("ONNXRuntime"), Knobs())
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        model(x), untuned(x)
+    baked = tt.installed(model)["1"].tt_backend.callable.baked
+    assert baked.stale == ""  # the forward's own float, equal, made again at every call of the original
+    for m in (model, untuned):
+        CHANGES[change](m[1])
+    with pytest.warns(UserWarning, match="Tune again"):
+        assert same(model, untuned, x) == 0.0
+    assert baked.stale
+
+
+class Halves(nn.Module):
+    """Halves its input in place, then takes a branch that tiny inputs would take otherwise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blk = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        x.mul_(0.5)
+        h = self.blk(x * 100 if x.abs().max() < 1e-3 else x)
+        return self.out(h)
+
+
+def test_tweak_runs_a_model_that_writes_into_its_input_on_the_calls_as_given():
+    """tt.tweak ran its one copy of the dataset again and again: x.mul_(0.5) at each run took
+    the inputs towards 0, the depths were recorded and measured on them (the untuned model
+    timed on a branch no caller takes). Every run now gets the calls as they were given."""
+    torch.manual_seed(0)
+    model = Halves().eval()
+    untuned = copy.deepcopy(model)
+    data = [torch.randn(8, 16) for _ in range(2)]
+    kept = [x.clone() for x in data]
+    seen = []
+    model.blk.register_forward_pre_hook(lambda m, args: seen.append(float(args[0].abs().max())))
+    tt.tweak(model, data, strategy=tt.OneBackendStrategy(TorchEagerBackend()), measure=QUICK, cache=False,
+             progress=False, max_depth=1)
+    assert all(torch.equal(x, k) for x, k in zip(data, kept))
+    assert min(seen) > 0.2, min(seen)  # inputs of the size given (halved once), never near 0
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        assert torch.equal(model(x.clone()), untuned(x.clone()))
+
+
+@dataclasses.dataclass
+class Box:
+    x: torch.Tensor
+
+
+Pair = collections.namedtuple("Pair", "x y")
+
+
+class Tagged(torch.Tensor):
+    pass
+
+
+class Reads(nn.Module):
+    """Reads its call through a dataclass, a named tuple, a tagged tensor, or one tensor given twice."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.lin = nn.Linear(16, 4)
+
+    def forward(self, a, b=None):
+        if self.how == "dataclass":
+            a.x.add_(1)
+            return self.lin(a.x)
+        if self.how == "namedtuple":
+            return self.lin(a.x + a.y)
+        if self.how == "subclass":
+            return self.lin(a * a.scale)
+        a.add_(1)  # the same tensor as b
+        return self.lin(b)
+
+
+class Holder(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args):
+        return self.inner(*args)
+
+
+def call_of(how: str) -> tuple:
+    x = torch.randn(8, 16)
+    if how == "dataclass":
+        return (Box(x),)
+    if how == "namedtuple":
+        return (Pair(x, torch.ones(8, 16)),)
+    if how == "subclass":
+        tagged = x.as_subclass(Tagged)
+        tagged.scale = 3.0
+        return (tagged,)
+    return (x, x)
+
+
+@pytest.mark.parametrize("how", ["dataclass", "namedtuple", "subclass", "twice"])
+def test_calls_are_copied_as_they_are_given(how):
+    """The copies of a call kept a dataclass's tensors uncopied (tuning wrote into the
+    caller's), made a named tuple a plain tuple and dropped a tensor subclass's attributes
+    (the model then rejected its own sample), and gave one tensor passed twice as two copies
+    (Torch Eager failed its own check)."""
+    torch.manual_seed(0)
+    model = Holder(Reads(how)).eval()
+    untuned = copy.deepcopy(model)
+    call = call_of(how)
+    given = copy.deepcopy(call) if how != "subclass" else call
+    tt.wrap(model, ["inner"])
+    tt.tune(model, [call], strategy=tt.OneBackendStrategy(TorchEagerBackend()), measure=QUICK)
+    assert tt.status(model)["inner"].backend == "TorchEager", tt.installed(model)["inner"].tt_error
+    if how == "dataclass":
+        assert torch.equal(call[0].x, given[0].x), "tuning wrote into the caller's dataclass"
+    if how == "twice":  # recorded as called: one tensor, given twice
+        args, _ = tt.installed(model)["inner"].tt_signatures[0].samples[0]
+        assert args[0] is args[1]
+    fresh = call_of(how) if how != "twice" else None
+    with torch.no_grad():
+        if fresh is not None:
+            again = copy.deepcopy(fresh) if how != "subclass" else fresh
+            assert torch.equal(model(*fresh), untuned(*again))

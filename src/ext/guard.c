@@ -8,6 +8,7 @@
  */
 #include "guard.h"
 
+#include <stdint.h>
 #include <string.h>
 
 /* The lock of a serialised entry (see guard.h). */
@@ -126,41 +127,94 @@ tt_requires_grad(TtState *st, PyTypeObject *tensor_type, PyObject *obj, int dept
     return rc;
 }
 
-/* The walk's stack: a few entries on the C stack, more on the heap. */
+/* A walk's modules, each visited once: a stack of the modules still to visit
+ * and a set of those visited (open addressing on the object's address), both
+ * holding new references; a few entries in place, more on the heap. */
 #define TT_WALK_LOCAL 64
-#define TT_WALK_MOST (1 << 20)
 
-/* Room for one more entry in *stack (which is `local` or from the heap). 0, or -1
- * with MemoryError. */
-static int
-tt_walk_room(PyObject ***stack, PyObject **local, Py_ssize_t *room)
+typedef struct {
+    PyObject **stack, **seen;
+    Py_ssize_t top, room, count, size; /* seen has `size` slots (a power of 2), `count` used */
+    PyObject *stack_local[TT_WALK_LOCAL];
+    PyObject *seen_local[2 * TT_WALK_LOCAL];
+} TtWalk;
+
+static Py_ssize_t
+tt_walk_slot(PyObject *const *seen, Py_ssize_t size, PyObject *obj)
 {
-    PyObject **grown;
-    Py_ssize_t more = *room * 2;
+    Py_ssize_t i = (Py_ssize_t)(((uintptr_t)obj >> 4) & (uintptr_t)(size - 1));
 
-    if (*stack == local) {
-        grown = PyMem_New(PyObject *, more);
-        if (grown != NULL)
-            memcpy(grown, local, sizeof(PyObject *) * (size_t)*room);
+    while (seen[i] != NULL && seen[i] != obj)
+        i = (i + 1) & (size - 1);
+    return i;
+}
+
+/* Marks `obj` (a new reference, taken) visited: 1, or 0 when it was already
+ * (the reference is then released), -1 with MemoryError. */
+static int
+tt_walk_mark(TtWalk *w, PyObject *obj)
+{
+    Py_ssize_t i;
+
+    if (2 * (w->count + 1) > w->size) { /* at most half full */
+        Py_ssize_t size = 2 * w->size, j;
+        PyObject **grown = PyMem_Calloc((size_t)size, sizeof(PyObject *));
+
+        if (grown == NULL) {
+            Py_DECREF(obj);
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (j = 0; j < w->size; j++)
+            if (w->seen[j] != NULL)
+                grown[tt_walk_slot(grown, size, w->seen[j])] = w->seen[j];
+        if (w->seen != w->seen_local)
+            PyMem_Free(w->seen);
+        w->seen = grown;
+        w->size = size;
     }
-    else {
-        grown = *stack;
-        PyMem_Resize(grown, PyObject *, more);
+    i = tt_walk_slot(w->seen, w->size, obj);
+    if (w->seen[i] == obj) {
+        Py_DECREF(obj);
+        return 0;
     }
-    if (grown == NULL) {
-        PyErr_NoMemory();
-        return -1;
+    w->seen[i] = obj;
+    w->count++;
+    return 1;
+}
+
+/* Pushes `obj` (a new reference, taken). 0, or -1 with MemoryError. */
+static int
+tt_walk_push(TtWalk *w, PyObject *obj)
+{
+    if (w->top == w->room) {
+        PyObject **grown;
+
+        if (w->stack == w->stack_local) {
+            grown = PyMem_New(PyObject *, 2 * w->room);
+            if (grown != NULL)
+                memcpy(grown, w->stack_local, sizeof(w->stack_local));
+        }
+        else {
+            grown = w->stack;
+            PyMem_Resize(grown, PyObject *, 2 * w->room);
+        }
+        if (grown == NULL) {
+            Py_DECREF(obj);
+            PyErr_NoMemory();
+            return -1;
+        }
+        w->stack = grown;
+        w->room *= 2;
     }
-    *stack = grown;
-    *room = more;
+    w->stack[w->top++] = obj;
     return 0;
 }
 
-/* Pushes a new reference to each submodule of `dict`'s module. No Python code
- * runs while its _modules is read. 0, or -1 with an exception. */
+/* Pushes each submodule of `dict`'s module. No Python code runs while its
+ * _modules is read. 0, or -1 with an exception. */
 static int
-tt_walk_push(TtState *st, PyObject *dict, PyObject ***stack, PyObject **local, Py_ssize_t *top,
-             Py_ssize_t *room)
+tt_walk_children(TtState *st, TtWalk *w, PyObject *dict)
 {
     PyObject *children = PyDict_GetItemWithError(dict, st->str_modules); /* borrowed */
     PyObject *key, *child;                                                /* borrowed */
@@ -170,47 +224,56 @@ tt_walk_push(TtState *st, PyObject *dict, PyObject ***stack, PyObject **local, P
         return PyErr_Occurred() ? -1 : 0;
     if (!PyDict_Check(children))
         return 0;
-    while (PyDict_Next(children, &pos, &key, &child)) {
-        if (child == Py_None)
-            continue;
-        if (*top == *room && tt_walk_room(stack, local, room) < 0)
+    while (PyDict_Next(children, &pos, &key, &child))
+        if (child != Py_None && tt_walk_push(w, Py_NewRef(child)) < 0)
             return -1;
-        (*stack)[(*top)++] = Py_NewRef(child);
-    }
     return 0;
 }
 
 int
 tt_module_walk(TtState *st, PyObject *module, tt_module_visit visit, void *ctx)
 {
-    PyObject *local[TT_WALK_LOCAL];
-    PyObject **stack = local;
+    TtWalk w;
     PyObject *at, *dict; /* new references */
-    Py_ssize_t top = 0, room = TT_WALK_LOCAL, visits = 0;
+    Py_ssize_t i;
     int rc = 0;
 
-    stack[top++] = Py_NewRef(module);
-    while (top > 0 && rc == 0) {
-        at = stack[--top];
-        dict = NULL;
-        if (++visits > TT_WALK_MOST) {
-            PyErr_SetString(PyExc_RecursionError, "a tuned module's submodules were walked 2**20 "
-                                                  "times: its module tree contains itself");
-            rc = -1;
+    w.stack = w.stack_local;
+    w.room = TT_WALK_LOCAL;
+    w.top = 0;
+    w.seen = w.seen_local;
+    w.size = 2 * TT_WALK_LOCAL;
+    w.count = 0;
+    memset(w.seen_local, 0, sizeof(w.seen_local));
+    rc = tt_walk_push(&w, Py_NewRef(module));
+    while (w.top > 0 && rc == 0) {
+        at = w.stack[--w.top];
+        if ((rc = tt_walk_mark(&w, Py_NewRef(at))) <= 0) { /* visited before, or no memory */
+            Py_DECREF(at);
+            continue;
         }
-        else if ((dict = PyObject_GenericGetDict(at, NULL)) == NULL) {
+        rc = 0;
+        dict = PyObject_GenericGetDict(at, NULL);
+        if (dict == NULL) {
+            PyErr_Format(PyExc_TypeError, "torch-tweak: a submodule of a tuned module is a %.100s, "
+                         "which is not a module (no __dict__); its train flag cannot be read",
+                         Py_TYPE(at)->tp_name);
             rc = -1;
         }
         else if ((rc = visit(st, at, dict, ctx)) == 0) {
-            rc = tt_walk_push(st, dict, &stack, local, &top, &room);
+            rc = tt_walk_children(st, &w, dict);
         }
         Py_XDECREF(dict);
         Py_DECREF(at);
     }
-    while (top > 0)
-        Py_DECREF(stack[--top]);
-    if (stack != local)
-        PyMem_Free(stack);
+    while (w.top > 0)
+        Py_DECREF(w.stack[--w.top]);
+    for (i = 0; i < w.size; i++)
+        Py_XDECREF(w.seen[i]);
+    if (w.stack != w.stack_local)
+        PyMem_Free(w.stack);
+    if (w.seen != w.seen_local)
+        PyMem_Free(w.seen);
     return rc;
 }
 
@@ -383,58 +446,82 @@ tt_py_weight_change(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* 1 when `live` no longer holds what `saved` holds (a key's value is another
- * object, or a key is gone; with exact, also a key added), 0 when it does, -1
- * on error. */
+/* What `live` no longer holds of `saved`: NULL with *key NULL when it holds it
+ * all; else *key is the first key whose value is another object (by_value:
+ * another object that is not equal) or is gone, or Py_None when only the size
+ * differs from `size` (>= 0). *key is a new reference. -1 on error, else 0. */
 static int
-tt_dict_differs(PyObject *live, PyObject *saved, int exact)
+tt_dict_differs(PyObject *live, PyObject *saved, Py_ssize_t size, int by_value, PyObject **key)
 {
-    PyObject *key, *value, *now; /* borrowed */
+    PyObject *name, *value, *now; /* borrowed */
     Py_ssize_t pos = 0;
-    int rc = 0;
+    int rc = 0, same;
 
-    if (exact && PyDict_GET_SIZE(live) != PyDict_GET_SIZE(saved))
-        return 1;
-    Py_INCREF(saved); /* held: a key's __eq__ may run Python */
-    while (rc == 0 && PyDict_Next(saved, &pos, &key, &value)) {
-        now = PyDict_GetItemWithError(live, key);
-        if (now == NULL && PyErr_Occurred())
-            rc = -1;
-        else if (now != value)
-            rc = 1;
+    *key = NULL;
+    Py_INCREF(saved); /* held: a key's __eq__, a value's __eq__ may run Python */
+    while (rc == 0 && *key == NULL && PyDict_Next(saved, &pos, &name, &value)) {
+        now = PyDict_GetItemWithError(live, name);
+        if (now == NULL) {
+            if (PyErr_Occurred())
+                rc = -1;
+            else
+                *key = Py_NewRef(name);
+        }
+        else if (now != value) {
+            Py_INCREF(now);
+            Py_INCREF(value);
+            same = by_value ? PyObject_RichCompareBool(now, value, Py_EQ) : 0;
+            Py_DECREF(now);
+            Py_DECREF(value);
+            if (same < 0)
+                rc = -1;
+            else if (!same)
+                *key = Py_NewRef(name);
+        }
     }
     Py_DECREF(saved);
+    if (rc == 0 && *key == NULL && size >= 0 && PyDict_GET_SIZE(live) != size)
+        *key = Py_NewRef(Py_None);
     return rc;
 }
 
 PyObject *
 tt_py_dict_change(PyObject *module, PyObject *pairs)
 {
-    PyObject *pair; /* new reference */
-    Py_ssize_t i;
-    int rc = 0;
+    PyObject *pair, *key = NULL; /* new references */
+    Py_ssize_t i, size = -1;
+    int rc = 0, by_value;
 
     (void)module;
     if (!PyList_Check(pairs)) {
-        PyErr_SetString(PyExc_TypeError, "dict_change: a list of (live dict, saved dict, exact)");
+        PyErr_SetString(PyExc_TypeError,
+                        "dict_change: a list of (live dict, saved dict, size, by value)");
         return NULL;
     }
-    for (i = 0; i < PyList_GET_SIZE(pairs) && rc == 0; i++) {
+    for (i = 0; i < PyList_GET_SIZE(pairs) && rc == 0 && key == NULL; i++) {
         pair = Py_NewRef(PyList_GET_ITEM(pairs, i));
-        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 3 ||
-            !PyDict_Check(PyTuple_GET_ITEM(pair, 0)) || !PyDict_Check(PyTuple_GET_ITEM(pair, 1))) {
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 4 ||
+            !PyDict_Check(PyTuple_GET_ITEM(pair, 0)) || !PyDict_Check(PyTuple_GET_ITEM(pair, 1)) ||
+            !PyLong_Check(PyTuple_GET_ITEM(pair, 2))) {
             PyErr_SetString(PyExc_TypeError, "dict_change: each entry must be a tuple (live dict, "
-                                             "saved dict, exact)");
+                                             "saved dict, size or -1, by value)");
             rc = -1;
         }
-        else if ((rc = PyObject_IsTrue(PyTuple_GET_ITEM(pair, 2))) >= 0) {
-            rc = tt_dict_differs(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), rc);
+        else if ((size = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 2))) == -1 && PyErr_Occurred()) {
+            rc = -1;
+        }
+        else if ((by_value = PyObject_IsTrue(PyTuple_GET_ITEM(pair, 3))) < 0) {
+            rc = -1;
+        }
+        else {
+            rc = tt_dict_differs(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), size,
+                                 by_value, &key);
         }
         Py_DECREF(pair);
     }
     if (rc < 0)
         return NULL;
-    if (rc > 0)
-        return PyLong_FromSsize_t(i - 1);
-    Py_RETURN_NONE;
+    if (key == NULL)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(nN)", i - 1, key);
 }

@@ -29,10 +29,11 @@ void tt_entry_lock_release(TtEntryLock *l);
 typedef int (*tt_module_visit)(TtState *st, PyObject *module, PyObject *dict, void *ctx);
 
 /* Visits `module` and every submodule as they are now (nn.Module._modules,
- * followed from each module's __dict__, depth first; a module registered at
- * two places is visited at each): what a submodule added or replaced since
- * tuning holds is read too. Returns the first visit's result > 0, else 0;
- * -1 on error (also past 2**20 visits: a tree that contains itself). */
+ * followed from each module's __dict__, depth first), each once however many
+ * places it is registered at (shared layers, a tree that contains itself):
+ * what a submodule added or replaced since tuning holds is read too. Returns
+ * the first visit's result > 0, else 0; -1 on error (TypeError for a
+ * submodule that has no __dict__). */
 int tt_module_walk(TtState *st, PyObject *module, tt_module_visit visit, void *ctx);
 
 /* 1 when `module` or a submodule is in train mode: its training flag, from its
@@ -57,11 +58,13 @@ int tt_needs_grad(TtState *st, PyObject *module, PyObject *const *args, Py_ssize
  * place). Read per call of a converted model and per prefill replay. */
 PyObject *tt_py_weight_change(PyObject *module, PyObject *args);
 
-/* dict_change(pairs) -> None or index: the first (live, saved, exact) of the
- * list `pairs` whose dict `live` no longer holds what `saved` (a copy taken
- * earlier) holds: a key whose value is another object, or a key gone; with
- * exact true, also a key added. What a converted model took in when it was
- * built (its module's plain attributes, submodules, hook tables), per call. */
+/* dict_change(pairs) -> None or (index, key): the first (live, saved, size,
+ * by_value) of the list `pairs` whose dict `live` no longer holds what `saved`
+ * (a copy taken earlier) holds, and the first key that differs: one whose
+ * value is another object (with by_value, one that is also not equal) or is
+ * gone; or None when only the number of keys is no longer `size` (-1: not
+ * read). What a converted model took in when it was built (its module's
+ * plain attributes, tables of submodules, weights and hooks), per call. */
 PyObject *tt_py_dict_change(PyObject *module, PyObject *pairs);
 
 #endif /* TT_GUARD_H */

@@ -101,10 +101,11 @@ static PyMethodDef tt_module_methods[] = {
      "kind 0 replaced in its module, 1 given other memory, 2 written in place (only\n"
      "with in_place, and for a tensor that keeps a version counter)."},
     {"dict_change", (PyCFunction)tt_py_dict_change, METH_O,
-     "dict_change(pairs) -> None or index\n\n"
-     "The first (live, saved, exact) of pairs whose dict live no longer holds what\n"
-     "saved holds (a value that is another object, a key gone; with exact, also a\n"
-     "key added)."},
+     "dict_change(pairs) -> None or (index, key)\n\n"
+     "The first (live, saved, size, by_value) of pairs whose dict live no longer holds\n"
+     "what saved holds, and the first key that differs: a value that is another object\n"
+     "(with by_value, one also not equal), a key gone; key None when only the number\n"
+     "of keys is no longer size (-1: not read)."},
     {"enable_vectorcall", (PyCFunction)tt_py_enable_vectorcall, METH_O,
      "enable_vectorcall(cls) -> bool\n\n"
      "Sets the vectorcall flag on a Python subclass of Dispatcher whose __call__\n"

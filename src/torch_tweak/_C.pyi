@@ -370,10 +370,11 @@ def weight_change(weights: list[tuple], in_place: bool) -> Optional[tuple[int, i
     (index, 1) given other memory, (index, 2) written in place (only with in_place, and for a
     tensor that keeps a version counter). None when none did."""
 
-def dict_change(pairs: list[tuple[dict, dict, bool]]) -> Optional[int]:
-    """The index of the first (live, saved, exact) whose dict live no longer holds what saved
-    holds: a value that is another object, or a key gone; with exact, also a key added.
-    None when every one does."""
+def dict_change(pairs: list[tuple[dict, dict, int, bool]]) -> Optional[tuple[int, Optional[str]]]:
+    """The first (live, saved, size, by_value) of pairs whose dict live no longer holds what
+    saved holds, and the first key that differs: one whose value is another object (with
+    by_value, one that is also not equal) or is gone; key None when only the number of keys
+    is no longer size (-1: not read). None when every one holds."""
 
 def set_value_keyer(fn: Optional[Callable[[object], Optional[Hashable]]]) -> None:
     """fn(value) -> a key of the value's structure, or None. Signatures made

@@ -28,8 +28,8 @@ from ._store.serial import Unstorable
 from ._view.status import status
 from ._core.shapes import DECLARED, check_calls, check_shapes, edge_calls
 from ._core.signatures import forward_params
-from ._search.tuning import (ModuleSearch, absorb, check_measure, dataset_runner, measure_for, model_class_name,
-                             record, release)
+from ._search.tuning import (GivenCalls, ModuleSearch, absorb, check_measure, dataset_runner, measure_for,
+                             model_class_name, record, release)
 from ._runtime.workload import TokenRow, Workload, choose_loop, depths_cannot_match
 
 _DEFAULTS = _C.default_tweak_config()  # the engine owns every default of the depth search
@@ -484,9 +484,12 @@ def _tweak(model: nn.Module, calls: Any, job: Workload | None, device: torch.dev
         # loop's decode steps replay the untuned model, so module tuning serves the prefill
         _choose_loop(job, device, measuring, shown, high=bool(asked) and asked.effort == "high")
     compiled_loop = job is not None and job.loop in generation.COMPILED_LOOPS
+    kept = GivenCalls(calls) if job is None else None
     with generation.uncompiled(model):  # hooks traced into transformers' compiled forward compile it again
         tree = ModuleTree(model, distributed.step(lambda: trace(model, calls, job.run if job is not None else None),
                                                   "running the dataset"))
+    if kept is not None and kept.written(calls):
+        calls = kept  # the model writes into its inputs: every later run gets the calls as they were given
     depths = tree.depths(min_depth, max_depth)
     ranks = distributed.current()
     if ranks is not None:

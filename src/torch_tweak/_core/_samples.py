@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -56,47 +56,67 @@ def load_dataset(dataset: Any, device: torch.device | None = None) -> list[Call]
 
 
 def move(value: Any, device: torch.device) -> Any:
-    """`value` with every tensor in it on `device` (tuples, lists and dicts followed)."""
+    """`value` with every tensor in it on `device` (tuples, named tuples, lists and dicts
+    followed, each kept of its own type)."""
     if isinstance(value, torch.Tensor):
         return value if value.device == device else value.to(device)
+    return _rebuilt(value, lambda v: move(v, device))
+
+
+def _rebuilt(value: Any, each: Callable[[Any], Any]) -> Any:
+    """`value`, a container, with each(item) for its items, of the same type (a named tuple,
+    a ModelOutput, an OrderedDict, a dataclass stay what they are); anything else as it is."""
     if isinstance(value, tuple):
-        return tuple(move(v, device) for v in value)
+        items = [each(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
     if isinstance(value, list):
-        return [move(v, device) for v in value]
+        return [each(v) for v in value] if type(value) is list else type(value)(each(v) for v in value)
     if isinstance(value, dict):
-        return {k: move(v, device) for k, v in value.items()}
+        if type(value) is dict:
+            return {k: each(v) for k, v in value.items()}
+        copied = copy.copy(value)
+        for k, v in value.items():
+            copied[k] = each(v)
+        return copied
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        copied = copy.copy(value)
+        for field in dataclasses.fields(value):
+            if hasattr(value, field.name):
+                object.__setattr__(copied, field.name, each(getattr(value, field.name)))
+        return copied
     return value
 
 
 def clone(value: Any) -> Any:
     """A copy of `value` whose tensors a later in-place operation cannot change; a key/value
-    cache is copied whole (the model appends to it in place)."""
-    return _copied(value, tensors=True)
+    cache is copied whole (the model appends to it in place). Containers keep their types, a
+    tensor subclass its attributes, and a tensor found twice is copied once (a call given the
+    same tensor twice is given one copy twice)."""
+    return _copied(value, True, {})
 
 
 def fresh(value: Any) -> Any:
     """`value` with every key/value cache in it copied, the rest shared: a recorded call to
     replay, which leaves the recording as it was (a cache passed in grows at every call)."""
-    return _copied(value, tensors=False)
+    return _copied(value, False, {})
 
 
-def _copied(value: Any, tensors: bool) -> Any:
+def _copied(value: Any, tensors: bool, memo: dict[int, Any]) -> Any:
+    key = id(value)
+    if key in memo:
+        return memo[key]
     if isinstance(value, torch.Tensor):
-        return value.detach().clone() if tensors else value
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_copied(v, tensors) for v in value)
-    if isinstance(value, list):
-        return [_copied(v, tensors) for v in value]
-    if type(value) is dict:
-        return {k: _copied(v, tensors) for k, v in value.items()}
-    if isinstance(value, dict) and hasattr(value, "to_tuple"):  # a transformers ModelOutput
-        copied = copy.copy(value)
-        for k, v in value.items():
-            copied[k] = _copied(v, tensors)
-        return copied
-    if kv_cache_class(value) is not None:
-        return copy.deepcopy(value)
-    return value
+        copied = value
+        if tensors:
+            copied = value.detach().clone()
+            if type(value) not in (torch.Tensor, torch.nn.Parameter) and getattr(value, "__dict__", None):
+                copied.__dict__.update(value.__dict__)  # a subclass's own attributes
+    elif kv_cache_class(value) is not None:
+        copied = copy.deepcopy(value)
+    else:
+        copied = _rebuilt(value, lambda v: _copied(v, tensors, memo))
+    memo[key] = copied
+    return copied
 
 
 def resolve_device(model: torch.nn.Module, device: Any) -> torch.device:

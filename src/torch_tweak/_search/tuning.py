@@ -387,6 +387,29 @@ def model_class_name(model: nn.Module) -> str:
     return own_class(model).__name__
 
 
+class GivenCalls(Sequence):
+    """The dataset's calls as they were given, a copy of them at each reading: what every run
+    is given once the model was seen writing into its inputs (a run on the same tensors again
+    would see them changed: x.mul_(0.5) at each run took them towards 0, and a module
+    recorded then was tuned and measured on inputs no caller sends)."""
+
+    def __init__(self, calls: Sequence[Call]) -> None:
+        self.calls = [clone(call) for call in calls]
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [clone(call) for call in self.calls[i]]
+        return clone(self.calls[i])
+
+    def written(self, calls: Sequence[Call]) -> bool:
+        """Whether a run changed a tensor of `calls` (which were equal to these)."""
+        return any(not _same(a, b) for given, now in zip(self.calls, calls)
+                   for a, b in zip(_tensors(given), _tensors(now)))
+
+
 def dataset_runner(model: nn.Module, calls: Sequence[Call]) -> Callable[[], None]:
     def run_all() -> None:
         with torch.no_grad():

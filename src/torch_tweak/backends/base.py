@@ -7,7 +7,10 @@ import contextlib
 import copy
 import dataclasses
 import enum
+import functools
 import logging
+import types
+import warnings
 from typing import Any, Callable, ClassVar, Sequence
 
 import torch
@@ -15,7 +18,7 @@ import torch.utils._pytree as pytree
 
 from .. import _C
 from .._core import noise
-from .._core.model_state import weight_change, weights_of
+from .._core.model_state import version_of, weight_change, weights_of
 from .._core._samples import Call, unstorable
 from .._core.schema import Fraction, Spec
 from .._core.shapes import Shapes
@@ -264,23 +267,34 @@ def _hook_tables(module: torch.nn.Module) -> list[dict]:
         torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks]
 
 
-_PLAIN = (bool, int, float, complex, str, bytes, type(None), tuple, frozenset, torch.dtype, torch.device, enum.Enum)
-"""The attribute values a converted model takes in as constants (negative_slope, eps, p, a
-flag its forward reads); a module's other attributes (dicts, methods, objects) are not watched."""
+_SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, enum.Enum,
+            types.FunctionType, types.BuiltinFunctionType, functools.partial)
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """Whether a converted model takes `value` in as a constant when the module's forward reads
+    it: a number, a string, a dtype, an enum, a function (an activation set as an attribute),
+    or a short list or tuple of such; a module's other attributes (objects, dicts) are not
+    watched."""
+    if isinstance(value, _SCALARS):
+        return True
+    return isinstance(value, (list, tuple, frozenset)) and depth < 4 and len(value) <= 64 and \
+        all(_plain(v, depth + 1) for v in value)
 
 
 class Baked:
     """What a model converted for another runtime (OpenVINO, ONNX Runtime) took in when it was
     built and cannot see change: the module's parameters and buffers, which became the model's
-    constants, its plain attributes (_PLAIN: a slope, an epsilon, a flag), its submodules, and
-    its forward hooks, which a conversion runs once. A module with forward hooks is refused at
-    the build (its hooks would never run per call). changed(), per call (in C): whether a
-    weight was replaced, updated in place (load_state_dict, p.mul_) or given other memory
-    (p.data = ...), a plain attribute set to another value, a submodule added, removed or
-    replaced, or a hook added since; the first time it says what, once, in a warning, and from
-    then on the backend answers with the module's own forward (the caller's answers stay the
-    module's). The train flag is the dispatcher's to read (a call in train mode runs the
-    original, and eval mode serves the converted model again)."""
+    constants, its plain attributes (_plain: a slope, an epsilon, a flag, an activation
+    function), its submodules, and its forward hooks, which a conversion runs once. A module
+    with forward hooks is refused at the build (its hooks would never run per call).
+    changed(), per call (in C): whether a weight was replaced, updated in place
+    (load_state_dict, p.mul_) or given other memory (p.data = ...), a plain attribute set to
+    another value (a list compared by its items), an attribute, parameter, buffer or submodule
+    added, removed or replaced, or a hook added since; the first time it says what, once, in a
+    warning, and from then on the backend answers with the module's own forward (the caller's
+    answers stay the module's). The train flag is the dispatcher's to read (a call in train
+    mode runs the original, and eval mode serves the converted model again)."""
 
     def __init__(self, module: torch.nn.Module, backend: str) -> None:
         hooks = _hook_tables(module)
@@ -289,16 +303,26 @@ class Baked:
                              "conversion, never per call; remove them before tuning (another backend keeps them)")
         self.backend = backend
         self.weights = weights_of(module)
-        self.tables: list[tuple[dict, dict, bool]] = []  # (live, as at the build, exact): _C.dict_change
-        self.what: list[str] = []
+        # (live dict, as at the build, its size, compared by value): _C.dict_change; what each is
+        self.tables: list[tuple[dict, dict, int, bool]] = []
+        self.what: list[tuple[str, str]] = []
         for path, m in module.named_modules():
             where = f"module {path}" if path else "the module"
-            plain = {k: v for k, v in vars(m).items() if k != "training" and not k.startswith("_tt_")
-                     and isinstance(v, _PLAIN)}
-            self.tables += [(vars(m), plain, False), (m._modules, dict(m._modules), True)]
-            self.what += [f"an attribute of {where} was set", f"a submodule of {where} was added, removed or replaced"]
-        self.tables += [(table, {}, True) for table in hooks]
-        self.what += ["a forward hook was added"] * len(hooks)
+            attributes = vars(m)
+            plain = {k: copy.deepcopy(v) if isinstance(v, (list, tuple)) else v for k, v in attributes.items()
+                     if k != "training" and not k.startswith("_tt_") and _plain(v)}
+            self.tables.append((attributes, plain, len(attributes), True))
+            self.what.append(("attribute", where))
+            tensors = {k: v for k, v in attributes.items() if isinstance(v, torch.Tensor)}  # a tensor kept plainly
+            self.tables.append((attributes, tensors, -1, False))
+            self.what.append(("tensor attribute", where))
+            self.weights += [(attributes, f"{path}.{k}" if path else k, k, t, t.data_ptr(), version_of(t))
+                             for k, t in tensors.items()]
+            for kind, table in (("submodule", m._modules), ("parameter", m._parameters), ("buffer", m._buffers)):
+                self.tables.append((table, dict(table), len(table), False))
+                self.what.append((kind, where))
+        self.tables += [(table, {}, 0, False) for table in hooks]
+        self.what += [("forward hook", "the module or torch")] * len(hooks)
         self.stale = ""
 
     def changed(self) -> bool:
@@ -307,13 +331,17 @@ class Baked:
         why = weight_change(self.weights, in_place=True)
         if not why:
             found = _C.dict_change(self.tables)
-            why = "" if found is None else self.what[found]
+            if found is not None:
+                kind, where = self.what[found[0]]
+                why = (f"{kind} {found[1]!r} of {where} was set, added, removed or replaced" if found[1] is not None
+                       else f"a {kind} was added to or removed from {where}")
         if why:
             self.stale = why
-            logging.getLogger("torch_tweak").warning(
-                "torch-tweak: %s's model was built from the module as it was at tuning, and %s since: the "
-                "module's own forward answers its calls from now on; tune again for the new weights", self.backend,
-                why)
+            message = (f"torch-tweak: {self.backend}'s model was built from the module as it was at tuning, and {why} "
+                       "since: the module's own forward answers its calls from now on (untuned, slower). Tune again "
+                       "(tt.tweak or tt.tune) for the module as it is now, or set it back before tuning.")
+            logging.getLogger("torch_tweak").warning(message)
+            warnings.warn(message, stacklevel=3)
         return bool(why)
 
 
