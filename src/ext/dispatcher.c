@@ -383,7 +383,7 @@ tt_dispatcher_set_entries(TtDispatcher *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
-/* *slot = value, a tuple of dicts (NULL for None); else a TypeError saying `what`. */
+/* The module the rules read (NULL for None: no rule is read). */
 static PyObject *
 tt_dispatcher_set_module(TtDispatcher *self, PyObject *module)
 {

@@ -215,8 +215,6 @@ class ModuleSearch:
         title = f"{backend!r} for {wrapper.tt_name or '(root)'} of {self.model_class}, signature {group.text}"
         with capture_build(path, title) as log:
             try:
-                if wrapper.__dict__.get("tt_writes_inputs") and not backend.keeps_input_writes:
-                    raise ValueError(WRITES_INPUTS.format(backend=backend.name))
                 worst = build_checked(backend, o.module, group.samples, group.outputs, self.device, o.state, log,
                                       writes=bool(wrapper.__dict__.get("tt_writes_inputs")))
             except Exception as exc:
@@ -512,8 +510,6 @@ def rebuild_group(wrapper: TunedModule, group: SignatureGroup, backend: Backend,
         args, kwargs = clone(group.samples[0])
         writes = call_writing(module, args, kwargs)[1]
         put_back(state, log)
-        if writes and not backend.keeps_input_writes:
-            raise ValueError(WRITES_INPUTS.format(backend=backend.name))
         worst = build_checked(backend, module, group.samples, group.outputs, device, state, log, bounded, writes)
         log.outcome = f"rebuilt; passed the correctness check (largest relative error {worst:.3g})"
     return worst
@@ -528,8 +524,11 @@ def build_checked(backend: Backend, module: nn.Module, samples: Sequence[Call], 
     registrations; training flags, parameters, buffers) is put back, also when they raise, and
     written in the build log. The structure is put back before the check: the candidate is
     checked on the module as the user will have it. bounded: the tolerance came from a file.
-    writes: the module writes into its inputs, so the build and each check get copies of the
-    calls (else only a key/value cache in them is copied)."""
+    writes: the module writes into its inputs: a backend that does not write back
+    (keeps_input_writes) is refused, and the build and each check get copies of the calls
+    (else only a key/value cache in them is copied)."""
+    if writes and not backend.keeps_input_writes:
+        raise ValueError(WRITES_INPUTS.format(backend=backend.name))
     refused = distributed.enter_build(backend)
     if refused is not None:
         raise BackendUnavailable(refused)

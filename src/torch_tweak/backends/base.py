@@ -313,11 +313,9 @@ class Baked:
                      if k != "training" and not k.startswith("_tt_") and _plain(v)}
             self.tables.append((attributes, plain, len(attributes), True))
             self.what.append(("attribute", where))
-            tensors = {k: v for k, v in attributes.items() if isinstance(v, torch.Tensor)}  # a tensor kept plainly
-            self.tables.append((attributes, tensors, -1, False))
-            self.what.append(("tensor attribute", where))
+            # a tensor kept as a plain attribute: checked as a weight (replaced, other memory, in place)
             self.weights += [(attributes, f"{path}.{k}" if path else k, k, t, t.data_ptr(), version_of(t))
-                             for k, t in tensors.items()]
+                             for k, t in attributes.items() if isinstance(t, torch.Tensor)]
             for kind, table in (("submodule", m._modules), ("parameter", m._parameters), ("buffer", m._buffers)):
                 self.tables.append((table, dict(table), len(table), False))
                 self.what.append((kind, where))
