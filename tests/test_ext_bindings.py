@@ -601,7 +601,7 @@ def test_check_tweak_config_accepts_what_tweak_accepts():
 
 # ------------------------------------------------------------------ tune_module
 
-NO_FACTS = {"reason": "", "max_error": None, "tolerance": None, "build_s": None, "variant": False,
+NO_FACTS = {"reason": "", "max_error": None, "tolerance": None, "own_error": None, "build_s": None, "variant": False,
             "lowers_precision": False}
 
 class Search:
@@ -680,13 +680,14 @@ def test_build_facts_and_flags_are_the_engines_result():
             return ("", 2e-5, None) if c == 0 else None
 
     search = Built(clock, [("(x)", "highest-throughput",
-                            [("A", None, 5), ("B", Facts("too far", ("mismatch", 0.5, 0.01)), 1),
+                            [("A", None, 5), ("B", Facts("too far", ("mismatch", 0.5, 0.01, 0.002)), 1),
                              ("C", Facts("odd", ("no such reason", "x", 10**400)), 1),
                              ("D", RuntimeError("no"), 1)])])
     a, b, c, d = _C.tune_module(search, 0, clock=clock)["groups"][0]["candidates"]
     assert (a["reason"], a["max_error"], a["tolerance"], a["build_s"]) == ("", 2e-5, None, 1e-6)
     assert not a["variant"] and not a["lowers_precision"]
     assert (b["reason"], b["max_error"], b["tolerance"], b["build_s"]) == ("mismatch", 0.5, 0.01, 2e-6)
+    assert a["own_error"] is None and b["own_error"] == 0.002  # a fourth fact: the original's own error
     assert b["variant"] and b["lowers_precision"] and b["error"] == "Facts: too far"
     assert (c["reason"], c["max_error"], c["tolerance"]) == ("build failed", None, None)  # what it cannot read: nothing
     assert d["reason"] == "build failed" and d["build_s"] == 4e-6

@@ -275,13 +275,17 @@ const char *tw_reason_name(tw_reason reason);
 
 /* What the host knows of one build, written by its build callback (a module
  * search's, tw_module_ops.build) into a struct the engine set to: reason
- * TW_REASON_NONE, max_error and tolerance NaN. max_error: the correctness
- * check's largest relative error (of a build that passed, or failed it);
- * tolerance: what the check allowed (on a mismatch). NaN: not known. */
+ * TW_REASON_NONE, max_error, tolerance and own_error NaN. max_error: the
+ * correctness check's error (of a build that passed, or failed it), the one
+ * that used most of its bound; tolerance: the bound it was held to; own_error:
+ * under a measured rule, the original's own error by the same measure (the
+ * bound's base: max_error / own_error is the candidate's error as a multiple
+ * of the original's). NaN: not known, or a fixed tolerance. */
 typedef struct tw_build_facts {
     tw_reason reason;
     double max_error;
     double tolerance;
+    double own_error;
 } tw_build_facts;
 
 /* A candidate's flags (tw_group_info.flags, tw_candidate_report.flags). */

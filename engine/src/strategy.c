@@ -43,6 +43,7 @@ void tw_report_reset(tw_candidate_report *report)
     report->facts.reason = TW_REASON_NONE;
     report->facts.max_error = NAN;
     report->facts.tolerance = NAN;
+    report->facts.own_error = NAN;
 }
 
 int tw_budget_spent(const tw_host *host, const tw_budget *budget)

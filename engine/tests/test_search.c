@@ -83,7 +83,8 @@ static tw_code sf_build(void *ctx, size_t node, size_t g, size_t c, tw_build_fac
     CHECK_INT(f->opened[g], 1);
     CHECK_INT(f->commits[g], 0); /* built inside its group */
     CHECK_INT(facts->reason, TW_REASON_NONE);
-    CHECK(facts->max_error != facts->max_error && facts->tolerance != facts->tolerance);
+    CHECK(facts->max_error != facts->max_error && facts->tolerance != facts->tolerance &&
+          facts->own_error != facts->own_error);
     f->builds[g][c]++;
     f->env.now += f->build_cost;
     if (f->facts[g][c].reason != TW_REASON_NONE || f->facts[g][c].max_error != 0) {
@@ -332,10 +333,12 @@ static void test_build_facts(void)
     f.build_cost = 250;
     f.facts[0][0].max_error = 2e-5;
     f.facts[0][0].tolerance = NAN;
+    f.facts[0][0].own_error = NAN;
     f.build_rc[0][1] = TW_ECALLBACK;
     f.facts[0][1].reason = TW_REASON_MISMATCH;
     f.facts[0][1].max_error = 0.5;
     f.facts[0][1].tolerance = 0.01;
+    f.facts[0][1].own_error = 0.002;
     f.build_rc[0][2] = TW_ECALLBACK;
     f.run_rc[0][3] = TW_ECALLBACK;
     CHECK_INT(sf_tune(&f, "layers.0", &m, NULL), TW_OK);
@@ -344,6 +347,7 @@ static void test_build_facts(void)
     CHECK_INT(r.facts.reason, TW_REASON_NONE);
     CHECK_NEAR(r.facts.max_error, 2e-5, 1e-12);
     CHECK(r.facts.tolerance != r.facts.tolerance);
+    CHECK(r.facts.own_error != r.facts.own_error);
     CHECK_INT(r.build_ns, 250);
     CHECK_INT(r.flags, 0);
     r = sf_report(m, 0, 1, NULL);
@@ -351,6 +355,7 @@ static void test_build_facts(void)
     CHECK_INT(r.facts.reason, TW_REASON_MISMATCH);
     CHECK_NEAR(r.facts.max_error, 0.5, 1e-12);
     CHECK_NEAR(r.facts.tolerance, 0.01, 1e-12);
+    CHECK_NEAR(r.facts.own_error, 0.002, 1e-12);
     CHECK_INT(r.build_ns, 250);
     /* a module searched alone has no budget: the variant was built */
     CHECK_INT(f.builds[0][1], 1);

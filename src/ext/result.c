@@ -205,7 +205,8 @@ tt_float_or_none(double value)
 static PyObject *
 tt_candidate_to_dict(const tw_module_result *module, size_t g, size_t c, long chosen)
 {
-    PyObject *stats = NULL, *max_error = NULL, *tolerance = NULL, *build_s = NULL; /* new */
+    PyObject *stats = NULL, *max_error = NULL, *tolerance = NULL, *own_error = NULL; /* new */
+    PyObject *build_s = NULL;                                                      /* new */
     PyObject *result = NULL;
     const char *reason;
     tw_candidate_report report;
@@ -221,20 +222,22 @@ tt_candidate_to_dict(const tw_module_result *module, size_t g, size_t c, long ch
         goto cleanup;
     reason = tw_reason_name(report.facts.reason);
     if ((max_error = tt_float_or_none(report.facts.max_error)) == NULL ||
-        (tolerance = tt_float_or_none(report.facts.tolerance)) == NULL)
+        (tolerance = tt_float_or_none(report.facts.tolerance)) == NULL ||
+        (own_error = tt_float_or_none(report.facts.own_error)) == NULL)
         goto cleanup;
     if (report.state == TW_CAND_NOT_TRIED) {
         build_s = Py_NewRef(Py_None);
     } else if ((build_s = PyFloat_FromDouble((double)report.build_ns / 1e9)) == NULL) {
         goto cleanup;
     }
-    result = Py_BuildValue("{s:s,s:s,s:s,s:s,s:O,s:s,s:O,s:O,s:O,s:N,s:N}", "name",
+    result = Py_BuildValue("{s:s,s:s,s:s,s:s,s:O,s:s,s:O,s:O,s:O,s:O,s:N,s:N}", "name",
                            name != NULL ? name : "(unnamed)", "state",
                            tw_candidate_state_name(report.state), "verdict",
                            tw_candidate_verdict(&report, (long)c == chosen), "error",
                            report.state == TW_CAND_FAILED ? report.msg : "", "stats", stats,
                            "reason", reason != NULL ? reason : "", "max_error", max_error,
-                           "tolerance", tolerance, "build_s", build_s, "variant",
+                           "tolerance", tolerance, "own_error", own_error, "build_s", build_s,
+                           "variant",
                            PyBool_FromLong((report.flags & TW_CAND_VARIANT) != 0),
                            "lowers_precision",
                            PyBool_FromLong((report.flags & TW_CAND_LOWERS_PRECISION) != 0));
@@ -242,6 +245,7 @@ cleanup:
     Py_XDECREF(stats);
     Py_XDECREF(max_error);
     Py_XDECREF(tolerance);
+    Py_XDECREF(own_error);
     Py_XDECREF(build_s);
     return result;
 }

@@ -261,8 +261,9 @@ tt_fact_number(PyObject *value, double *out)
     }
 }
 
-/* facts from a (reason: str, max_error: float | None, tolerance: float | None)
- * tuple: what build() returned, or its exception's tt_facts. Anything else, or
+/* facts from a (reason: str, max_error: float | None, tolerance: float | None
+ * [, own_error: float | None]) tuple: what build() returned, or its
+ * exception's tt_facts. Anything else, or
  * a reason the engine does not know, says nothing (an unknown reason: the
  * engine's "build failed"). Never raises. */
 static void
@@ -272,7 +273,8 @@ tt_facts_from(PyObject *given, tw_build_facts *facts)
     const char *text;
     int r;
 
-    if (given == NULL || !PyTuple_Check(given) || PyTuple_GET_SIZE(given) != 3)
+    if (given == NULL || !PyTuple_Check(given) ||
+        (PyTuple_GET_SIZE(given) != 3 && PyTuple_GET_SIZE(given) != 4))
         goto cleanup;
     reason = PyTuple_GET_ITEM(given, 0);
     max_error = PyTuple_GET_ITEM(given, 1);
@@ -287,6 +289,8 @@ tt_facts_from(PyObject *given, tw_build_facts *facts)
     PyErr_Clear();
     tt_fact_number(max_error, &facts->max_error);
     tt_fact_number(tolerance, &facts->tolerance);
+    if (PyTuple_GET_SIZE(given) == 4)
+        tt_fact_number(PyTuple_GET_ITEM(given, 3), &facts->own_error);
 cleanup:
     return;
 }
