@@ -240,7 +240,9 @@ def call_row(name: str, dtype_name: str, call: str, batch: int, prompt: int, new
                 out["tweak_result"] = str(result)
                 out["decode_loop"] = result.decode_loop
                 # each loop option measured (with and without the top-k sampler), and the one kept
-                out["loop_report"] = [{k: r[k] for k in ("candidate", "state", "latency_ms")}
+                # with the correctness rule's finding per call: its error as a multiple of the untuned
+                # call's, and where its tokens part from the untuned ones (step, margin)
+                out["loop_report"] = [{k: r.get(k) for k in ("candidate", "state", "latency_ms", "numerics", "error")}
                                       for r in result.loop_report]
                 out["loop_kept"] = repr(getattr(subject, "generate", None))
                 print(result, out["loop_report"], out["loop_kept"], flush=True)

@@ -6,8 +6,11 @@ row here is such a stream, with random weights built from configs:
 
     resnet50  torchvision ResNet-50, 224x224, 100 requests of batch 1-16
     vit       timm ViT-B/16, 224x224, 100 requests of batch 1-16
-    bert      BERT-base, 120 requests of batch 1/2/4/8, each row a random length 8-256, the
-              batch padded to its longest row (padding id 0) with its attention mask
+    bert      BERT-base without its pooler, 120 requests of batch 1/2/4/8, each row a random
+              length 8-256, the batch padded to its longest row (padding id 0) with its
+              attention mask
+    bert-pooler  the same with its pooler, as BertModel(BertConfig()) builds it: its tanh
+              output is checked too (the error of both outputs is shown)
     (--cpu: resnet18 at 112x112, 24 requests of batch 1-8, and a 4-layer BERT of width 256,
     24 requests of batch 1/2/4 and lengths 8-128: a table for this machine's CPU, with
     OpenVINO's dynamic shapes; a few minutes on 2 cores)
@@ -212,7 +215,7 @@ def build(name: str, dtype: torch.dtype, seed: int) -> tuple[torch.nn.Module, li
         new = vision_stream(len(stream) // 2, list(range(top + 1, top + 9)), side, dtype, seed + 1)
         what = f"{label}, {side}x{side}, {len(stream)} requests of batch 1-{top}; new: batch {top + 1}-{top + 8}"
         ranges = {"batch": (1, top + 8)}
-    elif name == "bert":
+    elif name in ("bert", "bert-pooler"):
         import transformers
         if DEVICE == "cuda":
             config, batches, top, n = transformers.BertConfig(), [1, 2, 4, 8], 256, 120
@@ -224,7 +227,7 @@ def build(name: str, dtype: torch.dtype, seed: int) -> tuple[torch.nn.Module, li
             config = transformers.BertConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
                                              intermediate_size=1024)
             batches, top, n = [1, 2, 4], 128, 24
-        model = transformers.BertModel(config, add_pooling_layer=False).to(DEVICE, dtype).eval()
+        model = transformers.BertModel(config, add_pooling_layer=name == "bert-pooler").to(DEVICE, dtype).eval()
         rng = random.Random(seed)
         seen = sorted(rng.sample(range(8, top + 1), (top - 7) // 2))
         unseen = sorted(set(range(8, top + 1)) - set(seen))
@@ -291,22 +294,34 @@ def serve(fn: Callable[..., Any], stream: list[Request]) -> float:
     return total
 
 
-def references(model: torch.nn.Module, streams: list[list[Request]]) -> list[list[torch.Tensor]]:
+def outputs_of(out: Any) -> list[torch.Tensor]:
+    """The tensors of a call's output: the first (a hidden state, logits) and, for a model
+    with a pooler, its pooled output."""
+    found = [first_tensor(out)]
+    pooled = getattr(out, "pooler_output", None)
+    if isinstance(pooled, torch.Tensor):
+        found.append(pooled)
+    return found
+
+
+def references(model: torch.nn.Module, streams: list[list[Request]]) -> list[list[list[torch.Tensor]]]:
     with torch.no_grad():
-        return [[first_tensor(call(model, r)).float().clone() for r in s] for s in streams]
+        return [[[t.float().clone() for t in outputs_of(call(model, r))] for r in s] for s in streams]
 
 
-def error_of(fn: Callable[..., Any], streams: list[list[Request]], refs: list[list[torch.Tensor]]) -> float:
-    """Largest |out - eager| over eager's largest magnitude, on the valid positions of every request."""
+def error_of(fn: Callable[..., Any], streams: list[list[Request]], refs: list[list[list[torch.Tensor]]]) -> float:
+    """Largest |out - eager| over eager's largest magnitude, per output tensor, on the valid
+    positions of every request (a hidden state's unpadded tokens; a pooled output's rows)."""
     worst = 0.0
     with torch.no_grad():
         for s, rs in zip(streams, refs):
-            for r, ref in zip(s, rs):
-                out = first_tensor(call(fn, r)).float().to(ref.device)
-                diff = (out - ref).abs()
-                if r.valid is not None:
-                    diff, ref = diff[r.valid], ref[r.valid]
-                worst = max(worst, (diff.max() / ref.abs().max().clamp_min(1e-30)).item())
+            for r, refs_of_call in zip(s, rs):
+                for out, ref in zip(outputs_of(call(fn, r)), refs_of_call):
+                    out = out.float().to(ref.device)
+                    diff = (out - ref).abs()
+                    if r.valid is not None and diff.dim() == 3:
+                        diff, ref = diff[r.valid], ref[r.valid]
+                    worst = max(worst, (diff.max() / ref.abs().max().clamp_min(1e-30)).item())
     sync()
     return worst
 
@@ -339,7 +354,25 @@ def tweak_column(model: torch.nn.Module, stream: list[Request], ranges: dict | N
         options["max_depth"] = MAX_DEPTH
     if SMOKE:
         options.update(measure={"rounds_max": 5, "time_cap": 0.5})
-    result = tt.tweak(fn, tuned, progress=False, cache=False, **options)
+    # the time the correctness rule's higher-precision reference takes, part of the tuning time
+    from torch_tweak._search import tuning
+    made = tuning.reference_of
+    spent = [0.0]
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return made(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    tuning.reference_of = timed
+    try:
+        result = tt.tweak(fn, tuned, progress=False, cache=False, **options)
+    finally:
+        tuning.reference_of = made
+    row["tweak_reference_s"] = spent[0]
+    row["tweak_modules"] = str(result.modules)
     row["tweak_table"] = str(result)
     row["tweak_shapes"] = ranges
     row["tweak_max_depth"] = MAX_DEPTH

@@ -221,6 +221,19 @@ def tolerances(folder: Path, base: dict, marker: Path):
         path = forge(folder, f"shifted{scale}", {"plan.json": json.dumps(plan).encode(),
                                                   "samples.safetensors": save_tensors(shifted)}, base)
         yield f"reference outputs shifted by {scale} with tolerance 1.0", path, "correct", {}
+        # the file's correctness rule: a fixed tolerance of 1.0 for every backend is capped, and under
+        # the measured rule (no tolerance named) the file's outputs must be the module's own
+        for rule in (1.0, None):
+            plan = json.loads(base["plan.json"])
+            if rule is not None:
+                plan["tolerance"] = rule
+            path = forge(folder, f"shifted{scale}-rule{rule}", {"plan.json": json.dumps(plan).encode(),
+                                                                 "samples.safetensors": save_tensors(shifted)}, base)
+            yield f"reference outputs shifted by {scale} under the file's rule {rule}", path, "correct", {}
+    for i, value in enumerate([2.0, -0.5, "loose", {"float": "nan"}, [0.1], True]):
+        def edit(plan, value=value):
+            plan["tolerance"] = value
+        yield f"the plan's rule {json.dumps(value)}", with_plan(folder, f"rule{i}", base, edit), "error", {}
 
 
 def members_of_samples(base: dict) -> dict:

@@ -44,6 +44,8 @@ def test_input_specs():
         (["tweak", f"{FACTORY}:tiny", "--input", "2x8", "--max-depth", "-1"], "max_depth must be an int >= 0"),
         (["tweak", f"{FACTORY}:tiny", "--input", "2x8", "--min-depth", "3"], "greater than max_depth (1)"),
         (["show", "no_such_file.tt"], "does not exist"),
+        (["tweak", f"{FACTORY}:tiny", "--input", "2x8", "--tolerance", "loose"], "give measured, dtype or a number"),
+        (["tweak", f"{FACTORY}:tiny", "--input", "2x8", "--tolerance", "2"], "tolerance must be"),
         # found by an attack: these ended in a traceback (the last one after the whole tuning)
         (["tweak", f"{FACTORY}:tiny", "--input", "2x8", "--seed", str(10**23)], "give a seed from 0"),
         (["tweak", f"{FACTORY}:tiny", "--input", "99999999999999999999x8"], "elements is more than one input"),

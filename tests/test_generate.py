@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 import torch_tweak as tt
-from torch_tweak._runtime import generation
+from torch_tweak._runtime import decode_check, generation
 from torch_tweak.backends.base import Backend
+from torch_tweak._core import correctness
 from torch_tweak._core.correctness import MismatchError
 from torch_tweak._runtime.workload import Workload
 
@@ -350,19 +351,27 @@ def test_workload_arguments_are_checked():
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_token_check_names_the_first_difference():
+@pytest.fixture
+def exact_tokens():
+    """The bit-identical rule (tt.tweak's tolerance=0): the tests below are about which untuned
+    tokens a candidate is held to, whatever logits give them."""
+    with correctness.ruling(correctness.Rule(0.0)):
+        yield
+
+
+def test_token_check_names_the_first_difference(exact_tokens):
     model = build("llama")
     ids = prompt(1)
     job = Workload(model, lambda m: m.generate(ids, max_new_tokens=4, do_sample=False), torch.device("cpu"))
     job.record()
     assert job.tokens == 4 and len(job.generate_calls) == 1
-    job.check_tokens()  # the untuned model gives its own tokens
+    job.check_generate()  # the untuned model gives its own tokens
     job.generate_calls[0].tokens[0, -2] += 1
     with pytest.raises(MismatchError, match="token 2 of sequence 0"):
-        job.check_tokens()
+        job.check_generate()
 
 
-def test_the_untuned_tokens_of_a_call_transformers_compiles_come_from_a_later_call(monkeypatch):
+def test_the_untuned_tokens_of_a_call_transformers_compiles_come_from_a_later_call(monkeypatch, exact_tokens):
     """transformers' first call of a compiled static path compiles its forward, and on the H200
     its tokens were not its later calls' (bench/first_call_study.py). A model whose first
     generate() gives other tokens than its later ones stands for it here: for a call
@@ -388,28 +397,29 @@ def test_the_untuned_tokens_of_a_call_transformers_compiles_come_from_a_later_ca
     job.record()
     assert len(made) == 3  # the recorded call, then two later ones (equal: no other tokens)
     assert torch.equal(job.generate_calls[0].tokens, made[1]) and not job.generate_calls[0].others
-    job.check_tokens()  # later calls give them: a candidate is held to what it can give
+    job.check_generate()  # later calls give them: a candidate is held to what it can give
     monkeypatch.setattr(generation, "transformers_compiles", lambda *a: False)
     made.clear()
     job = Workload(model, workload, torch.device("cpu"))
     job.record()
     assert len(made) == 1 and not torch.equal(job.generate_calls[0].tokens, made[0])  # the first call's own
     with pytest.raises(MismatchError, match="token 5 of sequence 0"):
-        job.check_tokens()
+        job.check_generate()
     # a loaded loop's check: the untuned generate() run there is warmed first, so the loop
     # (which gives the later calls' tokens) is installed
     plan = generation.LoopPlan("loop", None, [(c.args, c.kwargs, c.tokens) for c in job.generate_calls])
     monkeypatch.setattr(generation, "transformers_compiles", lambda *a: True)
     made.clear()
-    assert generation.apply_loop(model, plan) is None and generation.loop_of(model) is not None
+    assert decode_check.apply_loop(model, plan) is None and generation.loop_of(model) is not None
     assert len(made) == 3  # the compiling call, then the two whose tokens a loop must give
     generation.uninstall(model)
     made.clear()
     monkeypatch.setattr(generation, "transformers_compiles", lambda *a: False)  # one run: its cold token
-    assert "token 5 of sequence 0" in generation.apply_loop(model, plan) and generation.loop_of(model) is None
+    assert "token 5 of sequence 0" in decode_check.apply_loop(model, plan) and generation.loop_of(model) is None
 
 
-def test_an_untuned_model_that_does_not_repeat_its_tokens_holds_a_candidate_to_either(monkeypatch, caplog):
+def test_an_untuned_model_that_does_not_repeat_its_tokens_holds_a_candidate_to_either(monkeypatch, caplog,
+                                                                                    exact_tokens):
     """On the H200, Llama-1B at prompt 512 gave either of two tokens at step 91 from one untuned
     run to another (bench/results/generate.md), and every candidate failed a check against one
     run. A model whose later generate() calls alternate between two last tokens stands for it:
@@ -436,7 +446,7 @@ def test_an_untuned_model_that_does_not_repeat_its_tokens_holds_a_candidate_to_e
     assert len(made) == 3 and len(call.others) == 1 and not torch.equal(call.tokens, call.others[0])
     assert sum("does not repeat its own tokens" in r.getMessage() for r in caplog.records) == 1
     for _ in range(2):
-        job.check_tokens()  # the next calls give one, then the other
+        job.check_generate()  # the next calls give one, then the other
     def third(self, *args, **kwargs):
         out = real(self, *args, **kwargs).clone()
         out[0, -1] = (out[0, -1] + 3) % 256
@@ -444,15 +454,15 @@ def test_an_untuned_model_that_does_not_repeat_its_tokens_holds_a_candidate_to_e
 
     monkeypatch.setattr(type(model), "generate", third)
     with pytest.raises(MismatchError, match="token 5 of sequence 0"):
-        job.check_tokens()
+        job.check_generate()
     monkeypatch.setattr(type(model), "generate", alternating)
     plan = generation.LoopPlan("loop", None, [(call.args, call.kwargs, call.tokens)])
     made[:] = [None]  # the load's runs: +0 (compiling), then +1 and +0: the first kept is the one the loop does not give
-    assert generation.apply_loop(model, plan) is None and generation.loop_of(model) is not None
+    assert decode_check.apply_loop(model, plan) is None and generation.loop_of(model) is not None
     generation.uninstall(model)
 
 
-def test_when_the_compiled_loop_gives_other_tokens_no_depth_is_searched(monkeypatch):
+def test_when_the_compiled_loop_gives_other_tokens_no_depth_is_searched(monkeypatch, exact_tokens):
     """On the H200 (Llama-1B shape, prompt 512) the "compiled" loop, which runs transformers'
     own compiled forward, gave other tokens than the untuned calls, and every depth then failed
     the same check after minutes of builds. A model whose generate() gives one last token the
@@ -478,7 +488,7 @@ def test_when_the_compiled_loop_gives_other_tokens_no_depth_is_searched(monkeypa
     monkeypatch.setattr(tt.backends.TorchEagerBackend, "build",
                         lambda self, *a, **k: built.append(a) or build_eager(self, *a, **k))
     workload = lambda m: m.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static")  # noqa: E731
-    result = tt.tweak(model, workload=workload, strategy=EAGER, measure=QUICK, progress=False)
+    result = tt.tweak(model, workload=workload, strategy=EAGER, measure=QUICK, progress=False, tolerance=0)
     (loop,) = [r for r in result.loop_report if r["candidate"] == "decode loop (compiled)"]
     assert loop["state"] == "failed" and "token 5 of sequence 0" in loop["error"], loop
     assert result.decode_loop is None and result.selected_depth is None and not built
@@ -910,3 +920,76 @@ print(tt.status(model))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "decode loop (compiled) served 1 call" in done.stdout, done.stdout  # the load checked it, then it served ours
+
+
+# ------------------------------------------------------------- the measured rule for decode loops
+
+
+def _biased(model, token: int, by: float):
+    """A candidate: the model with `by` added to one token's logit at every step."""
+    def hook(module, args, out):
+        out = out.clone()
+        out[..., token] += by
+        return out
+    return model.lm_head.register_forward_hook(hook)
+
+
+def test_tokens_may_part_only_at_a_near_tie_and_every_step_is_judged_teacher_forced():
+    """bfloat16 Llama with random weights: the untuned call's own logits are within about 0.002
+    of a float32 run, and two tokens are closer than that at a few steps. A candidate that
+    nudges one token's logit by 0.002 turns such a near tie (kept, with the step and margin
+    said), one that adds 1.0 to a token turns a step whose margin is wide (refused, naming the
+    step and the margin); both against the untuned call, teacher-forced and free-running."""
+    model = build("llama").bfloat16()
+    ids = prompt(2, length=8)
+    job = Workload(model, lambda m: m.generate(ids, max_new_tokens=12, do_sample=False), torch.device("cpu"))
+    job.record()
+    (call,) = job.generate_calls
+    reference = call.reference
+    assert reference.measured and len(reference.high) == 12
+    assert job.check_generate().startswith("call 0: 1x the original's error, the untuned tokens")
+    # the nearest tie of the call: the step and sequence whose two best tokens are closest
+    margins = [(float(h.topk(2).values[r, 0] - h.topk(2).values[r, 1]), s, r)
+               for s, h in enumerate(reference.high) for r in range(2)]
+    margin, step, row = min(margins)
+    window = 2 * correctness.MULTIPLIER * float(reference.spread[step][row])
+    assert margin < window / 2  # the model has a near tie to turn
+    second = int(reference.high[step][row].topk(2).indices[1])
+    handle = _biased(model, second, 1.5 * margin)
+    try:
+        with torch.no_grad():
+            got = model.generate(ids, max_new_tokens=12, do_sample=False)
+        if not torch.equal(got, call.tokens):  # the near tie turned: kept, said with its margin
+            found = job.check_generate()
+            assert f"token {step} of sequence {row}" in found and "a near tie" in found, found
+    finally:
+        handle.remove()
+    worst = int(reference.high[0][0].argmin())
+    handle = _biased(model, worst, 1000.0)
+    try:
+        with pytest.raises(MismatchError, match=r"generate call 0: token 0 of sequence 0 is \d+, untuned \d+: "
+                                                r"their margin .* is [\d.]+, not a near tie"):
+            job.check_generate()
+    finally:
+        handle.remove()
+    spread = min(float((h.max(-1).values - h[:, worst]).min()) for h in reference.high)
+    handle = _biased(model, worst, spread / 3)  # no token turns, but every step's logits are wrong
+    try:
+        with torch.no_grad():
+            assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False), call.tokens)
+        with pytest.raises(MismatchError, match=r"generate call 0 step 0 logits: .*x the original's error"):
+            job.check_generate()
+    finally:
+        handle.remove()
+    assert job.check_generate().startswith("call 0: 1x")  # as it was
+
+
+def test_without_a_reference_the_tokens_must_be_the_untuned_ones():
+    model = build("llama")
+    ids = prompt(1)
+    with correctness.ruling(correctness.Rule(0.0)):
+        job = Workload(model, lambda m: m.generate(ids, max_new_tokens=4, do_sample=False), torch.device("cpu"))
+        job.record()
+    (call,) = job.generate_calls
+    assert not call.reference.measured and "bit-identical" in call.reference.why
+    assert job.check_generate() == "call 0: the untuned tokens"

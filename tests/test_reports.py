@@ -132,18 +132,22 @@ def test_weights_a_backend_moved_are_back_on_their_device(mlp, mlp_data):
 
 
 def test_tolerance_per_backend_and_global(mlp, mlp_data, monkeypatch):
-    def tune_with(backend):
+    def tune_with(backend, tolerance="measured"):
         tt.unwrap(mlp)
         (w,) = tt.wrap(mlp, ["head"], strategy=tt.OneBackendStrategy(backend))
-        tt.tune(mlp, mlp_data, measure=FAST)
+        tt.tune(mlp, mlp_data, measure=FAST, tolerance=tolerance)
         return w
 
-    w = tune_with(OffsetBackend())  # the fp32 default 1e-3 rejects an error of 1e-3 relative to ~1
+    w = tune_with(OffsetBackend())  # the measured rule: thousands of times float32's own rounding
+    assert w.tt_backend is None and "x the original's error" in w.tt_error
+    w = tune_with(OffsetBackend(), "dtype")  # the fp32 default 1e-3 rejects an error of 1e-3 relative to ~1
     assert w.tt_backend is None and "exceeds the tolerance 0.001" in w.tt_error
-    assert tune_with(OffsetBackend(tolerance=1e-2)).tt_backend is not None
+    assert tune_with(OffsetBackend(tolerance=1e-2)).tt_backend is not None  # a backend's own: the fixed rule
+    assert tune_with(OffsetBackend(), 1e-2).tt_backend is not None  # tt.tune's for every backend
     monkeypatch.setitem(tt.TOLERANCES, torch.float32, 1e-2)
-    assert tune_with(OffsetBackend()).tt_backend is not None
-    w = tune_with(OffsetBackend(tolerance=1e-5))  # a backend's own tolerance wins over the global one
+    assert tune_with(OffsetBackend(), "dtype").tt_backend is not None  # the per-dtype table, changed
+    assert tune_with(OffsetBackend()).tt_backend is None  # the measured rule does not read it
+    w = tune_with(OffsetBackend(tolerance=1e-5), "dtype")  # a backend's own tolerance wins over the global one
     assert w.tt_backend is None and "tolerance 1e-05" in w.tt_error
 
 

@@ -77,7 +77,7 @@ def test_one_settings_value_is_checked_hashed_and_passed_on(mlp, mlp_data, monke
     (settings,) = checked
     assert settings == {"min_depth": 0, "max_depth": 1, "tie_tolerance": 0.0, "time_budget": 0.0}
     assert type(settings["tie_tolerance"]) is float
-    assert hashed == [dict(settings, measure=FAST)]
+    assert hashed == [dict(settings, measure=FAST, tolerance="measured")]
     assert {k: passed[0][k] for k in settings} == settings
 
 

@@ -151,6 +151,16 @@ def make_dataset(specs: Sequence[str], count: int, device: Any, seed: int, float
     return samples
 
 
+def tolerance_arg(text: str) -> str | float:
+    """--tolerance as tt.tweak takes it: "measured", "dtype" or a number (checked by tt.tweak)."""
+    if text in ("measured", "dtype"):
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise CliError(f"--tolerance {text}: give measured, dtype or a number from 0 to 1") from None
+
+
 def command_tweak(args: argparse.Namespace) -> int:
     import torch
 
@@ -196,7 +206,7 @@ def command_tweak(args: argparse.Namespace) -> int:
     try:
         depth = {} if args.max_depth is None else {"max_depth": args.max_depth}
         result = tt.tweak(model, dataset, min_depth=args.min_depth, time_budget=args.time_budget,
-                          progress=not args.quiet, **depth)
+                          progress=not args.quiet, tolerance=tolerance_arg(args.tolerance), **depth)
     except (TypeError, ValueError) as exc:
         raise CliError(str(exc)) from None
     print(result)
@@ -269,6 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
     tweak.add_argument("--min-depth", type=int, default=0)
     tweak.add_argument("--max-depth", type=int, help="the deepest cut to try (default: tt.tweak's, 1)")
     tweak.add_argument("--time-budget", type=float, help="seconds; no new depth starts after it")
+    tweak.add_argument("--tolerance", default="measured", metavar="RULE",
+                       help="how candidates are judged: measured (default: within 3x the original's own error "
+                            "against a higher-precision run), dtype (a fixed tolerance per dtype), or a relative "
+                            "tolerance from 0 (bit-identical) to 1")
     tweak.add_argument("--out", metavar="FILE", help="save the tuned model here (e.g. model.tt)")
     tweak.add_argument("--plot", metavar="PNG", help="write a chart of latency per depth")
     tweak.add_argument("--modules", action="store_true", help="also print every module's candidates")

@@ -13,7 +13,7 @@ from torch import nn
 
 from . import _C
 from .backends import axes
-from ._core import distributed, model_state
+from ._core import correctness, distributed, model_state
 from ._runtime import generation
 from ._store import tuning_cache
 from ._core import cpu_load
@@ -100,7 +100,10 @@ class TweakResult:
     tokens: for a workload that calls generate(), a TokenRow (tokens per second, time to
     first token) for the untuned model, each depth and the kept configuration; else None.
     decode_loop: the decode loop kept behind generate() (torch_tweak._runtime.generation.LOOPS), or None;
-    loop_report: each decode-loop candidate's latency or why it lost.
+    loop_report: each decode-loop candidate's latency or why it lost, and "numerics": what
+    the correctness rule found on its generate() calls (its error as a multiple of the untuned
+    call's, where its tokens part and the margin there); numerics: the same per candidate
+    (loops, and depths as "depth N"), printed under the generate() table.
     """
 
     selected_depth: int | None
@@ -114,6 +117,7 @@ class TweakResult:
     tokens_per_run = 0
     decode_loop: str | None = None
     loop_report: "list[dict] | None" = None
+    numerics: "dict[str, str] | None" = None  # per generate() candidate, what the correctness rule found
     hint = ""
     refused = ""  # why no depth was searched (each row then failed with it), else ""
     _model: "weakref.ref[nn.Module] | None" = None  # the tuned model, for its buckets (shapes_lines)
@@ -208,6 +212,8 @@ class TweakResult:
         for report in self.loop_report or ():
             if report["state"] != "measured" and report["error"]:
                 lines.append(f"  {report['candidate']}: {fold(report['error'])}")
+        for label, found in (self.numerics or {}).items():  # the correctness rule's finding, per candidate
+            lines.append(f"  correctness, {label}: {fold(found, 140)}")
         if self.hint:
             lines.append(f"note: {self.hint}")
         return "\n".join(lines)
@@ -421,7 +427,7 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
           tie_tolerance: float = DEFAULT_TIE_TOLERANCE, time_budget: float | None = None, dry_run: bool = False, device: Any = None,
           progress: bool = True, measure: dict | None = None, cache: bool = True, effort: Effort = "default",
           precision: dict[str, float] | None = None, shapes: dict[str, tuple[int, int]] | None = None,
-          group: Any = None) -> TweakResult:
+          group: Any = None, tolerance: float | str = "measured") -> TweakResult:
     """Tunes `model` in place at every depth from min_depth to max_depth and keeps the fastest.
     Returns a TweakResult, a report: keep calling the model itself, under
     torch.inference_mode() (in grad mode a backend without autograd runs the original
@@ -447,7 +453,15 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
     rank's latency counts; every rank keeps the same plan): None (the default) is the
     default group when one is initialised with several processes, False tunes this process
     alone, or a ProcessGroup (docs/tweak.md, "Tensor-parallel models").
+    ``tolerance``: how a candidate's outputs are judged against the original's (docs/tweak.md,
+    "What "the same answers" means"): "measured" (the default: its error against a
+    higher-precision run of the module within 3x the original's own, per output tensor; for
+    generate(), greedy tokens may part only at a near-tie), "dtype" (a fixed relative tolerance
+    per dtype, torch_tweak.TOLERANCES), or a number from 0 to 1 (that relative tolerance for
+    every output; 0: bit-identical outputs and tokens). A backend config's own tolerance and the
+    precision= policies keep theirs.
     """
+    rule = correctness.check_rule(tolerance)
     ranks = distributed.resolve(group)
     with distributed.using(ranks):
         device, measuring, asked, job, calls, limits = distributed.step(lambda: _checked(
@@ -458,7 +472,7 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
             lambda: _declared(model, shapes, calls, job, strategy, device), "checking shapes=")
         # Tracing, recording and measuring run the model; anything they or a build changed is put
         # back when the tweak ends, however it ends.
-        with model_state.kept(model):
+        with model_state.kept(model), correctness.ruling(rule):
             result = _tweak(model, calls, job, device, measuring, asked, strategy=strategy,
                             progress=progress and (ranks is None or ranks.rank == 0), dry_run=dry_run,
                             cache=cache, limits=limits, settings={"measure": measure, "effort": effort},
@@ -499,7 +513,8 @@ def _tweak(model: nn.Module, calls: Any, job: Workload | None, device: torch.dev
             dataclasses.replace(asked, heavy=axes.heavy_modules(model, tree)))
     key = parts = None
     if cache and not dry_run and job is None:
-        wanted = dict(limits, measure=settings["measure"])  # the settings as checked, the engine's forms
+        # the settings as checked, the engine's forms, and the correctness rule
+        wanted = dict(limits, measure=settings["measure"], tolerance=correctness.rule().tolerance)
         if declared:
             wanted["shapes"] = declared.as_dict()
         if asked:
@@ -712,6 +727,7 @@ def _kept(model: nn.Module, engine: Any, tree: ModuleTree, session: "_Session", 
             release(wrapper, keep_chosen=False)  # only the kept cut's calls are worth saving
     if not dry_run:
         SELECTED_DEPTHS[model] = result.selected_depth
+        correctness.RULES[model] = correctness.rule()
     return result
 
 
@@ -771,6 +787,8 @@ def _speak_tokens(result: TweakResult, job: Workload) -> None:
     result.tokens_per_run = job.tokens
     result.decode_loop = job.loop
     result.loop_report = job.loop_report
+    result.numerics = {r["candidate"]: r["numerics"] for r in job.loop_report if r.get("numerics")}
+    result.numerics.update((f"depth {d}", found) for d, found in job.numerics.items())
     result.hint = job.hint
     logger.info("generate(): kept %s", kept_label)
 

@@ -1,29 +1,54 @@
-"""The correctness check every backend passes before it is accepted.
+"""Whether a candidate's outputs are right: the check every backend and decode loop passes.
 
-A backend's outputs on the recorded samples must have the same structure as the
-original module's (the same nesting of tuples, lists and dicts, tensors of the
-same shape and dtype, equal plain values), no NaN or Inf where the original has
-none, the same NaN or Inf where the original has one (NaN where NaN, +Inf where
-+Inf, -Inf where -Inf), and values within a tolerance that fits the dtype.
+A candidate's outputs on the recorded calls must have the same structure as the original
+module's (the same nesting of tuples, lists, dicts and key/value caches, tensors of the same
+shape and dtype, equal plain values), no NaN or Inf where the original has none, the same NaN
+or Inf where the original has one, equal integer and bool tensors, and floating-point values
+that are right by one of two rules.
 
-The error of a floating-point tensor is relative to its scale:
-``max|out - ref| / max(max|ref|, 1e-6)``, taken over the positions where the
-reference is finite. A floating reference tensor with fewer than MIN_FINITE_SHARE
-of its values finite (or none) compares too little to accept anything: every
-backend is refused for it (a file whose stored outputs are NaN is one). Integer
-and bool tensors must be equal. The defaults per
-dtype are in ``TOLERANCES``; change one for the whole process with
-``torch_tweak._core.correctness.TOLERANCES[torch.float32] = 1e-2``, or give a backend
-config its own ``tolerance``.
+**The measured rule** (the default). For each recorded call, the module also runs at a higher
+precision (float32 weights and inputs for a bfloat16 or float16 module, float64 for a float32
+one: ``reference``). That run's outputs are the reference, and the original's own outputs
+have an error against it: its rounding. A candidate's error against the reference may be at
+most MULTIPLIER times the original's own, plus a floor of one unit of the dtype's last place
+(for outputs the original gets exactly), capped by MAX_TOLERANCES. Errors are taken per
+output tensor (each tensor of a tuple has its own), on a scale no single value decides and
+that hides no small-valued output:
+
+- each value's error is ``|out - ref| / (|ref| + m)``, with ``m`` the tensor's mean magnitude:
+  a value is judged relative to its own size, and a value near zero relative to the tensor's
+  typical one (where cancellation makes any relative error meaningless);
+- ``rms`` is the root mean square of those errors along the last axis (a token's hidden state,
+  a row of logits), the worst row's; ``peak`` is the largest single one. Both are held to the
+  bound, each against the original's own.
+
+A massive channel (as language models' hidden states have) cannot hide a wrong ordinary one:
+each value counts against its own size. A module without a reference (no higher precision to
+run at, a call holding a key/value cache, a run that fails or does not fit in memory or time:
+``Reference.why`` says which) is held to the fixed rule.
+
+**The fixed rule** (a backend config's ``tolerance``, the ``precision=`` policies, or
+``tolerance=`` given to tt.tweak): the relative error ``max|out - ref| / max|ref|`` over the
+positions where the original is finite must stay within the tolerance; its defaults per dtype
+are ``TOLERANCES``. A tolerance of 0 asks for bit-identical outputs.
+
+A floating reference tensor with fewer than MIN_FINITE_SHARE of its values finite compares
+too little to accept anything, by either rule.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import contextvars
+import dataclasses
+import math
+import time
+import weakref
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from ._samples import cache_layers
+from ._samples import cache_layers, unstorable
 
 TOLERANCES: dict[torch.dtype, float] = {
     torch.float64: 1e-6,
@@ -31,7 +56,7 @@ TOLERANCES: dict[torch.dtype, float] = {
     torch.float16: 1e-2,
     torch.bfloat16: 3e-2,
 }
-"""Default relative tolerance per floating dtype; others (fp8...) use 0.1."""
+"""The fixed rule's relative tolerance per floating dtype; others (fp8...) use 0.1."""
 
 MAX_TOLERANCES: dict[torch.dtype, float] = {
     torch.float64: 1e-3,
@@ -39,9 +64,29 @@ MAX_TOLERANCES: dict[torch.dtype, float] = {
     torch.float16: 0.05,
     torch.bfloat16: 0.1,
 }
-"""The most a tolerance read from a saved file may allow per dtype (others: 0.1): a file
-cannot widen the check past what TorchAO's quantization needs."""
+"""The most either rule allows per dtype (others: 0.1): neither a tolerance read from a saved
+file nor an original whose own error is large widens a check past these."""
 
+MULTIPLIER = 3.0
+"""The measured rule: a candidate's error against the higher-precision reference may be this
+many times the original's own (PyTorch's accuracy harness uses 2 to 3 with an RMS error)."""
+
+REFERENCE_DTYPES: dict[torch.dtype, torch.dtype] = {
+    torch.bfloat16: torch.float32,
+    torch.float16: torch.float32,
+    torch.float32: torch.float64,
+}
+"""The precision the reference runs at, per output dtype: float32 has 16 bits more than
+bfloat16 and 13 more than float16 (its own error is thousands of times smaller than theirs,
+and it runs at speed where float64 does not), float64 29 more than float32."""
+
+REFERENCE_SECONDS = 60.0
+"""The most the reference of one module's signature may take (its higher-precision runs):
+past it the signature is held to the fixed rule."""
+
+REFERENCE_MEMORY_SHARE = 0.5
+"""The most of the free memory of the module's device (else of the host) the reference's
+weights may take."""
 
 MIN_FINITE_SHARE = 0.01
 """The least share of a floating reference tensor's values that must be finite (and at least
@@ -54,42 +99,416 @@ more than 1 % of its values finite."""
 class MismatchError(Exception):
     """A backend's output does not match the original module's.
 
-    error and tolerance: the relative error found and the limit it broke, when the
-    mismatch is one of values (None for one of structure, NaN or Inf).
-    """
+    error and tolerance: the error found and the bound it broke, when the mismatch is one of
+    values (None for one of structure, NaN or Inf); own: the original's own error against the
+    reference (None under the fixed rule)."""
 
-    def __init__(self, message: str, error: float | None = None, tolerance: float | None = None) -> None:
+    def __init__(self, message: str, error: float | None = None, tolerance: float | None = None,
+                 own: float | None = None) -> None:
         super().__init__(message)
         self.error = error
         self.tolerance = tolerance
+        self.own = own
+
+
+class Finding(float):
+    """The error a check found (its float value), with the bound it was held to and, under
+    the measured rule, the original's own error (None under the fixed rule)."""
+
+    bound: float
+    own: float | None
+
+    def __new__(cls, error: float, bound: float, own: float | None = None) -> "Finding":
+        found = super().__new__(cls, error)
+        found.bound = bound
+        found.own = own
+        return found
+
+    @property
+    def share(self) -> float:
+        """How much of its bound the error uses (the worst finding is the one with most)."""
+        return float(self) / self.bound if self.bound > 0 else (0.0 if float(self) == 0 else math.inf)
+
+    @property
+    def multiple(self) -> float | None:
+        """The error as a multiple of the original's own (None under the fixed rule)."""
+        if self.own is None:
+            return None
+        return float(self) / self.own if self.own > 0 else (0.0 if float(self) == 0 else math.inf)
+
+
+NOTHING = Finding(0.0, 0.0)
+
+
+def worst(findings: Iterator[Finding] | Sequence[Finding]) -> Finding:
+    """The finding that uses most of its bound (NOTHING for none)."""
+    found = NOTHING
+    for f in findings:
+        if not isinstance(f, Finding):
+            f = Finding(float(f), 0.0)
+        if f.share > found.share or (f.share == found.share and float(f) > float(found)):
+            found = f
+    return found
+
+
+def describe_finding(found: Finding) -> str:
+    """A finding as a user reads it: "1.3x the original's error" or "relative error 0.004"."""
+    multiple = found.multiple
+    if multiple is None:
+        return f"relative error {float(found):.3g}"
+    if math.isinf(multiple):
+        return f"error {float(found):.3g} where the original is exact"
+    return f"{multiple:.2g}x the original's error"
+
+
+# ------------------------------------------------------------------ the rule in force
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """How candidates without a tolerance of their own are judged (tt.tweak's ``tolerance``):
+    "measured" (the default), "dtype" (the fixed rule at TOLERANCES' value for each output's
+    dtype), or a number (the fixed rule at that relative tolerance; 0: bit-identical outputs,
+    and for decode loops the untuned tokens exactly)."""
+
+    tolerance: str | float = "measured"
+
+    @property
+    def measured(self) -> bool:
+        return self.tolerance == "measured"
+
+    @property
+    def fixed(self) -> float | None:
+        """The fixed rule's tolerance for every dtype; None for the measured rule or TOLERANCES'."""
+        return None if isinstance(self.tolerance, str) else float(self.tolerance)
+
+    @property
+    def exact(self) -> bool:
+        return self.fixed == 0
+
+    def describe(self) -> str:
+        if self.measured:
+            return "measured rule"
+        if self.fixed is None:
+            return "fixed rule at the per-dtype tolerances"
+        return "bit-identical rule" if self.exact else f"fixed rule at the relative tolerance {self.fixed:g}"
+
+
+_RULE: contextvars.ContextVar[Rule] = contextvars.ContextVar("torch_tweak_rule", default=Rule())
+
+RULES: "weakref.WeakKeyDictionary[torch.nn.Module, Rule]" = weakref.WeakKeyDictionary()
+"""model -> the rule its tuning (or tt.load) judged by: what tt.save writes, what tt.load applies."""
+
+
+def rule() -> Rule:
+    """The rule in force (tt.tweak's, tt.tune's or a loaded file's; the measured one outside)."""
+    return _RULE.get()
+
+
+def check_rule(tolerance: Any) -> Rule:
+    """tt.tweak's `tolerance` as a Rule: "measured" (or None), "dtype", or a number from 0 to 1."""
+    if tolerance is None or tolerance == "measured":
+        return Rule()
+    if tolerance == "dtype":
+        return Rule("dtype")
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or \
+            not (0 <= float(tolerance) <= 1):
+        raise ValueError(f"tolerance must be \"measured\" (the default: each candidate's error against a "
+                         f"higher-precision run within {MULTIPLIER:g}x the original's own), \"dtype\" (a fixed "
+                         f"relative tolerance per dtype, torch_tweak.TOLERANCES) or a relative tolerance from 0 "
+                         f"(bit-identical) to 1, not {tolerance!r}")
+    return Rule(float(tolerance))
+
+
+@contextlib.contextmanager
+def ruling(given: Rule) -> Iterator[None]:
+    """Holds `given` as the rule in force while the block runs."""
+    token = _RULE.set(given)
+    try:
+        yield
+    finally:
+        _RULE.reset(token)
 
 
 def tolerance_for(dtype: torch.dtype, override: float | None = None, bounded: bool = False) -> float:
-    """The tolerance for `dtype`: `override` or the default; at most MAX_TOLERANCES when bounded."""
+    """The fixed rule's tolerance for `dtype`: `override`, else the rule's, else the default;
+    at most MAX_TOLERANCES when bounded."""
+    if override is None:
+        override = rule().fixed
     limit = TOLERANCES.get(dtype, 0.1) if override is None else override
     return min(limit, MAX_TOLERANCES.get(dtype, 0.1)) if bounded else limit
 
 
-def check(out: Any, ref: Any, tolerance: float | None = None, where: str = "output", bounded: bool = False) -> float:
-    """Raises MismatchError when `out` does not match `ref`; returns the largest error seen.
+def floor_for(dtype: torch.dtype) -> float:
+    """The measured rule's floor: one unit in the last place of `dtype` at 1."""
+    try:
+        return float(torch.finfo(dtype).eps)
+    except TypeError:
+        return 0.0
 
-    A transformers key/value cache (or its CacheRecord from a file) matches one of the same
-    class with as many layers and matching tensors in each: caches are values, never
-    compared by identity. bounded: the tolerance came from a file, capped by MAX_TOLERANCES."""
+
+# ------------------------------------------------------------------ the measure of an error
+
+
+def deviation(out: torch.Tensor, ref: torch.Tensor, finite: torch.Tensor | None = None) -> tuple[float, float]:
+    """(rms, peak) of `out`'s error against `ref`, two floating tensors of one shape, over the
+    positions `finite` (default: where both are finite). Each value's error is
+    ``|out - ref| / (|ref| + m)``, m the tensor's typical magnitude: the median of ``|ref|``
+    over those positions, at least a tenth of their mean (an output mostly of zeros, after a
+    ReLU), and the smallest normal number when both are 0. The median, not the mean: one
+    massive channel (thousands of times the others, as language models' hidden states have)
+    cannot raise it past the ordinary values. rms is the largest over rows (the last axis) of
+    their root mean square, peak the largest value."""
+    out = out.detach().to(torch.float64)
+    ref = ref.detach().to(device=out.device, dtype=torch.float64)
+    if finite is None:
+        finite = torch.isfinite(ref) & torch.isfinite(out)
+    else:
+        finite = finite.to(out.device)
+    count = int(finite.sum())
+    if count == 0:
+        return 0.0, 0.0
+    size = ref.abs().where(finite, 0.0)
+    typical = max(float(size[finite].median()), 0.1 * float(size.sum()) / count)
+    if not typical > 0:
+        typical = float(torch.finfo(torch.float64).tiny)
+    error = ((out - ref).abs().where(finite, 0.0) / (size + typical)).where(finite, 0.0)
+    width = error.shape[-1] if error.dim() >= 2 and error.shape[-1] > 0 else max(error.numel(), 1)
+    rows = error.reshape(-1, width)
+    counts = finite.reshape(-1, width).sum(dim=-1).clamp(min=1)
+    rms = float(((rows * rows).sum(dim=-1) / counts).sqrt().max())
+    return rms, float(error.max())
+
+
+@dataclasses.dataclass
+class Reference:
+    """A signature's reference for the measured rule: per recorded call, the module's outputs
+    run at higher precision (a tree like the original's, a tensor None where it has none);
+    own: per output tensor (in the order tensor_leaves gives), the original's own error
+    (rms, peak), the largest over the calls (None where there is no reference). outputs is
+    None when there is no reference at all, and why says why; seconds: what it took."""
+
+    outputs: list[Any] | None
+    own: list[tuple[float, float] | None] = dataclasses.field(default_factory=list)
+    why: str = ""
+    seconds: float = 0.0
+    dtype: torch.dtype | None = None
+
+    @property
+    def measured(self) -> bool:
+        return self.outputs is not None
+
+
+def tensor_leaves(value: Any) -> list[Any]:
+    """The tensors of an output (a key/value cache's layer by layer), in the order the check
+    walks them; a position the output holds None or a plain value at is left out."""
+    found: list[Any] = []
+    _leaves(value, found)
+    return found
+
+
+def _leaves(value: Any, found: list) -> None:
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+        return
+    cache = cache_layers(value)
+    if cache is not None:
+        for layer in cache[1]:
+            found.extend(layer)
+        return
+    if isinstance(value, dict):
+        for v in value.values():
+            _leaves(v, found)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _leaves(v, found)
+
+
+def _floating(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def reference(module: torch.nn.Module, samples: Sequence[Any], outputs: Sequence[Any],
+              seconds: float = REFERENCE_SECONDS) -> Reference:
+    """The measured rule's reference of one signature: `module` run on each recorded call
+    (`samples`, whose original outputs are `outputs`) with its floating weights and inputs at
+    the precision REFERENCE_DTYPES gives for its outputs (torch.func.functional_call: the
+    module's own weights are not touched, only higher-precision copies of them are made, one
+    module at a time, on its device when they take at most REFERENCE_MEMORY_SHARE of its free
+    memory, else on the host's, else none). A reference that cannot be had (the fixed rule is
+    in force, no floating output, a float64 output, a call holding a key/value cache, a run
+    that raises, takes longer than `seconds` or does not fit) is returned without outputs and
+    says why: its signature is held to the fixed rule."""
+    if not rule().measured:
+        return Reference(None, why=f"the {rule().describe()} was asked for")
+    leaves = [t for out in outputs for t in tensor_leaves(out) if _floating(t)]
+    if not leaves:
+        return Reference(None, why="no floating-point output")
+    high = [REFERENCE_DTYPES.get(t.dtype) for t in leaves]
+    if any(d is None for d in high):
+        odd = next(t.dtype for t, d in zip(leaves, high) if d is None)
+        return Reference(None, why=f"an output of {odd}, which has no higher precision to run at")
+    dtype = max(high, key=lambda d: torch.finfo(d).bits)
+    held = next((why for why in map(unstorable, samples) if why is not None), None)
+    if held is not None:
+        return Reference(None, why=f"a recorded call holds live state ({held})")
+    start = time.perf_counter()
+    try:
+        weights = higher_weights(module, dtype)
+        if isinstance(weights, str):
+            return Reference(None, why=weights)
+        place, state = weights
+        found = []
+        for args, kwargs in samples:
+            if time.perf_counter() - start > seconds:
+                return Reference(None, why=f"the higher-precision runs took more than {seconds:g} s",
+                                 seconds=time.perf_counter() - start)
+            high_args, high_kwargs = _cast((args, kwargs), dtype, place, {})
+            with torch.no_grad():
+                out = torch.func.functional_call(module, state, high_args, high_kwargs, strict=False)
+            found.append(out)
+        del state
+    except Exception as exc:  # an op with no kernel at that precision, a dtype the forward fixes...
+        return Reference(None, why=f"the higher-precision run failed ({type(exc).__name__}: "
+                                   f"{str(exc).splitlines()[0] if str(exc) else ''})",
+                         seconds=time.perf_counter() - start)
+    kept: list[Any] = []
+    own: list[tuple[float, float] | None] = []
+    for out, hp in zip(outputs, found):
+        mine, theirs = tensor_leaves(out), tensor_leaves(hp)
+        if len(mine) != len(theirs):
+            return Reference(None, why="the higher-precision run gave outputs of another structure",
+                             seconds=time.perf_counter() - start)
+        tree = []
+        for i, (o, h) in enumerate(zip(mine, theirs)):
+            usable = _floating(o) and _floating(h) and h.shape == o.shape and \
+                torch.finfo(h.dtype).bits > torch.finfo(o.dtype).bits
+            tree.append(h.detach() if usable else None)
+            if len(own) <= i:
+                own.append(None)
+            if usable:
+                found_o = deviation(o, h, torch.isfinite(o) & torch.isfinite(h.to(o.device)))
+                before = own[i]
+                own[i] = found_o if before is None else (max(before[0], found_o[0]), max(before[1], found_o[1]))
+        kept.append(tree)
+    # an original farther from the higher-precision run than any rounding (a dtype the forward
+    # fixes, an operation whose result depends on the precision): that output has no reference
+    leaves = tensor_leaves(outputs[0])
+    for i, found_o in enumerate(own):
+        if found_o is not None and found_o[0] > MAX_TOLERANCES.get(leaves[i].dtype, 0.1):
+            own[i] = None
+            for tree in kept:
+                tree[i] = None
+    if all(o is None for o in own):
+        return Reference(None, why="the original's outputs are farther from the higher-precision run than "
+                                   "rounding explains", seconds=time.perf_counter() - start)
+    return Reference(kept, own, seconds=time.perf_counter() - start, dtype=dtype)
+
+
+def higher_weights(module: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.device, dict] | str:
+    """(where the reference runs, the module's floating weights at `dtype` there), or why it
+    cannot: they do not fit on the module's device nor on the host."""
+    named = dict(module.named_parameters(remove_duplicate=False))
+    named.update(module.named_buffers(remove_duplicate=False))
+    need = sum(t.numel() for t in named.values() if t.is_floating_point()) * torch.finfo(dtype).bits // 8
+    devices = {t.device for t in named.values()}
+    device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
+    if device.type == "cuda" and need > REFERENCE_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0]:
+        device = torch.device("cpu")
+    if device.type == "cpu" and need > REFERENCE_MEMORY_SHARE * _host_free():
+        return f"its weights at {dtype} ({need / 2**20:.0f} MiB) do not fit in free memory"
+    state = {name: (t.detach().to(device=device, dtype=dtype) if t.is_floating_point() else t.detach().to(device))
+             for name, t in named.items()}
+    return device, state
+
+
+def _host_free() -> int:
+    """The host's available memory in bytes (MemAvailable), or a large number where unknown."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f.read(1 << 16).decode("ascii", "replace").splitlines():
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 1 << 62
+
+
+def _cast(value: Any, dtype: torch.dtype, device: torch.device, memo: dict[int, Any]) -> Any:
+    """A copy of `value` with every floating tensor at `dtype` and every tensor on `device` (a
+    tensor found twice is one copy: a call given one tensor twice is given one copy twice)."""
+    from ._samples import _rebuilt
+
+    key = id(value)
+    if key in memo:
+        return memo[key]
+    if isinstance(value, torch.Tensor):
+        copied = value.detach().to(device=device, dtype=dtype if value.is_floating_point() else value.dtype,
+                                   copy=True)
+    else:
+        copied = _rebuilt(value, lambda v: _cast(v, dtype, device, memo))
+    memo[key] = copied
+    return copied
+
+
+# ------------------------------------------------------------------ the check
+
+
+def check(out: Any, ref: Any, tolerance: float | None = None, where: str = "output", bounded: bool = False,
+          high: Sequence[Any] | None = None, own: Sequence[tuple[float, float] | None] | None = None) -> Finding:
+    """Raises MismatchError when `out` does not match `ref`; returns the finding that uses most
+    of its bound (a float: the error).
+
+    tolerance: the fixed rule at this tolerance (a backend config's own); None: the rule in
+    force. high: this call's reference outputs (Reference.outputs[i]), for the measured rule;
+    own: per output tensor the original's own error (Reference.own), for a call with no
+    reference of its own (a size first seen after tuning): the candidate is then held to
+    MULTIPLIER + 1 times it against the original's output, the most the measured bound allows
+    by the triangle inequality. A transformers key/value cache (or its CacheRecord from a file)
+    matches one of the same class with as many layers and matching tensors in each: caches are
+    values, never compared by identity. bounded: the tolerance came from a file, capped by
+    MAX_TOLERANCES."""
+    pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    _structure(out, ref, where, pairs)
+    findings = []
+    for i, (at, o, r) in enumerate(pairs):
+        h = high[i] if high is not None and i < len(high) else None
+        mine = own[i] if own is not None and i < len(own) else None
+        findings.append(check_tensor(o, r, tolerance, at, bounded, h, mine))
+    return worst(findings)
+
+
+def _structure(out: Any, ref: Any, where: str, pairs: list) -> None:
+    """Checks that `out` has `ref`'s structure and plain values; appends (where, out tensor,
+    ref tensor) for every tensor, in tensor_leaves' order."""
     if isinstance(ref, torch.Tensor):
-        return check_tensor(out, ref, tolerance, where, bounded)
+        pairs.append((where, out, ref))
+        return
     cache = cache_layers(ref)
     if cache is not None:
-        return check_cache(out, cache, tolerance, where, bounded)
+        name, layers = cache
+        got = cache_layers(out)
+        if got is None or got[0] != name or len(got[1]) != len(layers):
+            raise MismatchError(f"{where}: expected a {name} of {len(layers)} layers, got "
+                                + (describe(out) if got is None else f"a {got[0]} of {len(got[1])} layers"))
+        for i, (mine, theirs) in enumerate(zip(got[1], layers)):
+            if len(mine) != len(theirs):
+                raise MismatchError(f"{where}: layer {i} holds {len(mine)} tensors, expected {len(theirs)}")
+            pairs.extend((f"{where} layer {i} {('keys', 'values')[j % 2]}", o, r)
+                         for j, (o, r) in enumerate(zip(mine, theirs)))
+        return
     if isinstance(ref, dict):
         if not isinstance(out, dict) or list(out.keys()) != list(ref.keys()):
             raise MismatchError(f"{where}: expected a dict with keys {list(ref.keys())}, got {describe(out)}")
-        return max((check(out[k], ref[k], tolerance, f"{where}[{k!r}]", bounded) for k in ref), default=0.0)
+        for k in ref:
+            _structure(out[k], ref[k], f"{where}[{k!r}]", pairs)
+        return
     if isinstance(ref, (tuple, list)):
         if not isinstance(out, (tuple, list)) or len(out) != len(ref):
             raise MismatchError(f"{where}: expected a {type(ref).__name__} of {len(ref)}, got {describe(out)}")
-        return max((check(o, r, tolerance, f"{where}[{i}]", bounded) for i, (o, r) in enumerate(zip(out, ref))),
-                   default=0.0)
+        for i, (o, r) in enumerate(zip(out, ref)):
+            _structure(o, r, f"{where}[{i}]", pairs)
+        return
     if type(out) is not type(ref):
         raise MismatchError(f"{where}: expected {type(ref).__name__}, got {describe(out)}")
     try:
@@ -98,26 +517,11 @@ def check(out: Any, ref: Any, tolerance: float | None = None, where: str = "outp
         equal = True
     if not equal:
         raise MismatchError(f"{where}: expected {ref!r}, got {out!r}")
-    return 0.0
 
 
-def check_cache(out: Any, ref: tuple[str, list], tolerance: float | None, where: str, bounded: bool) -> float:
-    name, layers = ref
-    got = cache_layers(out)
-    if got is None or got[0] != name or len(got[1]) != len(layers):
-        raise MismatchError(f"{where}: expected a {name} of {len(layers)} layers, got "
-                            + (describe(out) if got is None else f"a {got[0]} of {len(got[1])} layers"))
-    worst = 0.0
-    for i, (mine, theirs) in enumerate(zip(got[1], layers)):
-        if len(mine) != len(theirs):
-            raise MismatchError(f"{where}: layer {i} holds {len(mine)} tensors, expected {len(theirs)}")
-        for j, (o, r) in enumerate(zip(mine, theirs)):
-            worst = max(worst, check_tensor(o, r, tolerance, f"{where} layer {i} {('keys', 'values')[j % 2]}",
-                                            bounded))
-    return worst
-
-
-def check_tensor(out: Any, ref: torch.Tensor, tolerance: float | None, where: str, bounded: bool = False) -> float:
+def check_tensor(out: Any, ref: torch.Tensor, tolerance: float | None, where: str, bounded: bool = False,
+                 high: torch.Tensor | None = None, own: tuple[float, float] | None = None) -> Finding:
+    """One tensor of an output (see check)."""
     if not isinstance(out, torch.Tensor):
         raise MismatchError(f"{where}: expected a tensor, got {describe(out)}")
     if out.shape != ref.shape or out.dtype != ref.dtype:
@@ -125,13 +529,33 @@ def check_tensor(out: Any, ref: torch.Tensor, tolerance: float | None, where: st
             f"{where}: expected {tuple(ref.shape)} {ref.dtype}, got {tuple(out.shape)} {out.dtype}"
         )
     if out.numel() == 0:
-        return 0.0
+        return NOTHING
     out = out.detach()
     ref = ref.detach().to(out.device)
     if not ref.is_floating_point() and not ref.is_complex():
         if not torch.equal(out, ref):
             raise MismatchError(f"{where}: {int((out != ref).sum())} of {ref.numel()} values differ")
-        return 0.0
+        return NOTHING
+    finite = _finite_alike(out, ref, where)
+    if tolerance is None and rule().measured and not ref.is_complex():
+        if high is not None:
+            return _measured(out, ref, high.to(out.device), finite, where)
+        if own is not None:
+            return _derived(out, ref, own, finite, where)
+    a = out[finite].double() if not ref.is_complex() else out[finite]
+    b = ref[finite].double() if not ref.is_complex() else ref[finite]
+    scale = max(float(b.abs().max()), 1e-6)
+    error = float((a - b).abs().max()) / scale
+    limit = tolerance_for(ref.dtype, tolerance, bounded)
+    if error > limit:
+        raise MismatchError(f"{where}: relative error {error:.3g} exceeds the tolerance {limit:.3g} for {ref.dtype}",
+                            error, limit)
+    return Finding(error, limit)
+
+
+def _finite_alike(out: torch.Tensor, ref: torch.Tensor, where: str) -> torch.Tensor:
+    """The positions where the original is finite, after checking that the rest match in kind
+    and that there are enough of them."""
     finite = torch.isfinite(ref)
     count = int(finite.sum())
     if count == 0 or count < MIN_FINITE_SHARE * ref.numel():
@@ -152,15 +576,52 @@ def check_tensor(out: Any, ref: torch.Tensor, tolerance: float | None, where: st
         if not bool(same.all()):
             raise MismatchError(f"{where}: {int((~same).sum())} values differ where the original is NaN or Inf "
                                 "(a backend must give the same NaN or Inf there)")
-    a = out[finite].double()
-    b = ref[finite].double()
-    scale = max(float(b.abs().max()), 1e-6)
-    error = float((a - b).abs().max()) / scale
-    limit = tolerance_for(ref.dtype, tolerance, bounded)
-    if error > limit:
-        raise MismatchError(f"{where}: relative error {error:.3g} exceeds the tolerance {limit:.3g} for {ref.dtype}",
-                            error, limit)
-    return error
+    return finite
+
+
+def _bounds(own: tuple[float, float], multiplier: float, dtype: torch.dtype) -> tuple[float, float]:
+    floor = floor_for(dtype)
+    cap = MAX_TOLERANCES.get(dtype, 0.1)
+    return min(multiplier * own[0] + floor, cap), min(multiplier * own[1] + floor, 10 * cap)
+
+
+def _measured(out: torch.Tensor, ref: torch.Tensor, high: torch.Tensor, finite: torch.Tensor,
+              where: str) -> Finding:
+    """The measured rule: out's error against the higher-precision `high` within MULTIPLIER
+    times ref's own (both rms and peak)."""
+    finite = finite & torch.isfinite(high)
+    own = deviation(ref, high, finite)
+    found = deviation(out, high, finite)
+    return _judge(found, own, _bounds(own, MULTIPLIER, ref.dtype), where, ref.dtype, MULTIPLIER,
+                  f"against a {_name(high.dtype)} run of the module")
+
+
+def _derived(out: torch.Tensor, ref: torch.Tensor, own: tuple[float, float], finite: torch.Tensor,
+             where: str) -> Finding:
+    """A call with no reference of its own: out against the original's output within
+    MULTIPLIER + 1 times the original's own error measured at tuning."""
+    found = deviation(out, ref, finite)
+    return _judge(found, own, _bounds(own, MULTIPLIER + 1, ref.dtype), where, ref.dtype, MULTIPLIER + 1,
+                  "against the original's output (a call with no higher-precision run: the original's own "
+                  "error is the one measured at tuning)")
+
+
+def _judge(found: tuple[float, float], own: tuple[float, float], bounds: tuple[float, float], where: str,
+           dtype: torch.dtype, multiplier: float, against: str) -> Finding:
+    rms = Finding(found[0], bounds[0], own[0])
+    peak = Finding(found[1], bounds[1], own[1])
+    for name, f in (("error", rms), ("largest single error", peak)):
+        if float(f) > f.bound:
+            raise MismatchError(
+                f"{where}: {describe_finding(f)}, more than {multiplier:g}x allowed ({name} {float(f):.3g} "
+                f"{against}, the original's {f.own:.3g}; the bound {f.bound:.3g} is {multiplier:g}x the original's "
+                f"plus one unit in the last place of {_name(dtype)}, at most {MAX_TOLERANCES.get(dtype, 0.1):g})",
+                float(f), f.bound, f.own)
+    return worst((rms, peak))
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def describe(value: Any) -> str:
@@ -169,3 +630,139 @@ def describe(value: Any) -> str:
     if isinstance(value, (tuple, list)):
         return f"a {type(value).__name__} of {len(value)}"
     return type(value).__name__
+
+
+# ------------------------------------------------------------------ decode loops
+
+
+@dataclasses.dataclass
+class StepReference:
+    """The measured rule for one generate() call, teacher-forced on the untuned tokens: per
+    decode step, the logits of a higher-precision run of the model on the same prefix (high,
+    ``[batch, vocab]``), the untuned call's own error against them (own: rms, peak, as
+    `deviation` measures it) and, per sequence, the untuned call's largest error in logits
+    (spread); for a sampling call, per step the total variation between the distributions
+    transformers' processors make of the untuned logits and of the higher-precision ones
+    (own_tv). outputs-like: `high` is None when there is no reference, and why says why."""
+
+    high: list[torch.Tensor] | None
+    own: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    spread: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    own_tv: list[float] | None = None
+    why: str = ""
+
+    @property
+    def measured(self) -> bool:
+        return self.high is not None
+
+
+def step_reference(own_logits: Sequence[torch.Tensor], high_logits: Sequence[torch.Tensor],
+                   own_tv: list[float] | None = None) -> StepReference:
+    """The StepReference of a call whose untuned run gave `own_logits` and whose higher-precision
+    teacher-forced run gave `high_logits`, step by step."""
+    own, spread, high = [], [], []
+    for mine, theirs in zip(own_logits, high_logits):
+        theirs = theirs.detach().to(mine.device, torch.float32)
+        finite = torch.isfinite(mine) & torch.isfinite(theirs)
+        own.append(deviation(mine, theirs, finite))
+        gap = (mine.double() - theirs.double()).abs().where(finite, 0.0)
+        spread.append(gap.reshape(gap.shape[0], -1).max(dim=-1).values.float())
+        high.append(theirs)
+    return StepReference(high, own, spread, own_tv)
+
+
+def check_steps(got: Sequence[torch.Tensor], reference: StepReference, where: str) -> Finding:
+    """Raises MismatchError unless each decode step's logits `got` (teacher-forced on the
+    untuned tokens) are within the measured rule of the higher-precision ones; returns the
+    finding that uses most of its bound."""
+    if len(got) < len(reference.high):
+        raise MismatchError(f"{where}: {len(got)} decode steps where the untuned call made {len(reference.high)}")
+    findings = []
+    for step, (mine, high, own) in enumerate(zip(got, reference.high, reference.own)):
+        mine = mine.detach()
+        finite = torch.isfinite(high).to(mine.device)
+        if bool((finite & ~torch.isfinite(mine)).any()):
+            raise MismatchError(f"{where} step {step}: NaN or Inf logits where the higher-precision run has none")
+        found = deviation(mine, high.to(mine.device), finite & torch.isfinite(mine))
+        findings.append(_judge(found, own, _bounds(own, MULTIPLIER, mine.dtype), f"{where} step {step} logits",
+                               mine.dtype, MULTIPLIER, "against a float32 run of the model on the same prefix"))
+    return worst(findings)
+
+
+@dataclasses.dataclass(frozen=True)
+class Parting:
+    """Where a candidate's free-running tokens first part from the untuned ones in one
+    sequence: the step, the sequence, both tokens, the higher-precision logits' margin between
+    them, and the window the measured error allows (2 x MULTIPLIER x the untuned call's
+    largest logit error at that step)."""
+
+    step: int
+    row: int
+    got: int
+    want: int
+    margin: float
+    window: float
+
+    @property
+    def near_tie(self) -> bool:
+        return self.margin <= self.window
+
+    def describe(self) -> str:
+        kind = "a near tie" if self.near_tie else "not a near tie"
+        return (f"token {self.step} of sequence {self.row} is {self.got}, untuned {self.want}: their margin in the "
+                f"higher-precision logits is {self.margin:.3g}, {kind} (the measured error allows {self.window:.3g})")
+
+
+def partings(got: torch.Tensor, want: torch.Tensor, reference: StepReference, prompt: int) -> list[Parting]:
+    """Per sequence whose new tokens `got` part from the untuned `want` (two [batch, length]
+    tensors), where they first part. After that step a sequence's prefixes differ, and nothing
+    more of it is compared."""
+    found = []
+    steps = min(got.shape[1], want.shape[1]) - prompt
+    differ = (got[:, prompt:prompt + steps] != want[:, prompt:prompt + steps]).cpu()
+    for row in range(got.shape[0]):
+        where = differ[row].nonzero()
+        if not where.numel():
+            continue
+        step = int(where[0])
+        mine, theirs = int(got[row, prompt + step]), int(want[row, prompt + step])
+        if step < len(reference.high):
+            high = reference.high[step][row].double()
+            margin = float(high[theirs] - high[mine])
+            window = 2 * MULTIPLIER * float(reference.spread[step][row])
+        else:
+            margin, window = math.inf, 0.0
+        found.append(Parting(step, row, mine, theirs, margin, window))
+    return found
+
+
+def total_variation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per row, the total variation distance between softmax(a) and softmax(b) (processed
+    scores, -inf where a processor removed a token)."""
+    p = torch.softmax(a.double(), dim=-1)
+    q = torch.softmax(b.double().to(a.device), dim=-1)
+    return 0.5 * (p - q).abs().sum(dim=-1)
+
+
+TV_FLOOR = 1e-6
+"""The total variation a sampling call's processed distribution may always differ by: a
+softmax's last bit (the same logits through the same processors)."""
+
+
+def check_distributions(got: Sequence[torch.Tensor], high: Sequence[torch.Tensor], reference: StepReference,
+                        where: str) -> float:
+    """A sampling call, teacher-forced: each step's processed distribution (`got`) within
+    MULTIPLIER times the untuned one's total variation from the higher-precision one (`high`,
+    the processors run on the higher-precision logits), plus TV_FLOOR; returns the largest
+    distance. Without own_tv (no reference), within TV_FLOOR of `high` (then the untuned one's)."""
+    worst_tv = 0.0
+    for step, (mine, theirs) in enumerate(zip(got, high)):
+        distance = float(total_variation(mine, theirs).max())
+        own = reference.own_tv[step] if reference.own_tv is not None and step < len(reference.own_tv) else 0.0
+        bound = MULTIPLIER * own + TV_FLOOR
+        if not distance <= bound:
+            raise MismatchError(f"{where} step {step}: the processed next-token distribution is {distance:.2e} "
+                                f"(total variation) from the reference's, more than the {bound:.2e} allowed "
+                                f"({MULTIPLIER:g}x the untuned call's own {own:.2e}, plus {TV_FLOOR:g})")
+        worst_tv = max(worst_tv, distance)
+    return worst_tv

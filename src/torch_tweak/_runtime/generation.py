@@ -425,6 +425,11 @@ def _cache_classes(model: nn.Module) -> tuple[Any, Any]:
     return transformers.DynamicCache, transformers.StaticCache
 
 
+def plain_model(model: nn.Module) -> "_Plain":
+    """A context inside which `model` is as it was before any tuning (see _Plain)."""
+    return _Plain(model)
+
+
 class _Plain:
     """Inside the block the model is as it was before any tuning: its tuned modules are taken
     out and put back after, in the mode they were in. What a device graph records must not
@@ -579,6 +584,10 @@ class DecodeLoop:
         self.original = type(model).generate.__get__(model)
         self._mask_types: tuple | None = None  # the layer types a dict of masks is keyed by (mask_form)
         self.captured: list[torch.Tensor] | None = None  # set by distribution_difference: the processed scores
+        # teacher forcing (forcing.teacher_forced): each step's token is taken from `forcing` ([batch, steps])
+        # instead of chosen, and its raw logits kept in `forced_logits` (processed scores in `captured`)
+        self.forcing: torch.Tensor | None = None
+        self.forced_logits: list[torch.Tensor] = []
         try:
             params = inspect.signature(model.forward).parameters
         except (TypeError, ValueError):
@@ -741,7 +750,7 @@ class DecodeLoop:
         length = self._static_length(call) if call.static else 0
         # the graph loop's step runs one by one where its processed scores are read (the check
         # of a sampling call's distribution)
-        graphs = self.captured is None and self.records(call)
+        graphs = self.captured is None and self.forcing is None and self.records(call)
         # what is kept between calls is kept per grad mode: a cache made in inference mode
         # cannot be written outside it
         mode = torch.is_inference_mode_enabled()
@@ -774,6 +783,7 @@ class DecodeLoop:
             sampler = self._sampler(call, logits.shape[-1]) if self.top_sampler else None
             state = sampling.rng_state(device) if sampler is not None else None
             mark = None if self.captured is None else len(self.captured)
+            forced = len(self.forced_logits)
             tokens = self._steps(logits, cache, call, eos, length, compiled, sampler)
             if sampler is not None and sampler.overflowed():
                 # a step the sampler could not serve: the call again, from the same generator
@@ -781,6 +791,7 @@ class DecodeLoop:
                 self.resampled += 1
                 if mark is not None:
                     del self.captured[mark:]
+                del self.forced_logits[forced:]
                 sampling.set_rng_state(device, state)
                 if kept is not None:
                     logits = self._first_logits(call, cache, kept)
@@ -1048,7 +1059,10 @@ class DecodeLoop:
 
     def _choose(self, call: Greedy, logits: torch.Tensor, seq: torch.Tensor | None,
                 sampler: "sampling.TopSampler | sampling.RecordedDraw | None" = None) -> torch.Tensor:
-        """The next token from a forward's logits, as transformers' _sample chooses it."""
+        """The next token from a forward's logits, as transformers' _sample chooses it (under
+        teacher forcing: the forced token, the logits kept)."""
+        if self.forcing is not None:
+            return self._forced(call, logits, seq, sampler)
         if call.processors is None and not call.sample:
             return logits[:, -1, :].argmax(-1)
         if isinstance(sampler, sampling.RecordedDraw):
@@ -1062,6 +1076,22 @@ class DecodeLoop:
         if call.sample:
             return torch.multinomial(nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
         return torch.argmax(scores, dim=-1)
+
+    def _forced(self, call: Greedy, logits: torch.Tensor, seq: torch.Tensor | None,
+                sampler: "sampling.TopSampler | sampling.RecordedDraw | None") -> torch.Tensor:
+        """Teacher forcing: the step's raw logits (and, while captured, its processed scores:
+        the top-k sampler's where it serves the call) kept, the forced token returned (past the
+        forced ones, the argmax)."""
+        step = len(self.forced_logits)
+        self.forced_logits.append(logits[:, -1].detach().to(copy=True, dtype=torch.float32))
+        if self.captured is not None:
+            if isinstance(sampler, sampling.TopSampler):
+                self.captured.append(sampler.process(logits[:, -1].to(copy=True, dtype=torch.float32)))
+            else:
+                self.captured.append(self._process(call, logits, seq))
+        if step < self.forcing.shape[1]:
+            return self.forcing[:, step].to(logits.device)
+        return logits[:, -1].argmax(-1)
 
     @staticmethod
     def _process(call: Greedy, logits: torch.Tensor, seq: torch.Tensor | None) -> torch.Tensor:
@@ -1235,69 +1265,6 @@ def untuned_difference(i: int, got: Any, untuned: Sequence[torch.Tensor], prompt
     problem = token_difference(i, got, untuned[0], prompt)
     if problem is not None and any(token_difference(i, got, other, prompt) is None for other in untuned[1:]):
         return None
-    return problem
-
-
-def apply_loop(model: nn.Module, plan: LoopPlan, seconds: float | None = None) -> str | None:
-    """Installs the plan's loop when, on every stored call, it gives the tokens of the untuned
-    generate() run here (transformers' own loop on the model with its tuned modules taken
-    out, the loop not installed); else leaves generate() as it was and returns why. The
-    tokens the plan stores are not trusted: a forged loop stores its own. Each call is bounded
-    (check_bounds), and the whole check by `seconds` (default LOOP_CHECK_SECONDS)."""
-    if not plan.checks:
-        return "no stored generate() call to check it on"
-    for args, kwargs, _ in plan.checks:
-        problem = check_bounds(model, args, kwargs)
-        if problem is not None:
-            return problem
-    limit = LOOP_CHECK_SECONDS if seconds is None else seconds
-    deadline = time.monotonic() + limit
-    late = f"its check took longer than {limit:g} s (LOOP_CHECK_SECONDS)"
-    untuned = []
-    uninstall(model)
-    try:
-        with torch.no_grad(), _Plain(model):
-            for args, kwargs, _ in plan.checks:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return late
-                # the first compiles; the two after it are the untuned tokens (either, where they
-                # differ: Workload._warm_tokens)
-                runs = 3 if compiled_by_transformers(model, args, kwargs) else 1
-                outs = []
-                for _ in range(runs):
-                    with same_draws(model, args, kwargs):
-                        outs.append(model.generate(*args, **{**kwargs, "max_time": max(deadline - time.monotonic(),
-                                                                                          0.0)}))
-                untuned.append(outs[-2:] if runs > 1 else outs)
-        if time.monotonic() > deadline:  # transformers' max_time stopped a run short
-            return late
-    except Exception as exc:
-        return f"the untuned generate() failed on a stored call: {type(exc).__name__}: {str(exc)[:200]}"
-    loop = DecodeLoop(model, plan.kind, plan.layouts, plan.top_sampler)
-    loop.checks = [(args, kwargs, outs[0]) for (args, kwargs, _), outs in zip(plan.checks, untuned)]
-    loop.deadline = deadline
-    install(model, loop)
-    problem = None
-    try:
-        with torch.no_grad():
-            for i, (args, kwargs, _) in enumerate(loop.checks):
-                with same_draws(model, args, kwargs):
-                    got = model.generate(*args, **kwargs)
-                if loop.fallbacks:
-                    problem = f"generate call {i} is not one it serves ({next(iter(loop.fallbacks))})"
-                else:
-                    problem = untuned_difference(i, got, untuned[i], prompt_length(args, kwargs))
-                if problem is not None:
-                    break
-    except Exception as exc:
-        problem = f"{type(exc).__name__}: {str(exc)[:200]}"
-    finally:
-        loop.deadline = None
-        if problem is not None or loop_of(model) is not loop:
-            uninstall(model)  # whatever happened (an interrupt too), generate() is as it was
-    loop.calls = 0
-    loop.fallbacks.clear()
     return problem
 
 

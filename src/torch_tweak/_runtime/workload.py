@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from .. import _C
-from . import generation, sampling
+from . import decode_check, generation, sampling
+from .._core import correctness
 from .._core._samples import synchronizer
 
 logger = logging.getLogger("torch_tweak")
@@ -42,6 +43,7 @@ class GenerateCall:
     tokens: torch.Tensor
     prompt: int
     others: tuple = ()  # other tokens a later untuned call gave for it (its runs disagree)
+    reference: Any = None  # the measured rule's teacher-forced reference (correctness.StepReference)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +74,7 @@ class Workload:
         self.layouts: dict | None = None  # the forward calls of the first generate(): prefill, decode
         self.loop: str | None = None  # the decode loop kept (generation.LOOPS), once chosen
         self.loop_report: list[dict] = []
+        self.numerics: dict[Any, str] = {}  # configuration label -> what its check found (check_generate)
         self.hint = ""  # what the user could change for a faster loop (docs/generate.md)
 
     def run(self) -> Any:
@@ -137,6 +140,7 @@ class Workload:
                     object.__setattr__(model, "prepare_inputs_for_generation", own)
         if can:
             self._warm_tokens()
+            self._references()
         self.tokens = tokens
         if len(forwards) == 2:
             self.layouts = {"prefill": forwards[0], "decode": forwards[1]}
@@ -163,6 +167,22 @@ class Workload:
                                        "(two runs after the first: %s); a candidate is held to the tokens of either",
                                        differ)
 
+    def _references(self) -> None:
+        """Each recorded call's reference for the measured rule (decode_check.reference), made on the
+        untuned model; one that cannot be made is said once (its call's tokens must then be the
+        untuned ones exactly)."""
+        for i, call in enumerate(self.generate_calls):
+            call.reference = decode_check.reference(self.model, call.args, call.kwargs, call.tokens)
+            if not call.reference.measured and correctness.rule().measured:
+                logger.warning("torch-tweak: generate call %d has no higher-precision reference (%s): a candidate "
+                               "must give its untuned tokens exactly", i, call.reference.why)
+
+    def check_generate(self) -> str:
+        """Raises MismatchError unless every recorded generate() call of the model as it is now
+        keeps the correctness rule (decode_check.check_call); returns what was found, per call."""
+        return " | ".join(decode_check.check_call(self.model, i, call.args, call.kwargs, (call.tokens,) + call.others,
+                                             call.reference) for i, call in enumerate(self.generate_calls))
+
     @property
     def generates(self) -> bool:
         return bool(self.generate_calls) and self.tokens > 0
@@ -188,9 +208,10 @@ class Workload:
         self.ttft[label] = sum(per_call) / len(per_call) / 1e6
 
     def check_depth(self, depth: int) -> None:
-        """Before a depth is measured: its generate() tokens must be the untuned ones (a
-        backend within tolerance can still turn an argmax), then its time to first token."""
-        self.check_tokens()
+        """Before a depth is measured: its generate() calls must keep the correctness rule (a
+        backend within tolerance can still turn an argmax: check_generate), then its time to
+        first token."""
+        self.numerics[depth] = self.check_generate()
         self.measure_ttft(depth)
 
     def tokens_per_s(self, latency_ms: float | None) -> float | None:
@@ -198,17 +219,6 @@ class Workload:
             return None
         return self.tokens / (latency_ms / 1e3)
 
-    def check_tokens(self) -> None:
-        """Raises MismatchError unless every recorded generate() call gives the untuned tokens."""
-        from .._core.correctness import MismatchError
-
-        with torch.no_grad():
-            for i, call in enumerate(self.generate_calls):
-                with generation.same_draws(self.model, call.args, call.kwargs):
-                    got = self.model.generate(*call.args, **call.kwargs)
-                problem = generation.untuned_difference(i, got, (call.tokens,) + call.others, call.prompt)
-                if problem is not None:
-                    raise MismatchError(problem)
 
 
 def _hint(model: nn.Module, device: torch.device, call: Any) -> str:
@@ -271,6 +281,7 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None, 
     served = top_sampler_serves(workload, device)
     options = [(k, False) for k in kinds] + [(k, True) for k in kinds if served and k in ("loop", "compiled")]
     loops: dict[tuple[str, bool], generation.DecodeLoop] = {}
+    found: dict[Any, str] = {}  # option -> what its check found (Workload.check_generate)
 
     def build_of(option: tuple[str, bool] | None):
         def build() -> None:
@@ -288,13 +299,13 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None, 
                     raise RuntimeError(f"the workload's generate() calls are not ones the loop serves ({why})")
             generation.install(model, loop)
             try:
-                workload.check_tokens()
-                for recorded in workload.generate_calls:  # a sampling call: its distributions, step by step
+                found[option] = workload.check_generate()
+                for recorded in workload.generate_calls:  # without a reference: the exact distributions
+                    if recorded.reference is not None and recorded.reference.measured:
+                        continue
                     problem = generation.distribution_difference(model, loop, recorded.args, recorded.kwargs)
                     if problem is not None:
-                        from .._core.correctness import MismatchError
-
-                        raise MismatchError(problem)
+                        raise correctness.MismatchError(problem)
                 if loop.fallbacks:
                     reason = next(iter(loop.fallbacks))
                     raise RuntimeError(f"the workload's generate() calls are not ones the loop serves ({reason})")
@@ -327,10 +338,11 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None, 
         loops[kept].checks = [(c.args, c.kwargs, c.tokens) for c in workload.generate_calls]  # what tt.save keeps
         generation.install(model, loops[kept])
     out = []
-    for name, report in zip(names, reports):
+    for name, report, option in zip(names, reports, [None] + options):
         stats = report.get("stats")
         out.append({"candidate": name, "state": report["state"], "error": report.get("error", ""),
-                    "latency_ms": None if stats is None else stats["median_ns"] / 1e6})
+                    "latency_ms": None if stats is None else stats["median_ns"] / 1e6,
+                    "numerics": found.get(option, "")})
     return (None if kept is None else kept[0]), out
 
 
@@ -343,6 +355,8 @@ def depths_cannot_match(workload: Workload) -> str:
     of a few runs, where the depth search spends minutes. On the H200 (Llama-1B shape, bf16,
     prompt 512; bench/results/generate.md) the search then took 6.5x the static path's first
     call: depth 1 failed the same check and depth 0, which passed it, was 1.01x."""
+    if correctness.rule().measured:  # near ties are allowed: a parting of the compiled loop is no near tie
+        return ""
     for row in workload.loop_report:
         if row["candidate"] == "decode loop (compiled)" and row["state"] == "failed" and \
                 row["error"].startswith("MismatchError: generate call"):

@@ -23,8 +23,10 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from .._core import correctness
 from .._core._samples import Call
-from .._runtime.generation import LoopPlan, apply_loop, plan_loop, uninstall as uninstall_loop
+from .._runtime.decode_check import apply_loop
+from .._runtime.generation import LoopPlan, plan_loop, uninstall as uninstall_loop
 from ..backends.base import Backend
 from .._runtime.module import TunedModule, arm_untuned, install_all, installed, unwrap
 from .._core.shapes import DECLARED, Shapes, edge_calls
@@ -74,6 +76,7 @@ class Plan:
     modules: list[ModulePlan] = dataclasses.field(default_factory=list)
     generate: LoopPlan | None = None  # tweak's decode loop behind generate() (docs/generate.md)
     shapes: Shapes | None = None  # the declared ranges (tt.tweak's shapes=, torch_tweak._core.shapes)
+    tolerance: str | float = "measured"  # the correctness rule it was tuned under (correctness.Rule)
 
     @property
     def paths(self) -> list[str]:
@@ -94,7 +97,7 @@ def plan_of(model: nn.Module) -> Plan:
                                  for g in wrapper.tt_signatures], wrapper.tt_error, list(wrapper.tt_report))
                for path, wrapper in sorted(installed(model).items())]
     return Plan(SELECTED_DEPTHS.get(model) if modules else None, modules, plan_loop(model),
-                DECLARED.get(model) if modules else None)
+                DECLARED.get(model) if modules else None, correctness.RULES.get(model, correctness.Rule()).tolerance)
 
 
 def apply(model: nn.Module, plan: Plan, *, device: torch.device, calls: Sequence[Call] | None = None,
@@ -119,6 +122,14 @@ def apply(model: nn.Module, plan: Plan, *, device: torch.device, calls: Sequence
     On any error (the ones above, a KeyboardInterrupt...) every wrapper apply installed is
     taken out and the error raised: the model is as it was. Recording runs the model: a caller
     whose model is in training mode keeps its state (model_state.kept), as tt.tweak does."""
+    with correctness.ruling(correctness.Rule(plan.tolerance)):
+        failures = _apply(model, plan, device, calls, bounded, strict)
+    correctness.RULES[model] = correctness.Rule(plan.tolerance)
+    return failures
+
+
+def _apply(model: nn.Module, plan: Plan, device: torch.device, calls: Sequence[Call] | None, bounded: bool,
+           strict: bool) -> list[RebuildFailed]:
     model_class = model_class_name(model)
     failures: list[RebuildFailed] = []
     edges = edge_calls(plan.shapes, calls, forward_params(model)) if calls is not None else []

@@ -17,7 +17,8 @@ from . import isolation
 from .._core._samples import Call, clone, fresh, load_dataset, resolve_device, synchronizer, unstorable
 from ..backends.base import Backend, BackendUnavailable, ShapesVary
 from .buildlog import BuildLog, capture_build, log_path
-from .._core.correctness import MismatchError, check
+from .._core import correctness
+from .._core.correctness import Finding, MismatchError, Reference, check
 from .._runtime.module import TunedModule, arm_untuned, installed, own_class
 from .._view.progress import Progress
 from .._view.report import candidates_of, fold
@@ -215,18 +216,21 @@ class ModuleSearch:
         title = f"{backend!r} for {wrapper.tt_name or '(root)'} of {self.model_class}, signature {group.text}"
         with capture_build(path, title) as log:
             try:
+                if o.reference is None:
+                    o.reference = reference_of(o.module, group, o.state, log)
                 worst = build_checked(backend, o.module, group.samples, group.outputs, self.device, o.state, log,
-                                      writes=bool(wrapper.__dict__.get("tt_writes_inputs")))
+                                      writes=bool(wrapper.__dict__.get("tt_writes_inputs")), reference=o.reference)
             except Exception as exc:
                 mismatch = isinstance(exc, MismatchError)
-                _tell(exc, (_reason(exc), exc.error if mismatch else None, exc.tolerance if mismatch else None))
+                _tell(exc, (_reason(exc), exc.error if mismatch else None, exc.tolerance if mismatch else None,
+                            exc.own if mismatch else None))
                 if isinstance(exc, OUT_OF_MEMORY) and torch.cuda.is_initialized():
                     torch.cuda.empty_cache()  # what the failed build cached goes back to the next candidate
                 if mismatch:
                     log.outcome = f"failed the correctness check: {exc}"
                 raise
-            log.outcome = f"built; passed the correctness check (largest relative error {worst:.3g})"
-        return ("", float(worst), None)
+            log.outcome = f"built; passed the correctness check ({correctness.describe_finding(worst)})"
+        return ("", float(worst), worst.bound if worst.bound > 0 else None, worst.own)
 
     def run(self, node: int, g: int, c: int, i: int) -> None:
         o = self._open
@@ -280,6 +284,7 @@ class _OpenGroup:
     calls: list[Call]  # what the candidates are measured on: the recorded calls, or copies of them
     label: str
     variants: frozenset[int] = frozenset()  # the candidates an axis added (flagged CANDIDATE_VARIANT)
+    reference: Reference | None = None  # the measured rule's reference, made at the group's first build
 
 
 def absorb(wrapper: TunedModule, report: dict) -> None:
@@ -417,7 +422,8 @@ def dataset_runner(model: nn.Module, calls: Sequence[Call]) -> Callable[[], None
 
 
 def tune(model: nn.Module, dataset: Any, *, strategy: Strategy | None = None, device: Any = None,
-         measure: dict | None = None, progress: bool = False, group: Any = None) -> dict[str, str | None]:
+         measure: dict | None = None, progress: bool = False, group: Any = None,
+         tolerance: float | str = "measured") -> dict[str, str | None]:
     """Records samples for every wrapped module of `model` by running `dataset`, then tunes each
     with the engine's module search (the same as tt.tweak's).
 
@@ -427,9 +433,11 @@ def tune(model: nn.Module, dataset: Any, *, strategy: Strategy | None = None, de
     ``wrapper.tt_error`` and ``wrapper.tt_report``.
     group: under torch.distributed, the ranks that tune together, as tt.tweak's (every rank
     wraps the same modules and calls tt.tune; the slowest rank's latency counts).
+    tolerance: how candidates are judged, as tt.tweak's ("measured", "dtype" or a number).
     """
+    rule = correctness.check_rule(tolerance)
     ranks = distributed.resolve(group)
-    with distributed.using(ranks):
+    with distributed.using(ranks), correctness.ruling(rule):
         device, paths, templates, calls = distributed.step(
             lambda: _tune_checked(model, dataset, strategy, device, measure), "checking tt.tune's arguments")
         if ranks is not None:
@@ -458,6 +466,7 @@ def tune(model: nn.Module, dataset: Any, *, strategy: Strategy | None = None, de
                 chosen[path] = wrapper.tt_backend.name if wrapper.tt_backend is not None else None
         shown.close()
         arm_untuned(model)
+        correctness.RULES[model] = rule
         return chosen
 
 
@@ -495,11 +504,14 @@ def release(wrapper: TunedModule, keep_chosen: bool = True) -> None:
 
 
 def rebuild_group(wrapper: TunedModule, group: SignatureGroup, backend: Backend, device: torch.device,
-                  model_class: str, bounded: bool = False) -> float:
+                  model_class: str, bounded: bool = False) -> Finding:
     """Builds `backend` again for one signature on its recorded calls, with no measurement
     (a saved plan or a tuning-cache entry chose it), and checks it against the recorded
-    outputs. Raises when it fails to build or to match; returns the largest error.
-    bounded: the backend's tolerance came from a file (capped, see correctness.MAX_TOLERANCES)."""
+    outputs. Raises when it fails to build or to match; returns the worst finding.
+    bounded: the calls, outputs and tolerance came from a file (the tolerance is capped, see
+    correctness.MAX_TOLERANCES): under the measured rule the outputs the candidate is judged
+    against are the module's own, run here, and the file's must agree with them by the same
+    rule (a file's numbers never widen a check)."""
     module = wrapper._tt_original
     state = model_state.snapshot(module)
     path = log_path(model_class, wrapper.tt_name, group.key, backend.name)
@@ -510,14 +522,54 @@ def rebuild_group(wrapper: TunedModule, group: SignatureGroup, backend: Backend,
         args, kwargs = clone(group.samples[0])
         writes = call_writing(module, args, kwargs)[1]
         put_back(state, log)
-        worst = build_checked(backend, module, group.samples, group.outputs, device, state, log, bounded, writes)
-        log.outcome = f"rebuilt; passed the correctness check (largest relative error {worst:.3g})"
+        outputs = group.outputs
+        if bounded and backend.check_tolerance() is None and correctness.rule().measured:
+            outputs = _own_outputs(module, group.samples)
+            put_back(state, log)
+        reference = reference_of(module, dataclasses.replace(group, outputs=outputs), state, log)
+        if reference.measured and outputs is not group.outputs:
+            for j, (stored, own) in enumerate(zip(group.outputs, outputs)):
+                try:
+                    check(stored, own, where=f"sample {j} output", high=reference.outputs[j])
+                except MismatchError as exc:
+                    raise MismatchError(f"the file's recorded outputs are not this module's ({exc}); its weights or "
+                                        "code may have changed since it was saved: tune it again here",
+                                        exc.error, exc.tolerance, exc.own) from None
+        worst = build_checked(backend, module, group.samples, outputs, device, state, log, bounded, writes,
+                              reference)
+        log.outcome = f"rebuilt; passed the correctness check ({correctness.describe_finding(worst)})"
     return worst
+
+
+def _own_outputs(module: nn.Module, samples: Sequence[Call]) -> list[Any]:
+    """The module's own outputs on `samples`, run here (each on a copy of its call)."""
+    return [clone(module(*args, **kwargs)) for args, kwargs in (clone(s) for s in samples)]
+
+
+def reference_of(module: nn.Module, group: SignatureGroup, state: model_state.Snapshot, log: BuildLog) -> Reference:
+    """The measured rule's reference of one signature group (correctness.reference), said in
+    the build log; whatever its runs changed in the module is put back."""
+    try:
+        with torch.no_grad():
+            found = correctness.reference(module, group.samples, group.outputs)
+    finally:
+        put_back(state, log)
+    ranks = distributed.current()
+    if ranks is not None:  # every rank judges by one rule: the measured one only where every rank has it
+        missing = [r for r, measured in enumerate(ranks.gather(found.measured)) if not measured]
+        if missing and found.measured:
+            found = Reference(None, why=f"rank {missing[0]} has no higher-precision reference")
+    if found.measured:
+        log.notes.append(f"reference: the module at {str(found.dtype).replace('torch.', '')} on its recorded "
+                         f"calls ({found.seconds:.2f} s)")
+    else:
+        log.notes.append(f"no higher-precision reference ({found.why}): the fixed rule holds")
+    return found
 
 
 def build_checked(backend: Backend, module: nn.Module, samples: Sequence[Call], refs: Sequence[Any],
                   device: torch.device, state: model_state.Snapshot, log: BuildLog, bounded: bool = False,
-                  writes: bool = False) -> float:
+                  writes: bool = False, reference: Reference | None = None) -> Finding:
     """Builds `backend` for `module` (first in an isolated child when the backend asks for it)
     and checks it on `samples` against `refs`; returns the largest error. Whatever the build
     and the check changed in the module (its structure: hooks, attributes, submodules,
@@ -526,7 +578,10 @@ def build_checked(backend: Backend, module: nn.Module, samples: Sequence[Call], 
     checked on the module as the user will have it. bounded: the tolerance came from a file.
     writes: the module writes into its inputs: a backend that does not write back
     (keeps_input_writes) is refused, and the build and each check get copies of the calls
-    (else only a key/value cache in them is copied)."""
+    (else only a key/value cache in them is copied). reference: the measured rule's
+    (correctness.reference) for these calls; None or one without outputs: the fixed rule.
+    The backend is given the original's own errors (Backend.own_errors) before it builds, for
+    the calls it checks itself later (a size first seen after tuning)."""
     if writes and not backend.keeps_input_writes:
         raise ValueError(WRITES_INPUTS.format(backend=backend.name))
     refused = distributed.enter_build(backend)
@@ -537,17 +592,22 @@ def build_checked(backend: Backend, module: nn.Module, samples: Sequence[Call], 
     copy = clone if writes else fresh
     if backend.isolate_build:
         isolation.check(backend, module, samples, device, log.notes)  # raises BuildCrashed
+    measured = reference is not None and reference.measured and backend.check_tolerance() is None
+    backend.own_errors = reference.own if measured else None
     try:
         try:
             # a key/value cache in a call grows at every call: each use gets its own copy
             fn = step(lambda: backend.prepare(module, [copy(s) for s in samples], device), "the build")
         finally:
             put_back(state, log)  # before the check: weights a backend moved are back on their device
-        worst = 0.0
+        found = []
         for j, sample in enumerate(samples):
             args, kwargs = copy(sample)
-            worst = max(worst, step(lambda: check(fn(*args, **kwargs), refs[j], backend.check_tolerance(),
-                                                  where=f"sample {j}", bounded=bounded), f"the check of sample {j}"))
+            high = reference.outputs[j] if measured else None
+            found.append(step(lambda: check(fn(*args, **kwargs), refs[j], backend.check_tolerance(),
+                                            where=f"sample {j} output", bounded=bounded, high=high),
+                              f"the check of sample {j}"))
+        worst = correctness.worst(found)
     finally:
         put_back(state, log)
     return worst

@@ -38,7 +38,7 @@ from torch import nn
 from .._core._samples import resolve_device, unstorable
 from ..backends import Backend
 from . import archive
-from .._core import distributed
+from .._core import correctness, distributed
 from .._core.storage import NotRegular, atomic_file
 from .._runtime.module import installed, own_class, resolve_paths
 from .._search import plan as planning
@@ -166,6 +166,8 @@ def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None =
             raise ValueError(message + "; save with strict=False to write the file anyway")
         warnings.warn(message, stacklevel=2)
     plan = {"depth": tuned.depth, "modules": modules}
+    if tuned.tolerance != "measured":
+        plan["tolerance"] = tuned.tolerance
     if tuned.shapes is not None:
         plan["shapes"] = tuned.shapes.as_dict()
     if tuned.generate is not None:
@@ -412,18 +414,19 @@ def load(model: nn.Module, path: str | os.PathLike | None = None, *, device: Any
     """
     ranks = distributed.resolve(group)
     with distributed.using(ranks):
-        target, manifest, plan, data, steps, groups, loop, shapes = distributed.step(lambda: _opened(
+        target, manifest, plan, data, steps, groups, loop, shapes, tolerance = distributed.step(lambda: _opened(
             model, path, device=device, trust_artifacts=trust_artifacts, backends=backends, key=key,
             max_bytes=max_bytes, types=types, where=None if ranks is None else (ranks.rank, ranks.size)),
             "reading the file")
-        return _applied(model, path, target, manifest, plan, data, steps, groups, loop, shapes, trust_artifacts)
+        return _applied(model, path, target, manifest, plan, data, steps, groups, loop, shapes, tolerance,
+                        trust_artifacts)
 
 
 def _opened(model: nn.Module, path: Any, *, device: Any, trust_artifacts: bool, backends: Any, key: Any,
             max_bytes: Any, types: Sequence[type], where: tuple[int, int] | None) -> tuple:
     """tt.load's arguments and file checked, before the model changes: (the device, the
     manifest, the plan, the members, the backends per module, the signature groups, the loop,
-    the declared shapes)."""
+    the declared shapes, the correctness rule's tolerance)."""
     if path is None and isinstance(model, (str, os.PathLike)):
         raise TypeError("tt.load(model, path) applies a saved file to a model you build first: build the model as "
                         "you did before tt.save (same class, weights loaded), then tt.load(model, "
@@ -449,6 +452,7 @@ def _opened(model: nn.Module, path: Any, *, device: Any, trust_artifacts: bool, 
         _check_ranks(manifest, where, path)
         steps = _check_plan(model, plan, given, path)
         shapes = _shapes_of(plan, path)
+        tolerance = _rule_of(plan, path).tolerance
         stored = _stored(data, target, path)
         groups = _groups(plan, stored, path, model, known_types(types))
         loop = _loop_plan(plan, stored, path, known_types(types), model)
@@ -456,11 +460,20 @@ def _opened(model: nn.Module, path: Any, *, device: Any, trust_artifacts: bool, 
         raise
     except Exception as exc:  # whatever a damaged file makes a reader raise is one error, and the model is as it was
         raise CheckpointError(f"{path} is damaged or forged: {type(exc).__name__}: {str(exc)[:200]}") from None
-    return target, manifest, plan, data, steps, groups, loop, shapes
+    return target, manifest, plan, data, steps, groups, loop, shapes, tolerance
+
+
+def _rule_of(plan: dict, path: Any) -> "correctness.Rule":
+    """The correctness rule the file was tuned under ("measured" when it names none); a fixed
+    tolerance read from it is capped at load (correctness.MAX_TOLERANCES)."""
+    try:
+        return correctness.check_rule(plan.get("tolerance", "measured"))
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: its correctness rule is not valid ({exc})") from None
 
 
 def _applied(model: nn.Module, path: Any, target: torch.device, manifest: dict, plan: dict, data: dict,
-             steps: list, groups: list, loop: Any, shapes: Shapes | None,
+             steps: list, groups: list, loop: Any, shapes: Shapes | None, tolerance: str | float,
              trust_artifacts: bool) -> dict[str, str | None]:
     """The checked file applied to the model (tt.load's second half)."""
     artifacts = data.get(ARTIFACTS)
@@ -475,7 +488,7 @@ def _applied(model: nn.Module, path: Any, target: torch.device, manifest: dict, 
         for group, backend in zip(module_groups, backends):
             group.backend = backend
         modules.append(ModulePlan(name, module_groups))
-    failures = planning.apply(model, Plan(plan.get("depth"), modules, loop, shapes), device=target,
+    failures = planning.apply(model, Plan(plan.get("depth"), modules, loop, shapes, tolerance), device=target,
                               bounded=True, strict=False)
     for failure in failures:
         warnings.warn(f"tt.load: {failure.path or '(root)'} {failure.group.text}: {failure}; these calls run the "

@@ -17,9 +17,11 @@ class SignatureResult:
     "failed", "not tried"), "latency_ms" (None unless measured), "error", "reason" ("",
     "unavailable", "build failed", "crashed", "dynamic shapes", "mismatch", "out of memory",
     "time budget": a variant of effort= or precision= not built because tt.tweak's time_budget
-    was used up first), "max_error" (largest
-    relative error of the correctness check, or None), "tolerance" (on a mismatch),
-    "lowers_precision" (its config lowers precision: BackendConfig.lowers_precision).
+    was used up first), "max_error" (the correctness check's error that used most of its bound,
+    or None), "tolerance" (the bound it was held to), "own_error" (under the measured rule, the
+    original's own error by the same measure: max_error / own_error is the candidate's error
+    as a multiple of the original's; None under a fixed tolerance), "lowers_precision" (its
+    config lowers precision: BackendConfig.lowers_precision).
     unstorable: recorded calls the chosen backend cannot store; they compile on first call.
     """
 
@@ -93,6 +95,7 @@ def candidates_of(group: dict) -> list[dict]:
                       "latency_ms": None if stats is None else stats["median_ns"] / 1e6,
                       "error": candidate["error"], "reason": candidate["reason"],
                       "max_error": candidate["max_error"], "tolerance": candidate["tolerance"],
+                      "own_error": candidate.get("own_error"),
                       "lowers_precision": candidate["lowers_precision"]})
     return found
 
@@ -112,17 +115,36 @@ def module_result(report: dict, signatures: list[tuple[str, str, list[dict], int
                         tuple(report.get("depths", ())), bool(report.get("kept", True)))
 
 
+def numerics(candidate: dict) -> str:
+    """A candidate's error as a user reads it: "1.3x the original's error" under the measured
+    rule, "relative error 0.004" under a fixed tolerance; "" when not known."""
+    error, own = candidate.get("max_error"), candidate.get("own_error")
+    if error is None:
+        return ""
+    if own is None:
+        return f"relative error {error:.2g}"
+    if own > 0:
+        return f"{error / own:.2g}x the original's error"
+    return "exact, as the original" if error == 0 else f"error {error:.2g} where the original is exact"
+
+
 def status(candidate: dict, chosen: bool, unstorable: int) -> str:
+    shown = numerics(candidate)
     if chosen:
-        note = f" ({unstorable} recorded calls not storable: compiles on first call)" if unstorable else ""
-        return "chosen" + note
+        notes = [f"{unstorable} recorded calls not storable: compiles on first call"] if unstorable else []
+        if shown:
+            notes.append(shown)
+        return "chosen" + (f" ({'; '.join(notes)})" if notes else "")
     if candidate["state"] == "measured":
-        return "slower"
+        return "slower" + (f" ({shown})" if shown else "")
     if candidate["state"] == "not tried":
         return "not tried"
     reason = candidate.get("reason", "")
     error = candidate["error"]
     if reason == "mismatch" and candidate.get("max_error") is not None:
+        if candidate.get("own_error") is not None and candidate["own_error"] > 0:
+            allowed = candidate["tolerance"] / candidate["own_error"]
+            return f"failed the correctness check: {shown}, more than the {allowed:.2g}x allowed"
         return f"failed the correctness check: error {candidate['max_error']:.3g} > {candidate['tolerance']:.3g}"
     if reason == "dynamic shapes":
         return "rejected for dynamic shapes: " + error.split(": ", 1)[-1].removeprefix("dynamic shapes: ")

@@ -136,6 +136,11 @@ class Backend(abc.ABC):
     same step, together, and a group whose collectives a graph cannot record (not NCCL) has
     the candidate refused (torch_tweak._core.distributed.enter_build)."""
     packages: tuple[str, ...] = ()
+    own_errors: Any = None
+    """Under the measured correctness rule, set before build: per output tensor the original's
+    own error against a higher-precision run (torch_tweak._core.correctness.Reference.own).
+    A backend that checks calls itself after tuning (a size first seen then) passes it to
+    correctness.check as ``own``; None under a fixed tolerance."""
     compiles_with_inductor = False
     """True when the built callable runs Inductor-compiled code: tt.save then keeps
     Inductor's compiled-code cache in the file (applied only with trust_artifacts=True)."""

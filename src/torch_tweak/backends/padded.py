@@ -324,13 +324,14 @@ class PaddedCall(_C.PaddedReplay):
 
     def __init__(self, module: torch.nn.Module, target: Callable[..., Any], plan: Plan,
                  config: PaddedGraphBackendConfig, device: torch.device, tolerance: float | None,
-                 sample: Call | None = None) -> None:
+                 sample: Call | None = None, own: Sequence[Any] | None = None) -> None:
         super().__init__()
         self.module = module
         self.target = target
         self.plan = plan
         self.config = config
         self.tolerance = tolerance
+        self.own = own  # the original's own errors (correctness.Reference.own): the measured rule's allowance
         self.api = _DeviceApi(device) if config.graph else None
         self.pool = self.api.mod.graph_pool_handle() if self.api is not None else None
         self.buckets: dict[tuple[int, int], _Bucket] = {}
@@ -512,7 +513,7 @@ class PaddedCall(_C.PaddedReplay):
         b, n = _sizes(leaves, self.plan.tensors, self.plan.mask)
         try:
             check(self._run(bucket, leaves, b, n, hit=False), reference, self.tolerance,
-                  where="a new bucket's first call")
+                  where="a new bucket's first call", own=self.own)
         except MismatchError as exc:
             bucket.ok = False
             self.refused += 1
@@ -563,7 +564,7 @@ class PaddedCall(_C.PaddedReplay):
         with torch.no_grad():
             reference = self.module(*args, **kwargs)
             try:
-                check(self(*args, **kwargs), reference, self.tolerance, where=where)
+                check(self(*args, **kwargs), reference, self.tolerance, where=where, own=self.own)
             except MismatchError as exc:
                 what = ("the module's rows are not independent, or it does not honour its attention_mask"
                         if rows and columns else "the module does not honour its attention_mask" if columns
@@ -624,7 +625,8 @@ class PaddedGraphBackend(Backend):
             refs = [module(*fresh(s)[0], **fresh(s)[1]) for s in samples]
         plan = make_plan(samples, refs, forward_params(module), self.config)
         target = (compile_module(module, samples, dynamic=None) if self.config.compile else module)
-        call = PaddedCall(module, target, plan, self.config, device, self.check_tolerance(), samples[0])
+        call = PaddedCall(module, target, plan, self.config, device, self.check_tolerance(), samples[0],
+                          self.own_errors)
         for sample in samples:
             call(*sample[0], **sample[1])
         call.prove(samples)

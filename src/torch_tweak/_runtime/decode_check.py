@@ -1,0 +1,252 @@
+"""Teacher forcing: a generate() call's decode steps fed the untuned tokens, and the measured
+correctness rule's reference for it.
+
+A decode loop or a depth that changes kernels can part from the untuned tokens where two
+tokens are nearly tied, and the untuned call itself does not always repeat its own tokens
+there. So a candidate is judged on the same prefixes as the untuned call: its steps are fed
+the untuned tokens (``teacher_forced``) and each step's logits are held to the measured rule
+against a higher-precision run of the model on the same sequence (``reference``: one forward
+of the whole sequence at float32, teacher-forced by construction), where the untuned call's
+own logits have their error too (correctness.StepReference). Its own free-running tokens may
+part from the untuned ones only at a near tie (correctness.partings).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._core import correctness
+from . import generation
+
+
+def _forcing_processor(new: torch.Tensor, prompt: int) -> Any:
+    """A transformers logits processor that leaves only the forced token: step t's token is
+    new[:, t] (transformers appends it after the call's own processors, before its sampling
+    warpers, which keep a lone token)."""
+    from transformers import LogitsProcessor
+
+    class Forcing(LogitsProcessor):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            step = input_ids.shape[1] - prompt
+            if step >= new.shape[1]:
+                return scores
+            forced = torch.full_like(scores, float("-inf"))
+            return forced.scatter_(1, new[:, step:step + 1].to(scores.device), 0.0)
+
+    return Forcing()
+
+
+def teacher_forced(model: nn.Module, args: tuple, kwargs: dict, tokens: torch.Tensor,
+                   processed: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """The model's generate() call fed `tokens` (the untuned output, prompt included) step by
+    step: (each step's raw logits, [batch, vocab] in float32; with `processed`, each step's
+    scores as the loop processed them, its top-k sampler's where it serves the call; through
+    transformers' loop, None: its processors are its own). Through tweak's decode loop where it
+    is installed and serves the call (its own steps, kernels and processing), else through
+    transformers' loop with a processor that forces the tokens."""
+    prompt = generation.prompt_length(args, kwargs) or 0
+    new = tokens[:, prompt:]
+    loop = generation.loop_of(model)
+    call = generation.greedy_call(model, args, kwargs)
+    if loop is not None and not isinstance(call, str) and loop.unmeasured(call) is None and \
+            loop.layout_problem(call) is None:
+        loop.forcing, loop.forced_logits = new, []
+        loop.captured = [] if processed else None
+        try:
+            with generation.same_draws(model, args, kwargs), torch.no_grad():
+                model.generate(*args, **kwargs)
+            return list(loop.forced_logits), (list(loop.captured) if processed else None)
+        finally:
+            loop.forcing, loop.forced_logits, loop.captured = None, [], None
+    from transformers import LogitsProcessorList
+
+    given = dict(kwargs, logits_processor=LogitsProcessorList([_forcing_processor(new, prompt)]),
+                 output_logits=True, return_dict_in_generate=True)
+    with generation.same_draws(model, args, kwargs), torch.no_grad():
+        out = (loop.original if loop is not None else model.generate)(*args, **given)
+    return [t.detach().to(dtype=torch.float32) for t in out.logits], None
+
+
+def reference(model: nn.Module, args: tuple, kwargs: dict, tokens: torch.Tensor) -> correctness.StepReference:
+    """The measured rule's reference of one generate() call whose untuned output is `tokens`:
+    the untuned call teacher-forced (its own logits, and for a sampling call its processed
+    scores) against one forward of the whole sequence with the model's floating weights at
+    float32 (float64 for a float32 model; correctness.reference's rule for where they go and
+    when they do not fit). Without one (a fixed tolerance asked for, the weights do not fit, a
+    forward that fails), `why` says why and the tokens must be the untuned ones exactly."""
+    if not correctness.rule().measured:
+        return correctness.StepReference(None, why=f"the {correctness.rule().describe()} was asked for")
+    call = generation.greedy_call(model, args, kwargs)
+    if isinstance(call, str):
+        return correctness.StepReference(None, why=f"a call tweak's loop does not serve ({call})")
+    try:
+        own = teacher_forced(model, args, kwargs, tokens)[0]
+        high = _high_logits(model, call, tokens)
+        if isinstance(high, str):
+            return correctness.StepReference(None, why=high)
+        own_tv = None
+        if call.sample:
+            pairs = zip(processed_scores(call, tokens, own), processed_scores(call, tokens, high))
+            own_tv = [float(correctness.total_variation(a, b).max()) for a, b in pairs]
+        return correctness.step_reference(own, high, own_tv)
+    except Exception as exc:  # a model whose plain forward of the whole sequence is not its decode steps' sum
+        return correctness.StepReference(None, why=f"the reference run failed ({type(exc).__name__}: "
+                                                   f"{str(exc).splitlines()[0][:200] if str(exc) else ''})")
+
+
+def processed_scores(call: generation.Greedy, tokens: torch.Tensor, logits: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each step's `logits` through the call's logits processors, on the prefix of `tokens`
+    that step saw (float32, as transformers processes them)."""
+    prompt = call.input_ids.shape[1]
+    out = []
+    for step, scores in enumerate(logits):
+        scores = scores.to(tokens.device, torch.float32, copy=True)
+        if call.processors is not None:
+            scores = call.processors(tokens[:, :prompt + step], scores)
+        out.append(scores)
+    return out
+
+
+def _high_logits(model: nn.Module, call: generation.Greedy, tokens: torch.Tensor) -> list[torch.Tensor] | str:
+    """Each decode step's logits from one forward of the whole sequence (`tokens`, prompt and
+    new tokens) with the model's floating weights at higher precision, the model as it was
+    before any tuning; or why there are none."""
+    floating = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    dtype = correctness.REFERENCE_DTYPES.get(floating)
+    if dtype is None:
+        return f"weights of {floating}, which have no higher precision to run at"
+    prompt = call.input_ids.shape[1]
+    steps = tokens.shape[1] - prompt
+    mask = call.mask if call.mask is not None else torch.ones_like(call.input_ids)
+    mask = torch.cat([mask, mask.new_ones(mask.shape[0], steps)], dim=1)
+    kwargs = {"input_ids": tokens, "attention_mask": mask, "use_cache": False}
+    try:
+        takes = "position_ids" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        takes = False
+    if takes:
+        kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    with generation.plain_model(model):
+        weights = correctness.higher_weights(model, dtype)
+        if isinstance(weights, str):
+            return weights
+        place, state = weights
+        moved = {k: v.to(place) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        with torch.no_grad():
+            out = torch.func.functional_call(model, state, (), moved, strict=False)
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    return [logits[:, prompt - 1 + step].float().to(tokens.device) for step in range(steps)]
+
+
+def check_call(model: nn.Module, i: int, args: tuple, kwargs: dict, untuned: Any, reference: Any) -> str:
+    """Raises MismatchError unless generate call i, on the model as it is now, keeps the rule in
+    force; returns what it found, for the report (the multiple, and where its tokens part).
+
+    untuned: the untuned call's tokens (several where it does not repeat its own:
+    Workload._warm_tokens); reference: its correctness.StepReference. Without a measured
+    reference the tokens must be one of the untuned runs' exactly. With one, the call is also
+    run teacher-forced on the untuned tokens and each step's logits held to the measured rule
+    (correctness.check_steps); a greedy call's own tokens may part from the untuned ones only
+    at a near tie (correctness.partings); a sampling call's processed distributions are held to
+    the measured bound (correctness.check_distributions), and a loop's own processing (its
+    top-k sampler) to transformers' processors on the same logits."""
+    from .._core.correctness import MismatchError, StepReference, check_distributions, check_steps, partings
+
+    prompt = generation.prompt_length(args, kwargs) or 0
+    with generation.same_draws(model, args, kwargs), torch.no_grad():
+        got = model.generate(*args, **kwargs)
+    differ = generation.untuned_difference(i, got, untuned, prompt)
+    if reference is None or not reference.measured:
+        if differ is not None:
+            raise MismatchError(differ)
+        return f"call {i}: the untuned tokens"
+    call = generation.greedy_call(model, args, kwargs)
+    sample = not isinstance(call, str) and call.sample
+    notes = []
+    if differ is not None and isinstance(got, torch.Tensor):
+        for parting in partings(got, untuned[0], reference, prompt):
+            if not sample and not parting.near_tie:
+                raise MismatchError(f"generate call {i}: {parting.describe()}")
+            notes.append(("a draw: " if sample else "") + parting.describe())
+    elif differ is not None:
+        raise MismatchError(differ)
+    raw, processed = teacher_forced(model, args, kwargs, untuned[0], processed=sample)
+    found = check_steps(raw, reference, f"generate call {i}")
+    if sample:
+        mine = processed_scores(call, untuned[0], raw)
+        if processed is not None:  # the loop's processing against transformers' processors on its own logits
+            check_distributions(processed, mine, StepReference(None), f"generate call {i} (the loop's processing)")
+        check_distributions(mine, processed_scores(call, untuned[0], reference.high), reference, f"generate call {i}")
+    parts = "; ".join(notes) if notes else "the untuned tokens"
+    return f"call {i}: {correctness.describe_finding(found)}, {parts}"
+
+
+def apply_loop(model: nn.Module, plan: "generation.LoopPlan", seconds: float | None = None) -> str | None:
+    """Installs the plan's loop when, on every stored call, it keeps the correctness rule in
+    force (check_call) against the untuned generate() run here (transformers' own loop on the
+    model with its tuned modules taken out, the loop not installed), with the reference made
+    here too; else leaves generate() as it was and returns why. The tokens the plan stores
+    are not trusted: a forged loop stores its own. Each call is bounded
+    (generation.check_bounds), and the whole check by `seconds` (default
+    generation.LOOP_CHECK_SECONDS)."""
+    from .._core.correctness import MismatchError
+
+    if not plan.checks:
+        return "no stored generate() call to check it on"
+    for args, kwargs, _ in plan.checks:
+        problem = generation.check_bounds(model, args, kwargs)
+        if problem is not None:
+            return problem
+    limit = generation.LOOP_CHECK_SECONDS if seconds is None else seconds
+    deadline = time.monotonic() + limit
+    late = f"its check took longer than {limit:g} s (LOOP_CHECK_SECONDS)"
+    untuned, references = [], []
+    generation.uninstall(model)
+    try:
+        with torch.no_grad(), generation.plain_model(model):
+            for args, kwargs, _ in plan.checks:
+                if deadline - time.monotonic() <= 0:
+                    return late
+                # the first compiles; the two after it are the untuned tokens (either, where they
+                # differ: Workload._warm_tokens)
+                runs = 3 if generation.compiled_by_transformers(model, args, kwargs) else 1
+                outs = []
+                for _ in range(runs):
+                    with generation.same_draws(model, args, kwargs):
+                        left = max(deadline - time.monotonic(), 0.0)
+                        outs.append(model.generate(*args, **{**kwargs, "max_time": left}))
+                untuned.append(outs[-2:] if runs > 1 else outs)
+                references.append(reference(model, args, kwargs, untuned[-1][0]))
+        if time.monotonic() > deadline:  # transformers' max_time stopped a run short
+            return late
+    except Exception as exc:
+        return f"the untuned generate() failed on a stored call: {type(exc).__name__}: {str(exc)[:200]}"
+    loop = generation.DecodeLoop(model, plan.kind, plan.layouts, plan.top_sampler)
+    loop.checks = [(args, kwargs, outs[0]) for (args, kwargs, _), outs in zip(plan.checks, untuned)]
+    loop.deadline = deadline
+    generation.install(model, loop)
+    problem = None
+    try:
+        for i, (args, kwargs, _) in enumerate(loop.checks):
+            try:
+                check_call(model, i, args, kwargs, untuned[i], references[i])
+            except MismatchError as exc:
+                problem = str(exc)
+            if loop.fallbacks:
+                problem = f"generate call {i} is not one it serves ({next(iter(loop.fallbacks))})"
+            if problem is not None:
+                break
+    except Exception as exc:
+        problem = f"{type(exc).__name__}: {str(exc)[:200]}"
+    finally:
+        loop.deadline = None
+        if problem is not None or generation.loop_of(model) is not loop:
+            generation.uninstall(model)  # whatever happened (an interrupt too), generate() is as it was
+    loop.calls = 0
+    loop.fallbacks.clear()
+    return problem

@@ -1,0 +1,352 @@
+"""The measured correctness rule: each candidate's error against a higher-precision run of the
+module, within a multiple of the original's own error, per output tensor.
+
+Every case tunes a module with one candidate backend (tt.wrap + tt.tune) and compares the model
+afterwards with an untuned deep copy: a refused candidate leaves the original forward, which
+must answer exactly as the copy does; a kept one answers within the rule. Each refusal must name
+the output and the multiple. Where the old fixed rule (relative error against the output's
+largest value, per dtype) decided the other way, the case says so by tuning again with
+tolerance="dtype".
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import torch_tweak as tt
+from torch_tweak._core import correctness
+from torch_tweak._runtime.module import installed
+from torch_tweak.backends import Backend
+from support import FAST
+
+
+class Candidate(Backend):
+    """A candidate that runs `fn(module, *args, **kwargs)` in place of the module."""
+
+    name = "Candidate"
+
+    def __init__(self, fn=None, **options):
+        super().__init__(**options)
+        self.fn = fn
+
+    def fresh(self):
+        made = super().fresh()
+        made.fn = self.fn
+        return made
+
+    def build(self, module, samples, device):
+        return lambda *args, **kwargs: self.fn(module, *args, **kwargs)
+
+
+def tuned(model, path, fn, data, tolerance="measured"):
+    """`model` with `path` tuned to the candidate `fn` alone; returns its wrapper."""
+    tt.unwrap(model)
+    (w,) = tt.wrap(model, [path], strategy=tt.OneBackendStrategy(Candidate(fn)))
+    tt.tune(model, data, measure=FAST, tolerance=tolerance)
+    return w
+
+
+def same_as_untuned(model, untuned, data):
+    with torch.inference_mode():
+        for x in data:
+            got, want = model(x), untuned(x)
+            for g, w in zip(correctness.tensor_leaves(got), correctness.tensor_leaves(want)):
+                assert torch.equal(g, w)
+
+
+def refused(w, *parts):
+    assert w.tt_backend is None, w.tt_report
+    for part in parts:
+        assert part in w.tt_error, (part, w.tt_error)
+
+
+class Head(nn.Module):
+    """A hidden state and a small-valued output beside it (a normalised embedding)."""
+
+    def __init__(self, width=64, massive=None):
+        super().__init__()
+        self.up = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+        self.out = nn.Linear(width, width)
+        self.register_buffer("massive", massive)
+
+    def forward(self, x):
+        h = self.out(nn.functional.gelu(self.norm(self.up(x))))
+        if self.massive is not None:
+            h = h + self.massive
+        return h, nn.functional.normalize(h, dim=-1) * 1e-3
+
+
+class Model(nn.Module):
+    def __init__(self, width=64, massive=None):
+        super().__init__()
+        self.head = Head(width, massive)
+
+    def forward(self, x):
+        return self.head(x)
+
+
+def model_and_data(dtype=torch.float32, massive=None, batch=8, width=64):
+    torch.manual_seed(0)
+    model = Model(width, massive).eval().to(dtype)
+    data = [torch.randn(batch, 16, width, dtype=dtype) for _ in range(2)]
+    return model, copy.deepcopy(model), data
+
+
+def test_a_candidate_that_drops_a_bias_is_refused_naming_the_output_and_the_multiple():
+    model, untuned, data = model_and_data()
+
+    def no_bias(m, x):
+        h = nn.functional.linear(nn.functional.gelu(m.norm(m.up(x))), m.out.weight)
+        return h, nn.functional.normalize(h, dim=-1) * 1e-3
+
+    w = tuned(model, "head", no_bias, data)
+    refused(w, "sample 0 output[0]", "x the original's error", "float64 run of the module")
+    same_as_untuned(model, untuned, data)
+
+
+def test_wrong_ordinary_channels_next_to_a_massive_one_are_refused_where_the_fixed_rule_kept_them():
+    # language models' hidden states carry a few channels hundreds of times the others: an error
+    # relative to the largest value let a candidate 250 % wrong on every ordinary channel pass
+    massive = torch.zeros(64)
+    massive[3] = 1000.0
+    model, untuned, data = model_and_data(torch.bfloat16, massive)
+
+    def wrong(m, x):
+        h, small = m(x)
+        ordinary = torch.ones_like(h)
+        ordinary[..., 3] = 0
+        h = h + (2.5 * (h - m.massive.to(h.dtype))) * ordinary
+        return h, small
+
+    w = tuned(model, "head", wrong, data)
+    refused(w, "output[0]", "x the original's error")
+    same_as_untuned(model, untuned, data)
+    kept = tuned(model, "head", wrong, data, tolerance="dtype")
+    assert kept.tt_backend is not None, kept.tt_error  # the fixed rule: 2.5 * ~3 / 1000 < 0.03
+
+
+def test_a_wrong_small_valued_output_is_refused_beside_a_right_large_one():
+    model, untuned, data = model_and_data()
+
+    def wrong_small(m, x):
+        h, small = m(x)
+        return h, small * 1.01
+
+    w = tuned(model, "head", wrong_small, data)
+    refused(w, "output[1]", "x the original's error")
+    same_as_untuned(model, untuned, data)
+
+
+class Attention(nn.Module):
+    """One head of attention with a padding mask; its scores are sharp, so the mask matters."""
+
+    def __init__(self, width=32):
+        super().__init__()
+        self.qkv = nn.Linear(width, 3 * width)
+        with torch.no_grad():
+            self.qkv.weight[:width] *= 6.0
+
+    def forward(self, x, mask, ignore=False):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+        if not ignore:
+            scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+        return scores.softmax(-1) @ v
+
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = Attention()
+
+    def forward(self, x, mask):
+        return self.attn(x, mask)
+
+
+def test_a_candidate_that_ignores_the_attention_mask_is_refused():
+    torch.manual_seed(0)
+    model = Masked().eval()
+    untuned = copy.deepcopy(model)
+    mask = torch.ones(4, 12, dtype=torch.bool)
+    mask[1, 9:] = False  # one padded sequence of four
+    data = [(torch.randn(4, 12, 32), mask) for _ in range(2)]
+    tt.unwrap(model)
+    (w,) = tt.wrap(model, ["attn"], strategy=tt.OneBackendStrategy(
+        Candidate(lambda m, x, mask: m(x, mask, ignore=True))))
+    tt.tune(model, [((x, m), {}) for x, m in data], measure=FAST)
+    refused(w, "x the original's error")
+    with torch.inference_mode():
+        for x, m in data:
+            assert torch.equal(model(x, m), untuned(x, m))
+
+
+def test_a_float16_overflow_to_inf_is_refused():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Softmax(-1)).eval().half()
+    untuned = copy.deepcopy(model)
+    data = [torch.randn(4, 16).half() * 8 for _ in range(2)]
+
+    def unstable(m, x):  # exp before the max is taken out: float16 overflows past 11
+        z = m(x).new_zeros(()) + m[0](x)
+        return torch.exp(z) / torch.exp(z).sum(-1, keepdim=True)
+
+    w = tuned(model, "", unstable, data)
+    refused(w, "NaN or Inf")
+    same_as_untuned(model, untuned, data)
+
+
+class Positions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tokens = nn.Embedding(100, 32)
+        self.positions = nn.Embedding(64, 32)
+        self.mix = nn.Linear(32, 32)
+
+    def forward(self, ids, shift=0):
+        where = torch.arange(ids.shape[1]) + shift
+        return self.mix(self.tokens(ids) + self.positions(where))
+
+
+def test_a_candidate_that_shifts_position_ids_by_one_is_refused():
+    torch.manual_seed(0)
+    model = nn.Sequential(Positions()).eval()
+    untuned = copy.deepcopy(model)
+    data = [torch.randint(0, 100, (2, 20)) for _ in range(2)]
+    w = tuned(model, "0", lambda m, ids: m(ids, shift=1), data)
+    refused(w, "x the original's error")
+    same_as_untuned(model, untuned, data)
+
+
+class Normed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 64))
+
+    def forward(self, x):
+        return self.block(x)
+
+
+@pytest.mark.parametrize("how", ["eps", "half"])
+def test_float32_changes_the_fixed_rule_let_pass_are_refused(how):
+    # a LayerNorm's eps from 1e-5 to 1e-4, or one layer run in float16: errors of 1e-4 to 5e-4,
+    # under the fixed float32 tolerance of 1e-3, thousands of times float32's own rounding
+    torch.manual_seed(0)
+    model = Normed().eval()
+    untuned = copy.deepcopy(model)
+    data = [torch.randn(8, 64) for _ in range(2)]
+
+    def changed(m, x):
+        lin, norm, out = m.block
+        h = lin(x)
+        if how == "eps":
+            h = nn.functional.layer_norm(h, norm.normalized_shape, norm.weight, norm.bias, 1e-4)
+            return out(h)
+        return nn.functional.linear(norm(h).half(), out.weight.half(), out.bias.half()).float()
+
+    w = tuned(model, "", changed, data)
+    refused(w, "sample 0 output", "x the original's error", "float64 run")
+    same_as_untuned(model, untuned, data)
+    assert tuned(model, "", changed, data, tolerance="dtype").tt_backend is not None
+
+
+class Rounding(nn.Module):
+    """Elementwise work rounded at every step: in bfloat16 its own error reaches several
+    percent of its largest value."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.9, 1.1, 64))
+
+    def forward(self, x):
+        y = x
+        for _ in range(40):
+            y = y * self.scale + 0.05 * x
+            y = y - 0.02 * y.mean(-1, keepdim=True)
+        return y
+
+
+def test_a_candidate_more_accurate_than_the_original_is_kept_where_the_fixed_rule_refused_it():
+    torch.manual_seed(0)
+    model = nn.Sequential(Rounding()).eval().bfloat16()
+    untuned = copy.deepcopy(model)
+    data = [torch.randn(16, 64).bfloat16() for _ in range(2)]
+
+    def in_float32(m, x):  # the module at float32, rounded back once
+        y = x.float()
+        scale = m.scale.float()
+        for _ in range(40):
+            y = y * scale + 0.05 * x.float()
+            y = y - 0.02 * y.mean(-1, keepdim=True)
+        return y.bfloat16()
+
+    fixed = tuned(model, "0", in_float32, data, tolerance="dtype")
+    refused(fixed, "relative error", "exceeds the tolerance 0.03")
+    w = tuned(model, "0", in_float32, data)
+    assert w.tt_backend is not None, w.tt_error
+    (row,) = w.tt_report
+    assert row["max_error"] < row["own_error"]  # more accurate than the original
+    x = data[0]
+    with torch.inference_mode():
+        got, want = model(x), untuned(x)
+    assert not torch.equal(got, want)  # another answer, and a better one:
+    exact = in_float32(untuned[0].float(), x.float())
+    assert (got.float() - exact).abs().mean() < (want.float() - exact).abs().mean()
+
+
+def test_the_rule_is_shown_as_a_multiple_in_the_result():
+    model, untuned, data = model_and_data(torch.bfloat16)
+    w = tuned(model, "head", lambda m, x: m(x), data)
+    (row,) = w.tt_report  # the module itself as the candidate: exactly the original's error
+    assert row["max_error"] == row["own_error"] > 0
+    from torch_tweak._view.report import numerics, status
+    assert numerics(row) == "1x the original's error" and status(row, True, 0) == "chosen (1x the original's error)"
+    failing = dict(row, state="failed", reason="mismatch", max_error=0.5, tolerance=0.03, own_error=0.01)
+    assert status(failing, False, 0) == "failed the correctness check: 50x the original's error, more than the 3x allowed"
+
+
+def test_no_reference_falls_back_to_the_fixed_rule_and_says_why():
+    # a float64 module has nothing higher to run at
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8)).eval().double()
+    data = [torch.randn(4, 8, dtype=torch.float64)]
+    found = correctness.reference(model, [((x,), {}) for x in data], [model(x) for x in data])
+    assert not found.measured and "float64" in found.why
+    w = tuned(model, "", lambda m, x: m(x) * (1 + 1e-7), data)
+    assert w.tt_backend is not None
+    assert tuned(model, "", lambda m, x: m(x) * (1 + 1e-5), data).tt_backend is None
+
+
+def test_tolerance_zero_asks_for_bit_identical_outputs():
+    model, untuned, data = model_and_data()
+    nudged = lambda m, x: tuple(t + 1e-9 * t.abs().max() for t in m(x))  # noqa: E731
+    assert tuned(model, "head", nudged, data).tt_backend is not None  # within float32's own rounding
+    refused(tuned(model, "head", nudged, data, tolerance=0), "exceeds the tolerance 0")
+    assert tuned(model, "head", lambda m, x: m(x), data, tolerance=0).tt_backend is not None
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, "loose", True, float("nan")])
+def test_a_bad_tolerance_is_refused_before_anything_runs(bad):
+    model, untuned, data = model_and_data()
+    with pytest.raises(ValueError, match="tolerance must be"):
+        tt.tweak(model, data, tolerance=bad, progress=False)
+    assert not installed(model)
+
+
+def test_the_measure_is_per_row_and_relative_to_each_value():
+    ref = torch.ones(4, 8)
+    ref[:, 0] = 1000.0
+    out = ref.clone()
+    out[2, 1:] *= 3.5  # one row, ordinary channels 250 % wrong
+    rms, peak = correctness.deviation(out, ref)
+    typical = ref.mean().item() / 10  # the median (1) is under a tenth of the mean (125.9)
+    assert peak == pytest.approx(2.5 / (1 + typical), rel=1e-6) and rms == pytest.approx(peak * (7 / 8) ** 0.5)
+    out = ref.clone()
+    out[:, 0] += 1.0  # the massive channel off by 0.1 %
+    rms, peak = correctness.deviation(out, ref)
+    assert peak == pytest.approx(1.0 / (1000 + typical), rel=1e-6) and rms < peak
+    assert correctness.deviation(torch.zeros(3), torch.zeros(3)) == (0.0, 0.0)
