@@ -350,3 +350,45 @@ def test_the_measure_is_per_row_and_relative_to_each_value():
     rms, peak = correctness.deviation(out, ref)
     assert peak == pytest.approx(1.0 / (1000 + typical), rel=1e-6) and rms < peak
     assert correctness.deviation(torch.zeros(3), torch.zeros(3)) == (0.0, 0.0)
+
+
+class Scaled(Backend):
+    """Outputs scaled by (1 + by): a fixed small error, a multiple of float32's own rounding."""
+
+    name = "Scaled"
+
+    def build(self, module, samples, device):
+        by = 2e-7 if self.config.tolerance is None else 0.0
+        return lambda *args, **kwargs: tuple(t * (1 + by) for t in module(*args, **kwargs))
+
+
+def test_save_and_load_keep_the_rule_and_judge_the_stored_calls_by_it(tmp_path):
+    model, untuned, data = model_and_data()
+    tt.unwrap(model)
+    tt.wrap(model, ["head"], strategy=tt.OneBackendStrategy(Scaled()))
+    tt.tune(model, data, measure=FAST, tolerance=0.01)
+    path = tmp_path / "fixed.tt"
+    tt.save(model, path)
+    fresh = copy.deepcopy(untuned)
+    assert tt.load(fresh, path, backends=[Scaled()])["head"] == "Scaled"
+    assert correctness.RULES[fresh] == correctness.Rule(0.01)
+    # the measured rule (the default): the file names no rule, and the stored calls are judged by
+    # the measured rule against the module's own outputs, run at load
+    tt.unwrap(model)
+    tt.wrap(model, ["head"], strategy=tt.OneBackendStrategy(Scaled()))
+    tt.tune(model, data, measure=FAST)
+    assert installed(model)["head"].tt_backend is not None
+    path = tmp_path / "measured.tt"
+    tt.save(model, path)
+    fresh = copy.deepcopy(untuned)
+    assert tt.load(fresh, path, backends=[Scaled()])["head"] == "Scaled"
+    assert correctness.RULES[fresh] == correctness.Rule()
+    with torch.inference_mode():
+        for x in data:
+            for got, want in zip(fresh(x), untuned(x)):
+                assert torch.allclose(got, want, rtol=1e-6, atol=0)
+    other = copy.deepcopy(untuned)
+    with torch.no_grad():
+        other.head.out.bias.add_(0.5)  # other weights: the file's outputs are not this module's
+    with pytest.warns(UserWarning, match="recorded outputs are not this module's"):
+        assert tt.load(other, path, backends=[Scaled()])["head"] is None
