@@ -280,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     tweak.add_argument("--max-depth", type=int, help="the deepest cut to try (default: tt.tweak's, 1)")
     tweak.add_argument("--time-budget", type=float, help="seconds; no new depth starts after it")
     tweak.add_argument("--tolerance", default="measured", metavar="RULE",
-                       help="how candidates are judged: measured (default: within 3x the original's own error "
+                       help="how candidates are judged: measured (default: within 4x the original's own error "
                             "against a higher-precision run), dtype (a fixed tolerance per dtype), or a relative "
                             "tolerance from 0 (bit-identical) to 1")
     tweak.add_argument("--out", metavar="FILE", help="save the tuned model here (e.g. model.tt)")

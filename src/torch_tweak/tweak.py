@@ -455,7 +455,7 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
     alone, or a ProcessGroup (docs/tweak.md, "Tensor-parallel models").
     ``tolerance``: how a candidate's outputs are judged against the original's (docs/tweak.md,
     "What "the same answers" means"): "measured" (the default: its error against a
-    higher-precision run of the module within 3x the original's own, per output tensor; for
+    higher-precision run of the module within 4x the original's own, per output tensor; for
     generate(), greedy tokens may part only at a near-tie), "dtype" (a fixed relative tolerance
     per dtype, torch_tweak.TOLERANCES), or a number from 0 to 1 (that relative tolerance for
     every output; 0: bit-identical outputs and tokens). A backend config's own tolerance and the

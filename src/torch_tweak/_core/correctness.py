@@ -67,9 +67,12 @@ MAX_TOLERANCES: dict[torch.dtype, float] = {
 """The most either rule allows per dtype (others: 0.1): neither a tolerance read from a saved
 file nor an original whose own error is large widens a check past these."""
 
-MULTIPLIER = 3.0
+MULTIPLIER = 4.0
 """The measured rule: a candidate's error against the higher-precision reference may be this
-many times the original's own (PyTorch's accuracy harness uses 2 to 3 with an RMS error)."""
+many times the original's own (PyTorch's accuracy harness uses 2 to 3 with one RMS error over a
+whole output). Measured on transformers and convolution models in float32 and bfloat16
+(bench/results/numerics.md): Inductor's candidates came to 0.6x to 3.2x the original's own,
+wrong candidates to 24x to 1e7x; 4 leaves room above the largest legitimate one seen."""
 
 REFERENCE_DTYPES: dict[torch.dtype, torch.dtype] = {
     torch.bfloat16: torch.float32,
