@@ -20,6 +20,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import nn
 
 import torch_tweak as tt
@@ -249,7 +250,9 @@ def test_served_checks_a_new_size_once_and_keeps_the_model_s_own_exceptions():
             raise RuntimeError("cannot reshape")
         return module(*args) + (1 if args[0].shape[0] == 3 else 0)
 
-    served = traced.Served("Trace", module, None, [((torch.randn(b, 4),), {}) for b in (2, 6)], [0])  # a class
+    samples = [((torch.randn(b, 4),), {}) for b in (2, 6)]  # a class; and a call of another layout, not its to serve
+    served = traced.Served("Trace", module, None, samples + [((), {"x": torch.randn(3, 4)})],
+                           pytree.tree_flatten(samples[0])[1], [0])
     told = []
     served.strict, served.on_fallback = False, told.append
     with torch.no_grad():
@@ -257,6 +260,7 @@ def test_served_checks_a_new_size_once_and_keeps_the_model_s_own_exceptions():
             x = torch.randn(b, 4)
             torch.testing.assert_close(served(trace, [x], (x,), {}), module(x))
         assert calls == [2, 3, 4, 4, 5]  # each new size checked once; a refused size never again
+        assert served.checked == {(torch.Size([2, 4]),), (torch.Size([6, 4]),)}
         assert served.fallbacks == 4 and len(told) == 1 and "at sizes [[3, 4]] gave another answer" in told[0]
         with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied"):
             y = torch.randn(2, 3)

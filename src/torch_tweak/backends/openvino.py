@@ -402,7 +402,7 @@ class OpenVINOBackend(Backend):
             return request.infer(feed).to_tuple()
 
         baked = Baked(module, "OpenVINO")
-        served = Served("OpenVINO", module, self.check_tolerance(), samples, slots)
+        served = Served("OpenVINO", module, self.check_tolerance(), samples, spec, slots)
 
         def answer(flat_in: list, args: tuple, kwargs: dict) -> Any:
             feed = [flat_in[i].detach().cpu().numpy() for i in slots]

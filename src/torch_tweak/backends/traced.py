@@ -175,7 +175,8 @@ class Served:
     """Which call shapes a traced model serves, and what answers the others (see the module
     docs). backend: its name; module: the module's own forward; tolerance: its check's;
     samples: the calls the build is checked on, whose shapes (of their flattened leaves at
-    `slots`, the model's inputs) are proven from the start. A model traced with static shapes
+    `slots`, the model's inputs, for those laid out as `spec`: the others the backend leaves to
+    the module) are proven from the start. A model traced with static shapes
     (one shape in `samples`) is only given calls of that shape (the dispatcher's signature):
     its calls skip the key. fallbacks: calls answered by the module instead (a shape refused, a
     call the model could not take); on_fallback: called once, with what failed, at the next one
@@ -183,9 +184,10 @@ class Served:
     the model, a call it cannot take raises (the build's own check must see it)."""
 
     def __init__(self, backend: str, module: torch.nn.Module, tolerance: float | None, samples: Iterable[Any],
-                 slots: list[int]) -> None:
+                 spec: Any, slots: list[int]) -> None:
         self.backend, self.module, self.tolerance, self.slots = backend, module, tolerance, slots
-        self.checked = frozenset(tuple(leaves[i].shape for i in slots) for leaves in map(pytree.tree_leaves, samples))
+        self.checked = frozenset(tuple(leaves[i].shape for i in slots)
+                                 for leaves, layout in map(pytree.tree_flatten, samples) if layout == spec)
         self.fixed = next(iter(self.checked)) if len(self.checked) == 1 else None
         self.proven: set[tuple] = set(self.checked)
         self.refused: dict[tuple, str] = {}
