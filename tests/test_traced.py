@@ -210,7 +210,8 @@ def _trace(module: nn.Module, *example: torch.Tensor) -> None:
 class OnSize(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = [x[i] * 2 for i in range(x.shape[0])]  # a size turned into a Python int
-        return torch.stack(rows) if len(x) > 1 and x.numel() else x
+        picked = x[torch.tensor([0, 1])]  # integer indices: their own size, whatever x holds
+        return torch.stack(rows) if len(x) > 1 and x.numel() and picked.shape[0] > 1 and len(list(x)) else x
 
 
 class OnWeight(nn.Linear):
@@ -224,6 +225,9 @@ class OnWeight(nn.Linear):
     lambda x: x * x.max().item(),
     lambda x: x + torch.tensor(x.tolist()),
     lambda x: x * 2 if torch.equal(x, x.clamp(0)) else x,
+    lambda x: x * 2 if x[x > 0].shape[0] > 3 else x,  # the size of a mask's selection
+    lambda x: x * 2 if len(x.nonzero()) > 3 else x,
+    lambda x: x + sum(row.sum() for row in x.nonzero()),  # a loop as long as a count of values
 ])
 def test_a_python_value_of_the_inputs_values_is_a_value_branch(branch):
     class Module(nn.Module):

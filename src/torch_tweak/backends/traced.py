@@ -43,18 +43,28 @@ from .._core.correctness import MismatchError, check
 logger = logging.getLogger("torch_tweak")
 
 _METADATA = frozenset({
-    "__get__", "__len__", "__iter__", "__hash__", "dim", "ndimension", "numel", "nelement", "size", "stride",
-    "storage_offset", "element_size", "is_contiguous", "is_floating_point", "is_complex", "is_signed",
-    "is_inference", "is_set_to", "is_same_size", "is_pinned", "is_shared", "get_device", "data_ptr",
-    "untyped_storage", "__repr__", "__str__", "__format__"})
-"""Functions of a tensor whose Python result says only what the tensor is (its rank, sizes,
-strides, dtype, memory), never what it holds: a trace keeps sizes as traced values or a
-shape class's fixed ones, so these are no value branch."""
-_SIZES = frozenset({"aten::size", "aten::dim", "aten::numel", "prim::shape", "aten::len", "aten::sym_size",
+    "__hash__", "dim", "ndimension", "stride", "storage_offset", "element_size", "is_contiguous",
+    "is_floating_point", "is_complex", "is_signed", "is_inference", "is_set_to", "is_same_size", "is_pinned",
+    "is_shared", "get_device", "data_ptr", "untyped_storage", "__repr__", "__str__", "__format__"})
+"""Functions of a tensor whose Python result says only what the tensor is (its rank, strides,
+dtype, memory), never what it holds nor its sizes: no value branch."""
+_OF_SIZES = frozenset({"__len__", "numel", "nelement", "size", "__get__"})
+"""Functions of a tensor whose Python result is one of its sizes (`len(t)`, `t.numel()`, an
+attribute such as `t.ndim`): a question of values only where the tensor's size is."""
+_COUNTED = frozenset({"__iter__", "unbind", "split", "chunk", "tensor_split", "unsafe_split", "unsafe_chunk",
+                      "hsplit", "vsplit", "dsplit"})
+"""Functions whose number of results (a Python loop's length) is one of the tensor's sizes."""
+_SIZES = frozenset({"aten::size", "aten::sym_size", "aten::dim", "aten::numel", "prim::shape", "aten::len",
                     "aten::zeros_like", "aten::ones_like", "aten::empty_like", "aten::rand_like",
                     "aten::randn_like"})
-"""Traced nodes whose result depends on the sizes of a tensor they read, not on its values:
-the walk back from a conversion stops there."""
+"""Traced nodes whose result depends on the sizes of the tensors they read, not on their
+values: the walk back from a conversion follows those tensors' sizes only."""
+_SHAPED_BY_VALUES = frozenset({
+    "aten::nonzero", "aten::nonzero_numpy", "aten::argwhere", "aten::masked_select", "aten::_unique",
+    "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive", "aten::unique_dim_consecutive",
+    "aten::bincount"})
+"""Traced nodes whose result's size depends on their inputs' values (see _shaped_by_values for
+indexing, torch.where and repeat_interleave)."""
 _MAX_WALK = 200_000
 """Traced values one walk visits at most; past it the conversion counts as one of values."""
 _TORCH = os.path.dirname(torch.__file__)
@@ -76,25 +86,58 @@ def _data_inputs(graph_input: Any, count: int) -> set[int]:
     return {v.unique() for v in outputs[:count]}
 
 
-def _of_values(value: Any, count: int) -> bool:
-    """Whether the traced `value` depends on the values of the call's tensors: a walk back
-    through the nodes that made it reaches one of them other than through a size."""
-    seen: set[int] = set()
-    stack = [value]
+def _tensors(value: Any) -> bool:
+    """Whether a traced value is a tensor, or a list or optional of them."""
+    kind = value.type()
+    while kind.kind() in ("ListType", "OptionalType"):
+        kind = kind.getElementType()
+    return kind.kind() == "TensorType"
+
+
+def _shaped_by_values(kind: str, inputs: list) -> bool:
+    """Whether the size of a traced node's result depends on its inputs' values: a boolean
+    mask's count (nonzero, masked_select, indexing with a mask or a tensor of unknown dtype,
+    torch.where of a condition alone), unique values, counts (bincount, repeat_interleave by a
+    tensor of repeats)."""
+    if kind == "aten::index" and len(inputs) > 1:
+        listed = inputs[1].node()
+        items = list(listed.inputs()) if listed.kind() == "prim::ListConstruct" else [inputs[1]]
+        return any(i.type().kind() == "TensorType" and i.type().scalarType() in (None, "Bool", "Byte")
+                   for i in items)
+    if kind == "aten::where":
+        return len(inputs) == 1
+    if kind == "aten::repeat_interleave":
+        return len(inputs) == 1 or any(i.type().kind() == "TensorType" for i in inputs[1:])
+    return kind in _SHAPED_BY_VALUES
+
+
+def _of_values(value: Any, count: int, sized: bool = False) -> bool:
+    """Whether the traced `value` (its size alone, `sized`) depends on the values of the call's
+    tensors: a walk back through the nodes that made it reaches one of them for its values. A
+    node that reads only sizes passes the walk on to its tensors' sizes; a tensor's size
+    follows its inputs' sizes and its plain arguments' values, but its inputs' values where the
+    node is one whose result's size they decide (_shaped_by_values)."""
+    seen: set[tuple[int, bool]] = set()
+    stack = [(value, sized)]
     while stack:
-        v = stack.pop()
-        if v.unique() in seen:
+        v, sized = stack.pop()
+        if (v.unique(), sized) in seen:
             continue
-        seen.add(v.unique())
+        seen.add((v.unique(), sized))
         if len(seen) > _MAX_WALK:
             return True
         node = v.node()
         kind = node.kind()
+        inputs = list(node.inputs())
         if kind == "prim::Param":
-            if v.unique() in _data_inputs(node, count):
+            if not sized and v.unique() in _data_inputs(node, count):
                 return True
-        elif kind not in _SIZES:
-            stack.extend(node.inputs())
+        elif sized and _shaped_by_values(kind, inputs):
+            stack.extend((i, False) for i in inputs)
+        elif sized or kind in _SIZES:
+            stack.extend((i, _tensors(i)) for i in inputs)
+        else:
+            stack.extend((i, False) for i in inputs)
     return False
 
 
@@ -124,17 +167,23 @@ class _Watch(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if (not self.found and torch._C._get_tracing_state() is not None and _python_value(out)
-                and getattr(func, "__name__", "") not in _METADATA):
-            for tensor in (a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)):
-                try:
-                    traced = torch._C._get_value_trace(tensor)
-                except RuntimeError:  # not a value of the trace: a constant of the module
-                    continue
-                if _of_values(traced, self.count):
-                    self.found.append(f"{getattr(func, '__name__', func)} at {_where()}")  # the first is said
-                    break
+        if not self.found and torch._C._get_tracing_state() is not None:
+            name = getattr(func, "__name__", "")
+            sized = name in _COUNTED or name in _OF_SIZES
+            if (name in _COUNTED or (_python_value(out) and name not in _METADATA)) and self._of_values(args, kwargs,
+                                                                                                       sized):
+                self.found.append(f"{name or func} at {_where()}")  # the first is said
         return out
+
+    def _of_values(self, args: tuple, kwargs: dict | None, sized: bool) -> bool:
+        for tensor in (a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)):
+            try:
+                traced = torch._C._get_value_trace(tensor)
+            except RuntimeError:  # not a value of the trace: a constant of the module
+                continue
+            if _of_values(traced, self.count, sized):
+                return True
+        return False
 
 
 def _python_value(out: Any) -> bool:
