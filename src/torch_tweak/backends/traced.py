@@ -217,7 +217,9 @@ def watch_values(backend: str, inputs: int) -> Iterator[None]:
 Traced = Callable[[list, tuple, dict], Any]
 """The traced model's answer to a call, from the call's flattened leaves (and the call)."""
 LIMIT = 1 << 16
-"""Call shapes kept proven or refused at most; past it the proofs start again from the build's."""
+"""Call shapes kept proven at most; past it the proofs start again from the build's."""
+REFUSED_LIMIT = 1 << 12
+"""Call shapes kept refused at most (with why); past it they are checked again at their next call."""
 
 
 class Served:
@@ -287,7 +289,7 @@ class Served:
                (f"gave another answer than the module ({text})" if isinstance(exc, MismatchError)
                 else f"could not take the call ({type(exc).__name__}: {text})"))
         with self.lock:
-            if len(self.refused) >= LIMIT:
+            if len(self.refused) >= REFUSED_LIMIT:
                 self.refused.clear()
             self.refused[key] = why
             self.proven.discard(key)
@@ -307,7 +309,7 @@ class Served:
         if not self.first_sight and not self.refused:
             return None
         refused = next(iter(self.refused.values()), None)
-        return (f"{len(self.proven)} call shapes proven ({self.first_sight} checked at first sight)"
+        return (f"call shapes: {len(self.proven)} proven, {self.first_sight} checked at first sight"
                 + (f", {len(self.refused)} refused (the first: {refused})" if refused else ""))
 
 
