@@ -240,6 +240,7 @@ class Served:
         self.checked = frozenset(tuple(leaves[i].shape for i in slots)
                                  for leaves, layout in map(pytree.tree_flatten, samples) if layout == spec)
         self.fixed = next(iter(self.checked)) if len(self.checked) == 1 else None
+        self.one = slots[0] if len(slots) == 1 else None  # one input: its key is made without a loop
         self.proven: set[tuple] = set(self.checked)
         self.refused: dict[tuple, str] = {}
         self.first_sight = 0
@@ -251,7 +252,8 @@ class Served:
     def __call__(self, traced: Traced, flat: list, args: tuple, kwargs: dict) -> Any:
         """The answer to a call (`flat`: its flattened leaves) from `traced` where its shape is
         proven, else from the module."""
-        key = self.fixed if self.fixed is not None else tuple([flat[i].shape for i in self.slots])
+        key = (self.fixed if self.fixed is not None else (flat[self.one].shape,) if self.one is not None
+               else tuple([flat[i].shape for i in self.slots]))
         if key in self.proven:
             try:
                 return traced(flat, args, kwargs)
