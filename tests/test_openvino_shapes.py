@@ -118,7 +118,7 @@ def test_a_new_shape_gets_its_model_once_its_calls_took_a_compiles_time(module, 
 
 def test_a_model_that_answers_wrong_is_refused_and_the_shape_stays_dynamic(module, monkeypatch):
     """The shape's model is compiled from another module's weights: its check against the
-    module fails, the module's answer is given, and the shape is not compiled again."""
+    module fails, the dynamic model answers, and the shape is not compiled again."""
     run = build(module)
     special = run.static_shapes
     other = copy.deepcopy(module)

@@ -92,8 +92,7 @@ def test_plan_applied_to_a_fresh_copy_answers_as_the_tuned_model(tuned, mlp_data
         assert all(torch.allclose(g, u, rtol=1e-5, atol=1e-6) for g, u in zip(got, untuned))  # the differential check
         assert not all(torch.equal(g, u) for g, u in zip(got, untuned))  # and the backend really ran
         assert sum(w._tt_calls for w in wrappers.values()) == 2 * len(mlp_data)
-        assert all(w.tt_untuned == {"no signature matched": 0, "grad mode": 0, "train mode": 0, "device graph fell back": 0}
-                   for w in wrappers.values())
+        assert all(not any(w.tt_untuned.values()) for w in wrappers.values())
         assert planning.SELECTED_DEPTHS[model] == 1
 
     planning.revert(copies[0])

@@ -16,7 +16,8 @@ from torch_tweak.backends import OpenVINOBackend, TorchEagerBackend
 from support import MLP
 
 HAS_OPENVINO = importlib.util.find_spec("openvino") is not None
-ZERO = {"no signature matched": 0, "grad mode": 0, "train mode": 0, "device graph fell back": 0}
+ZERO = {"no signature matched": 0, "grad mode": 0, "train mode": 0, "device graph fell back": 0,
+        "trace fell back": 0}
 
 
 def tuned_mlp(backend=TorchEagerBackend):

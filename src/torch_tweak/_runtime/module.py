@@ -30,7 +30,8 @@ NO_MATCH = "no signature matched"
 GRAD_MODE = "grad mode"
 GRAPH_FALLBACK = "device graph fell back"
 TRAIN_MODE = "train mode"
-UNTUNED_REASONS = (NO_MATCH, GRAD_MODE, TRAIN_MODE, GRAPH_FALLBACK)
+TRACE_FALLBACK = "trace fell back"
+UNTUNED_REASONS = (NO_MATCH, GRAD_MODE, TRAIN_MODE, GRAPH_FALLBACK, TRACE_FALLBACK)
 """Why a call of a tuned module ran its original forward (TunedModule.tt_untuned)."""
 
 _HINTS = {
@@ -43,6 +44,9 @@ _HINTS = {
                 "the tuned path",
     GRAPH_FALLBACK: "the call does not fit the recorded device graph (another shape, dtype, device or "
                     "plain value)",
+    TRACE_FALLBACK: "a model traced from the module (OpenVINO, ONNX Runtime) gave another answer than the module at "
+                    "sizes no check had run on (a trace keeps the branch of the sizes it was traced on), or could "
+                    "not take the call; the module's own forward answers calls of those sizes",
 }
 
 logger = logging.getLogger("torch_tweak")
@@ -63,11 +67,12 @@ def _notifier(wrapper: "TunedModule", reason: str | None = None, warned: set | N
     ref = weakref.ref(wrapper)
 
     def notify(given: str | None = None) -> None:
-        why = reason if reason is not None else given
+        # the dispatcher gives the reason; a caller whose reason is fixed may give what failed
+        why, detail = (reason, f" ({given})" if given else "") if reason is not None else (given, "")
         w = ref()
         name = (w.tt_name or "(root)") if w is not None else "a tuned module"
-        logger.warning("torch-tweak: %s ran its original forward (%s): %s. Further such calls are "
-                       "counted, not logged: see tt.status(model).", name, why, _HINTS.get(why, why))
+        logger.warning("torch-tweak: %s ran its original forward (%s): %s%s. Further such calls are "
+                       "counted, not logged: see tt.status(model).", name, why, _HINTS.get(why, why), detail)
         if why == GRAD_MODE and warned is not None and GRAD_MODE not in warned:
             warned.add(GRAD_MODE)
             warnings.warn(GRAD_MODE_WARNING, UserWarning, stacklevel=2)
@@ -157,16 +162,23 @@ class TunedModule(_C.Dispatcher, nn.Module):
     def _tt_graphs(self) -> list:
         return [fn for _, fn in self._tt_entries if isinstance(fn, _C.GraphReplay)]
 
+    def _tt_traces(self) -> list:
+        """The call shapes proven of each traced model among the entries (backends.traced.Served)."""
+        found = {id(s): s for s in (getattr(fn, "served", None) for _, fn in self._tt_entries) if s is not None}
+        return list(found.values())
+
     @property
     def tt_untuned(self) -> dict[str, int]:
         """Calls since tuning (or the last tt_reset_untuned) that ran the original forward
         while the wrapper was active, by reason: "no signature matched", "grad mode" (see
         Backend.supports_autograd), "train mode" (the module or a submodule in train mode: its
-        backends were built and checked in eval mode), "device graph fell back"."""
+        backends were built and checked in eval mode), "device graph fell back", "trace fell back"
+        (a traced model's shape that failed its check, or a call it could not take: backends.traced)."""
         base = self.__dict__.get("_tt_graph_base", {})
         graph = sum(g.fallbacks - base.get(id(g), 0) for g in self._tt_graphs())
+        trace = sum(t.fallbacks - base.get(id(t), 0) for t in self._tt_traces())
         return {NO_MATCH: self._tt_fallbacks, GRAD_MODE: self._tt_grad_fallbacks,
-                TRAIN_MODE: self._tt_train_fallbacks, GRAPH_FALLBACK: graph}
+                TRAIN_MODE: self._tt_train_fallbacks, GRAPH_FALLBACK: graph, TRACE_FALLBACK: trace}
 
     @property
     def tt_calls(self) -> int:
@@ -182,10 +194,13 @@ class TunedModule(_C.Dispatcher, nn.Module):
         self._tt_reset_untuned()
         self.__dict__["_tt_calls_base"] = self._tt_calls
         self._tt_set_notify(_notifier(self, None, warned) if notify else None)
-        graphs = self._tt_graphs()
-        self.__dict__["_tt_graph_base"] = {id(g): g.fallbacks for g in graphs}
+        graphs, traces = self._tt_graphs(), self._tt_traces()
+        self.__dict__["_tt_graph_base"] = {id(g): g.fallbacks for g in graphs + traces}
         for g in graphs:
             g.on_fallback = _notifier(self, GRAPH_FALLBACK) if notify else None
+        for t in traces:  # installed: a call its model cannot take runs the module's own forward, counted
+            t.strict = False
+            t.on_fallback = _notifier(self, TRACE_FALLBACK) if notify else None
 
     def extra_repr(self) -> str:
         backend = self.tt_backend.name if self.tt_backend is not None else "original"

@@ -31,11 +31,12 @@ class ModuleStatus:
     runs its original forward. active: False after tt.deactivate. calls: calls of the
     module since tuning (or loading) ended, in every mode (tweak's own calls are not counted). untuned: calls since tuning (or loading) that
     ran the original forward while active, by reason: "no signature matched", "grad mode",
-    "device graph fell back" (see docs/backends.md).
+    "train mode", "device graph fell back", "trace fell back" (see docs/backends.md).
     shapes: per group of calls whose sizes vary that a backend serves shape by shape, {its
     text: its backend's describe()}: the padded backend's buckets and their calls, the padding
     waste, the graphs recorded and their memory, the calls outside the range; OpenVINO's
-    models per call shape on the CPU; each with the "line" status prints (see
+    models per call shape on the CPU; a traced model's call shapes proven and refused
+    (backends.traced.Served); each with the "line" status prints (see
     docs/serving.md); empty otherwise.
     """
 

@@ -8,8 +8,11 @@ The module is exported with ``torch.onnx.export`` from the recorded calls of one
 the dynamo exporter by default, the TorchScript exporter where the dynamo one fails (or when
 ``exporter="torchscript"``). An input dimension that differs between the recorded calls is
 exported dynamic, the others static; plain (non-tensor) arguments are baked in, as with
-OpenVINO. The ONNX model lives in memory only: a saved tuned model keeps the backend's name
-and config, and tt.load exports the module again; no ONNX file is ever read.
+OpenVINO. Either exporter keeps the branches its example took: a branch on the inputs'
+values is refused at the build, and a call shape is served only where a check proved the
+model there (backends.traced). The ONNX model lives in memory only: a saved tuned model
+keeps the backend's name and config, and tt.load exports the module again; no ONNX file is
+ever read.
 
 Calls: inputs pass as numpy arrays that share the CPU tensors' memory (a contiguous CPU tensor
 is not copied), outputs come back as tensors sharing ORT's arrays. ``InferenceSession.run`` may
@@ -34,6 +37,7 @@ from .._core._samples import Call, unstorable
 from .._core.schema import Count, OneOf
 from .base import Backend, BackendConfig, Baked, FlatModule, OutputForm
 from .registry import register
+from .traced import Served, watch_values
 
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
 EXECUTION_MODES = ("sequential", "parallel")
@@ -135,7 +139,9 @@ class ONNXRuntimeBackend(Backend):
         options.inter_op_num_threads = cfg.inter_op_threads
         options.execution_mode = (ort.ExecutionMode.ORT_PARALLEL if cfg.execution_mode == "parallel"
                                   else ort.ExecutionMode.ORT_SEQUENTIAL)
-        options.log_severity_level = 3  # errors only: its warnings are not the user's business
+        # fatal only: a run that fails raises, and the exception says it (traced.Served answers such a call
+        # with the module's own forward); its warnings are not the user's business
+        options.log_severity_level = 4
         return options
 
     def export(self, flat: torch.nn.Module, example: tuple, varying: list[set[int]]) -> bytes:
@@ -179,7 +185,8 @@ class ONNXRuntimeBackend(Backend):
         constants = [None if i in slots else leaf for i, leaf in enumerate(leaves)]
         flat = FlatModule(module, constants, spec, slots).eval()
         example = tuple(leaves[i].detach() for i in slots)
-        model = self.export(flat, example, _varying(samples, slots))
+        with watch_values("ONNX Runtime", len(example)):  # a branch on values: refused
+            model = self.export(flat, example, _varying(samples, slots))
         session = ort.InferenceSession(model, self.session_options(), providers=["CPUExecutionProvider"])
         inputs = [i.name for i in session.get_inputs()]
         if len(inputs) != len(slots):  # an exporter that dropped an input the module ignores
@@ -188,18 +195,29 @@ class ONNXRuntimeBackend(Backend):
             form = OutputForm(module(*samples[0][0], **samples[0][1]))
 
         baked = Baked(module, "ONNX Runtime")
+        served = Served("ONNX Runtime", module, self.check_tolerance(), samples, spec, slots)
+
+        def answer(flat_in: list, args: tuple, kwargs: dict) -> Any:
+            feed = {name: flat_in[i].detach().contiguous().numpy() for name, i in zip(inputs, slots)}
+            return form.fill(torch.from_numpy(array) for array in session.run(None, feed))
 
         def run(*args: Any, **kwargs: Any) -> Any:
             flat_in, in_spec = pytree.tree_flatten((args, kwargs))
             # another layout than the exported one, or weights changed since: the module itself answers
             if in_spec != spec or baked.changed():
                 return module(*args, **kwargs)
-            feed = {name: flat_in[i].detach().contiguous().numpy() for name, i in zip(inputs, slots)}
-            results = session.run(None, feed)
-            return form.fill(torch.from_numpy(array) for array in results)
+            # served by the session only at sizes a check proved it on (traced.Served)
+            return served(answer, flat_in, args, kwargs)
 
         run.baked = baked  # type: ignore[attr-defined]
+        run.served = served  # type: ignore[attr-defined]
         return run
+
+    def describe(self) -> dict | None:
+        """The call shapes proven at first sight and refused (traced.Served); None before any."""
+        served = getattr(self.callable, "served", None)
+        line = served.describe() if served is not None else None
+        return {"line": line} if line else None
 
 
 register(ONNXRuntimeBackend, devices=("cpu",), extra="onnxruntime", packages=("onnxruntime", "onnx", "onnxscript"))

@@ -7,7 +7,9 @@ Two conversion paths:
 - ``"convert_model"`` (the default): ``openvino.convert_model`` traces the module on the
   recorded calls of one signature, with static input shapes when they all agree, and
   ``Core.compile_model`` compiles it. A call then goes straight to the compiled model,
-  with no guards to check; plain (non-tensor) arguments are baked in, which is safe
+  with no guards to check, where its shape is proven (traced.Served: checked at the build,
+  or against the module at its first call; a branch on the inputs' values is refused at the
+  build, traced.watch_values); plain (non-tensor) arguments are baked in, which is safe
   because every signature is built on its own.
 - ``"torch_compile"``: ``torch.compile(backend="openvino")``; graph breaks fall back to
   Python, so it takes modules the tracer cannot, at the cost of dynamo's guards per call.
@@ -50,6 +52,7 @@ from .._core.schema import Count, Name, OneOf
 from .._core.shapes import Shapes, find_mask, named_leaves
 from .base import Backend, BackendConfig, Baked, FlatModule, OutputForm
 from .ov_shapes import StaticShapes
+from .traced import Served, watch_values
 from .registry import register
 
 PERFORMANCE_HINTS = ("LATENCY", "THROUGHPUT", "CUMULATIVE_THROUGHPUT")
@@ -371,7 +374,7 @@ class OpenVINOBackend(Backend):
             == [tuple(t.shape) for t in example] for s in samples)
         bounds = None if static else self.bounds(samples, slots, module)
         flat = FlatModule(module, constants, spec, slots).eval()
-        with torch.no_grad():
+        with torch.no_grad(), watch_values("OpenVINO", len(example)):  # a branch on values: refused
             model = ov.convert_model(flat, example_input=example,
                                      input=[tuple(t.shape) for t in example] if static else None if bounds is None
                                      else [ov.PartialShape([ov.Dimension(*d) if isinstance(d, tuple) else d
@@ -399,6 +402,13 @@ class OpenVINOBackend(Backend):
             return request.infer(feed).to_tuple()
 
         baked = Baked(module, "OpenVINO")
+        served = Served("OpenVINO", module, self.check_tolerance(), samples, spec, slots)
+
+        def answer(flat_in: list, args: tuple, kwargs: dict) -> Any:
+            feed = [flat_in[i].detach().cpu().numpy() for i in slots]
+            results = special.infer(feed, args, kwargs, dynamic) if special is not None else dynamic(feed)
+            tensors = (torch.from_numpy(array) for array in results)
+            return form.fill(tensors if target is None else (t.to(target) for t in tensors))
 
         def run(*args: Any, **kwargs: Any) -> Any:
             flat_in, in_spec = pytree.tree_flatten((args, kwargs))
@@ -407,14 +417,13 @@ class OpenVINOBackend(Backend):
                 # "any other call" group, which has no signature to bind calls to), or sizes
                 # past the declared bounds it was converted for.
                 return module(*args, **kwargs)
-            feed = [flat_in[i].detach().cpu().numpy() for i in slots]
-            results = special.infer(feed, args, kwargs, dynamic) if special is not None else dynamic(feed)
-            tensors = (torch.from_numpy(array) for array in results)
-            return form.fill(tensors if target is None else (t.to(target) for t in tensors))
+            # served by the model only at sizes a check proved it on (traced.Served)
+            return served(answer, flat_in, args, kwargs)
 
         run.input_shapes = [str(i.get_partial_shape()) for i in compiled.inputs]  # type: ignore[attr-defined]
         run.static_shapes = special  # type: ignore[attr-defined]
         run.baked = baked  # type: ignore[attr-defined]
+        run.served = served  # type: ignore[attr-defined]
         return run
 
     def _static_shapes(self, ov: Any, model: Any, device: torch.device, static: bool, samples: Sequence[Call],
@@ -430,9 +439,13 @@ class OpenVINOBackend(Backend):
                             self.check_tolerance(), compile_s)
 
     def describe(self) -> dict | None:
-        """The models per exact call shape (StaticShapes); None where there are none."""
+        """The call shapes proven (traced.Served) and the models per exact call shape
+        (StaticShapes); None where there is neither."""
         special = getattr(self.callable, "static_shapes", None)
-        return special.describe() if special is not None else None
+        served = getattr(self.callable, "served", None)
+        lines = [special.describe()["line"]] if special is not None else []
+        lines += [line for line in [served.describe() if served is not None else None] if line]
+        return {"line": "; ".join(lines)} if lines else None
 
 
 register(OpenVINOBackend, devices=("cpu", "xpu"), defaults={"cpu": 1, "xpu": 2}, extra="openvino",

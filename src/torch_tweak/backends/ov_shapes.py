@@ -17,7 +17,9 @@ one more forward of the module, so a shape gets its own model only where its cal
 - the first call after a compile runs the module and the new model both; the new model
   answers it and serves the shape's later calls only if its answer matched the module's
   (tweak's rule: checked against the original before it serves, as the padded backend's new
-  buckets are), and the module's own answer is given otherwise;
+  buckets are), and the dynamic model answers otherwise (whether the dynamic model holds at
+  that shape is traced.Served's to prove, or the build's check's: a shape's own model that
+  fails its check never vouches for it);
 - a shape whose compile or check failed stays on the dynamic model and is not tried again.
 
 At most `limit` shapes, counted with those being compiled. Each thread has its own infer
@@ -42,7 +44,6 @@ import weakref
 from typing import Any, Callable, Iterable
 
 import torch
-import torch.utils._pytree as pytree
 
 from .._core.correctness import MismatchError, check
 from .base import OutputForm
@@ -120,7 +121,7 @@ class StaticShapes:
             return request.infer(feed).to_tuple()
         unchecked = self.compiled.pop(key, None)  # one thread takes it
         if unchecked is not None:
-            return self._check(key, unchecked, feed, args, kwargs)
+            return self._check(key, unchecked, feed, args, kwargs, dynamic)
         if key in self.refused or key in self.pending or self.full():  # nothing to count it for
             return dynamic(feed)
         start = _clock()
@@ -134,9 +135,11 @@ class StaticShapes:
             self._hand(key)
         return results
 
-    def _check(self, key: tuple, compiled: Any, feed: list, args: tuple, kwargs: dict) -> tuple:
+    def _check(self, key: tuple, compiled: Any, feed: list, args: tuple, kwargs: dict, dynamic: Dynamic) -> tuple:
         """The model's answer to the call where it matched the module's (the model then serves
-        the shape), else the module's own answer (no third run of the call)."""
+        the shape), else the dynamic model's, as for any shape without its own model: never the
+        module's in its place, so that a check of the dynamic model at this shape (the build's,
+        or traced.Served's at a shape's first sight) sees what the dynamic model answers there."""
         with torch.no_grad():
             reference = self.module(*args, **kwargs)
         try:
@@ -145,8 +148,7 @@ class StaticShapes:
                   where=f"OpenVINO's model for calls of shape {list(map(list, key))}")
         except (MismatchError, RuntimeError, ValueError, TypeError) as exc:
             self._refuse(key, exc)
-            leaves = pytree.tree_leaves(reference)
-            return tuple(leaves[i].detach().numpy() for i in self.form.slots)
+            return dynamic(feed)
         self.ready[key] = compiled
         self.served += 1
         return results
