@@ -195,7 +195,7 @@ class ONNXRuntimeBackend(Backend):
             form = OutputForm(module(*samples[0][0], **samples[0][1]))
 
         baked = Baked(module, "ONNX Runtime")
-        served = Served("ONNX Runtime", module, self.check_tolerance(), samples, spec, slots)
+        served = Served("ONNX Runtime", module, self.check_tolerance(), samples, spec, slots, self.own_errors)
 
         def answer(flat_in: list, args: tuple, kwargs: dict) -> Any:
             feed = {name: flat_in[i].detach().contiguous().numpy() for name, i in zip(inputs, slots)}

@@ -402,7 +402,7 @@ class OpenVINOBackend(Backend):
             return request.infer(feed).to_tuple()
 
         baked = Baked(module, "OpenVINO")
-        served = Served("OpenVINO", module, self.check_tolerance(), samples, spec, slots)
+        served = Served("OpenVINO", module, self.check_tolerance(), samples, spec, slots, self.own_errors)
 
         def answer(flat_in: list, args: tuple, kwargs: dict) -> Any:
             feed = [flat_in[i].detach().cpu().numpy() for i in slots]
@@ -436,7 +436,7 @@ class OpenVINOBackend(Backend):
         if static or limit < 1 or self.ov_device(device) != "CPU" or device.type != "cpu":
             return None
         return StaticShapes(ov, model, "CPU", self.properties(samples, module), limit, module, form,
-                            self.check_tolerance(), compile_s)
+                            self.check_tolerance(), compile_s, self.own_errors)
 
     def describe(self) -> dict | None:
         """The call shapes proven (traced.Served) and the models per exact call shape

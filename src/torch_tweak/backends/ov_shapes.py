@@ -72,9 +72,10 @@ class StaticShapes:
     """The models per call shape of one converted model (see the module docs)."""
 
     def __init__(self, ov: Any, model: Any, device: str, properties: dict, limit: int, module: torch.nn.Module,
-                 form: OutputForm, tolerance: float | None, compile_s: float) -> None:
+                 form: OutputForm, tolerance: float | None, compile_s: float, own: Any = None) -> None:
         self.ov, self.model, self.device, self.properties = ov, model, device, properties
         self.limit, self.module, self.form, self.tolerance = limit, module, form, tolerance
+        self.own = own  # the original's own errors (Backend.own_errors): the measured rule per shape
         self.ready: dict[tuple, Any] = {}     # checked: serves its shape
         self.compiled: dict[tuple, Any] = {}  # compiled, not yet checked
         self.pending: set[tuple] = set()      # handed to the compiling thread
@@ -145,7 +146,7 @@ class StaticShapes:
         try:
             results = compiled.create_infer_request().infer(feed).to_tuple()
             check(self.form.fill(torch.from_numpy(r) for r in results), reference, self.tolerance,
-                  where=f"OpenVINO's model for calls of shape {list(map(list, key))}")
+                  where=f"OpenVINO's model for calls of shape {list(map(list, key))}", own=self.own)
         except (MismatchError, RuntimeError, ValueError, TypeError) as exc:
             self._refuse(key, exc)
             return dynamic(feed)

@@ -224,7 +224,8 @@ REFUSED_LIMIT = 1 << 12
 
 class Served:
     """Which call shapes a traced model serves, and what answers the others (see the module
-    docs). backend: its name; module: the module's own forward; tolerance: its check's;
+    docs). backend: its name; module: the module's own forward; tolerance: its check's (own:
+    under the measured rule, the original's own errors, Backend.own_errors);
     samples: the calls the build is checked on, whose shapes (of their flattened leaves at
     `slots`, the model's inputs, for those laid out as `spec`: the others the backend leaves to
     the module) are proven from the start. A model traced with static shapes
@@ -235,8 +236,9 @@ class Served:
     the model, a call it cannot take raises (the build's own check must see it)."""
 
     def __init__(self, backend: str, module: torch.nn.Module, tolerance: float | None, samples: Iterable[Any],
-                 spec: Any, slots: list[int]) -> None:
+                 spec: Any, slots: list[int], own: Any = None) -> None:
         self.backend, self.module, self.tolerance, self.slots = backend, module, tolerance, slots
+        self.own = own  # the original's own errors (Backend.own_errors): the measured rule at first sight
         self.checked = frozenset(tuple(leaves[i].shape for i in slots)
                                  for leaves, layout in map(pytree.tree_flatten, samples) if layout == spec)
         self.fixed = next(iter(self.checked)) if len(self.checked) == 1 else None
@@ -275,7 +277,7 @@ class Served:
             reference = self.module(*args, **kwargs)
         self.first_sight += 1
         try:
-            check(traced(flat, args, kwargs), reference, self.tolerance, where="its answer")
+            check(traced(flat, args, kwargs), reference, self.tolerance, where="its answer", own=self.own)
         except Exception as exc:  # noqa: BLE001 - a mismatch, or a call the model cannot take
             self._refuse(key, exc)
             return reference
