@@ -1083,12 +1083,91 @@ def test_weight_change_finds_the_first_weight_replaced_moved_or_written():
         frozen = torch.nn.Linear(2, 2)
     listed = weights_of(frozen)
     assert [entry[5] for entry in listed] == [None, None] and _C.weight_change(listed, True) is None
+    assert [entry[6:] for entry in listed] == [(0, None), (0, None)]  # sampled bytes: only where asked
 
 
 @pytest.mark.parametrize("weights, in_place, error", [
-    ((), True, TypeError), ([("table", "p", "n", None, 0, None)], True, TypeError),
-    ([({}, "p")], False, TypeError), ([({"n": 1}, "p", "n", 1, 0, None)], False, AttributeError),
+    ((), True, TypeError), ([("table", "p", "n", None, 0, None, 0, None)], True, TypeError),
+    ([({}, "p")], False, TypeError), ([({"n": 1}, "p", "n", 1, 0, None, 0, None)], False, AttributeError),
+    ([({"n": 1}, "p", "n", 1, 0, None)], False, TypeError), ([([1], "p", "0", 1, 0, None, 0, None)], False, TypeError),
+    ([({"n": 1}, "p", "n", 1, 0, None, "0", None)], False, TypeError),
 ])
 def test_weight_change_refuses_what_weights_of_does_not_make(weights, in_place, error):
     with pytest.raises(error):
         _C.weight_change(weights, in_place)
+
+
+def test_weight_change_sees_writes_behind_the_version_counter_in_the_sampled_bytes():
+    """Writes the version counter misses (numpy, a storage's copy_, another tensor over the
+    same memory) are seen where they change a sampled byte: every byte of a weight up to 1 KiB,
+    16 pieces of 64 bytes of a larger one, the first at its start and the last at its end."""
+    torch = pytest.importorskip("torch")
+    from torch_tweak._core.model_state import sampled, span_of, weight_change, weights_of
+
+    model = torch.nn.Linear(64, 64)  # weight: 16 KiB, sampled; bias: 256 bytes, whole
+    weights = [sampled(entry) for entry in weights_of(model)]
+    assert [(e[6], len(e[7])) for e in weights] == [(16384, 1024), (256, 256)]
+    assert _C.weight_change(weights, True) is None and _C.weight_change(weights, False) is None
+    flat = model.weight.detach().view(-1)
+    for at in (0, 4095, 4096 - 16):  # the first and the last float; the last piece's first
+        before, value = model.weight._version, float(flat[at])
+        flat.numpy()[at] = 9.0  # numpy: no version bump
+        assert model.weight._version == before
+        assert _C.weight_change(weights, True) == (0, 3) and _C.weight_change(weights, False) is None
+        assert weight_change(weights, in_place=True) == "weight was written behind its version counter (its " \
+                                                        "sampled bytes differ)"
+        flat.numpy()[at] = value
+        assert _C.weight_change(weights, True) is None
+    flat.numpy()[100] = 9.0  # between pieces (bytes 400-403): not sampled, not seen
+    assert _C.weight_change(weights, True) is None
+    alias = torch.empty(0).set_(model.bias.untyped_storage(), 0, (64,))  # another tensor over the bias
+    alias[63] = 7.0
+    assert _C.weight_change(weights, True) == (1, 3)
+    view = torch.zeros(8, 8).t()  # strided: its span is its elements' extent
+    assert span_of(view) == 256 and span_of(torch.zeros(0)) == 0 and span_of(torch.zeros(4)[1:]) == 12
+    assert span_of(torch.zeros(4, device="meta")) == 0
+
+
+def test_weight_change_reads_a_list_or_tuple_by_index_and_weight_sample_checks_its_span():
+    torch = pytest.importorskip("torch")
+    t = torch.ones(3)
+    scales = [t]
+    entry = (scales, "scales[0]", 0, t, t.data_ptr(), t._version, 12, _C.weight_sample(t, 12))
+    assert _C.weight_change([entry], True) is None and _C.weight_sample(t, 12) == t.numpy().tobytes()
+    t.numpy()[2] = 5.0
+    assert _C.weight_change([entry], True) == (0, 3)
+    t.numpy()[2] = 1.0
+    scales.pop()  # gone from its list: replaced
+    assert _C.weight_change([entry], True) == (0, 0)
+    assert _C.weight_change([((t,), "p", 1, t, t.data_ptr(), None, 0, None)], True) == (0, 0)  # out of range
+    with pytest.raises(ValueError, match="span must be 0 or more"):
+        _C.weight_sample(t, -1)
+    with pytest.raises(ValueError, match="no memory"):
+        _C.weight_sample(torch.zeros(0, device="meta"), 4)
+    with pytest.raises(ValueError, match="sample is not weight_sample's"):
+        _C.weight_change([({"n": t}, "n", "n", t, t.data_ptr(), None, 12, b"short")], True)
+    assert _C.weight_sample(torch.zeros(0), 0) == b""
+
+
+def test_class_change_finds_a_module_given_another_class_or_a_class_given_another_forward():
+    torch = pytest.importorskip("torch")
+
+    class Lin(torch.nn.Linear):
+        pass
+
+    class Other(torch.nn.Linear):
+        pass
+
+    m = Lin(2, 2)
+    entries = [(m, None, Lin), (Lin, "forward", Lin.forward)]
+    assert _C.class_change(entries) is None
+    Lin.forward = lambda self, x: x
+    assert _C.class_change(entries) == 1
+    del Lin.forward  # Linear's again, as at the start
+    assert _C.class_change(entries) is None
+    m.__class__ = Other
+    assert _C.class_change(entries) == 0
+    assert _C.class_change([(Lin, "no_such_thing", None)]) == 0  # gone: changed
+    for bad in ((), [(m, 1, Lin)], [(m, None)]):
+        with pytest.raises(TypeError):
+            _C.class_change(bad)

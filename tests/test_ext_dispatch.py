@@ -635,6 +635,25 @@ def test_dict_change_names_the_first_table_and_key_that_moved():
             _C.dict_change(bad)
 
 
+def test_dict_change_by_value_compares_lists_item_by_item_and_tensors_as_objects():
+    """A list of tensors (a module's scales) compared by value: the same tensors are equal, a
+    replaced one differs (never its __eq__, which gives a tensor: a bool of several values
+    raises), lists and tuples item by item to any depth the saved copy has."""
+    t, u = torch.ones(3), torch.ones(3)
+    live = {"s": [t, 1.5, ([t],)], "n": [2.0]}
+    tables = [(live, {"s": [t, 1.5, ([t],)], "n": [2.0]}, -1, True)]
+    assert _C.dict_change(tables) is None
+    live["s"][2][0][0] = u  # an equal tensor, another object: changed (the converted model kept t)
+    assert _C.dict_change(tables) == (0, "s")
+    live["s"][2][0][0] = t
+    live["s"] = [t, 1.5, [[t]]]  # a list where a tuple was: another value
+    assert _C.dict_change(tables) == (0, "s")
+    live["s"] = [t, 1.5, ([t],)]
+    live["n"].append(3.0)
+    assert _C.dict_change(tables) == (0, "n")
+    assert _C.dict_change([({"x": t}, {"x": u}, -1, True)]) == (0, "x")
+
+
 def test_autograd_entries_never_read_grad_mode():
     x = torch.randn(2, 3, requires_grad=True)
     backend, calls = counting("backend")

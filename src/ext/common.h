@@ -17,6 +17,9 @@
  * argspec    one argument of a recorded call and its check (argspec.h)
  * signature  the Signature type (signature.h)
  * guard      entry locks and the grad rule (guard.h)
+ * baked      what a converted model took in at its build, and whether it
+ *            changed since: weights (their sampled bytes too), attributes,
+ *            classes (baked.h)
  * entries    the entry table and how a call finds its entry (entries.h)
  * dispatcher the Dispatcher type, the per-call path (dispatcher.h)
  * rootcall   root_call: the __call__ of a module tuned in place (rootcall.h)

@@ -49,22 +49,4 @@ int tt_in_train_mode(TtState *st, PyObject *module);
  * outputs. */
 int tt_needs_grad(TtState *st, PyObject *module, PyObject *const *args, Py_ssize_t n);
 
-/* weight_change(weights, in_place) -> None or (index, kind): the first entry
- * of `weights` (a list of (table, path, name, tensor, address, version), as
- * torch_tweak._core.model_state.weights_of lists them) whose tensor changed
- * since: kind 0, table[name] is no longer the tensor (replaced); 1, its
- * data_ptr() is no longer address (other memory); 2, with in_place true and a
- * version that is not None, its _version is no longer version (written in
- * place). Read per call of a converted model and per prefill replay. */
-PyObject *tt_py_weight_change(PyObject *module, PyObject *args);
-
-/* dict_change(pairs) -> None or (index, key): the first (live, saved, size,
- * by_value) of the list `pairs` whose dict `live` no longer holds what `saved`
- * (a copy taken earlier) holds, and the first key that differs: one whose
- * value is another object (with by_value, one that is also not equal) or is
- * gone; or None when only the number of keys is no longer `size` (-1: not
- * read). What a converted model took in when it was built (its module's
- * plain attributes, tables of submodules, weights and hooks), per call. */
-PyObject *tt_py_dict_change(PyObject *module, PyObject *pairs);
-
 #endif /* TT_GUARD_H */

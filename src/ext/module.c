@@ -5,6 +5,7 @@
  */
 #include "state.h"
 
+#include "baked.h"
 #include "config.h"
 #include "dispatcher.h"
 #include "graph.h"
@@ -95,17 +96,28 @@ static PyMethodDef tt_module_methods[] = {
      "A decode loop's tokens start..stop-1: replay() once per token, in bursts of\n"
      "`every`; after each burst, finished(tokens so far) ends the loop\n"
      "when true. Returns the tokens so far (stop, or fewer when finished said so)."},
+    {"weight_sample", (PyCFunction)tt_py_weight_sample, METH_VARARGS,
+     "weight_sample(tensor, span) -> bytes\n\n"
+     "The sampled bytes of the span bytes from tensor.data_ptr(): all of them up to 1 KiB,\n"
+     "else 16 pieces of 64 bytes spread over them. The caller vouches for the span\n"
+     "(a strided CPU tensor's own bytes)."},
     {"weight_change", (PyCFunction)tt_py_weight_change, METH_VARARGS,
      "weight_change(weights, in_place) -> None or (index, kind)\n\n"
      "The first entry of weights (model_state.weights_of's list) whose tensor changed:\n"
-     "kind 0 replaced in its module, 1 given other memory, 2 written in place (only\n"
-     "with in_place, and for a tensor that keeps a version counter)."},
+     "kind 0 replaced in its module (or list), 1 given other memory; with in_place,\n"
+     "2 written in place (for a tensor that keeps a version counter), 3 written behind\n"
+     "its version counter (its sampled bytes differ; for an entry with a sample)."},
     {"dict_change", (PyCFunction)tt_py_dict_change, METH_O,
      "dict_change(pairs) -> None or (index, key)\n\n"
      "The first (live, saved, size, by_value) of pairs whose dict live no longer holds\n"
      "what saved holds, and the first key that differs: a value that is another object\n"
-     "(with by_value, one also not equal), a key gone; key None when only the number\n"
-     "of keys is no longer size (-1: not read)."},
+     "(with by_value, one also not equal: lists and tuples item by item, a tensor equal\n"
+     "only to itself), a key gone; key None when only the number of keys is no longer\n"
+     "size (-1: not read)."},
+    {"class_change", (PyCFunction)tt_py_class_change, METH_O,
+     "class_change(entries) -> None or index\n\n"
+     "The first (obj, name, expected) of entries that no longer holds: name None,\n"
+     "type(obj) is expected; else getattr(obj, name) == expected."},
     {"enable_vectorcall", (PyCFunction)tt_py_enable_vectorcall, METH_O,
      "enable_vectorcall(cls) -> bool\n\n"
      "Sets the vectorcall flag on a Python subclass of Dispatcher whose __call__\n"

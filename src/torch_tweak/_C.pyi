@@ -364,17 +364,30 @@ def root_call(self: Any, *args: Any, **kwargs: Any) -> Any:
     ValueError when _tt_root is self, RecursionError when it leads back to self.
     A method descriptor: read on a module it is a bound method."""
 
+def weight_sample(tensor: Any, span: int) -> bytes:
+    """The sampled bytes of the span bytes from tensor.data_ptr(): all of them up to 1 KiB,
+    else 16 pieces of 64 bytes spread evenly over them (model_state.sampled; the caller vouches
+    that the span is a strided CPU tensor's own memory)."""
+
 def weight_change(weights: list[tuple], in_place: bool) -> Optional[tuple[int, int]]:
     """The first entry of weights (model_state.weights_of's list of (table, path, name,
-    tensor, address, version)) whose tensor changed: (index, 0) replaced in its table,
-    (index, 1) given other memory, (index, 2) written in place (only with in_place, and for a
-    tensor that keeps a version counter). None when none did."""
+    tensor, address, version, span, sample); table a dict, or a list or tuple and name an
+    index) whose tensor changed: (index, 0) replaced in its table, (index, 1) given other
+    memory; only with in_place, (index, 2) written in place (for a tensor that keeps a version
+    counter), (index, 3) written behind its version counter (the bytes weight_sample took no
+    longer there; for an entry whose span is not 0). None when none did."""
 
 def dict_change(pairs: list[tuple[dict, dict, int, bool]]) -> Optional[tuple[int, Optional[str]]]:
     """The first (live, saved, size, by_value) of pairs whose dict live no longer holds what
     saved holds, and the first key that differs: one whose value is another object (with
-    by_value, one that is also not equal) or is gone; key None when only the number of keys
-    is no longer size (-1: not read). None when every one holds."""
+    by_value, one that is also not equal: lists and tuples of one type item by item, a tensor
+    equal only to itself) or is gone; key None when only the number of keys is no longer size
+    (-1: not read). None when every one holds."""
+
+def class_change(entries: list[tuple[Any, Optional[str], Any]]) -> Optional[int]:
+    """The index of the first (obj, name, expected) of entries that no longer holds: name
+    None, type(obj) is expected (a module's class); else getattr(obj, name) == expected (a
+    class's forward). None when every one holds."""
 
 def set_value_keyer(fn: Optional[Callable[[object], Optional[Hashable]]]) -> None:
     """fn(value) -> a key of the value's structure, or None. Signatures made

@@ -299,21 +299,48 @@ def version_of(t: torch.Tensor) -> int | None:
 def weights_of(model: nn.Module) -> list[tuple]:
     """Where a recorded graph or a converted model reads the model's parameters and buffers:
     per tensor, its module's own table, its dotted path, its name in the table, the tensor,
-    its address and its version counter (weight_change compares them)."""
-    return [(table, f"{prefix}.{name}" if prefix else name, name, t, t.data_ptr(), version_of(t))
+    its address, its version counter (weight_change compares them), and no sampled bytes
+    (span 0, sample None: sampled adds them)."""
+    return [(table, f"{prefix}.{name}" if prefix else name, name, t, t.data_ptr(), version_of(t), 0, None)
             for prefix, module in model.named_modules() for table in (module._parameters, module._buffers)
             for name, t in table.items() if t is not None]
+
+
+def span_of(t: torch.Tensor) -> int:
+    """The bytes from t.data_ptr() that a strided CPU tensor's values lie in, where all of them
+    are in its storage; 0 for any other tensor (another device, a sparse or quantized layout, a
+    subclass's, an empty one): it gets no sampled bytes."""
+    try:
+        if (t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized or t.numel() == 0
+                or type(t) not in (torch.Tensor, nn.Parameter) or any(s < 0 for s in t.stride())):
+            return 0
+        span = (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+        room = t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
+    except (RuntimeError, NotImplementedError, TypeError):  # no storage (a fake or functional tensor)
+        return 0
+    return span if 0 < span <= room else 0
+
+
+def sampled(entry: tuple) -> tuple:
+    """A weights_of entry with its tensor's sampled bytes (_C.weight_sample over span_of): a
+    write its version counter misses (numpy, a storage's copy_, another tensor over the same
+    memory, another process's) is seen where it changes one of those bytes."""
+    span = span_of(entry[3])
+    return entry[:6] + ((span, _C.weight_sample(entry[3], span)) if span else (0, None))
 
 
 def weight_change(weights: list[tuple], in_place: bool = False) -> str:
     """What changed since weights_of listed the weights, or "": a tensor replaced in its module
     or given other memory (p.data = ..., model.to(...)); with in_place, also one written in
-    place (load_state_dict, p.mul_), which a graph sees and a converted model does not."""
+    place (load_state_dict, p.mul_), which a graph sees and a converted model does not, and,
+    for an entry with sampled bytes, one written behind its version counter."""
     found = _C.weight_change(weights, in_place)  # per call of a converted model: read in C
     if found is None:
         return ""
     index, kind = found
-    return f"{weights[index][1]} was {('replaced', 'given other memory', 'updated in place')[kind]}"
+    what = ("replaced", "given other memory", "updated in place",
+            "written behind its version counter (its sampled bytes differ)")[kind]
+    return f"{weights[index][1]} was {what}"
 
 
 def weights_moved(weights: list[tuple]) -> bool:

@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 
 from .. import _C
 from .._core import noise
-from .._core.model_state import version_of, weight_change, weights_of
+from .._core.model_state import sampled, version_of, weight_change, weights_of
 from .._core._samples import Call, unstorable
 from .._core.schema import Fraction, Spec
 from .._core.shapes import Shapes
@@ -273,30 +273,54 @@ def _hook_tables(module: torch.nn.Module) -> list[dict]:
 
 
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, enum.Enum,
-            types.FunctionType, types.BuiltinFunctionType, functools.partial)
+            types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial)
 
 
-def _plain(value: Any, depth: int = 0) -> bool:
+def _plain(value: Any, depth: int = 0, in_sequence: bool = False) -> bool:
     """Whether a converted model takes `value` in as a constant when the module's forward reads
-    it: a number, a string, a dtype, an enum, a function (an activation set as an attribute),
-    or a short list or tuple of such; a module's other attributes (objects, dicts) are not
+    it: a number, a string, a dtype, an enum, a function or bound method (an activation, a
+    forward set on the instance), or a short list or tuple of such and of tensors (each tensor
+    is then watched as a weight too); a module's other attributes (objects, dicts) are not
     watched."""
-    if isinstance(value, _SCALARS):
+    if isinstance(value, _SCALARS) or (in_sequence and isinstance(value, torch.Tensor)):
         return True
-    return isinstance(value, (list, tuple, frozenset)) and depth < 4 and len(value) <= 64 and \
-        all(_plain(v, depth + 1) for v in value)
+    if not (isinstance(value, (list, tuple, frozenset)) and depth < 4 and len(value) <= 64):
+        return False
+    return all(_plain(v, depth + 1, not isinstance(value, frozenset)) for v in value)
+
+
+def _held_tensors(value: Any, path: str, found: list[tuple]) -> list[tuple]:
+    """The tensors in a plain list or tuple (and in those inside it), each as (the list or
+    tuple that holds it, its path, its index, the tensor)."""
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            if isinstance(item, torch.Tensor):
+                found.append((value, f"{path}[{i}]", i, item))
+            else:
+                _held_tensors(item, f"{path}[{i}]", found)
+    return found
+
+
+def _watched_weight(table: Any, path: str, name: Any, t: torch.Tensor) -> tuple:
+    """A weights_of entry for a tensor the module holds outside its parameters and buffers (a
+    plain attribute, a list's item), with its sampled bytes."""
+    return sampled((table, path, name, t, t.data_ptr(), version_of(t), 0, None))
 
 
 class Baked:
     """What a model converted for another runtime (OpenVINO, ONNX Runtime) took in when it was
     built and cannot see change: the module's parameters and buffers, which became the model's
     constants, its plain attributes (_plain: a slope, an epsilon, a flag, an activation
-    function), its submodules, and its forward hooks, which a conversion runs once. A module
-    with forward hooks is refused at the build (its hooks would never run per call).
-    changed(), per call (in C): whether a weight was replaced, updated in place
-    (load_state_dict, p.mul_) or given other memory (p.data = ...), a plain attribute set to
-    another value (a list compared by its items), an attribute, parameter, buffer or submodule
-    added, removed or replaced, or a hook added since; the first time it says what, once, in a
+    function, a list of tensors), its submodules and their classes' forward, and its forward
+    hooks, which a conversion runs once. A module with forward hooks is refused at the build
+    (its hooks would never run per call).
+    changed(), per call (in C, extension baked.c): whether a weight (or a tensor held in a
+    plain attribute or list) was replaced, given other memory (p.data = ...), updated in place
+    (load_state_dict, p.mul_) or written behind its version counter where its sampled bytes
+    show it (numpy, a storage's copy_, another tensor over its memory: model_state.sampled), a
+    plain attribute set to another value (a list compared by its items), an attribute,
+    parameter, buffer or submodule added, removed or replaced, a module's class changed or its
+    class's forward replaced, or a hook added since; the first time it says what, once, in a
     warning, and from then on the backend answers with the module's own forward (the caller's
     answers stay the module's). The train flag is the dispatcher's to read (a call in train
     mode runs the original, and eval mode serves the converted model again)."""
@@ -307,26 +331,44 @@ class Baked:
             raise ValueError(f"{backend}: the module has forward hooks, which a converted model runs once, at "
                              "conversion, never per call; remove them before tuning (another backend keeps them)")
         self.backend = backend
-        self.weights = weights_of(module)
+        self.weights = [sampled(entry) for entry in weights_of(module)]
         # (live dict, as at the build, its size, compared by value): _C.dict_change; what each is
         self.tables: list[tuple[dict, dict, int, bool]] = []
         self.what: list[tuple[str, str]] = []
+        # (module, None, its class) and (class, "forward", its forward): _C.class_change; what each is
+        self.classes: list[tuple[Any, str | None, Any]] = []
+        self.class_what: list[str] = []
+        self.seen: set[type] = set()
         for path, m in module.named_modules():
-            where = f"module {path}" if path else "the module"
-            attributes = vars(m)
-            plain = {k: copy.deepcopy(v) if isinstance(v, (list, tuple)) else v for k, v in attributes.items()
-                     if k != "training" and not k.startswith("_tt_") and _plain(v)}
-            self.tables.append((attributes, plain, len(attributes), True))
-            self.what.append(("attribute", where))
-            # a tensor kept as a plain attribute: checked as a weight (replaced, other memory, in place)
-            self.weights += [(attributes, f"{path}.{k}" if path else k, k, t, t.data_ptr(), version_of(t))
-                             for k, t in attributes.items() if isinstance(t, torch.Tensor)]
-            for kind, table in (("submodule", m._modules), ("parameter", m._parameters), ("buffer", m._buffers)):
-                self.tables.append((table, dict(table), len(table), False))
-                self.what.append((kind, where))
+            self._watch(path, m)
         self.tables += [(table, {}, 0, False) for table in hooks]
         self.what += [("forward hook", "the module or torch")] * len(hooks)
         self.stale = ""
+
+    def _watch(self, path: str, m: torch.nn.Module) -> None:
+        """Takes in what `m` (at `path`) holds that its converted model keeps."""
+        where = f"module {path}" if path else "the module"
+        attributes = vars(m)
+        plain = {k: v for k, v in attributes.items() if k != "training" and not k.startswith("_tt_") and _plain(v)}
+        held = [t for k, v in plain.items() for t in _held_tensors(v, f"{path}.{k}" if path else k, [])]
+        keep = {id(t): t for *_, t in held}  # a list's tensors stay themselves (compared as objects)
+        self.tables.append((attributes, {k: copy.deepcopy(v, dict(keep)) if isinstance(v, (list, tuple)) else v
+                                         for k, v in plain.items()}, len(attributes), True))
+        self.what.append(("attribute", where))
+        # a tensor kept as a plain attribute, or in a plain list or tuple: checked as a weight
+        self.weights += [_watched_weight(attributes, f"{path}.{k}" if path else k, k, t)
+                         for k, t in attributes.items() if isinstance(t, torch.Tensor)]
+        self.weights += [_watched_weight(table, name, index, t) for table, name, index, t in held]
+        for kind, table in (("submodule", m._modules), ("parameter", m._parameters), ("buffer", m._buffers)):
+            self.tables.append((table, dict(table), len(table), False))
+            self.what.append((kind, where))
+        cls = type(m)
+        self.classes.append((m, None, cls))
+        self.class_what.append(f"the class of {where} ({cls.__qualname__}) was changed")
+        if cls not in self.seen:
+            self.seen.add(cls)
+            self.classes.append((cls, "forward", getattr(cls, "forward", None)))
+            self.class_what.append(f"{cls.__qualname__}.forward, the forward of {where}'s class, was replaced")
 
     def changed(self) -> bool:
         if self.stale:
@@ -337,7 +379,10 @@ class Baked:
             if found is not None:
                 kind, where = self.what[found[0]]
                 why = (f"{kind} {found[1]!r} of {where} was set, added, removed or replaced" if found[1] is not None
-                       else f"a {kind} was added to or removed from {where}")
+                       else f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} was added to or removed from {where}")
+        if not why:
+            index = _C.class_change(self.classes)
+            why = self.class_what[index] if index is not None else ""
         if why:
             self.stale = why
             message = (f"torch-tweak: {self.backend}'s model was built from the module as it was at tuning, and {why} "
