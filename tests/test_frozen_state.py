@@ -552,3 +552,126 @@ def test_calls_are_copied_as_they_are_given(how):
         if fresh is not None:
             again = copy.deepcopy(fresh) if how != "subclass" else fresh
             assert torch.equal(model(*fresh), untuned(*again))
+
+
+# ------------------------------ what a converted model's check missed (issue 49, items 2 to 4)
+
+
+WRITES = {
+    "numpy": lambda w: w.detach().numpy().__imul__(2),
+    "storage copy_": lambda w: w.untyped_storage().copy_((w.detach() * 2).untyped_storage()),
+    "another tensor over its memory": lambda w: torch.empty(0).set_(w.untyped_storage(), w.storage_offset(),
+                                                                    w.shape, w.stride()).mul_(2),
+}
+
+
+@pytest.mark.parametrize("name", ["OpenVINO", "ONNXRuntime"])
+@pytest.mark.parametrize("write", list(WRITES))
+def test_a_write_behind_the_version_counter_is_seen_in_the_sampled_bytes(name, write):
+    """p.detach().numpy()[:] *= 2, p.untyped_storage().copy_(...) and a second tensor over the
+    weight's memory written with mul_ (a weight in shared memory written by another process is
+    the same) leave the version counter as it was: the converted models kept their old answers
+    (max diff 0.32 to 0.52), no warning. The sampled bytes see them."""
+    model, untuned = tune_block(converting(name), nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16)))
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        model(x)
+    for m in (model, untuned):
+        before = m[1][0].weight._version
+        with torch.no_grad():
+            WRITES[write](m[1][0].weight)
+        assert m[1][0].weight._version == before  # the counter did not see it
+    with pytest.warns(UserWarning, match="0.weight was written behind its version counter"):
+        assert same(model, untuned, x) == 0.0
+
+
+class Scaled(nn.Module):
+    """Keeps its scales as tensors in a list and a tuple attribute, not as buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.scales = [torch.tensor(1.5)]
+        self.shifts = ([torch.zeros(16)],)
+
+    def forward(self, x):
+        return self.lin(x) * self.scales[0] + self.shifts[0][0]
+
+
+LISTED = {
+    "written in place": lambda m: m.scales[0].mul_(3),
+    "replaced in the list": lambda m: m.scales.__setitem__(0, torch.tensor(4.0)),
+    "list replaced": lambda m: setattr(m, "scales", [torch.tensor(-2.0)]),
+    "in a tuple's list, replaced": lambda m: m.shifts[0].__setitem__(0, torch.ones(16)),
+    "in a tuple's list, written by numpy": lambda m: m.shifts[0][0].numpy().__iadd__(1),
+}
+
+
+@pytest.mark.parametrize("change", list(LISTED))
+def test_a_tensor_kept_in_a_list_attribute_is_watched(change):
+    """self.scales = [torch.tensor(1.5)]: written in place or replaced, the converted model
+    kept the old value (diff 3.0 to 4.8), while the docs said a list is compared by its items."""
+    model, untuned = tune_block(converting("ONNXRuntime"), Scaled())
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        model(x)
+    for m in (model, untuned):
+        with torch.no_grad():
+            LISTED[change](m[1])
+    with pytest.warns(UserWarning, match="Tune again"):
+        assert same(model, untuned, x) == 0.0
+    assert tt.installed(model)["1"].tt_backend.callable.baked.stale
+
+
+class Doubled(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def shifted(self, x):
+    return nn.functional.linear(x, self.weight, self.bias) + 1
+
+
+def scaled(self, x):
+    return nn.functional.linear(x, self.weight, self.bias) * 3
+
+
+class Plain(nn.Module):
+    """A block of its own class, whose forward a test patches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+@pytest.mark.parametrize("name", ["OpenVINO", "ONNXRuntime"])
+@pytest.mark.parametrize("change", ["class changed", "class forward patched", "bound forward replaced"])
+def test_a_submodule_s_class_or_forward_changed_after_tuning_is_seen(name, change, monkeypatch):
+    """m.body[1].__class__ = Other (diff 0.25 to 0.36) and a class-level forward patch, as
+    attention-patching libraries do (0.05 to 0.10), left the converted model serving; so did a
+    forward set on the instance as a bound method, then replaced by another. Each is seen, and
+    the module's own forward answers, as the untuned copy's does."""
+    import types
+
+    block = nn.Sequential(nn.Linear(16, 16), Plain())
+    if change == "bound forward replaced":
+        block[0].forward = types.MethodType(shifted, block[0])
+    model, untuned = tune_block(converting(name), block)
+    x = torch.randn(8, 16)
+    assert same(model, untuned, x) < 1e-5
+    if change == "class forward patched":  # one class, both models
+        monkeypatch.setattr(Plain, "forward", lambda self, x: torch.sigmoid(self.lin(x)))
+    for m in (model, untuned):
+        if change == "class changed":
+            m[1][0].__class__ = Doubled
+        elif change == "bound forward replaced":
+            m[1][0].forward = types.MethodType(scaled, m[1][0])
+    with pytest.warns(UserWarning, match="Tune again"):
+        assert same(model, untuned, x) == 0.0
+    stale = tt.installed(model)["1"].tt_backend.callable.baked.stale
+    assert {"class changed": "the class of module 0 (Linear) was changed",
+            "class forward patched": "Plain.forward, the forward of module 1's class, was replaced",
+            "bound forward replaced": "attribute 'forward' of module 0 was set"}[change] in stale, stale
