@@ -156,6 +156,43 @@ def test_a_call_the_trace_cannot_take_runs_the_module_counted(backend, caplog):
     assert sum(FELL_BACK in r.getMessage() for r in caplog.records) == 1
 
 
+class Stage(nn.Module):
+    """A Swin-like stage: a projection, a patch merge (tuned alone), a norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.merge = PatchMerge()
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.merge(self.proj(x)))
+
+
+@pytest.mark.parametrize("kind", ["openvino", "onnxruntime-torchscript"])
+def test_a_patch_merge_in_a_model_saved_and_loaded_answers_odd_lengths_as_the_module(kind, tmp_path):
+    """Issue 49, item 8: a patch merge tuned on even lengths raised a reshape error at odd ones
+    under OpenVINO and ONNX Runtime, where the untuned model answers. Inside a model, and after
+    tt.save / tt.load, each odd length is the module's own forward's, counted."""
+    for name in NEEDS[kind]:
+        pytest.importorskip(name, reason=f"{name} not installed")
+    torch.manual_seed(0)
+    model = Stage().eval()
+    untuned = copy.deepcopy(model)
+    tt.wrap(model, ["merge"], strategy=tt.OneBackendStrategy(BACKENDS[kind]()))
+    tt.tune(model, [torch.randn(2, n, 16, generator=torch.Generator().manual_seed(n)) for n in (4, 6, 8, 10)],
+            measure=FAST)
+    assert tt.status(model)["merge"].backend is not None, tt._runtime.module.installed(model)["merge"].tt_error
+    tt.save(model, tmp_path / "stage.tt")
+    loaded = copy.deepcopy(untuned)
+    tt.load(loaded, tmp_path / "stage.tt", backends=[BACKENDS[kind]()])
+    g = torch.Generator().manual_seed(12)
+    for served in (model, loaded):
+        for n in (5, 9, 5, 3, 12):  # odd: the module's; 12, even: proven at first sight, then served
+            same(served, untuned, torch.randn(2, n, 16, generator=g))
+        assert tt.status(served).untuned[FELL_BACK] == 4
+
+
 def test_a_recorded_size_the_trace_does_not_hold_at_refuses_it_whatever_a_shape_s_own_model_says():
     # OpenVINO compiles a model per recorded call shape, from the same trace: at batch 3 it fails
     # its own check too, and must not answer the build's check with the module's answer in its place

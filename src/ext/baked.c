@@ -35,6 +35,13 @@ tt_sample(const char *at, size_t span, char *to, const char *cmp)
         memcpy(to, at, span);
         return 0;
     }
+#if defined(__GNUC__) || defined(__clang__)
+    /* the pieces are far apart, each likely out of the caches: asked for at once,
+     * their reads from memory overlap instead of following one another */
+    if (cmp != NULL)
+        for (i = 0; i < TT_SAMPLE_PIECES; i++)
+            __builtin_prefetch(at + tt_piece_at(span, i));
+#endif
     for (i = 0; i < TT_SAMPLE_PIECES; i++) {
         from = tt_piece_at(span, i);
         if (cmp != NULL) {
