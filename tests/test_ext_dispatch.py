@@ -653,6 +653,12 @@ def test_dict_change_by_value_compares_lists_item_by_item_and_tensors_as_objects
     assert _C.dict_change(tables) == (0, "n")
     assert _C.dict_change([({"x": t}, {"x": u}, -1, True)]) == (0, "x")
 
+    class Listed(list):
+        pass
+
+    live["s"] = Listed([u, 1.5, ([t],)])  # another type of list, holding another tensor: changed, no __eq__
+    assert _C.dict_change(tables) == (0, "s")
+
 
 def test_autograd_entries_never_read_grad_mode():
     x = torch.randn(2, 3, requires_grad=True)

@@ -8,26 +8,39 @@
  */
 #include "baked.h"
 
+#include <stdint.h>
 #include <string.h>
 
 #define TT_SAMPLE_WHOLE (TT_SAMPLE_PIECES * TT_SAMPLE_PIECE)
 
-/* Where piece `i` of a span of more than TT_SAMPLE_WHOLE bytes starts: spread
- * evenly from 0 to span - TT_SAMPLE_PIECE, without overflow. */
-static size_t
-tt_piece_at(size_t span, size_t i)
+/* Nonzero when the TT_SAMPLE_PIECE bytes at `a` and `b` differ: compared eight
+ * bytes at a time, without a branch or a call. */
+static TT_INLINE uint64_t
+tt_piece_differs(const char *a, const char *b)
 {
-    size_t room = span - TT_SAMPLE_PIECE, last = TT_SAMPLE_PIECES - 1;
+    uint64_t x, y, diff = 0;
+    size_t k;
 
-    return room / last * i + room % last * i / last;
+    for (k = 0; k < TT_SAMPLE_PIECE; k += sizeof(uint64_t)) {
+        memcpy(&x, a + k, sizeof(x));
+        memcpy(&y, b + k, sizeof(y));
+        diff |= x ^ y;
+    }
+    return diff;
 }
 
 /* The sampled bytes of the `span` bytes at `at`: copied into `to` (cmp NULL),
- * or compared with `cmp` (to NULL): 1 when they differ, else 0. */
+ * or compared with `cmp` (to NULL): 1 when they differ, else 0. A span of more
+ * than TT_SAMPLE_WHOLE bytes gives TT_SAMPLE_PIECES pieces, piece i at
+ * i * (span - TT_SAMPLE_PIECE) / (TT_SAMPLE_PIECES - 1) (spread evenly, the
+ * last at the end; computed without overflow). */
 static int
 tt_sample(const char *at, size_t span, char *to, const char *cmp)
 {
-    size_t i, from;
+    size_t i, room = span - TT_SAMPLE_PIECE, last = TT_SAMPLE_PIECES - 1;
+    size_t step = room / last, rest = room % last;
+    const char *piece[TT_SAMPLE_PIECES];
+    uint64_t diff = 0;
 
     if (span <= TT_SAMPLE_WHOLE) {
         if (cmp != NULL)
@@ -35,24 +48,21 @@ tt_sample(const char *at, size_t span, char *to, const char *cmp)
         memcpy(to, at, span);
         return 0;
     }
-#if defined(__GNUC__) || defined(__clang__)
-    /* the pieces are far apart, each likely out of the caches: asked for at once,
-     * their reads from memory overlap instead of following one another */
-    if (cmp != NULL)
-        for (i = 0; i < TT_SAMPLE_PIECES; i++)
-            __builtin_prefetch(at + tt_piece_at(span, i));
-#endif
     for (i = 0; i < TT_SAMPLE_PIECES; i++) {
-        from = tt_piece_at(span, i);
-        if (cmp != NULL) {
-            if (memcmp(at + from, cmp + i * TT_SAMPLE_PIECE, TT_SAMPLE_PIECE) != 0)
-                return 1;
-        }
-        else {
-            memcpy(to + i * TT_SAMPLE_PIECE, at + from, TT_SAMPLE_PIECE);
-        }
+        piece[i] = at + step * i + rest * i / last;
+#if defined(__GNUC__) || defined(__clang__)
+        /* far apart, each likely out of the caches: asked for at once, their
+         * reads from memory overlap instead of following one another */
+        __builtin_prefetch(piece[i]);
+#endif
     }
-    return 0;
+    for (i = 0; i < TT_SAMPLE_PIECES; i++) {
+        if (cmp != NULL)
+            diff |= tt_piece_differs(piece[i], cmp + i * TT_SAMPLE_PIECE);
+        else
+            memcpy(to + i * TT_SAMPLE_PIECE, piece[i], TT_SAMPLE_PIECE);
+    }
+    return diff != 0;
 }
 
 /* tensor.data_ptr() into *at. 0, or -1 with an exception. */
@@ -227,9 +237,9 @@ tt_py_weight_change(PyObject *module, PyObject *args)
 }
 
 /* 1 when `now` is `then` or equal to it, 0 when not, -1 on error. Lists and
- * tuples of one type are compared item by item (to a depth), and a tensor is
- * equal only to itself: its __eq__ gives a tensor, which has no truth beyond
- * one value. `tensor_type` NULL: torch is not imported. */
+ * tuples are equal only to one of the same type, item by item (to a depth),
+ * and a tensor is equal only to itself: its __eq__ gives a tensor, which has
+ * no truth beyond one value. `tensor_type` NULL: torch is not imported. */
 static int
 tt_same_value(PyTypeObject *tensor_type, PyObject *now, PyObject *then, int depth)
 {
@@ -241,7 +251,11 @@ tt_same_value(PyTypeObject *tensor_type, PyObject *now, PyObject *then, int dept
         return 1;
     if (tensor_type != NULL && (PyObject_TypeCheck(now, tensor_type) || PyObject_TypeCheck(then, tensor_type)))
         return 0;
-    if (depth >= 8 || Py_TYPE(now) != Py_TYPE(then) || !(PyList_Check(now) || PyTuple_Check(now)))
+    if (!(PyList_Check(now) || PyTuple_Check(now) || PyList_Check(then) || PyTuple_Check(then)))
+        return PyObject_RichCompareBool(now, then, Py_EQ);
+    if (Py_TYPE(now) != Py_TYPE(then))
+        return 0; /* a list where a tuple was, a subclass: another value, never items' __eq__ */
+    if (depth >= 8)
         return PyObject_RichCompareBool(now, then, Py_EQ);
     if (PySequence_Fast_GET_SIZE(now) != PySequence_Fast_GET_SIZE(then))
         return 0;
