@@ -675,3 +675,36 @@ def test_a_submodule_s_class_or_forward_changed_after_tuning_is_seen(name, chang
     assert {"class changed": "the class of module 0 (Linear) was changed",
             "class forward patched": "Plain.forward, the forward of module 1's class, was replaced",
             "bound forward replaced": "attribute 'forward' of module 0 was set"}[change] in stale, stale
+
+
+@pytest.mark.skipif(not HAS_OPENVINO, reason="OpenVINO not installed")
+def test_openvino_models_freed_out_of_order_leave_the_threads_signal_stack_as_it_was():
+    """Found while running this file before test_ext_bindings in one process: each OpenVINO
+    compiled model set the compiling thread's alternate signal stack and gave back the one it
+    found when freed; two models freed in the order they were made left the main thread on a
+    stack already unmapped, and the next Ctrl-C (Python's handler runs on that stack) killed
+    the process with SIGSEGV. The thread's stack is now as it was, and still mapped."""
+    import ctypes
+    import gc
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("sigaltstack is read through Linux's libc")
+    from torch_tweak.backends.ov_shapes import _SignalStack
+
+    libc = ctypes.CDLL(None)
+
+    def stack() -> tuple:
+        now = _SignalStack()
+        assert libc.sigaltstack(None, ctypes.byref(now)) == 0
+        return now.sp, now.flags, now.size
+
+    before = stack()
+    first, _ = tuned(converting("OpenVINO"))
+    assert stack() == before
+    second, _ = tuned(converting("OpenVINO"))
+    del first
+    gc.collect()
+    del second
+    gc.collect()
+    assert stack() == before

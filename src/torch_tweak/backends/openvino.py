@@ -31,6 +31,9 @@ Every call into OpenVINO's converter and compiler (and its import) runs inside `
   file ``~/intel/openvino_telemetry``, the environment, a Telemetry the user's own import of
   openvino started) is left exactly as it was. While a build runs, another thread's own
   OpenVINO conversion is silent too.
+- The thread's alternate signal stack is put back as it was (ov_shapes.kept_signal_stack): a
+  compiled model sets its own and gives back the one it found when freed, so models freed
+  out of order left the thread on freed memory, and the next Ctrl-C was a SIGSEGV.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from .._core.model_state import restore_places, weight_places
 from .._core.schema import Count, Name, OneOf
 from .._core.shapes import Shapes, find_mask, named_leaves
 from .base import Backend, BackendConfig, Baked, FlatModule, OutputForm
-from .ov_shapes import StaticShapes
+from .ov_shapes import StaticShapes, kept_signal_stack
 from .traced import Served, watch_values
 from .registry import register
 
@@ -220,8 +223,9 @@ def sigint_deferred() -> Iterator[None]:
 @contextlib.contextmanager
 def native() -> Iterator[None]:
     """The context of every call into OpenVINO's converter and compiler: Ctrl-C deferred until
-    it returns, OpenVINO's telemetry off (see the module docs)."""
-    with sigint_deferred(), telemetry_off():
+    it returns, OpenVINO's telemetry off, the thread's alternate signal stack kept (see the
+    module docs)."""
+    with sigint_deferred(), telemetry_off(), kept_signal_stack():
         yield
 
 

@@ -35,18 +35,55 @@ its parent's thread.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import ctypes
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from .._core.correctness import MismatchError, check
 from .base import OutputForm
+
+
+class _SignalStack(ctypes.Structure):
+    """stack_t of sigaltstack(2)."""
+
+    _fields_ = [("sp", ctypes.c_void_p), ("flags", ctypes.c_int), ("size", ctypes.c_size_t)]
+
+
+_LIBC: list[Any] = []
+
+
+@contextlib.contextmanager
+def kept_signal_stack() -> Iterator[None]:
+    """The calling thread's alternate signal stack as it was, put back when the block ends
+    (Linux; elsewhere nothing). OpenVINO's compiled model gives the thread that compiles it an
+    alternate signal stack of its own, and gives back the one it found when it is freed, on
+    whichever thread frees it: models freed in another order than they were compiled left the
+    thread on a stack already freed, and the next signal Python handles there (Ctrl-C, with
+    SA_ONSTACK) killed the process with SIGSEGV. Put back at once, every model finds and
+    gives back the same stack."""
+    if not sys.platform.startswith("linux"):
+        yield
+        return
+    if not _LIBC:
+        _LIBC.append(getattr(ctypes.CDLL(None, use_errno=True), "sigaltstack", None))
+    call = _LIBC[0]
+    saved = _SignalStack()
+    if call is None or call(None, ctypes.byref(saved)) != 0:
+        yield
+        return
+    try:
+        yield
+    finally:
+        call(ctypes.byref(saved), None)  # fails only while on that stack (a handler running): left as is
 
 logger = logging.getLogger("torch_tweak")
 
@@ -179,7 +216,8 @@ class StaticShapes:
             start = _clock()
             model = self.model.clone()
             model.reshape({model.inputs[i]: self.ov.PartialShape(list(shape)) for i, shape in enumerate(key)})
-            self.compiled[key] = self.ov.Core().compile_model(model, self.device, self.properties)
+            with kept_signal_stack():
+                self.compiled[key] = self.ov.Core().compile_model(model, self.device, self.properties)
             count, total = self.compiles
             self.compiles = (count + 1, total + _clock() - start)
         except Exception as exc:  # noqa: BLE001 - a compiling thread must not die of it: the shape stays dynamic
