@@ -14,7 +14,7 @@ from torch import nn
 from . import _C
 from .backends import axes
 from ._core import correctness, distributed, model_state
-from ._runtime import generation
+from ._runtime import decode_call, generation
 from ._store import tuning_cache
 from ._core import cpu_load
 from ._core._samples import load_dataset, resolve_device, synchronizer
@@ -497,7 +497,7 @@ def _tweak(model: nn.Module, calls: Any, job: Workload | None, device: torch.dev
         # the decode loop first: the depths are then tuned and measured under it, and a
         # loop's decode steps replay the untuned model, so module tuning serves the prefill
         _choose_loop(job, device, measuring, shown, high=bool(asked) and asked.effort == "high")
-    compiled_loop = job is not None and job.loop in generation.COMPILED_LOOPS
+    compiled_loop = job is not None and job.loop in decode_call.COMPILED_LOOPS
     kept = GivenCalls(calls) if job is None else None
     with generation.uncompiled(model):  # hooks traced into transformers' compiled forward compile it again
         tree = ModuleTree(model, distributed.step(lambda: trace(model, calls, job.run if job is not None else None),

@@ -769,3 +769,27 @@ def check_distributions(got: Sequence[torch.Tensor], high: Sequence[torch.Tensor
                                 f"({MULTIPLIER:g}x the untuned call's own {own:.2e}, plus {TV_FLOOR:g})")
         worst_tv = max(worst_tv, distance)
     return worst_tv
+
+
+def token_difference(i: int, got: Any, expected: torch.Tensor, prompt: int | None) -> str | None:
+    """How generate call i's output differs from the tokens it must give (the first
+    differing token, counted from the first new one), or None when they are the same."""
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return (f"generate call {i}: {tuple(expected.shape)} tokens expected, got "
+                f"{tuple(getattr(got, 'shape', ()))}")
+    differ = (got != expected).nonzero()
+    if not differ.numel():
+        return None
+    row, col = (int(v) for v in differ[0])
+    return (f"generate call {i}: token {col - (prompt or 0)} of sequence {row} is {int(got[row, col])}, "
+            f"untuned {int(expected[row, col])}")
+
+
+def untuned_difference(i: int, got: Any, untuned: Sequence[torch.Tensor], prompt: int | None) -> str | None:
+    """None where generate call i's output equals one of the untuned runs' tokens (several
+    where the untuned model does not repeat its own: Workload._warm_tokens), else how it
+    differs from the first's."""
+    problem = token_difference(i, got, untuned[0], prompt)
+    if problem is not None and any(token_difference(i, got, other, prompt) is None for other in untuned[1:]):
+        return None
+    return problem

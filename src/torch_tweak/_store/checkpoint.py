@@ -42,7 +42,9 @@ from .._core import correctness, distributed
 from .._core.storage import NotRegular, atomic_file
 from .._runtime.module import installed, own_class, resolve_paths
 from .._search import plan as planning
-from .._runtime.generation import LOOPS, LoopPlan, check_bounds, check_layouts
+from .._runtime.generation import LoopPlan
+from .._runtime.decode_call import LOOPS, check_bounds
+from .._runtime.decode_model import check_layouts
 from .._search.plan import SELECTED_DEPTHS, ModulePlan, Plan, plan_of
 from .._core.shapes import Shapes, check_shapes
 from .._runtime.workload import MAX_GENERATE_CALLS
