@@ -117,13 +117,7 @@ def call_writing(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any
     versions = _versions((args, kwargs))
     kept = [(t, t.clone()) for t, v in zip(_tensors((args, kwargs)), versions) if v is None]
     out = fn(*args, **kwargs)
-    return out, _versions((args, kwargs)) != versions or any(not _same(t, copy) for t, copy in kept)
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and bool(torch.equal(a, b) or (a.is_floating_point() and
-                                                            torch.equal(a.isnan(), b.isnan()) and
-                                                            torch.equal(a.nan_to_num(), b.nan_to_num())))
+    return out, _versions((args, kwargs)) != versions or any(not model_state.same_values(t, copy) for t, copy in kept)
 
 
 WRITES_INPUTS = ("the module writes into a tensor it is given (an in-place operation on an argument, such as "
@@ -409,7 +403,7 @@ class GivenCalls(Sequence):
 
     def written(self, calls: Sequence[Call]) -> bool:
         """Whether a run changed a tensor of `calls` (which were equal to these)."""
-        return any(not _same(a, b) for given, now in zip(self.calls, calls)
+        return any(not model_state.same_values(a, b) for given, now in zip(self.calls, calls)
                    for a, b in zip(_tensors(given), _tensors(now)))
 
 

@@ -10,7 +10,7 @@ the dynamo exporter by default, the TorchScript exporter where the dynamo one fa
 exported dynamic, the others static; plain (non-tensor) arguments are baked in, as with
 OpenVINO. Either exporter keeps the branches its example took: a branch on the inputs'
 values is refused at the build, and a call shape is served only where a check proved the
-model there (backends.traced). The ONNX model lives in memory only: a saved tuned model
+model there (backends._traced). The ONNX model lives in memory only: a saved tuned model
 keeps the backend's name and config, and tt.load exports the module again; no ONNX file is
 ever read.
 
@@ -37,7 +37,7 @@ from .._core._samples import Call, unstorable
 from .._core.schema import Count, OneOf
 from .base import Backend, BackendConfig, Baked, FlatModule, OutputForm
 from .registry import register
-from .traced import Served, watch_values
+from ._traced import Served, watch_values
 
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
 EXECUTION_MODES = ("sequential", "parallel")

@@ -51,8 +51,8 @@ from .._core.model_state import restore_places, weight_places
 from .._core.schema import Count, Name, OneOf
 from .._core.shapes import Shapes, find_mask, named_leaves
 from .base import Backend, BackendConfig, Baked, FlatModule, OutputForm
-from .ov_shapes import StaticShapes
-from .traced import Served, watch_values
+from ._ov_shapes import StaticShapes
+from ._traced import Served, watch_values
 from .registry import register
 
 PERFORMANCE_HINTS = ("LATENCY", "THROUGHPUT", "CUMULATIVE_THROUGHPUT")
