@@ -35,9 +35,9 @@ import torch.utils._pytree as pytree
 from .._core import noise
 from .._core._samples import Call, unstorable
 from .._core.schema import Count, OneOf
-from .base import Backend, BackendConfig, Baked, FlatModule, OutputForm
+from .base import Backend, BackendConfig, Baked, OutputForm
 from .registry import register
-from ._traced import Served, watch_values
+from ._traced import Served, flatten_for_numpy, watch_values
 
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
 EXECUTION_MODES = ("sequential", "parallel")
@@ -175,15 +175,8 @@ class ONNXRuntimeBackend(Backend):
 
     def build(self, module: torch.nn.Module, samples: Sequence[Call], device: torch.device) -> Callable[..., Any]:
         ort = importlib.import_module("onnxruntime")
-        leaves, spec = pytree.tree_flatten(samples[0])
-        slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        if not slots:
-            raise ValueError("ONNX Runtime needs at least one tensor argument to export the module")
-        for i in slots:
-            if leaves[i].dtype == torch.bfloat16:
-                raise ValueError("ONNX Runtime: bfloat16 inputs cannot cross to ONNX Runtime as numpy arrays")
-        constants = [None if i in slots else leaf for i, leaf in enumerate(leaves)]
-        flat = FlatModule(module, constants, spec, slots).eval()
+        prepared = flatten_for_numpy("ONNX Runtime", "export", module, samples)
+        leaves, spec, slots, flat = prepared.leaves, prepared.spec, prepared.slots, prepared.module
         example = tuple(leaves[i].detach() for i in slots)
         with watch_values("ONNX Runtime", len(example)):  # a branch on values: refused
             model = self.export(flat, example, _varying(samples, slots))

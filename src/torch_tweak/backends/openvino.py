@@ -50,9 +50,9 @@ from .._core._samples import Call, move, unstorable
 from .._core.model_state import restore_places, weight_places
 from .._core.schema import Count, Name, OneOf
 from .._core.shapes import Shapes, find_mask, named_leaves
-from .base import Backend, BackendConfig, Baked, FlatModule, OutputForm
+from .base import Backend, BackendConfig, Baked, OutputForm
 from ._ov_shapes import StaticShapes
-from ._traced import Served, watch_values
+from ._traced import Served, flatten_for_numpy, watch_values
 from .registry import register
 
 PERFORMANCE_HINTS = ("LATENCY", "THROUGHPUT", "CUMULATIVE_THROUGHPUT")
@@ -360,20 +360,13 @@ class OpenVINOBackend(Backend):
     def _build_converted(self, module: torch.nn.Module, samples: Sequence[Call],
                          device: torch.device) -> Callable[..., Any]:
         ov = _import_openvino()
-        leaves, spec = pytree.tree_flatten(samples[0])
-        slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        if not slots:
-            raise ValueError("OpenVINO needs at least one tensor argument to convert the module")
-        for i in slots:
-            if leaves[i].dtype == torch.bfloat16:
-                raise ValueError("OpenVINO: bfloat16 inputs cannot cross to OpenVINO as numpy arrays")
-        constants = [None if i in slots else leaf for i, leaf in enumerate(leaves)]
+        prepared = flatten_for_numpy("OpenVINO", "convert", module, samples)
+        leaves, spec, slots, flat = prepared.leaves, prepared.spec, prepared.slots, prepared.module
         example = tuple(leaves[i].detach().cpu() for i in slots)
         static = all(
             [tuple(leaf.shape) for leaf in pytree.tree_leaves(s) if isinstance(leaf, torch.Tensor)]
             == [tuple(t.shape) for t in example] for s in samples)
         bounds = None if static else self.bounds(samples, slots, module)
-        flat = FlatModule(module, constants, spec, slots).eval()
         with torch.no_grad(), watch_values("OpenVINO", len(example)):  # a branch on values: refused
             model = ov.convert_model(flat, example_input=example,
                                      input=[tuple(t.shape) for t in example] if static else None if bounds is None
