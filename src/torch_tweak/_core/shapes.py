@@ -113,6 +113,16 @@ def find_mask(leaves: list, tensors: Sequence[int], named: dict[int, str]) -> in
                  and not leaves[i].is_floating_point()), None)
 
 
+def length_inputs(calls: Sequence[list], tensors: Sequence[int], mask: int | None) -> set[int]:
+    """The axis rule, written once: the tensors whose first two axes are the mask's in every
+    one of `calls` (their leaves) are length inputs, padded or bounded along axis 1 with the
+    mask; none without a mask."""
+    if mask is None:
+        return set()
+    return {i for i in tensors if all(c[i].dim() >= 2 and tuple(c[i].shape[:2]) == tuple(c[mask].shape)
+                                      for c in calls)}
+
+
 def _axes_of(call: Call, params: Sequence[str | None], shapes: Shapes, where: str) -> tuple[list, Any, list, int | None]:
     """(leaves, structure, tensor slots, mask slot) of a call, checking that it has the axes
     `shapes` declares; ValueError naming what is missing."""
@@ -166,10 +176,8 @@ def edge_call(call: Call, params: Sequence[str | None], shapes: Shapes, end: int
     if shapes.length is not None:
         assert mask is not None
         n = shapes.length[end]
-        along = tuple(leaves[mask].shape)
-        for i in tensors:
-            if leaves[i].dim() >= 2 and tuple(leaves[i].shape[:2]) == along:
-                out[i] = _resized(out[i], 1, n, pad_zeros=True)
+        for i in length_inputs([leaves], tensors, mask):
+            out[i] = _resized(out[i], 1, n, pad_zeros=True)
     if shapes.batch is not None:
         b = shapes.batch[end]
         for i in tensors:

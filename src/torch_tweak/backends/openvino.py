@@ -49,7 +49,7 @@ import torch.utils._pytree as pytree
 from .._core._samples import Call, move, unstorable
 from .._core.model_state import restore_places, weight_places
 from .._core.schema import Count, Name, OneOf
-from .._core.shapes import Shapes, find_mask, named_leaves
+from .._core.shapes import Shapes, find_mask, length_inputs, named_leaves
 from .base import Backend, BackendConfig, Baked, OutputForm
 from ._ov_shapes import StaticShapes
 from ._traced import Served, flatten_for_numpy, watch_values
@@ -267,10 +267,11 @@ class OpenVINOBackend(Backend):
         leaves, _, named = named_leaves(samples[0], forward_params(module))
         mask = find_mask(leaves, slots, named)
         flats = [pytree.tree_leaves(s) for s in samples]
+        along_length = length_inputs([leaves], slots, mask)
         dims = []
         for i in slots:
             shape = tuple(leaves[i].shape)
-            along = mask is not None and shape[:2] == tuple(leaves[mask].shape)
+            along = i in along_length
             axes: list = []
             for axis, size in enumerate(shape):
                 varies = len({int(f[i].shape[axis]) for f in flats}) > 1

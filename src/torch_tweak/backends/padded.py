@@ -66,7 +66,7 @@ from .. import _C
 from .._core._samples import Call, fresh
 from .._core.correctness import MismatchError, check
 from .._core.schema import Count, Flag
-from .._core.shapes import Shapes, find_mask, named_leaves
+from .._core.shapes import Shapes, find_mask, length_inputs, named_leaves
 from .base import Backend, BackendConfig, BackendUnavailable
 from .graph import DeviceGraphBackend, _DeviceApi, capture, graph_unavailable, warm_up
 from .inductor import compile_module, shared_compiles
@@ -232,10 +232,7 @@ def make_plan(samples: Sequence[Call], refs: Sequence[Any], names: Sequence[str 
     batch = all(c[i].dim() >= 1 for c in calls for i in tensors) and all(
         len({int(c[i].shape[0]) for i in tensors}) == 1 for c in calls)
     batch_sizes = {int(c[tensors[0]].shape[0]) for c in calls} if batch else set()
-    seq_inputs: set[int] = set()
-    if mask is not None:
-        seq_inputs = {i for i in tensors if all(c[i].dim() >= 2 and tuple(c[i].shape[:2]) == tuple(c[mask].shape)
-                                                for c in calls)}
+    seq_inputs = length_inputs(calls, tensors, mask)
     lengths = {int(c[mask].shape[1]) for c in calls} if mask is not None else set()
     pad_batch = len(batch_sizes) > 1 or (batch and config.max_batch is not None)
     pad_length = len(lengths) > 1 or (mask is not None and config.max_length is not None)
