@@ -440,7 +440,9 @@ def tune(model: nn.Module, dataset: Any, *, strategy: Strategy | None = None, de
     with distributed.using(ranks), correctness.ruling(rule):
         device, paths, templates, calls = distributed.step(
             lambda: _tune_checked(model, dataset, strategy, device, measure), "checking tt.tune's arguments")
-        if ranks is not None:
+        if ranks is not None:  # before any collective whose sequence they decide
+            ranks.same_settings({"strategies": [repr(t) for t in templates], "measure": measure_for(device, measure),
+                                 "tolerance": rule.tolerance, "calls": len(calls), "device": device.type}, "tt.tune")
             ranks.same(paths, "the wrapped modules")
         wrappers = installed(model)
         shown = Progress(progress and (ranks is None or ranks.rank == 0))
