@@ -434,7 +434,9 @@ def tune(model: nn.Module, dataset: Any, *, strategy: Strategy | None = None, de
     with distributed.using(ranks), correctness.ruling(rule):
         device, paths, templates, calls = distributed.step(
             lambda: _tune_checked(model, dataset, strategy, device, measure), "checking tt.tune's arguments")
-        if ranks is not None:
+        if ranks is not None:  # before any collective whose sequence they decide
+            ranks.same_settings({"strategies": [repr(t) for t in templates], "measure": measure_for(device, measure),
+                                 "tolerance": rule.tolerance, "calls": len(calls), "device": device.type}, "tt.tune")
             ranks.same(paths, "the wrapped modules")
         wrappers = installed(model)
         shown = Progress(progress and (ranks is None or ranks.rank == 0))
@@ -523,6 +525,8 @@ def rebuild_group(wrapper: TunedModule, group: SignatureGroup, backend: Backend,
         reference = reference_of(module, dataclasses.replace(group, outputs=outputs), state, log)
         if reference.measured and outputs is not group.outputs:
             for j, (stored, own) in enumerate(zip(group.outputs, outputs)):
+                # a file's reference with no finite value accepts no backend, whatever the module gives
+                correctness.comparable(stored, where=f"sample {j} output", whose="the file's recorded output")
                 try:
                     check(stored, own, where=f"sample {j} output", high=reference.outputs[j])
                 except MismatchError as exc:

@@ -33,6 +33,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .._core import noise
+from .._core.cpu_load import usable_cpus
 from .._core._samples import Call, unstorable
 from .._core.schema import Count, OneOf
 from .base import Backend, BackendConfig, Baked, OutputForm
@@ -125,6 +126,16 @@ class ONNXRuntimeBackend(Backend):
 
     def can_store(self, sample: Call) -> bool:
         return unstorable(sample) is None  # the export traces the module on its recorded calls
+
+    def load_bound(self, module: torch.nn.Module, samples: Sequence[Call], model: torch.nn.Module) -> str | None:
+        """A file's thread pools within this machine's CPUs (a forged 1,024 intra- and inter-op
+        threads each made the session crawl): more threads than CPUs only contend."""
+        cpus = usable_cpus()
+        for field in ("intra_op_threads", "inter_op_threads"):
+            value = getattr(self.config, field)
+            if value > cpus:
+                return f"{field}={value} is more threads than this machine's CPUs; the bound is {cpus}"
+        return None
 
     def session_options(self) -> Any:
         ort = importlib.import_module("onnxruntime")

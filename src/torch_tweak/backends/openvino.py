@@ -47,6 +47,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .._core._samples import Call, move, unstorable
+from .._core.cpu_load import host_memory
 from .._core.model_state import restore_places, weight_places
 from .._core.schema import Count, Name, OneOf
 from .._core.shapes import Shapes, find_mask, length_inputs, named_leaves
@@ -419,6 +420,15 @@ class OpenVINOBackend(Backend):
         run.baked = baked  # type: ignore[attr-defined]
         run.served = served  # type: ignore[attr-defined]
         return run
+
+    def load_bound(self, module: torch.nn.Module, samples: Sequence[Call], model: torch.nn.Module) -> str | None:
+        """A file's static_memory_mb within this machine's memory: the models per call shape
+        may take that much."""
+        memory = host_memory()
+        if memory is not None and self.config.static_memory_mb > memory >> 20:
+            return (f"static_memory_mb={self.config.static_memory_mb} is more than this machine's memory; the bound "
+                    f"is {memory >> 20} MiB")
+        return None
 
     def _static_shapes(self, ov: Any, model: Any, device: torch.device, static: bool, samples: Sequence[Call],
                        module: torch.nn.Module, form: OutputForm, compile_s: float) -> StaticShapes | None:

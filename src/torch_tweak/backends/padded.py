@@ -66,7 +66,7 @@ from .. import _C
 from .._core._samples import Call, fresh
 from .._core.correctness import MismatchError, check
 from .._core.schema import Count, Flag
-from .._core.shapes import Shapes, find_mask, length_inputs, named_leaves
+from .._core.shapes import Shapes, find_mask, length_inputs, mask_lengths, named_leaves, positions
 from .base import Backend, BackendConfig, BackendUnavailable
 from .graph import DeviceGraphBackend, _DeviceApi, capture, graph_unavailable, warm_up
 from .inductor import compile_module, shared_compiles
@@ -265,11 +265,21 @@ def make_plan(samples: Sequence[Call], refs: Sequence[Any], names: Sequence[str 
     most_n = max(lengths) if lengths else 0
     max_batch = config.max_batch if config.max_batch is not None else batch_bucket(2 * most_b)
     max_length = config.max_length if config.max_length is not None else most_n
-    per = -(-max(max_length, most_n) // config.length_buckets)  # a length bucket's step: a multiple of 8
-    step = max(8, -(-per // 8) * 8) if pad_length else 1
+    step = length_step(max(max_length, most_n), config.length_buckets) if pad_length else 1
     meta = {i: (calls[0][i].dtype, calls[0][i].device, tuple(calls[0][i].shape)) for i in tensors}
     return Plan(spec, tensors, pad_batch, pad_length, mask if pad_length else None, seq_inputs if pad_length else set(),
                 out_batch, out_length, max(max_batch, most_b), max(max_length, most_n), step, meta)
+
+
+def length_step(longest: int, buckets: int) -> int:
+    """A length bucket's step: the longest length cut into `buckets`, rounded up to a multiple of 8."""
+    per = -(-longest // buckets)
+    return max(8, -(-per // 8) * 8)
+
+
+LOAD_GROWTH = 16
+"""tt.load's bound on a file's padding: a length step (max_length / length_buckets) of at most
+this many times the longest stored call's length (load_bound)."""
 
 
 # ----------------------------------------------------------------- buckets
@@ -638,6 +648,29 @@ class PaddedGraphBackend(Backend):
             if declared is not None and getattr(clone.config, field) is None:
                 setattr(clone.config, field, declared[1])
         return clone
+
+    def load_bound(self, module: torch.nn.Module, samples: Sequence[Call], model: torch.nn.Module) -> str | None:
+        """A file's max_length within the model's positions, and its length step (max_length
+        / length_buckets) within LOAD_GROWTH times the longest stored call: a padded call at
+        load or while serving holds at most that many times the positions of the calls the
+        module was checked on (a forged max_length of 2^20 in one bucket padded every call to
+        a million positions)."""
+        from .._core.signatures import forward_params
+
+        cfg = self.config
+        table = positions(model)
+        if cfg.max_length is not None and table is not None and cfg.max_length > table:
+            return (f"max_length={cfg.max_length} is past the model's position table ({table} positions); the bound "
+                    "is the model's positions")
+        lengths = mask_lengths(samples, forward_params(module))
+        if not lengths:
+            return None
+        longest = max(lengths)
+        step = length_step(max(cfg.max_length or 0, longest), cfg.length_buckets)
+        if step > LOAD_GROWTH * longest:
+            return (f"max_length={cfg.max_length} with length_buckets={cfg.length_buckets} pads to steps of {step} "
+                    f"positions; the bound is {LOAD_GROWTH} x the longest stored call ({longest} positions)")
+        return None
 
     def describe(self) -> dict | None:
         """The buckets, their hits, the padding waste, the graphs and their memory; None unbuilt."""
