@@ -24,9 +24,10 @@
  * inside one, or past the dispatcher) runs the target on its own arguments,
  * never the buffers.
  *
- * Which buckets exist, their ranges and what they hold are Python's
- * decisions (backends/padded.py), set through _pad_bucket; nothing of the
- * bucket rule is repeated here.
+ * Which buckets exist and what they hold are Python's decisions
+ * (backends/padded.py), set through _pad_bucket. The bucket rule itself (a
+ * call's bucket, a bucket's range) is C's alone (padded_bucket.c): Python
+ * asks it through _pad_key, _pad_lower and _pad_batch_bucket.
  *
  * The type is four files sharing padded_replay.h, in this order:
  * padded_layout.c (the recorded layout, whether a call fits it),
@@ -168,6 +169,16 @@ static PyMethodDef tt_pad_methods[] = {
      "_pad_counts() -> {(b, n): (hits, valid, served)}"},
     {"_pad_ready", (PyCFunction)tt_pad_ready, METH_NOARGS,
      "_pad_ready() -> [(b, n)]: the buckets served here."},
+    {"_pad_batch_bucket", (PyCFunction)tt_pad_py_batch_bucket, METH_VARARGS | METH_STATIC,
+     "_pad_batch_bucket(b) -> the batch bucket of batch b: a power of two up to 8, past it\n"
+     "a multiple of a quarter of the power of two below (at least 4)."},
+    {"_pad_key", (PyCFunction)tt_pad_py_key, METH_VARARGS | METH_STATIC,
+     "_pad_key(b, n, batch, length, max_batch, max_length, step) -> (bucket b, bucket n),\n"
+     "or None outside the range: the batch bucket when the batch is padded, the length\n"
+     "rounded up to a multiple of step (at most max_length) when the length is."},
+    {"_pad_lower", (PyCFunction)tt_pad_py_lower, METH_VARARGS | METH_STATIC,
+     "_pad_lower(b, n, batch, length, step) -> (low_b, low_n): the smallest batch and\n"
+     "length that fall into bucket (b, n)."},
     {"reset_counts", (PyCFunction)tt_pad_reset_counts, METH_NOARGS,
      "reset_counts(): every bucket's counters, fast_calls and slow_calls to 0."},
     {NULL, NULL, 0, NULL}};

@@ -1,11 +1,135 @@
 /*
- * padded_bucket.c - a PaddedReplay's buckets: which ready bucket's range
- * holds a call's batch and length, the buckets Python sets (_pad_bucket: its
- * sizes, range, buffers, graph and outputs) and their counters (hits, valid
- * and served elements). Which buckets exist and their ranges are Python's
- * decisions (backends/padded.py). See padded.c for the design.
+ * padded_bucket.c - a PaddedReplay's buckets: the bucket rule (the bucket of
+ * a call's batch and length, the range of calls a bucket takes; the padded
+ * backend's Python asks it through _pad_key, _pad_lower and
+ * _pad_batch_bucket), which ready bucket's range holds a call, the buckets
+ * Python sets (_pad_bucket: its sizes, range, buffers, graph and outputs) and
+ * their counters (hits, valid and served elements). Which buckets are made,
+ * and when one serves, are Python's decisions (backends/padded.py). See
+ * padded.c for the design.
  */
 #include "padded_replay.h"
+
+/* ------------------------------------------------------- the bucket rule */
+
+/* Batch buckets: powers of two up to TT_PAD_POW2_UP_TO; past it, steps of a
+ * quarter of the power of two below (9-16 by 4, 17-32 by 4, 33-64 by 8,
+ * 65-128 by 16...): there the work is arithmetic more than launches, and at
+ * most a fifth of a call's rows are padding. */
+#define TT_PAD_POW2_UP_TO 8
+
+/* The number of bits of x >= 0 (Python's int.bit_length). */
+static Py_ssize_t
+tt_pad_bit_length(Py_ssize_t x)
+{
+    Py_ssize_t bits = 0;
+
+    while (x > 0) {
+        bits++;
+        x >>= 1;
+    }
+    return bits;
+}
+
+/* a // d, rounded down (Python's //), for d > 0. */
+static Py_ssize_t
+tt_pad_floor_div(Py_ssize_t a, Py_ssize_t d)
+{
+    Py_ssize_t q = a / d;
+
+    return (a % d != 0 && a < 0) ? q - 1 : q;
+}
+
+/* The step of the batch buckets past TT_PAD_POW2_UP_TO around batch b. */
+static Py_ssize_t
+tt_pad_batch_step(Py_ssize_t b)
+{
+    Py_ssize_t quarter = ((Py_ssize_t)1 << (tt_pad_bit_length(b - 1) - 1)) / 4;
+
+    return quarter > 4 ? quarter : 4;
+}
+
+/* The batch bucket of batch b (b >= 0). */
+static Py_ssize_t
+tt_pad_batch_bucket(Py_ssize_t b)
+{
+    Py_ssize_t step;
+
+    if (b <= TT_PAD_POW2_UP_TO)
+        return (Py_ssize_t)1 << tt_pad_bit_length(b > 1 ? b - 1 : 0);
+    step = tt_pad_batch_step(b);
+    return -tt_pad_floor_div(-b, step) * step;
+}
+
+/* Reads a bucket rule's sizes (b, n >= 0) and step (>= 1) from Python's
+ * arguments. -1 with ValueError naming the bad one. */
+static int
+tt_pad_rule_args(Py_ssize_t b, Py_ssize_t n, Py_ssize_t step, const char *who)
+{
+    if (b < 0 || n < 0 || step < 1) {
+        PyErr_Format(PyExc_ValueError, "%s: sizes must be >= 0 and the length step >= 1, "
+                     "got batch %zd, length %zd, step %zd", who, b, n, step);
+        return -1;
+    }
+    return 0;
+}
+
+/* padded_replay.h */
+PyObject *
+tt_pad_py_batch_bucket(PyObject *unused, PyObject *args)
+{
+    Py_ssize_t b;
+
+    (void)unused;
+    if (!PyArg_ParseTuple(args, "n:_pad_batch_bucket", &b) ||
+        tt_pad_rule_args(b, 0, 1, "_pad_batch_bucket") < 0)
+        return NULL;
+    return PyLong_FromSsize_t(tt_pad_batch_bucket(b));
+}
+
+/* padded_replay.h */
+PyObject *
+tt_pad_py_key(PyObject *unused, PyObject *args)
+{
+    Py_ssize_t b, n, max_batch, max_length, step, bb, bn;
+    int batch, length;
+
+    (void)unused;
+    if (!PyArg_ParseTuple(args, "nnppnnn:_pad_key", &b, &n, &batch, &length, &max_batch,
+                          &max_length, &step) ||
+        tt_pad_rule_args(b, n, step, "_pad_key") < 0)
+        return NULL;
+    if ((batch && b > max_batch) || (length && n > max_length))
+        Py_RETURN_NONE;
+    bb = batch ? tt_pad_batch_bucket(b) : b;
+    bn = n;
+    if (length) {
+        bn = -tt_pad_floor_div(-n, step) * step;
+        if (bn > max_length)
+            bn = max_length;
+    }
+    return Py_BuildValue("(nn)", bb, bn);
+}
+
+/* padded_replay.h */
+PyObject *
+tt_pad_py_lower(PyObject *unused, PyObject *args)
+{
+    Py_ssize_t b, n, step, low_b, low_n;
+    int batch, length;
+
+    (void)unused;
+    if (!PyArg_ParseTuple(args, "nnppn:_pad_lower", &b, &n, &batch, &length, &step) ||
+        tt_pad_rule_args(b, n, step, "_pad_lower") < 0)
+        return NULL;
+    low_b = b;
+    if (batch && b > 1)
+        low_b = b <= TT_PAD_POW2_UP_TO ? b / 2 + 1 : b - tt_pad_batch_step(b) + 1;
+    low_n = length ? tt_pad_floor_div(n - 1, step) * step + 1 : n;
+    if (low_n > n)
+        low_n = n;
+    return Py_BuildValue("(nn)", low_b, low_n > 1 ? low_n : 1);
+}
 
 /* padded_replay.h */
 TtPadBucket *

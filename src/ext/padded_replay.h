@@ -78,6 +78,11 @@ PyObject *tt_pad_layout(TtPaddedReplay *self, PyObject *args, PyObject *kwargs);
 
 /* ---------------------------------------------------- padded_bucket.c */
 
+/* The bucket rule, static methods of the type for Python (backends/padded.py
+ * asks them; padded.c's method table says what each returns). */
+PyObject *tt_pad_py_batch_bucket(PyObject *unused, PyObject *args);
+PyObject *tt_pad_py_key(PyObject *unused, PyObject *args);
+PyObject *tt_pad_py_lower(PyObject *unused, PyObject *args);
 /* The ready bucket whose range holds (b, n), or NULL (no exception). */
 TtPadBucket *tt_pad_find(TtPaddedReplay *self, Py_ssize_t b, Py_ssize_t n);
 /* The methods that set and read the buckets: _pad_bucket, _pad_count,
