@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from typing import Any, Callable, Sequence
 
 import torch
