@@ -373,7 +373,7 @@ def test_token_check_names_the_first_difference(exact_tokens):
 
 def test_the_untuned_tokens_of_a_call_transformers_compiles_come_from_a_later_call(monkeypatch, exact_tokens):
     """transformers' first call of a compiled static path compiles its forward, and on the H200
-    its tokens were not its later calls' (bench/first_call_study.py). A model whose first
+    its tokens were not its later calls' (bench/studies/first_call_study.py). A model whose first
     generate() gives other tokens than its later ones stands for it here: for a call
     transformers compiles, the recorded untuned tokens are a later call's, which every
     candidate can give; for a call it does not compile, the recorded call's own."""

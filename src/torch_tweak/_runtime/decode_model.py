@@ -80,7 +80,7 @@ def compiled_by_transformers(model: nn.Module, args: tuple, kwargs: dict) -> boo
     forward. Its first such call compiles that forward, and on the H200 the first call's
     tokens are not those of its later calls (Llama-1B shape, bf16, prompt 512: every later
     call, and the compiled loop, left the first call's tokens at new token 100;
-    bench/first_call_study.py), so the untuned tokens of such a call are read from a later
+    bench/studies/first_call_study.py), so the untuned tokens of such a call are read from a later
     call (Workload._warm_tokens, apply_loop)."""
     call = greedy_call(model, args, kwargs)
     return not isinstance(call, str) and transformers_compiles(model, call, probe_cache(model, call))

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from typing import Any, Callable, Sequence
 
 import torch
@@ -128,25 +127,12 @@ class PaddedGraphBackendConfig(BackendConfig):
 # ----------------------------------------------------------------- the plan
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-POW2_UP_TO = 8
-"""Batch buckets: powers of two up to POW2_UP_TO; past it, steps of a quarter of the power of
-two below (9-16 by 4, 17-32 by 4, 33-64 by 8, 65-128 by 16...): there the work is arithmetic
-more than launches, and at most a fifth of a call's rows are padding."""
-
-
-def _batch_step(b: int) -> int:
-    return max(4, (1 << (b - 1).bit_length() - 1) // 4)
-
-
 def batch_bucket(b: int) -> int:
-    if b <= POW2_UP_TO:
-        return _next_pow2(b)
-    step = _batch_step(b)
-    return -(-b // step) * step
+    """The batch bucket of batch b: powers of two up to 8; past it, steps of a quarter of the
+    power of two below (9-16 by 4, 17-32 by 4, 33-64 by 8, 65-128 by 16...): there the work is
+    arithmetic more than launches, and at most a fifth of a call's rows are padding. The rule is
+    the C type's (ext/padded_bucket.c), which finds the bucket of every call it serves."""
+    return _C.PaddedReplay._pad_batch_bucket(b)
 
 
 @dataclasses.dataclass
@@ -169,11 +155,9 @@ class Plan:
     """Per input slot, the recorded dtype, device and shape (the padded axes' sizes vary)."""
 
     def key(self, b: int, n: int) -> tuple[int, int] | None:
-        """The bucket (batch, length) of a call of batch b and length n, or None outside the range."""
-        if (self.batch and b > self.max_batch) or (self.length and n > self.max_length):
-            return None
-        return (batch_bucket(b) if self.batch else b,
-                min(-(-n // self.step) * self.step, self.max_length) if self.length else n)
+        """The bucket (batch, length) of a call of batch b and length n, or None outside the
+        range: the C type's rule (ext/padded_bucket.c), the one its per-call path serves by."""
+        return _C.PaddedReplay._pad_key(b, n, self.batch, self.length, self.max_batch, self.max_length, self.step)
 
     def fits(self, leaves: list, spec: Any) -> bool:
         """Whether a call (its leaves and structure) is one the plan pads: the recorded
@@ -201,11 +185,8 @@ class Plan:
         return True
 
     def lower(self, key: tuple[int, int]) -> tuple[int, int]:
-        """The smallest batch and length that fall into bucket `key`."""
-        b, n = key
-        low_b = (b // 2 + 1 if b <= POW2_UP_TO else b - _batch_step(b) + 1) if self.batch and b > 1 else b
-        low_n = ((n - 1) // self.step) * self.step + 1 if self.length else n
-        return low_b, max(1, min(low_n, n))
+        """The smallest batch and length that fall into bucket `key` (the C type's rule)."""
+        return _C.PaddedReplay._pad_lower(key[0], key[1], self.batch, self.length, self.step)
 
 
 def _sizes(leaves: list, plan_tensors: list[int], mask: int | None) -> tuple[int, int]:
