@@ -254,7 +254,7 @@ def call_row(name: str, dtype_name: str, call: str, batch: int, prompt: int, new
             traceback.print_exc()
     # a later column's cold() reset the compiler: an earlier column compiles again here,
     # untimed, and transformers' first compiled call gives tokens of its own
-    # (bench/first_call_study.py): two untimed calls each
+    # (bench/studies/first_call_study.py): two untimed calls each
     runs: dict = {label: [] for label in subjects}
     firsts: dict = {label: [] for label in subjects}
     tokens: dict = {}

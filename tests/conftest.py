@@ -39,6 +39,16 @@ def cache_folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def config_folder(tmp_path_factory):
+    """The per-user sealing key (torch_tweak._core.storage.seal_key) is made in a folder of this
+    test session, not in the user's configuration folder."""
+    folder = tmp_path_factory.mktemp("config")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CONFIG_HOME", str(folder))
+        yield folder
+
+
+@pytest.fixture(scope="session", autouse=True)
 def ctrl_c_raises():
     """Ctrl-C raises KeyboardInterrupt here, as in a terminal, also when the suite was started
     in the background of a shell without job control (which starts it with SIGINT ignored,

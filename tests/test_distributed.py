@@ -491,3 +491,77 @@ def test_a_single_process_file_says_no_ranks_and_loads(tmp_path):
     with torch.inference_mode():
         assert all(torch.allclose(fresh(x), full_model()(x)) for x in dataset())
 
+
+
+# ------------------------------------------- a rank that raises, ranks that differ (issue 49, 5)
+
+
+class RaisingRowParallel(nn.Module):
+    """RowParallel whose all_reduce runs on `group` and which, on rank 0, raises before it from
+    its `at`-th call on: the other rank waits in that all_reduce."""
+
+    def __init__(self, row: RowParallel, group, at: int) -> None:
+        super().__init__()
+        self.row, self.group, self.at, self.calls = row, group, at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if dist.get_rank() == 0 and 0 < self.at <= self.calls:
+            raise RuntimeError("this model raised on rank 0 before its all_reduce")
+        y = F.linear(x, self.row.weight)
+        dist.all_reduce(y, group=self.group)
+        return y + self.row.bias
+
+
+def _raises_and_differs(rank: int, world: int, folder: Path) -> dict:
+    data = dataset()
+    with torch.inference_mode():
+        expected = [full_model()(x) for x in data]
+    found = {}
+    for name, at in (("running the dataset", 1), ("measuring", 3)):
+        # the user's own gloo group, with a short timeout: the rank left waiting in the model's
+        # all_reduce leaves it then
+        user = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=5))
+        model = sharded_model(rank, world)
+        model[1].down = RaisingRowParallel(model[1].down, user, at).eval()
+        try:
+            tt.tweak(model, data, strategy=tt.OneBackendStrategy(Shortcut()), max_depth=0, measure=MEASURE,
+                     cache=False, progress=False, group=user)
+            found[name] = "no error"
+        except Exception as exc:
+            found[name] = f"{type(exc).__name__}: {exc} " + " ".join(getattr(exc, "__notes__", []))
+        model[1].down.at, model[1].down.group = 0, None  # the default group: the user's timed out on a rank
+        with torch.inference_mode():
+            found[name + " same"] = not tt.installed(model) and all(
+                torch.allclose(model(x), e, atol=1e-5, rtol=1e-4) for x, e in zip(data, expected))
+    for name, options in (("max_depth", {"max_depth": rank}), ("shapes", {"shapes": {"batch": (1, 4 + 4 * rank)}})):
+        model = sharded_model(rank, world)
+        try:
+            tt.tweak(model, data, strategy=tt.OneBackendStrategy(Shortcut()), measure=MEASURE, cache=False,
+                     progress=False, **options)
+            found[name] = "no error"
+        except Exception as exc:
+            found[name] = f"{type(exc).__name__}: {exc}"
+        found[name + " untouched"] = not tt.installed(model) and type(model) is nn.Sequential
+    return found
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_and_ranks_that_differ_get_an_error_on_every_rank(tmp_path):
+    """A rank whose model raised before its own all_reduce sent its agreement into the user's
+    gloo group, where it paired with the other rank's model all_reduce: gloo aborted the
+    process (SIGABRT). Ranks that differ in max_depth or shapes= aborted the same way. Now the
+    agreement has its own group, and the settings are compared before anything runs: every
+    rank raises, naming the other rank's failure or what differed, and every model answers as
+    the unsharded one."""
+    results = run_ranks(_raises_and_differs, 2, tmp_path, timeout=180.0)
+    for r, got in enumerate(results):
+        for name in ("running the dataset", "measuring"):
+            assert got[name + " same"], (r, name, got)
+            assert "raised on rank 0 before its all_reduce" in got[name], (r, name, got[name])
+            if r == 1:  # its own error (a timeout in the model's all_reduce) and rank 0's, named
+                assert "on rank 0" in got[name] and "this rank" in got[name] and "Timed out" in got[name], got[name]
+        assert got["max_depth"].startswith("ValueError: the ranks call tt.tweak with different settings"), got
+        assert "max_depth: rank 0 0, rank 1 1" in got["max_depth"], got["max_depth"]
+        assert "shapes: rank 0 {'batch': [1, 4]}, rank 1 {'batch': [1, 8]}" in got["shapes"], got["shapes"]
+        assert got["max_depth untouched"] and got["shapes untouched"], got

@@ -690,7 +690,7 @@ def test_openvino_models_freed_out_of_order_leave_the_threads_signal_stack_as_it
 
     if not sys.platform.startswith("linux"):
         pytest.skip("sigaltstack is read through Linux's libc")
-    from torch_tweak.backends.ov_shapes import _SignalStack
+    from torch_tweak.backends._ov_shapes import _SignalStack
 
     libc = ctypes.CDLL(None)
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import torch_tweak as tt
-from torch_tweak._runtime import decode_check, generation
+from torch_tweak._runtime import decode_call, decode_check, decode_graph, decode_model, generation, sampling
 from torch_tweak.backends.base import Backend
 from torch_tweak._core import correctness
 from torch_tweak._core.correctness import MismatchError
@@ -81,13 +81,13 @@ def test_the_graph_loop_off_a_cuda_device_runs_its_steps_one_by_one():
     for cache in (None, "static"):
         assert torch.equal(generate(model, ids, cache), generate(untuned, ids, cache)), cache
     assert loop.calls == 2 and not loop.fallbacks and not loop._graphs
-    call = generation.greedy_call(model, (ids,), dict(max_new_tokens=4, cache_implementation="static",
+    call = decode_call.greedy_call(model, (ids,), dict(max_new_tokens=4, cache_implementation="static",
                                                       repetition_penalty=1.2))
     assert loop.graph_problem(call) is None  # not recorded on a CPU: nothing to refuse
     loop.records = lambda c: True  # as on a CUDA device
     why = loop.graph_problem(call)
     assert why is not None and "RepetitionPenaltyLogitsProcessor" in why, why
-    sampled = generation.greedy_call(model, (ids,), dict(max_new_tokens=4, cache_implementation="static",
+    sampled = decode_call.greedy_call(model, (ids,), dict(max_new_tokens=4, cache_implementation="static",
                                                          do_sample=True, temperature=0.7, top_k=5, top_p=0.9))
     assert loop.graph_problem(sampled) is None  # temperature, top-k, top-p: recorded with the draw
 
@@ -107,7 +107,7 @@ def test_a_step_graph_that_cannot_be_recorded_leaves_its_calls_step_by_step(monk
         tries.append(1)
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(generation, "_StepGraph", fail)
+    monkeypatch.setattr(decode_graph, "StepGraph", fail)
     generation.install(model, loop)
     with caplog.at_level(logging.WARNING, logger="torch_tweak"):
         for seed in range(3):
@@ -146,7 +146,7 @@ def test_a_step_graph_recorded_on_weights_that_moved_is_recorded_again(monkeypat
                 fn()
         return Eager(fn, context), None
 
-    monkeypatch.setattr(generation.sampling, "record_graph", record)
+    monkeypatch.setattr(sampling, "record_graph", record)
     generation.install(model, loop)
     ids = prompt(2, 0)
     for seed in range(2):
@@ -233,13 +233,13 @@ def test_calls_the_loop_does_not_serve_run_transformers_loop(why, kwargs):
 def test_a_greedy_call_is_read_as_transformers_reads_it():
     model = build("llama")
     ids = prompt(1)
-    call = generation.greedy_call(model, (ids,), {"max_new_tokens": 4, "cache_implementation": "static"})
+    call = decode_call.greedy_call(model, (ids,), {"max_new_tokens": 4, "cache_implementation": "static"})
     assert call.max_new == 4 and call.static and call.input_ids is ids
-    assert generation.greedy_call(model, (ids,), {"max_length": 9}).max_new == 3  # max_length counts the prompt
-    assert "no new token" in generation.greedy_call(model, (ids,), {"max_length": 6})
-    assert "not a 2-D tensor" in generation.greedy_call(model, (ids[0],), {})
-    assert "inputs given twice" in generation.greedy_call(model, (ids,), {"input_ids": ids})
-    assert "streamer" in generation.greedy_call(model, (ids,), {"streamer": object()})
+    assert decode_call.greedy_call(model, (ids,), {"max_length": 9}).max_new == 3  # max_length counts the prompt
+    assert "no new token" in decode_call.greedy_call(model, (ids,), {"max_length": 6})
+    assert "not a 2-D tensor" in decode_call.greedy_call(model, (ids[0],), {})
+    assert "inputs given twice" in decode_call.greedy_call(model, (ids,), {"input_ids": ids})
+    assert "streamer" in decode_call.greedy_call(model, (ids,), {"streamer": object()})
 
 
 def test_a_loop_refuses_pickling_and_unwrap_takes_it_out():
@@ -287,7 +287,7 @@ def test_a_generate_workload_speaks_in_tokens(tweaked):
     assert all(row.ttft_ms is not None and row.ttft_ms > 0 for row in result.tokens)
     text = str(result)
     assert "tokens/s" in text and "first token ms" in text and "16 new tokens per run" in text
-    assert result.decode_loop in generation.LOOPS + (None,)
+    assert result.decode_loop in decode_call.LOOPS + (None,)
     assert [r["candidate"] for r in result.loop_report] == ["generate", "decode loop (loop)"]  # no graphs on a CPU
 
 
@@ -373,7 +373,7 @@ def test_token_check_names_the_first_difference(exact_tokens):
 
 def test_the_untuned_tokens_of_a_call_transformers_compiles_come_from_a_later_call(monkeypatch, exact_tokens):
     """transformers' first call of a compiled static path compiles its forward, and on the H200
-    its tokens were not its later calls' (bench/first_call_study.py). A model whose first
+    its tokens were not its later calls' (bench/studies/first_call_study.py). A model whose first
     generate() gives other tokens than its later ones stands for it here: for a call
     transformers compiles, the recorded untuned tokens are a later call's, which every
     candidate can give; for a call it does not compile, the recorded call's own."""
@@ -392,13 +392,13 @@ def test_the_untuned_tokens_of_a_call_transformers_compiles_come_from_a_later_ca
 
     monkeypatch.setattr(type(model), "generate", cold_then_warm)
     workload = lambda m: m.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static")  # noqa: E731
-    monkeypatch.setattr(generation, "transformers_compiles", lambda *a: True)
+    monkeypatch.setattr(decode_model, "transformers_compiles", lambda *a: True)
     job = Workload(model, workload, torch.device("cpu"))
     job.record()
     assert len(made) == 3  # the recorded call, then two later ones (equal: no other tokens)
     assert torch.equal(job.generate_calls[0].tokens, made[1]) and not job.generate_calls[0].others
     job.check_generate()  # later calls give them: a candidate is held to what it can give
-    monkeypatch.setattr(generation, "transformers_compiles", lambda *a: False)
+    monkeypatch.setattr(decode_model, "transformers_compiles", lambda *a: False)
     made.clear()
     job = Workload(model, workload, torch.device("cpu"))
     job.record()
@@ -408,13 +408,13 @@ def test_the_untuned_tokens_of_a_call_transformers_compiles_come_from_a_later_ca
     # a loaded loop's check: the untuned generate() run there is warmed first, so the loop
     # (which gives the later calls' tokens) is installed
     plan = generation.LoopPlan("loop", None, [(c.args, c.kwargs, c.tokens) for c in job.generate_calls])
-    monkeypatch.setattr(generation, "transformers_compiles", lambda *a: True)
+    monkeypatch.setattr(decode_model, "transformers_compiles", lambda *a: True)
     made.clear()
     assert decode_check.apply_loop(model, plan) is None and generation.loop_of(model) is not None
     assert len(made) == 3  # the compiling call, then the two whose tokens a loop must give
     generation.uninstall(model)
     made.clear()
-    monkeypatch.setattr(generation, "transformers_compiles", lambda *a: False)  # one run: its cold token
+    monkeypatch.setattr(decode_model, "transformers_compiles", lambda *a: False)  # one run: its cold token
     assert "token 5 of sequence 0" in decode_check.apply_loop(model, plan) and generation.loop_of(model) is None
 
 
@@ -437,7 +437,7 @@ def test_an_untuned_model_that_does_not_repeat_its_tokens_holds_a_candidate_to_e
         return out
 
     monkeypatch.setattr(type(model), "generate", alternating)
-    monkeypatch.setattr(generation, "transformers_compiles", lambda *a: True)
+    monkeypatch.setattr(decode_model, "transformers_compiles", lambda *a: True)
     workload = lambda m: m.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static")  # noqa: E731
     job = Workload(model, workload, torch.device("cpu"))
     with caplog.at_level(logging.WARNING, logger="torch_tweak"):
@@ -482,7 +482,7 @@ def test_when_the_compiled_loop_gives_other_tokens_no_depth_is_searched(monkeypa
 
     monkeypatch.setattr(type(model), "generate", shifted)
     monkeypatch.setattr(type(model), "get_compiled_call", lambda self, config=None: self.__call__, raising=False)
-    monkeypatch.setattr(generation, "transformers_compiles", lambda *a: True)
+    monkeypatch.setattr(decode_model, "transformers_compiles", lambda *a: True)
     built = []
     build_eager = tt.backends.TorchEagerBackend.build
     monkeypatch.setattr(tt.backends.TorchEagerBackend, "build",
@@ -501,7 +501,7 @@ def test_when_the_compiled_loop_gives_other_tokens_no_depth_is_searched(monkeypa
     # the same model, but a call transformers does not compile: the eager loop's failure says
     # nothing of the depths, which are searched (through this generate(), a depth gives its
     # tokens: built, checked and measured)
-    monkeypatch.setattr(generation, "transformers_compiles", lambda *a: False)
+    monkeypatch.setattr(decode_model, "transformers_compiles", lambda *a: False)
     result = tt.tweak(model, workload=workload, strategy=EAGER, measure=QUICK, max_depth=0, progress=False)
     assert not result.refused and "no depth was searched" not in result.outcome(), result.outcome()
     assert built and result.rows[0].latency_ms is not None, result.rows[0]  # built, checked and measured
@@ -639,7 +639,7 @@ def test_a_loop_check_past_its_time_bound_leaves_generate_as_it_was(monkeypatch)
 
     model, ids = with_loop()
     fresh = build("llama")
-    monkeypatch.setattr(generation, "LOOP_CHECK_SECONDS", 1e-6)
+    monkeypatch.setattr(decode_call, "LOOP_CHECK_SECONDS", 1e-6)
     with pytest.warns(UserWarning, match="decode loop is not installed .*took longer than"):
         planning.apply(fresh, planning.Plan(None, [], generation.plan_loop(model)), device=torch.device("cpu"),
                        strict=False)
@@ -653,7 +653,7 @@ def test_a_saved_loop_bounds_the_calls_it_is_checked_on():
     loop.checks = [(args, dict(kwargs, max_new_tokens=1000), tokens),
                    ((prompt(64, length=1100),), dict(kwargs, max_new_tokens=8), tokens)]
     (args, stored, _), = generation.plan_loop(model).checks  # the second decodes 64 x 1108 tokens: left out
-    assert stored["max_new_tokens"] == generation.MAX_CHECK_NEW_TOKENS
+    assert stored["max_new_tokens"] == decode_call.MAX_CHECK_NEW_TOKENS
 
 
 @pytest.mark.parametrize("ask", [{"max_new_tokens": 10 ** 6}, {"max_length": 10 ** 6}, {"num_beams": 2}])
@@ -758,15 +758,15 @@ def test_the_tuned_loop_compiles_with_transformers_settings_plus_coordinate_desc
     Inductor (the option is Inductor's) or no config at all gives none."""
     from transformers.generation.configuration_utils import CompileConfig
 
-    got = generation.tuned_settings(CompileConfig())  # transformers' default: reduce-overhead
+    got = decode_model.tuned_settings(CompileConfig())  # transformers' default: reduce-overhead
     assert "mode" not in got and got["backend"] == "inductor"
     assert got["options"] == {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
-    assert generation.tuned_settings(CompileConfig(mode="max-autotune"))["options"] == {
+    assert decode_model.tuned_settings(CompileConfig(mode="max-autotune"))["options"] == {
         "max_autotune": True, "triton.cudagraphs": True, "coordinate_descent_tuning": True}
-    got = generation.tuned_settings(CompileConfig(mode=None, options={"epilogue_fusion": False}, fullgraph=True))
+    got = decode_model.tuned_settings(CompileConfig(mode=None, options={"epilogue_fusion": False}, fullgraph=True))
     assert got["options"] == {"epilogue_fusion": False, "coordinate_descent_tuning": True} and got["fullgraph"]
-    assert generation.tuned_settings(CompileConfig(backend="eager")) is None
-    assert generation.tuned_settings(None) is None and generation.tuned_settings({"mode": "default"}) is None
+    assert decode_model.tuned_settings(CompileConfig(backend="eager")) is None
+    assert decode_model.tuned_settings(None) is None and decode_model.tuned_settings({"mode": "default"}) is None
 
 
 def test_the_tuned_loop_is_tried_only_on_cuda_for_one_sequence():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import torch_tweak as tt
-from torch_tweak._runtime import generation
+from torch_tweak._runtime import decode_call, decode_check, generation
 
 pytestmark = pytest.mark.slow  # tiny decoders of eight families, each generating
 
@@ -238,7 +238,7 @@ def test_a_sampling_call_is_checked_with_a_forked_seeded_generator():
     state = torch.get_rng_state()
     runs = []
     for _ in range(2):
-        with generation.same_draws(model, (ids,), kwargs), torch.no_grad():
+        with decode_call.same_draws(model, (ids,), kwargs), torch.no_grad():
             runs.append(model.generate(ids, **kwargs))
     assert torch.equal(runs[0], runs[1])
     assert torch.equal(torch.get_rng_state(), state)
@@ -323,12 +323,12 @@ def test_the_processed_distribution_is_checked_against_transformers_processors(m
     loop = generation.DecodeLoop(model, "loop")
     generation.install(model, loop)
     try:
-        assert generation.distribution_difference(model, loop, (ids,), kwargs) is None
-        assert generation.distribution_difference(model, loop, (ids,), dict(kwargs, do_sample=False)) is None
+        assert decode_check.distribution_difference(model, loop, (ids,), kwargs) is None
+        assert decode_check.distribution_difference(model, loop, (ids,), dict(kwargs, do_sample=False)) is None
         process = generation.DecodeLoop._process
         monkeypatch.setattr(generation.DecodeLoop, "_process",
                             staticmethod(lambda call, logits, seq: process(call, logits, seq) / 1.01))
-        problem = generation.distribution_difference(model, loop, (ids,), kwargs)
+        problem = decode_check.distribution_difference(model, loop, (ids,), kwargs)
     finally:
         generation.uninstall(model)
     assert problem is not None and problem.startswith("step 0: the processed next-token distribution"), problem

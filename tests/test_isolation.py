@@ -567,3 +567,66 @@ def test_a_child_dies_with_its_parent(tmp_path, how):
             proc.wait()
         if child is not None and _alive(child):
             os.kill(child, signal.SIGKILL)  # the orphan this test made
+
+
+# --- a verdict edited in the cache folder (issue 49, defect 9) --------------------------------
+
+
+def _verdict_files() -> list:
+    return [p for p in verdicts.folder().glob("*.json") if p.name != verdicts.TIMES]
+
+
+def test_a_verdict_edited_by_hand_is_no_verdict_and_a_genuine_one_is_honoured(monkeypatch):
+    """A verdict file is plain JSON in a folder a team may share: one whose "crashed" was set to
+    false made the next tweak build the crashing backend in the tuning process. Verdicts are
+    sealed with this user's key; a verdict whose seal fails is no verdict (the child runs
+    again), a genuine one is used with no child."""
+    started = []
+
+    def crashing_child(how, *args, **kwargs):  # what the real child finds: a SIGSEGV while compiling
+        started.append(how)
+        return -signal.SIGSEGV, ["started"], "", False
+
+    monkeypatch.setattr(isolation, "_run_child", crashing_child)
+    monkeypatch.setenv(isolation.ISOLATION_ENV, "fork")
+    torch.manual_seed(0)
+    model = MLP().eval()
+    untuned = copy.deepcopy(model)
+    data = [torch.randn(8, 16) for _ in range(2)]
+    first = _candidate(_tweak(copy.deepcopy(untuned), data, [SegfaultBackend(), TorchEagerBackend()]), "", "Segfault")
+    assert first["reason"] == "crashed" and started == ["fork", "spawn"], (first, started)
+    [path] = _verdict_files()
+    genuine = _candidate(_tweak(copy.deepcopy(untuned), data, [SegfaultBackend(), TorchEagerBackend()]), "",
+                         "Segfault")
+    assert "stored verdict" in genuine["error"] and len(started) == 2, (genuine, started)  # honoured, no child
+
+    entry = json.loads(path.read_text())
+    path.write_text(json.dumps(dict(entry, crashed=False, reason="")))  # the forgery: nothing else changed
+    result = _tweak(model, data, [SegfaultBackend(), TorchEagerBackend()])
+    forged = _candidate(result, "", "Segfault")
+    # ignored: the child ran again (and crashed), nothing was built in this process
+    assert forged["reason"] == "crashed" and "stored verdict" not in forged["error"], forged
+    assert started == ["fork", "spawn"] * 2, started
+    assert result.modules[""].backend == "TorchEager"
+    with torch.no_grad():
+        for x in data + [torch.randn(8, 16)]:
+            torch.testing.assert_close(model(x), untuned(x))
+    assert verdicts.read(entry["parts"]) == verdicts.Verdict(True, entry["reason"])  # written again, sealed
+
+
+def test_a_verdict_sealed_by_another_user_is_no_verdict(monkeypatch, tmp_path):
+    from torch_tweak._core import storage
+
+    parts = _parts()
+    assert verdicts.write(parts, verdicts.Verdict(False))
+    assert verdicts.read(parts) == verdicts.Verdict(False)
+    key = storage.key_path()
+    assert key.stat().st_mode & 0o777 == 0o600 and len(key.read_bytes()) == storage.KEY_BYTES
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "another user"))  # another key: the same file fails
+    assert verdicts.read(parts) is None
+    key.chmod(0o644)  # a key others can read seals nothing
+    monkeypatch.undo()
+    monkeypatch.setattr(storage, "_KEYS", {})
+    assert storage.seal_key() is None and verdicts.read(parts) is None
+    assert not verdicts.write(parts, verdicts.Verdict(False))
+    key.chmod(0o600)

@@ -1,4 +1,4 @@
-"""OpenVINO's models per exact call shape (backends.ov_shapes.StaticShapes), on the CPU: a
+"""OpenVINO's models per exact call shape (backends._ov_shapes.StaticShapes), on the CPU: a
 module converted with dynamic sizes compiles the recorded calls' shapes when it is built, and
 hands another shape to a compiling thread once its calls have taken a compile's time (not
 before its second call; most tests here make that time 0, patience=0); the first call after
@@ -19,7 +19,7 @@ from torch import nn
 
 import torch_tweak as tt
 from torch_tweak.backends import OpenVINOBackend
-from torch_tweak.backends import ov_shapes
+from torch_tweak.backends import _ov_shapes as ov_shapes
 from support import in_threads
 
 pytest.importorskip("openvino", reason="OpenVINO not installed: pip install torch-tweak[openvino]")

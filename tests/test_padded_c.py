@@ -249,3 +249,41 @@ def test_a_call_of_many_tensors_is_served_in_c():
             xs = tuple(torch.randn(b, 16) for _ in range(20))
             torch.testing.assert_close(model(*xs), untuned(*xs))
     assert call.fast_calls == before + 4
+
+
+def _python_rule(b, n, batch, length, max_batch, max_length, step):
+    """The bucket rule as backends/padded.py wrote it before the C type owned it: the reference
+    the C rule is held to, call for call."""
+    def next_pow2(x):
+        return 1 << max(0, x - 1).bit_length()
+
+    def batch_step(x):
+        return max(4, (1 << (x - 1).bit_length() - 1) // 4)
+
+    def bucket(x):
+        return next_pow2(x) if x <= 8 else -(-x // batch_step(x)) * batch_step(x)
+
+    key = None
+    if not ((batch and b > max_batch) or (length and n > max_length)):
+        key = (bucket(b) if batch else b, min(-(-n // step) * step, max_length) if length else n)
+    low_b = (b // 2 + 1 if b <= 8 else b - batch_step(b) + 1) if batch and b > 1 else b
+    low_n = ((n - 1) // step) * step + 1 if length else n
+    return bucket(b), key, (low_b, max(1, min(low_n, n)))
+
+
+def test_the_bucket_rule_is_the_c_types_and_gives_what_python_gave():
+    rule = _C.PaddedReplay
+    for batch, length, max_batch, max_length, step in ((True, False, 64, 0, 1), (True, True, 200, 96, 8),
+                                                       (False, True, 1, 512, 24), (True, True, 1000, 300, 40)):
+        for b in range(0, 260, 1):
+            for n in (0, 1, 7, 8, 9, 23, 24, 25, 95, 96, 97, 300, 301, 511, 512, 513):
+                want_bucket, want_key, want_lower = _python_rule(b, n, batch, length, max_batch, max_length, step)
+                assert rule._pad_batch_bucket(b) == want_bucket, b
+                assert rule._pad_key(b, n, batch, length, max_batch, max_length, step) == want_key, (b, n)
+                assert rule._pad_lower(b, n, batch, length, step) == want_lower, (b, n)
+    plan = padded_module.Plan(None, [0], True, True, 0, set(), [], [], 40, 64, 16)
+    assert plan.key(9, 17) == (12, 32) and plan.lower((12, 32)) == (9, 17) and plan.key(41, 1) is None
+    with pytest.raises(ValueError, match="sizes must be >= 0"):
+        rule._pad_key(-1, 0, True, False, 8, 0, 1)
+    with pytest.raises(ValueError, match="step >= 1"):
+        rule._pad_lower(4, 4, True, True, 0)

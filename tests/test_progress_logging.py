@@ -141,3 +141,8 @@ def test_public_namespace_holds_only_the_api():
     assert not {"Any", "annotations", "nn", "torch"} & set(names)
     assert set(tt.__all__) <= set(names) and "tweak" in names and "__version__" in names
     assert all(hasattr(tt, name) for name in names)
+    # the result types live in tt.results; their old names at the top are the same classes, not listed
+    types = ("DepthResult", "ModelStatus", "ModuleResult", "ModuleResults", "ModuleStatus", "ModuleTree",
+             "SignatureResult", "TweakResult")
+    assert sorted(tt.results.__all__) == sorted(types) and "results" in names
+    assert all(getattr(tt, t) is getattr(tt.results, t) and t not in names for t in types)

@@ -10,7 +10,7 @@ answer here is compared with an untuned deep copy of the module:
 - a call the trace cannot take (a patch merge traced on even lengths, at an odd one): the
   module answers it, counted, never an exception the untuned model does not raise.
 
-(backends.traced; the conversions are shared per module and backend: a few seconds each.)"""
+(backends._traced; the conversions are shared per module and backend: a few seconds each.)"""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from torch import nn
 
 import torch_tweak as tt
 from torch_tweak.backends import ONNXRuntimeBackend, OpenVINOBackend
-from torch_tweak.backends import traced
+from torch_tweak.backends import _traced as traced
 from support import FAST
 
 FELL_BACK = "trace fell back"

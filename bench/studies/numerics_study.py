@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import time
 
+import common
 import torch
 from torch import nn
 
@@ -142,9 +142,7 @@ def main() -> None:
     rows = [study(name, make, dtype) for name, make in (("bert", bert), ("llama", llama), ("convnet", convnet))
             for dtype in (torch.float32, torch.bfloat16)]
     show(rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    common.write_run(args.json, rows)
 
 
 if __name__ == "__main__":

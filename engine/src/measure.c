@@ -326,6 +326,45 @@ static tw_code tw_check_runners(const tw_runner *runners, size_t n, size_t *fail
     return rc;
 }
 
+/* Whether the measurement stops after `rounds` rounds of `series`, and why
+ * (*stop): every runner's spread within the config's (out[] holds their
+ * figures so far), a comparison decided, the rounds' cap, the time cap
+ * (cap_ns from start, 0 for none). 0: another round. */
+static int tw_stop_after(const tw_host *host, tw_series *series, size_t n,
+                         uint32_t rounds, const tw_measure_config *cfg, uint64_t start,
+                         uint64_t cap_ns, tw_stats *out, tw_stop *stop)
+{
+    int quiet, done = 1;
+    size_t i;
+
+    if (rounds >= cfg->rounds_min) {
+        quiet = 1;
+        for (i = 0; i < n; i++) {
+            tw_series_stats(series, i, rounds, &out[i]);
+            quiet = quiet && out[i].spread <= cfg->rel_spread;
+        }
+        if (quiet) {
+            *stop = TW_STOP_SPREAD;
+            goto done;
+        }
+        if (n >= 2 && cfg->stop_when_decided && tw_decided(out, n)) {
+            *stop = TW_STOP_DECIDED;
+            goto done;
+        }
+    }
+    if (rounds >= cfg->rounds_max) {
+        *stop = TW_STOP_ROUNDS;
+        goto done;
+    }
+    if (cap_ns != 0 && tw_elapsed(host, start) >= cap_ns) {
+        *stop = TW_STOP_TIME;
+        goto done;
+    }
+    done = 0;
+done:
+    return done;
+}
+
 tw_code tw_measure_runners(const tw_host *host, const tw_runner *runners, size_t n,
                            const tw_measure_config *cfg, tw_stats *out,
                            size_t *failed, tw_error *err)
@@ -337,7 +376,6 @@ tw_code tw_measure_runners(const tw_host *host, const tw_runner *runners, size_t
     uint32_t rounds = 0;
     tw_stop stop = TW_STOP_ROUNDS;
     size_t i;
-    int quiet;
 
     *failed = TW_NO_RUNNER;
     rc = tw_measure_config_check(cfg, err);
@@ -374,27 +412,7 @@ tw_code tw_measure_runners(const tw_host *host, const tw_runner *runners, size_t
             }
         }
         rounds++;
-        if (rounds >= cfg->rounds_min) {
-            quiet = 1;
-            for (i = 0; i < n; i++) {
-                tw_series_stats(&series, i, rounds, &out[i]);
-                quiet = quiet && out[i].spread <= cfg->rel_spread;
-            }
-            if (quiet) {
-                stop = TW_STOP_SPREAD;
-                break;
-            }
-            if (n >= 2 && cfg->stop_when_decided && tw_decided(out, n)) {
-                stop = TW_STOP_DECIDED;
-                break;
-            }
-        }
-        if (rounds >= cfg->rounds_max) {
-            stop = TW_STOP_ROUNDS;
-            break;
-        }
-        if (cap_ns != 0 && tw_elapsed(host, start) >= cap_ns) {
-            stop = TW_STOP_TIME;
+        if (tw_stop_after(host, &series, n, rounds, cfg, start, cap_ns, out, &stop)) {
             break;
         }
     }

@@ -656,6 +656,38 @@ static void tw_settle_confirmation(tw_result *r, const tw_stats *stats, uint32_t
     }
 }
 
+/* Keeps the confirmed depth: the cut activated again (the last round may
+ * have been the untuned one) and the verdict logged, a busy machine's with no
+ * speedup claimed. */
+static tw_code tw_keep_confirmed(tw_search *s, int depth, tw_error *err)
+{
+    const tw_result *r = s->result;
+    const tw_confirmation *c = &r->confirmation;
+    tw_error cause;
+    tw_code rc;
+
+    tw_error_clear(&cause);
+    rc = s->ops->activate(s->ops->ctx, &cause);
+    if (rc != TW_OK) {
+        tw_error_forward(&cause, rc, &cause, "activate");
+        tw_error_set(err, rc, "activating the kept depth %d failed: %s", depth, cause.msg);
+        goto cleanup;
+    }
+    s->entered = 0;
+    if (c->quality == TW_QUALITY_BUSY) {
+        tw_host_logf(s->host, 1, "depth %d kept on a busy machine (other processes took "
+                     "%.0f%% of the CPUs): at least %.2fx faster at the spread's low "
+                     "end; no speedup is claimed", depth,
+                     tw_result_others_share(r) * 100.0, c->busy_keep);
+    } else {
+        tw_host_logf(s->host, 0, "depth %d kept: %.2fx faster %s (%.2fx to %.2fx)", depth,
+                     c->speedup, c->from_search ? "in the search" : "side by side",
+                     c->speedup_low, c->speedup_high);
+    }
+cleanup:
+    return rc;
+}
+
 /* Measures the applied cut active and deactivated side by side, holds the
  * figures against the search's (measuring again while they disagree, a
  * bounded number of times), and keeps the cut only when the reported speedup's
@@ -668,7 +700,6 @@ static tw_code tw_confirm_selected(tw_search *s, tw_error *err)
     tw_confirmation *c = &r->confirmation;
     const tw_stats *row = &r->rows[r->selected].row.stats;
     tw_stats stats[2];
-    tw_error cause;
     int depth = r->rows[r->selected].row.depth;
     int failed = 0;
     int agree = 0;
@@ -710,26 +741,7 @@ static tw_code tw_confirm_selected(tw_search *s, tw_error *err)
                      c->tries);
     }
     if (c->confirmed) {
-        /* the last round may have been the untuned one */
-        tw_error_clear(&cause);
-        rc = s->ops->activate(s->ops->ctx, &cause);
-        if (rc == TW_OK && c->quality == TW_QUALITY_BUSY) {
-            s->entered = 0;
-            tw_host_logf(s->host, 1, "depth %d kept on a busy machine (other processes took "
-                         "%.0f%% of the CPUs): at least %.2fx faster at the spread's low "
-                         "end; no speedup is claimed", depth,
-                         tw_result_others_share(r) * 100.0, c->busy_keep);
-            goto cleanup;
-        }
-        if (rc == TW_OK) {
-            s->entered = 0;
-            tw_host_logf(s->host, 0, "depth %d kept: %.2fx faster %s (%.2fx to %.2fx)", depth,
-                         c->speedup, c->from_search ? "in the search" : "side by side",
-                         c->speedup_low, c->speedup_high);
-            goto cleanup;
-        }
-        tw_error_forward(&cause, rc, &cause, "activate");
-        tw_error_set(err, rc, "activating the kept depth %d failed: %s", depth, cause.msg);
+        rc = tw_keep_confirmed(s, depth, err);
         goto cleanup;
     }
     if (c->quality == TW_QUALITY_BUSY) {

@@ -2,34 +2,50 @@
  * common.h - the lowest layer of torch_tweak._C: macros and helpers that need
  * nothing of the extension (common.c). Includes no other header of ours.
  *
- * The files of the extension, each depending only on files listed before it:
- * common     this file: macros, exceptions, sequences, getters
- * cuda       the CUDA driver shim, with no Python in it (cuda.h)
- * state      the per-module state and torch.Tensor's getters (state.h)
- * call       the context of one engine call (call.h)
- * config     the engine's measurement config as a dict (config.h)
- * tree       the Tree type (tree.h)
- * result     the Result type: the engine's result model read (result.h)
- * measure    measure, compare, choose; the argument checks every engine
- *            binding shares (measure.h)
- * search     tune_module, the module callbacks' trampolines (search.h)
- * depth      tweak and the check of its settings (depth.h)
- * argspec    one argument of a recorded call and its check (argspec.h)
- * signature  the Signature type (signature.h)
- * guard      entry locks and the grad rule (guard.h)
- * baked      what a converted model took in at its build, and whether it
- *            changed since: weights (their sampled bytes too), attributes,
- *            classes (baked.h)
- * entries    the entry table and how a call finds its entry (entries.h)
- * dispatcher the Dispatcher type, the per-call path (dispatcher.h)
- * rootcall   root_call: the __call__ of a module tuned in place (rootcall.h)
- * graph      the GraphReplay type, the device-graph replay path (graph.h);
- *            its files share graph_replay.h: graph_call (a call),
- *            graph_record (the recordings it holds), graph (the type)
- * padded     the PaddedReplay type, the padded backend's per-call path: a
- *            bucket's copies in, its graph launched through graph.h, the
- *            outputs cut back (padded.h)
- * module     module definition and init: calls every file's exec function
+ * The files of the extension, each depending only on files listed before it
+ * (a file includes only the headers of files above it, or its own; a type
+ * made of several files shares one private header among them, named here at
+ * the first of them). tests/test_c_layers.py checks this list against the
+ * files and their includes.
+ *
+ * common        this file: macros, exceptions, sequences, getters
+ * cuda          the CUDA driver shim, with no Python in it (cuda.h)
+ * state         the per-module state and torch.Tensor's getters (state.h)
+ * call          the context of one engine call (call.h)
+ * config        the engine's measurement config as a dict (config.h)
+ * tree          the Tree type (tree.h)
+ * result        the Result type: the engine's result model read (result.h)
+ * measure       measure, compare, choose; the argument checks every engine
+ *               binding shares (measure.h)
+ * search        tune_module, the module callbacks' trampolines (search.h)
+ * depth         tweak and the check of its settings (depth.h)
+ * argspec       one argument of a recorded call and its check (argspec.h)
+ * signature     the Signature type (signature.h)
+ * guard         entry locks and the grad rule (guard.h)
+ * baked         what a converted model took in at its build, and whether it
+ *               changed since: weights (their sampled bytes too), attributes,
+ *               classes (baked.h)
+ * entries       the entry table and how a call finds its entry (entries.h)
+ * dispatcher    the Dispatcher type, the per-call path (dispatcher.h)
+ * rootcall      root_call: the __call__ of a module tuned in place (rootcall.h)
+ * graph_call    a call of a GraphReplay: does it fit, the copies, the
+ *               launch, what it returns; the launch alone for a caller that
+ *               writes the static inputs itself (graph_call.h). The
+ *               GraphReplay's three files share the private graph_replay.h
+ * graph_record  the recordings a GraphReplay holds, set when it is made
+ * graph         the GraphReplay type, the device-graph replay path (graph.h)
+ * padded_layout a PaddedReplay's recorded layout and whether a call fits
+ *               it. The PaddedReplay's four files share the private
+ *               padded_replay.h
+ * padded_bucket its buckets: which one holds a call, what Python sets in
+ *               them, their counters
+ * padded_call   a call: a bucket's copies in, its graph launched through
+ *               graph_call.h (or the target), the outputs cut back
+ * padded        the PaddedReplay type, the padded backend's per-call path
+ *               (padded.h)
+ * steps         replay_steps, the graph decode loop's per-token loop
+ *               (steps.h)
+ * module        module definition and init: calls every file's exec function
  *
  * Every name carries the prefix tt_ (TT_ for macros); structs are CamelCase.
  */

@@ -254,6 +254,62 @@ cleanup:
     return code;
 }
 
+/* Checks tweak's arguments that PyArg_Parse* cannot: the required keywords
+ * given (`required`: enter, modules, activate, leave, run, n_samples; the
+ * callbacks among them callable), n_samples an int in range (*n_samples), the
+ * optional callbacks (`optional`: sync, clock, deactivate, log, load) None or
+ * callable. -1 on an error that names the argument. */
+static int
+tt_tweak_check_args(PyObject *const *required, PyObject *const *optional, Py_ssize_t *n_samples)
+{
+    static const char *names[] = {"enter", "modules", "activate", "leave", "run", "n_samples"};
+    static const char *optional_names[] = {"sync", "clock", "deactivate", "log", "load"};
+    PyObject *n_obj = required[5];
+    size_t k;
+    int rc = -1;
+
+    /* keyword-only and required: PyArg_Parse* has no format for that */
+    for (k = 0; k < 6; k++) {
+        if (required[k] == NULL) {
+            PyErr_Format(PyExc_TypeError,
+                         "tweak() missing required keyword argument '%s'", names[k]);
+            goto cleanup;
+        }
+        if (k != 1 && k < 5 && tt_check_callable(required[k], names[k], 0) < 0)
+            goto cleanup;
+    }
+    if (PyBool_Check(n_obj) || !PyLong_Check(n_obj)) {
+        PyErr_Format(PyExc_TypeError, "n_samples must be an int, not %.100s",
+                     Py_TYPE(n_obj)->tp_name);
+        goto cleanup;
+    }
+    *n_samples = PyLong_AsSsize_t(n_obj);
+    if ((*n_samples == -1 && PyErr_Occurred()) || tt_check_n_samples(*n_samples) < 0)
+        goto cleanup;
+    for (k = 0; k < 5; k++)
+        if (tt_check_callable(optional[k], optional_names[k], 1) < 0)
+            goto cleanup;
+    rc = 0;
+cleanup:
+    return rc;
+}
+
+/* The engine's tweak callbacks for `tw`, whose references are set; the
+ * optional ones only when tw has them. */
+static void
+tt_tweak_ops_init(tw_tweak_ops *ops, TtTweak *tw, Py_ssize_t n_samples)
+{
+    memset(ops, 0, sizeof(*ops));
+    ops->ctx = tw;
+    ops->enter = tt_tweak_enter;
+    tt_module_ops_init(&ops->modules, &tw->modules);
+    ops->activate = tt_tweak_activate;
+    ops->deactivate = tw->deactivate != NULL ? tt_tweak_deactivate : NULL;
+    ops->leave = tt_tweak_leave;
+    ops->load = tw->load != NULL ? tt_tweak_load : NULL;
+    tt_runner_init(&ops->model, &tw->model, (size_t)n_samples);
+}
+
 PyObject *
 tt_py_tweak(PyObject *module, PyObject *args, PyObject *kwargs)
 {
@@ -285,33 +341,12 @@ tt_py_tweak(PyObject *module, PyObject *args, PyObject *kwargs)
                                      &dry_run, &config, &clock, &deactivate, &log, &load))
         goto cleanup;
     {
-        /* keyword-only and required: PyArg_Parse* has no format for that */
         PyObject *required[] = {enter, modules, activate, leave, run, n_obj};
-        const char *names[] = {"enter", "modules", "activate", "leave", "run", "n_samples"};
-        size_t k;
+        PyObject *optional[] = {sync, clock, deactivate, log, load};
 
-        for (k = 0; k < sizeof(required) / sizeof(required[0]); k++) {
-            if (required[k] == NULL) {
-                PyErr_Format(PyExc_TypeError,
-                             "tweak() missing required keyword argument '%s'", names[k]);
-                goto cleanup;
-            }
-            if (k != 1 && k < 5 && tt_check_callable(required[k], names[k], 0) < 0)
-                goto cleanup;
-        }
+        if (tt_tweak_check_args(required, optional, &n_samples) < 0)
+            goto cleanup;
     }
-    if (PyBool_Check(n_obj) || !PyLong_Check(n_obj)) {
-        PyErr_Format(PyExc_TypeError, "n_samples must be an int, not %.100s",
-                     Py_TYPE(n_obj)->tp_name);
-        goto cleanup;
-    }
-    n_samples = PyLong_AsSsize_t(n_obj);
-    if ((n_samples == -1 && PyErr_Occurred()) || tt_check_n_samples(n_samples) < 0)
-        goto cleanup;
-    if (tt_check_callable(sync, "sync", 1) < 0 || tt_check_callable(clock, "clock", 1) < 0 ||
-        tt_check_callable(deactivate, "deactivate", 1) < 0 || tt_check_callable(log, "log", 1) < 0 ||
-        tt_check_callable(load, "load", 1) < 0)
-        goto cleanup;
     if (tt_tweak_config(st, min_depth, max_depth, tie, budget, dry_run, config, &cfg) < 0)
         goto cleanup;
 
@@ -331,15 +366,7 @@ tt_py_tweak(PyObject *module, PyObject *args, PyObject *kwargs)
     tw.model.call = &call;
     tw.model.run = tw.run;
     tw.model.build = NULL;
-    memset(&ops, 0, sizeof(ops));
-    ops.ctx = &tw;
-    ops.enter = tt_tweak_enter;
-    tt_module_ops_init(&ops.modules, &tw.modules);
-    ops.activate = tt_tweak_activate;
-    ops.deactivate = tw.deactivate != NULL ? tt_tweak_deactivate : NULL;
-    ops.leave = tt_tweak_leave;
-    ops.load = tw.load != NULL ? tt_tweak_load : NULL;
-    tt_runner_init(&ops.model, &tw.model, (size_t)n_samples);
+    tt_tweak_ops_init(&ops, &tw, n_samples);
 
     code = tw_tweak_run(&call.host, ((TtTree *)tw.tree)->tree, &cfg, &ops, &out, &err);
     if (tt_call_check(&call, code, &err) < 0)

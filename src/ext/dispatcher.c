@@ -86,86 +86,110 @@ tt_dispatcher_training(TtDispatcher *self)
     return rc;
 }
 
+/* The rules of the flags of the entry that took a call: a backend whose outputs
+ * carry no autograd history leaves a call that needs grad to the original
+ * (counted; *found becomes -2), and a backend that is not thread-safe takes
+ * its entry's lock (*lock, released by the caller). -1 on an error. */
+static int
+tt_dispatcher_flags(TtDispatcher *self, const TtHit *hit, int *found, TtEntryLock **lock)
+{
+    PyObject *module = NULL; /* new reference */
+    TtEntryLock *l;
+    int grad, rc = -1;
+
+    if (hit->flags & TT_ENTRY_NO_AUTOGRAD) {
+        module = Py_XNewRef(self->module); /* held while read */
+        grad = tt_needs_grad(self->state, module, hit->args, hit->n);
+        if (grad < 0)
+            goto cleanup;
+        if (grad) {
+            if (tt_dispatcher_untuned(self, TT_UNTUNED_GRAD) < 0)
+                goto cleanup;
+            *found = -2; /* the original runs, so the outputs keep autograd */
+        }
+    }
+    if (*found == 1 && hit->lock != NULL) {
+        l = tt_entry_lock_get(hit->lock);
+        if (l == NULL || tt_entry_lock_acquire(l) < 0)
+            goto cleanup;
+        *lock = l;
+    }
+    rc = 0;
+cleanup:
+    Py_XDECREF(module);
+    return rc;
+}
+
+/* The target of a call in active mode (borrowed, kept alive by *entries or
+ * self): the backend of the entry that takes the call, with the call bound to
+ * its recorded layout (*args, *nargsf, *kwnames, in *stack), or the original,
+ * counted by why. *entries holds the entry table from its walk until the call
+ * returns; *lock is the entry's lock when it takes one. 0, or -1 on an error. */
+static TT_INLINE int
+tt_dispatcher_choose(TtDispatcher *self, PyObject *const **args, size_t *nargsf,
+                     PyObject **kwnames, TtStack *stack, PyObject **entries,
+                     TtEntryLock **lock, PyObject **target)
+{
+    TtHit hit = {0}; /* filled by a match; zeroed for the compiler, which cannot tell */
+    int found = 0, training, rc = -1;
+
+    *target = self->original;
+    if (TT_UNLIKELY(self->module != NULL)) {
+        /* every backend was built and checked in eval mode: a module in train mode
+         * (dropout, batch norm's statistics) runs the original */
+        training = tt_dispatcher_training(self);
+        if (training < 0)
+            goto cleanup;
+        if (TT_UNLIKELY(training)) {
+            rc = tt_dispatcher_untuned(self, TT_UNTUNED_TRAIN);
+            goto cleanup;
+        }
+    }
+    if (TT_LIKELY(self->entries != NULL)) { /* NULL: cleared by the GC, called by a finalizer */
+        *entries = Py_NewRef(self->entries);
+        found = tt_entries_find(*entries, &self->last, *args, *nargsf, *kwnames, stack, &hit);
+    }
+    if (TT_UNLIKELY(found < 0))
+        goto cleanup;
+    if (TT_UNLIKELY(found == 1 && hit.backend == Py_None))
+        found = 0; /* a signature kept on the original: counted as unmatched */
+    if (TT_UNLIKELY(found && hit.flags != 0) && tt_dispatcher_flags(self, &hit, &found, lock) < 0)
+        goto cleanup;
+    if (TT_UNLIKELY(found == 0) && tt_dispatcher_untuned(self, TT_UNTUNED_NO_MATCH) < 0)
+        goto cleanup;
+    if (TT_LIKELY(found == 1)) {
+        *target = hit.backend;
+        *args = hit.args;
+        *nargsf = hit.nargsf;
+        *kwnames = hit.kwnames;
+    }
+    rc = 0;
+cleanup:
+    return rc;
+}
+
 static PyObject *
 tt_dispatcher_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
                          PyObject *kwnames)
 {
     TtDispatcher *self = (TtDispatcher *)callable;
     PyObject *entries = NULL; /* held while walking and calling, see TtDispatcher.entries */
-    PyObject *target = NULL;  /* new reference */
+    PyObject *target = NULL;  /* borrowed; held while it runs */
     PyObject *result = NULL;
     TtEntryLock *lock = NULL; /* held: released at cleanup */
     TtStack stack;
-    TtHit hit = {0}; /* filled by a match; zeroed for the compiler, which cannot tell */
-    int found, grad;
 
     stack.heap = NULL;
     stack.room = 0;
     self->calls++;
     if (TT_LIKELY(self->mode == TT_MODE_ACTIVE)) {
-        if (TT_UNLIKELY(self->module != NULL)) {
-            /* every backend was built and checked in eval mode: a module in train mode
-             * (dropout, batch norm's statistics) runs the original */
-            int training = tt_dispatcher_training(self);
-
-            if (training < 0)
-                goto cleanup;
-            if (TT_UNLIKELY(training)) {
-                if (tt_dispatcher_untuned(self, TT_UNTUNED_TRAIN) < 0)
-                    goto cleanup;
-                target = self->original;
-                goto call;
-            }
-        }
-        entries = self->entries;
-        if (TT_UNLIKELY(entries == NULL)) { /* cleared by the GC, called by a finalizer */
-            found = 0;
-        }
-        else {
-            Py_INCREF(entries);
-            found = tt_entries_find(entries, &self->last, args, nargsf, kwnames, &stack, &hit);
-        }
-        if (TT_UNLIKELY(found < 0))
+        if (tt_dispatcher_choose(self, &args, &nargsf, &kwnames, &stack, &entries, &lock,
+                                 &target) < 0)
             goto cleanup;
-        if (TT_UNLIKELY(found == 1 && hit.backend == Py_None))
-            found = 0; /* a signature kept on the original: counted as unmatched */
-        if (TT_UNLIKELY(found && hit.flags != 0)) {
-            if (hit.flags & TT_ENTRY_NO_AUTOGRAD) {
-                PyObject *module = Py_XNewRef(self->module); /* held while read */
-
-                grad = tt_needs_grad(self->state, module, hit.args, hit.n);
-                Py_XDECREF(module);
-                if (grad < 0)
-                    goto cleanup;
-                if (grad) {
-                    if (tt_dispatcher_untuned(self, TT_UNTUNED_GRAD) < 0)
-                        goto cleanup;
-                    found = -2; /* the original runs, so the outputs keep autograd */
-                }
-            }
-            if (found == 1 && hit.lock != NULL) {
-                TtEntryLock *l = tt_entry_lock_get(hit.lock);
-                if (l == NULL || tt_entry_lock_acquire(l) < 0)
-                    goto cleanup;
-                lock = l;
-            }
-        }
-        if (TT_UNLIKELY(found == 0) && tt_dispatcher_untuned(self, TT_UNTUNED_NO_MATCH) < 0)
-            goto cleanup;
-        if (TT_LIKELY(found == 1)) {
-            target = hit.backend;
-            args = hit.args;
-            nargsf = hit.nargsf;
-            kwnames = hit.kwnames;
-        }
-        else {
-            target = self->original;
-        }
     }
     else {
         target = self->mode == TT_MODE_RECORD ? self->recorder : self->original;
     }
-call:
     if (TT_UNLIKELY(target == NULL)) {
         PyErr_SetString(PyExc_RuntimeError,
                         self->mode == TT_MODE_RECORD

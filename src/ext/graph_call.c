@@ -5,7 +5,7 @@
  * outputs while the caller holds none of the last ones); and the tensor
  * queries the recordings share. See graph.c for the design.
  */
-#include "graph.h"
+#include "graph_call.h"
 
 #include "graph_replay.h"
 
@@ -353,50 +353,18 @@ tt_graph_clone_rest(TtGraphReplay *self, const TtGraphRec *rec, PyObject *result
     return 0;
 }
 
-/* One replay of `rec` through the driver. New reference, or NULL. */
-static PyObject *
-tt_graph_run_driver(TtGraphReplay *self, const TtGraphRec *rec, PyObject *const *args,
-                    Py_ssize_t nargs, PyObject *kwnames)
+/* Where each input of a call is copied from (src[i], 0 to skip: the argument
+ * is the static input itself, or a strided view already copied in by torch's
+ * copy_), holding each argument and its storage in held[2 i], held[2 i + 1]
+ * until the copies are queued. Runs Python, so never inside a pushed context.
+ * -1 on error. */
+static int
+tt_graph_read_inputs(TtGraphReplay *self, PyObject *const *args, Py_ssize_t nargs,
+                     PyObject *kwnames, TtCuDevicePtr *src, PyObject **held)
 {
-    PyObject *stream_obj = NULL; /* new reference */
-    PyObject *results = NULL;    /* new reference: list of what the call returns */
-    PyObject *result = NULL;
-    TtCuStream stream;
-    PyObject **held = NULL;      /* per input: the argument and its storage (new references)
-                                  * until the copies are queued; then per leaf the storage of
-                                  * its copy */
-    TtCuDevicePtr *src = NULL;   /* per input: where to copy from, 0 to skip */
-    TtCuDevicePtr *dst = NULL;   /* per leaf: where its copy goes, 0 for none */
-    Py_ssize_t nheld = 2 * self->ninputs + self->nleaves;
-    TtCuResult rc;
     Py_ssize_t i;
-    int pushed = 0, entered = 0;
+    int rc = -1;
 
-    stream_obj = PyObject_CallOneArg(self->state->cuda_raw_stream, self->device);
-    if (stream_obj == NULL)
-        goto cleanup;
-    stream = (TtCuStream)PyLong_AsVoidPtr(stream_obj);
-    if (stream == NULL && PyErr_Occurred())
-        goto cleanup;
-    src = PyMem_Calloc((size_t)self->ninputs + 1, sizeof(*src));
-    held = PyMem_Calloc((size_t)nheld + 1, sizeof(*held));
-    dst = PyMem_Calloc((size_t)self->nleaves + 1, sizeof(*dst));
-    if (src == NULL || held == NULL || dst == NULL) {
-        PyErr_NoMemory();
-        goto cleanup;
-    }
-    if (TT_UNLIKELY(self->launched && stream != self->last_stream)) {
-        if (tt_graph_enter_context(self, &pushed) < 0)
-            goto cleanup;
-        rc = tt_graph_order_streams(self, stream);
-        tt_graph_leave_context(pushed);
-        pushed = 0;
-        if (rc != 0)
-            goto cleanup;
-    }
-    /* Python calls (pointers, torch copies for strided inputs, allocations)
-     * never run inside a pushed context: torch may change the current context
-     * under it. */
     for (i = 0; i < self->ninputs; i++) {
         TtGraphInput *in = &self->inputs[i];
         PyObject *arg = tt_graph_input_arg(in, args, nargs, kwnames); /* borrowed */
@@ -425,30 +393,56 @@ tt_graph_run_driver(TtGraphReplay *self, const TtGraphRec *rec, PyObject *const 
             goto cleanup;
         Py_DECREF(done);
     }
-    /* the launch first; what is returned is made while the device runs */
+    rc = 0;
+cleanup:
+    return rc;
+}
+
+/* Queues on `stream`, inside the graph's context, the copies of the inputs
+ * (from src) into the static inputs and the launch of `rec`. -1 on error. */
+static int
+tt_graph_launch_copies(TtGraphReplay *self, const TtGraphRec *rec, const TtCuDevicePtr *src,
+                       TtCuStream stream)
+{
+    TtCuResult cu;
+    Py_ssize_t i;
+    int pushed = 0, rc = -1;
+
     if (tt_graph_enter_context(self, &pushed) < 0)
-        goto cleanup;
-    entered = 1;
+        goto cleanup; /* nothing pushed */
     for (i = 0; i < self->ninputs; i++) {
         if (src[i] == 0 || src[i] == self->inputs[i].dst || self->inputs[i].nbytes == 0)
             continue;
-        rc = tt_cuda.MemcpyDtoDAsync(self->inputs[i].dst, src[i], self->inputs[i].nbytes, stream);
-        if (rc != 0) {
-            tt_graph_raise_cuda(rc, "cuMemcpyDtoDAsync (input)");
+        cu = tt_cuda.MemcpyDtoDAsync(self->inputs[i].dst, src[i], self->inputs[i].nbytes, stream);
+        if (cu != 0) {
+            tt_graph_raise_cuda(cu, "cuMemcpyDtoDAsync (input)");
             goto cleanup;
         }
     }
-    rc = tt_cuda.GraphLaunch(rec->exec, stream);
-    if (rc != 0) {
-        tt_graph_raise_cuda(rc, "cuGraphLaunch");
+    cu = tt_cuda.GraphLaunch(rec->exec, stream);
+    if (cu != 0) {
+        tt_graph_raise_cuda(cu, "cuGraphLaunch");
         goto cleanup;
     }
     self->last_stream = stream;
     self->launched = 1;
+    rc = 0;
+cleanup:
     tt_graph_leave_context(pushed);
-    entered = 0;
-    if ((results = tt_graph_results(self, rec, dst, held + 2 * self->ninputs)) == NULL)
-        goto cleanup;
+    return rc;
+}
+
+/* Queues on `stream` the copies of the static outputs of `rec` into the
+ * outputs made for them (dst, 0 for none), entering the graph's context only
+ * when there is one. -1 on error. */
+static int
+tt_graph_copy_out(TtGraphReplay *self, const TtGraphRec *rec, const TtCuDevicePtr *dst,
+                  TtCuStream stream)
+{
+    TtCuResult cu;
+    Py_ssize_t i;
+    int pushed = 0, entered = 0, rc = -1;
+
     for (i = 0; i < self->nleaves; i++) {
         if (dst[i] == 0 || rec->leaves[i].nbytes == 0)
             continue;
@@ -457,22 +451,75 @@ tt_graph_run_driver(TtGraphReplay *self, const TtGraphRec *rec, PyObject *const 
                 goto cleanup;
             entered = 1;
         }
-        rc = tt_cuda.MemcpyDtoDAsync(dst[i], rec->leaves[i].src, rec->leaves[i].nbytes, stream);
-        if (rc != 0) {
-            tt_graph_raise_cuda(rc, "cuMemcpyDtoDAsync (output)");
+        cu = tt_cuda.MemcpyDtoDAsync(dst[i], rec->leaves[i].src, rec->leaves[i].nbytes, stream);
+        if (cu != 0) {
+            tt_graph_raise_cuda(cu, "cuMemcpyDtoDAsync (output)");
             goto cleanup;
         }
     }
-    if (entered) {
+    rc = 0;
+cleanup:
+    if (entered)
         tt_graph_leave_context(pushed);
-        entered = 0;
+    return rc;
+}
+
+/* One replay of `rec` through the driver. New reference, or NULL. */
+static PyObject *
+tt_graph_run_driver(TtGraphReplay *self, const TtGraphRec *rec, PyObject *const *args,
+                    Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *stream_obj = NULL; /* new reference */
+    PyObject *results = NULL;    /* new reference: list of what the call returns */
+    PyObject *result = NULL;
+    TtCuStream stream;
+    PyObject **held = NULL;      /* per input: the argument and its storage (new references)
+                                  * until the copies are queued; then per leaf the storage of
+                                  * its copy */
+    TtCuDevicePtr *src = NULL;   /* per input: where to copy from, 0 to skip */
+    TtCuDevicePtr *dst = NULL;   /* per leaf: where its copy goes, 0 for none */
+    Py_ssize_t nheld = 2 * self->ninputs + self->nleaves;
+    TtCuResult rc;
+    Py_ssize_t i;
+    int pushed = 0;
+
+    stream_obj = PyObject_CallOneArg(self->state->cuda_raw_stream, self->device);
+    if (stream_obj == NULL)
+        goto cleanup;
+    stream = (TtCuStream)PyLong_AsVoidPtr(stream_obj);
+    if (stream == NULL && PyErr_Occurred())
+        goto cleanup;
+    src = PyMem_Calloc((size_t)self->ninputs + 1, sizeof(*src));
+    held = PyMem_Calloc((size_t)nheld + 1, sizeof(*held));
+    dst = PyMem_Calloc((size_t)self->nleaves + 1, sizeof(*dst));
+    if (src == NULL || held == NULL || dst == NULL) {
+        PyErr_NoMemory();
+        goto cleanup;
     }
+    if (TT_UNLIKELY(self->launched && stream != self->last_stream)) {
+        if (tt_graph_enter_context(self, &pushed) < 0)
+            goto cleanup;
+        rc = tt_graph_order_streams(self, stream);
+        tt_graph_leave_context(pushed);
+        if (rc != 0)
+            goto cleanup;
+    }
+    /* Python calls (pointers, torch copies for strided inputs, allocations)
+     * never run inside a pushed context: torch may change the current context
+     * under it. */
+    if (tt_graph_read_inputs(self, args, nargs, kwnames, src, held) < 0)
+        goto cleanup;
+    /* the launch first; what is returned is made while the device runs */
+    if (tt_graph_launch_copies(self, rec, src, stream) < 0)
+        goto cleanup;
+    if ((results = tt_graph_results(self, rec, dst, held + 2 * self->ninputs)) == NULL)
+        goto cleanup;
+    if (tt_graph_copy_out(self, rec, dst, stream) < 0)
+        goto cleanup;
     if (tt_graph_clone_rest(self, rec, results) < 0)
         goto cleanup;
     result = tt_graph_pack(self, results);
 cleanup:
-    if (entered)
-        tt_graph_leave_context(pushed);
     for (i = 0; held != NULL && i < nheld; i++)
         Py_XDECREF(held[i]);
     PyMem_Free(held);
@@ -602,7 +649,7 @@ cleanup:
     return result;
 }
 
-/* ------------------------------------------- the launch alone (graph.h) */
+/* -------------------------------------- the launch alone (graph_call.h) */
 
 int
 tt_graph_launch_begin(PyObject *replay, TtCuStream *stream)

@@ -2,8 +2,8 @@
  * graph_replay.h - the GraphReplay object, shared by the files that make it
  * up (private to them): graph_call.c (a call: checking it fits, the replay,
  * what it returns), graph_record.c (the recordings it holds, set when it is
- * made) and graph.c (the Python type). graph.h is the only header the rest of
- * the extension includes.
+ * made) and graph.c (the Python type). The rest of the extension includes
+ * graph.h (the type) and graph_call.h (the launch alone) only.
  */
 #ifndef TT_GRAPH_REPLAY_H
 #define TT_GRAPH_REPLAY_H

@@ -202,6 +202,67 @@ cleanup:
     return result;
 }
 
+/* Candidate i of choose's own tuple `cands`, a (name, build, run) tuple, read
+ * into the engine's *candidate and its context *ctx (for `call`): the name,
+ * build and run are borrowed from the tuple, which cands holds. -1 on an error
+ * that says which candidate and what it must be. */
+static int
+tt_candidate_read(PyObject *cands, Py_ssize_t i, TtCall *call, Py_ssize_t n_samples,
+                  tw_candidate *candidate, TtRun *ctx)
+{
+    PyObject *item = PySequence_Fast_GET_ITEM(cands, i); /* borrowed */
+    PyObject *name;                                       /* borrowed */
+    int rc = -1;
+
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3) {
+        PyErr_Format(PyExc_TypeError, "candidates[%zd] must be a (name, build, run) tuple", i);
+        goto cleanup;
+    }
+    name = PyTuple_GET_ITEM(item, 0);
+    if (!PyUnicode_Check(name)) {
+        PyErr_Format(PyExc_TypeError, "candidates[%zd]: the name must be a str", i);
+        goto cleanup;
+    }
+    if ((candidate->name = PyUnicode_AsUTF8(name)) == NULL)
+        goto cleanup;
+    ctx->call = call;
+    ctx->build = PyTuple_GET_ITEM(item, 1);
+    ctx->run = PyTuple_GET_ITEM(item, 2);
+    if (tt_check_callable(ctx->build, "a candidate's build", 0) < 0 ||
+        tt_check_callable(ctx->run, "a candidate's run", 0) < 0)
+        goto cleanup;
+    candidate->ctx = ctx;
+    candidate->build = tt_run_build;
+    tt_runner_init(&candidate->runner, ctx, (size_t)n_samples);
+    rc = 0;
+cleanup:
+    return rc;
+}
+
+/* The engine's reports of the candidates of `cands` as a list of dicts, in
+ * their order. New reference. */
+static PyObject *
+tt_reports_list(PyObject *cands, const tw_candidate_report *reports)
+{
+    Py_ssize_t i, n = PySequence_Fast_GET_SIZE(cands);
+    PyObject *list = PyList_New(n);
+    PyObject *result = NULL;
+
+    if (list == NULL)
+        goto cleanup;
+    for (i = 0; i < n; i++) {
+        PyObject *name = PyTuple_GET_ITEM(PySequence_Fast_GET_ITEM(cands, i), 0);
+        PyObject *d = tt_report_to_dict(name, &reports[i]);
+        if (d == NULL)
+            goto cleanup;
+        PyList_SET_ITEM(list, i, d);
+    }
+    result = Py_NewRef(list);
+cleanup:
+    Py_XDECREF(list);
+    return result;
+}
+
 PyObject *
 tt_py_choose(PyObject *module, PyObject *args, PyObject *kwargs)
 {
@@ -243,47 +304,15 @@ tt_py_choose(PyObject *module, PyObject *args, PyObject *kwargs)
     if (tt_check_measure_args(sync, clock, n_samples, config, &cfg) < 0)
         goto cleanup;
     tt_call_init(&call, call.st, clock, sync);
-    for (i = 0; i < n; i++) {
-        /* the tuple is held by cands (our own tuple, not the caller's list),
-         * and its name, build and run by the tuple */
-        PyObject *item = PySequence_Fast_GET_ITEM(cands, i);
-        PyObject *name;
-
-        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3) {
-            PyErr_Format(PyExc_TypeError, "candidates[%zd] must be a (name, build, run) tuple",
-                         i);
+    for (i = 0; i < n; i++)
+        if (tt_candidate_read(cands, i, &call, n_samples, &candidates[i], &ctxs[i]) < 0)
             goto cleanup;
-        }
-        name = PyTuple_GET_ITEM(item, 0);
-        if (!PyUnicode_Check(name)) {
-            PyErr_Format(PyExc_TypeError, "candidates[%zd]: the name must be a str", i);
-            goto cleanup;
-        }
-        if ((candidates[i].name = PyUnicode_AsUTF8(name)) == NULL)
-            goto cleanup;
-        ctxs[i].call = &call;
-        ctxs[i].build = PyTuple_GET_ITEM(item, 1);
-        ctxs[i].run = PyTuple_GET_ITEM(item, 2);
-        if (tt_check_callable(ctxs[i].build, "a candidate's build", 0) < 0 ||
-            tt_check_callable(ctxs[i].run, "a candidate's run", 0) < 0)
-            goto cleanup;
-        candidates[i].ctx = &ctxs[i];
-        candidates[i].build = tt_run_build;
-        tt_runner_init(&candidates[i].runner, &ctxs[i], (size_t)n_samples);
-    }
     code = tw_strategy_choose(&call.host, strategy, candidates, (size_t)n, &cfg, &chosen,
                               reports, &err);
     if (tt_call_check(&call, code, &err) < 0)
         goto cleanup;
-    if ((reports_list = PyList_New(n)) == NULL)
+    if ((reports_list = tt_reports_list(cands, reports)) == NULL)
         goto cleanup;
-    for (i = 0; i < n; i++) {
-        PyObject *name = PyTuple_GET_ITEM(PySequence_Fast_GET_ITEM(cands, i), 0);
-        PyObject *d = tt_report_to_dict(name, &reports[i]);
-        if (d == NULL)
-            goto cleanup;
-        PyList_SET_ITEM(reports_list, i, d);
-    }
     result = Py_BuildValue("(lO)", chosen, reports_list);
 cleanup:
     tt_call_release(&call);

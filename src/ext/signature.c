@@ -123,6 +123,47 @@ cleanup:
     return rc;
 }
 
+/* self's spec of argument i (of call_args, then of items, kwargs' (name,
+ * value) pairs, whose names become self->kwnames), its free axes `axes` (None,
+ * True or a sequence; borrowed, NULL for none). -1 on an error naming the
+ * argument. */
+static int
+tt_signature_build_spec(TtSignature *self, Py_ssize_t i, PyObject *call_args, PyObject *items,
+                        PyObject *axes)
+{
+    PyObject *value;        /* borrowed from call_args or items */
+    PyObject *where = NULL; /* new reference: the argument's name for errors */
+    int rc = -1;
+
+    if (i < self->nargs) {
+        value = PyTuple_GET_ITEM(call_args, i);
+        where = PyUnicode_FromFormat("argument %zd", i);
+    }
+    else {
+        PyObject *pair = PyList_GET_ITEM(items, i - self->nargs);
+        PyObject *key = PyTuple_GET_ITEM(pair, 0);
+
+        value = PyTuple_GET_ITEM(pair, 1);
+        if (!PyUnicode_CheckExact(key)) {
+            PyErr_SetString(PyExc_TypeError, "Signature: keyword names must be str");
+            goto cleanup;
+        }
+        Py_INCREF(key);
+        PyUnicode_InternInPlace(&key);
+        PyTuple_SET_ITEM(self->kwnames, i - self->nargs, key);
+        where = PyUnicode_FromFormat("keyword argument '%U'", key);
+    }
+    if (where == NULL)
+        goto cleanup;
+    self->nspecs = i + 1;
+    if (tt_spec_build(self->state, &self->specs[i], value, 0, axes, where) < 0)
+        goto cleanup;
+    rc = 0;
+cleanup:
+    Py_XDECREF(where);
+    return rc;
+}
+
 static PyObject *
 tt_signature_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
@@ -130,7 +171,6 @@ tt_signature_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     PyObject *call_args, *call_kwargs, *dynamic = Py_None, *params = Py_None; /* borrowed */
     PyObject *items = NULL; /* new reference: kwargs' (name, value) pairs */
     PyObject *dyn = NULL;   /* new reference: dynamic as a tuple of our own */
-    PyObject *where = NULL; /* new reference: the argument's name for errors */
     TtSignature *self = NULL;
     TtState *st;
     Py_ssize_t i, nkw = 0, ndyn = 0;
@@ -176,37 +216,14 @@ tt_signature_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         goto error;
     }
     for (i = 0; i < self->nargs + nkw; i++) {
-        PyObject *value; /* borrowed from call_args or items */
         PyObject *axes = NULL; /* borrowed */
 
-        if (i < self->nargs) {
-            value = PyTuple_GET_ITEM(call_args, i);
-            where = PyUnicode_FromFormat("argument %zd", i);
-        }
-        else {
-            PyObject *pair = PyList_GET_ITEM(items, i - self->nargs);
-            PyObject *key = PyTuple_GET_ITEM(pair, 0);
-
-            value = PyTuple_GET_ITEM(pair, 1);
-            if (!PyUnicode_CheckExact(key)) {
-                PyErr_SetString(PyExc_TypeError, "Signature: keyword names must be str");
-                goto error;
-            }
-            Py_INCREF(key);
-            PyUnicode_InternInPlace(&key);
-            PyTuple_SET_ITEM(self->kwnames, i - self->nargs, key);
-            where = PyUnicode_FromFormat("keyword argument '%U'", key);
-        }
-        if (where == NULL)
-            goto error;
         if (dynamic == Py_True)
             axes = Py_True;
         else if (i < ndyn && PySequence_Fast_GET_ITEM(dyn, i) != Py_None)
             axes = PySequence_Fast_GET_ITEM(dyn, i);
-        self->nspecs = i + 1;
-        if (tt_spec_build(st, &self->specs[i], value, 0, axes, where) < 0)
+        if (tt_signature_build_spec(self, i, call_args, items, axes) < 0)
             goto error;
-        Py_CLEAR(where);
     }
     if (tt_signature_set_params(self, params) < 0)
         goto error;
@@ -216,7 +233,6 @@ tt_signature_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 error:
     Py_XDECREF(items);
     Py_XDECREF(dyn);
-    Py_XDECREF(where);
     Py_XDECREF(self);
     return NULL;
 }

@@ -324,6 +324,17 @@ class PaddedReplay:
     def _pad_counts(self) -> dict[tuple[int, int], tuple[int, int, int]]: ...
     def _pad_ready(self) -> list[tuple[int, int]]: ...
     def reset_counts(self) -> None: ...
+    @staticmethod
+    def _pad_batch_bucket(b: int) -> int:
+        """The batch bucket of batch b: a power of two up to 8, past it a multiple of a
+        quarter of the power of two below (at least 4)."""
+    @staticmethod
+    def _pad_key(b: int, n: int, batch: bool, length: bool, max_batch: int, max_length: int,
+                 step: int) -> Optional[tuple[int, int]]:
+        """The bucket of a call of batch b and length n, or None outside the range."""
+    @staticmethod
+    def _pad_lower(b: int, n: int, batch: bool, length: bool, step: int) -> tuple[int, int]:
+        """The smallest batch and length that fall into bucket (b, n)."""
     @property
     def fast_calls(self) -> int:
         """Calls served in C, from a ready bucket."""

@@ -14,20 +14,22 @@ from typing import Any
 
 from torch import nn
 
-from . import backends
+from . import backends, results
 from .backends.axes import Axes, precision_backends
 from .backends import Backend, BackendConfig
 from ._store.checkpoint import CheckpointError, load, read_summary, save
 from ._core.correctness import TOLERANCES
-from ._runtime.inspecting import ModuleTree, inspect
+from ._runtime.inspecting import inspect
 from ._runtime.module import TunedModule, install_all, installed, resolve_paths, set_mode, unwrap
 from .backends.strategy import (FirstWinsStrategy, HighestThroughputStrategy, OneBackendStrategy, Strategy,
                                 default_backends, default_strategy)
 from ._search.tuning import tune
 from ._store.tuning_cache import clear_cache
-from ._view.report import ModuleResult, ModuleResults, SignatureResult
-from ._view.status import ModelStatus, ModuleStatus, status
-from .tweak import DepthResult, TweakResult, tweak
+from ._view.status import status
+from .tweak import tweak
+# the result types, at the top of the package as before: aliases of tt.results' names, kept for one release
+from .results import (DepthResult, ModelStatus, ModuleResult, ModuleResults, ModuleStatus,  # noqa: F401
+                      ModuleTree, SignatureResult, TweakResult)
 from ._version import __version__
 
 
@@ -60,13 +62,13 @@ def deactivate(model: nn.Module) -> int:
 
 
 __all__ = [
-    "Axes", "Backend", "BackendConfig", "CheckpointError", "DepthResult", "FirstWinsStrategy",
-    "HighestThroughputStrategy", "ModelStatus", "ModuleResult", "ModuleResults", "ModuleStatus", "ModuleTree",
-    "OneBackendStrategy", "Strategy", "TOLERANCES", "TunedModule", "SignatureResult", "TweakResult",
-    "activate", "backends", "clear_cache", "deactivate", "default_backends", "default_strategy", "inspect",
-    "installed", "load", "precision_backends", "read_summary", "save", "status", "tune", "tweak", "unwrap",
-    "wrap",
+    "Axes", "Backend", "BackendConfig", "CheckpointError", "FirstWinsStrategy", "HighestThroughputStrategy",
+    "OneBackendStrategy", "Strategy", "TOLERANCES", "TunedModule", "activate", "backends", "clear_cache",
+    "deactivate", "default_backends", "default_strategy", "inspect", "installed", "load", "precision_backends",
+    "read_summary", "results", "save", "status", "tune", "tweak", "unwrap", "wrap",
 ]
+"""What users name. The result types live in tt.results (their names at the top are aliases kept for
+one release, left out of dir(tt))."""
 
 
 def __dir__() -> list[str]:

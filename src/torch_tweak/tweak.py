@@ -14,7 +14,7 @@ from torch import nn
 from . import _C
 from .backends import axes
 from ._core import correctness, distributed, model_state
-from ._runtime import generation
+from ._runtime import decode_call, generation
 from ._store import tuning_cache
 from ._core import cpu_load
 from ._core._samples import load_dataset, resolve_device, synchronizer
@@ -468,6 +468,11 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
             model, dataset, workload=workload, strategy=strategy, device=device, measure=measure, cache=cache,
             effort=effort, precision=precision, min_depth=min_depth, max_depth=max_depth,
             tie_tolerance=tie_tolerance, time_budget=time_budget), "checking tt.tweak's arguments")
+        if ranks is not None:  # before any collective whose sequence they decide
+            ranks.same_settings(dict(limits, shapes=_shapes_setting(shapes), tolerance=rule.tolerance, asked=asked,
+                                     strategy=_strategy_setting(strategy, device), measure=measuring,
+                                     calls=len(calls) if job is None else "a workload", cache=cache,
+                                     dry_run=bool(dry_run), device=device.type), "tt.tweak")
         strategy, declared, edges = distributed.step(
             lambda: _declared(model, shapes, calls, job, strategy, device), "checking shapes=")
         # Tracing, recording and measuring run the model; anything they or a build changed is put
@@ -480,6 +485,24 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
             if ranks is not None and not dry_run:
                 _same_plan(model, ranks)
             return result
+
+
+def _shapes_setting(shapes: Any) -> Any:
+    """shapes= as the ranks compare it: its checked form, or as given when it is not valid (the
+    step that checks it then fails on every rank)."""
+    try:
+        declared = check_shapes(shapes)
+    except (TypeError, ValueError):
+        return repr(shapes)
+    return None if declared is None else declared.as_dict()
+
+
+def _strategy_setting(strategy: Strategy | None, device: torch.device) -> str:
+    """The strategy as the ranks compare it: its class and backends (the defaults by name: an
+    optional backend installed on one host only changes the candidates)."""
+    if strategy is not None:
+        return repr(strategy)
+    return "the defaults: " + ", ".join(b.name for b in default_backends(device))
 
 
 def _tweak(model: nn.Module, calls: Any, job: Workload | None, device: torch.device, measuring: dict | None,
@@ -497,7 +520,7 @@ def _tweak(model: nn.Module, calls: Any, job: Workload | None, device: torch.dev
         # the decode loop first: the depths are then tuned and measured under it, and a
         # loop's decode steps replay the untuned model, so module tuning serves the prefill
         _choose_loop(job, device, measuring, shown, high=bool(asked) and asked.effort == "high")
-    compiled_loop = job is not None and job.loop in generation.COMPILED_LOOPS
+    compiled_loop = job is not None and job.loop in decode_call.COMPILED_LOOPS
     kept = GivenCalls(calls) if job is None else None
     with generation.uncompiled(model):  # hooks traced into transformers' compiled forward compile it again
         tree = ModuleTree(model, distributed.step(lambda: trace(model, calls, job.run if job is not None else None),

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torch_tweak as tt
-from torch_tweak._runtime import generation
+from torch_tweak._runtime import decode_call, generation
 
 transformers = pytest.importorskip("transformers")
 
@@ -307,7 +307,7 @@ def test_a_recorded_prefill_gives_the_eager_prefills_bits_and_the_untuned_tokens
         for seed in range(10, 13):
             ids = torch.randint(3, 256, (batch, length), device="cuda",
                                 generator=torch.Generator("cuda").manual_seed(seed))
-            call = generation.greedy_call(model, (ids,), dict(max_new_tokens=40, do_sample=False,
+            call = decode_call.greedy_call(model, (ids,), dict(max_new_tokens=40, do_sample=False,
                                                                 cache_implementation="static"))
             with torch.no_grad():
                 p.cache.reset()

@@ -556,16 +556,32 @@ def check_tensor(out: Any, ref: torch.Tensor, tolerance: float | None, where: st
     return Finding(error, limit)
 
 
-def _finite_alike(out: torch.Tensor, ref: torch.Tensor, where: str) -> torch.Tensor:
-    """The positions where the original is finite, after checking that the rest match in kind
-    and that there are enough of them."""
+def comparable(ref: Any, where: str = "output", whose: str = "the original's output") -> None:
+    """Raises MismatchError when a floating tensor of `ref` (a reference output, `whose` in
+    the message) has too few finite values for a check against it to compare anything (see
+    _enough_finite): no backend is accepted on such a reference."""
+    for i, t in enumerate(tensor_leaves(ref)):
+        if isinstance(t, torch.Tensor) and t.numel() and (t.is_floating_point() or t.is_complex()):
+            _enough_finite(t, f"{where} tensor {i}" if not isinstance(ref, torch.Tensor) else where, whose)
+
+
+def _enough_finite(ref: torch.Tensor, where: str, whose: str = "the original's output") -> torch.Tensor:
+    """ref's finite positions; MismatchError when fewer than MIN_FINITE_SHARE of them."""
     finite = torch.isfinite(ref)
     count = int(finite.sum())
     if count == 0 or count < MIN_FINITE_SHARE * ref.numel():
         found = "no finite value" if count == 0 else f"only {count} finite values of {ref.numel()}"
-        raise MismatchError(f"{where}: the original's output has {found} (the rest NaN or Inf), so a check "
+        raise MismatchError(f"{where}: {whose} has {found} (the rest NaN or Inf), so a check "
                             f"against it compares too little (at least {MIN_FINITE_SHARE:.0%} must be finite): "
                             "no backend is accepted for it, and it runs the original forward")
+    return finite
+
+
+def _finite_alike(out: torch.Tensor, ref: torch.Tensor, where: str) -> torch.Tensor:
+    """The positions where the original is finite, after checking that the rest match in kind
+    and that there are enough of them."""
+    finite = _enough_finite(ref, where)
+    count = int(finite.sum())
     bad = finite & ~torch.isfinite(out)
     if bool(bad.any()):
         raise MismatchError(f"{where}: {int(bad.sum())} NaN or Inf values where the original has none")
@@ -769,3 +785,27 @@ def check_distributions(got: Sequence[torch.Tensor], high: Sequence[torch.Tensor
                                 f"({MULTIPLIER:g}x the untuned call's own {own:.2e}, plus {TV_FLOOR:g})")
         worst_tv = max(worst_tv, distance)
     return worst_tv
+
+
+def token_difference(i: int, got: Any, expected: torch.Tensor, prompt: int | None) -> str | None:
+    """How generate call i's output differs from the tokens it must give (the first
+    differing token, counted from the first new one), or None when they are the same."""
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return (f"generate call {i}: {tuple(expected.shape)} tokens expected, got "
+                f"{tuple(getattr(got, 'shape', ()))}")
+    differ = (got != expected).nonzero()
+    if not differ.numel():
+        return None
+    row, col = (int(v) for v in differ[0])
+    return (f"generate call {i}: token {col - (prompt or 0)} of sequence {row} is {int(got[row, col])}, "
+            f"untuned {int(expected[row, col])}")
+
+
+def untuned_difference(i: int, got: Any, untuned: Sequence[torch.Tensor], prompt: int | None) -> str | None:
+    """None where generate call i's output equals one of the untuned runs' tokens (several
+    where the untuned model does not repeat its own: Workload._warm_tokens), else how it
+    differs from the first's."""
+    problem = token_difference(i, got, untuned[0], prompt)
+    if problem is not None and any(token_difference(i, got, other, prompt) is None for other in untuned[1:]):
+        return None
+    return problem

@@ -119,3 +119,19 @@ def reading(also: Iterable[int] = ()) -> tuple[float, float] | None:
                           os.sysconf("SC_CLK_TCK"), also)
     except Exception:
         return None
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the system tells, else the count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def host_memory() -> int | None:
+    """The machine's physical memory in bytes, or None where the system does not tell."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, OSError, ValueError):
+        return None

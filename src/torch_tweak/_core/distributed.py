@@ -23,10 +23,20 @@ and agree after each one through a ``Ranks`` (docs/tweak.md, "Tensor-parallel mo
   plan) is compared across ranks (``Ranks.same``), and a difference is an error on every
   rank.
 
-The agreement's collectives run on a gloo group of the same ranks (the user's group when it
-is gloo, else one made once per group), on CPU tensors: they never pair with the model's own
-collectives. A rank interrupted (Ctrl-C) or failing inside the model's own collective leaves
-the others waiting in it until the process group's timeout: no host can reach into it.
+The agreement's collectives run on torch-tweak's own gloo group of the same ranks (made by
+those ranks alone the first time they tune together on a group, never the user's group, even
+a gloo one), on CPU tensors: they never pair with the model's own collectives. A rank whose
+model raised before its own collective goes to the next agreement while the others wait in
+the model's collective; they leave it at the process group's timeout (no host can reach into
+it), with that error, and every rank then raises (a note on each rank's own error names the
+other ranks' failures). On the user's group, that agreement would have paired with the
+model's collective, and gloo aborted the process.
+
+Before any collective whose sequence depends on them, the settings that decide that sequence
+(tt.tweak's depths, tie tolerance, time budget, shapes, correctness rule, effort and
+precision, the strategy and its backends, the measurement settings, the number of calls,
+caching; tt.tune's likewise) are compared (``Ranks.same_settings``): ranks that differ raise
+one ValueError on every rank naming each setting and every rank's value.
 """
 
 from __future__ import annotations
@@ -45,7 +55,7 @@ from . import cpu_load
 T = TypeVar("T")
 
 _CURRENT: contextvars.ContextVar["Ranks | None"] = contextvars.ContextVar("torch_tweak_ranks", default=None)
-_CONTROL: dict[Any, Any] = {}  # a user's group that is not gloo -> the gloo group of its ranks
+_CONTROL: dict[Any, Any] = {}  # a user's group -> torch-tweak's own gloo group of its ranks
 
 
 class RankFailed(Exception):
@@ -96,11 +106,13 @@ def position(group: Any) -> tuple[int, int] | None:
 
 
 def _control_of(group: Any) -> Any:
-    """The gloo group of `group`'s ranks (made once: every process of the default group must
-    take part in making it, as torch.distributed.new_group asks)."""
+    """torch-tweak's own gloo group of `group`'s ranks, for the agreement alone (made once per
+    group, by its ranks alone: use_local_synchronization; the other processes of the default
+    group take no part)."""
     dist = _dist()
     if group not in _CONTROL:
-        _CONTROL[group] = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo")
+        _CONTROL[group] = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo",
+                                         use_local_synchronization=True)
     return _CONTROL[group]
 
 
@@ -116,7 +128,7 @@ class Ranks:
         self.rank: int = dist.get_rank(group)
         self.size: int = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))
-        self.control = group if self.backend == "gloo" else _control_of(group)
+        self.control = _control_of(group)  # never the user's group: it would pair with the model's collectives
         self.pending: Exception | None = None
         hosts = self.gather((socket.gethostname(), os.getpid()))
         here = hosts[self.rank][0]
@@ -149,18 +161,29 @@ class Ranks:
 
     # ------------------------------------------------------------- agreement
 
-    def agree(self, failure: BaseException | None, what: str) -> None:
+    def agree(self, failure: BaseException | None, what: str, first: bool = False) -> None:
         """Returns when no rank failed `what`; else raises on every rank: this rank's own
-        failure as it was, or RankFailed naming the first rank that failed and its message."""
+        failure as it was (with a note naming the other ranks' failures), or RankFailed naming
+        the first rank that failed and its message. first: a rank whose own failure followed
+        an earlier rank's (a timeout in the model's collective after the first rank raised
+        before it) raises RankFailed naming the first rank's too, with its own as the cause."""
         flags = [0.0] * self.size
         flags[self.rank] = float(failure is not None)
         flags = self._reduce(flags, _dist().ReduceOp.SUM)
         if not any(flags):
             return
         messages = self.gather(None if failure is None else f"{type(failure).__name__}: {failure}"[:500])
-        if failure is not None:
-            raise failure
         failed = [r for r, flag in enumerate(flags) if flag]
+        if failure is not None and first and failed[0] != self.rank:
+            raise RankFailed(f"{what} failed on rank {failed[0]}: {messages[failed[0]]} (and then on this rank, "
+                             f"{self.rank}: {messages[self.rank]})") from failure
+        if failure is not None:
+            others = [r for r in failed if r != self.rank]
+            if others and hasattr(failure, "add_note"):  # e.g. a timeout in the model's collective, after another
+                failure.add_note(f"torch-tweak: {what} failed on this rank ({self.rank}) and on rank"  # rank's error
+                                 f"{'s' if len(others) > 1 else ''} "
+                                 + "; ".join(f"{r}: {messages[r]}" for r in others))
+            raise failure
         also = f" (and on ranks {', '.join(map(str, failed[1:]))})" if len(failed) > 1 else ""
         raise RankFailed(f"{what} failed on rank {failed[0]}{also}: {messages[failed[0]]}")
 
@@ -184,6 +207,19 @@ class Ranks:
         shown = "; ".join(f"rank {r}: {str(v)[:200]}" for r, v in enumerate(values))
         raise ValueError(f"the ranks differ in {what} ({shown}); every rank must run the same model code on the "
                          "same inputs (each its own shard), in the same order")
+
+    def same_settings(self, settings: dict[str, Any], what: str) -> None:
+        """Returns when every rank holds equal `settings` ({name: plain value}); else ValueError on
+        every rank naming each setting that differs and every rank's value of it. Called before
+        any collective whose sequence the settings decide."""
+        values = self.gather({k: repr(v)[:200] for k, v in settings.items()})
+        differ = [k for k in settings if any(v.get(k) != values[0].get(k) for v in values)]
+        if not differ:
+            return
+        shown = "; ".join(f"{k}: " + ", ".join(f"rank {r} {v.get(k)}" for r, v in enumerate(values))
+                          for k in differ)
+        raise ValueError(f"the ranks call {what} with different settings ({shown}): they decide the sequence of "
+                         "the ranks' agreement, so every rank must pass the same ones; nothing was changed")
 
     # ------------------------------------------------ the engine's callbacks
 
@@ -218,7 +254,7 @@ class Ranks:
                 except Exception as exc:
                     failure = exc
             failure, self.pending = self.pending or failure, None
-            self.agree(failure, "a measured call")
+            self.agree(failure, "a measured call", first=True)
 
         return sync
 

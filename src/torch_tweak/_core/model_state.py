@@ -220,7 +220,7 @@ def _restore_tensor(t: _Tensor, where: str) -> list[str]:
         t.tensor.requires_grad_(t.requires_grad)
         changes.append(f"{where}: requires_grad set back to {t.requires_grad}")
     if t.copy is not None:
-        if not _same(t.data, t.copy):
+        if not same_values(t.data, t.copy):
             t.data.copy_(t.copy)
             changes.append(f"{where}: written in place; its values put back")
     elif t.version is not None and version_of(t.tensor) != t.version:  # an inference tensor keeps none
@@ -229,7 +229,10 @@ def _restore_tensor(t: _Tensor, where: str) -> list[str]:
     return changes
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same values exactly: same shape and dtype, NaN where the
+    other has NaN. The one exact equality of the package (a weight put back, an input written
+    into)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.is_floating_point() or a.is_complex():

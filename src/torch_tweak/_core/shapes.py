@@ -38,6 +38,11 @@ MASK_NAMES = ("attention_mask",)
 LIMITS = {"batch": 1 << 16, "length": 1 << 20}
 """The largest size each axis may declare (what a saved padded config may hold)."""
 
+POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "n_ctx")
+"""The fields of a model's config (transformers') that say how many positions it takes."""
+POSITION_TABLES = ("position_embeddings", "wpe", "embed_positions", "position_embedding", "pos_embed")
+"""The names of a position table (an nn.Embedding of one row per position) in a model."""
+
 AXES = {"batch": "axis 0 of every tensor argument",
         "length": "axis 1 of attention_mask and of the tensor arguments shaped like it"}
 
@@ -113,6 +118,16 @@ def find_mask(leaves: list, tensors: Sequence[int], named: dict[int, str]) -> in
                  and not leaves[i].is_floating_point()), None)
 
 
+def length_inputs(calls: Sequence[list], tensors: Sequence[int], mask: int | None) -> set[int]:
+    """The axis rule, written once: the tensors whose first two axes are the mask's in every
+    one of `calls` (their leaves) are length inputs, padded or bounded along axis 1 with the
+    mask; none without a mask."""
+    if mask is None:
+        return set()
+    return {i for i in tensors if all(c[i].dim() >= 2 and tuple(c[i].shape[:2]) == tuple(c[mask].shape)
+                                      for c in calls)}
+
+
 def _axes_of(call: Call, params: Sequence[str | None], shapes: Shapes, where: str) -> tuple[list, Any, list, int | None]:
     """(leaves, structure, tensor slots, mask slot) of a call, checking that it has the axes
     `shapes` declares; ValueError naming what is missing."""
@@ -166,10 +181,8 @@ def edge_call(call: Call, params: Sequence[str | None], shapes: Shapes, end: int
     if shapes.length is not None:
         assert mask is not None
         n = shapes.length[end]
-        along = tuple(leaves[mask].shape)
-        for i in tensors:
-            if leaves[i].dim() >= 2 and tuple(leaves[i].shape[:2]) == along:
-                out[i] = _resized(out[i], 1, n, pad_zeros=True)
+        for i in length_inputs([leaves], tensors, mask):
+            out[i] = _resized(out[i], 1, n, pad_zeros=True)
     if shapes.batch is not None:
         b = shapes.batch[end]
         for i in tensors:
@@ -193,3 +206,31 @@ def edge_calls(shapes: Shapes | None, calls: Sequence[Call], params: Sequence[st
             seen.append(sizes(call))
             made.append(call)
     return made
+
+
+def positions(model: torch.nn.Module) -> int | None:
+    """How many positions the model takes: the smallest of its config's POSITION_FIELDS and of
+    the rows of its position tables (an nn.Embedding named as in POSITION_TABLES); None when it
+    has neither (a length past it is no call of this model: tt.load's bounds)."""
+    found = []
+    config = getattr(model, "config", None)
+    for name in POSITION_FIELDS:
+        value = getattr(config, name, None) if config is not None else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            found.append(value)
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Embedding) and name.rpartition(".")[2] in POSITION_TABLES:
+            found.append(int(module.num_embeddings))
+    return min(found) if found else None
+
+
+def mask_lengths(calls: Sequence[Call], params: Sequence[str | None]) -> list[int]:
+    """Each call's length along its attention_mask (axis 1; find_mask), for the calls that have one."""
+    lengths = []
+    for call in calls:
+        leaves, _, named = named_leaves(call, params)
+        tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        mask = find_mask(leaves, tensors, named)
+        if mask is not None:
+            lengths.append(int(leaves[mask].shape[1]))
+    return lengths

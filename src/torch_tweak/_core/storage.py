@@ -4,18 +4,30 @@ The folder is ``$TORCH_TWEAK_CACHE``, else ``~/.cache/torch-tweak``: the tuning 
 (tuning_cache), the build logs (buildlog) and the isolation verdicts (verdicts) live there.
 Writes are atomic (a temporary file, synced, then renamed); reads of files that anyone could
 have put there are bounded and never block (open_regular, read_regular).
+
+What decides whether native code runs in this process (an isolation verdict) is sealed with
+a per-user key (seal, unseal): an HMAC-SHA256 with 32 random bytes kept in
+``$XDG_CONFIG_HOME/torch-tweak/seal.key`` (else ``~/.config/torch-tweak/seal.key``), made
+0600 at first use, outside the cache folder, which a team may share. A key file that is not
+a regular file of this user's, readable by no one else, is not used: nothing is then sealed,
+and nothing sealed is honoured.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import os
+import secrets
 import stat
 import tempfile
 from pathlib import Path
 from typing import IO, Iterator
 
 CACHE_ENV = "TORCH_TWEAK_CACHE"
+KEY_NAME = "seal.key"
+KEY_BYTES = 32
 
 
 def cache_dir() -> Path:
@@ -129,3 +141,61 @@ def atomic_file(path: Path, mode: str = "wb", **open_args) -> Iterator[IO]:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def key_path() -> Path:
+    """The per-user key's file (see the module docs)."""
+    base = os.environ.get("XDG_CONFIG_HOME")
+    folder = Path(base).expanduser() if base and os.path.isabs(os.path.expanduser(base)) else Path.home() / ".config"
+    return folder / "torch-tweak" / KEY_NAME
+
+
+_KEYS: dict[str, bytes | None] = {}
+
+
+def seal_key() -> bytes | None:
+    """This user's sealing key, made at first use (0600, in a folder made 0700); None when it
+    cannot be made or read, or its file is not a regular file of this user's that no one else
+    can read or write (another user's key seals nothing of ours)."""
+    path = key_path()
+    if str(path) in _KEYS:
+        return _KEYS[str(path)]
+    key = None
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+        except FileExistsError:
+            pass
+        else:
+            try:
+                os.write(fd, secrets.token_bytes(KEY_BYTES))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        try:
+            info = os.fstat(fd)
+            if (stat.S_ISREG(info.st_mode) and info.st_size == KEY_BYTES and not info.st_mode & 0o077
+                    and (not hasattr(os, "getuid") or info.st_uid == os.getuid())):
+                data = os.read(fd, KEY_BYTES + 1)
+                key = data if len(data) == KEY_BYTES else None
+        finally:
+            os.close(fd)
+    except OSError:
+        key = None
+    if key is not None:  # a key not found is looked for again (it may be made meanwhile)
+        _KEYS[str(path)] = key
+    return key
+
+
+def seal(data: bytes) -> str | None:
+    """The seal of `data` under this user's key (hex), or None when there is no key."""
+    key = seal_key()
+    return None if key is None else hmac.new(key, data, hashlib.sha256).hexdigest()
+
+
+def unseal(data: bytes, found: object) -> bool:
+    """Whether `found` is the seal of `data` under this user's key (False without a key)."""
+    want = seal(data)
+    return want is not None and isinstance(found, str) and hmac.compare_digest(want, found)

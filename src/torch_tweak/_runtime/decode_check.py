@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .._core import correctness
-from . import generation
+from . import decode_call, decode_model, generation
 
 
 def _forcing_processor(new: torch.Tensor, prompt: int) -> Any:
@@ -49,16 +49,16 @@ def teacher_forced(model: nn.Module, args: tuple, kwargs: dict, tokens: torch.Te
     transformers' loop, None: its processors are its own). Through tweak's decode loop where it
     is installed and serves the call (its own steps, kernels and processing), else through
     transformers' loop with a processor that forces the tokens."""
-    prompt = generation.prompt_length(args, kwargs) or 0
+    prompt = decode_call.prompt_length(args, kwargs) or 0
     new = tokens[:, prompt:]
     loop = generation.loop_of(model)
-    call = generation.greedy_call(model, args, kwargs)
+    call = decode_call.greedy_call(model, args, kwargs)
     if loop is not None and not isinstance(call, str) and loop.unmeasured(call) is None and \
             loop.layout_problem(call) is None:
         loop.forcing, loop.forced_logits = new, []
         loop.captured = [] if processed else None
         try:
-            with generation.same_draws(model, args, kwargs), torch.no_grad():
+            with decode_call.same_draws(model, args, kwargs), torch.no_grad():
                 model.generate(*args, **kwargs)
             return list(loop.forced_logits), (list(loop.captured) if processed else None)
         finally:
@@ -67,7 +67,7 @@ def teacher_forced(model: nn.Module, args: tuple, kwargs: dict, tokens: torch.Te
 
     given = dict(kwargs, logits_processor=LogitsProcessorList([_forcing_processor(new, prompt)]),
                  output_logits=True, return_dict_in_generate=True)
-    with generation.same_draws(model, args, kwargs), torch.no_grad():
+    with decode_call.same_draws(model, args, kwargs), torch.no_grad():
         out = (loop.original if loop is not None else model.generate)(*args, **given)
     return [t.detach().to(dtype=torch.float32) for t in out.logits], None
 
@@ -81,7 +81,7 @@ def reference(model: nn.Module, args: tuple, kwargs: dict, tokens: torch.Tensor)
     forward that fails), `why` says why and the tokens must be the untuned ones exactly."""
     if not correctness.rule().measured:
         return correctness.StepReference(None, why=f"the {correctness.rule().describe()} was asked for")
-    call = generation.greedy_call(model, args, kwargs)
+    call = decode_call.greedy_call(model, args, kwargs)
     if isinstance(call, str):
         return correctness.StepReference(None, why=f"a call tweak's loop does not serve ({call})")
     try:
@@ -99,7 +99,7 @@ def reference(model: nn.Module, args: tuple, kwargs: dict, tokens: torch.Tensor)
                                                    f"{str(exc).splitlines()[0][:200] if str(exc) else ''})")
 
 
-def processed_scores(call: generation.Greedy, tokens: torch.Tensor, logits: list[torch.Tensor]) -> list[torch.Tensor]:
+def processed_scores(call: decode_call.Greedy, tokens: torch.Tensor, logits: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each step's `logits` through the call's logits processors, on the prefix of `tokens`
     that step saw (float32, as transformers processes them)."""
     prompt = call.input_ids.shape[1]
@@ -112,7 +112,7 @@ def processed_scores(call: generation.Greedy, tokens: torch.Tensor, logits: list
     return out
 
 
-def _high_logits(model: nn.Module, call: generation.Greedy, tokens: torch.Tensor) -> list[torch.Tensor] | str:
+def _high_logits(model: nn.Module, call: decode_call.Greedy, tokens: torch.Tensor) -> list[torch.Tensor] | str:
     """Each decode step's logits from one forward of the whole sequence (`tokens`, prompt and
     new tokens) with the model's floating weights at higher precision, the model as it was
     before any tuning; or why there are none."""
@@ -131,7 +131,7 @@ def _high_logits(model: nn.Module, call: generation.Greedy, tokens: torch.Tensor
         takes = False
     if takes:
         kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    with generation.plain_model(model):
+    with decode_model.plain_model(model):
         weights = correctness.higher_weights(model, dtype)
         if isinstance(weights, str):
             return weights
@@ -157,15 +157,15 @@ def check_call(model: nn.Module, i: int, args: tuple, kwargs: dict, untuned: Any
     top-k sampler) to transformers' processors on the same logits."""
     from .._core.correctness import MismatchError, StepReference, check_distributions, check_steps, partings
 
-    prompt = generation.prompt_length(args, kwargs) or 0
-    with generation.same_draws(model, args, kwargs), torch.no_grad():
+    prompt = decode_call.prompt_length(args, kwargs) or 0
+    with decode_call.same_draws(model, args, kwargs), torch.no_grad():
         got = model.generate(*args, **kwargs)
-    differ = generation.untuned_difference(i, got, untuned, prompt)
+    differ = correctness.untuned_difference(i, got, untuned, prompt)
     if reference is None or not reference.measured:
         if differ is not None:
             raise MismatchError(differ)
         return f"call {i}: the untuned tokens"
-    call = generation.greedy_call(model, args, kwargs)
+    call = decode_call.greedy_call(model, args, kwargs)
     sample = not isinstance(call, str) and call.sample
     notes = []
     if differ is not None and isinstance(got, torch.Tensor):
@@ -192,32 +192,32 @@ def apply_loop(model: nn.Module, plan: "generation.LoopPlan", seconds: float | N
     model with its tuned modules taken out, the loop not installed), with the reference made
     here too; else leaves generate() as it was and returns why. The tokens the plan stores
     are not trusted: a forged loop stores its own. Each call is bounded
-    (generation.check_bounds), and the whole check by `seconds` (default
-    generation.LOOP_CHECK_SECONDS)."""
+    (decode_call.check_bounds), and the whole check by `seconds` (default
+    decode_call.LOOP_CHECK_SECONDS)."""
     from .._core.correctness import MismatchError
 
     if not plan.checks:
         return "no stored generate() call to check it on"
     for args, kwargs, _ in plan.checks:
-        problem = generation.check_bounds(model, args, kwargs)
+        problem = decode_call.check_bounds(model, args, kwargs)
         if problem is not None:
             return problem
-    limit = generation.LOOP_CHECK_SECONDS if seconds is None else seconds
+    limit = decode_call.LOOP_CHECK_SECONDS if seconds is None else seconds
     deadline = time.monotonic() + limit
     late = f"its check took longer than {limit:g} s (LOOP_CHECK_SECONDS)"
     untuned, references = [], []
     generation.uninstall(model)
     try:
-        with torch.no_grad(), generation.plain_model(model):
+        with torch.no_grad(), decode_model.plain_model(model):
             for args, kwargs, _ in plan.checks:
                 if deadline - time.monotonic() <= 0:
                     return late
                 # the first compiles; the two after it are the untuned tokens (either, where they
                 # differ: Workload._warm_tokens)
-                runs = 3 if generation.compiled_by_transformers(model, args, kwargs) else 1
+                runs = 3 if decode_model.compiled_by_transformers(model, args, kwargs) else 1
                 outs = []
                 for _ in range(runs):
-                    with generation.same_draws(model, args, kwargs):
+                    with decode_call.same_draws(model, args, kwargs):
                         left = max(deadline - time.monotonic(), 0.0)
                         outs.append(model.generate(*args, **{**kwargs, "max_time": left}))
                 untuned.append(outs[-2:] if runs > 1 else outs)
@@ -250,3 +250,39 @@ def apply_loop(model: nn.Module, plan: "generation.LoopPlan", seconds: float | N
     loop.calls = 0
     loop.fallbacks.clear()
     return problem
+
+
+DISTRIBUTION_BOUND = 1e-6
+"""The largest total variation distance between the loop's processed next-token distribution
+and transformers' at any step of a sampling call checked at tuning (distribution_difference).
+The two run the same processors on the same scores, so they are equal bit for bit where the
+logits are; the bound only leaves room for a softmax's last bit."""
+
+
+def distribution_difference(model: nn.Module, loop: "generation.DecodeLoop", args: tuple, kwargs: dict) -> str | None:
+    """For a sampling call: how the loop's processed next-token distribution differs from
+    transformers' processors' on the same prefixes (the untuned loop's output_scores, each
+    step's softmax against the loop's), beyond DISTRIBUTION_BOUND; None when it does not, or
+    for a greedy call (its tokens are compared exactly). Both runs draw under same_draws."""
+    call = decode_call.greedy_call(model, args, kwargs)
+    if isinstance(call, str) or not call.sample:
+        return None
+    with decode_call.same_draws(model, args, kwargs), torch.no_grad():
+        reference = loop.original(*args, **{**kwargs, "return_dict_in_generate": True, "output_scores": True})
+    loop.captured = []
+    try:
+        with decode_call.same_draws(model, args, kwargs), torch.no_grad():
+            model.generate(*args, **kwargs)
+        captured = loop.captured
+    finally:
+        loop.captured = None
+    expected = list(reference.scores)
+    if len(captured) < len(expected):
+        return f"the loop made {len(captured)} processed distributions, transformers {len(expected)}"
+    for step, (mine, theirs) in enumerate(zip(captured, expected)):
+        distance = 0.5 * (nn.functional.softmax(mine, dim=-1) - nn.functional.softmax(theirs.to(mine.device), dim=-1)
+                          ).abs().sum(dim=-1).max()
+        if not bool(distance <= DISTRIBUTION_BOUND):
+            return (f"step {step}: the processed next-token distribution is {float(distance):.2e} (total variation) "
+                    f"from transformers' processors', more than {DISTRIBUTION_BOUND:g}")
+    return None

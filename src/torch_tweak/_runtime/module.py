@@ -163,7 +163,7 @@ class TunedModule(_C.Dispatcher, nn.Module):
         return [fn for _, fn in self._tt_entries if isinstance(fn, _C.GraphReplay)]
 
     def _tt_traces(self) -> list:
-        """The call shapes proven of each traced model among the entries (backends.traced.Served)."""
+        """The call shapes proven of each traced model among the entries (backends._traced.Served)."""
         found = {id(s): s for s in (getattr(fn, "served", None) for _, fn in self._tt_entries) if s is not None}
         return list(found.values())
 
@@ -173,7 +173,7 @@ class TunedModule(_C.Dispatcher, nn.Module):
         while the wrapper was active, by reason: "no signature matched", "grad mode" (see
         Backend.supports_autograd), "train mode" (the module or a submodule in train mode: its
         backends were built and checked in eval mode), "device graph fell back", "trace fell back"
-        (a traced model's shape that failed its check, or a call it could not take: backends.traced)."""
+        (a traced model's shape that failed its check, or a call it could not take: backends._traced)."""
         base = self.__dict__.get("_tt_graph_base", {})
         graph = sum(g.fallbacks - base.get(id(g), 0) for g in self._tt_graphs())
         trace = sum(t.fallbacks - base.get(id(t), 0) for t in self._tt_traces())

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .. import _C
-from . import decode_check, generation, sampling
+from . import decode_call, decode_check, decode_model, generation, sampling
 from .._core import correctness
 from .._core._samples import synchronizer
 
@@ -72,7 +72,7 @@ class Workload:
         self.tokens = 0  # new tokens per run, from the recorded generate() calls
         self.ttft: dict[Any, float] = {}  # configuration label -> ms
         self.layouts: dict | None = None  # the forward calls of the first generate(): prefill, decode
-        self.loop: str | None = None  # the decode loop kept (generation.LOOPS), once chosen
+        self.loop: str | None = None  # the decode loop kept (decode_call.LOOPS), once chosen
         self.loop_report: list[dict] = []
         self.numerics: dict[Any, str] = {}  # configuration label -> what its check found (check_generate)
         self.hint = ""  # what the user could change for a faster loop (docs/generate.md)
@@ -98,7 +98,7 @@ class Workload:
             # once removed
             inputs = prepare(*args, **kwargs)
             if len(forwards) < 2 and inside and isinstance(inputs, dict):
-                layout = tuple((k, generation.describe_argument(v)) for k, v in inputs.items())
+                layout = tuple((k, decode_model.describe_argument(v)) for k, v in inputs.items())
                 if "return_dict" not in inputs:
                     layout += (("return_dict", ("value", True)),)
                 forwards.append(layout)
@@ -110,12 +110,12 @@ class Workload:
             nonlocal tokens, inside
             inside = not calls
             try:
-                with generation.same_draws(model, args, kwargs):  # a sampling call: tokens another run can check
+                with decode_call.same_draws(model, args, kwargs):  # a sampling call: tokens another run can check
                     out = original(*args, **kwargs)
             finally:
                 inside = False
             if isinstance(out, torch.Tensor) and out.dim() == 2:
-                prompt = generation.prompt_length(args, kwargs)
+                prompt = decode_call.prompt_length(args, kwargs)
                 if prompt is not None:
                     tokens += out.shape[0] * max(out.shape[1] - prompt, 0)
                     if len(calls) < MAX_GENERATE_CALLS:
@@ -148,19 +148,19 @@ class Workload:
     def _warm_tokens(self) -> None:
         """The untuned tokens of a call transformers compiles, read from a second and a third
         call: the recorded one may have compiled transformers' forward, and a first call's
-        tokens need not be its later calls' (generation.compiled_by_transformers). Where the
+        tokens need not be its later calls' (decode_model.compiled_by_transformers). Where the
         second and third differ, the untuned model does not repeat its own tokens (a near tie
         that its kernels decide one way or the other from run to run): a candidate is then held
         to giving the tokens of either, and it is said once."""
         with torch.no_grad():
             for i, call in enumerate(self.generate_calls):
-                if generation.compiled_by_transformers(self.model, call.args, call.kwargs):
+                if decode_model.compiled_by_transformers(self.model, call.args, call.kwargs):
                     runs = []
                     for _ in range(2):
-                        with generation.same_draws(self.model, call.args, call.kwargs):
+                        with decode_call.same_draws(self.model, call.args, call.kwargs):
                             runs.append(self.model.generate(*call.args, **call.kwargs).clone())
                     call.tokens = runs[0]
-                    differ = generation.token_difference(i, runs[1], runs[0], call.prompt)
+                    differ = correctness.token_difference(i, runs[1], runs[0], call.prompt)
                     if differ is not None:
                         call.others = (runs[1],)
                         logger.warning("torch-tweak: the untuned model's generate() does not repeat its own tokens "
@@ -238,9 +238,9 @@ def tuned_applies(model: nn.Module, device: torch.device, workload: Workload) ->
     if device.type != "cuda":
         return False
     for recorded in workload.generate_calls:
-        call = generation.greedy_call(model, recorded.args, recorded.kwargs)
+        call = decode_call.greedy_call(model, recorded.args, recorded.kwargs)
         if isinstance(call, str) or call.input_ids.shape[0] != 1 or \
-                generation.tuned_settings(generation.compile_config(model, call)) is None:
+                decode_model.tuned_settings(decode_model.compile_config(model, call)) is None:
             return False
     return True
 
@@ -250,14 +250,14 @@ def _loop_kinds(workload: Workload, device: torch.device, high: bool) -> list[st
     for the user, set on the workload)."""
     model = workload.model
     first = workload.generate_calls[0]
-    call = generation.greedy_call(model, first.args, first.kwargs)
+    call = decode_call.greedy_call(model, first.args, first.kwargs)
     static = not isinstance(call, str) and call.static  # device graphs need a static cache
     workload.hint = _hint(model, device, call)
     # a device graph replay of a step does what the plain loop does with no launches from the
     # host: where it can run, the plain loop is not worth a measurement (each is a whole run).
     # Where transformers compiles the decode steps, the untuned tokens are its compiled
     # kernels': only its own compiled forward gives them (the tuned loop: its own, checked)
-    if static and generation.transformers_compiles(model, call, generation.probe_cache(model, call)):
+    if static and decode_model.transformers_compiles(model, call, decode_model.probe_cache(model, call)):
         return ["compiled", "tuned"] if high and tuned_applies(model, device, workload) else ["compiled"]
     if device.type == "cuda" and static and \
             generation.DecodeLoop(model, "graph", workload.layouts).graph_problem(call) is None:
@@ -293,7 +293,7 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None, 
             # fail fast: a recorded call the loop would leave to transformers refuses it before
             # anything runs (the reason is what the loop itself would say)
             for recorded in workload.generate_calls:
-                served = generation.greedy_call(model, recorded.args, recorded.kwargs)
+                served = decode_call.greedy_call(model, recorded.args, recorded.kwargs)
                 why = served if isinstance(served, str) else loop.layout_problem(served) or loop.graph_problem(served)
                 if why is not None:
                     raise RuntimeError(f"the workload's generate() calls are not ones the loop serves ({why})")
@@ -303,7 +303,7 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None, 
                 for recorded in workload.generate_calls:  # without a reference: the exact distributions
                     if recorded.reference is not None and recorded.reference.measured:
                         continue
-                    problem = generation.distribution_difference(model, loop, recorded.args, recorded.kwargs)
+                    problem = decode_check.distribution_difference(model, loop, recorded.args, recorded.kwargs)
                     if problem is not None:
                         raise correctness.MismatchError(problem)
                 if loop.fallbacks:
@@ -373,7 +373,7 @@ def top_sampler_serves(workload: Workload, device: torch.device) -> bool:
     It spares the device a sort of the vocabulary per token but launches more kernels, so
     which is faster depends on whether the step waits for the device or for the host."""
     for recorded in workload.generate_calls:
-        call = generation.greedy_call(workload.model, recorded.args, recorded.kwargs)
+        call = decode_call.greedy_call(workload.model, recorded.args, recorded.kwargs)
         if not isinstance(call, str) and sampling.TopSampler.of(call.processors, call.sample, device) is not None:
             return True
     return False

@@ -117,13 +117,7 @@ def call_writing(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any
     versions = _versions((args, kwargs))
     kept = [(t, t.clone()) for t, v in zip(_tensors((args, kwargs)), versions) if v is None]
     out = fn(*args, **kwargs)
-    return out, _versions((args, kwargs)) != versions or any(not _same(t, copy) for t, copy in kept)
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and bool(torch.equal(a, b) or (a.is_floating_point() and
-                                                            torch.equal(a.isnan(), b.isnan()) and
-                                                            torch.equal(a.nan_to_num(), b.nan_to_num())))
+    return out, _versions((args, kwargs)) != versions or any(not model_state.same_values(t, copy) for t, copy in kept)
 
 
 WRITES_INPUTS = ("the module writes into a tensor it is given (an in-place operation on an argument, such as "
@@ -409,7 +403,7 @@ class GivenCalls(Sequence):
 
     def written(self, calls: Sequence[Call]) -> bool:
         """Whether a run changed a tensor of `calls` (which were equal to these)."""
-        return any(not _same(a, b) for given, now in zip(self.calls, calls)
+        return any(not model_state.same_values(a, b) for given, now in zip(self.calls, calls)
                    for a, b in zip(_tensors(given), _tensors(now)))
 
 
@@ -440,7 +434,9 @@ def tune(model: nn.Module, dataset: Any, *, strategy: Strategy | None = None, de
     with distributed.using(ranks), correctness.ruling(rule):
         device, paths, templates, calls = distributed.step(
             lambda: _tune_checked(model, dataset, strategy, device, measure), "checking tt.tune's arguments")
-        if ranks is not None:
+        if ranks is not None:  # before any collective whose sequence they decide
+            ranks.same_settings({"strategies": [repr(t) for t in templates], "measure": measure_for(device, measure),
+                                 "tolerance": rule.tolerance, "calls": len(calls), "device": device.type}, "tt.tune")
             ranks.same(paths, "the wrapped modules")
         wrappers = installed(model)
         shown = Progress(progress and (ranks is None or ranks.rank == 0))
@@ -529,6 +525,8 @@ def rebuild_group(wrapper: TunedModule, group: SignatureGroup, backend: Backend,
         reference = reference_of(module, dataclasses.replace(group, outputs=outputs), state, log)
         if reference.measured and outputs is not group.outputs:
             for j, (stored, own) in enumerate(zip(group.outputs, outputs)):
+                # a file's reference with no finite value accepts no backend, whatever the module gives
+                correctness.comparable(stored, where=f"sample {j} output", whose="the file's recorded output")
                 try:
                     check(stored, own, where=f"sample {j} output", high=reference.outputs[j])
                 except MismatchError as exc:

@@ -11,6 +11,12 @@ builds of torch, torch-tweak and the backend's own packages (versions and build
 identity, see builds). The file repeats those parts and is used only when they are equal,
 so a new OpenVINO, another CPU or a verdict of an older format runs the child again.
 
+A verdict decides whether a backend's native build runs in the tuning process, and the cache
+folder may be shared (a team's ``$TORCH_TWEAK_CACHE``): each verdict is sealed with this
+user's key (storage.seal: an HMAC over its parts, crashed and reason), and one whose seal
+does not hold (edited by hand, written by another user, or unsealed because no key could be
+made) is a miss, so the child runs again.
+
 Reading never fails and never blocks: a file that is not a regular file (a FIFO, a
 folder, a device), that is larger than MAX_BYTES, or that cannot be read or parsed is a
 miss, and the verdict found by the next child is written over it (atomically).
@@ -33,7 +39,7 @@ import torch
 from torch import nn
 
 from .._core._samples import Call
-from .._core.storage import atomic_file, cache_dir
+from .._core.storage import atomic_file, cache_dir, seal, unseal
 from .._core.signatures import describe_call
 
 VERSION = 2
@@ -153,13 +159,24 @@ def read(parts: dict[str, Any]) -> Verdict | None:
     if not isinstance(entry, dict) or entry.get("parts") != parts or not isinstance(entry.get("crashed"), bool):
         return None
     reason = entry.get("reason", "")
-    return Verdict(entry["crashed"], reason if isinstance(reason, str) else "")
+    if not isinstance(reason, str) or not unseal(_sealed_text(parts, entry["crashed"], reason), entry.get("seal")):
+        return None  # edited, another user's, or never sealed: the child runs again
+    return Verdict(entry["crashed"], reason)
+
+
+def _sealed_text(parts: dict[str, Any], crashed: bool, reason: str) -> bytes:
+    """What a verdict's seal covers."""
+    return json.dumps({"parts": parts, "crashed": crashed, "reason": reason}, sort_keys=True).encode("utf-8")
 
 
 def write(parts: dict[str, Any], verdict: Verdict) -> bool:
     """Stores `verdict` atomically (over whatever was there); False when it could not."""
     path = path_of(key_of(parts))
-    text = json.dumps({"parts": parts, "crashed": verdict.crashed, "reason": verdict.reason}, sort_keys=True)
+    sealed = seal(_sealed_text(parts, verdict.crashed, verdict.reason))
+    if sealed is None:
+        return False  # no key: an unsealed verdict would never be honoured
+    text = json.dumps({"parts": parts, "crashed": verdict.crashed, "reason": verdict.reason, "seal": sealed},
+                      sort_keys=True)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_file(path, "w", encoding="utf-8") as f:

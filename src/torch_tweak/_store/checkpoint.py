@@ -42,9 +42,11 @@ from .._core import correctness, distributed
 from .._core.storage import NotRegular, atomic_file
 from .._runtime.module import installed, own_class, resolve_paths
 from .._search import plan as planning
-from .._runtime.generation import LOOPS, LoopPlan, check_bounds, check_layouts
+from .._runtime.generation import LoopPlan
+from .._runtime.decode_call import LOOPS, check_bounds
+from .._runtime.decode_model import check_layouts
 from .._search.plan import SELECTED_DEPTHS, ModulePlan, Plan, plan_of
-from .._core.shapes import Shapes, check_shapes
+from .._core.shapes import Shapes, check_shapes, positions
 from .._runtime.workload import MAX_GENERATE_CALLS
 from .serial import (MAX_JSON_VALUES, Unstorable, build_backend, class_path, decode, describe_backend,
                      device_name, dumps, encode, known_types, loads)
@@ -451,10 +453,11 @@ def _opened(model: nn.Module, path: Any, *, device: Any, trust_artifacts: bool, 
         _check_target(model, target, device is None, manifest, path)
         _check_ranks(manifest, where, path)
         steps = _check_plan(model, plan, given, path)
-        shapes = _shapes_of(plan, path)
+        shapes = _shapes_of(plan, path, model)
         tolerance = _rule_of(plan, path).tolerance
         stored = _stored(data, target, path)
         groups = _groups(plan, stored, path, model, known_types(types))
+        _check_bounds(model, steps, groups, shapes, given, path)
         loop = _loop_plan(plan, stored, path, known_types(types), model)
     except (CheckpointError, FileNotFoundError):
         raise
@@ -498,12 +501,41 @@ def _applied(model: nn.Module, path: Any, target: torch.device, manifest: dict, 
             for m in modules}
 
 
-def _shapes_of(plan: dict, path: Any) -> Shapes | None:
-    """The declared shapes the file keeps (tt.tweak's shapes=), checked as tt.tweak checks them."""
+def _shapes_of(plan: dict, path: Any, model: nn.Module) -> Shapes | None:
+    """The declared shapes the file keeps (tt.tweak's shapes=), checked as tt.tweak checks them,
+    and a declared length within the model's positions (shapes.positions)."""
     try:
-        return check_shapes(plan.get("shapes"))
+        shapes = check_shapes(plan.get("shapes"))
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}: its declared shapes are not valid ({exc})") from None
+    table = positions(model)
+    if shapes is not None and shapes.length is not None and table is not None and shapes.length[1] > table:
+        raise CheckpointError(f"{path}: its declared shapes are refused: length {shapes.length} is past the model's "
+                              f"position table ({table} positions); the bound is the model's positions, and tt.save "
+                              "never writes such a range")
+    return shapes
+
+
+def _check_bounds(model: nn.Module, steps: list, groups: list, shapes: Shapes | None, given: list[Backend],
+                  path: Any) -> None:
+    """Every backend whose config came from the file (or that the file's declared shapes
+    changed) within its load bound (Backend.load_bound), before anything is built: a file's
+    numbers never take a load past its stated memory and time (docs/deployment.md)."""
+    for (name, backends), module_groups in zip(steps, groups):
+        module = model.get_submodule(name) if name else model
+        for backend, group in zip(backends, module_groups):
+            if backend is None:
+                continue
+            effective = backend.for_shapes(shapes) if shapes is not None else backend
+            if effective.config == backend.config and any(
+                    type(g) is type(backend) and g.config == backend.config for g in given):
+                continue  # the caller's own backend, as the caller configured it
+            problem = effective.load_bound(module, group.samples, model)
+            if problem is not None:
+                raise CheckpointError(
+                    f"{path}: {name or '(root)'} {group.text[:200]}: its {backend.name}'s {problem}; tt.load refuses a "
+                    "file past a bound before building anything (tt.save never writes one for this model): tune "
+                    "again here, or pass the backend you mean, tt.load(model, path, backends=[...])")
 
 
 def _given_backends(backends: Any) -> list[Backend]:

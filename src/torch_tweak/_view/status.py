@@ -36,7 +36,7 @@ class ModuleStatus:
     text: its backend's describe()}: the padded backend's buckets and their calls, the padding
     waste, the graphs recorded and their memory, the calls outside the range; OpenVINO's
     models per call shape on the CPU; a traced model's call shapes proven and refused
-    (backends.traced.Served); each with the "line" status prints (see
+    (backends._traced.Served); each with the "line" status prints (see
     docs/serving.md); empty otherwise.
     """
 

@@ -221,6 +221,14 @@ class Backend(abc.ABC):
         backend is also built and checked on the calls at the ranges' ends."""
         return self
 
+    def load_bound(self, module: torch.nn.Module, samples: Sequence[Call], model: torch.nn.Module) -> str | None:
+        """Why building this backend as a file configured it could take tt.load past its stated
+        memory and time (docs/deployment.md, "Bounds on what a file sets"), or None: a message naming
+        the config field, its value and the bound. Called by tt.load before anything is built,
+        for every backend whose config came from the file, with the module it is built for, the
+        group's stored calls and the whole model. Here: None (the schema's bounds suffice)."""
+        return None
+
     def fresh(self) -> "Backend":
         """A new, unbuilt backend with a copy of this one's config."""
         clone = copy.copy(self)

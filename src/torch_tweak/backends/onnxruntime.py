@@ -10,7 +10,7 @@ the dynamo exporter by default, the TorchScript exporter where the dynamo one fa
 exported dynamic, the others static; plain (non-tensor) arguments are baked in, as with
 OpenVINO. Either exporter keeps the branches its example took: a branch on the inputs'
 values is refused at the build, and a call shape is served only where a check proved the
-model there (backends.traced). The ONNX model lives in memory only: a saved tuned model
+model there (backends._traced). The ONNX model lives in memory only: a saved tuned model
 keeps the backend's name and config, and tt.load exports the module again; no ONNX file is
 ever read.
 
@@ -33,11 +33,12 @@ import torch
 import torch.utils._pytree as pytree
 
 from .._core import noise
+from .._core.cpu_load import usable_cpus
 from .._core._samples import Call, unstorable
 from .._core.schema import Count, OneOf
-from .base import Backend, BackendConfig, Baked, FlatModule, OutputForm
+from .base import Backend, BackendConfig, Baked, OutputForm
 from .registry import register
-from .traced import Served, watch_values
+from ._traced import Served, flatten_for_numpy, watch_values
 
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
 EXECUTION_MODES = ("sequential", "parallel")
@@ -126,6 +127,16 @@ class ONNXRuntimeBackend(Backend):
     def can_store(self, sample: Call) -> bool:
         return unstorable(sample) is None  # the export traces the module on its recorded calls
 
+    def load_bound(self, module: torch.nn.Module, samples: Sequence[Call], model: torch.nn.Module) -> str | None:
+        """A file's thread pools within this machine's CPUs (a forged 1,024 intra- and inter-op
+        threads each made the session crawl): more threads than CPUs only contend."""
+        cpus = usable_cpus()
+        for field in ("intra_op_threads", "inter_op_threads"):
+            value = getattr(self.config, field)
+            if value > cpus:
+                return f"{field}={value} is more threads than this machine's CPUs; the bound is {cpus}"
+        return None
+
     def session_options(self) -> Any:
         ort = importlib.import_module("onnxruntime")
         cfg = self.config
@@ -175,15 +186,8 @@ class ONNXRuntimeBackend(Backend):
 
     def build(self, module: torch.nn.Module, samples: Sequence[Call], device: torch.device) -> Callable[..., Any]:
         ort = importlib.import_module("onnxruntime")
-        leaves, spec = pytree.tree_flatten(samples[0])
-        slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        if not slots:
-            raise ValueError("ONNX Runtime needs at least one tensor argument to export the module")
-        for i in slots:
-            if leaves[i].dtype == torch.bfloat16:
-                raise ValueError("ONNX Runtime: bfloat16 inputs cannot cross to ONNX Runtime as numpy arrays")
-        constants = [None if i in slots else leaf for i, leaf in enumerate(leaves)]
-        flat = FlatModule(module, constants, spec, slots).eval()
+        prepared = flatten_for_numpy("ONNX Runtime", "export", module, samples)
+        leaves, spec, slots, flat = prepared.leaves, prepared.spec, prepared.slots, prepared.module
         example = tuple(leaves[i].detach() for i in slots)
         with watch_values("ONNX Runtime", len(example)):  # a branch on values: refused
             model = self.export(flat, example, _varying(samples, slots))

@@ -31,7 +31,7 @@ Every call into OpenVINO's converter and compiler (and its import) runs inside `
   file ``~/intel/openvino_telemetry``, the environment, a Telemetry the user's own import of
   openvino started) is left exactly as it was. While a build runs, another thread's own
   OpenVINO conversion is silent too.
-- The thread's alternate signal stack is put back as it was (ov_shapes.kept_signal_stack): a
+- The thread's alternate signal stack is put back as it was (_ov_shapes.kept_signal_stack): a
   compiled model sets its own and gives back the one it found when freed, so models freed
   out of order left the thread on freed memory, and the next Ctrl-C was a SIGSEGV.
 """
@@ -50,12 +50,13 @@ import torch
 import torch.utils._pytree as pytree
 
 from .._core._samples import Call, move, unstorable
+from .._core.cpu_load import host_memory
 from .._core.model_state import restore_places, weight_places
 from .._core.schema import Count, Name, OneOf
-from .._core.shapes import Shapes, find_mask, named_leaves
-from .base import Backend, BackendConfig, Baked, FlatModule, OutputForm
-from .ov_shapes import StaticShapes, kept_signal_stack
-from .traced import Served, watch_values
+from .._core.shapes import Shapes, find_mask, length_inputs, named_leaves
+from .base import Backend, BackendConfig, Baked, OutputForm
+from ._ov_shapes import StaticShapes, kept_signal_stack
+from ._traced import Served, flatten_for_numpy, watch_values
 from .registry import register
 
 PERFORMANCE_HINTS = ("LATENCY", "THROUGHPUT", "CUMULATIVE_THROUGHPUT")
@@ -271,10 +272,11 @@ class OpenVINOBackend(Backend):
         leaves, _, named = named_leaves(samples[0], forward_params(module))
         mask = find_mask(leaves, slots, named)
         flats = [pytree.tree_leaves(s) for s in samples]
+        along_length = length_inputs([leaves], slots, mask)
         dims = []
         for i in slots:
             shape = tuple(leaves[i].shape)
-            along = mask is not None and shape[:2] == tuple(leaves[mask].shape)
+            along = i in along_length
             axes: list = []
             for axis, size in enumerate(shape):
                 varies = len({int(f[i].shape[axis]) for f in flats}) > 1
@@ -364,20 +366,13 @@ class OpenVINOBackend(Backend):
     def _build_converted(self, module: torch.nn.Module, samples: Sequence[Call],
                          device: torch.device) -> Callable[..., Any]:
         ov = _import_openvino()
-        leaves, spec = pytree.tree_flatten(samples[0])
-        slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        if not slots:
-            raise ValueError("OpenVINO needs at least one tensor argument to convert the module")
-        for i in slots:
-            if leaves[i].dtype == torch.bfloat16:
-                raise ValueError("OpenVINO: bfloat16 inputs cannot cross to OpenVINO as numpy arrays")
-        constants = [None if i in slots else leaf for i, leaf in enumerate(leaves)]
+        prepared = flatten_for_numpy("OpenVINO", "convert", module, samples)
+        leaves, spec, slots, flat = prepared.leaves, prepared.spec, prepared.slots, prepared.module
         example = tuple(leaves[i].detach().cpu() for i in slots)
         static = all(
             [tuple(leaf.shape) for leaf in pytree.tree_leaves(s) if isinstance(leaf, torch.Tensor)]
             == [tuple(t.shape) for t in example] for s in samples)
         bounds = None if static else self.bounds(samples, slots, module)
-        flat = FlatModule(module, constants, spec, slots).eval()
         with torch.no_grad(), watch_values("OpenVINO", len(example)):  # a branch on values: refused
             model = ov.convert_model(flat, example_input=example,
                                      input=[tuple(t.shape) for t in example] if static else None if bounds is None
@@ -429,6 +424,15 @@ class OpenVINOBackend(Backend):
         run.baked = baked  # type: ignore[attr-defined]
         run.served = served  # type: ignore[attr-defined]
         return run
+
+    def load_bound(self, module: torch.nn.Module, samples: Sequence[Call], model: torch.nn.Module) -> str | None:
+        """A file's static_memory_mb within this machine's memory: the models per call shape
+        may take that much."""
+        memory = host_memory()
+        if memory is not None and self.config.static_memory_mb > memory >> 20:
+            return (f"static_memory_mb={self.config.static_memory_mb} is more than this machine's memory; the bound "
+                    f"is {memory >> 20} MiB")
+        return None
 
     def _static_shapes(self, ov: Any, model: Any, device: torch.device, static: bool, samples: Sequence[Call],
                        module: torch.nn.Module, form: OutputForm, compile_s: float) -> StaticShapes | None:

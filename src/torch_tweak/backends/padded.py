@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from typing import Any, Callable, Sequence
 
 import torch
@@ -66,7 +65,7 @@ from .. import _C
 from .._core._samples import Call, fresh
 from .._core.correctness import MismatchError, check
 from .._core.schema import Count, Flag
-from .._core.shapes import Shapes, find_mask, named_leaves
+from .._core.shapes import Shapes, find_mask, length_inputs, mask_lengths, named_leaves, positions
 from .base import Backend, BackendConfig, BackendUnavailable
 from .graph import DeviceGraphBackend, _DeviceApi, capture, graph_unavailable, warm_up
 from .inductor import compile_module, shared_compiles
@@ -128,25 +127,12 @@ class PaddedGraphBackendConfig(BackendConfig):
 # ----------------------------------------------------------------- the plan
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-POW2_UP_TO = 8
-"""Batch buckets: powers of two up to POW2_UP_TO; past it, steps of a quarter of the power of
-two below (9-16 by 4, 17-32 by 4, 33-64 by 8, 65-128 by 16...): there the work is arithmetic
-more than launches, and at most a fifth of a call's rows are padding."""
-
-
-def _batch_step(b: int) -> int:
-    return max(4, (1 << (b - 1).bit_length() - 1) // 4)
-
-
 def batch_bucket(b: int) -> int:
-    if b <= POW2_UP_TO:
-        return _next_pow2(b)
-    step = _batch_step(b)
-    return -(-b // step) * step
+    """The batch bucket of batch b: powers of two up to 8; past it, steps of a quarter of the
+    power of two below (9-16 by 4, 17-32 by 4, 33-64 by 8, 65-128 by 16...): there the work is
+    arithmetic more than launches, and at most a fifth of a call's rows are padding. The rule is
+    the C type's (ext/padded_bucket.c), which finds the bucket of every call it serves."""
+    return _C.PaddedReplay._pad_batch_bucket(b)
 
 
 @dataclasses.dataclass
@@ -169,11 +155,9 @@ class Plan:
     """Per input slot, the recorded dtype, device and shape (the padded axes' sizes vary)."""
 
     def key(self, b: int, n: int) -> tuple[int, int] | None:
-        """The bucket (batch, length) of a call of batch b and length n, or None outside the range."""
-        if (self.batch and b > self.max_batch) or (self.length and n > self.max_length):
-            return None
-        return (batch_bucket(b) if self.batch else b,
-                min(-(-n // self.step) * self.step, self.max_length) if self.length else n)
+        """The bucket (batch, length) of a call of batch b and length n, or None outside the
+        range: the C type's rule (ext/padded_bucket.c), the one its per-call path serves by."""
+        return _C.PaddedReplay._pad_key(b, n, self.batch, self.length, self.max_batch, self.max_length, self.step)
 
     def fits(self, leaves: list, spec: Any) -> bool:
         """Whether a call (its leaves and structure) is one the plan pads: the recorded
@@ -201,11 +185,8 @@ class Plan:
         return True
 
     def lower(self, key: tuple[int, int]) -> tuple[int, int]:
-        """The smallest batch and length that fall into bucket `key`."""
-        b, n = key
-        low_b = (b // 2 + 1 if b <= POW2_UP_TO else b - _batch_step(b) + 1) if self.batch and b > 1 else b
-        low_n = ((n - 1) // self.step) * self.step + 1 if self.length else n
-        return low_b, max(1, min(low_n, n))
+        """The smallest batch and length that fall into bucket `key` (the C type's rule)."""
+        return _C.PaddedReplay._pad_lower(key[0], key[1], self.batch, self.length, self.step)
 
 
 def _sizes(leaves: list, plan_tensors: list[int], mask: int | None) -> tuple[int, int]:
@@ -232,10 +213,7 @@ def make_plan(samples: Sequence[Call], refs: Sequence[Any], names: Sequence[str 
     batch = all(c[i].dim() >= 1 for c in calls for i in tensors) and all(
         len({int(c[i].shape[0]) for i in tensors}) == 1 for c in calls)
     batch_sizes = {int(c[tensors[0]].shape[0]) for c in calls} if batch else set()
-    seq_inputs: set[int] = set()
-    if mask is not None:
-        seq_inputs = {i for i in tensors if all(c[i].dim() >= 2 and tuple(c[i].shape[:2]) == tuple(c[mask].shape)
-                                                for c in calls)}
+    seq_inputs = length_inputs(calls, tensors, mask)
     lengths = {int(c[mask].shape[1]) for c in calls} if mask is not None else set()
     pad_batch = len(batch_sizes) > 1 or (batch and config.max_batch is not None)
     pad_length = len(lengths) > 1 or (mask is not None and config.max_length is not None)
@@ -268,11 +246,21 @@ def make_plan(samples: Sequence[Call], refs: Sequence[Any], names: Sequence[str 
     most_n = max(lengths) if lengths else 0
     max_batch = config.max_batch if config.max_batch is not None else batch_bucket(2 * most_b)
     max_length = config.max_length if config.max_length is not None else most_n
-    per = -(-max(max_length, most_n) // config.length_buckets)  # a length bucket's step: a multiple of 8
-    step = max(8, -(-per // 8) * 8) if pad_length else 1
+    step = length_step(max(max_length, most_n), config.length_buckets) if pad_length else 1
     meta = {i: (calls[0][i].dtype, calls[0][i].device, tuple(calls[0][i].shape)) for i in tensors}
     return Plan(spec, tensors, pad_batch, pad_length, mask if pad_length else None, seq_inputs if pad_length else set(),
                 out_batch, out_length, max(max_batch, most_b), max(max_length, most_n), step, meta)
+
+
+def length_step(longest: int, buckets: int) -> int:
+    """A length bucket's step: the longest length cut into `buckets`, rounded up to a multiple of 8."""
+    per = -(-longest // buckets)
+    return max(8, -(-per // 8) * 8)
+
+
+LOAD_GROWTH = 16
+"""tt.load's bound on a file's padding: a length step (max_length / length_buckets) of at most
+this many times the longest stored call's length (load_bound)."""
 
 
 # ----------------------------------------------------------------- buckets
@@ -641,6 +629,29 @@ class PaddedGraphBackend(Backend):
             if declared is not None and getattr(clone.config, field) is None:
                 setattr(clone.config, field, declared[1])
         return clone
+
+    def load_bound(self, module: torch.nn.Module, samples: Sequence[Call], model: torch.nn.Module) -> str | None:
+        """A file's max_length within the model's positions, and its length step (max_length
+        / length_buckets) within LOAD_GROWTH times the longest stored call: a padded call at
+        load or while serving holds at most that many times the positions of the calls the
+        module was checked on (a forged max_length of 2^20 in one bucket padded every call to
+        a million positions)."""
+        from .._core.signatures import forward_params
+
+        cfg = self.config
+        table = positions(model)
+        if cfg.max_length is not None and table is not None and cfg.max_length > table:
+            return (f"max_length={cfg.max_length} is past the model's position table ({table} positions); the bound "
+                    "is the model's positions")
+        lengths = mask_lengths(samples, forward_params(module))
+        if not lengths:
+            return None
+        longest = max(lengths)
+        step = length_step(max(cfg.max_length or 0, longest), cfg.length_buckets)
+        if step > LOAD_GROWTH * longest:
+            return (f"max_length={cfg.max_length} with length_buckets={cfg.length_buckets} pads to steps of {step} "
+                    f"positions; the bound is {LOAD_GROWTH} x the longest stored call ({longest} positions)")
+        return None
 
     def describe(self) -> dict | None:
         """The buckets, their hits, the padding waste, the graphs and their memory; None unbuilt."""

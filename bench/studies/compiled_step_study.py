@@ -1,25 +1,23 @@
 """A study for issue 29 (generate() near the memory floor): transformers' compiled decode
 step (its compile settings, Inductor's own graphs off) recorded with the argmax in one device
 graph by the decode loop kind "compiled-graph", which existed at commit b309569 only; it
-runs against that commit. Usage: python bench/compiled_step_study.py 1b compiled-graph.
+runs against that commit. Usage: python bench/studies/compiled_step_study.py 1b compiled-graph.
 Prints tokens per second of transformers' static path and of the loop, whether their tokens
 are equal, and the recorded step's device time replayed alone."""
 import copy, sys, time, torch, transformers
+import common
 from torch_tweak._runtime import generation
 size = sys.argv[1]
-torch.manual_seed(0)
+prompt, new = 32, 128
 if size == "1b":
-    config = transformers.LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=8192, rope_theta=500000.0,
-        tie_word_embeddings=True)
-    prompt, new = 32, 128
+    model = common.llama_1b(max_positions=8192, generate=True)
 else:
+    torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    prompt, new = 32, 128
-model = transformers.LlamaForCausalLM(config).eval().to("cuda", torch.bfloat16)
-model.generation_config.eos_token_id = None
-model.generation_config.pad_token_id = 0
+    model = transformers.LlamaForCausalLM(config).eval().to("cuda", torch.bfloat16)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
 untuned = copy.deepcopy(model)
 ids = torch.randint(100, 500, (1, prompt), device="cuda")
 def gen(m):

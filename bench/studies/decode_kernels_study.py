@@ -12,7 +12,7 @@ same generate() call with a static cache:
 Prints, per way: the first call's seconds (its compile), tokens per second (median of 5),
 and whether its tokens equal the static path's (the first differing new token if not).
 
-    python bench/decode_kernels_study.py [--json PATH] [--cases greedy32,sampling32,greedy512]
+    python bench/studies/decode_kernels_study.py [--json PATH] [--cases greedy32,sampling32,greedy512]
 """
 import argparse
 import copy
@@ -21,24 +21,11 @@ import statistics
 import sys
 import time
 
+import common
 import torch
 import transformers
 
 from torch_tweak._runtime import generation
-
-FLOOR_BYTES_PER_S = 4.8e12
-
-
-def build() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=64, max_position_embeddings=8192, rope_theta=500000.0,
-        tie_word_embeddings=True)
-    model = transformers.LlamaForCausalLM(config).eval().to("cuda", torch.bfloat16)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
 
 
 def main() -> None:
@@ -47,13 +34,13 @@ def main() -> None:
     parser.add_argument("--cases", default="greedy32,sampling32,greedy512")
     parser.add_argument("--ways", default="static,loop,cdt")
     args = parser.parse_args()
-    base = build()
+    base = common.llama_1b(max_positions=8192, generate=True)
     seen, weight = set(), 0
     for p in base.parameters():
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
             weight += p.numel() * p.element_size()
-    floor = FLOOR_BYTES_PER_S / weight
+    floor = common.H200_BYTES_PER_S / weight
     out = {"torch": torch.__version__, "transformers": transformers.__version__,
            "device": torch.cuda.get_device_name(), "weight_bytes": weight, "floor_tokens_per_s": floor, "rows": []}
     models = {}
@@ -99,8 +86,7 @@ def main() -> None:
                 row["first_difference"] = diffs  # per prompt: None where every token is equal
             out["rows"].append(row)
             print(json.dumps(row), flush=True)
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=1)
+            common.write_run(args.json, out)
 
 
 if __name__ == "__main__":

@@ -27,18 +27,20 @@ took, and every size its example turned into a Python number.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import linecache
 import logging
 import os
 import sys
 import threading
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from .._core.correctness import MismatchError, check
+from .base import FlatModule
 
 logger = logging.getLogger("torch_tweak")
 
@@ -319,3 +321,29 @@ class Served:
 
 def _sizes(key: tuple) -> list:
     return [list(s) for s in key]
+
+
+@dataclasses.dataclass
+class Flat:
+    """A module's first recorded call flattened for a runtime that takes numpy arrays (OpenVINO,
+    ONNX Runtime): its leaves and their layout (spec), which leaves are tensors (slots, the
+    runtime's inputs in order) and the module as a function of those tensors alone (module)."""
+
+    leaves: list
+    spec: Any
+    slots: list[int]
+    module: torch.nn.Module
+
+
+def flatten_for_numpy(runtime: str, verb: str, module: torch.nn.Module, samples: Sequence[Any]) -> Flat:
+    """The one prologue of a runtime whose inputs cross as numpy arrays: the first call's
+    tensors are its inputs, the rest baked in as constants; ValueError for a call with no
+    tensor (nothing to convert or export with) or a bfloat16 tensor (numpy has no such type)."""
+    leaves, spec = pytree.tree_flatten(samples[0])
+    slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    if not slots:
+        raise ValueError(f"{runtime} needs at least one tensor argument to {verb} the module")
+    if any(leaves[i].dtype == torch.bfloat16 for i in slots):
+        raise ValueError(f"{runtime}: bfloat16 inputs cannot cross to {runtime} as numpy arrays")
+    constants = [None if i in slots else leaf for i, leaf in enumerate(leaves)]
+    return Flat(leaves, spec, slots, FlatModule(module, constants, spec, slots).eval())

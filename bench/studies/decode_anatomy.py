@@ -22,54 +22,24 @@ and per step the number of kernels one step launches (the profiler, outside the 
 that what is left above the GEMVs can be laid at kernels per step or at the products
 themselves.
 
-    python bench/decode_anatomy.py [--json PATH]
+    python bench/studies/decode_anatomy.py [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
 import traceback
 from typing import Any, Callable
 
+import common
 import torch
 import torch.nn.functional as F
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from gpu_bench import source_commit  # noqa: E402
-
-PEAK_BYTES = 4.8e12
 PROMPT, NEW = 32, 128
 REPEAT, ROUNDS = 50, 7
-
-
-def build() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
-                         tie_word_embeddings=True, head_dim=64, rope_theta=500000.0)
-    return LlamaForCausalLM(config).eval().to("cuda", torch.bfloat16)
-
-
-def graphed(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    stream.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    return graph
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph) -> float:
@@ -82,16 +52,6 @@ def replay_ms(graph: torch.cuda.CUDAGraph) -> float:
         torch.cuda.synchronize()
         rounds.append((time.perf_counter() - t0) / REPEAT * 1e3)
     return statistics.median(rounds)
-
-
-def kernels(fn: Callable[[], Any]) -> int:
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -137,12 +97,12 @@ def step_of(model: torch.nn.Module, forward: Callable[..., Any]) -> Callable[[],
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="gemv,gemv-fused,lm_head,step-eager,step-compiled")
-    parser.add_argument("--json", default=os.path.join(HERE, "results", "runs", f"decode-anatomy-{source_commit()}.json"))
+    parser.add_argument("--json", default=os.path.join(common.RUNS, f"decode-anatomy-{common.commit()}.json"))
     args = parser.parse_args()
-    model = build()
+    model = common.llama_1b()
     wb = weight_bytes(model)
     out: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                           "commit": source_commit(), "weight_bytes": wb, "floor_ms": wb / PEAK_BYTES * 1e3,
+                           "commit": common.commit(), "weight_bytes": wb, "floor_ms": wb / common.H200_BYTES_PER_S * 1e3,
                            "ms": {}, "kernels": {}, "errors": {}}
     import transformers
     out["transformers"] = transformers.__version__
@@ -161,8 +121,8 @@ def main() -> None:
                 continue
             try:
                 fn = make()
-                out["kernels"][name] = kernels(fn)
-                out["ms"][name] = replay_ms(graphed(fn))
+                out["kernels"][name] = len(common.kernels(fn, warm=True))
+                out["ms"][name] = replay_ms(common.graphed(fn)[0])
             except Exception as exc:
                 traceback.print_exc()
                 out["errors"][name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
@@ -171,9 +131,7 @@ def main() -> None:
         print(f"{name:14s} {ms:7.3f} ms  {out['floor_ms'] / ms:6.1%} of the floor  {1e3 / ms:7.0f} tok/s  "
               f"{out['kernels'].get(name, '-')} kernels")
     print(f"floor {out['floor_ms']:.3f} ms ({1e3 / out['floor_ms']:.0f} tok/s), {wb / 1e9:.2f} GB a token")
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
+    common.write_run(args.json, out)
 
 
 if __name__ == "__main__":

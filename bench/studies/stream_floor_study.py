@@ -15,24 +15,20 @@ kernels) and how much is the kernels' own work; a target of N times a column is 
 these kernels only where that column is at least N times the floor. Vision rows are also
 measured in channels-last memory (the input converted inside the graph).
 
-    python bench/stream_floor_study.py [--rows bert:bf16,resnet50:bf16,vit:bf16] [--json PATH]
+    python bench/studies/stream_floor_study.py [--rows bert:bf16,resnet50:bf16,vit:bf16] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
 import time
 import traceback
 from typing import Any
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+import common  # noqa: E402  (puts bench/ on the path)
 import serving_bench as sb  # noqa: E402
 
 
@@ -55,16 +51,8 @@ def graph_for(model: torch.nn.Module, r: sb.Request, channels_last: bool) -> tup
         kwargs = dict(zip(r.kwargs, static[len(r.args):]))
         return model(*args, **kwargs)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.no_grad(), torch.cuda.stream(stream):
-        for _ in range(3):
-            forward()
-    stream.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(graph, stream=stream):
-        out = forward()
-    torch.cuda.current_stream().wait_stream(stream)
+    with torch.no_grad():
+        graph, out = common.graphed(forward)
     static.append(out)  # kept alive with the graph
     return graph, static
 
@@ -133,7 +121,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     run: dict[str, Any] = {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
-                           "commit": os.environ.get("TT_BENCH_COMMIT", ""), "rows": []}
+                           "commit": common.commit(), "rows": []}
     for spec in args.rows.split(","):
         name, dtype_name = spec.split(":")
         try:
@@ -143,8 +131,7 @@ def main() -> None:
             run["rows"].append({"row": spec, "error": f"{type(exc).__name__}: {exc}"})
         torch.cuda.empty_cache()
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(run, f, indent=1)
+            common.write_run(args.json, run)
 
 
 if __name__ == "__main__":

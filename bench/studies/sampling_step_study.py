@@ -17,17 +17,16 @@ what the loop's recorded draw runs). Per way and batch:
 and, for the recorded sampler, whether its draws equal the eager draws under the same seed
 (torch's generator advances the same in a replay as in eager calls).
 
-    python bench/sampling_step_study.py [--json PATH]
+    python bench/studies/sampling_step_study.py [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 from typing import Callable
 
+import common
 import torch
 import transformers
 
@@ -91,27 +90,13 @@ def host_and_device(fn: Callable[[], object], n: int) -> tuple[float, float]:
     return host, start.elapsed_time(end) / n * 1e3
 
 
-def recorded(fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.random.fork_rng(devices=[0]), torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-        stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            out = fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    return graph, out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=200)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     run = {"torch": torch.__version__, "transformers": transformers.__version__,
-           "device": torch.cuda.get_device_name(), "commit": os.environ.get("TT_BENCH_COMMIT", ""), "rows": []}
+           "device": torch.cuda.get_device_name(), "commit": common.commit(), "rows": []}
     for batch in (1, 4):
         torch.manual_seed(0)
         logits = torch.randn(batch, 1, VOCAB, device="cuda", dtype=torch.bfloat16) * 2
@@ -119,7 +104,7 @@ def main() -> None:
         for way, fn in fns.items():
             host, device = host_and_device(fn, args.n)
             row = {"batch": batch, "way": way, "eager_host_us": round(host, 1), "eager_device_us": round(device, 1)}
-            graph, out = recorded(fn)
+            graph, out = common.graphed(fn, fork_rng=True)
             host_g, device_g = host_and_device(graph.replay, args.n)
             row.update(graph_host_us=round(host_g, 1), graph_device_us=round(device_g, 1))
             if way.startswith("top-sampler"):  # its draws against transformers' processors' under the same seeds
@@ -145,8 +130,7 @@ def main() -> None:
             run["rows"].append(row)
             print(row, flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(run, f, indent=1)
+        common.write_run(args.json, run)
 
 
 if __name__ == "__main__":

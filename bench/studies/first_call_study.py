@@ -4,12 +4,12 @@ new token (what tt.tweak's time-to-first-token measurement makes)? Llama-1B shap
 random weights, batch 1, 128 new tokens. Prints, per call, the first new token that differs
 from the first call's (None: all equal).
 
-    python bench/first_call_study.py [--prompt 512]
+    python bench/studies/first_call_study.py [--prompt 512]
 """
 import argparse
 import copy
-import json
 
+import common
 import torch
 
 from generate_bench import build_shape
@@ -51,9 +51,7 @@ def main() -> None:
     rows["a copy whose first calls made one new token"] = first_difference(call(spare), first)
     for k, v in rows.items():
         print(f"{k}: first difference {v}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"prompt": args.prompt, "first_difference": rows}, f, indent=1)
+    common.write_run(args.json, {"prompt": args.prompt, "first_difference": rows})
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ the same two ways; the sampler then ran eagerly, so its "loop" is what "loop-eag
 Prints tokens per second (median of --rounds) and whether each way's tokens equal the static
 path's under the same seed.
 
-    python bench/sampler_ab_study.py [--models llama1b,qwen05b] [--rounds 7] [--batches 1,4]
+    python bench/studies/sampler_ab_study.py [--models llama1b,qwen05b] [--rounds 7] [--batches 1,4]
         [--prompts 32] [--calls sampling,greedy] [--new 128] [--json PATH]
 """
 
@@ -30,15 +30,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+import common  # noqa: E402  (puts bench/ on the path)
 import generate_bench as gb  # noqa: E402
 
 from torch_tweak._runtime import generation  # noqa: E402
@@ -105,14 +102,13 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     run = {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
-           "commit": os.environ.get("TT_BENCH_COMMIT", ""), "rows": []}
+           "commit": common.commit(), "rows": []}
     for name in args.models.split(","):
         run["rows"] += study(name, args.rounds, args.new, [int(b) for b in args.batches.split(",")],
                              [int(p) for p in args.prompts.split(",")], args.calls.split(","))
         torch.cuda.empty_cache()
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(run, f, indent=1)
+            common.write_run(args.json, run)
 
 
 if __name__ == "__main__":

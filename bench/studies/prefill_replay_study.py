@@ -20,7 +20,7 @@ one layer. For the base recording and masks_as_eager's, the kernels the eager fo
 replay launch are listed (the profiler's names): the kernels only one of them launches say
 which code ran differently.
 
-    python bench/prefill_replay_study.py [--models phi3mini,mistral7b,llama1b] [--layers 2] [--json PATH]
+    python bench/studies/prefill_replay_study.py [--models phi3mini,mistral7b,llama1b] [--layers 2] [--json PATH]
 """
 
 from __future__ import annotations
@@ -29,15 +29,12 @@ import argparse
 import contextlib
 import inspect
 import json
-import os
-import sys
 import traceback
 from typing import Any, Callable
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+import common  # noqa: E402  (puts bench/ on the path)
 import generate_bench as gb  # noqa: E402
 
 from torch_tweak._runtime import prefill, sampling  # noqa: E402
@@ -173,7 +170,7 @@ def trial(model: torch.nn.Module, variant: str) -> dict:
             keep.on = False
             eager = keep.take()
             if variant in ("base", "masks as eager"):
-                out["kernels_eager"], out["kernels_replay"] = kernels(run), kernels(
+                out["kernels_eager"], out["kernels_replay"] = common.kernels(run), common.kernels(
                     lambda: sampling.replay(graph, torch.device("cuda")))
                 out["kernels_only_eager"] = sorted(set(out["kernels_eager"]) - set(out["kernels_replay"]))
                 out["kernels_only_replay"] = sorted(set(out["kernels_replay"]) - set(out["kernels_eager"]))
@@ -190,18 +187,6 @@ def trial(model: torch.nn.Module, variant: str) -> dict:
     finally:
         keep.remove()
     return out
-
-
-def kernels(fn: Callable) -> list[str]:
-    """The names of the device kernels `fn` launches (a graph's replay included), in order."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return [e.name[:120] for e in sorted(events, key=lambda e: e.time_range.start)]
 
 
 def _kept(run: Callable, keep: Keep) -> Callable:
@@ -279,8 +264,7 @@ def main() -> None:
         del model
         torch.cuda.empty_cache()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        common.write_run(args.json, results)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ CUBLAS_WORKSPACE_CONFIG=:4096:8, set before CUDA starts). In the process, the be
   compiling one: distinct sequences, and each one's first new token that differs from the
   first's.
 
-    python bench/repeat_study.py [--shape llama1b] [--prompt 512] [--deterministic] [--mode default]
+    python bench/studies/repeat_study.py [--shape llama1b] [--prompt 512] [--deterministic] [--mode default]
                                  [--json PATH]
 """
 from __future__ import annotations
@@ -23,7 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
+
+import common  # no torch: CUBLAS_WORKSPACE_CONFIG is set before CUDA starts
 
 REPEATS = 8
 
@@ -54,7 +55,6 @@ def main() -> None:
 
     if args.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from generate_bench import build_shape
     from transformers import StaticCache
 
@@ -112,9 +112,7 @@ def main() -> None:
             firsts.append(None if bad.numel() == 0 else int(bad[0]))
         out["generate_first_difference"] = firsts
     print(json.dumps(out), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    common.write_run(args.json, out)
 
 
 if __name__ == "__main__":
