@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import torch_tweak as tt
+import support
 from support import FAST, MLP, encoder
 from torch_tweak._core.cpu_load import reading as REAL_READING
 
@@ -75,11 +76,17 @@ class FakeClock:
     moves only when the test's model or backend says what a call costs (advance), so every
     latency, and every decision made on it, is exact whatever else the machine runs."""
 
+    TICK = 1000
+    """Each reading moves the clock by this much (ns) after it is read: every timed call costs
+    at least 1 us, as a real one does, so a path that costs nothing more is not read as 0."""
+
     def __init__(self) -> None:
         self.now = 0
 
     def __call__(self) -> int:
-        return self.now
+        now = self.now
+        self.now += self.TICK
+        return now
 
     def advance(self, ns: float) -> None:
         self.now += int(ns)
@@ -108,6 +115,7 @@ def fake_clock(monkeypatch) -> FakeClock:
 
     for name in CLOCKED:
         monkeypatch.setattr(_C, name, functools.partial(clocked, getattr(_C, name)))
+    monkeypatch.setattr(support, "CLOCK", clock)  # support.Slow and support.pause cost fake time
     return clock
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import torch_tweak as tt
-from support import FAST
+from support import FAST, pause
 from torch_tweak.backends import axes
 from torch_tweak.backends import TorchEagerBackend, TorchInductorBackend
 
@@ -272,7 +272,7 @@ class WaitsWithoutAutocast(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_autocast_enabled("cpu"):
-            time.sleep(0.002)
+            pause(0.002)
         return self.body(x)
 
 
@@ -299,7 +299,7 @@ class SlowToBuild(TorchEagerBackend):
     delay = 1.5
 
     def build(self, module, samples, device):
-        time.sleep(self.delay)
+        pause(self.delay)
         return super().build(module, samples, device)
 
 

@@ -204,7 +204,7 @@ def test_a_lasting_load_keeps_a_faster_depth_measured_busy(mlp_data, fake_clock,
     side = result.confirmation
     assert side["quality"] == "busy" and side["confirmed"] and side["others_share"] == pytest.approx(0.6)
     assert side["paired_rounds"] >= 10 and side["paired_wins"] == side["paired_rounds"]
-    assert side["speedup_low"] > 1.0 and result.speedup == pytest.approx(2.0 / 1.3)
+    assert side["speedup_low"] > 1.0 and result.speedup == pytest.approx(2.0 / 1.3, rel=1e-3)
     assert result.selected_depth == 0 and tt.installed(model)
     assert last_line(result).startswith("kept depth 0: 1.54x faster than untuned, measured busy (other processes "
                                         "took 60% of the CPUs) in "), str(result)
@@ -259,7 +259,7 @@ def test_a_busy_entry_is_replayed_while_busy_and_measured_again_when_quiet(mlp_d
     busy_machine(0.0)
     quiet = tweak(fresh(fake_clock), mlp_data)
     assert not quiet.cached and quiet.measurement_quality in ("consistent", "remeasured")
-    assert quiet.speedup == pytest.approx(2.0 / 1.3)
+    assert quiet.speedup == pytest.approx(2.0 / 1.3, rel=1e-3)
     assert '"quality": "busy"' not in next((tuning_cache_folder / "tweaks").glob("*.json")).read_text()
     # a load that cannot be read counts as quiet: a busy entry is measured again
     tt.clear_cache()
