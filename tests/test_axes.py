@@ -277,7 +277,7 @@ class WaitsWithoutAutocast(nn.Module):
 
 
 @pytest.mark.slow
-def test_a_kept_lower_precision_module_is_named_in_the_result(mlp_data):
+def test_a_kept_lower_precision_module_is_named_in_the_result(mlp_data, fake_clock):
     torch.manual_seed(0)
     model = WaitsWithoutAutocast().eval()
     before = outputs(model, mlp_data)

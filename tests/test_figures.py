@@ -13,6 +13,8 @@ from torch import nn
 import torch_tweak as tt
 from support import FAST, CountingBackend, pause
 
+pytestmark = pytest.mark.usefixtures("fake_clock")  # speed verdicts on the fake clock (conftest)
+
 
 LOAD = {"burst": True}
 """Whether the burst of load is on (a global, not an attribute: the tuning cache's key holds a

@@ -22,6 +22,8 @@ from torch_tweak.backends import Backend, PaddedGraphBackend
 from support import FAST, Slow, pause
 from test_varying import requests
 
+pytestmark = pytest.mark.usefixtures("fake_clock")  # speed verdicts on the fake clock (conftest)
+
 
 class PaddedSkip(PaddedGraphBackend):
     """Padding around the module's inner layer (what the sleep wraps)."""
