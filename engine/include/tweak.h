@@ -635,8 +635,9 @@ typedef struct tw_result tw_result;
  *     started for it says "busy budget used up" (tw_result_busy_stopped), a
  *     variant is not built, and the paired rounds stop at what is left of it
  *     (after their minimum);
- *   - the fastest measured depth is selected (shallowest within
- *     tie_tolerance) even when the untuned model's own measurement was faster;
+ *   - with ops->deactivate set, the fastest measured depth is selected
+ *     (shallowest within tie_tolerance) even when the untuned model's own
+ *     measurement was faster;
  *   - the selected cut and the untuned model (the cut deactivated) are
  *     measured in paired rounds (tw_measure_paired, runner 0 deactivated,
  *     runner 1 active) instead of the side-by-side measurement and its

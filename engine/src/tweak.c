@@ -463,9 +463,9 @@ static void tw_select_depth(tw_search *s)
 {
     tw_result *r = s->result;
     /* busy: the search's figures were taken at different moments of the load,
-     * so the fastest depth goes to the paired rounds even when the untuned
-     * model's own measurement fell on a quieter moment */
-    double base = s->busy ? INFINITY : r->baseline.median_ns;
+     * so the fastest depth goes to the paired rounds (which need deactivate)
+     * even when the untuned model's own measurement fell on a quieter moment */
+    double base = s->busy && s->ops->deactivate != NULL ? INFINITY : r->baseline.median_ns;
     double limit;
     long fastest = -1;
     size_t i;

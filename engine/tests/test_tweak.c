@@ -802,6 +802,28 @@ static void test_busy_budget_stops_the_search(void)
     fake_model_teardown(&m, result);
 }
 
+/* Busy, but no deactivate callback (no paired rounds can be taken): a depth
+ * slower than the untuned model in the search is not selected. */
+static void test_busy_without_deactivate_keeps_the_search_rule(void)
+{
+    fake_model m;
+    tw_tweak_config cfg;
+    tw_tweak_ops ops;
+    tw_result *result = NULL;
+
+    fake_model_setup(&m);
+    cfg = fake_model_config();
+    m.depth_latency[0] = m.depth_latency[1] = m.depth_latency[2] = 1500;
+    m.load_known = 1;
+    m.search_share = 0.9;
+    ops = fake_model_ops(&m);
+    CHECK_INT(tw_tweak_run(&m.host, m.tree, &cfg, &ops, &result, NULL), TW_OK);
+    CHECK(tw_result_busy(result));
+    CHECK_INT((int)tw_result_selected(result), -1);
+    CHECK(!m.entered && !m.active);
+    fake_model_teardown(&m, result);
+}
+
 /* A quiet machine (others under TW_BUSY_SHARE), a load nobody can read, and a
  * load callback that fails: nothing changes from the figures' own rules. */
 static void test_quiet_or_unknown_load_changes_nothing(void)
@@ -1295,6 +1317,7 @@ int main(void)
     test_lasting_load_is_busy();
     test_busy_search_quiet_confirmation();
     test_busy_budget_stops_the_search();
+    test_busy_without_deactivate_keeps_the_search_rule();
     test_quiet_or_unknown_load_changes_nothing();
     test_interrupt_while_reading_load();
     test_short_windows_are_judged_together_or_not_at_all();
