@@ -424,6 +424,11 @@ static void tw_format_depth_row(tw_buf *buf, const tw_result *result, size_t i)
     tw_format_latency(latency, sizeof latency, &row->stats, measured);
     tw_format_spread(spread, sizeof spread, &row->stats, measured);
     tw_format_speedup(speedup, sizeof speedup, result, &row->stats, measured);
+    if (measured && c->measured && c->quality == TW_QUALITY_BUSY && c->depth == row->depth) {
+        /* busy: the search's rows fell on different moments of the load; the paired
+         * rounds' figure is the one that decided, and the row shows it */
+        snprintf(speedup, sizeof speedup, "%.2fx", c->speedup);
+    }
     tw_buf_appendf(buf, TW_TABLE_ROW, (long)i == result->selected ? ">" : "", depth,
                    modules, failed, latency, spread, speedup);
     switch (row->state) {
