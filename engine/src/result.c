@@ -509,12 +509,16 @@ static void tw_format_busy(tw_buf *buf, const tw_result *result, const char *unt
     const tw_confirmation *c = &result->confirmation;
     double share = tw_result_others_share(result) * 100.0;
 
+    /* a low end just above 1 is written with the digit that shows it above 1 (and
+     * the figure and its high end with it) */
+    int low_digits = c->speedup_low > 1.0 && c->speedup_low < 1.005 ? 3 : 2;
+
     if (c->confirmed) {
-        tw_buf_appendf(buf, "kept depth %d: %.2fx faster than untuned, measured busy (other "
+        tw_buf_appendf(buf, "kept depth %d: %.*fx faster than untuned, measured busy (other "
                        "processes took %.0f%% of the CPUs) in %u paired rounds, 99%% interval "
-                       "%.2fx to %.2fx; tweak again on a quiet machine for a quiet figure\n",
-                       c->depth, c->speedup, share, c->paired_rounds, c->speedup_low,
-                       c->speedup_high);
+                       "%.*fx to %.*fx; tweak again on a quiet machine for a quiet figure\n",
+                       c->depth, low_digits, c->speedup, share, c->paired_rounds, low_digits,
+                       c->speedup_low, low_digits, c->speedup_high);
     } else {
         tw_buf_appendf(buf, "depth %d was %s the untuned model, measured busy (other processes "
                        "took %.0f%% of the CPUs) in %u paired rounds (%.2fx, 99%% interval "

@@ -698,6 +698,20 @@ static void test_lasting_load_is_busy(void)
     tw_free(text);
     fake_model_teardown(&m, result);
 
+    /* a gain just above 1: kept, written with the digit that shows its low end above 1 */
+    fake_model_setup(&m);
+    m.wrapped_latency = 1003;
+    m.depth_latency[0] = m.depth_latency[1] = m.depth_latency[2] = 1000;
+    m.load_known = 1;
+    m.search_share = m.side_share = 0.6;
+    result = run_confirmed(&m, &c, &text);
+    CHECK(text != NULL && c.confirmed);
+    CHECK_HAS(last_line(text), "kept depth 0: 1.003x faster than untuned, measured busy (other "
+                               "processes took 60% of the CPUs) in 10 paired rounds, 99% interval "
+                               "1.003x to 1.003x");
+    tw_free(text);
+    fake_model_teardown(&m, result);
+
     /* no faster: the paired interval holds 1, and the model is left */
     fake_model_setup(&m);
     m.wrapped_latency = 1000;
