@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import torch_tweak as tt
+import support
 from support import FAST, MLP, encoder
 from torch_tweak._core.cpu_load import reading as REAL_READING
 
@@ -78,6 +79,79 @@ def real_load(monkeypatch):
     from torch_tweak._core import cpu_load as load
 
     monkeypatch.setattr(load, "reading", REAL_READING)
+
+
+class FakeClock:
+    """The engine's clock for a test that needs a speed verdict: it reads `now` (ns), which
+    moves only when the test's model or backend says what a call costs (advance), so every
+    latency, and every decision made on it, is exact whatever else the machine runs."""
+
+    TICK = 1000
+    """Each reading moves the clock by this much (ns) after it is read: every timed call costs
+    at least 1 us, as a real one does, so a path that costs nothing more is not read as 0."""
+
+    def __init__(self) -> None:
+        self.now = 0
+
+    def __call__(self) -> int:
+        now = self.now
+        self.now += self.TICK
+        return now
+
+    def advance(self, ns: float) -> None:
+        self.now += int(ns)
+
+
+CLOCKED = ("tweak", "tune_module", "choose", "compare", "measure")
+"""The engine's bindings that measure: the fake_clock fixture gives each its clock."""
+
+
+@pytest.fixture
+def fake_clock(monkeypatch) -> FakeClock:
+    """Every measurement of the engine (tt.tweak's depth search, its module searches, the
+    decode loop's choice, tt.tune) reads a FakeClock instead of the machine's: a test's model
+    advances it by what a call costs (clock.advance(ns)), so no verdict turns on the machine's
+    speed or load. A call that passes its own clock (the ranks' under torch.distributed) keeps it."""
+    import functools
+
+    from torch_tweak import _C
+
+    clock = FakeClock()
+
+    def clocked(real, *args, **kwargs):
+        if kwargs.get("clock") is None:
+            kwargs["clock"] = clock
+        return real(*args, **kwargs)
+
+    for name in CLOCKED:
+        monkeypatch.setattr(_C, name, functools.partial(clocked, getattr(_C, name)))
+    monkeypatch.setattr(support, "CLOCK", clock)  # support.Slow and support.pause cost fake time
+    return clock
+
+
+def fake_load(others_share: float):
+    """A load reading (torch_tweak._core.cpu_load.reading's form) whose every window shows
+    other processes taking `others_share` of the CPUs: each reading adds 1 s of 2 cores."""
+    totals = [0.0, 0.0]
+
+    def reading(also=()):
+        totals[0] += 2.0 * others_share
+        totals[1] += 2.0
+        return totals[0], totals[1]
+
+    return reading
+
+
+@pytest.fixture
+def busy_machine(monkeypatch):
+    """set(share): the machine's load reads as other processes taking `share` of the CPUs
+    (fake_load), for tt.tweak and the tuning cache alike; set(None): unknown again."""
+    from torch_tweak._core import cpu_load as load
+
+    def set_share(share):
+        monkeypatch.setattr(load, "reading", (lambda also=(): None) if share is None else fake_load(share))
+
+    return set_share
 
 
 @pytest.fixture(autouse=True)

@@ -30,6 +30,19 @@ class MLP(nn.Module):
         return self.head(x) * scale
 
 
+CLOCK = None
+"""The fake clock while a test uses the fake_clock fixture (conftest.FakeClock), else None."""
+
+
+def pause(seconds: float) -> None:
+    """What a test model's call costs: `seconds` on the fake clock when the test runs on one
+    (fake_clock: its verdicts then never turn on the machine's speed or load), else a real sleep."""
+    if CLOCK is not None:
+        CLOCK.advance(seconds * 1e9)
+    else:
+        time.sleep(seconds)
+
+
 FAST = {"warmup_min": 1, "warmup_max": 3, "rounds_min": 3, "rounds_max": 5, "time_cap": 0.5}
 """A short measurement for tests that only check decisions, not speed."""
 
@@ -43,7 +56,7 @@ class Slow(nn.Module):
         self.inner = inner
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(0.002)
+        pause(0.002)
         return self.inner(x)
 
 

@@ -17,7 +17,7 @@ from torch_tweak import _C
 from torch_tweak._store import tuning_cache
 from support import FAST, MLP, BrokenBackend, CountingBackend, Slow, SlowNet as Net
 
-pytestmark = pytest.mark.usefixtures("steady_figures")  # the quality rule: test_figures.py and below
+pytestmark = pytest.mark.usefixtures("steady_figures", "fake_clock")  # the quality rule: test_figures.py; verdicts on the fake clock
 
 
 class Fast(CountingBackend):

@@ -43,6 +43,8 @@ def test_input_specs():
         (["tweak", f"{FACTORY}:tiny", "--input", "2x3"], "sample 0 was rejected"),
         (["tweak", f"{FACTORY}:tiny", "--input", "2x8", "--max-depth", "-1"], "max_depth must be an int >= 0"),
         (["tweak", f"{FACTORY}:tiny", "--input", "2x8", "--min-depth", "3"], "greater than max_depth (1)"),
+        (["tweak", f"{FACTORY}:tiny", "--input", "2x8", "--busy-budget", "-1"],
+         "busy_budget must be a number of seconds >= 0 or None, got -1.0"),
         (["show", "no_such_file.tt"], "does not exist"),
         (["tweak", f"{FACTORY}:tiny", "--input", "2x8", "--tolerance", "loose"], "give measured, dtype or a number"),
         (["tweak", f"{FACTORY}:tiny", "--input", "2x8", "--tolerance", "2"], "tolerance must be"),

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 
 import pytest
 import torch
 from torch import nn
 
 import torch_tweak as tt
-from support import FAST, CountingBackend
+from support import FAST, CountingBackend, pause
+
+pytestmark = pytest.mark.usefixtures("fake_clock")  # speed verdicts on the fake clock (conftest)
 
 
 LOAD = {"burst": True}
@@ -40,7 +41,7 @@ class Bursty(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         busy = LOAD["burst"] and "_tt_root" in self.__dict__
-        time.sleep(0.021 if busy else 0.001)
+        pause(0.021 if busy else 0.001)
         return self.inner(x)
 
 

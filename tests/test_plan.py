@@ -18,6 +18,8 @@ from torch_tweak._runtime.module import MODE_ORIGINAL, MODE_RECORD, is_wrapped
 from support import FAST, BrokenBackend, SlowNet
 from test_api import assert_unchanged, snapshot
 
+pytestmark = pytest.mark.usefixtures("fake_clock")  # speed verdicts on the fake clock (conftest)
+
 
 class DoubleBackend(Backend):
     """Runs a Slow layer's inner layer in float64, without the wait: faster than the original,

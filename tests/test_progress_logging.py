@@ -51,7 +51,7 @@ def untuned_outputs():
         return [model(x) for x in DATA]
 
 
-def test_progress_and_logging_are_separate_and_each_line_appears_once(caplog, capsys):
+def test_progress_and_logging_are_separate_and_each_line_appears_once(caplog, capsys, fake_clock):
     caplog.set_level(logging.DEBUG, logger="torch_tweak")
     model = build()
     result = tweak(model, True)

@@ -11,7 +11,6 @@ keeps its depth on any machine; every test compares with an untuned copy taken b
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
@@ -20,8 +19,10 @@ from torch import nn
 import torch_tweak as tt
 from torch_tweak._core import shapes as declared_shapes
 from torch_tweak.backends import Backend, PaddedGraphBackend
-from support import FAST, Slow
+from support import FAST, Slow, pause
 from test_varying import requests
+
+pytestmark = pytest.mark.usefixtures("fake_clock")  # speed verdicts on the fake clock (conftest)
 
 
 class PaddedSkip(PaddedGraphBackend):
@@ -59,7 +60,7 @@ class SlowPool(nn.Module):
         self.inner = _Pool()
 
     def forward(self, input_ids, attention_mask):
-        time.sleep(0.002)
+        pause(0.002)
         return self.inner(input_ids, attention_mask)
 
 

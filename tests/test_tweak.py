@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 import torch
 
 import torch_tweak as tt
-from support import FAST, BrokenBackend, CountingBackend, Slow
+from support import FAST, BrokenBackend, CountingBackend, Slow, pause
 from test_api import assert_unchanged, snapshot
 
 
@@ -157,7 +156,7 @@ class Planted(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if "_tt_root" not in self.__dict__:
-            time.sleep(0.003)
+            pause(0.003)
         return self.lin(x)
 
 
@@ -170,13 +169,13 @@ class SleepyBackend(CountingBackend):
         run = super().build(module, samples, device)
 
         def slower(*args, **kwargs):
-            time.sleep(0.001)
+            pause(0.001)
             return run(*args, **kwargs)
 
         return slower
 
 
-def test_a_planted_slow_baseline_claims_no_speedup(mlp_data, caplog):
+def test_a_planted_slow_baseline_claims_no_speedup(mlp_data, caplog, fake_clock):
     torch.manual_seed(0)
     model = Planted().eval()
     before = snapshot(model)
@@ -202,7 +201,7 @@ def test_a_planted_slow_baseline_claims_no_speedup(mlp_data, caplog):
     assert len(warned) == 1  # the engine's own line, once, through logging
 
 
-def test_a_real_speedup_is_confirmed_side_by_side(mlp_data):
+def test_a_real_speedup_is_confirmed_side_by_side(mlp_data, fake_clock):
     torch.manual_seed(0)
     model = torch.nn.Sequential(Slow(torch.nn.Linear(16, 16))).eval()
 
@@ -223,7 +222,7 @@ def test_a_real_speedup_is_confirmed_side_by_side(mlp_data):
     assert "measured side by side" in str(result) or "the smaller of two figures that disagree" in str(result)
 
 
-def test_module_table_is_grouped_by_depth_with_the_kept_depth_marked(mlp_data):
+def test_module_table_is_grouped_by_depth_with_the_kept_depth_marked(mlp_data, fake_clock):
     class SkipSleep(CountingBackend):
         name = "SkipSleep"
 

@@ -166,7 +166,7 @@ class SkipWait(TorchEagerBackend):
         return module.inner
 
 
-def test_status_counts_calls_from_the_end_of_tuning():
+def test_status_counts_calls_from_the_end_of_tuning(fake_clock):
     from support import FAST, SlowNet
     torch.manual_seed(0)
     model = SlowNet().eval()

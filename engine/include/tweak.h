@@ -227,6 +227,67 @@ tw_code tw_measure(const tw_host *host, const tw_runner *runner,
 tw_code tw_measure_compare(const tw_host *host, const tw_runner *runners, size_t n,
                            const tw_measure_config *cfg, tw_stats *out, tw_error *err);
 
+/* ----------------------------------------------------------- paired rounds */
+
+/* Measuring under interference, as pyperf and Google Benchmark do on a shared
+ * machine: other processes take the CPUs in bursts, so two runners measured at
+ * different moments are not comparable, and their medians' quartiles widen
+ * with every burst. Paired rounds run the two runners' rounds side by side,
+ * one pair after another, the order alternating (A B, B A, A B...), each round
+ * opened by cfg->settle untimed calls; a pair's ratio, runner 0's round over
+ * runner 1's (above 1: runner 1 is faster), sees the load both rounds saw
+ * alike. The statistic is the median of the ratios, and its interval the
+ * distribution-free 99 % interval of that median (the sign test: order
+ * statistics k and n + 1 - k of n ratios), robust to bursts: a burst spoils
+ * the pairs it falls on, not the median. After rounds_min pairs it stops as
+ * soon as the interval lies wholly above or below 1 (TW_STOP_DECIDED), or is
+ * narrow (high <= low * (1 + width): TW_STOP_SPREAD, within noise when it
+ * holds 1); while it is wide, more pairs, up to rounds_max (TW_STOP_ROUNDS) or
+ * the time cap (TW_STOP_TIME, counted from the call's start and checked
+ * between pairs, after rounds_min pairs: rounds_min pairs are always taken).
+ * Each runner is warmed up first as tw_measure does (cfg's warm-up and its
+ * time cap). */
+#define TW_PAIRED_ROUNDS_MIN 8u    /* 2^-8 < 0.005: the fewest pairs with a 99 % interval */
+#define TW_PAIRED_ROUNDS_MAX 1000u
+
+typedef struct tw_paired_config {
+    uint32_t rounds_min;   /* TW_PAIRED_ROUNDS_MIN.. */
+    uint32_t rounds_max;   /* rounds_min..TW_PAIRED_ROUNDS_MAX */
+    double width;          /* > 0: an interval this narrow is decided (0.1: 10 %) */
+    uint64_t time_cap_ns;  /* 0: none */
+} tw_paired_config;
+
+/* Defaults: rounds 10..400, width 0.1, no time cap. */
+void tw_paired_config_default(tw_paired_config *cfg);
+
+/* TW_EINVAL, with the message a user reads, for rounds or a width outside
+ * their ranges. */
+tw_code tw_paired_config_check(const tw_paired_config *cfg, tw_error *err);
+
+typedef struct tw_paired {
+    double ratio;        /* median of runner 0's round / runner 1's round */
+    double low, high;    /* its 99 % interval (sign test) */
+    uint32_t rounds;     /* pairs measured */
+    uint32_t wins;       /* pairs in which runner 1's round was the faster */
+    tw_stats stats[2];   /* each runner's rounds, as tw_measure gives them */
+    tw_stop stopped_by;
+} tw_paired;
+
+/* Measures runners[0] and runners[1] in paired rounds (see above). cfg NULL,
+ * pcfg NULL: the defaults. TW_EINVAL for an invalid config, a NULL pointer, a
+ * runner without run or samples; a failing callback's code and message are
+ * returned as they are. */
+tw_code tw_measure_paired(const tw_host *host, const tw_runner *runners,
+                          const tw_measure_config *cfg, const tw_paired_config *pcfg,
+                          tw_paired *out, tw_error *err);
+
+/* A pair's ratio: first / second; infinite when only second is 0, 1 when both are. */
+double tw_paired_ratio(double first, double second);
+
+/* Fills out->ratio, low and high from n >= 1 ratios (sorted in place): the
+ * median and its 99 % sign-test interval (0 and infinity when n < 8). */
+void tw_paired_fill(double *ratios, size_t n, tw_paired *out);
+
 /* -------------------------------------------------------------- strategies */
 
 typedef enum tw_strategy_kind {
@@ -503,13 +564,18 @@ typedef struct tw_tweak_config {
     int max_depth;           /* < 0: the deepest */
     double tie_tolerance;    /* >= 0, a fraction: 0.02 is 2 % */
     uint64_t time_budget_ns; /* 0: no budget */
+    uint64_t busy_budget_ns; /* once the machine is found busy, the search's bound
+                              * (TW_BUSY_BUDGET_NS; 0: none, only time_budget_ns) */
     int dry_run;             /* non-zero: build and measure nothing */
     tw_measure_config measure;
 } tw_tweak_config;
 
+/* The default busy budget: 120 s. */
+#define TW_BUSY_BUDGET_NS 120000000000ull
+
 /* Defaults: min_depth 0, max_depth 1 (the model and its children: deeper cuts
- * won on no benchmarked model and cost much tuning time), tie_tolerance 0.02, no budget, not a dry
- * run, the default measurement. */
+ * won on no benchmarked model and cost much tuning time), tie_tolerance 0.02, no budget, a busy
+ * budget of TW_BUSY_BUDGET_NS, not a dry run, the default measurement. */
 void tw_tweak_config_default(tw_tweak_config *cfg);
 
 /* The rules a tweak config keeps, the one place they are written: TW_EINVAL,
@@ -561,12 +627,25 @@ typedef struct tw_result tw_result;
  * (see tw_confirmation). The kept cut ends active.
  * A busy machine (ops->load): when other processes took more than
  * TW_BUSY_SHARE of the machine's CPU capacity during the untuned model's
- * measurements in the search or the last side-by-side measurement, the figures
- * are not believed whether or not they agree (a lasting load slows eager
- * torch's threads more than a compiled backend's, so the speedup it shows is
- * real only under that load): the quality is TW_QUALITY_BUSY, no speedup is
- * claimed, and the cut is kept only when the speedup's interval lies at or
- * above tw_busy_keep(share).
+ * measurements in the search or a side-by-side measurement, figures taken at
+ * different moments are not comparable (the load comes in bursts, and it slows
+ * eager torch's threads more than a compiled backend's). Then:
+ *   - once the untuned model was measured busy, the budget in force is the
+ *     smaller of time_budget_ns and busy_budget_ns (when not 0): a depth not
+ *     started for it says "busy budget used up" (tw_result_busy_stopped), a
+ *     variant is not built, and the paired rounds stop at what is left of it
+ *     (after their minimum);
+ *   - with ops->deactivate set, the fastest measured depth is selected
+ *     (shallowest within tie_tolerance) even when the untuned model's own
+ *     measurement was faster;
+ *   - the selected cut and the untuned model (the cut deactivated) are
+ *     measured in paired rounds (tw_measure_paired, runner 0 deactivated,
+ *     runner 1 active) instead of the side-by-side measurement and its
+ *     agreement rule: the confirmation's figure is their median ratio with its
+ *     99 % interval (paired_rounds, paired_wins), the quality TW_QUALITY_BUSY,
+ *     others_share the load during those rounds, and the cut is kept when the
+ *     interval lies above 1. A figure measured busy is marked busy wherever the
+ *     result shows it.
  * A dry run computes the rows with their module counts and calls nothing;
  * ops may be NULL then. A depth not started for the budget still reports its
  * modules, and as failed those that failed at a shallower depth.
@@ -647,19 +726,6 @@ int tw_result_row_has(const tw_result *result, size_t i, size_t node);
  * model's measurements (see tw_result_others_share). */
 #define TW_LOAD_MIN_CAPACITY 0.3
 
-/* On a busy machine the selected cut is kept only when its speedup's interval
- * lies at or above this margin: 1 / (1 - share), share being what other
- * processes took (tw_result_others_share): 1.33x at 25 %, 2x at 50 %, 5x at
- * 80 %, 20x from 95 %. Other processes taking `share` of the CPUs slow a
- * side whose threads lose their part of every core by about that factor,
- * while a side that loses less keeps more of its speed, so a ratio under it
- * may be the load's alone: the example encoder read 1.75x beside two busy
- * processes on 2 cores and 1.12x when quiet; with others at 81 % its search
- * read 3.47x. A heuristic, not a bound (a burst can tilt a ratio further; the
- * agreement rule catches that). Below it the model stays untuned; a busy
- * result is never cached, so the next tweak measures again. */
-double tw_busy_keep(double share);
-
 /* The most side-by-side measurements of one confirmation (the first included). */
 #define TW_CONFIRM_TRIES 3u
 
@@ -676,7 +742,8 @@ typedef enum tw_quality {
     TW_QUALITY_REMEASURED = 2,  /* they disagreed at first and agreed when measured again */
     TW_QUALITY_INCONSISTENT = 3, /* they never agreed: the smaller figure is reported */
     TW_QUALITY_BUSY = 4          /* other processes took more than TW_BUSY_SHARE of the
-                                  * CPUs while measuring: no speedup is claimed */
+                                  * CPUs while measuring: the figure comes from paired
+                                  * rounds and is marked as measured busy */
 } tw_quality;
 
 /* "unchecked", "consistent", "remeasured", "inconsistent", "busy"; "unknown" when out of range. */
@@ -704,8 +771,9 @@ typedef struct tw_confirmation {
                             * row's median */
     int agreed;          /* 1: the side-by-side figures agreed with the search's
                           * (quality consistent or remeasured, or busy and agreeing) */
-    double busy_keep;    /* busy: the margin the speedup's low end had to reach
-                          * (tw_busy_keep); else 0 */
+    uint32_t paired_rounds; /* busy: the paired rounds the figure comes from
+                             * (tw_measure_paired); else 0 */
+    uint32_t paired_wins;   /* busy: of which the cut active was the faster */
     double others_share; /* what other processes took of the CPU capacity during
                           * the last side-by-side measurement, 0..1; -1: unknown
                           * or too short to tell (TW_LOAD_MIN_CAPACITY) */
@@ -728,6 +796,9 @@ int tw_result_noisy(const tw_result *result);
 double tw_result_others_share(const tw_result *result);
 /* 1 when tw_result_others_share is above TW_BUSY_SHARE. */
 int tw_result_busy(const tw_result *result);
+/* 1 when the busy budget (tw_tweak_config.busy_budget_ns) stopped the search:
+ * a depth was not tried because the machine was busy. */
+int tw_result_busy_stopped(const tw_result *result);
 
 /* The result table: one row per depth (depth, modules wrapped, latency in ms,
  * speedup against untuned, status or error) and one for the untuned model,

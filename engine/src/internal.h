@@ -105,6 +105,12 @@ tw_code tw_measure_runners(const tw_host *host, const tw_runner *runners, size_t
                            const tw_measure_config *cfg, tw_stats *out,
                            size_t *failed, tw_error *err);
 
+/* tw_measure_paired on a resolved host, with cfg and pcfg given; *failed is
+ * the runner whose callback failed, or TW_NO_RUNNER. */
+tw_code tw_measure_pairs(const tw_host *host, const tw_runner *runners,
+                         const tw_measure_config *cfg, const tw_paired_config *pcfg,
+                         tw_paired *out, size_t *failed, tw_error *err);
+
 /* Fills the quantiles, minimum and spread of values[0..n) (n > 0), sorting
  * `values` in place. */
 void tw_stats_fill(double *values, size_t n, tw_stats *out);
@@ -183,6 +189,8 @@ struct tw_result {
     unsigned char *in_cut;       /* row_count * module_count: node in row's cut */
     int dry_run;
     uint64_t time_budget_ns;     /* the tweak's (0: none), for the table's last line */
+    uint64_t busy_budget_ns;     /* likewise its busy budget */
+    int busy_stopped;            /* the busy budget left a depth untried */
 };
 
 /* A result with `rows` empty rows and `modules` unsearched modules. */

@@ -458,3 +458,216 @@ tw_code tw_measure_compare(const tw_host *host, const tw_runner *runners, size_t
 cleanup:
     return rc;
 }
+
+/* ------------------------------------------------------------ paired rounds */
+
+void tw_paired_config_default(tw_paired_config *cfg)
+{
+    if (cfg == NULL) {
+        goto cleanup;
+    }
+    cfg->rounds_min = 10;
+    cfg->rounds_max = 400;
+    cfg->width = 0.10;
+    cfg->time_cap_ns = 0;
+cleanup:
+    return;
+}
+
+tw_code tw_paired_config_check(const tw_paired_config *cfg, tw_error *err)
+{
+    tw_code rc = TW_OK;
+
+    if (cfg->rounds_min < TW_PAIRED_ROUNDS_MIN) {
+        rc = tw_error_set(err, TW_EINVAL,
+                          "paired rounds_min (%u) is under %u: a 99 %% interval needs %u pairs "
+                          "at least", (unsigned)cfg->rounds_min, (unsigned)TW_PAIRED_ROUNDS_MIN,
+                          (unsigned)TW_PAIRED_ROUNDS_MIN);
+    } else if (cfg->rounds_max < cfg->rounds_min || cfg->rounds_max > TW_PAIRED_ROUNDS_MAX) {
+        rc = tw_error_set(err, TW_EINVAL,
+                          "paired rounds_max (%u) must lie from rounds_min (%u) to %u",
+                          (unsigned)cfg->rounds_max, (unsigned)cfg->rounds_min,
+                          (unsigned)TW_PAIRED_ROUNDS_MAX);
+    } else if (isnan(cfg->width) || cfg->width <= 0) {
+        rc = tw_error_set(err, TW_EINVAL, "paired width (%g) must be a fraction > 0, such as 0.1",
+                          cfg->width);
+    }
+    return rc;
+}
+
+/* The rank k (1-based) of the order statistics that bound a 99 % interval of
+ * the median of n values (the sign test: the largest k with P(X <= k - 1) <=
+ * 0.005 for X ~ Binomial(n, 1/2)); 0 when n is too small for one. */
+static size_t tw_sign_rank(size_t n)
+{
+    double pmf = ldexp(1.0, -(int)n);
+    double cdf = 0.0;
+    size_t k = 0;
+    size_t j;
+
+    for (j = 0; j < n; j++) {
+        cdf += pmf;
+        if (cdf > 0.005) {
+            break;
+        }
+        k = j + 1;
+        pmf = pmf * (double)(n - j) / (double)(j + 1);
+    }
+    return k;
+}
+
+double tw_paired_ratio(double first, double second)
+{
+    if (second > 0.0) {
+        return first / second;
+    }
+    return first > 0.0 ? INFINITY : 1.0;
+}
+
+void tw_paired_fill(double *ratios, size_t n, tw_paired *out)
+{
+    size_t k;
+
+    qsort(ratios, n, sizeof *ratios, tw_compare_doubles);
+    out->ratio = tw_quantile(ratios, n, 0.5);
+    k = tw_sign_rank(n);
+    out->low = k > 0 ? ratios[k - 1] : 0.0;
+    out->high = k > 0 ? ratios[n - k] : INFINITY;
+}
+
+/* One pair: both runners' rounds, in the order `flip` says, each opened by
+ * `settle` untimed calls. */
+static tw_code tw_run_pair(const tw_host *host, const tw_runner *runners, uint32_t settle,
+                           int flip, double value[2], size_t *failed, tw_error *err)
+{
+    tw_code rc = TW_OK;
+    size_t k;
+    size_t i;
+
+    for (k = 0; k < 2; k++) {
+        i = flip ? 1 - k : k;
+        rc = tw_run_round(host, &runners[i], settle, &value[i], err);
+        if (rc != TW_OK) {
+            *failed = i;
+            break;
+        }
+    }
+    return rc;
+}
+
+static tw_stop tw_paired_stop(const tw_paired *p, const tw_paired_config *pcfg, uint32_t pairs,
+                              uint64_t elapsed, int *stop)
+{
+    *stop = 1;
+    if (p->low > 1.0 || p->high < 1.0) {
+        return TW_STOP_DECIDED;
+    }
+    if (p->high <= p->low * (1.0 + pcfg->width)) {
+        return TW_STOP_SPREAD;
+    }
+    if (pairs >= pcfg->rounds_max) {
+        return TW_STOP_ROUNDS;
+    }
+    if (pcfg->time_cap_ns != 0 && elapsed >= pcfg->time_cap_ns) {
+        return TW_STOP_TIME;
+    }
+    *stop = 0;
+    return TW_STOP_ROUNDS;
+}
+
+tw_code tw_measure_pairs(const tw_host *host, const tw_runner *runners,
+                         const tw_measure_config *cfg, const tw_paired_config *pcfg,
+                         tw_paired *out, size_t *failed, tw_error *err)
+{
+    tw_code rc;
+    tw_series series = {NULL, NULL, 0};
+    double *ratios = NULL;
+    uint64_t start = tw_host_now(host);
+    uint32_t pairs = 0;
+    double value[2];
+    size_t i;
+    int stop = 0;
+
+    *failed = TW_NO_RUNNER;
+    memset(out, 0, sizeof *out);
+    rc = tw_measure_config_check(cfg, err);
+    if (rc == TW_OK) {
+        rc = tw_paired_config_check(pcfg, err);
+    }
+    if (rc == TW_OK) {
+        rc = tw_check_runners(runners, 2, failed, err);
+    }
+    if (rc != TW_OK) {
+        goto cleanup;
+    }
+    ratios = tw_host_alloc_array(host, pcfg->rounds_max, sizeof *ratios);
+    rc = tw_grow_series(host, &series, 3, pcfg->rounds_max, pcfg->rounds_max, err);
+    if (rc != TW_OK || ratios == NULL) {
+        rc = rc != TW_OK ? rc : tw_error_set(err, TW_ENOMEM, "out of memory keeping %u paired "
+                                             "rounds", (unsigned)pcfg->rounds_max);
+        goto cleanup;
+    }
+    for (i = 0; i < 2; i++) {
+        rc = tw_warm_up(host, &runners[i], cfg, &out->stats[i].warmup_rounds, err);
+        if (rc != TW_OK) {
+            *failed = i;
+            goto cleanup;
+        }
+    }
+    while (!stop) {
+        /* the order alternates, so that neither runner always follows the other */
+        rc = tw_run_pair(host, runners, cfg->settle, (int)(pairs & 1u), value, failed, err);
+        if (rc != TW_OK) {
+            goto cleanup;
+        }
+        series.values[pairs] = value[0];
+        series.values[series.cap + pairs] = value[1];
+        series.values[2 * series.cap + pairs] = tw_paired_ratio(value[0], value[1]);
+        out->wins += value[1] < value[0];
+        pairs++;
+        if (pairs >= pcfg->rounds_min) {
+            memcpy(ratios, series.values + 2 * series.cap, pairs * sizeof *ratios);
+            tw_paired_fill(ratios, pairs, out);
+            out->stopped_by = tw_paired_stop(out, pcfg, pairs, tw_elapsed(host, start), &stop);
+        }
+    }
+    for (i = 0; i < 2; i++) {
+        tw_series_stats(&series, i, pairs, &out->stats[i]);
+        out->stats[i].rounds = pairs;
+        out->stats[i].stopped_by = out->stopped_by;
+    }
+    out->rounds = pairs;
+cleanup:
+    tw_host_release(host, ratios);
+    tw_host_release(host, series.values);
+    tw_host_release(host, series.scratch);
+    return rc;
+}
+
+tw_code tw_measure_paired(const tw_host *host, const tw_runner *runners,
+                          const tw_measure_config *cfg, const tw_paired_config *pcfg,
+                          tw_paired *out, tw_error *err)
+{
+    tw_code rc;
+    tw_host resolved;
+    tw_measure_config defaults;
+    tw_paired_config paired_defaults;
+    size_t failed;
+
+    tw_host_resolve(host, &resolved);
+    if (runners == NULL || out == NULL) {
+        rc = tw_error_set(err, TW_EINVAL, "%s is NULL", runners == NULL ? "runners" : "out");
+        goto cleanup;
+    }
+    if (cfg == NULL) {
+        tw_measure_config_default(&defaults);
+        cfg = &defaults;
+    }
+    if (pcfg == NULL) {
+        tw_paired_config_default(&paired_defaults);
+        pcfg = &paired_defaults;
+    }
+    rc = tw_measure_pairs(&resolved, runners, cfg, pcfg, out, &failed, err);
+cleanup:
+    return rc;
+}

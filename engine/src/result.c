@@ -221,10 +221,9 @@ double tw_result_others_share(const tw_result *result)
     return base > side ? base : side;
 }
 
-double tw_busy_keep(double share)
+int tw_result_busy_stopped(const tw_result *result)
 {
-    share = share > 0.0 ? share : 0.0;
-    return 1.0 / (1.0 - (share < 0.95 ? share : 0.95));
+    return result != NULL && result->busy_stopped;
 }
 
 int tw_result_busy(const tw_result *result)
@@ -425,15 +424,22 @@ static void tw_format_depth_row(tw_buf *buf, const tw_result *result, size_t i)
     tw_format_latency(latency, sizeof latency, &row->stats, measured);
     tw_format_spread(spread, sizeof spread, &row->stats, measured);
     tw_format_speedup(speedup, sizeof speedup, result, &row->stats, measured);
+    if (measured && c->measured && c->quality == TW_QUALITY_BUSY && c->depth == row->depth) {
+        /* busy: the search's rows fell on different moments of the load; the paired
+         * rounds' figure is the one that decided, and the row shows it */
+        snprintf(speedup, sizeof speedup, "%.2fx", c->speedup);
+    }
     tw_buf_appendf(buf, TW_TABLE_ROW, (long)i == result->selected ? ">" : "", depth,
                    modules, failed, latency, spread, speedup);
     switch (row->state) {
     case TW_ROW_MEASURED:
         if ((long)i == result->selected) {
-            tw_buf_appendf(buf, "  selected");
+            tw_buf_appendf(buf, "  selected%s",
+                           c->measured && c->quality == TW_QUALITY_BUSY ? ", measured busy" : "");
         } else if (c->measured && !c->confirmed && c->depth == row->depth &&
                    c->quality == TW_QUALITY_BUSY) {
-            tw_buf_appendf(buf, "  not kept: busy machine");
+            tw_buf_appendf(buf, "  %s in paired rounds (busy)",
+                           c->speedup_high < 1.0 ? "slower" : "within noise");
         } else if (c->measured && !c->confirmed && c->depth == row->depth) {
             tw_buf_appendf(buf, "  %s%s", c->speedup_high < 1.0 ? "slower" : "within noise",
                            c->from_search ? "" : " side by side");
@@ -444,7 +450,8 @@ static void tw_format_depth_row(tw_buf *buf, const tw_result *result, size_t i)
         tw_buf_append_line(buf, row->error, 100);
         break;
     case TW_ROW_BUDGET:
-        tw_buf_appendf(buf, "  time budget used up");
+        tw_buf_appendf(buf, "  %s", row->error != NULL && row->error[0] ? row->error
+                                                                      : "time budget used up");
         break;
     case TW_ROW_DRY:
         tw_buf_appendf(buf, "  dry run");
@@ -495,24 +502,29 @@ static void tw_format_disagreement(tw_buf *buf, const tw_result *result)
                    result->baseline.median_ns / 1e6, c->tries, c->tries == 1 ? "" : "s");
 }
 
-/* The last line of a result measured on a busy machine: no speedup claimed,
- * whether the depth was kept anyway and why. */
+/* The last line of a result measured on a busy machine: the paired rounds'
+ * figure, marked busy, and whether the depth was kept. */
 static void tw_format_busy(tw_buf *buf, const tw_result *result, const char *untuned)
 {
     const tw_confirmation *c = &result->confirmation;
     double share = tw_result_others_share(result) * 100.0;
 
+    /* a low end just above 1 is written with the digit that shows it above 1 (and
+     * the figure and its high end with it) */
+    int low_digits = c->speedup_low > 1.0 && c->speedup_low < 1.005 ? 3 : 2;
+
     if (c->confirmed) {
-        tw_buf_appendf(buf, "kept depth %d, but the machine was busy: other processes took %.0f%% "
-                       "of the CPUs while measuring, so no speedup is claimed (it was at least "
-                       "%.2fx faster than untuned even at its spread's low end, the margin such a "
-                       "load needs); tweak again on a quiet machine for a figure\n", c->depth,
-                       share, c->busy_keep);
+        tw_buf_appendf(buf, "kept depth %d: %.*fx faster than untuned, measured busy (other "
+                       "processes took %.0f%% of the CPUs) in %u paired rounds, 99%% interval "
+                       "%.*fx to %.*fx; tweak again on a quiet machine for a quiet figure\n",
+                       c->depth, low_digits, c->speedup, share, c->paired_rounds, low_digits,
+                       c->speedup_low, low_digits, c->speedup_high);
     } else {
-        tw_buf_appendf(buf, "the machine was busy: other processes took %.0f%% of the CPUs while "
-                       "measuring, so no speedup is claimed and depth %d is not kept (under that "
-                       "load a depth must be %.2fx faster at its spread's low end): %s; tweak "
-                       "again on a quiet machine\n", share, c->depth, c->busy_keep, untuned);
+        tw_buf_appendf(buf, "depth %d was %s the untuned model, measured busy (other processes "
+                       "took %.0f%% of the CPUs) in %u paired rounds (%.2fx, 99%% interval "
+                       "%.2fx to %.2fx): %s\n", c->depth,
+                       c->speedup_high < 1.0 ? "slower than" : "within noise of", share,
+                       c->paired_rounds, c->speedup, c->speedup_low, c->speedup_high, untuned);
     }
 }
 
@@ -605,8 +617,13 @@ char *tw_result_format_as(const tw_result *result, const char *untuned, tw_error
     tw_buf_appendf(&buf, TW_TABLE_ROW "%s\n", "", "untuned", "-", "-", latency, spread, speedup,
                    result->baseline_measured ? "" : "  not measured");
     tw_format_summary(&buf, result, untuned != NULL ? untuned : "it stays untuned");
+    if (result->busy_stopped) {
+        tw_buf_appendf(&buf, "the machine was busy: tuning stopped at its busy budget (%.0f s), "
+                       "so deeper depths were not tried (busy_budget= raises it); tweak again "
+                       "on a quiet machine to try them\n", result->busy_budget_ns / 1e9);
+    }
     if (result->confirmation.measured && result->confirmation.quality == TW_QUALITY_BUSY) {
-        /* the summary said it, last */
+        /* the summary said it */
     } else if (tw_result_busy(result)) {
         /* no figure was claimed; the untuned model's measurement still fell on a busy moment */
         tw_buf_appendf(&buf, "other processes took %.0f%% of the CPUs while the untuned model was "

@@ -17,6 +17,7 @@ void tw_tweak_config_default(tw_tweak_config *cfg)
     cfg->max_depth = 1;
     cfg->tie_tolerance = 0.02;
     cfg->time_budget_ns = 0;
+    cfg->busy_budget_ns = TW_BUSY_BUDGET_NS;
     cfg->dry_run = 0;
     tw_measure_config_default(&cfg->measure);
 cleanup:
@@ -35,6 +36,7 @@ typedef struct tw_search {
     int *depths;          /* the distinct depths, one per row */
     size_t cut_size;
     int entered;          /* enter() was called and leave() not yet */
+    int busy;             /* the untuned model was measured on a busy machine */
     uint64_t start;
 } tw_search;
 
@@ -188,6 +190,7 @@ static tw_code tw_prepare_search(tw_search *s, tw_error *err)
                                  count, &count, err);
     s->result->dry_run = s->cfg->dry_run != 0;
     s->result->time_budget_ns = s->cfg->time_budget_ns;
+    s->result->busy_budget_ns = s->cfg->busy_budget_ns;
 cleanup:
     return rc;
 }
@@ -237,6 +240,19 @@ cleanup:
     return rc;
 }
 
+/* The budget in force: the time budget, and once the machine was found busy,
+ * the busy budget too (the smaller of the two). */
+static void tw_search_budget(const tw_search *s, tw_budget *budget)
+{
+    uint64_t ns = s->cfg->time_budget_ns;
+
+    if (s->busy && s->cfg->busy_budget_ns != 0 && (ns == 0 || s->cfg->busy_budget_ns < ns)) {
+        ns = s->cfg->busy_budget_ns;
+    }
+    budget->start_ns = s->start;
+    budget->ns = ns;
+}
+
 /* Searches the modules of the entered cut that were never tried. A module that
  * fails keeps its forward; only an interrupt or the engine's own failure (out
  * of memory) ends the search. */
@@ -250,8 +266,7 @@ static tw_code tw_tune_cut(tw_search *s, tw_error *err)
     const char *path;
     tw_budget budget;
 
-    budget.start_ns = s->start;
-    budget.ns = s->cfg->time_budget_ns;
+    tw_search_budget(s, &budget);
     for (k = 0; k < s->cut_size; k++) {
         if (!s->tune[k]) {
             continue;
@@ -431,6 +446,13 @@ static tw_code tw_measure_baseline(tw_search *s, tw_stats *stats, tw_error *err)
         s->result->baseline_others += others;
         s->result->baseline_capacity += capacity;
     }
+    if (!s->busy && tw_result_busy(s->result) && s->cfg->busy_budget_ns != 0) {
+        tw_host_logf(s->host, 1, "the machine is busy (other processes took %.0f%% of the CPUs "
+                     "while the untuned model was measured): figures are measured in paired "
+                     "rounds, and tuning stops at the busy budget (%.0f s)",
+                     tw_result_others_share(s->result) * 100.0, s->cfg->busy_budget_ns / 1e9);
+    }
+    s->busy = tw_result_busy(s->result);
 cleanup:
     return rc;
 }
@@ -440,7 +462,10 @@ cleanup:
 static void tw_select_depth(tw_search *s)
 {
     tw_result *r = s->result;
-    double base = r->baseline.median_ns;
+    /* busy: the search's figures were taken at different moments of the load,
+     * so the fastest depth goes to the paired rounds (which need deactivate)
+     * even when the untuned model's own measurement fell on a quieter moment */
+    double base = s->busy && s->ops->deactivate != NULL ? INFINITY : r->baseline.median_ns;
     double limit;
     long fastest = -1;
     size_t i;
@@ -531,9 +556,18 @@ static int tw_budget_used(const tw_search *s)
 {
     tw_budget budget;
 
+    tw_search_budget(s, &budget);
+    return tw_budget_spent(s->host, &budget);
+}
+
+/* 1 when the busy budget, not the time budget, is what is used up. */
+static int tw_busy_budget_used(const tw_search *s)
+{
+    tw_budget budget;
+
     budget.start_ns = s->start;
     budget.ns = s->cfg->time_budget_ns;
-    return tw_budget_spent(s->host, &budget);
+    return tw_budget_used(s) && !tw_budget_spent(s->host, &budget);
 }
 
 /* One side-by-side measurement of the applied cut: stats[0] active, stats[1]
@@ -570,6 +604,63 @@ static tw_code tw_measure_side_by_side(tw_search *s, int depth, tw_stats *stats,
     rc = tw_measure_runners(s->host, runners, 2, &s->cfg->measure, stats, &failed, &cause);
     if (rc != TW_OK && (rc == TW_EINTERRUPT || failed == TW_NO_RUNNER)) {
         tw_error_set(err, rc, "confirming depth %d: %s", depth, cause.msg);
+    } else if (rc != TW_OK) {
+        tw_host_logf(s->host, 1, "depth %d could not be confirmed: %s", depth, cause.msg);
+        *failed_measure = 1;
+        rc = TW_OK;
+    } else {
+        rc = tw_read_load(s, &after, err);
+        if (rc == TW_OK && tw_load_window(&before, &after, &others, &capacity)) {
+            s->result->side_others = others;
+            s->result->side_capacity = capacity;
+        }
+    }
+cleanup:
+    return rc;
+}
+
+/* Paired rounds of the applied cut deactivated (runner 0) and active (runner
+ * 1), within what is left of the budget in force, reading the load around
+ * them; *failed_measure as for tw_measure_side_by_side. */
+static tw_code tw_measure_paired_side(tw_search *s, int depth, tw_paired *paired,
+                                      int *failed_measure, tw_error *err)
+{
+    tw_code rc;
+    tw_runner runners[2];
+    tw_paired_config pcfg;
+    tw_budget budget;
+    tw_error cause;
+    tw_load before;
+    tw_load after;
+    double others;
+    double capacity;
+    uint64_t now;
+    size_t failed;
+    int k;
+
+    *failed_measure = 0;
+    tw_paired_config_default(&pcfg);
+    tw_search_budget(s, &budget);
+    if (budget.ns != 0) {
+        now = tw_host_now(s->host);
+        pcfg.time_cap_ns = now - budget.start_ns < budget.ns ? budget.ns - (now - budget.start_ns)
+                                                             : 1;
+    }
+    rc = tw_read_load(s, &before, err);
+    if (rc != TW_OK) {
+        goto cleanup;
+    }
+    for (k = 0; k < 2; k++) {
+        runners[k].ctx = (void *)s->ops;
+        runners[k].n_samples = s->ops->model.n_samples;
+        runners[k].run = tw_run_model;
+        runners[k].sync = s->ops->model.sync != NULL ? tw_sync_model : NULL;
+        runners[k].round = k == 0 ? tw_round_inactive : tw_round_active;
+    }
+    tw_error_clear(&cause);
+    rc = tw_measure_pairs(s->host, runners, &s->cfg->measure, &pcfg, paired, &failed, &cause);
+    if (rc != TW_OK && (rc == TW_EINTERRUPT || failed == TW_NO_RUNNER)) {
+        tw_error_set(err, rc, "confirming depth %d in paired rounds: %s", depth, cause.msg);
     } else if (rc != TW_OK) {
         tw_host_logf(s->host, 1, "depth %d could not be confirmed: %s", depth, cause.msg);
         *failed_measure = 1;
@@ -648,12 +739,33 @@ static void tw_settle_confirmation(tw_result *r, const tw_stats *stats, uint32_t
         c->speedup_high = search_high;
     }
     c->confirmed = c->speedup_low > 1.0;
-    if (tw_result_busy(r)) {
-        /* figures from a busy machine, agreeing or not: no claim, and only a wide gain is kept */
-        c->quality = TW_QUALITY_BUSY;
-        c->busy_keep = tw_busy_keep(tw_result_others_share(r));
-        c->confirmed = c->speedup_low >= c->busy_keep;
-    }
+}
+
+/* The confirmation from paired rounds on a busy machine: their median ratio
+ * and its 99 % interval are the figure; kept when the interval lies above 1. */
+static void tw_settle_paired(tw_result *r, const tw_paired *p, uint32_t tries)
+{
+    tw_confirmation *c = &r->confirmation;
+    const tw_stats *row = &r->rows[r->selected].row.stats;
+
+    c->measured = 1;
+    c->depth = r->rows[r->selected].row.depth;
+    c->untuned = p->stats[0];
+    c->tuned = p->stats[1];
+    c->tries = tries;
+    c->agreed = 1;
+    c->from_search = 0;
+    c->quality = TW_QUALITY_BUSY;
+    c->speedup = p->ratio;
+    c->speedup_low = p->low;
+    c->speedup_high = p->high;
+    c->side_speedup = p->ratio;
+    c->search_speedup = row->median_ns > 0 ? r->baseline.median_ns / row->median_ns : 0.0;
+    c->paired_rounds = p->rounds;
+    c->paired_wins = p->wins;
+    c->others_share = r->side_capacity >= TW_LOAD_MIN_CAPACITY
+                          ? r->side_others / r->side_capacity : -1.0;
+    c->confirmed = p->low > 1.0;
 }
 
 /* Keeps the confirmed depth: the cut activated again (the last round may
@@ -676,9 +788,10 @@ static tw_code tw_keep_confirmed(tw_search *s, int depth, tw_error *err)
     s->entered = 0;
     if (c->quality == TW_QUALITY_BUSY) {
         tw_host_logf(s->host, 1, "depth %d kept on a busy machine (other processes took "
-                     "%.0f%% of the CPUs): at least %.2fx faster at the spread's low "
-                     "end; no speedup is claimed", depth,
-                     tw_result_others_share(r) * 100.0, c->busy_keep);
+                     "%.0f%% of the CPUs): %.2fx faster in %u paired rounds (99%% "
+                     "interval %.2fx to %.2fx), measured busy", depth,
+                     tw_result_others_share(r) * 100.0, c->speedup, c->paired_rounds,
+                     c->speedup_low, c->speedup_high);
     } else {
         tw_host_logf(s->host, 0, "depth %d kept: %.2fx faster %s (%.2fx to %.2fx)", depth,
                      c->speedup, c->from_search ? "in the search" : "side by side",
@@ -700,13 +813,14 @@ static tw_code tw_confirm_selected(tw_search *s, tw_error *err)
     tw_confirmation *c = &r->confirmation;
     const tw_stats *row = &r->rows[r->selected].row.stats;
     tw_stats stats[2];
+    tw_paired paired;
     int depth = r->rows[r->selected].row.depth;
     int failed = 0;
     int agree = 0;
     uint32_t tries = 0;
 
     s->entered = 1; /* until it is confirmed, any failure leaves the cut */
-    while (tries < TW_CONFIRM_TRIES) {
+    while (!s->busy && tries < TW_CONFIRM_TRIES) {
         if (tries > 0) {
             if (tw_budget_used(s)) {
                 break;
@@ -729,12 +843,26 @@ static tw_code tw_confirm_selected(tw_search *s, tw_error *err)
         tries++;
         agree = tw_stats_agree(&stats[1], &r->baseline) && tw_stats_agree(&stats[0], row) &&
                 tw_speedups_agree(&stats[1], &stats[0], &r->baseline, row);
-        if (agree) {
+        if (agree || tw_result_busy(r)) {
             break;
         }
     }
-    tw_settle_confirmation(r, stats, tries, agree);
-    if (!agree) {
+    if (s->busy || tw_result_busy(r)) {
+        /* busy, from the untuned model's measurements or the side-by-side one: the
+         * figure comes from paired rounds, robust to the load's bursts */
+        rc = tw_measure_paired_side(s, depth, &paired, &failed, err);
+        if (rc != TW_OK) {
+            goto cleanup;
+        }
+        if (failed) {
+            r->selected = -1;
+            goto leave;
+        }
+        tw_settle_paired(r, &paired, tries + 1);
+    } else {
+        tw_settle_confirmation(r, stats, tries, agree);
+    }
+    if (!agree && c->quality != TW_QUALITY_BUSY) {
         tw_host_logf(s->host, 1, "depth %d: the side-by-side figures (%.2fx) disagree with the "
                      "search's (%.2fx) after %u measurements: the machine's load changed; the "
                      "smaller figure counts", depth, c->side_speedup, c->search_speedup,
@@ -745,10 +873,12 @@ static tw_code tw_confirm_selected(tw_search *s, tw_error *err)
         goto cleanup;
     }
     if (c->quality == TW_QUALITY_BUSY) {
-        tw_host_logf(s->host, 1, "depth %d not kept: the machine was busy (other processes took "
-                     "%.0f%% of the CPUs while measuring) and it was not %.2fx faster at the "
-                     "spread's low end; the model stays untuned", depth,
-                     tw_result_others_share(r) * 100.0, c->busy_keep);
+        tw_host_logf(s->host, 1, "depth %d not kept: on a busy machine (other processes took "
+                     "%.0f%% of the CPUs) its %u paired rounds put it at %.2fx, 99%% interval "
+                     "%.2fx to %.2fx, %s; the model stays untuned", depth,
+                     tw_result_others_share(r) * 100.0, c->paired_rounds, c->speedup,
+                     c->speedup_low, c->speedup_high,
+                     c->speedup_high < 1.0 ? "slower" : "which holds 1");
         r->selected = -1;
         goto leave;
     }
@@ -793,7 +923,17 @@ static tw_code tw_run_search(tw_search *s, tw_error *err)
         if (tw_budget_used(s)) {
             tw_load_cut(s, i);
             r->rows[i].row.state = TW_ROW_BUDGET;
-            tw_result_set_row_error(r, i, "time budget used up");
+            if (tw_busy_budget_used(s)) {
+                if (!r->busy_stopped) {
+                    tw_host_logf(s->host, 1, "the machine is busy and the busy budget (%.0f s) "
+                                 "is used up: depth %d and deeper are not tried",
+                                 s->cfg->busy_budget_ns / 1e9, s->depths[i]);
+                }
+                r->busy_stopped = 1;
+                tw_result_set_row_error(r, i, "busy budget used up");
+            } else {
+                tw_result_set_row_error(r, i, "time budget used up");
+            }
             continue;
         }
         tw_load_cut(s, i);

@@ -441,6 +441,184 @@ static void test_compare_stops_when_decided(void)
     CHECK_INT(st[1].rounds, 4);
 }
 
+/* A runner under interference: every call costs `cost` ns, and the machine's
+ * bursts (shared by both runners: one random state) make a call up to 6x
+ * slower, one call in three. */
+typedef struct busy_runner {
+    fake_env *env;
+    uint64_t cost;
+    uint64_t *lcg;
+    double noise;    /* a quiet call still varies by up to this fraction */
+} busy_runner;
+
+static double busy_uniform(uint64_t *lcg)
+{
+    *lcg = *lcg * 6364136223846793005ULL + 1442695040888963407ULL;
+    return (double)(*lcg >> 11) / 9007199254740992.0;
+}
+
+static tw_code busy_run(void *ctx, size_t sample, tw_error *err)
+{
+    busy_runner *r = ctx;
+    double factor = 1.0 + r->noise * (2.0 * busy_uniform(r->lcg) - 1.0);
+
+    (void)sample;
+    (void)err;
+    if (busy_uniform(r->lcg) < 1.0 / 3.0) {
+        factor *= 1.0 + 5.0 * busy_uniform(r->lcg);
+    }
+    r->env->now += (uint64_t)((double)r->cost * factor);
+    return TW_OK;
+}
+
+static tw_runner busy_runner_of(busy_runner *r)
+{
+    tw_runner runner = {r, 4, busy_run, NULL, NULL};
+    return runner;
+}
+
+/* Under bursts that spread each runner's rounds far beyond a 1.25x gap, the
+ * paired rounds still find the faster one, with a 99 % interval above 1. */
+static void test_paired_finds_the_faster_under_bursts(void)
+{
+    fake_env env;
+    tw_host host;
+    uint64_t lcg = 7;
+    busy_runner a = {&env, 1000, &lcg, 0.02};
+    busy_runner b = {&env, 800, &lcg, 0.02};
+    tw_runner runners[2];
+    tw_measure_config cfg = fake_quick_config();
+    tw_paired p;
+    tw_stats stats[2];
+
+    fake_env_init(&env);
+    host = fake_host(&env);
+    runners[0] = busy_runner_of(&a);
+    runners[1] = busy_runner_of(&b);
+    CHECK_INT(tw_measure_paired(&host, runners, &cfg, NULL, &p, NULL), TW_OK);
+    CHECK(p.rounds >= 10 && p.rounds <= 400);
+    CHECK(p.low > 1.0 && p.low <= p.ratio && p.ratio <= p.high);
+    CHECK(p.ratio > 1.1 && p.ratio < 1.45);
+    CHECK_INT(p.stopped_by, TW_STOP_DECIDED);
+    CHECK(p.wins > p.rounds / 2);
+    CHECK_INT(p.stats[0].rounds, p.rounds);
+    /* the same bursts spread the unpaired medians' quartiles across each other */
+    lcg = 7;
+    cfg.rounds_min = cfg.rounds_max = 10;
+    CHECK_INT(tw_measure_compare(&host, runners, 2, &cfg, stats, NULL), TW_OK);
+    CHECK(stats[0].q25_ns < stats[1].q75_ns);
+    CHECK_INT(env.live, 0);
+}
+
+/* Two equal runners: the interval holds 1, and more pairs are taken while it
+ * is wide; the time cap stops them (after rounds_min) when it stays wide. */
+static void test_paired_equal_runners_straddle_one(void)
+{
+    fake_env env;
+    tw_host host;
+    uint64_t lcg = 3;
+    busy_runner a = {&env, 1000, &lcg, 0.3};
+    busy_runner b = {&env, 1000, &lcg, 0.3};
+    tw_runner runners[2];
+    tw_measure_config cfg = fake_quick_config();
+    tw_paired_config pcfg;
+    tw_paired p;
+
+    fake_env_init(&env);
+    host = fake_host(&env);
+    runners[0] = busy_runner_of(&a);
+    runners[1] = busy_runner_of(&b);
+    tw_paired_config_default(&pcfg);
+    CHECK_INT(tw_measure_paired(&host, runners, &cfg, &pcfg, &p, NULL), TW_OK);
+    CHECK(p.low <= 1.0 && p.high >= 1.0);
+    CHECK(p.rounds > pcfg.rounds_min); /* wide at first: more pairs */
+    CHECK(p.stopped_by == TW_STOP_SPREAD || p.stopped_by == TW_STOP_ROUNDS);
+    /* a cap of one pair's time: rounds_min pairs, then it stops */
+    pcfg.width = 1e-6;
+    pcfg.time_cap_ns = 1;
+    CHECK_INT(tw_measure_paired(&host, runners, &cfg, &pcfg, &p, NULL), TW_OK);
+    CHECK_INT(p.rounds, pcfg.rounds_min);
+    CHECK_INT(p.stopped_by, TW_STOP_TIME);
+    CHECK_INT(env.live, 0);
+}
+
+/* The sign test's ranks and the ratio's edge cases. */
+static void test_paired_interval(void)
+{
+    double r[20];
+    tw_paired p;
+    size_t i;
+
+    for (i = 0; i < 20; i++) {
+        r[i] = (double)(20 - i); /* sorted in place */
+    }
+    tw_paired_fill(r, 7, &p); /* 2^-7 > 0.005: no 99 % interval */
+    CHECK(p.low == 0.0 && isinf(p.high));
+    for (i = 0; i < 20; i++) {
+        r[i] = (double)(20 - i);
+    }
+    tw_paired_fill(r, 8, &p); /* the first 8 values: 13..20; their extremes */
+    CHECK_NEAR(p.low, 13.0, 0.0);
+    CHECK_NEAR(p.high, 20.0, 0.0);
+    CHECK_NEAR(p.ratio, 16.5, 1e-12);
+    for (i = 0; i < 20; i++) {
+        r[i] = (double)(i + 1);
+    }
+    tw_paired_fill(r, 20, &p); /* P(X <= 3) = 0.0013, P(X <= 4) = 0.0059: ranks 4 and 17 */
+    CHECK_NEAR(p.low, 4.0, 0.0);
+    CHECK_NEAR(p.high, 17.0, 0.0);
+    CHECK_NEAR(tw_paired_ratio(2.0, 1.0), 2.0, 0.0);
+    CHECK(isinf(tw_paired_ratio(1.0, 0.0)));
+    CHECK_NEAR(tw_paired_ratio(0.0, 0.0), 1.0, 0.0);
+}
+
+static void test_paired_invalid_and_failures(void)
+{
+    fake_env env;
+    tw_host host;
+    fake_runner f[2];
+    const uint64_t script[] = {100};
+    tw_runner runners[2];
+    tw_measure_config cfg = fake_quick_config();
+    tw_paired_config pcfg;
+    tw_paired p;
+    tw_error err;
+
+    fake_env_init(&env);
+    host = fake_host(&env);
+    fake_runner_init(&f[0], &env, 0, script, 1, 2);
+    fake_runner_init(&f[1], &env, 1, script, 1, 2);
+    runners[0] = fake_runner_of(&f[0]);
+    runners[1] = fake_runner_of(&f[1]);
+    tw_paired_config_default(&pcfg);
+    pcfg.rounds_min = 7;
+    CHECK_INT(tw_measure_paired(&host, runners, &cfg, &pcfg, &p, &err), TW_EINVAL);
+    CHECK_HAS(err.msg, "a 99 % interval needs 8 pairs");
+    pcfg.rounds_min = 10;
+    pcfg.rounds_max = 2000;
+    CHECK_INT(tw_measure_paired(&host, runners, &cfg, &pcfg, &p, &err), TW_EINVAL);
+    pcfg.rounds_max = 20;
+    pcfg.width = 0.0;
+    CHECK_INT(tw_measure_paired(&host, runners, &cfg, &pcfg, &p, &err), TW_EINVAL);
+    CHECK_INT(tw_measure_paired(&host, NULL, &cfg, NULL, &p, &err), TW_EINVAL);
+    CHECK_INT(env.now, 1000); /* nothing ran */
+    /* equal constant runners: ratio 1 exactly, a narrow interval holding 1 */
+    CHECK_INT(tw_measure_paired(&host, runners, &cfg, NULL, &p, &err), TW_OK);
+    CHECK(p.ratio == 1.0 && p.low == 1.0 && p.high == 1.0);
+    CHECK_INT(p.rounds, 10);
+    CHECK_INT(p.stopped_by, TW_STOP_SPREAD);
+    /* the order alternates: A B, B A, ... */
+    CHECK(env.log[2] == 0 && env.log[3] == 1 && env.log[6] == 1 && env.log[9] == 0);
+    /* a failing callback's code comes back; out of memory frees what it took */
+    f[1].fail_at = (long)f[1].calls + 5;
+    CHECK_INT(tw_measure_paired(&host, runners, &cfg, NULL, &p, &err), TW_ECALLBACK);
+    CHECK_HAS(err.msg, "runner 1 broke");
+    env.allocs_left = 1;
+    CHECK_INT(tw_measure_paired(&host, runners, &cfg, NULL, &p, &err), TW_ENOMEM);
+    env.allocs_left = -1;
+    CHECK_INT(env.live, 0);
+}
+
 int main(void)
 {
     test_warmup();
@@ -453,5 +631,9 @@ int main(void)
     test_compare_interleaves();
     test_compare_waits_for_all();
     test_compare_stops_when_decided();
+    test_paired_finds_the_faster_under_bursts();
+    test_paired_equal_runners_straddle_one();
+    test_paired_interval();
+    test_paired_invalid_and_failures();
     return CHECK_SUMMARY("test_measure");
 }

@@ -25,6 +25,46 @@
  * what cannot be said in the engine's types is refused here; the rules on the
  * values are the engine's (tw_tweak_config_check), applied after. Each
  * argument is borrowed and may be NULL (not given). -1 with ValueError. */
+/* A budget in seconds (a number >= 0) into *ns; 0 s becomes 1 ns, since 0 ns
+ * reads as "no budget" to the engine: a budget of 0 s is used up at once. */
+static int
+tt_budget_seconds(PyObject *budget, const char *name, uint64_t *ns)
+{
+    double d = PyLong_Check(budget) || PyFloat_Check(budget) ? PyFloat_AsDouble(budget) : NAN;
+
+    if (!(d >= 0)) { /* not a number, negative or NaN */
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s must be a number of seconds >= 0 or None, got %R",
+                     name, budget);
+        return -1;
+    }
+    if (PyBool_Check(budget)) {
+        PyObject *f = PyFloat_FromDouble(d); /* new reference: True is 1 second */
+        int rc = f == NULL ? -1 : tt_seconds_to_ns(f, name, ns);
+        Py_XDECREF(f);
+        if (rc < 0)
+            return -1;
+    } else if (tt_seconds_to_ns(budget, name, ns) < 0) {
+        return -1;
+    }
+    if (*ns == 0)
+        *ns = 1;
+    return 0;
+}
+
+/* The busy budget: absent, the engine's default; None, none. */
+static int
+tt_busy_budget(PyObject *busy, tw_tweak_config *cfg)
+{
+    if (busy == NULL)
+        return 0;
+    if (busy == Py_None) {
+        cfg->busy_budget_ns = 0;
+        return 0;
+    }
+    return tt_budget_seconds(busy, "busy_budget", &cfg->busy_budget_ns);
+}
+
 static int
 tt_tweak_settings(PyObject *min_depth, PyObject *max_depth, PyObject *tie, PyObject *budget,
                   tw_tweak_config *cfg)
@@ -62,35 +102,17 @@ tt_tweak_settings(PyObject *min_depth, PyObject *max_depth, PyObject *tie, PyObj
         }
         cfg->tie_tolerance = d;
     }
-    if (budget != NULL && budget != Py_None) {
-        d = PyLong_Check(budget) || PyFloat_Check(budget) ? PyFloat_AsDouble(budget) : NAN;
-        if (!(d >= 0)) { /* not a number, negative or NaN */
-            PyErr_Clear();
-            PyErr_Format(PyExc_ValueError,
-                         "time_budget must be a number of seconds >= 0 or None, got %R", budget);
-            return -1;
-        }
-        if (PyBool_Check(budget)) {
-            PyObject *f = PyFloat_FromDouble(d); /* new reference: True is 1 second */
-            int rc = f == NULL ? -1 : tt_seconds_to_ns(f, "time_budget", &cfg->time_budget_ns);
-            Py_XDECREF(f);
-            if (rc < 0)
-                return -1;
-        } else if (tt_seconds_to_ns(budget, "time_budget", &cfg->time_budget_ns) < 0) {
-            return -1;
-        }
-        /* 0 ns would read as "no budget" to the engine; a budget of 0 s is one
-         * that is used up before the first depth */
-        if (cfg->time_budget_ns == 0)
-            cfg->time_budget_ns = 1;
-    }
+    if (budget != NULL && budget != Py_None &&
+        tt_budget_seconds(budget, "time_budget", &cfg->time_budget_ns) < 0)
+        return -1;
     return 0;
 }
 
 /* cfg from the defaults and the settings, checked by the engine's rules. */
 static int
 tt_tweak_config(TtState *st, PyObject *min_depth, PyObject *max_depth, PyObject *tie,
-                PyObject *budget, int dry_run, PyObject *config, tw_tweak_config *cfg)
+                PyObject *budget, PyObject *busy, int dry_run, PyObject *config,
+                tw_tweak_config *cfg)
 {
     tw_error err;
     tw_code code;
@@ -98,7 +120,7 @@ tt_tweak_config(TtState *st, PyObject *min_depth, PyObject *max_depth, PyObject 
     memset(&err, 0, sizeof(err));
     tw_tweak_config_default(cfg);
     if (tt_tweak_settings(min_depth, max_depth, tie, budget, cfg) < 0 ||
-        tt_config_from_dict(config, &cfg->measure) < 0)
+        tt_busy_budget(busy, cfg) < 0 || tt_config_from_dict(config, &cfg->measure) < 0)
         return -1;
     cfg->dry_run = dry_run;
     code = tw_tweak_config_check(cfg, &err);
@@ -123,7 +145,7 @@ tt_py_check_tweak_config(PyObject *module, PyObject *args, PyObject *kwargs)
                                      &min_depth, &max_depth, &tie, &budget, &config))
         return NULL;
     if (tt_tweak_config((TtState *)PyModule_GetState(module), min_depth, max_depth, tie, budget,
-                        0, config, &cfg) < 0)
+                        NULL, 0, config, &cfg) < 0)
         return NULL;
     /* the settings as the engine reads them: the one value a tweak hashes and passes on */
     if (budget == NULL || budget == Py_None)
@@ -315,12 +337,14 @@ tt_py_tweak(PyObject *module, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"tree", "enter", "modules", "activate", "leave", "run", "n_samples",
                              "sync", "min_depth", "max_depth", "tie_tolerance", "time_budget",
-                             "dry_run", "config", "clock", "deactivate", "log", "load", NULL};
+                             "dry_run", "config", "clock", "deactivate", "log", "load",
+                             "busy_budget", NULL};
     TtState *st = (TtState *)PyModule_GetState(module);
     PyObject *tree = NULL, *enter = NULL, *modules = NULL, *activate = NULL, *leave = NULL;
     PyObject *run = NULL, *n_obj = NULL, *sync = Py_None, *min_depth = NULL, *max_depth = NULL;
     PyObject *tie = NULL, *budget = NULL, *config = Py_None, *clock = Py_None;
     PyObject *deactivate = Py_None, *log = Py_None, *load = Py_None; /* all borrowed */
+    PyObject *busy = NULL;                                          /* borrowed */
     PyObject *result = NULL;
     Py_ssize_t n_samples = 0;
     int dry_run = 0;
@@ -335,10 +359,11 @@ tt_py_tweak(PyObject *module, PyObject *args, PyObject *kwargs)
     tt_call_init(&call, st, Py_None, Py_None);
     memset(&tw, 0, sizeof(tw));
     memset(&err, 0, sizeof(err));
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!|$OOOOOOOOOOOpOOOOO:tweak", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!|$OOOOOOOOOOOpOOOOOO:tweak", kwlist,
                                      st->TreeType, &tree, &enter, &modules, &activate, &leave,
                                      &run, &n_obj, &sync, &min_depth, &max_depth, &tie, &budget,
-                                     &dry_run, &config, &clock, &deactivate, &log, &load))
+                                     &dry_run, &config, &clock, &deactivate, &log, &load,
+                                     &busy))
         goto cleanup;
     {
         PyObject *required[] = {enter, modules, activate, leave, run, n_obj};
@@ -347,7 +372,7 @@ tt_py_tweak(PyObject *module, PyObject *args, PyObject *kwargs)
         if (tt_tweak_check_args(required, optional, &n_samples) < 0)
             goto cleanup;
     }
-    if (tt_tweak_config(st, min_depth, max_depth, tie, budget, dry_run, config, &cfg) < 0)
+    if (tt_tweak_config(st, min_depth, max_depth, tie, budget, busy, dry_run, config, &cfg) < 0)
         goto cleanup;
 
     tt_call_init(&call, st, clock, sync);

@@ -133,15 +133,16 @@ tt_result_get_confirmation(TtResult *self, void *closure)
         (untuned = tt_stats_to_dict(&c.untuned)) == NULL ||
         (share = c.others_share < 0.0 ? Py_NewRef(Py_None) : PyFloat_FromDouble(c.others_share)) == NULL)
         goto cleanup;
-    result = Py_BuildValue("{s:i,s:O,s:O,s:O,s:d,s:d,s:d,s:s,s:I,s:O,s:d,s:d,s:O,s:O,s:d}", "depth",
+    result = Py_BuildValue("{s:i,s:O,s:O,s:O,s:d,s:d,s:d,s:s,s:I,s:O,s:d,s:d,s:O,s:O,s:I,s:I}", "depth",
                            c.depth, "confirmed", c.confirmed ? Py_True : Py_False, "tuned", tuned,
                            "untuned", untuned, "speedup", c.speedup, "speedup_low",
                            c.speedup_low, "speedup_high", c.speedup_high, "quality",
                            tw_quality_name(c.quality), "tries", (unsigned int)c.tries,
                            "from_search", c.from_search ? Py_True : Py_False, "side_speedup",
                            c.side_speedup, "search_speedup", c.search_speedup, "agreed",
-                           c.agreed ? Py_True : Py_False, "others_share", share, "busy_keep",
-                           c.busy_keep);
+                           c.agreed ? Py_True : Py_False, "others_share", share,
+                           "paired_rounds", (unsigned int)c.paired_rounds, "paired_wins",
+                           (unsigned int)c.paired_wins);
 cleanup:
     Py_XDECREF(tuned);
     Py_XDECREF(untuned);
@@ -165,6 +166,13 @@ tt_result_get_others_share(TtResult *self, void *closure)
     if (share < 0.0)
         Py_RETURN_NONE;
     return PyFloat_FromDouble(share);
+}
+
+static PyObject *
+tt_result_get_busy_stopped(TtResult *self, void *closure)
+{
+    (void)closure;
+    return PyBool_FromLong(tw_result_busy_stopped(self->result));
 }
 
 static PyObject *
@@ -414,24 +422,29 @@ static PyGetSetDef tt_result_getset[] = {
     {"confirmation", (getter)tt_result_get_confirmation, NULL,
      "The kept depth measured side by side with the untuned model: a dict (depth, confirmed, "
      "tuned, untuned, speedup, speedup_low, speedup_high, quality, tries, from_search, "
-     "side_speedup, search_speedup, agreed, others_share, busy_keep), or None when none was "
-     "measured. "
+     "side_speedup, search_speedup, agreed, others_share, paired_rounds, paired_wins), or None "
+     "when none was measured. "
      "speedup is the figure reported: side by side, or the smaller of it and the search's when "
-     "they disagree; others_share: what other processes took of the CPUs during the last "
-     "side-by-side measurement (None: unknown); busy_keep: on a busy machine, the margin the "
-     "speedup's low end had to reach to keep the depth (else 0).",
+     "they disagree, or on a busy machine (quality \"busy\") the median ratio of paired "
+     "rounds, speedup_low and speedup_high its 99 % interval; others_share: what other "
+     "processes took of the CPUs during the last side-by-side measurement or the paired rounds "
+     "(None: unknown); paired_rounds, paired_wins: on a busy machine, the pairs measured and "
+     "those the depth won (else 0).",
      NULL},
     {"quality", (getter)tt_result_get_quality, NULL,
      "How the side-by-side figures held against the search's: \"consistent\", "
      "\"remeasured\" (agreed when measured again), \"inconsistent\" (never agreed: the "
      "smaller figure counts), \"busy\" (other processes took more than the engine's busy share "
-     "of the CPUs: no speedup is claimed) or \"unchecked\" (nothing was measured side by side).",
+     "of the CPUs: the figure comes from paired rounds, measured busy) or \"unchecked\" (nothing was measured side by side).",
      NULL},
     {"others_share", (getter)tt_result_get_others_share, NULL,
      "The share of the machine's CPUs other processes took while the figures were measured "
      "(0..1), or None when unknown.", NULL},
     {"busy", (getter)tt_result_get_busy, NULL,
      "True when others_share is above the engine's busy share (BUSY_SHARE).", NULL},
+    {"busy_stopped", (getter)tt_result_get_busy_stopped, NULL,
+     "True when the busy budget stopped the search: a depth was not tried on a busy machine.",
+     NULL},
     {"noisy", (getter)tt_result_get_noisy, NULL,
      "True when no speedup was confirmed and a measurement spread more than the engine's noisy "
      "limit (a busy machine may have hidden one).", NULL},
@@ -495,6 +508,7 @@ tt_result_exec(PyObject *module, TtState *st)
         goto error;
     if (PyModule_AddObjectRef(module, "Result", (PyObject *)st->ResultType) < 0 ||
         tt_add_float(module, "BUSY_SHARE", TW_BUSY_SHARE) < 0 ||
+        tt_add_float(module, "BUSY_BUDGET", TW_BUSY_BUDGET_NS / 1e9) < 0 ||
         PyModule_AddIntConstant(module, "CANDIDATE_VARIANT", TW_CAND_VARIANT) < 0 ||
         PyModule_AddIntConstant(module, "CANDIDATE_LOWERS_PRECISION", TW_CAND_LOWERS_PRECISION) < 0)
         goto error;

@@ -139,16 +139,18 @@ class Result:
         """The kept depth measured side by side with the untuned model: {"depth",
         "confirmed", "tuned": Stats, "untuned": Stats, "speedup", "speedup_low",
         "speedup_high", "quality", "tries", "from_search", "side_speedup",
-        "search_speedup", "agreed", "others_share", "busy_keep"}; None when none was measured. "speedup" is the figure reported:
-        side by side, or the smaller of it and the search's when they disagree
-        ("from_search" when that is the search's)."""
+        "search_speedup", "agreed", "others_share", "paired_rounds", "paired_wins"}; None when
+        none was measured. "speedup" is the figure reported: side by side, or the smaller of it
+        and the search's when they disagree ("from_search" when that is the search's), or on a
+        busy machine (quality "busy") the median ratio of paired rounds with its 99 % interval
+        ("speedup_low", "speedup_high"), measured busy."""
     @property
     def quality(self) -> Literal["consistent", "remeasured", "inconsistent", "busy", "unchecked"]:
         """How the side-by-side figures held against the search's: "remeasured" when they
         agreed only when measured again, "inconsistent" when they never did (the smaller
         figure counts), "busy" when other processes took more than BUSY_SHARE of the CPUs
-        while measuring (no speedup is claimed), "unchecked" when nothing was measured side
-        by side."""
+        while measuring (the figure comes from paired rounds, measured busy), "unchecked"
+        when nothing was measured side by side."""
     @property
     def others_share(self) -> Optional[float]:
         """The share of the CPUs other processes took while the figures were measured
@@ -156,6 +158,9 @@ class Result:
     @property
     def busy(self) -> bool:
         """others_share is above BUSY_SHARE."""
+    @property
+    def busy_stopped(self) -> bool:
+        """The busy budget stopped the search: a depth was not tried on a busy machine."""
     @property
     def noisy(self) -> bool:
         """No speedup was confirmed, and a measurement spread more than the engine's noisy
@@ -190,6 +195,7 @@ def tweak(tree: Tree, *,
           max_depth: Optional[int] = 1,
           tie_tolerance: float = 0.02,
           time_budget: Optional[float] = None,
+          busy_budget: Optional[float] = ...,
           dry_run: bool = False,
           config: Optional[dict[str, Any]] = None,
           clock: Optional[Callable[[], int]] = None,
@@ -205,7 +211,11 @@ def tweak(tree: Tree, *,
     load(): the machine's load, (others, capacity) running totals of CPU-seconds
     (torch_tweak._core.cpu_load.reading), or None when unknown; read around each
     measurement of the untuned model and each side-by-side one, to tell a busy
-    machine (BUSY_SHARE)."""
+    machine (BUSY_SHARE). busy_budget: once the machine is busy, the search's bound
+    in seconds (default BUSY_BUDGET; None: none)."""
+
+BUSY_BUDGET: float
+"""The default busy budget, in seconds (TW_BUSY_BUDGET_NS)."""
 
 BUSY_SHARE: float
 """The share of the machine's CPU capacity other processes may take while the figures are

@@ -206,7 +206,8 @@ def command_tweak(args: argparse.Namespace) -> int:
     try:
         depth = {} if args.max_depth is None else {"max_depth": args.max_depth}
         result = tt.tweak(model, dataset, min_depth=args.min_depth, time_budget=args.time_budget,
-                          progress=not args.quiet, tolerance=tolerance_arg(args.tolerance), **depth)
+                          progress=not args.quiet, tolerance=tolerance_arg(args.tolerance),
+                          busy_budget=args.busy_budget, **depth)
     except (TypeError, ValueError) as exc:
         raise CliError(str(exc)) from None
     print(result)
@@ -279,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     tweak.add_argument("--min-depth", type=int, default=0)
     tweak.add_argument("--max-depth", type=int, help="the deepest cut to try (default: tt.tweak's, 1)")
     tweak.add_argument("--time-budget", type=float, help="seconds; no new depth starts after it")
+    tweak.add_argument("--busy-budget", type=float, default=120.0, metavar="SECONDS",  # tt.tweak's busy_budget
+                       help="on a busy machine (others taking over a quarter of the CPUs), no new depth starts "
+                            "after this many seconds (default 120)")
     tweak.add_argument("--tolerance", default="measured", metavar="RULE",
                        help="how candidates are judged: measured (default: within 4x the original's own error "
                             "against a higher-precision run), dtype (a fixed tolerance per dtype), or a relative "

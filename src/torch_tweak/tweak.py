@@ -25,7 +25,7 @@ from ._view.progress import Progress
 from ._view.report import ModuleResults, fold, module_result
 from .backends.strategy import Strategy, default_backends, default_strategy
 from ._store.serial import Unstorable
-from ._view.status import status
+from ._view.status import BUSY_FIGURES, status
 from ._core.shapes import DECLARED, check_calls, check_shapes, edge_calls
 from ._core.signatures import forward_params
 from ._search.tuning import (GivenCalls, ModuleSearch, absorb, check_measure, dataset_runner, measure_for,
@@ -40,6 +40,8 @@ fastest on none of the benchmarked models (the GPU run that searched it,
 bench/results/runs/gpu-d149c65.json, and the CPU example) and took a third of the tuning
 time on ResNet-50 (bench/results/tuning_time.md); max_depth=2, or None for every depth,
 searches deeper."""
+DEFAULT_BUSY_BUDGET: float = _C.BUSY_BUDGET
+"""The busy budget in seconds (tt.tweak's busy_budget, the engine's TW_BUSY_BUDGET_NS): 120."""
 
 Effort = Literal["default", "high"]
 """The values of tt.tweak's ``effort``."""
@@ -72,26 +74,29 @@ class TweakResult:
     tuned_ms: latency of the kept depth, from the same measurement as baseline_ms (the
     baseline when none is kept).
     speedup: baseline_ms / tuned_ms (1.0 when the model stays untuned): never a figure that
-    disagrees with the search's (see measurement_quality); None when the machine was busy
-    (no figure is claimed: see busy).
+    disagrees with the search's (see measurement_quality); on a busy machine (busy), the
+    median ratio of the paired rounds (confirmation["speedup"], its 99 % interval
+    confirmation["speedup_low"] to ["speedup_high"]), a figure measured busy.
     confirmation: the best depth measured side by side with the untuned model, interleaved
     (docs/tweak.md): {"depth", "confirmed", "tuned", "untuned", "speedup", "speedup_low",
     "speedup_high", "quality", "tries", "from_search", "side_speedup", "search_speedup",
-    "agreed", "others_share"}, or None when no depth beat the untuned model in the search.
+    "agreed", "others_share", "paired_rounds", "paired_wins"}, or None when no depth beat the
+    untuned model in the search.
     measurement_quality: how the side-by-side figures held against the search's own for
     the same configurations: "consistent"; "remeasured" (they disagreed, the machine's load
     changed, and agreed when measured again); "inconsistent" (they never agreed: the smaller
     speedup is reported, and the depth kept only when even that is a gain); "busy" (other
-    processes took more than a quarter of the CPUs while measuring: no speedup is claimed,
-    and the depth is kept only when its spread's low end reached 1 / (1 - others_share),
-    confirmation["busy_keep"]; docs/tweak.md); "unchecked" (nothing was measured side by side: no depth beat the
-    untuned model, or a dry run).
+    processes took more than a quarter of the CPUs while measuring: the fastest depth and
+    the untuned model were measured in paired rounds, the depth kept when their 99 % interval
+    lies above 1, its figure marked busy; docs/tweak.md, "A busy machine"); "unchecked"
+    (nothing was measured side by side: no depth beat the untuned model, or a dry run).
     noisy: True when no speedup was confirmed and a measurement spread more than 25 % (a
     busy machine may have hidden one).
     others_share: the share of the machine's CPUs other processes took while the figures
     were measured (0..1: the untuned model's measurements and the side-by-side one, the
     larger), None where it cannot be read (not Linux); busy: True when it is above
-    torch_tweak._C.BUSY_SHARE (0.25).
+    torch_tweak._C.BUSY_SHARE (0.25); busy_stopped: True when the busy budget
+    (tt.tweak's busy_budget) stopped the search before every depth was tried.
     rows: a DepthResult per depth; untuned: the DepthResult of the untuned model.
     modules: a ModuleResult per tuned module, by path; ``print(result.modules)`` shows, per
     module and input signature, every candidate backend's latency or why it lost.
@@ -133,6 +138,7 @@ class TweakResult:
         self.noisy = engine.noisy
         self.others_share: float | None = engine.others_share
         self.busy: bool = engine.busy
+        self.busy_stopped: bool = engine.busy_stopped
         chosen = engine.selected
         rows = []
         for i, row in enumerate(engine.rows):
@@ -150,9 +156,14 @@ class TweakResult:
             # else the search's figures were the smaller of two that disagree: they stay
             self.baseline_ms = side["untuned"]["median_ns"] / 1e6
             self.tuned_ms = side["tuned"]["median_ns"] / 1e6
-        self.speedup = (self.baseline_ms / self.tuned_ms
-                        if self.baseline_ms is not None and self.tuned_ms and self.measurement_quality != "busy"
-                        else None)
+        self.speedup = self._speedup()
+
+    def _speedup(self) -> float | None:
+        """baseline_ms / tuned_ms; on a busy machine with a depth kept, the paired rounds' figure."""
+        side = self.confirmation
+        if self.measurement_quality == "busy" and side is not None and side["confirmed"]:
+            return side["speedup"]
+        return self.baseline_ms / self.tuned_ms if self.baseline_ms is not None and self.tuned_ms else None
 
     def __str__(self) -> str:
         if not self.cached:
@@ -223,7 +234,8 @@ class TweakResult:
         return {"rows": [dataclasses.asdict(r) for r in self.rows], "baseline_ms": self.baseline_ms,
                 "tuned_ms": self.tuned_ms, "search_baseline_ms": self.untuned.latency_ms,
                 "confirmation": self.confirmation, "quality": self.measurement_quality, "noisy": self.noisy,
-                "others_share": self.others_share, "busy": self.busy, "table": str(self)}
+                "others_share": self.others_share, "busy": self.busy, "busy_stopped": self.busy_stopped,
+                "table": str(self)}
 
     @classmethod
     def from_record(cls, record: dict, tree: ModuleTree, modules: ModuleResults,
@@ -249,9 +261,8 @@ class TweakResult:
         search = record["search_baseline_ms"]  # the untuned model as the search measured it
         self.untuned = DepthResult(None, 0, 0, search, None if search is None else 1.0, "", chosen is None)
         self.tuned_ms = record["tuned_ms"]
-        self.speedup = (self.baseline_ms / self.tuned_ms
-                        if self.baseline_ms is not None and self.tuned_ms and self.measurement_quality != "busy"
-                        else None)
+        self.busy_stopped = bool(record.get("busy_stopped", False))
+        self.speedup = self._speedup()
         return self
 
     def outcome(self) -> str:
@@ -266,16 +277,7 @@ class TweakResult:
                else "measured side by side again after the load changed" if quality == "remeasured"
                else "measured side by side")
         if quality == "busy" and side is not None:
-            busy = (f"the machine was busy (other processes took {100 * (self.others_share or 0):.0f}% of the "
-                    f"CPUs while measuring)")
-            margin = side.get("busy_keep", 0.0)
-            if self.selected_depth is not None:
-                return (f"kept depth {self.selected_depth}, but {busy}: no speedup is claimed (it was at least "
-                        f"{margin:.2f}x faster even at its spread's low end, the margin such a load needs); tweak "
-                        f"again on a quiet machine for a figure{loop}")
-            return (f"{busy}: no speedup is claimed and depth {side['depth']} is not kept (under that load a depth "
-                    f"must be {margin:.2f}x faster at its spread's low end): {stays}; tweak again on a quiet "
-                    f"machine{loop}")
+            return self._busy_outcome(side, stays, loop)
         if self.selected_depth is not None:
             how = how if side is not None and side["confirmed"] else "measured in turn"
             return f"kept depth {self.selected_depth}, {self.speedup:.2f}x faster than untuned ({how}){loop}"
@@ -293,6 +295,19 @@ class TweakResult:
                     f"{100 * (self.others_share or 0):.0f}% of the CPUs while it was measured (a busy machine): "
                     f"tweak again on a quiet machine")
         return f"no depth beat the untuned model: {stays}{loop}"
+
+    def _busy_outcome(self, side: dict, stays: str, loop: str) -> str:
+        """outcome() for figures measured busy: the paired rounds' figure, marked busy."""
+        busy = (f"measured busy: other processes took {100 * (self.others_share or 0):.0f}% of the CPUs; "
+                f"{side.get('paired_rounds', 0)} paired rounds, 99% interval {side['speedup_low']:.2f}x to "
+                f"{side['speedup_high']:.2f}x")
+        stopped = "; the busy budget stopped the search early" if self.busy_stopped else ""
+        if self.selected_depth is not None:
+            return (f"kept depth {self.selected_depth}, {side['speedup']:.2f}x faster than untuned ({busy}; tweak "
+                    f"again on a quiet machine for a quiet figure){stopped}{loop}")
+        verdict = "slower than" if side["speedup_high"] < 1.0 else "within noise of"
+        return (f"depth {side['depth']} was {verdict} the untuned model ({side['speedup']:.2f}x, {busy}): "
+                f"{stays}{stopped}{loop}")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError("tt.tweak tunes the model in place and returns its report, not a model: keep calling "
@@ -427,7 +442,8 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
           tie_tolerance: float = DEFAULT_TIE_TOLERANCE, time_budget: float | None = None, dry_run: bool = False, device: Any = None,
           progress: bool = True, measure: dict | None = None, cache: bool = True, effort: Effort = "default",
           precision: dict[str, float] | None = None, shapes: dict[str, tuple[int, int]] | None = None,
-          group: Any = None, tolerance: float | str = "measured") -> TweakResult:
+          group: Any = None, tolerance: float | str = "measured",
+          busy_budget: float | None = DEFAULT_BUSY_BUDGET) -> TweakResult:
     """Tunes `model` in place at every depth from min_depth to max_depth and keeps the fastest.
     Returns a TweakResult, a report: keep calling the model itself, under
     torch.inference_mode() (in grad mode a backend without autograd runs the original
@@ -460,8 +476,13 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
     per dtype, torch_tweak.TOLERANCES), or a number from 0 to 1 (that relative tolerance for
     every output; 0: bit-identical outputs and tokens). A backend config's own tolerance and the
     precision= policies keep theirs.
+    ``busy_budget``: seconds a tweak may take once the machine is found busy (other processes
+    taking more than a quarter of the CPUs while the untuned model is measured): depths not
+    started by then are not tried, and the result says so (docs/tweak.md, "A busy machine");
+    None: only time_budget bounds it.
     """
     rule = correctness.check_rule(tolerance)
+    _check_busy_budget(busy_budget)
     ranks = distributed.resolve(group)
     with distributed.using(ranks):
         device, measuring, asked, job, calls, limits = distributed.step(lambda: _checked(
@@ -480,7 +501,8 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
         with model_state.kept(model), correctness.ruling(rule):
             result = _tweak(model, calls, job, device, measuring, asked, strategy=strategy,
                             progress=progress and (ranks is None or ranks.rank == 0), dry_run=dry_run,
-                            cache=cache, limits=limits, settings={"measure": measure, "effort": effort},
+                            cache=cache, limits=limits,
+                            settings={"measure": measure, "effort": effort, "busy_budget": busy_budget},
                             declared=declared, edges=edges)
             if ranks is not None and not dry_run:
                 _same_plan(model, ranks)
@@ -555,7 +577,8 @@ def _tweak(model: nn.Module, calls: Any, job: Workload | None, device: torch.dev
                 return result
     session = _session(model, tree, calls, job, strategy, device, measuring, shown, depths, dry_run=dry_run,
                        speaks_tokens=speaks_tokens, compiled_loop=compiled_loop, edges=edges)
-    engine = _search(model, session, calls, job, shown, device, **limits, dry_run=dry_run, config=measuring)
+    engine = _search(model, session, calls, job, shown, device, **limits, dry_run=dry_run, config=measuring,
+                     busy_budget=settings.get("busy_budget", DEFAULT_BUSY_BUDGET))
     result = _kept(model, engine, tree, session, time_budget, dry_run, declared)
     if speaks_tokens:
         _speak_tokens(result, job)
@@ -563,11 +586,30 @@ def _tweak(model: nn.Module, calls: Any, job: Workload | None, device: torch.dev
         tuning_cache.write(key, tuning_cache.entry_of(parts, result.to_record(), result.modules, model,
                                                       result.selected_depth))
     outcome = result.outcome()
+    _mark_busy(model, result)
     logger.info("tweak of %s: %s", session.model_class, outcome)
     shown.finish(outcome)
     arm_untuned(model)
     generation.arm(model)
     return result
+
+
+def _check_busy_budget(busy_budget: Any) -> None:
+    """busy_budget= is a number of seconds >= 0 or None (ValueError before anything runs)."""
+    if busy_budget is None:
+        return
+    if isinstance(busy_budget, bool) or not isinstance(busy_budget, (int, float)) or not busy_budget >= 0 \
+            or busy_budget == float("inf"):
+        raise ValueError(f"busy_budget must be a number of seconds >= 0 or None, got {busy_budget!r} (the "
+                         "model was not changed)")
+
+
+def _mark_busy(model: nn.Module, result: TweakResult) -> None:
+    """tt.status shows a kept figure measured on a busy machine as such (BUSY_FIGURES)."""
+    if result.measurement_quality == "busy" and result.selected_depth is not None:
+        BUSY_FIGURES[model] = result.outcome()
+    else:
+        BUSY_FIGURES.pop(model, None)
 
 
 def plan_digest(model: nn.Module) -> str:
@@ -845,6 +887,7 @@ def _from_cache(model: nn.Module, tree: ModuleTree, calls: list, device: torch.d
         tuning_cache.drop(key)
         return None
     result._model = weakref.ref(model)
+    _mark_busy(model, result)
     shown.finish(f"{result.outcome()} {result.cache_note()}")
     logger.info("tweak: %s %s", result.outcome(), result.cache_note())
     return result

@@ -18,12 +18,29 @@ A reading is two running totals of CPU-seconds (clock ticks over the clock's rat
 What this process starts (a subprocess, a worker pool) is a descendant, so its work is
 the tweak's own, never load. Where there is no ``/proc/stat`` (not Linux) the reading is
 None: the load is unknown and nothing depends on it.
+
+Every read is bounded (``read_bounded``): opened without blocking, a regular file only (a
+FIFO, a device such as ``/dev/zero`` or a folder put over the path is refused, not read), at
+most STAT_LIMIT bytes of ``/proc/stat`` (its aggregate line is the first) and PROCESS_LIMIT of
+a process's, and the whole reading within READING_SECONDS. An unreadable or odd file, or a
+reading past its time, is "load unknown" (None).
 """
 
 from __future__ import annotations
 
 import os
+import stat as _stat
+import time
 from typing import Iterable
+
+STAT_LIMIT = 64 * 1024
+"""The most bytes of /proc/stat read: its aggregate "cpu" line comes first (a machine of
+thousands of CPUs writes its per-CPU lines within this)."""
+PROCESS_LIMIT = 4096
+"""The most bytes of one /proc/<pid>/stat read (about 300 are written)."""
+READING_SECONDS = 1.0
+"""The longest one reading may take (every /proc/<pid>/stat of a machine with thousands of
+processes takes a few milliseconds): past it the load is unknown."""
 
 PROC = "/proc"
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
@@ -92,31 +109,59 @@ def reading_of(stat: str, process_stats: Iterable[str], me: int, hz: int = 100,
     return (busy - own_ticks(me, processes, also)) / hz, total / hz
 
 
-def _read(path: str) -> str:
-    with open(path, encoding="ascii", errors="replace") as f:
-        return f.read()
+class Unreadable(OSError):
+    """A file of /proc that is not a regular file, or a reading past its time: load unknown."""
 
 
-def process_stats() -> list[str]:
+def read_bounded(path: str, limit: int, deadline: float) -> str:
+    """The text of a regular file, at most its first `limit` bytes, read before `deadline`
+    (time.monotonic()); Unreadable for a FIFO, a device, a folder or a read past the deadline.
+    Opened without blocking, so a FIFO answers at once."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not _stat.S_ISREG(os.fstat(fd).st_mode):
+            raise Unreadable(f"{path} is not a regular file")
+        chunks, total = [], 0
+        while total < limit:
+            if time.monotonic() > deadline:
+                raise Unreadable(f"reading {path} took too long")
+            chunk = os.read(fd, min(limit - total, 16384))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+        return b"".join(chunks).decode("ascii", errors="replace")
+    finally:
+        os.close(fd)
+
+
+def process_stats(deadline: float | None = None) -> list[str]:
     """The text of every /proc/<pid>/stat that can be read now (a process that ends
-    meanwhile is left out: its ticks are its parent's cutime once waited for)."""
+    meanwhile is left out: its ticks are its parent's cutime once waited for); Unreadable
+    once `deadline` (time.monotonic()) has passed."""
+    deadline = time.monotonic() + READING_SECONDS if deadline is None else deadline
     texts = []
     for name in os.listdir(PROC):
         if name.isdigit():
             try:
-                texts.append(_read(os.path.join(PROC, name, "stat")))
+                texts.append(read_bounded(os.path.join(PROC, name, "stat"), PROCESS_LIMIT, deadline))
+            except Unreadable:
+                raise
             except (OSError, ValueError):
                 continue
+        if time.monotonic() > deadline:
+            raise Unreadable(f"reading {PROC}'s processes took too long")
     return texts
 
 
 def reading(also: Iterable[int] = ()) -> tuple[float, float] | None:
     """The reading now (see reading_of), or None where the load cannot be read (no
-    /proc/stat). also: the process ids of the other ranks on this host (torch_tweak._core.distributed),
-    whose time is the tweak's own. Never raises."""
+    /proc/stat, or an odd one: see read_bounded). also: the process ids of the other ranks on
+    this host (torch_tweak._core.distributed), whose time is the tweak's own. Never raises."""
     try:
-        return reading_of(_read(os.path.join(PROC, "stat")), process_stats(), os.getpid(),
-                          os.sysconf("SC_CLK_TCK"), also)
+        deadline = time.monotonic() + READING_SECONDS
+        text = read_bounded(os.path.join(PROC, "stat"), STAT_LIMIT, deadline)
+        return reading_of(text, process_stats(deadline), os.getpid(), os.sysconf("SC_CLK_TCK"), also)
     except Exception:
         return None
 
@@ -135,3 +180,20 @@ def host_memory() -> int | None:
         return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
     except (AttributeError, OSError, ValueError):
         return None
+
+
+def share_now(seconds: float | None = None) -> float | None:
+    """The share of the CPUs other processes take now: two readings `seconds` apart (None: long
+    enough for 0.35 CPU-seconds, at least 0.25 s), or None when the load is unknown or the
+    window too short to tell (under 0.3 CPU-seconds, as the engine's TW_LOAD_MIN_CAPACITY).
+    What the tuning cache asks before it replays a figure measured busy."""
+    if seconds is None:
+        seconds = max(0.25, 0.35 / (os.cpu_count() or 1))
+    before = reading()
+    if before is None:
+        return None
+    time.sleep(seconds)
+    after = reading()
+    if after is None or not after[1] - before[1] >= 0.3:
+        return None
+    return min(max((after[0] - before[0]) / (after[1] - before[1]), 0.0), 1.0)

@@ -12,10 +12,12 @@ only, and a hit builds only backends of the tweak's own strategy.
 It is a cache: an entry that cannot be read, parsed or applied (damaged, a FIFO, a link to
 a device, nested too deep, of another shape) is a miss, dropped and written again; never an
 error and never a hang. An entry records how good its figures were (the result's
-measurement_quality): one whose side-by-side figures never agreed with the search's, that
-was measured while other processes took more than a quarter of the CPUs ("busy"), or that
+measurement_quality): one whose side-by-side figures never agreed with the search's, or that
 kept the model untuned, is never replayed (the next tweak measures again: each may have
-been a busy moment); one with a failed module or depth is reused for at most RETRY_AFTER
+been a busy moment); one measured while other processes took more than a quarter of the
+CPUs ("busy", its figure from paired rounds) is replayed, marked busy, only while the
+machine is still busy (cpu_load.share_now), and measured again as soon as it is quiet (or
+its load unknown); one with a failed module or depth is reused for at most RETRY_AFTER
 seconds, then tuned again.
 """
 
@@ -36,6 +38,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from .. import _C
+from .._core import cpu_load
 from .._core._samples import Call
 from ..backends import registry
 from .._core.storage import atomic_file, cache_dir, read_regular
@@ -61,7 +65,16 @@ RETRY_AFTER = 24 * 3600
 again (a failure may have been the machine's)."""
 REPLAYED = ("consistent", "remeasured")
 """The measurement qualities (TweakResult.measurement_quality) of an entry that is replayed:
-not "inconsistent", "busy" or "unchecked"."""
+not "inconsistent", "busy" (replayed only while the machine is busy: busy_replayed) or
+"unchecked"."""
+
+
+def busy_replayed() -> bool:
+    """Whether an entry measured busy is replayed now: only while other processes still take
+    more than the engine's busy share of the CPUs. A quiet machine, or a load that cannot be
+    read, measures it again, so that a quiet figure replaces it."""
+    share = cpu_load.share_now()
+    return share is not None and share > _C.BUSY_SHARE
 _SCALARS = (bool, int, float, str, type(None))
 logger = logging.getLogger("torch_tweak")
 
@@ -152,10 +165,14 @@ def read(key: str, parts: dict[str, Any]) -> dict | None:
         return None
     if type(entry) is not dict or entry.get("version") != ENTRY_VERSION or entry.get("parts") != parts:
         return None
-    if entry.get("quality") not in REPLAYED or type(entry.get("kept_depth")) is not int:
+    busy = entry.get("quality") == "busy" and type(entry.get("kept_depth")) is int
+    if busy and busy_replayed():
+        logger.info("tuning cache entry %s measured busy, replayed: the machine is still busy", key)
+    elif entry.get("quality") not in REPLAYED or type(entry.get("kept_depth")) is not int:
         # figures from a busy moment, or a model kept untuned (perhaps for one): measured again
         why = ("kept the model untuned" if type(entry.get("kept_depth")) is not int
-               else "was measured on a busy machine" if entry.get("quality") == "busy"
+               else "was measured on a busy machine, and the machine is quiet now (or its load unknown)"
+               if entry.get("quality") == "busy"
                else "has inconsistent figures")
         logger.info("tuning cache entry %s not replayed: it %s; measuring again", key, why)
         drop(key)

@@ -41,10 +41,12 @@ def bars(result: Any, alternatives: Mapping[str, float] | None = None) -> tuple[
         values.append(float(value))
         colors.append("#ffb74d")
     title = "torch-tweak: latency per depth"
-    if result.selected_depth is not None and result.speedup:
+    if result.selected_depth is not None and result.speedup and quality == "busy":
+        title += f" (depth {result.selected_depth} kept, {result.speedup:.2f}x, measured busy)"
+    elif result.selected_depth is not None and result.speedup:
         title += f" (depth {result.selected_depth} kept, {result.speedup:.2f}x)"
     elif quality == "busy":
-        title += " (a busy machine: no speedup claimed)"
+        title += " (measured busy: nothing kept)"
     if values:
         title += f"\nbars: {source}"
     return labels, values, colors, skipped, title

@@ -9,12 +9,18 @@ ran the original forward instead, by reason.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 from torch import nn
 
 from .._runtime.generation import loop_of
 from .._runtime.module import UNTUNED_REASONS, installed
 from .._core.shapes import DECLARED, Shapes
+
+
+BUSY_FIGURES: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+"""Per tuned model whose kept figure was measured on a busy machine, what tt.tweak said of it
+(set by tt.tweak, cleared by a tweak measured quiet): tt.status shows it."""
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -56,6 +62,7 @@ class ModelStatus(dict):
 
     decode_loop: dict | None = None
     declared: Shapes | None = None  # the ranges tt.tweak's shapes= (or tt.load) declared
+    busy: str | None = None  # the kept figure, measured on a busy machine (BUSY_FIGURES), else None
 
     @property
     def untuned(self) -> dict[str, int]:
@@ -67,6 +74,8 @@ class ModelStatus(dict):
             rows.append([path or "(root)", s.backend or "original", "yes" if s.active else "no", str(s.calls),
                          *(str(s.untuned.get(reason, 0)) for reason in UNTUNED_REASONS)])
         text = _table(rows) if len(rows) > 1 else "no tuned modules"
+        if self.busy:
+            text += f"\nmeasured busy: {self.busy}"
         text += "".join("\n" + line for line in self.shapes_lines())
         loop = self.decode_loop
         if loop is not None:
@@ -111,6 +120,7 @@ def status(model: nn.Module) -> ModelStatus:
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     result = ModelStatus()
     result.declared = DECLARED.get(model) if installed(model) else None  # unwrapped: nothing serves them
+    result.busy = BUSY_FIGURES.get(model) if installed(model) else None
     loop = loop_of(model)
     if loop is not None:
         result.decode_loop = {"kind": loop.kind, "calls": loop.calls, "fallbacks": dict(loop.fallbacks),
