@@ -768,6 +768,27 @@ static void tw_settle_paired(tw_result *r, const tw_paired *p, uint32_t tries)
     c->confirmed = p->low > 1.0;
 }
 
+/* Settles the confirmation: on a busy machine (the untuned model's
+ * measurements or the side-by-side one read busy) from paired rounds, robust to
+ * the load's bursts; else from the side-by-side figures. */
+static tw_code tw_settle(tw_search *s, int depth, tw_stats *stats, uint32_t tries, int agree,
+                         int *failed, tw_error *err)
+{
+    tw_result *r = s->result;
+    tw_paired paired;
+    tw_code rc;
+
+    if (!s->busy && !tw_result_busy(r)) {
+        tw_settle_confirmation(r, stats, tries, agree);
+        return TW_OK;
+    }
+    rc = tw_measure_paired_side(s, depth, &paired, failed, err);
+    if (rc == TW_OK && !*failed) {
+        tw_settle_paired(r, &paired, tries + 1);
+    }
+    return rc;
+}
+
 /* Keeps the confirmed depth: the cut activated again (the last round may
  * have been the untuned one) and the verdict logged, a busy machine's with no
  * speedup claimed. */
@@ -813,7 +834,6 @@ static tw_code tw_confirm_selected(tw_search *s, tw_error *err)
     tw_confirmation *c = &r->confirmation;
     const tw_stats *row = &r->rows[r->selected].row.stats;
     tw_stats stats[2];
-    tw_paired paired;
     int depth = r->rows[r->selected].row.depth;
     int failed = 0;
     int agree = 0;
@@ -847,20 +867,13 @@ static tw_code tw_confirm_selected(tw_search *s, tw_error *err)
             break;
         }
     }
-    if (s->busy || tw_result_busy(r)) {
-        /* busy, from the untuned model's measurements or the side-by-side one: the
-         * figure comes from paired rounds, robust to the load's bursts */
-        rc = tw_measure_paired_side(s, depth, &paired, &failed, err);
-        if (rc != TW_OK) {
-            goto cleanup;
-        }
-        if (failed) {
-            r->selected = -1;
-            goto leave;
-        }
-        tw_settle_paired(r, &paired, tries + 1);
-    } else {
-        tw_settle_confirmation(r, stats, tries, agree);
+    rc = tw_settle(s, depth, stats, tries, agree, &failed, err);
+    if (rc != TW_OK) {
+        goto cleanup;
+    }
+    if (failed) {
+        r->selected = -1;
+        goto leave;
     }
     if (!agree && c->quality != TW_QUALITY_BUSY) {
         tw_host_logf(s->host, 1, "depth %d: the side-by-side figures (%.2fx) disagree with the "
