@@ -258,6 +258,7 @@ def test_sibling_modules_past_the_recompile_limit_are_each_compiled(monkeypatch)
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_torchao_compile_option_compiles_the_quantized_copy(monkeypatch):
     pytest.importorskip("torchao", reason="torchao not installed: pip install torch-tweak[torchao]")
     compiled = []

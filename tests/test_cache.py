@@ -109,6 +109,7 @@ def test_cache_false_neither_reads_nor_writes(mlp_data, tuning_cache_folder):
         tweak(fresh_net(), mlp_data, cache="clear")
 
 
+@pytest.mark.slow
 def test_clear_cache(mlp_data, tuning_cache_folder):
     tweak(fresh_net(), mlp_data)
     assert tt.clear_cache() == 1
@@ -129,6 +130,7 @@ def test_entry_whose_parts_differ_is_not_used(mlp_data, tuning_cache_folder):
     assert not tweak(fresh_net(), mlp_data).cached
 
 
+@pytest.mark.slow
 def test_rebuild_that_fails_the_check_drops_the_entry(mlp_data, tuning_cache_folder, monkeypatch):
     tweak(fresh_net(), mlp_data)
     monkeypatch.setattr(Fast, "wrong", True)
@@ -138,6 +140,7 @@ def test_rebuild_that_fails_the_check_drops_the_entry(mlp_data, tuning_cache_fol
     assert result.selected_depth is None and not tt.installed(model)
 
 
+@pytest.mark.slow
 def test_cached_tweak_saves_and_loads(mlp_data, tmp_path):
     tweak(fresh_net(), mlp_data)
     model = fresh_net()

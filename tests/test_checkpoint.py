@@ -90,6 +90,7 @@ class Payload:
 # ------------------------------------------------------------------ round trip
 
 
+@pytest.mark.slow
 def test_round_trip_same_outputs_and_backends(saved):
     model, data, path = saved
     with torch.no_grad():
@@ -322,6 +323,7 @@ def test_member_added_to_the_file(saved):
     load_fails(fresh_mlp(), path, "members are not the ones its manifest lists")
 
 
+@pytest.mark.slow
 def test_file_from_another_device_kind_or_torch_release(saved):
     _, _, path = saved
     rewrite(path, {}, manifest={"device": {"type": "cuda", "name": "NVIDIA H200"}})
@@ -419,6 +421,7 @@ def saved_with(tmp_path, backend, **save_args):
     return model, path
 
 
+@pytest.mark.slow
 def test_free_form_values_are_stored_as_fingerprints_and_given_at_load(tmp_path):
     secret = {"cxx": "some compiler", "flags": ["-O3"]}
     model, path = saved_with(tmp_path, Extras(extras=secret, scale=2.0))
@@ -482,6 +485,7 @@ def test_tolerance_from_a_file_is_capped_per_dtype():
     assert correctness.tolerance_for(torch.float32, 1e-4, bounded=True) == 1e-4
 
 
+@pytest.mark.slow
 def test_signed_files(tmp_path):
     key = os.urandom(32)
     model, path = saved_with(tmp_path, Extras(scale=1.0), key=key)
@@ -634,6 +638,7 @@ def test_modules_shared_at_two_paths_are_refused_before_anything_changes(tmp_pat
         assert torch.equal(model(x), expected)
 
 
+@pytest.mark.slow
 def test_a_saved_file_names_no_private_module(tmp_path, mlp_data):
     """A file names torch-tweak's classes by their public paths only (torch_tweak.backends...):
     moving the package's private modules (its folders by layer) never breaks a file written before."""

@@ -298,6 +298,7 @@ def check_agreed(results: list[dict], world: int) -> None:
         assert "rank" in got["refused"] and f"{world} processes" in got["refused"], got["refused"]
 
 
+@pytest.mark.slow
 def test_two_ranks_keep_one_plan_measured_by_the_slowest(tmp_path):
     results = run_ranks(_tune_save_load, 2, tmp_path)
     check_agreed(results, 2)
@@ -477,6 +478,7 @@ def test_saved_ranks_must_match_the_loading_process():
             _check_ranks({"ranks": forged}, (0, 2), "forged.tt")
 
 
+@pytest.mark.slow
 def test_a_single_process_file_says_no_ranks_and_loads(tmp_path):
     model = full_model()
     tt.tweak(model, dataset(), strategy=tt.FirstWinsStrategy([Shortcut()]), max_depth=0, measure=MEASURE,

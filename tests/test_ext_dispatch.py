@@ -431,6 +431,7 @@ def test_reference_counts_do_not_move():
     assert d._tt_fallbacks == 2 * 2000  # two of the three calls in mode 1
 
 
+@pytest.mark.slow
 def test_cycles_through_the_original_are_collected():
     class Holder(nn.Module):
         pass
@@ -775,6 +776,7 @@ def test_root_call_refuses_a_module_without_its_wrapper_as_the_python_call_did()
         _C.root_call(object())  # no __dict__
 
 
+@pytest.mark.slow
 def test_root_call_holds_the_wrapper_while_it_runs():
     """A wrapper that takes itself out of the module during the call (tt.unwrap from
     inside it) keeps running: the call holds its own reference."""

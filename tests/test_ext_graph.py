@@ -183,6 +183,7 @@ def test_a_call_made_during_a_replay_runs_the_original():
     holder.clear()
 
 
+@pytest.mark.slow
 def test_keep_lives_as_long_as_the_replay_and_cycles_are_collected():
     class Keep:
         pass

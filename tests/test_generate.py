@@ -163,6 +163,7 @@ def test_a_step_graph_recorded_on_weights_that_moved_is_recorded_again(monkeypat
     assert len(recorded) == 2
 
 
+@pytest.mark.slow
 def test_the_compiled_loop_keeps_a_cache_per_grad_mode_and_alternating_modes_give_the_untuned_tokens():
     """The compiled loop keeps its static cache between calls (its steps' device graphs read
     it in place). A cache first made in inference mode cannot be reset outside it: a call in
@@ -371,6 +372,7 @@ def test_token_check_names_the_first_difference(exact_tokens):
         job.check_generate()
 
 
+@pytest.mark.slow
 def test_the_untuned_tokens_of_a_call_transformers_compiles_come_from_a_later_call(monkeypatch, exact_tokens):
     """transformers' first call of a compiled static path compiles its forward, and on the H200
     its tokens were not its later calls' (bench/studies/first_call_study.py). A model whose first
@@ -418,6 +420,7 @@ def test_the_untuned_tokens_of_a_call_transformers_compiles_come_from_a_later_ca
     assert "token 5 of sequence 0" in decode_check.apply_loop(model, plan) and generation.loop_of(model) is None
 
 
+@pytest.mark.slow
 def test_an_untuned_model_that_does_not_repeat_its_tokens_holds_a_candidate_to_either(monkeypatch, caplog,
                                                                                     exact_tokens):
     """On the H200, Llama-1B at prompt 512 gave either of two tokens at step 91 from one untuned
@@ -634,6 +637,7 @@ def test_a_forged_loop_storing_its_own_tokens_is_not_installed(tmp_path):
     assert any("decode loop is not installed" in str(w.message) and "untuned" in str(w.message) for w in seen)
 
 
+@pytest.mark.slow
 def test_a_loop_check_past_its_time_bound_leaves_generate_as_it_was(monkeypatch):
     from torch_tweak._search import plan as planning
 
@@ -769,6 +773,7 @@ def test_the_tuned_loop_compiles_with_transformers_settings_plus_coordinate_desc
     assert decode_model.tuned_settings(None) is None and decode_model.tuned_settings({"mode": "default"}) is None
 
 
+@pytest.mark.slow
 def test_the_tuned_loop_is_tried_only_on_cuda_for_one_sequence():
     """tweak offers the tuned loop beside the compiled one only where it can differ: on CUDA
     (coordinate descent tuning tunes Triton kernels) and for calls of one sequence (a step's
@@ -935,6 +940,7 @@ def _biased(model, token: int, by: float):
     return model.lm_head.register_forward_hook(hook)
 
 
+@pytest.mark.slow
 def test_tokens_may_part_only_at_a_near_tie_and_every_step_is_judged_teacher_forced():
     """bfloat16 Llama with random weights: the untuned call's own logits are within about 0.002
     of a float32 run, and two tokens are closer than that at a few steps. A candidate that

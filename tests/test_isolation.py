@@ -116,6 +116,7 @@ def test_a_crashing_build_is_rejected_and_its_verdict_kept(backend, words, child
     assert stored["reason"] == "crashed" and words in stored["error"] and "stored verdict" in stored["error"]
 
 
+@pytest.mark.slow
 def test_an_exception_in_the_child_is_no_crash(children):
     data = [torch.randn(4, 16)]
     result = _tweak(MLP().eval(), data, [RaisingBackend(), TorchEagerBackend()])

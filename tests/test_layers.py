@@ -133,6 +133,7 @@ def written_order() -> list[str]:
     return out
 
 
+@pytest.mark.slow
 def test_no_module_imports_one_above_it_in_the_written_order():
     order = written_order()
     edges = graph()
@@ -142,6 +143,7 @@ def test_no_module_imports_one_above_it_in_the_written_order():
     assert upward == []
 
 
+@pytest.mark.slow
 def test_generic_modules_name_no_concrete_backend():
     """Outside backends/, no module names a built-in backend class or its config class: policy,
     strategies and persistence read the registry (torch_tweak.backends.registry)."""
@@ -211,6 +213,7 @@ def folder_of(name: str) -> str:
     return path.parent.relative_to(PACKAGE).as_posix() if path.parent != PACKAGE else ""
 
 
+@pytest.mark.slow
 def test_each_folder_is_one_layer_of_the_written_order():
     """The folders are the layers: a folder's modules stand together in the written order, so
     a module put into another layer's folder breaks its folder's block. The package's own

@@ -74,6 +74,7 @@ def _assert_same(model, before):
     assert after["grads"] == before["grads"]
 
 
+@pytest.mark.slow
 def test_a_meddling_build_leaves_the_model_as_it_was(tuning_cache_folder):
     torch.manual_seed(0)
     model = nn.Sequential(Block(), nn.ReLU(), Block()).eval()

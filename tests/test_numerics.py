@@ -362,6 +362,7 @@ class Scaled(Backend):
         return lambda *args, **kwargs: tuple(t * (1 + by) for t in module(*args, **kwargs))
 
 
+@pytest.mark.slow
 def test_save_and_load_keep_the_rule_and_judge_the_stored_calls_by_it(tmp_path):
     model, untuned, data = model_and_data()
     tt.unwrap(model)

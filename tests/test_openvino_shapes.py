@@ -116,6 +116,7 @@ def test_a_new_shape_gets_its_model_once_its_calls_took_a_compiles_time(module, 
     assert ((5, 6), (5, 6)) in special.ready
 
 
+@pytest.mark.slow
 def test_a_model_that_answers_wrong_is_refused_and_the_shape_stays_dynamic(module, monkeypatch):
     """The shape's model is compiled from another module's weights: its check against the
     module fails, the dynamic model answers, and the shape is not compiled again."""
@@ -152,6 +153,7 @@ def test_a_compile_that_fails_leaves_the_shape_on_the_dynamic_model(module, monk
     assert special.refused[((3, 4), (3, 4))] == "RuntimeError: no compile here" and not special.ready
 
 
+@pytest.mark.slow
 def test_the_count_cap_and_the_memory_cap_hold(module):
     run = build(module, static_shapes=3)  # the two recorded shapes, and one more
     for length in (4, 5, 6, 7):
@@ -176,6 +178,7 @@ def test_the_count_cap_and_the_memory_cap_hold(module):
             OpenVINOBackend(static_shapes=bad)
 
 
+@pytest.mark.slow
 def test_eight_threads_of_mixed_shapes_get_the_modules_answers(module):
     run = build(module)
     shapes = [(1, 4), (2, 8), (3, 5), (4, 11)]
@@ -206,6 +209,7 @@ def until(condition, seconds: float = 30.0) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_a_dropped_model_is_freed_and_an_idle_compiling_thread_ends(module, monkeypatch):
     """Found by an attack: the compiling thread held its model for good, so a service that
     reloaded its model, or a notebook that tuned again, kept every earlier model's weights and
@@ -239,6 +243,7 @@ def test_a_dropped_model_is_freed_and_an_idle_compiling_thread_ends(module, monk
     assert until(lambda: not second.is_alive())
 
 
+@pytest.mark.slow
 def test_a_tuned_module_serves_through_them_and_status_says_so(module):
     model = Outer(copy.deepcopy(module))
     untuned = copy.deepcopy(model)
@@ -262,6 +267,7 @@ def test_a_tuned_module_serves_through_them_and_status_says_so(module):
     assert ((3, 10), (3, 10)) in special.ready and special.served >= served + 5 + 3
 
 
+@pytest.mark.slow
 def test_a_fork_waits_for_the_compile_in_progress_and_the_child_starts_clean(module):
     """The isolated builds of tuning fork: the child gets no half-held compile lock and no
     compiling thread of its parent's; it hands shapes to a thread of its own."""
@@ -287,6 +293,7 @@ def test_a_fork_waits_for_the_compile_in_progress_and_the_child_starts_clean(mod
     assert ((2, 3), (2, 3)) in special.compiled
 
 
+@pytest.mark.slow
 def test_a_process_that_exits_during_a_warm_up_drops_the_shapes_still_waiting(tmp_path):
     """At exit the compile in progress ends and the shapes still waiting are not compiled (a
     process would otherwise wait for every one of them, with the rests between them)."""

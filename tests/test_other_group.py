@@ -157,6 +157,7 @@ def check_served(model, reference, caplog):
     assert sum("ran its original forward" in r.getMessage() for r in caplog.records) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["baking", "raising", "openvino"])
 def test_other_group_serves_only_the_plain_values_it_was_checked_on(kind, tmp_path, caplog):
     backend = BACKENDS[kind]()

@@ -144,6 +144,7 @@ def test_eight_threads_calling_with_mixed_shapes():
     assert call.fast_calls > 0
 
 
+@pytest.mark.slow
 def test_eight_threads_calling_the_backend_itself():
     # past the dispatcher's lock: a call while another is inside runs the target on its own
     # arguments, never on the buffers another call is writing
@@ -156,6 +157,7 @@ def test_eight_threads_calling_the_backend_itself():
     in_threads(len(xs), lambda i: torch.testing.assert_close(call(xs[i]), wanted[i]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("through", ["model", "backend"])
 def test_hostile_calls_get_the_original_answer_or_its_error(through):
     model = mlp()
@@ -181,6 +183,7 @@ def test_hostile_calls_get_the_original_answer_or_its_error(through):
     assert call.describe()["refused_buckets"] == 0
 
 
+@pytest.mark.slow
 def test_a_call_outside_inference_mode_after_a_bucket_seen_inside_it():
     # a bucket first seen under inference_mode: its buffers are plain tensors, so a later call
     # under no_grad can still write them

@@ -60,6 +60,7 @@ def layouts_of(model, ids):
     return job.layouts
 
 
+@pytest.mark.slow
 def test_a_shape_is_recorded_at_its_second_call_and_serves_other_prompts_of_it():
     """Each call a new prompt (another seed): a recorded shape's buffer is refilled, so every
     call gives its own untuned tokens. A shape seen once is not recorded."""
@@ -78,6 +79,7 @@ def test_a_shape_is_recorded_at_its_second_call_and_serves_other_prompts_of_it()
     assert list(loop._prefill_calls.values()) == [1]
 
 
+@pytest.mark.slow
 def test_prompts_that_are_padded_or_too_long_are_not_recorded(monkeypatch):
     model = build()
     untuned = copy.deepcopy(model)
@@ -92,6 +94,7 @@ def test_prompts_that_are_padded_or_too_long_are_not_recorded(monkeypatch):
     assert not loop._prefills and not loop._prefill_calls and not loop.unrecorded_prefills
 
 
+@pytest.mark.slow
 def test_record_prefills_off_records_nothing_and_replays_nothing():
     model = build()
     untuned = copy.deepcopy(model)
@@ -149,6 +152,7 @@ def sliding_window_loop(monkeypatch):
     return model, untuned, kept_loop(model, layouts_of(model, prompt(2, 6, 0)))
 
 
+@pytest.mark.slow
 def test_a_cache_that_counts_positions_on_the_host_is_reset_and_counted_as_eagerly(monkeypatch):
     """A sliding window's static cache keeps its count of positions in Python, which a replay
     does not set: a call's cache is reset on the host first, and after the replay its count is
@@ -165,6 +169,7 @@ def test_a_cache_that_counts_positions_on_the_host_is_reset_and_counted_as_eager
     assert recorded.before != recorded.after  # the count: 0 after a reset, 6 after the prefill
 
 
+@pytest.mark.slow
 def test_a_cache_whose_reset_leaves_other_host_state_is_not_replayed(monkeypatch, caplog):
     """A value on the host that the cache's reset does not set back (here a layer's attribute
     set after the recording): the recorded forward's Python may have read it, so the replay is
@@ -221,6 +226,7 @@ def test_masks_are_made_as_eagerly_while_a_prefill_is_recorded(monkeypatch):
     assert isinstance(mask(), torch.Tensor)
 
 
+@pytest.mark.slow
 def test_eight_threads_recording_at_once_each_get_eager_masks_and_leave_none_patched(monkeypatch):
     """Eight threads, each with its own cache, enter and leave masks_as_eager at once, over
     and over (eight loops recording their prefills together): inside, each thread's mask is
@@ -291,6 +297,7 @@ def test_recordings_ending_while_another_begins_leave_transformers_own_is_tracin
     assert masking_utils.is_tracing() == own()
 
 
+@pytest.mark.slow
 def test_a_recording_whose_replay_differs_is_not_kept(monkeypatch, caplog):
     """The recording's check compares one replay with the eager prefill, bit for bit: a replay
     one ulp off is refused and the shape runs eagerly, with the untuned tokens."""
@@ -312,6 +319,7 @@ def test_a_recording_whose_replay_differs_is_not_kept(monkeypatch, caplog):
     assert sum("could not record its prefill" in r.getMessage() for r in caplog.records) == 1
 
 
+@pytest.mark.slow
 def test_a_recording_that_fails_leaves_the_call_eager(monkeypatch):
     model = build()
     untuned = copy.deepcopy(model)

@@ -164,6 +164,7 @@ def assert_untuned_draws(model, untuned, workload, seed):
 @pytest.mark.parametrize("cache", ["static", None])
 @pytest.mark.parametrize("settings", [dict(temperature=0.7, top_k=50, top_p=0.9), dict(top_k=20),
                                       dict(temperature=1.5, top_k=100, top_p=0.5)])
+@pytest.mark.slow
 def test_the_loop_draws_transformers_tokens_through_the_sampler(as_on_cuda, cache, settings):
     expected, got, loop, served = loop_and_transformers(tiny_llama(), cache, **settings)
     assert loop.calls == 1 and not loop.fallbacks and loop.resampled == 0
@@ -171,6 +172,7 @@ def test_the_loop_draws_transformers_tokens_through_the_sampler(as_on_cuda, cach
     assert torch.equal(got, expected), (got, expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache", ["static", None])
 def test_a_call_the_sampler_cannot_serve_is_made_again_with_transformers_processors(as_on_cuda, cache):
     """Every logit equal: top-k keeps the whole vocabulary, more ties than the margin. The
@@ -296,6 +298,7 @@ def test_a_sampler_that_crashes_at_tuning_is_refused_and_the_untuned_draws_stay(
     assert_untuned_draws(model, untuned, workload, 4)
 
 
+@pytest.mark.slow
 def test_eight_threads_sample_through_one_loop_with_the_sampler(as_on_cuda):
     """Eight threads share one loop with the sampler. Top-k 1 leaves one token to draw, so a
     call's tokens do not depend on the shared generator: each must be the untuned call's for
@@ -325,6 +328,7 @@ def test_eight_threads_sample_through_one_loop_with_the_sampler(as_on_cuda):
     assert loop.calls == len(prompts) and not loop.fallbacks and loop.resampled == 0
 
 
+@pytest.mark.slow
 def test_recorded_draws_are_kept_per_shape_and_setting_and_each_call_starts_unflagged(as_on_cuda, monkeypatch):
     """The loop keeps one recorded draw per batch size and sampler setting (at most
     RECORDED_DRAWS, the oldest dropped) and reuses it across calls: every call's seeded tokens
@@ -379,6 +383,7 @@ def test_recorded_draws_are_kept_per_shape_and_setting_and_each_call_starts_unfl
         generation.uninstall(model)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature, top_k, top_p, keep", SETTINGS[:4])
 def test_the_sampler_draws_torch_multinomials_token_from_the_candidates_alone(as_on_cuda, temperature, top_k,
                                                                               top_p, keep):
@@ -402,6 +407,7 @@ def test_the_sampler_draws_torch_multinomials_token_from_the_candidates_alone(as
         assert torch.equal(torch.rand(1), after)
 
 
+@pytest.mark.slow
 def test_where_the_candidates_draw_is_not_torchs_the_sampler_draws_with_torch_multinomial(as_on_cuda, monkeypatch):
     """exact_draws false (a torch whose multinomial draws another way): TopSampler.draw calls
     torch.multinomial itself, and the loop's seeded tokens stay transformers'."""

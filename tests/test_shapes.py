@@ -245,6 +245,7 @@ def test_the_tuning_cache_keys_on_the_declared_shapes(steady_figures):
     assert not tweak(slow_linear(), data, InnerBackend(), cache=True).cached
 
 
+@pytest.mark.slow
 def test_openvino_converts_for_the_declared_range():
     pytest.importorskip("openvino")
     from torch_tweak.backends import OpenVINOBackend
@@ -266,6 +267,7 @@ def test_openvino_converts_for_the_declared_range():
     assert sum(tt.installed(model)[""].tt_untuned.values()) == 0
 
 
+@pytest.mark.slow
 def test_openvino_converts_a_declared_length_along_the_mask():
     pytest.importorskip("openvino")
     from torch_tweak.backends import OpenVINOBackend

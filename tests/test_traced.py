@@ -112,6 +112,7 @@ def same(model: nn.Module, untuned: nn.Module, x: torch.Tensor) -> None:
         torch.testing.assert_close(model(x), untuned(x), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_a_size_whose_branch_the_trace_fixed_runs_the_module_counted_and_said_once(parity, caplog):
     model, untuned = parity
     assert tt.status(model)[""].backend is not None  # a branch on a size: the trace is built
@@ -145,6 +146,7 @@ def test_a_branch_on_values_refuses_the_trace_and_names_the_line(backend):
     same(model, untuned, 100 * torch.randn(4, 16))  # large values: the other branch
 
 
+@pytest.mark.slow
 def test_a_call_the_trace_cannot_take_runs_the_module_counted(backend, caplog):
     model, untuned = tuned(backend, PatchMerge)
     assert tt.status(model)[""].backend is not None
