@@ -204,14 +204,11 @@ class TweakResult:
             return ""
         width = max(len(r.label) for r in self.tokens)
         lines = ["", f"generate(): {self.tokens_per_run} new tokens per run of the workload",
-                 f"  {'configuration':<{width}}  {'tokens/s':>10}  {'first token ms':>14}"]
+                 f"  {'configuration':<{width}}  {'tokens/s':>10}  {'first token ms':>14}  status"]
         for r in self.tokens:
             rate = "-" if r.tokens_per_s is None else f"{r.tokens_per_s:,.1f}"
             ttft = "-" if r.ttft_ms is None else f"{r.ttft_ms:.3f}"
-            lines.append(f"{'*' if r.kept else ' '} {r.label:<{width}}  {rate:>10}  {ttft:>14}")
-        for report in self.loop_report or ():
-            if report["state"] != "measured" and report["error"]:
-                lines.append(f"  {report['candidate']}: {fold(report['error'])}")
+            lines.append(f"{'*' if r.kept else ' '} {r.label:<{width}}  {rate:>10}  {ttft:>14}  {r.status}".rstrip())
         for label, found in (self.numerics or {}).items():  # the correctness rule's finding, per candidate
             lines.append(f"  correctness, {label}: {fold(found, 140)}")
         if self.hint:
@@ -763,34 +760,75 @@ def _choose_loop(job: Workload, device: torch.device, measure: dict | None, show
 
 
 def _speak_tokens(result: TweakResult, job: Workload) -> None:
-    """The result's rows in tokens per second and time to first token."""
-    measured = {r["candidate"]: r["latency_ms"] for r in job.loop_report}
-    plain = measured.get("generate")
-    rows = [TokenRow("untuned", plain, job.tokens_per_s(plain), job.ttft.get("untuned"))]
-    loop = f"decode loop ({job.loop})" if job.loop is not None else None
-    if loop is not None:
-        rows.append(TokenRow(f"untuned + {loop}", measured[loop], job.tokens_per_s(measured[loop]),
-                             job.ttft.get("loop")))
-    on = f" + {loop}" if loop is not None else ""
-    for row in result.rows:
-        if row.latency_ms is not None:
-            rows.append(TokenRow(f"depth {row.depth}{on}", row.latency_ms, job.tokens_per_s(row.latency_ms),
-                                 job.ttft.get(row.depth)))
-    if result.selected_depth is None:
-        kept_label, latency = (f"untuned{on}", measured[loop] if loop is not None else plain)
-    else:
-        kept_label, latency = f"depth {result.selected_depth}{on}", result.tuned_ms
-    ttft = job.ttft.get("loop" if result.selected_depth is None and loop is not None
-                        else "untuned" if result.selected_depth is None else result.selected_depth)
-    rows.append(TokenRow(f"kept: {kept_label}", latency, job.tokens_per_s(latency), ttft, True))
-    result.tokens = rows
+    """The result's rows in tokens per second and time to first token (_token_rows)."""
+    result.tokens = _token_rows(result, job)
     result.tokens_per_run = job.tokens
     result.decode_loop = job.loop
     result.loop_report = job.loop_report
     result.numerics = {r["candidate"]: r["numerics"] for r in job.loop_report if r.get("numerics")}
     result.numerics.update((f"depth {d}", found) for d, found in job.numerics.items())
     result.hint = job.hint
-    logger.info("generate(): kept %s", kept_label)
+    logger.info("generate(): kept %s", next(r.label for r in result.tokens if r.kept))
+
+
+def _token_rows(result: TweakResult, job: Workload) -> list[TokenRow]:
+    """One row per configuration measured or refused: transformers' loop and each decode loop
+    tried (choose_loop's measurement), then each depth under the loop kept (the depth
+    search's); one is the configuration kept, every other says why it was not."""
+    chosen = next((r for r in job.loop_report if r.get("kept")), None)
+    on = "" if chosen is None or chosen["candidate"] == "generate" else f" + {chosen['candidate']}"
+    depth = result.selected_depth
+    kept_label = f"untuned{on}" if depth is None else f"depth {depth}{on}"
+    winner = "untuned" if chosen is None or chosen["candidate"] == "generate" else f"untuned + {chosen['candidate']}"
+    rows = []
+    for report in job.loop_report:
+        name = report["candidate"]
+        label = "untuned" if name == "generate" else f"untuned + {name}"
+        if label == kept_label:
+            status = "kept" + _busy_note(result)
+        elif report is chosen:
+            status = f"its loop kept, with depth {depth} (below)" if on else f"depth {depth} kept over it (below)"
+        elif report["state"] == "measured":
+            status = f"slower than {winner}"
+        else:
+            status = f"{'refused' if report['state'] == 'failed' else report['state']}: {fold(report['error'], 90)}"
+        ttft = job.ttft.get("untuned" if name == "generate" else "loop" if report is chosen else None)
+        latency = report["latency_ms"]
+        rows.append(TokenRow(label, latency, job.tokens_per_s(latency), ttft, label == kept_label, status))
+    for row in result.rows:
+        if row.latency_ms is None and not row.error:
+            continue  # a dry run's or a cut not tried: nothing to say
+        status = ("kept" + _busy_note(result) if row.selected else
+                  f"refused: {fold(row.error, 90)}" if row.latency_ms is None else _depth_not_kept(result, row, on))
+        rows.append(TokenRow(f"depth {row.depth}{on}", row.latency_ms, job.tokens_per_s(row.latency_ms),
+                             job.ttft.get(row.depth), row.selected, status))
+    return rows
+
+
+def _busy_note(result: TweakResult) -> str:
+    share = result.others_share or 0
+    return (f" (a busy machine: other processes took {100 * share:.0f}% of the CPUs; no speedup claimed)"
+            if result.measurement_quality == "busy" else "")
+
+
+def _depth_not_kept(result: TweakResult, row: DepthResult, on: str) -> str:
+    """Why a depth that was measured is not the one kept (its row of the generate() table)."""
+    side = result.confirmation
+    if side is not None and side["depth"] == row.depth:
+        if result.measurement_quality == "busy":
+            return (f"not kept: the machine was busy (other processes took {100 * (result.others_share or 0):.0f}% "
+                    f"of the CPUs): a depth must be {side.get('busy_keep', 0.0):.2f}x faster at its spread's low "
+                    f"end, it was {side['speedup_low']:.2f}x")
+        verdict = "slower than" if side["speedup_high"] < 1.0 else "within noise of"
+        return f"not kept: {verdict} untuned{on} side by side ({side['speedup']:.2f}x)"
+    kept = next((r for r in result.rows if r.selected), None)
+    if kept is not None and kept.latency_ms is not None:
+        if row.latency_ms is not None and row.latency_ms < kept.latency_ms:
+            return f"not kept: within the tie tolerance of depth {kept.depth}{on}, the shallower is kept"
+        return f"slower than depth {kept.depth}{on}"
+    if side is not None:
+        return f"slower than depth {side['depth']}{on}, itself not kept"
+    return f"slower than untuned{on}" + (f" ({fold(row.error, 60)})" if row.error else "")
 
 
 def _from_cache(model: nn.Module, tree: ModuleTree, calls: list, device: torch.device, strategy: Strategy | None,

@@ -1,0 +1,79 @@
+"""What tweak says, against the exact cases users met: the generate() table agrees with what
+was kept and has a row per candidate measured; nothing kept says nothing saved; swapped
+arguments, label pairs and declared shapes past a model's position table are refused with
+what to write instead; counts agree after tt.load."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from torch_tweak.tweak import DepthResult, TweakResult, _token_rows
+
+# ------------------------------------------------------------------ the generate() table
+
+
+def _job(report: list[dict], tokens: int = 24) -> types.SimpleNamespace:
+    return types.SimpleNamespace(loop_report=report, tokens=tokens, ttft={"untuned": 9.0, "loop": 8.0, 0: 7.0, 1: 6.0},
+                                 tokens_per_s=lambda ms: None if ms is None else tokens / (ms / 1e3),
+                                 numerics={}, hint="")
+
+
+def _result(rows: list[DepthResult], *, confirmation=None, quality="consistent", share=None) -> TweakResult:
+    result = object.__new__(TweakResult)
+    result.rows = rows
+    chosen = next((r for r in rows if r.selected), None)
+    result.selected_depth = None if chosen is None else chosen.depth
+    result.confirmation = confirmation
+    result.measurement_quality = quality
+    result.others_share = share
+    return result
+
+
+def _loop(name: str, ms: float | None, kept: bool, state: str = "measured", error: str = "") -> dict:
+    return {"candidate": name, "state": state, "error": error, "latency_ms": ms, "numerics": "", "kept": kept}
+
+
+def test_a_depth_faster_than_the_kept_loop_says_why_it_was_not_kept():
+    """The issue's case: on a busy machine "depth 1 + decode loop 22.4 tokens/s" beside "kept:
+    untuned + decode loop 14.4": depth 1 was not kept because the machine was busy, and its row
+    says so; the kept row is the loop's own, with its own figure; the loop that was refused has
+    its row."""
+    report = [_loop("generate", 2400.0, False), _loop("decode loop (loop)", 1666.7, True),
+              _loop("decode loop (loop, top-k sampler)", None, False, "failed", "MismatchError: token 3 parts")]
+    rows = [DepthResult(0, 1, 0, 1500.0, 1.1, "", False), DepthResult(1, 3, 0, 1071.4, 1.5, "", False)]
+    side = {"depth": 1, "confirmed": False, "speedup": 1.6, "speedup_low": 1.2, "speedup_high": 2.0,
+            "busy_keep": 4.89}
+    result = _result(rows, confirmation=side, quality="busy", share=0.8)
+    tokens = _token_rows(result, _job(report))
+    by_label = {r.label: r for r in tokens}
+    assert [r.label for r in tokens if r.kept] == ["untuned + decode loop (loop)"]
+    kept = by_label["untuned + decode loop (loop)"]
+    assert kept.status.startswith("kept (a busy machine") and kept.latency_ms == 1666.7
+    assert by_label["untuned"].status == "slower than untuned + decode loop (loop)"
+    assert by_label["untuned + decode loop (loop, top-k sampler)"].status == "refused: MismatchError: token 3 parts"
+    depth1 = by_label["depth 1 + decode loop (loop)"]
+    assert depth1.status.startswith("not kept: the machine was busy") and "4.89x" in depth1.status
+    assert by_label["depth 0 + decode loop (loop)"].status == "slower than depth 1 + decode loop (loop), itself not kept"
+    result.tokens, result.tokens_per_run, result.numerics, result.hint = tokens, 24, {}, ""
+    table = result._tokens_table()
+    assert "status" in table.splitlines()[2]
+    starred = [line for line in table.splitlines() if line.startswith("*")]
+    assert len(starred) == 1 and "untuned + decode loop (loop)" in starred[0] and "14.4" in starred[0]
+    assert "not kept: the machine was busy" in table
+
+
+def test_a_loop_that_lost_to_transformers_loop_has_its_row():
+    """The decode loop that lost to transformers' loop had no row at all (only
+    result.loop_report said why): it has one, saying it was slower."""
+    report = [_loop("generate", 100.0, True), _loop("decode loop (loop)", 140.0, False)]
+    rows = [DepthResult(0, 1, 0, 80.0, 1.25, "", True)]
+    result = _result(rows, confirmation={"depth": 0, "confirmed": True, "speedup": 1.25, "speedup_low": 1.1,
+                                         "speedup_high": 1.4})
+    tokens = _token_rows(result, _job(report))
+    assert [(r.label, r.kept) for r in tokens] == [("untuned", False), ("untuned + decode loop (loop)", False),
+                                                   ("depth 0", True)]
+    assert tokens[0].status == "depth 0 kept over it (below)"
+    assert tokens[1].status == "slower than untuned"
+    assert tokens[2].status == "kept"
