@@ -96,3 +96,14 @@ def test_tweak_from_a_factory_saves_shows_and_plots(tmp_path):
     with Image.open(chart) as image:
         image.verify()
         assert image.format == "PNG" and image.size[0] > 100
+
+
+def test_a_tweak_that_keeps_nothing_saves_nothing(tmp_path, capsys):
+    """Nothing kept (here a time budget of 0): the command says so and writes no file, rather
+    than "tuned model saved to ...; in production: ... tt.load(...)" for an untuned model."""
+    saved = tmp_path / "tiny.tt"
+    assert main(["tweak", f"{FACTORY}:tiny", "--input", "4x8", "--samples", "2", "--quiet", "--time-budget", "0",
+                 "--out", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert f"nothing kept, nothing saved: the model runs as it did (no file written to {saved})" in out
+    assert "saved to" not in out and "tt.load" not in out and not saved.exists()

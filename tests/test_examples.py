@@ -31,3 +31,13 @@ def test_tweak_example_on_the_cpu(tmp_path):
     out = done.stdout
     assert "Dry run" in out and "untuned" in out
     assert "OK: the tuned model's output matches the untuned one" in out
+
+
+def test_tweak_example_that_keeps_nothing_saves_nothing(tmp_path):
+    """A tweak that keeps nothing (here a time budget of 0; on a busy machine, a depth not
+    confirmed) says so, lists no backend per module and saves no file."""
+    done = run_example("examples/Tweak/main.py", "--device", "cpu", "--time-budget", "0", cache=str(tmp_path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "Nothing kept, nothing saved: the model runs as it did" in out
+    assert "(root):" not in out and "Saved the tuned model" not in out and "loaded:" not in out

@@ -215,7 +215,10 @@ def command_tweak(args: argparse.Namespace) -> int:
     if args.plot:
         result.plot(args.plot)
         print(f"chart written to {args.plot}")
-    if args.out:
+    if not result.kept:
+        print("nothing kept, nothing saved: the model runs as it did" +
+              (f" (no file written to {args.out})" if args.out else ""))
+    elif args.out:
         try:
             tt.save(model, args.out)
         except OSError as exc:

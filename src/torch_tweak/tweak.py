@@ -95,6 +95,7 @@ class TweakResult:
     rows: a DepthResult per depth; untuned: the DepthResult of the untuned model.
     modules: a ModuleResult per tuned module, by path; ``print(result.modules)`` shows, per
     module and input signature, every candidate backend's latency or why it lost.
+    kept: True when a depth or a decode loop was kept; False: nothing kept, nothing to save.
     cached: True when the result came from the tuning cache (no depth was measured again);
     measured_at: then, when its figures were measured (UTC, ISO 8601), else None.
     tokens: for a workload that calls generate(), a TokenRow (tokens per second, time to
@@ -163,6 +164,13 @@ class TweakResult:
             return table + "".join("\n" + line for line in lines) + \
                 self._tokens_table()
         return self._table + "".join("\n" + line for line in self.shapes_lines()) + f"\n{self.cache_note()}"
+
+    @property
+    def kept(self) -> bool:
+        """Whether the tweak kept anything: a depth, or tweak's decode loop behind generate().
+        False: the model runs as it did, and there is nothing worth saving (tt.save would write
+        a file that changes nothing)."""
+        return self.selected_depth is not None or self.decode_loop is not None
 
     def shapes_lines(self) -> list[str]:
         """The declared shapes, and per padded group of the tuned model its buckets, their calls
