@@ -77,3 +77,39 @@ def test_a_loop_that_lost_to_transformers_loop_has_its_row():
     assert tokens[0].status == "depth 0 kept over it (below)"
     assert tokens[1].status == "slower than untuned"
     assert tokens[2].status == "kept"
+
+
+# ------------------------------------------------------------------ the chart
+
+
+def _busy_untuned_result() -> TweakResult:
+    """The issue's chart: the search measured untuned at 782 ms (a burst) and depth 1 at 96 ms,
+    side by side the two were 155.5 and 96 ms (1.62x), on a busy machine: nothing kept."""
+    rows = [DepthResult(0, 1, 0, 120.0, 6.5, "", False), DepthResult(1, 4, 0, 96.0, 8.1, "", False)]
+    side = {"depth": 1, "confirmed": False, "from_search": False, "speedup": 1.62, "speedup_low": 1.3,
+            "speedup_high": 1.9, "busy_keep": 4.89, "untuned": {"median_ns": 155.5e6}, "tuned": {"median_ns": 96e6}}
+    result = _result(rows, confirmation=side, quality="busy", share=0.8)
+    result.untuned = DepthResult(None, 0, 0, 782.0, 1.0, "", True)
+    return result
+
+
+def test_the_chart_draws_the_side_by_side_figure_on_a_busy_machine():
+    from torch_tweak._view.plotting import bars
+
+    labels, values, _, skipped, title = bars(_busy_untuned_result())
+    assert labels == ["untuned", "depth 1"] and values[0] / values[1] == pytest.approx(1.62, abs=0.01)
+    assert skipped == ["depth 0: 120 ms in the depth search (another load: not drawn)"]
+    assert "side by side, on a busy machine" in title
+
+
+def test_the_chart_title_fits_the_image():
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from torch_tweak._view.plotting import figure
+
+    fig = figure(_busy_untuned_result(), None, plt)
+    try:
+        fig.canvas.draw()
+        box, edge = fig.axes[0].title.get_window_extent(), fig.bbox
+        assert box.x0 >= edge.x0 and box.x1 <= edge.x1 and box.y1 <= edge.y1, (box, edge)
+    finally:
+        plt.close(fig)
