@@ -113,3 +113,69 @@ def test_the_chart_title_fits_the_image():
         assert box.x0 >= edge.x0 and box.x1 <= edge.x1 and box.y1 <= edge.y1, (box, edge)
     finally:
         plt.close(fig)
+
+
+# ------------------------------------------------------------------ small messages
+
+
+def _mlp():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+
+
+def test_swapped_load_arguments_say_so_and_show_the_right_call(tmp_path):
+    import copy
+
+    import torch
+    import torch_tweak as tt
+
+    model = _mlp()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(TypeError) as caught:
+        tt.load(str(tmp_path / "m.tt"), model)
+    assert str(caught.value) == f"tt.load's arguments are swapped: the model comes first, then the file: " \
+                                f"tt.load(model, {str(tmp_path / 'm.tt')!r})"
+    assert not tt.installed(model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_label_pairs_are_named_before_the_models_own_error():
+    """A training loader's [(x, y)] gave the model's own "forward() takes 2 positional arguments
+    but 3 were given"; tweak says what the samples look like and what to pass."""
+    import copy
+
+    import torch
+    import torch_tweak as tt
+
+    model = _mlp()
+    untuned = copy.deepcopy(model)
+    pairs = [(torch.randn(4, 8), torch.randint(0, 4, (4,))) for _ in range(2)]
+    with pytest.raises(TypeError) as caught:
+        tt.tweak(model, pairs, progress=False, cache=False)
+    message = str(caught.value)
+    assert message.startswith("the dataset's samples look like (input, label) pairs (")
+    assert "Pass the inputs only, e.g. tt.tweak(model, [x for x, _ in pairs])" in message
+    assert "workload=lambda m: [m(x) for x, _ in pairs]" in message
+    assert not tt.installed(model)
+    x = pairs[0][0]
+    with torch.no_grad():
+        assert torch.equal(model(x), untuned(x))
+
+
+def test_two_arguments_a_model_takes_are_no_label_pairs():
+    import torch
+    from torch import nn
+
+    from torch_tweak._core.signatures import label_pairs
+
+    class Two(nn.Module):
+        def forward(self, x, mask):
+            return x * mask
+
+    calls = [((torch.randn(2, 3), torch.ones(2, 3)), {})]
+    assert label_pairs(Two(), calls) is None
+    assert label_pairs(_mlp(), calls) is not None
+    assert label_pairs(_mlp(), [((torch.randn(2, 8),), {})]) is None

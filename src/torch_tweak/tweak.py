@@ -27,7 +27,7 @@ from .backends.strategy import Strategy, default_backends, default_strategy
 from ._store.serial import Unstorable
 from ._view.status import status
 from ._core.shapes import DECLARED, check_calls, check_shapes, edge_calls
-from ._core.signatures import forward_params
+from ._core.signatures import forward_params, label_pairs
 from ._search.tuning import (GivenCalls, ModuleSearch, absorb, check_measure, dataset_runner, measure_for,
                              model_class_name, record, release)
 from ._runtime.workload import TokenRow, Workload, choose_loop, depths_cannot_match
@@ -616,7 +616,11 @@ def _checked(model: nn.Module, dataset: Any, *, workload: Any, strategy: Strateg
     if dataset is None:
         raise TypeError("tt.tweak needs a dataset, e.g. tt.tweak(model, [x1, x2]), or a workload, "
                         "e.g. tt.tweak(model, workload=lambda m: m.generate(ids, max_new_tokens=64))")
-    return device, measuring, asked, None, load_dataset(dataset, device), limits
+    calls = load_dataset(dataset, device)
+    pairs = label_pairs(model, calls)
+    if pairs is not None:
+        raise TypeError(pairs)
+    return device, measuring, asked, None, calls, limits
 
 
 def _declared(model: nn.Module, shapes: Any, calls: Any, job: Workload | None, strategy: Strategy | None,
