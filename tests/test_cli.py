@@ -19,6 +19,13 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=600, cwd=HERE)
 
 
+def test_shapes_specs_are_tweaks_shapes():
+    from torch_tweak.cli import parse_shapes
+
+    assert parse_shapes("length=8:512,batch=1:16") == {"length": (8, 512), "batch": (1, 16)}
+    assert parse_shapes(" batch = 2 : 4 ") == {"batch": (2, 4)}
+
+
 def test_input_specs():
     assert parse_input("8x64x256") == (None, (8, 64, 256), None, None)
     assert parse_input("input_ids=1x128:int64:30522") == ("input_ids", (1, 128), "int64", 30522)
@@ -57,6 +64,14 @@ def test_input_specs():
         (["tweak", f"{os.path.join(os.path.dirname(HERE), 'README.md')}:build", "--input", "2x8"],
          "is not a Python file"),
         (["tweak", f"{FACTORY}:tiny", "--input", "2x8", "--out", "a" * 300 + ".tt"], "file name is too long"),
+        # --shapes: tt.tweak's shapes= on the command line, its mistakes tt.tweak's own
+        (["tweak", f"{FACTORY}:tiny", "--input", "2x8", "--shapes", "batch=1-32"], "malformed --shapes 'batch=1-32'"),
+        (["tweak", f"{FACTORY}:tiny", "--input", "2x8", "--shapes", "batch=1:4,batch=1:8"], "names 'batch' twice"),
+        (["tweak", f"{FACTORY}:tiny", "--input", "2x8", "--shapes", "rows=1:4"], "shapes has an unknown axis 'rows'"),
+        (["tweak", f"{FACTORY}:tiny", "--input", "4x8", "--shapes", "batch=1:2"],
+         "call 0 of the dataset has batch 4, outside shapes['batch'] = (1, 2)"),
+        (["tweak", f"{FACTORY}:tiny", "--input", "4x8", "--shapes", "length=8:512"], "passes no 2-d integer or bool "
+         "attention_mask"),
     ],
 )
 def test_mistakes_get_one_clear_line(args, message, capsys):

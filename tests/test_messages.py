@@ -179,3 +179,55 @@ def test_two_arguments_a_model_takes_are_no_label_pairs():
     assert label_pairs(Two(), calls) is None
     assert label_pairs(_mlp(), calls) is not None
     assert label_pairs(_mlp(), [((torch.randn(2, 8),), {})]) is None
+
+
+# ------------------------------------------------------------------ shapes= against the model
+
+
+def _bert():
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=64)
+    return transformers.BertModel(config).eval()
+
+
+def test_a_length_past_the_position_table_is_refused_before_anything_is_built():
+    """shapes={"length": (8, 2048)} on a BERT of 512 positions ended in torch's "The expanded
+    size of the tensor (2048) must match the existing size (512)" in every depth's row."""
+    import copy
+
+    import torch
+    import torch_tweak as tt
+
+    model = _bert()
+    before = copy.deepcopy(model.state_dict())
+    ids = torch.randint(0, 100, (2, 16))
+    data = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
+    with pytest.raises(ValueError) as caught:
+        tt.tweak(model, data, shapes={"length": (8, 128)}, max_depth=0, progress=False, cache=False,
+                 strategy=tt.OneBackendStrategy(tt.backends.TorchEagerBackend()), measure={"rounds_max": 3})
+    assert str(caught.value) == (
+        "shapes['length'] = (8, 128): the model's position table holds 64 positions "
+        "(embeddings.position_embeddings.num_embeddings = 64, config.max_position_embeddings = 64), so no call "
+        "longer than 64 can run on it; declare a length of at most 64, e.g. shapes={'length': (8, 64)}")
+    assert not tt.installed(model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_position_tables_found_and_not_found():
+    from torch import nn
+
+    from torch_tweak._core.shapes import position_table
+
+    assert position_table(_bert())[0] == 64
+
+    class Roberta(nn.Module):  # a padding row before the positions: 2 fewer usable
+        def __init__(self):
+            super().__init__()
+            self.position_embeddings = nn.Embedding(514, 8, padding_idx=1)
+
+    assert position_table(Roberta())[0] == 512
+    assert position_table(_mlp()) is None  # no table: any length

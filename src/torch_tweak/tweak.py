@@ -26,7 +26,7 @@ from ._view.report import ModuleResults, fold, module_result
 from .backends.strategy import Strategy, default_backends, default_strategy
 from ._store.serial import Unstorable
 from ._view.status import status
-from ._core.shapes import DECLARED, check_calls, check_shapes, edge_calls
+from ._core.shapes import DECLARED, check_calls, check_model, check_shapes, edge_calls
 from ._core.signatures import forward_params, label_pairs
 from ._search.tuning import (GivenCalls, ModuleSearch, absorb, check_measure, dataset_runner, measure_for,
                              model_class_name, record, release)
@@ -634,6 +634,7 @@ def _declared(model: nn.Module, shapes: Any, calls: Any, job: Workload | None, s
     if job is not None:
         raise TypeError("shapes= declares the sizes of a dataset's calls; a workload (generate()) tunes its own "
                         "calls: leave shapes=None, or pass a dataset")
+    check_model(declared, model)
     params = forward_params(model)
     check_calls(declared, calls, params)
     strategy = (strategy if strategy is not None else default_strategy(device)).with_shapes(declared)
