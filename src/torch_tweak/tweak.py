@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
 import weakref
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 import torch
 from torch import nn
@@ -430,7 +431,7 @@ class _Session:
 def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_depth: int = 0,
           max_depth: int | None = DEFAULT_MAX_DEPTH, strategy: Strategy | None = None,
           tie_tolerance: float = DEFAULT_TIE_TOLERANCE, time_budget: float | None = None, dry_run: bool = False, device: Any = None,
-          progress: bool = True, measure: dict | None = None, cache: bool = True, effort: Effort = "default",
+          progress: bool | None = None, measure: dict | None = None, cache: bool = True, effort: Effort = "default",
           precision: dict[str, float] | None = None, shapes: dict[str, tuple[int, int]] | None = None,
           group: Any = None, tolerance: float | str = "measured") -> TweakResult:
     """Tunes `model` in place at every depth from min_depth to max_depth and keeps the fastest.
@@ -458,6 +459,10 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
     rank's latency counts; every rank keeps the same plan): None (the default) is the
     default group when one is initialised with several processes, False tunes this process
     alone, or a ProcessGroup (docs/tweak.md, "Tensor-parallel models").
+    ``progress``: the progress display on stderr: None (the default) shows it, under
+    torch.distributed on rank 0 alone; True shows it on this rank whatever its rank; a tweak
+    that does not show it prints nothing (logging's last resort, which prints warnings where no
+    handler is configured, does not print torch_tweak's during it; your handlers get them).
     ``tolerance``: how a candidate's outputs are judged against the original's (docs/tweak.md,
     "What "the same answers" means"): "measured" (the default: its error against a
     higher-precision run of the module within 4x the original's own, per output tensor; for
@@ -468,7 +473,10 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
     """
     rule = correctness.check_rule(tolerance)
     ranks = distributed.resolve(group)
-    with distributed.using(ranks):
+    if progress not in (None, True, False):
+        raise TypeError(f"progress must be True, False or None (rank 0 alone under torch.distributed), not {progress!r}")
+    speaks = progress if progress is not None else ranks is None or ranks.rank == 0
+    with distributed.using(ranks), _silent(not speaks):
         device, measuring, asked, job, calls, limits = distributed.step(lambda: _checked(
             model, dataset, workload=workload, strategy=strategy, device=device, measure=measure, cache=cache,
             effort=effort, precision=precision, min_depth=min_depth, max_depth=max_depth,
@@ -479,12 +487,29 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
         # back when the tweak ends, however it ends.
         with model_state.kept(model), correctness.ruling(rule):
             result = _tweak(model, calls, job, device, measuring, asked, strategy=strategy,
-                            progress=progress and (ranks is None or ranks.rank == 0), dry_run=dry_run,
+                            progress=speaks, dry_run=dry_run,
                             cache=cache, limits=limits, settings={"measure": measure, "effort": effort},
                             declared=declared, edges=edges)
             if ranks is not None and not dry_run:
                 _same_plan(model, ranks)
             return result
+
+
+@contextlib.contextmanager
+def _silent(silent: bool) -> Iterator[None]:
+    """A tweak that does not speak (progress=False, or a rank other than 0 under
+    torch.distributed) prints nothing: where no handler takes torch_tweak's records, logging's
+    last resort would print its warnings (a depth not kept, a busy machine) on stderr, on every
+    rank; a NullHandler takes them while it runs. Handlers you configured get them as always."""
+    if not silent or logger.hasHandlers():
+        yield
+        return
+    quiet = logging.NullHandler()
+    logger.addHandler(quiet)
+    try:
+        yield
+    finally:
+        logger.removeHandler(quiet)
 
 
 def _tweak(model: nn.Module, calls: Any, job: Workload | None, device: torch.device, measuring: dict | None,
