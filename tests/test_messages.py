@@ -231,3 +231,44 @@ def test_position_tables_found_and_not_found():
 
     assert position_table(Roberta())[0] == 512
     assert position_table(_mlp()) is None  # no table: any length
+
+
+def test_no_recompile_limit_line_from_tweaks_own_runs_and_the_limit_restored():
+    """A generate() tuning printed torch's "torch._dynamo hit config.recompile_limit (8) ...
+    size mismatch at index 1. expected 24, actual 1": tweak runs the model on more call shapes
+    than the traffic has. Here a torch.compile inside the model meets 11 shapes."""
+    import logging
+
+    import torch
+    import torch._dynamo.config as dynamo_config
+    from torch import nn
+
+    import torch_tweak as tt
+
+    inner = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False)
+
+    class Compiles(nn.Module):
+        def forward(self, x):
+            return inner(x)
+
+    said = []
+
+    class Said(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    handler = Said()
+    logging.getLogger("torch._dynamo").addHandler(handler)
+    data = [torch.randn(b, 3) for b in range(1, 12)]
+    model = Compiles().eval()
+    try:
+        tt.tweak(model, data, max_depth=0, progress=False, cache=False,
+                 strategy=tt.OneBackendStrategy(tt.backends.TorchEagerBackend()),
+                 measure={"rounds_min": 2, "rounds_max": 3})
+    finally:
+        logging.getLogger("torch._dynamo").removeHandler(handler)
+    assert not [line for line in said if "recompile_limit" in line], said
+    assert dynamo_config.recompile_limit == 8  # the user's setting, as it was
+    with torch.no_grad():
+        for x in data:
+            assert torch.equal(model(x), x * 2 + 1)

@@ -14,7 +14,7 @@ from torch import nn
 
 from . import _C
 from .backends import axes
-from ._core import correctness, distributed, model_state
+from ._core import correctness, distributed, model_state, noise
 from ._runtime import generation
 from ._store import tuning_cache
 from ._core import cpu_load
@@ -476,7 +476,7 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
     if progress not in (None, True, False):
         raise TypeError(f"progress must be True, False or None (rank 0 alone under torch.distributed), not {progress!r}")
     speaks = progress if progress is not None else ranks is None or ranks.rank == 0
-    with distributed.using(ranks), _silent(not speaks):
+    with distributed.using(ranks), _silent(not speaks), _own_runs():
         device, measuring, asked, job, calls, limits = distributed.step(lambda: _checked(
             model, dataset, workload=workload, strategy=strategy, device=device, measure=measure, cache=cache,
             effort=effort, precision=precision, min_depth=min_depth, max_depth=max_depth,
@@ -493,6 +493,28 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
             if ranks is not None and not dry_run:
                 _same_plan(model, ranks)
             return result
+
+
+RECOMPILES = {"recompile_limit": 64, "accumulated_recompile_limit": 1024}
+"""Dynamo's recompile limits during a tweak's own runs, at least (the user's, when higher, stay):
+a tweak runs the model on more call shapes than its traffic has (a generate() workload's
+prefill, decode steps and checks over the whole sequence; the declared shapes' ends), and a
+torch.compile inside the model (transformers' compiled forward) would otherwise meet its
+limit of 8, print "torch._dynamo hit config.recompile_limit", and run eagerly from then on."""
+RECOMPILE_LINE = {"torch._dynamo.convert_frame": ("torch._dynamo hit config.",)}
+"""That line, dropped during a tweak's own runs should they still reach the raised limit."""
+
+
+@contextlib.contextmanager
+def _own_runs() -> Iterator[None]:
+    """Inside a tweak: dynamo's recompile limits raised (RECOMPILES) and its limit line dropped;
+    both as the user had them afterwards."""
+    import torch._dynamo.config as dynamo_config
+
+    raised = {name: max(limit, getattr(dynamo_config, name)) for name, limit in RECOMPILES.items()
+              if hasattr(dynamo_config, name)}
+    with dynamo_config.patch(raised), noise.dropped(RECOMPILE_LINE):
+        yield
 
 
 @contextlib.contextmanager
