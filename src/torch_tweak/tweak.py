@@ -867,7 +867,7 @@ def _token_rows(result: TweakResult, job: Workload) -> list[TokenRow]:
 
 def _busy_note(result: TweakResult) -> str:
     share = result.others_share or 0
-    return (f" (a busy machine: other processes took {100 * share:.0f}% of the CPUs; no speedup claimed)"
+    return (f" (measured on a busy machine: other processes took {100 * share:.0f}% of the CPUs)"
             if result.measurement_quality == "busy" else "")
 
 
