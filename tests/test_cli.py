@@ -19,6 +19,13 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=600, cwd=HERE)
 
 
+def test_shapes_specs_are_tweaks_shapes():
+    from torch_tweak.cli import parse_shapes
+
+    assert parse_shapes("length=8:512,batch=1:16") == {"length": (8, 512), "batch": (1, 16)}
+    assert parse_shapes(" batch = 2 : 4 ") == {"batch": (2, 4)}
+
+
 def test_input_specs():
     assert parse_input("8x64x256") == (None, (8, 64, 256), None, None)
     assert parse_input("input_ids=1x128:int64:30522") == ("input_ids", (1, 128), "int64", 30522)
@@ -59,6 +66,14 @@ def test_input_specs():
         (["tweak", f"{os.path.join(os.path.dirname(HERE), 'README.md')}:build", "--input", "2x8"],
          "is not a Python file"),
         (["tweak", f"{FACTORY}:tiny", "--input", "2x8", "--out", "a" * 300 + ".tt"], "file name is too long"),
+        # --shapes: tt.tweak's shapes= on the command line, its mistakes tt.tweak's own
+        (["tweak", f"{FACTORY}:tiny", "--input", "2x8", "--shapes", "batch=1-32"], "malformed --shapes 'batch=1-32'"),
+        (["tweak", f"{FACTORY}:tiny", "--input", "2x8", "--shapes", "batch=1:4,batch=1:8"], "names 'batch' twice"),
+        (["tweak", f"{FACTORY}:tiny", "--input", "2x8", "--shapes", "rows=1:4"], "shapes has an unknown axis 'rows'"),
+        (["tweak", f"{FACTORY}:tiny", "--input", "4x8", "--shapes", "batch=1:2"],
+         "call 0 of the dataset has batch 4, outside shapes['batch'] = (1, 2)"),
+        (["tweak", f"{FACTORY}:tiny", "--input", "4x8", "--shapes", "length=8:512"], "passes no 2-d integer or bool "
+         "attention_mask"),
     ],
 )
 def test_mistakes_get_one_clear_line(args, message, capsys):
@@ -76,19 +91,21 @@ def test_help_for_each_command():
 
 
 @pytest.mark.slow
-def test_tweak_from_a_factory_saves_shows_and_plots(tmp_path):
+def test_tweak_from_a_factory_saves_shows_and_plots(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    chart, saved = tmp_path / "chart.png", tmp_path / "tiny.tt"
-    done = run_cli("tweak", f"{FACTORY}:tiny", "--input", "4x8", "--samples", "2",
-                   "--quiet", "--plot", str(chart), "--out", str(saved))
-    assert done.returncode == 0, done.stderr
-    assert "untuned" in done.stdout and "depth" in done.stdout
-    assert f"saved to {saved}" in done.stdout and saved.is_file()
+    chart, saved = tmp_path / "chart.png", tmp_path / "sleepy.tt"
+    # in this process, where the machine's load reads as unknown (conftest): a kept depth, and
+    # so a file, whatever else the machine runs (a tweak that keeps nothing saves nothing)
+    assert main(["tweak", f"{FACTORY}:sleepy", "--input", "4x8", "--samples", "2",
+                 "--quiet", "--plot", str(chart), "--out", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert "untuned" in out and "depth" in out
+    assert f"saved to {saved}" in out and saved.is_file(), out
     shown = run_cli("show", str(saved))
     assert shown.returncode == 0, shown.stderr
     for field in ("model:", "device:      cpu", "torch:", "depth:"):
         assert field in shown.stdout
-    assert "Sequential" in shown.stdout
+    assert "_Sleepy" in shown.stdout
     bad = tmp_path / "bad.tt"
     bad.write_bytes(saved.read_bytes()[:200])
     broken = run_cli("show", str(bad))
@@ -98,3 +115,14 @@ def test_tweak_from_a_factory_saves_shows_and_plots(tmp_path):
     with Image.open(chart) as image:
         image.verify()
         assert image.format == "PNG" and image.size[0] > 100
+
+
+def test_a_tweak_that_keeps_nothing_saves_nothing(tmp_path, capsys):
+    """Nothing kept (here a time budget of 0): the command says so and writes no file, rather
+    than "tuned model saved to ...; in production: ... tt.load(...)" for an untuned model."""
+    saved = tmp_path / "tiny.tt"
+    assert main(["tweak", f"{FACTORY}:tiny", "--input", "4x8", "--samples", "2", "--quiet", "--time-budget", "0",
+                 "--out", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert f"nothing kept, nothing saved: the model runs as it did (no file written to {saved})" in out
+    assert "saved to" not in out and "tt.load" not in out and not saved.exists()

@@ -567,3 +567,48 @@ def test_a_rank_that_raises_and_ranks_that_differ_get_an_error_on_every_rank(tmp
         assert "max_depth: rank 0 0, rank 1 1" in got["max_depth"], got["max_depth"]
         assert "shapes: rank 0 {'batch': [1, 4]}, rank 1 {'batch': [1, 8]}" in got["shapes"], got["shapes"]
         assert got["max_depth untouched"] and got["shapes untouched"], got
+
+
+# ------------------------------------------------------------------- who speaks
+
+
+class NeverBuilds(tt.Backend):
+    """Every build fails: each module keeps its forward, which tweak logs as a WARNING (with no
+    handler configured, logging's last resort prints it on stderr)."""
+
+    name = "NeverBuilds"
+
+    def build(self, module, samples, device):
+        raise RuntimeError("this backend builds nothing")
+
+
+def _speakers(rank: int, world: int, folder: Path) -> dict:
+    """Two tweaks of the whole model on every rank, each rank's stderr written to a file: the
+    default (rank 0 speaks), then rank 0 with progress=False and rank 1 with progress=True."""
+    import logging
+
+    logging.getLogger("torch_tweak").propagate = True  # as a user has it: no handler configured
+    printed = {}
+    for name, progress in (("default", None), ("asked", rank == 1)):
+        path = folder / f"stderr-{name}-{rank}.txt"
+        stream, sys.stderr = sys.stderr, open(path, "w")
+        try:
+            tt.tweak(full_model(), dataset(), strategy=tt.OneBackendStrategy(NeverBuilds()), measure=MEASURE,
+                     cache=False, max_depth=0, progress=progress)
+        finally:
+            sys.stderr.close()
+            sys.stderr = stream
+        printed[name] = path.read_text()
+    return printed
+
+
+@pytest.mark.slow
+def test_rank_0_alone_speaks_unless_a_rank_asks(tmp_path):
+    """Under torchrun every rank printed the busy machine's message, a rank with progress=False
+    too: what the group decided is said once, by rank 0; progress=True makes a rank speak, and
+    progress=False silences one, its warnings included."""
+    first, second = run_ranks(_speakers, 2, tmp_path)
+    assert "keeps its forward" in first["default"] and "tuned in" in first["default"], first["default"]
+    assert second["default"] == ""
+    assert first["asked"] == ""
+    assert "keeps its forward" in second["asked"] and "tuned in" in second["asked"], second["asked"]

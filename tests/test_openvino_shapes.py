@@ -322,3 +322,26 @@ def test_a_process_that_exits_during_a_warm_up_drops_the_shapes_still_waiting(tm
     at_exit, waiting, by_end = int(words[3]), int(words[5]), int(words[-1])
     assert waiting >= 10, out.stdout  # a backlog was there to drop
     assert by_end <= at_exit + 1, out.stdout  # the one in progress at most
+
+
+def test_status_counts_the_same_calls_as_the_shapes_line_after_tune_and_load(tmp_path):
+    """tt.status said "calls 3" beside "6 calls served" after tt.load: the shapes' models
+    counted the build's and tt.load's own checks. Both count the user's calls only."""
+    def fresh() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)).eval()
+
+    data = [torch.randn(b, 8) for b in (2, 4, 6)]
+    model, untuned = fresh(), fresh()
+    tt.wrap(model, [""], strategy=tt.OneBackendStrategy(OpenVINOBackend()))
+    tt.tune(model, data)
+    assert "0 calls served by them" in tt.status(model).shapes_lines()[0] and tt.status(model)[""].calls == 0
+    tt.save(model, tmp_path / "m.tt")
+    loaded = fresh()
+    tt.load(loaded, tmp_path / "m.tt")
+    with torch.inference_mode():
+        for x in data:
+            assert torch.allclose(loaded(x), untuned(x), rtol=1e-4, atol=1e-5)
+    status = tt.status(loaded)
+    assert status[""].calls == 3
+    assert "3 call shapes (of at most 32), 3 calls served by them" in status.shapes_lines()[0], status.shapes_lines()

@@ -25,6 +25,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--max-depth", type=int, help="the deepest cut to try (default: tt.tweak's)")
+    parser.add_argument("--time-budget", type=float, help="seconds; no new depth starts after it (default: none)")
     args = parser.parse_args()
 
     model = encoder.build(args.device)
@@ -41,11 +42,16 @@ def main() -> int:
 
     depth = {} if args.max_depth is None else {"max_depth": args.max_depth}
     start = time.perf_counter()
-    result = tt.tweak(model, dataset, **depth)
+    result = tt.tweak(model, dataset, time_budget=args.time_budget, **depth)
     print(f"\nTweak took {time.perf_counter() - start:.1f} s")
     print(result)
+    if not result.kept:
+        print("\nNothing kept, nothing saved: the model runs as it did")
+        return 0
+    print(f"\nKept depth {result.selected_depth}; the backend of each module it runs:")
     for path, module in result.modules.items():
-        print(f"  {path or '(root)'}: {module.backend or 'original (' + module.error + ')'}")
+        if module.kept:
+            print(f"  {path or '(root)'}: {module.backend or 'original (' + module.error + ')'}")
 
     with torch.no_grad():
         got = [model(x) for x in dataset]

@@ -161,6 +161,24 @@ def tolerance_arg(text: str) -> str | float:
         raise CliError(f"--tolerance {text}: give measured, dtype or a number from 0 to 1") from None
 
 
+SHAPES_EXAMPLE = "--shapes batch=1:32,length=8:512"
+
+
+def parse_shapes(text: str) -> dict[str, tuple[int, int]]:
+    """--shapes 'AXIS=MIN:MAX[,AXIS=MIN:MAX]' -> tt.tweak's shapes= ({"batch": (1, 32)}); the
+    axes and the ranges' rules are tt.tweak's (checked there)."""
+    shapes: dict[str, tuple[int, int]] = {}
+    for part in text.split(","):
+        match = re.fullmatch(r"\s*([A-Za-z_]+)\s*=\s*(\d+)\s*:\s*(\d+)\s*", part)
+        if match is None:
+            raise CliError(f"malformed --shapes {text!r}: write AXIS=MIN:MAX, comma-separated, e.g. {SHAPES_EXAMPLE} "
+                           "(the axes are batch and length)")
+        if match[1] in shapes:
+            raise CliError(f"--shapes {text!r} names {match[1]!r} twice")
+        shapes[match[1]] = (int(match[2]), int(match[3]))
+    return shapes
+
+
 def command_tweak(args: argparse.Namespace) -> int:
     import torch
 
@@ -170,6 +188,7 @@ def command_tweak(args: argparse.Namespace) -> int:
         raise CliError("give at least one --input, e.g. --input 8x64x256")
     for spec in args.input:
         parse_input(spec)
+    shapes = parse_shapes(args.shapes) if args.shapes is not None else None
     if args.out:
         check_writable(args.out)
     if args.plot:
@@ -206,7 +225,7 @@ def command_tweak(args: argparse.Namespace) -> int:
     try:
         depth = {} if args.max_depth is None else {"max_depth": args.max_depth}
         result = tt.tweak(model, dataset, min_depth=args.min_depth, time_budget=args.time_budget,
-                          progress=not args.quiet, tolerance=tolerance_arg(args.tolerance),
+                          progress=not args.quiet, tolerance=tolerance_arg(args.tolerance), shapes=shapes,
                           busy_budget=args.busy_budget, **depth)
     except (TypeError, ValueError) as exc:
         raise CliError(str(exc)) from None
@@ -216,7 +235,10 @@ def command_tweak(args: argparse.Namespace) -> int:
     if args.plot:
         result.plot(args.plot)
         print(f"chart written to {args.plot}")
-    if args.out:
+    if not result.kept:
+        print("nothing kept, nothing saved: the model runs as it did" +
+              (f" (no file written to {args.out})" if args.out else ""))
+    elif args.out:
         try:
             tt.save(model, args.out)
         except OSError as exc:
@@ -287,6 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how candidates are judged: measured (default: within 4x the original's own error "
                             "against a higher-precision run), dtype (a fixed tolerance per dtype), or a relative "
                             "tolerance from 0 (bit-identical) to 1")
+    tweak.add_argument("--shapes", metavar="RANGES",
+                       help="the sizes the traffic takes beyond the inputs', as tt.tweak's shapes=: AXIS=MIN:MAX, "
+                            "comma-separated, e.g. batch=1:32,length=8:512 (batch: axis 0 of every input; length: "
+                            "axis 1 of attention_mask and the inputs shaped like it)")
     tweak.add_argument("--out", metavar="FILE", help="save the tuned model here (e.g. model.tt)")
     tweak.add_argument("--plot", metavar="PNG", help="write a chart of latency per depth")
     tweak.add_argument("--modules", action="store_true", help="also print every module's candidates")

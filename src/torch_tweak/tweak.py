@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
 import weakref
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 import torch
 from torch import nn
 
 from . import _C
 from .backends import axes
-from ._core import correctness, distributed, model_state
+from ._core import correctness, distributed, model_state, noise
 from ._runtime import decode_call, generation
 from ._store import tuning_cache
 from ._core import cpu_load
@@ -26,8 +27,8 @@ from ._view.report import ModuleResults, fold, module_result
 from .backends.strategy import Strategy, default_backends, default_strategy
 from ._store.serial import Unstorable
 from ._view.status import BUSY_FIGURES, status
-from ._core.shapes import DECLARED, check_calls, check_shapes, edge_calls
-from ._core.signatures import forward_params
+from ._core.shapes import DECLARED, check_calls, check_model, check_shapes, edge_calls
+from ._core.signatures import forward_params, label_pairs
 from ._search.tuning import (GivenCalls, ModuleSearch, absorb, check_measure, dataset_runner, measure_for,
                              model_class_name, record, release)
 from ._runtime.workload import TokenRow, Workload, choose_loop, depths_cannot_match
@@ -100,6 +101,7 @@ class TweakResult:
     rows: a DepthResult per depth; untuned: the DepthResult of the untuned model.
     modules: a ModuleResult per tuned module, by path; ``print(result.modules)`` shows, per
     module and input signature, every candidate backend's latency or why it lost.
+    kept: True when a depth or a decode loop was kept; False: nothing kept, nothing to save.
     cached: True when the result came from the tuning cache (no depth was measured again);
     measured_at: then, when its figures were measured (UTC, ISO 8601), else None.
     tokens: for a workload that calls generate(), a TokenRow (tokens per second, time to
@@ -175,6 +177,13 @@ class TweakResult:
                 self._tokens_table()
         return self._table + "".join("\n" + line for line in self.shapes_lines()) + f"\n{self.cache_note()}"
 
+    @property
+    def kept(self) -> bool:
+        """Whether the tweak kept anything: a depth, or tweak's decode loop behind generate().
+        False: the model runs as it did, and there is nothing worth saving (tt.save would write
+        a file that changes nothing)."""
+        return self.selected_depth is not None or self.decode_loop is not None
+
     def shapes_lines(self) -> list[str]:
         """The declared shapes, and per padded group of the tuned model its buckets, their calls
         since tuning, the padding waste, the graphs and their memory (tt.status's lines)."""
@@ -215,14 +224,11 @@ class TweakResult:
             return ""
         width = max(len(r.label) for r in self.tokens)
         lines = ["", f"generate(): {self.tokens_per_run} new tokens per run of the workload",
-                 f"  {'configuration':<{width}}  {'tokens/s':>10}  {'first token ms':>14}"]
+                 f"  {'configuration':<{width}}  {'tokens/s':>10}  {'first token ms':>14}  status"]
         for r in self.tokens:
             rate = "-" if r.tokens_per_s is None else f"{r.tokens_per_s:,.1f}"
             ttft = "-" if r.ttft_ms is None else f"{r.ttft_ms:.3f}"
-            lines.append(f"{'*' if r.kept else ' '} {r.label:<{width}}  {rate:>10}  {ttft:>14}")
-        for report in self.loop_report or ():
-            if report["state"] != "measured" and report["error"]:
-                lines.append(f"  {report['candidate']}: {fold(report['error'])}")
+            lines.append(f"{'*' if r.kept else ' '} {r.label:<{width}}  {rate:>10}  {ttft:>14}  {r.status}".rstrip())
         for label, found in (self.numerics or {}).items():  # the correctness rule's finding, per candidate
             lines.append(f"  correctness, {label}: {fold(found, 140)}")
         if self.hint:
@@ -440,7 +446,7 @@ class _Session:
 def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_depth: int = 0,
           max_depth: int | None = DEFAULT_MAX_DEPTH, strategy: Strategy | None = None,
           tie_tolerance: float = DEFAULT_TIE_TOLERANCE, time_budget: float | None = None, dry_run: bool = False, device: Any = None,
-          progress: bool = True, measure: dict | None = None, cache: bool = True, effort: Effort = "default",
+          progress: bool | None = None, measure: dict | None = None, cache: bool = True, effort: Effort = "default",
           precision: dict[str, float] | None = None, shapes: dict[str, tuple[int, int]] | None = None,
           group: Any = None, tolerance: float | str = "measured",
           busy_budget: float | None = DEFAULT_BUSY_BUDGET) -> TweakResult:
@@ -469,6 +475,10 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
     rank's latency counts; every rank keeps the same plan): None (the default) is the
     default group when one is initialised with several processes, False tunes this process
     alone, or a ProcessGroup (docs/tweak.md, "Tensor-parallel models").
+    ``progress``: the progress display on stderr: None (the default) shows it, under
+    torch.distributed on rank 0 alone; True shows it on this rank whatever its rank; a tweak
+    that does not show it prints nothing (logging's last resort, which prints warnings where no
+    handler is configured, does not print torch_tweak's during it; your handlers get them).
     ``tolerance``: how a candidate's outputs are judged against the original's (docs/tweak.md,
     "What "the same answers" means"): "measured" (the default: its error against a
     higher-precision run of the module within 4x the original's own, per output tensor; for
@@ -484,7 +494,10 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
     rule = correctness.check_rule(tolerance)
     _check_busy_budget(busy_budget)
     ranks = distributed.resolve(group)
-    with distributed.using(ranks):
+    if progress not in (None, True, False):
+        raise TypeError(f"progress must be True, False or None (rank 0 alone under torch.distributed), not {progress!r}")
+    speaks = progress if progress is not None else ranks is None or ranks.rank == 0
+    with distributed.using(ranks), _silent(not speaks), _own_runs():
         device, measuring, asked, job, calls, limits = distributed.step(lambda: _checked(
             model, dataset, workload=workload, strategy=strategy, device=device, measure=measure, cache=cache,
             effort=effort, precision=precision, min_depth=min_depth, max_depth=max_depth,
@@ -500,7 +513,7 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
         # back when the tweak ends, however it ends.
         with model_state.kept(model), correctness.ruling(rule):
             result = _tweak(model, calls, job, device, measuring, asked, strategy=strategy,
-                            progress=progress and (ranks is None or ranks.rank == 0), dry_run=dry_run,
+                            progress=speaks, dry_run=dry_run,
                             cache=cache, limits=limits,
                             settings={"measure": measure, "effort": effort, "busy_budget": busy_budget},
                             declared=declared, edges=edges)
@@ -525,6 +538,45 @@ def _strategy_setting(strategy: Strategy | None, device: torch.device) -> str:
     if strategy is not None:
         return repr(strategy)
     return "the defaults: " + ", ".join(b.name for b in default_backends(device))
+
+
+RECOMPILES = {"recompile_limit": 64, "accumulated_recompile_limit": 1024}
+"""Dynamo's recompile limits during a tweak's own runs, at least (the user's, when higher, stay):
+a tweak runs the model on more call shapes than its traffic has (a generate() workload's
+prefill, decode steps and checks over the whole sequence; the declared shapes' ends), and a
+torch.compile inside the model (transformers' compiled forward) would otherwise meet its
+limit of 8, print "torch._dynamo hit config.recompile_limit", and run eagerly from then on."""
+RECOMPILE_LINE = {"torch._dynamo.convert_frame": ("torch._dynamo hit config.",)}
+"""That line, dropped during a tweak's own runs should they still reach the raised limit."""
+
+
+@contextlib.contextmanager
+def _own_runs() -> Iterator[None]:
+    """Inside a tweak: dynamo's recompile limits raised (RECOMPILES) and its limit line dropped;
+    both as the user had them afterwards."""
+    import torch._dynamo.config as dynamo_config
+
+    raised = {name: max(limit, getattr(dynamo_config, name)) for name, limit in RECOMPILES.items()
+              if hasattr(dynamo_config, name)}
+    with dynamo_config.patch(raised), noise.dropped(RECOMPILE_LINE):
+        yield
+
+
+@contextlib.contextmanager
+def _silent(silent: bool) -> Iterator[None]:
+    """A tweak that does not speak (progress=False, or a rank other than 0 under
+    torch.distributed) prints nothing: where no handler takes torch_tweak's records, logging's
+    last resort would print its warnings (a depth not kept, a busy machine) on stderr, on every
+    rank; a NullHandler takes them while it runs. Handlers you configured get them as always."""
+    if not silent or logger.hasHandlers():
+        yield
+        return
+    quiet = logging.NullHandler()
+    logger.addHandler(quiet)
+    try:
+        yield
+    finally:
+        logger.removeHandler(quiet)
 
 
 def _tweak(model: nn.Module, calls: Any, job: Workload | None, device: torch.device, measuring: dict | None,
@@ -676,7 +728,11 @@ def _checked(model: nn.Module, dataset: Any, *, workload: Any, strategy: Strateg
     if dataset is None:
         raise TypeError("tt.tweak needs a dataset, e.g. tt.tweak(model, [x1, x2]), or a workload, "
                         "e.g. tt.tweak(model, workload=lambda m: m.generate(ids, max_new_tokens=64))")
-    return device, measuring, asked, None, load_dataset(dataset, device), limits
+    calls = load_dataset(dataset, device)
+    pairs = label_pairs(model, calls)
+    if pairs is not None:
+        raise TypeError(pairs)
+    return device, measuring, asked, None, calls, limits
 
 
 def _declared(model: nn.Module, shapes: Any, calls: Any, job: Workload | None, strategy: Strategy | None,
@@ -690,6 +746,7 @@ def _declared(model: nn.Module, shapes: Any, calls: Any, job: Workload | None, s
     if job is not None:
         raise TypeError("shapes= declares the sizes of a dataset's calls; a workload (generate()) tunes its own "
                         "calls: leave shapes=None, or pass a dataset")
+    check_model(declared, model)
     params = forward_params(model)
     check_calls(declared, calls, params)
     strategy = (strategy if strategy is not None else default_strategy(device)).with_shapes(declared)
@@ -828,34 +885,75 @@ def _choose_loop(job: Workload, device: torch.device, measure: dict | None, show
 
 
 def _speak_tokens(result: TweakResult, job: Workload) -> None:
-    """The result's rows in tokens per second and time to first token."""
-    measured = {r["candidate"]: r["latency_ms"] for r in job.loop_report}
-    plain = measured.get("generate")
-    rows = [TokenRow("untuned", plain, job.tokens_per_s(plain), job.ttft.get("untuned"))]
-    loop = f"decode loop ({job.loop})" if job.loop is not None else None
-    if loop is not None:
-        rows.append(TokenRow(f"untuned + {loop}", measured[loop], job.tokens_per_s(measured[loop]),
-                             job.ttft.get("loop")))
-    on = f" + {loop}" if loop is not None else ""
-    for row in result.rows:
-        if row.latency_ms is not None:
-            rows.append(TokenRow(f"depth {row.depth}{on}", row.latency_ms, job.tokens_per_s(row.latency_ms),
-                                 job.ttft.get(row.depth)))
-    if result.selected_depth is None:
-        kept_label, latency = (f"untuned{on}", measured[loop] if loop is not None else plain)
-    else:
-        kept_label, latency = f"depth {result.selected_depth}{on}", result.tuned_ms
-    ttft = job.ttft.get("loop" if result.selected_depth is None and loop is not None
-                        else "untuned" if result.selected_depth is None else result.selected_depth)
-    rows.append(TokenRow(f"kept: {kept_label}", latency, job.tokens_per_s(latency), ttft, True))
-    result.tokens = rows
+    """The result's rows in tokens per second and time to first token (_token_rows)."""
+    result.tokens = _token_rows(result, job)
     result.tokens_per_run = job.tokens
     result.decode_loop = job.loop
     result.loop_report = job.loop_report
     result.numerics = {r["candidate"]: r["numerics"] for r in job.loop_report if r.get("numerics")}
     result.numerics.update((f"depth {d}", found) for d, found in job.numerics.items())
     result.hint = job.hint
-    logger.info("generate(): kept %s", kept_label)
+    logger.info("generate(): kept %s", next(r.label for r in result.tokens if r.kept))
+
+
+def _token_rows(result: TweakResult, job: Workload) -> list[TokenRow]:
+    """One row per configuration measured or refused: transformers' loop and each decode loop
+    tried (choose_loop's measurement), then each depth under the loop kept (the depth
+    search's); one is the configuration kept, every other says why it was not."""
+    chosen = next((r for r in job.loop_report if r.get("kept")), None)
+    on = "" if chosen is None or chosen["candidate"] == "generate" else f" + {chosen['candidate']}"
+    depth = result.selected_depth
+    kept_label = f"untuned{on}" if depth is None else f"depth {depth}{on}"
+    winner = "untuned" if chosen is None or chosen["candidate"] == "generate" else f"untuned + {chosen['candidate']}"
+    rows = []
+    for report in job.loop_report:
+        name = report["candidate"]
+        label = "untuned" if name == "generate" else f"untuned + {name}"
+        if label == kept_label:
+            status = "kept" + _busy_note(result)
+        elif report is chosen:
+            status = f"its loop kept, with depth {depth} (below)" if on else f"depth {depth} kept over it (below)"
+        elif report["state"] == "measured":
+            status = f"slower than {winner}"
+        else:
+            status = f"{'refused' if report['state'] == 'failed' else report['state']}: {fold(report['error'], 90)}"
+        ttft = job.ttft.get("untuned" if name == "generate" else "loop" if report is chosen else None)
+        latency = report["latency_ms"]
+        rows.append(TokenRow(label, latency, job.tokens_per_s(latency), ttft, label == kept_label, status))
+    for row in result.rows:
+        if row.latency_ms is None and not row.error:
+            continue  # a dry run's or a cut not tried: nothing to say
+        status = ("kept" + _busy_note(result) if row.selected else
+                  f"refused: {fold(row.error, 90)}" if row.latency_ms is None else _depth_not_kept(result, row, on))
+        rows.append(TokenRow(f"depth {row.depth}{on}", row.latency_ms, job.tokens_per_s(row.latency_ms),
+                             job.ttft.get(row.depth), row.selected, status))
+    return rows
+
+
+def _busy_note(result: TweakResult) -> str:
+    share = result.others_share or 0
+    return (f" (measured on a busy machine: other processes took {100 * share:.0f}% of the CPUs)"
+            if result.measurement_quality == "busy" else "")
+
+
+def _depth_not_kept(result: TweakResult, row: DepthResult, on: str) -> str:
+    """Why a depth that was measured is not the one kept (its row of the generate() table)."""
+    side = result.confirmation
+    if side is not None and side["depth"] == row.depth:
+        if result.measurement_quality == "busy":
+            return (f"not kept: the machine was busy (other processes took {100 * (result.others_share or 0):.0f}% "
+                    f"of the CPUs): a depth must be {side.get('busy_keep', 0.0):.2f}x faster at its spread's low "
+                    f"end, it was {side['speedup_low']:.2f}x")
+        verdict = "slower than" if side["speedup_high"] < 1.0 else "within noise of"
+        return f"not kept: {verdict} untuned{on} side by side ({side['speedup']:.2f}x)"
+    kept = next((r for r in result.rows if r.selected), None)
+    if kept is not None and kept.latency_ms is not None:
+        if row.latency_ms is not None and row.latency_ms < kept.latency_ms:
+            return f"not kept: within the tie tolerance of depth {kept.depth}{on}, the shallower is kept"
+        return f"slower than depth {kept.depth}{on}"
+    if side is not None:
+        return f"slower than depth {side['depth']}{on}, itself not kept"
+    return f"slower than untuned{on}" + (f" ({fold(row.error, 60)})" if row.error else "")
 
 
 def _from_cache(model: nn.Module, tree: ModuleTree, calls: list, device: torch.device, strategy: Strategy | None,

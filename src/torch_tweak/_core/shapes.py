@@ -94,6 +94,40 @@ def check_shapes(shapes: Any) -> Shapes | None:
     return Shapes(**ranges)
 
 
+POSITION_TABLES = ("position_embeddings", "position_embedding", "pos_embed", "pos_embedding", "wpe")
+"""The names (a module path's last part) of the learned position tables a call's length must fit."""
+
+
+def position_table(model: torch.nn.Module) -> tuple[int, str] | None:
+    """(the positions the model's learned position table holds, where that was read), or None
+    when it has none (rotary or relative positions take any length). A table with a padding
+    row before its positions (RoBERTa's: padding_idx 1, positions from 2) holds that many fewer."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in POSITION_TABLES:
+            usable = module.num_embeddings - (0 if module.padding_idx is None else module.padding_idx + 1)
+            where = f"{name}.num_embeddings = {module.num_embeddings}"
+            declared = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+            if isinstance(declared, int) and not isinstance(declared, bool):
+                where += f", config.max_position_embeddings = {declared}"
+            return usable, where
+    return None
+
+
+def check_model(shapes: Shapes, model: torch.nn.Module) -> None:
+    """The declared lengths fit the model's position table (position_table); ValueError saying
+    the table's size and the range to declare, before anything is built."""
+    table = position_table(model) if shapes.length is not None else None
+    if table is None:
+        return
+    positions, where = table
+    lo, hi = shapes.length  # type: ignore[misc]
+    if hi > positions:
+        fits = f"shapes={{'length': ({min(lo, positions)}, {positions})}}"
+        raise ValueError(f"shapes['length'] = ({lo}, {hi}): the model's position table holds {positions} "
+                         f"positions ({where}), so no call longer than {positions} can run on it; declare a "
+                         f"length of at most {positions}, e.g. {fits}")
+
+
 def named_leaves(call: Call, params: Sequence[str | None]) -> tuple[list, Any, dict[int, str]]:
     """The call's leaves, its structure, and the name of the argument each leaf came from
     ({leaf index: name}; params: the names of forward's positional parameters)."""

@@ -124,6 +124,33 @@ def forward_params(module: Any) -> tuple[str | None, ...]:
     return tuple(names)
 
 
+def label_pairs(module: Any, calls: Sequence[tuple[tuple, dict]]) -> str | None:
+    """What to say when a dataset's samples look like (input, label) pairs, as a training
+    loader gives them: every call is two positional arguments, and ``module.forward`` takes
+    the first alone but not both; None otherwise (the model may take two arguments)."""
+    if not calls or any(kwargs or len(args) != 2 for args, kwargs in calls):
+        return None
+    try:
+        signature = inspect.signature(module.forward)
+    except (TypeError, ValueError, AttributeError):
+        return None
+    args = calls[0][0]
+    try:
+        signature.bind(*args)
+        return None
+    except TypeError:
+        pass
+    try:
+        signature.bind(args[0])
+    except TypeError:
+        return None
+    shown = ", ".join(describe_value(a) for a in args)
+    return (f"the dataset's samples look like (input, label) pairs ({shown}): {type(module).__name__}.forward "
+            f"takes one argument, and tt.tweak calls model(*sample). Pass the inputs only, e.g. "
+            f"tt.tweak(model, [x for x, _ in pairs]), or a function that calls the model as you do: "
+            f"tt.tweak(model, workload=lambda m: [m(x) for x, _ in pairs])")
+
+
 def make_signature(args: tuple, kwargs: dict, params: tuple = (), dynamic: Any = None) -> Any:
     """The _C.Signature of one call, binding by the names in `params` (see forward_params);
     without them when the call itself gives a parameter both ways (the original raises).

@@ -48,13 +48,15 @@ class GenerateCall:
 
 @dataclasses.dataclass(frozen=True)
 class TokenRow:
-    """Tokens per second and time to first token of one configuration."""
+    """Tokens per second and time to first token of one configuration; status: "kept", or why
+    it was not ("slower than ...", "refused: ...", "not kept: ...")."""
 
     label: str
     latency_ms: float | None
     tokens_per_s: float | None
     ttft_ms: float | None
     kept: bool = False
+    status: str = ""
 
 
 class Workload:
@@ -338,11 +340,11 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None, 
         loops[kept].checks = [(c.args, c.kwargs, c.tokens) for c in workload.generate_calls]  # what tt.save keeps
         generation.install(model, loops[kept])
     out = []
-    for name, report, option in zip(names, reports, [None] + options):
+    for i, (name, report, option) in enumerate(zip(names, reports, [None] + options)):
         stats = report.get("stats")
         out.append({"candidate": name, "state": report["state"], "error": report.get("error", ""),
                     "latency_ms": None if stats is None else stats["median_ns"] / 1e6,
-                    "numerics": found.get(option, "")})
+                    "numerics": found.get(option, ""), "kept": i == max(index, 0)})
     return (None if kept is None else kept[0]), out
 
 

@@ -433,6 +433,9 @@ def _opened(model: nn.Module, path: Any, *, device: Any, trust_artifacts: bool, 
         raise TypeError("tt.load(model, path) applies a saved file to a model you build first: build the model as "
                         "you did before tt.save (same class, weights loaded), then tt.load(model, "
                         f"{os.fspath(model)!r}); the file holds the tuning decisions, not the model")
+    if isinstance(model, (str, os.PathLike)) and isinstance(path, nn.Module):
+        raise TypeError(f"tt.load's arguments are swapped: the model comes first, then the file: "
+                        f"tt.load(model, {os.fspath(model)!r})")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     if path is None:

@@ -232,6 +232,11 @@ class StaticShapes:
         jobs.put(None)  # ends this thread once what is queued before it is done
         worker.join(timeout)
 
+    def reset_counts(self) -> None:
+        """The calls served count from 0 (tt.status counts from the end of tuning or loading:
+        the checks of a build or of tt.load are not the user's calls)."""
+        self.served = 0
+
     def describe(self) -> dict:
         refused = f"; {len(self.refused)} refused" if self.refused else ""
         return {"line": f"OpenVINO models of static shapes for {len(self.ready)} call shapes (of at most "

@@ -421,6 +421,8 @@ class OpenVINOBackend(Backend):
 
         run.input_shapes = [str(i.get_partial_shape()) for i in compiled.inputs]  # type: ignore[attr-defined]
         run.static_shapes = special  # type: ignore[attr-defined]
+        if special is not None:  # its count of calls served starts with tt.status's (arm_untuned)
+            run.reset_counts = special.reset_counts  # type: ignore[attr-defined]
         run.baked = baked  # type: ignore[attr-defined]
         run.served = served  # type: ignore[attr-defined]
         return run

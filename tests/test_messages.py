@@ -1,0 +1,275 @@
+"""What tweak says, against the exact cases users met: the generate() table agrees with what
+was kept and has a row per candidate measured; nothing kept says nothing saved; swapped
+arguments, label pairs and declared shapes past a model's position table are refused with
+what to write instead; counts agree after tt.load."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from torch_tweak.tweak import DepthResult, TweakResult, _token_rows
+
+# ------------------------------------------------------------------ the generate() table
+
+
+def _job(report: list[dict], tokens: int = 24) -> types.SimpleNamespace:
+    return types.SimpleNamespace(loop_report=report, tokens=tokens, ttft={"untuned": 9.0, "loop": 8.0, 0: 7.0, 1: 6.0},
+                                 tokens_per_s=lambda ms: None if ms is None else tokens / (ms / 1e3),
+                                 numerics={}, hint="")
+
+
+def _result(rows: list[DepthResult], *, confirmation=None, quality="consistent", share=None) -> TweakResult:
+    result = object.__new__(TweakResult)
+    result.rows = rows
+    chosen = next((r for r in rows if r.selected), None)
+    result.selected_depth = None if chosen is None else chosen.depth
+    result.confirmation = confirmation
+    result.measurement_quality = quality
+    result.others_share = share
+    return result
+
+
+def _loop(name: str, ms: float | None, kept: bool, state: str = "measured", error: str = "") -> dict:
+    return {"candidate": name, "state": state, "error": error, "latency_ms": ms, "numerics": "", "kept": kept}
+
+
+def test_a_depth_faster_than_the_kept_loop_says_why_it_was_not_kept():
+    """The issue's case: on a busy machine "depth 1 + decode loop 22.4 tokens/s" beside "kept:
+    untuned + decode loop 14.4": depth 1 was not kept because the machine was busy, and its row
+    says so; the kept row is the loop's own, with its own figure; the loop that was refused has
+    its row."""
+    report = [_loop("generate", 2400.0, False), _loop("decode loop (loop)", 1666.7, True),
+              _loop("decode loop (loop, top-k sampler)", None, False, "failed", "MismatchError: token 3 parts")]
+    rows = [DepthResult(0, 1, 0, 1500.0, 1.1, "", False), DepthResult(1, 3, 0, 1071.4, 1.5, "", False)]
+    side = {"depth": 1, "confirmed": False, "speedup": 1.6, "speedup_low": 1.2, "speedup_high": 2.0,
+            "busy_keep": 4.89}
+    result = _result(rows, confirmation=side, quality="busy", share=0.8)
+    tokens = _token_rows(result, _job(report))
+    by_label = {r.label: r for r in tokens}
+    assert [r.label for r in tokens if r.kept] == ["untuned + decode loop (loop)"]
+    kept = by_label["untuned + decode loop (loop)"]
+    assert kept.status == "kept (measured on a busy machine: other processes took 80% of the CPUs)"
+    assert kept.latency_ms == 1666.7
+    assert by_label["untuned"].status == "slower than untuned + decode loop (loop)"
+    assert by_label["untuned + decode loop (loop, top-k sampler)"].status == "refused: MismatchError: token 3 parts"
+    depth1 = by_label["depth 1 + decode loop (loop)"]
+    assert depth1.status.startswith("not kept: the machine was busy") and "4.89x" in depth1.status
+    assert by_label["depth 0 + decode loop (loop)"].status == "slower than depth 1 + decode loop (loop), itself not kept"
+    result.tokens, result.tokens_per_run, result.numerics, result.hint = tokens, 24, {}, ""
+    table = result._tokens_table()
+    assert "status" in table.splitlines()[2]
+    starred = [line for line in table.splitlines() if line.startswith("*")]
+    assert len(starred) == 1 and "untuned + decode loop (loop)" in starred[0] and "14.4" in starred[0]
+    assert "not kept: the machine was busy" in table
+
+
+def test_a_loop_that_lost_to_transformers_loop_has_its_row():
+    """The decode loop that lost to transformers' loop had no row at all (only
+    result.loop_report said why): it has one, saying it was slower."""
+    report = [_loop("generate", 100.0, True), _loop("decode loop (loop)", 140.0, False)]
+    rows = [DepthResult(0, 1, 0, 80.0, 1.25, "", True)]
+    result = _result(rows, confirmation={"depth": 0, "confirmed": True, "speedup": 1.25, "speedup_low": 1.1,
+                                         "speedup_high": 1.4})
+    tokens = _token_rows(result, _job(report))
+    assert [(r.label, r.kept) for r in tokens] == [("untuned", False), ("untuned + decode loop (loop)", False),
+                                                   ("depth 0", True)]
+    assert tokens[0].status == "depth 0 kept over it (below)"
+    assert tokens[1].status == "slower than untuned"
+    assert tokens[2].status == "kept"
+
+
+# ------------------------------------------------------------------ the chart
+
+
+def _busy_untuned_result() -> TweakResult:
+    """The issue's chart: the search measured untuned at 782 ms (a burst) and depth 1 at 96 ms,
+    side by side the two were 155.5 and 96 ms (1.62x), on a busy machine: nothing kept."""
+    rows = [DepthResult(0, 1, 0, 120.0, 6.5, "", False), DepthResult(1, 4, 0, 96.0, 8.1, "", False)]
+    side = {"depth": 1, "confirmed": False, "from_search": False, "speedup": 1.62, "speedup_low": 1.3,
+            "speedup_high": 1.9, "busy_keep": 4.89, "untuned": {"median_ns": 155.5e6}, "tuned": {"median_ns": 96e6}}
+    result = _result(rows, confirmation=side, quality="busy", share=0.8)
+    result.untuned = DepthResult(None, 0, 0, 782.0, 1.0, "", True)
+    return result
+
+
+def test_the_chart_draws_the_side_by_side_figure_on_a_busy_machine():
+    from torch_tweak._view.plotting import bars
+
+    labels, values, _, skipped, title = bars(_busy_untuned_result())
+    assert labels == ["untuned", "depth 1"] and values[0] / values[1] == pytest.approx(1.62, abs=0.01)
+    assert skipped == ["depth 0: 120 ms in the depth search (another load: not drawn)"]
+    assert "side by side, on a busy machine" in title
+
+
+def test_the_chart_title_fits_the_image():
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from torch_tweak._view.plotting import figure
+
+    fig = figure(_busy_untuned_result(), None, plt)
+    try:
+        fig.canvas.draw()
+        box, edge = fig.axes[0].title.get_window_extent(), fig.bbox
+        assert box.x0 >= edge.x0 and box.x1 <= edge.x1 and box.y1 <= edge.y1, (box, edge)
+    finally:
+        plt.close(fig)
+
+
+# ------------------------------------------------------------------ small messages
+
+
+def _mlp():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+
+
+def test_swapped_load_arguments_say_so_and_show_the_right_call(tmp_path):
+    import copy
+
+    import torch
+    import torch_tweak as tt
+
+    model = _mlp()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(TypeError) as caught:
+        tt.load(str(tmp_path / "m.tt"), model)
+    assert str(caught.value) == f"tt.load's arguments are swapped: the model comes first, then the file: " \
+                                f"tt.load(model, {str(tmp_path / 'm.tt')!r})"
+    assert not tt.installed(model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_label_pairs_are_named_before_the_models_own_error():
+    """A training loader's [(x, y)] gave the model's own "forward() takes 2 positional arguments
+    but 3 were given"; tweak says what the samples look like and what to pass."""
+    import copy
+
+    import torch
+    import torch_tweak as tt
+
+    model = _mlp()
+    untuned = copy.deepcopy(model)
+    pairs = [(torch.randn(4, 8), torch.randint(0, 4, (4,))) for _ in range(2)]
+    with pytest.raises(TypeError) as caught:
+        tt.tweak(model, pairs, progress=False, cache=False)
+    message = str(caught.value)
+    assert message.startswith("the dataset's samples look like (input, label) pairs (")
+    assert "Pass the inputs only, e.g. tt.tweak(model, [x for x, _ in pairs])" in message
+    assert "workload=lambda m: [m(x) for x, _ in pairs]" in message
+    assert not tt.installed(model)
+    x = pairs[0][0]
+    with torch.no_grad():
+        assert torch.equal(model(x), untuned(x))
+
+
+def test_two_arguments_a_model_takes_are_no_label_pairs():
+    import torch
+    from torch import nn
+
+    from torch_tweak._core.signatures import label_pairs
+
+    class Two(nn.Module):
+        def forward(self, x, mask):
+            return x * mask
+
+    calls = [((torch.randn(2, 3), torch.ones(2, 3)), {})]
+    assert label_pairs(Two(), calls) is None
+    assert label_pairs(_mlp(), calls) is not None
+    assert label_pairs(_mlp(), [((torch.randn(2, 8),), {})]) is None
+
+
+# ------------------------------------------------------------------ shapes= against the model
+
+
+def _bert():
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=64)
+    return transformers.BertModel(config).eval()
+
+
+def test_a_length_past_the_position_table_is_refused_before_anything_is_built():
+    """shapes={"length": (8, 2048)} on a BERT of 512 positions ended in torch's "The expanded
+    size of the tensor (2048) must match the existing size (512)" in every depth's row."""
+    import copy
+
+    import torch
+    import torch_tweak as tt
+
+    model = _bert()
+    before = copy.deepcopy(model.state_dict())
+    ids = torch.randint(0, 100, (2, 16))
+    data = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
+    with pytest.raises(ValueError) as caught:
+        tt.tweak(model, data, shapes={"length": (8, 128)}, max_depth=0, progress=False, cache=False,
+                 strategy=tt.OneBackendStrategy(tt.backends.TorchEagerBackend()), measure={"rounds_max": 3})
+    assert str(caught.value) == (
+        "shapes['length'] = (8, 128): the model's position table holds 64 positions "
+        "(embeddings.position_embeddings.num_embeddings = 64, config.max_position_embeddings = 64), so no call "
+        "longer than 64 can run on it; declare a length of at most 64, e.g. shapes={'length': (8, 64)}")
+    assert not tt.installed(model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_position_tables_found_and_not_found():
+    from torch import nn
+
+    from torch_tweak._core.shapes import position_table
+
+    assert position_table(_bert())[0] == 64
+
+    class Roberta(nn.Module):  # a padding row before the positions: 2 fewer usable
+        def __init__(self):
+            super().__init__()
+            self.position_embeddings = nn.Embedding(514, 8, padding_idx=1)
+
+    assert position_table(Roberta())[0] == 512
+    assert position_table(_mlp()) is None  # no table: any length
+
+
+def test_no_recompile_limit_line_from_tweaks_own_runs_and_the_limit_restored():
+    """A generate() tuning printed torch's "torch._dynamo hit config.recompile_limit (8) ...
+    size mismatch at index 1. expected 24, actual 1": tweak runs the model on more call shapes
+    than the traffic has. Here a torch.compile inside the model meets 11 shapes."""
+    import logging
+
+    import torch
+    import torch._dynamo.config as dynamo_config
+    from torch import nn
+
+    import torch_tweak as tt
+
+    inner = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False)
+
+    class Compiles(nn.Module):
+        def forward(self, x):
+            return inner(x)
+
+    said = []
+
+    class Said(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    handler = Said()
+    logging.getLogger("torch._dynamo").addHandler(handler)
+    data = [torch.randn(b, 3) for b in range(1, 12)]
+    model = Compiles().eval()
+    try:
+        tt.tweak(model, data, max_depth=0, progress=False, cache=False,
+                 strategy=tt.OneBackendStrategy(tt.backends.TorchEagerBackend()),
+                 measure={"rounds_min": 2, "rounds_max": 3})
+    finally:
+        logging.getLogger("torch._dynamo").removeHandler(handler)
+    assert not [line for line in said if "recompile_limit" in line], said
+    assert dynamo_config.recompile_limit == 8  # the user's setting, as it was
+    with torch.no_grad():
+        for x in data:
+            assert torch.equal(model(x), x * 2 + 1)
