@@ -29,6 +29,7 @@ def assert_unchanged(model: nn.Module, before) -> None:
     assert not tt.installed(model)
 
 
+@pytest.mark.slow
 def test_inspect_depths_through_module_lists(mlp, mlp_data):
     tree = tt.inspect(mlp, mlp_data)
     assert tree.depth("") == 0

@@ -325,6 +325,7 @@ def stop(pids: list[int]) -> None:
             pass
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the load is read from Linux's /proc")
 def test_busy_loops_beside_the_tweak_make_the_machine_busy(mlp_data, real_load, tuning_cache_folder):
     """The real load: busy loops beside the tweak are read as busy, and whatever the paired rounds

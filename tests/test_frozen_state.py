@@ -218,6 +218,7 @@ class Bumped(nn.Module):
         return torch.cat([self.head(h), h], 1)  # h as the head left it
 
 
+@pytest.mark.slow
 def test_a_write_that_is_not_idempotent_is_checked_on_the_calls_values_and_the_dataset_is_left_alone():
     """A module that writes into its input is recorded with the values it was called with
     (they were recorded after its call, and Torch Eager then failed its own check with a
@@ -677,6 +678,7 @@ def test_a_submodule_s_class_or_forward_changed_after_tuning_is_seen(name, chang
             "bound forward replaced": "attribute 'forward' of module 0 was set"}[change] in stale, stale
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_OPENVINO, reason="OpenVINO not installed")
 def test_openvino_models_freed_out_of_order_leave_the_threads_signal_stack_as_it_was():
     """Found while running this file before test_ext_bindings in one process: each OpenVINO

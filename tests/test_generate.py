@@ -69,6 +69,7 @@ def test_the_loop_gives_transformers_tokens(kind, cache, batch):
     assert torch.equal(got, expected)
 
 
+@pytest.mark.slow
 def test_the_graph_loop_off_a_cuda_device_runs_its_steps_one_by_one():
     """The graph loop records a step only on CUDA with a static cache: elsewhere it serves the
     call step by step, with the untuned tokens; what a recorded step could not replay is named
@@ -467,6 +468,7 @@ def test_an_untuned_model_that_does_not_repeat_its_tokens_holds_a_candidate_to_e
     generation.uninstall(model)
 
 
+@pytest.mark.slow
 def test_when_the_compiled_loop_gives_other_tokens_no_depth_is_searched(monkeypatch, exact_tokens):
     """On the H200 (Llama-1B shape, prompt 512) the "compiled" loop, which runs transformers'
     own compiled forward, gave other tokens than the untuned calls, and every depth then failed

@@ -234,6 +234,7 @@ def test_position_tables_found_and_not_found():
     assert position_table(_mlp()) is None  # no table: any length
 
 
+@pytest.mark.slow
 def test_no_recompile_limit_line_from_tweaks_own_runs_and_the_limit_restored():
     """A generate() tuning printed torch's "torch._dynamo hit config.recompile_limit (8) ...
     size mismatch at index 1. expected 24, actual 1": tweak runs the model on more call shapes

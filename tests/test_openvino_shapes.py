@@ -324,6 +324,7 @@ def test_a_process_that_exits_during_a_warm_up_drops_the_shapes_still_waiting(tm
     assert by_end <= at_exit + 1, out.stdout  # the one in progress at most
 
 
+@pytest.mark.slow
 def test_status_counts_the_same_calls_as_the_shapes_line_after_tune_and_load(tmp_path):
     """tt.status said "calls 3" beside "6 calls served" after tt.load: the shapes' models
     counted the build's and tt.load's own checks. Both count the user's calls only."""

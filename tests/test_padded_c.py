@@ -73,6 +73,7 @@ def test_lengths_padded_in_c_are_zeroed_past_each_call():
     assert sum(w.tt_untuned.values()) == 0
 
 
+@pytest.mark.slow
 def test_a_transformer_padded_in_c_gives_the_untuned_answers_on_valid_positions():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)

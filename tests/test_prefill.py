@@ -116,6 +116,7 @@ def test_record_prefills_off_records_nothing_and_replays_nothing():
     assert recorded.replays == 2  # the recording's check and the fifth call
 
 
+@pytest.mark.slow
 def test_recorded_prefills_are_bounded_least_recently_used_first(monkeypatch):
     monkeypatch.setattr(prefill, "PREFILL_GRAPHS", 2)
     model = build()
@@ -263,6 +264,7 @@ def test_eight_threads_recording_at_once_each_get_eager_masks_and_leave_none_pat
     assert all("get_query_offset" not in vars(c) for c in caches)
 
 
+@pytest.mark.slow
 def test_recordings_ending_while_another_begins_leave_transformers_own_is_tracing():
     """Found by an attack: a recording that began while the last one in progress ended could
     read tweak's own is_tracing as transformers', keep it, and put it back at its end: the
@@ -336,6 +338,7 @@ def test_a_recording_that_fails_leaves_the_call_eager(monkeypatch):
     assert list(loop._prefill_calls) == []  # tried once at the second call, not again
 
 
+@pytest.mark.slow
 def test_eight_threads_with_mixed_prompt_shapes_each_get_their_untuned_tokens():
     model = build()
     untuned = copy.deepcopy(model)
@@ -363,6 +366,7 @@ def test_eight_threads_with_mixed_prompt_shapes_each_get_their_untuned_tokens():
     assert loop.calls == 24 and len(loop._prefills) >= 2 and not loop.unrecorded_prefills
 
 
+@pytest.mark.slow
 def test_a_weight_replaced_after_recording_drops_the_recording_and_records_again():
     """A graph reads the weights where they were at recording. A parameter replaced by another
     tensor (here the output head, scaled, on the tuned and the untuned copy alike) drops the

@@ -185,6 +185,7 @@ def test_a_call_the_sampler_cannot_serve_is_made_again_with_transformers_process
     assert torch.equal(got, expected), (got, expected)
 
 
+@pytest.mark.slow
 def test_tweak_measures_the_loop_with_and_without_the_sampler_and_a_saved_choice_loads(as_on_cuda, tmp_path,
                                                                                       fake_clock):
     """A sampling workload the sampler serves: tt.tweak measures the loop both ways (which is
@@ -250,6 +251,7 @@ def test_tweak_measures_the_loop_with_and_without_the_sampler_and_a_saved_choice
     assert generation.loop_of(fresh) is None and forgery.unchanged(fresh, before)
 
 
+@pytest.mark.slow
 def test_a_workload_the_sampler_cannot_serve_still_passes_the_distribution_check(as_on_cuda):
     """Every logit equal: every call through the sampler is made again with transformers'
     processors. The check of the loop's distributions at tuning compares the second run's
@@ -277,6 +279,7 @@ def test_a_workload_the_sampler_cannot_serve_still_passes_the_distribution_check
         f"{made_again + 1} made again with transformers' processors" in status, status
 
 
+@pytest.mark.slow
 def test_a_sampler_that_crashes_at_tuning_is_refused_and_the_untuned_draws_stay(as_on_cuda, monkeypatch):
     """The sampler raising in every step: its candidate fails at tuning with the error, the
     loop without it is measured, and the tuned model draws the untuned tokens."""

@@ -171,6 +171,7 @@ class Stage(nn.Module):
         return self.norm(self.merge(self.proj(x)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["openvino", "onnxruntime-torchscript"])
 def test_a_patch_merge_in_a_model_saved_and_loaded_answers_odd_lengths_as_the_module(kind, tmp_path):
     """Issue 49, item 8: a patch merge tuned on even lengths raised a reshape error at odd ones
@@ -195,6 +196,7 @@ def test_a_patch_merge_in_a_model_saved_and_loaded_answers_odd_lengths_as_the_mo
         assert tt.status(served).untuned[FELL_BACK] == 4
 
 
+@pytest.mark.slow
 def test_a_recorded_size_the_trace_does_not_hold_at_refuses_it_whatever_a_shape_s_own_model_says():
     # OpenVINO compiles a model per recorded call shape, from the same trace: at batch 3 it fails
     # its own check too, and must not answer the build's check with the module's answer in its place

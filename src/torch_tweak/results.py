@@ -14,7 +14,7 @@ The same names at the top of the package (tt.TweakResult, ...) are aliases kept 
 from ._runtime.inspecting import ModuleTree
 from ._view.report import ModuleResult, ModuleResults, SignatureResult
 from ._view.status import ModelStatus, ModuleStatus
-from .tweak import DepthResult, TweakResult
+from ._view.result import DepthResult, TweakResult
 
 __all__ = ["DepthResult", "ModelStatus", "ModuleResult", "ModuleResults", "ModuleStatus", "ModuleTree",
            "SignatureResult", "TweakResult"]

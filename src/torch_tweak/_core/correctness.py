@@ -44,7 +44,7 @@ import dataclasses
 import math
 import time
 import weakref
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -598,7 +598,7 @@ def _finite_alike(out: torch.Tensor, ref: torch.Tensor, where: str) -> torch.Ten
     return finite
 
 
-def _bounds(own: tuple[float, float], multiplier: float, dtype: torch.dtype) -> tuple[float, float]:
+def measured_bounds(own: tuple[float, float], multiplier: float, dtype: torch.dtype) -> tuple[float, float]:
     floor = floor_for(dtype)
     cap = MAX_TOLERANCES.get(dtype, 0.1)
     return min(multiplier * own[0] + floor, cap), min(multiplier * own[1] + floor, 10 * cap)
@@ -611,7 +611,7 @@ def _measured(out: torch.Tensor, ref: torch.Tensor, high: torch.Tensor, finite: 
     finite = finite & torch.isfinite(high)
     own = deviation(ref, high, finite)
     found = deviation(out, high, finite)
-    return _judge(found, own, _bounds(own, MULTIPLIER, ref.dtype), where, ref.dtype, MULTIPLIER,
+    return judge(found, own, measured_bounds(own, MULTIPLIER, ref.dtype), where, ref.dtype, MULTIPLIER,
                   f"against a {_name(high.dtype)} run of the module")
 
 
@@ -620,12 +620,12 @@ def _derived(out: torch.Tensor, ref: torch.Tensor, own: tuple[float, float], fin
     """A call with no reference of its own: out against the original's output within
     MULTIPLIER + 1 times the original's own error measured at tuning."""
     found = deviation(out, ref, finite)
-    return _judge(found, own, _bounds(own, MULTIPLIER + 1, ref.dtype), where, ref.dtype, MULTIPLIER + 1,
+    return judge(found, own, measured_bounds(own, MULTIPLIER + 1, ref.dtype), where, ref.dtype, MULTIPLIER + 1,
                   "against the original's output (a call with no higher-precision run: the original's own "
                   "error is the one measured at tuning)")
 
 
-def _judge(found: tuple[float, float], own: tuple[float, float], bounds: tuple[float, float], where: str,
+def judge(found: tuple[float, float], own: tuple[float, float], bounds: tuple[float, float], where: str,
            dtype: torch.dtype, multiplier: float, against: str) -> Finding:
     rms = Finding(found[0], bounds[0], own[0])
     peak = Finding(found[1], bounds[1], own[1])
@@ -652,160 +652,3 @@ def describe(value: Any) -> str:
 
 
 # ------------------------------------------------------------------ decode loops
-
-
-@dataclasses.dataclass
-class StepReference:
-    """The measured rule for one generate() call, teacher-forced on the untuned tokens: per
-    decode step, the logits of a higher-precision run of the model on the same prefix (high,
-    ``[batch, vocab]``), the untuned call's own error against them (own: rms, peak, as
-    `deviation` measures it) and, per sequence, the untuned call's largest error in logits
-    (spread); for a sampling call, per step the total variation between the distributions
-    transformers' processors make of the untuned logits and of the higher-precision ones
-    (own_tv). outputs-like: `high` is None when there is no reference, and why says why."""
-
-    high: list[torch.Tensor] | None
-    own: list[tuple[float, float]] = dataclasses.field(default_factory=list)
-    spread: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    own_tv: list[float] | None = None
-    why: str = ""
-
-    @property
-    def measured(self) -> bool:
-        return self.high is not None
-
-
-def step_reference(own_logits: Sequence[torch.Tensor], high_logits: Sequence[torch.Tensor],
-                   own_tv: list[float] | None = None) -> StepReference:
-    """The StepReference of a call whose untuned run gave `own_logits` and whose higher-precision
-    teacher-forced run gave `high_logits`, step by step."""
-    own, spread, high = [], [], []
-    for mine, theirs in zip(own_logits, high_logits):
-        theirs = theirs.detach().to(mine.device, torch.float32)
-        finite = torch.isfinite(mine) & torch.isfinite(theirs)
-        own.append(deviation(mine, theirs, finite))
-        gap = (mine.double() - theirs.double()).abs().where(finite, 0.0)
-        spread.append(gap.reshape(gap.shape[0], -1).max(dim=-1).values.float())
-        high.append(theirs)
-    return StepReference(high, own, spread, own_tv)
-
-
-def check_steps(got: Sequence[torch.Tensor], reference: StepReference, where: str) -> Finding:
-    """Raises MismatchError unless each decode step's logits `got` (teacher-forced on the
-    untuned tokens) are within the measured rule of the higher-precision ones; returns the
-    finding that uses most of its bound."""
-    if len(got) < len(reference.high):
-        raise MismatchError(f"{where}: {len(got)} decode steps where the untuned call made {len(reference.high)}")
-    findings = []
-    for step, (mine, high, own) in enumerate(zip(got, reference.high, reference.own)):
-        mine = mine.detach()
-        finite = torch.isfinite(high).to(mine.device)
-        if bool((finite & ~torch.isfinite(mine)).any()):
-            raise MismatchError(f"{where} step {step}: NaN or Inf logits where the higher-precision run has none")
-        found = deviation(mine, high.to(mine.device), finite & torch.isfinite(mine))
-        findings.append(_judge(found, own, _bounds(own, MULTIPLIER, mine.dtype), f"{where} step {step} logits",
-                               mine.dtype, MULTIPLIER, "against a float32 run of the model on the same prefix"))
-    return worst(findings)
-
-
-@dataclasses.dataclass(frozen=True)
-class Parting:
-    """Where a candidate's free-running tokens first part from the untuned ones in one
-    sequence: the step, the sequence, both tokens, the higher-precision logits' margin between
-    them, and the window the measured error allows (2 x MULTIPLIER x the untuned call's
-    largest logit error at that step)."""
-
-    step: int
-    row: int
-    got: int
-    want: int
-    margin: float
-    window: float
-
-    @property
-    def near_tie(self) -> bool:
-        return self.margin <= self.window
-
-    def describe(self) -> str:
-        kind = "a near tie" if self.near_tie else "not a near tie"
-        return (f"token {self.step} of sequence {self.row} is {self.got}, untuned {self.want}: their margin in the "
-                f"higher-precision logits is {self.margin:.3g}, {kind} (the measured error allows {self.window:.3g})")
-
-
-def partings(got: torch.Tensor, want: torch.Tensor, reference: StepReference, prompt: int) -> list[Parting]:
-    """Per sequence whose new tokens `got` part from the untuned `want` (two [batch, length]
-    tensors), where they first part. After that step a sequence's prefixes differ, and nothing
-    more of it is compared."""
-    found = []
-    steps = min(got.shape[1], want.shape[1]) - prompt
-    differ = (got[:, prompt:prompt + steps] != want[:, prompt:prompt + steps]).cpu()
-    for row in range(got.shape[0]):
-        where = differ[row].nonzero()
-        if not where.numel():
-            continue
-        step = int(where[0])
-        mine, theirs = int(got[row, prompt + step]), int(want[row, prompt + step])
-        if step < len(reference.high):
-            high = reference.high[step][row].double()
-            margin = float(high[theirs] - high[mine])
-            window = 2 * MULTIPLIER * float(reference.spread[step][row])
-        else:
-            margin, window = math.inf, 0.0
-        found.append(Parting(step, row, mine, theirs, margin, window))
-    return found
-
-
-def total_variation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per row, the total variation distance between softmax(a) and softmax(b) (processed
-    scores, -inf where a processor removed a token)."""
-    p = torch.softmax(a.double(), dim=-1)
-    q = torch.softmax(b.double().to(a.device), dim=-1)
-    return 0.5 * (p - q).abs().sum(dim=-1)
-
-
-TV_FLOOR = 1e-6
-"""The total variation a sampling call's processed distribution may always differ by: a
-softmax's last bit (the same logits through the same processors)."""
-
-
-def check_distributions(got: Sequence[torch.Tensor], high: Sequence[torch.Tensor], reference: StepReference,
-                        where: str) -> float:
-    """A sampling call, teacher-forced: each step's processed distribution (`got`) within
-    MULTIPLIER times the untuned one's total variation from the higher-precision one (`high`,
-    the processors run on the higher-precision logits), plus TV_FLOOR; returns the largest
-    distance. Without own_tv (no reference), within TV_FLOOR of `high` (then the untuned one's)."""
-    worst_tv = 0.0
-    for step, (mine, theirs) in enumerate(zip(got, high)):
-        distance = float(total_variation(mine, theirs).max())
-        own = reference.own_tv[step] if reference.own_tv is not None and step < len(reference.own_tv) else 0.0
-        bound = MULTIPLIER * own + TV_FLOOR
-        if not distance <= bound:
-            raise MismatchError(f"{where} step {step}: the processed next-token distribution is {distance:.2e} "
-                                f"(total variation) from the reference's, more than the {bound:.2e} allowed "
-                                f"({MULTIPLIER:g}x the untuned call's own {own:.2e}, plus {TV_FLOOR:g})")
-        worst_tv = max(worst_tv, distance)
-    return worst_tv
-
-
-def token_difference(i: int, got: Any, expected: torch.Tensor, prompt: int | None) -> str | None:
-    """How generate call i's output differs from the tokens it must give (the first
-    differing token, counted from the first new one), or None when they are the same."""
-    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
-        return (f"generate call {i}: {tuple(expected.shape)} tokens expected, got "
-                f"{tuple(getattr(got, 'shape', ()))}")
-    differ = (got != expected).nonzero()
-    if not differ.numel():
-        return None
-    row, col = (int(v) for v in differ[0])
-    return (f"generate call {i}: token {col - (prompt or 0)} of sequence {row} is {int(got[row, col])}, "
-            f"untuned {int(expected[row, col])}")
-
-
-def untuned_difference(i: int, got: Any, untuned: Sequence[torch.Tensor], prompt: int | None) -> str | None:
-    """None where generate call i's output equals one of the untuned runs' tokens (several
-    where the untuned model does not repeat its own: Workload._warm_tokens), else how it
-    differs from the first's."""
-    problem = token_difference(i, got, untuned[0], prompt)
-    if problem is not None and any(token_difference(i, got, other, prompt) is None for other in untuned[1:]):
-        return None
-    return problem

@@ -7,8 +7,8 @@ there. So a candidate is judged on the same prefixes as the untuned call: its st
 the untuned tokens (``teacher_forced``) and each step's logits are held to the measured rule
 against a higher-precision run of the model on the same sequence (``reference``: one forward
 of the whole sequence at float32, teacher-forced by construction), where the untuned call's
-own logits have their error too (correctness.StepReference). Its own free-running tokens may
-part from the untuned ones only at a near tie (correctness.partings).
+own logits have their error too (decode_numerics.StepReference). Its own free-running tokens may
+part from the untuned ones only at a near tie (decode_numerics.partings).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._core import correctness
+from .._core import correctness, decode_numerics
 from . import decode_call, decode_model, generation
 
 
@@ -72,7 +72,7 @@ def teacher_forced(model: nn.Module, args: tuple, kwargs: dict, tokens: torch.Te
     return [t.detach().to(dtype=torch.float32) for t in out.logits], None
 
 
-def reference(model: nn.Module, args: tuple, kwargs: dict, tokens: torch.Tensor) -> correctness.StepReference:
+def reference(model: nn.Module, args: tuple, kwargs: dict, tokens: torch.Tensor) -> decode_numerics.StepReference:
     """The measured rule's reference of one generate() call whose untuned output is `tokens`:
     the untuned call teacher-forced (its own logits, and for a sampling call its processed
     scores) against one forward of the whole sequence with the model's floating weights at
@@ -80,22 +80,22 @@ def reference(model: nn.Module, args: tuple, kwargs: dict, tokens: torch.Tensor)
     when they do not fit). Without one (a fixed tolerance asked for, the weights do not fit, a
     forward that fails), `why` says why and the tokens must be the untuned ones exactly."""
     if not correctness.rule().measured:
-        return correctness.StepReference(None, why=f"the {correctness.rule().describe()} was asked for")
+        return decode_numerics.StepReference(None, why=f"the {correctness.rule().describe()} was asked for")
     call = decode_call.greedy_call(model, args, kwargs)
     if isinstance(call, str):
-        return correctness.StepReference(None, why=f"a call tweak's loop does not serve ({call})")
+        return decode_numerics.StepReference(None, why=f"a call tweak's loop does not serve ({call})")
     try:
         own = teacher_forced(model, args, kwargs, tokens)[0]
         high = _high_logits(model, call, tokens)
         if isinstance(high, str):
-            return correctness.StepReference(None, why=high)
+            return decode_numerics.StepReference(None, why=high)
         own_tv = None
         if call.sample:
             pairs = zip(processed_scores(call, tokens, own), processed_scores(call, tokens, high))
-            own_tv = [float(correctness.total_variation(a, b).max()) for a, b in pairs]
-        return correctness.step_reference(own, high, own_tv)
+            own_tv = [float(decode_numerics.total_variation(a, b).max()) for a, b in pairs]
+        return decode_numerics.step_reference(own, high, own_tv)
     except Exception as exc:  # a model whose plain forward of the whole sequence is not its decode steps' sum
-        return correctness.StepReference(None, why=f"the reference run failed ({type(exc).__name__}: "
+        return decode_numerics.StepReference(None, why=f"the reference run failed ({type(exc).__name__}: "
                                                    f"{str(exc).splitlines()[0][:200] if str(exc) else ''})")
 
 
@@ -148,19 +148,20 @@ def check_call(model: nn.Module, i: int, args: tuple, kwargs: dict, untuned: Any
     force; returns what it found, for the report (the multiple, and where its tokens part).
 
     untuned: the untuned call's tokens (several where it does not repeat its own:
-    Workload._warm_tokens); reference: its correctness.StepReference. Without a measured
+    Workload._warm_tokens); reference: its decode_numerics.StepReference. Without a measured
     reference the tokens must be one of the untuned runs' exactly. With one, the call is also
     run teacher-forced on the untuned tokens and each step's logits held to the measured rule
-    (correctness.check_steps); a greedy call's own tokens may part from the untuned ones only
-    at a near tie (correctness.partings); a sampling call's processed distributions are held to
-    the measured bound (correctness.check_distributions), and a loop's own processing (its
+    (decode_numerics.check_steps); a greedy call's own tokens may part from the untuned ones only
+    at a near tie (decode_numerics.partings); a sampling call's processed distributions are held to
+    the measured bound (decode_numerics.check_distributions), and a loop's own processing (its
     top-k sampler) to transformers' processors on the same logits."""
-    from .._core.correctness import MismatchError, StepReference, check_distributions, check_steps, partings
+    from .._core.correctness import MismatchError
+    from .._core.decode_numerics import StepReference, check_distributions, check_steps, partings
 
     prompt = decode_call.prompt_length(args, kwargs) or 0
     with decode_call.same_draws(model, args, kwargs), torch.no_grad():
         got = model.generate(*args, **kwargs)
-    differ = correctness.untuned_difference(i, got, untuned, prompt)
+    differ = decode_numerics.untuned_difference(i, got, untuned, prompt)
     if reference is None or not reference.measured:
         if differ is not None:
             raise MismatchError(differ)

@@ -22,7 +22,7 @@ from torch import nn
 
 from .. import _C
 from . import decode_call, decode_check, decode_model, generation, sampling
-from .._core import correctness
+from .._core import correctness, decode_numerics
 from .._core._samples import synchronizer
 
 logger = logging.getLogger("torch_tweak")
@@ -43,7 +43,7 @@ class GenerateCall:
     tokens: torch.Tensor
     prompt: int
     others: tuple = ()  # other tokens a later untuned call gave for it (its runs disagree)
-    reference: Any = None  # the measured rule's teacher-forced reference (correctness.StepReference)
+    reference: Any = None  # the measured rule's teacher-forced reference (decode_numerics.StepReference)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +162,7 @@ class Workload:
                         with decode_call.same_draws(self.model, call.args, call.kwargs):
                             runs.append(self.model.generate(*call.args, **call.kwargs).clone())
                     call.tokens = runs[0]
-                    differ = correctness.token_difference(i, runs[1], runs[0], call.prompt)
+                    differ = decode_numerics.token_difference(i, runs[1], runs[0], call.prompt)
                     if differ is not None:
                         call.others = (runs[1],)
                         logger.warning("torch-tweak: the untuned model's generate() does not repeat its own tokens "

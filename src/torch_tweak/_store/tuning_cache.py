@@ -184,21 +184,6 @@ def read(key: str, parts: dict[str, Any]) -> dict | None:
     return entry
 
 
-def measured_when(created: Any) -> str:
-    """An entry's "created" as a reader wants it: "on 2026-12-02 at 21:51 UTC (3 hours ago)"."""
-    try:
-        then = datetime.datetime.fromisoformat(created)
-        if then.tzinfo is None:
-            raise ValueError("no time zone")
-    except (TypeError, ValueError):
-        return "at a time the entry does not say"
-    then = then.astimezone(datetime.timezone.utc)
-    seconds = (datetime.datetime.now(datetime.timezone.utc) - then).total_seconds()
-    ago = ("just now" if seconds < 60 else f"{seconds / 60:.0f} minutes ago" if seconds < 5400
-           else f"{seconds / 3600:.0f} hours ago" if seconds < 2 * 86400 else f"{seconds / 86400:.0f} days ago")
-    return f"on {then:%Y-%m-%d} at {then:%H:%M} UTC ({ago})"
-
-
 def write(key: str, entry: dict) -> None:
     """Writes an entry atomically (a temporary file, then a rename); a failure only warns."""
     target = folder() / f"{key}.json"

@@ -242,6 +242,32 @@ def _within(leaves: list, slots: list[int], bounds: list) -> bool:
     return True
 
 
+def declared_bounds(declared: Shapes | None, samples: Sequence[Call], slots: list[int],
+                    module: torch.nn.Module) -> list | None:
+    """Per tensor slot, per axis: its size where every sample has the same, the declared
+    (min, max) on a declared axis that varies, -1 (any size) on another axis that varies;
+    None without declared shapes (then every axis that varies is fully dynamic)."""
+    if declared is None:
+        return None
+    from .._core.signatures import forward_params
+    leaves, _, named = named_leaves(samples[0], forward_params(module))
+    mask = find_mask(leaves, slots, named)
+    flats = [pytree.tree_leaves(s) for s in samples]
+    along_length = length_inputs([leaves], slots, mask)
+    dims = []
+    for i in slots:
+        shape = tuple(leaves[i].shape)
+        along = i in along_length
+        axes: list = []
+        for axis, size in enumerate(shape):
+            varies = len({int(f[i].shape[axis]) for f in flats}) > 1
+            limits = (declared.batch if axis == 0 else
+                      declared.length if axis == 1 and along else None)
+            axes.append(int(size) if not varies else limits if limits is not None else -1)
+        dims.append(axes)
+    return dims
+
+
 class OpenVINOBackend(Backend):
     """OpenVINO: the module converted and compiled for an OpenVINO device (the CPU, or an
     Intel GPU), an optional package: "not installed" when it is missing. Weights it moves
@@ -261,30 +287,6 @@ class OpenVINOBackend(Backend):
         clone = self.fresh()
         clone.declared = shapes
         return clone
-
-    def bounds(self, samples: Sequence[Call], slots: list[int], module: torch.nn.Module) -> list | None:
-        """Per tensor slot, per axis: its size where every sample has the same, the declared
-        (min, max) on a declared axis that varies, -1 (any size) on another axis that varies;
-        None without declared shapes (then every axis that varies is fully dynamic)."""
-        if self.declared is None:
-            return None
-        from .._core.signatures import forward_params
-        leaves, _, named = named_leaves(samples[0], forward_params(module))
-        mask = find_mask(leaves, slots, named)
-        flats = [pytree.tree_leaves(s) for s in samples]
-        along_length = length_inputs([leaves], slots, mask)
-        dims = []
-        for i in slots:
-            shape = tuple(leaves[i].shape)
-            along = i in along_length
-            axes: list = []
-            for axis, size in enumerate(shape):
-                varies = len({int(f[i].shape[axis]) for f in flats}) > 1
-                declared = (self.declared.batch if axis == 0 else
-                            self.declared.length if axis == 1 and along else None)
-                axes.append(int(size) if not varies else declared if declared is not None else -1)
-            dims.append(axes)
-        return dims
 
     @property
     def thread_safe(self) -> bool:  # type: ignore[override]
@@ -372,7 +374,7 @@ class OpenVINOBackend(Backend):
         static = all(
             [tuple(leaf.shape) for leaf in pytree.tree_leaves(s) if isinstance(leaf, torch.Tensor)]
             == [tuple(t.shape) for t in example] for s in samples)
-        bounds = None if static else self.bounds(samples, slots, module)
+        bounds = None if static else declared_bounds(self.declared, samples, slots, module)
         with torch.no_grad(), watch_values("OpenVINO", len(example)):  # a branch on values: refused
             model = ov.convert_model(flat, example_input=example,
                                      input=[tuple(t.shape) for t in example] if static else None if bounds is None

@@ -304,7 +304,92 @@ _launch_of = DeviceGraphBackend._launch
 graph backend's rule, which reads nothing of its backend object."""
 
 
-class PaddedCall(_C.PaddedReplay):
+class _Checked:
+    """The part of PaddedCall that checks padding against the original: each recorded call that
+    gets padded and each bucket's most padding at the build (prove), a new bucket at its first
+    call (_first_sight). Its state is PaddedCall's (plan, module, tolerance, own, buckets)."""
+
+    def _first_sight(self, key: tuple[int, int], leaves: list, args: tuple, kwargs: dict) -> Any:
+        """A call of a bucket not seen before: answered by the original; the new bucket serves
+        later calls only if it answered this one the same."""
+        with torch.no_grad():
+            reference = self.module(*args, **kwargs)
+        try:
+            bucket = self._record(key, leaves)
+        except Exception as exc:  # a capture that fails: the bucket is not served
+            logger.warning("torch-tweak: no graph for a new bucket %s: %s", key, exc)
+            bucket = _Bucket(key)
+            bucket.ok = False
+            self.buckets[key] = bucket
+            self.refused += 1
+            return reference
+        if bucket is None:
+            self.outside += 1
+            return reference
+        b, n = _sizes(leaves, self.plan.tensors, self.plan.mask)
+        try:
+            check(self._run(bucket, leaves, b, n, hit=False), reference, self.tolerance,
+                  where="a new bucket's first call", own=self.own)
+        except MismatchError as exc:
+            bucket.ok = False
+            self.refused += 1
+            logger.warning("torch-tweak: a new bucket %s gave another answer than the original (%s); its calls run "
+                           "the module compiled for dynamic shapes", key, exc)
+            return reference
+        self._ready(bucket)
+        return reference
+
+    # ---- the proof, at build
+    def prove(self, samples: Sequence[Call]) -> None:
+        """Checks each recorded call that gets padded, and for each bucket the samples use a
+        call made from one of them that needs that bucket's most padding, against the
+        original on the same unpadded call; raises PaddingRefused saying what failed."""
+        plan = self.plan
+        done: set[tuple[int, int]] = set()
+        for sample in samples:
+            leaves, _ = pytree.tree_flatten(sample)
+            b, n = _sizes(leaves, plan.tensors, plan.mask)
+            key = plan.key(b, n)
+            if key is None:
+                continue
+            if key != (b, n):
+                self._prove_one(leaves, b, n, key)
+            if key in done:
+                continue
+            done.add(key)
+            low_b, low_n = plan.lower(key)
+            cut_b, cut_n = min(b, low_b), (min(n, low_n) if plan.length else n)
+            if (cut_b, cut_n) != (b, n):
+                self._prove_one(leaves, cut_b, cut_n, key)
+
+    def _prove_one(self, leaves: list, cut_b: int, cut_n: int, key: tuple[int, int]) -> None:
+        plan = self.plan
+        cut = list(leaves)
+        for i in plan.tensors:
+            x = leaves[i]
+            if plan.batch:
+                x = x[:cut_b]
+            if i in plan.seq_inputs:
+                x = x[:, :cut_n]
+            cut[i] = x.contiguous()
+        args, kwargs = pytree.tree_unflatten(cut, plan.spec)
+        rows = cut_b < key[0] and plan.batch
+        columns = plan.length and cut_n < key[1]
+        where = (f"a call of batch {cut_b}" + (f", length {cut_n}" if plan.length else "")
+                 + f" padded to {key[0]}" + (f"x{key[1]}" if plan.length else ""))
+        with torch.no_grad():
+            reference = self.module(*args, **kwargs)
+            try:
+                check(self(*args, **kwargs), reference, self.tolerance, where=where, own=self.own)
+            except MismatchError as exc:
+                what = ("the module's rows are not independent, or it does not honour its attention_mask"
+                        if rows and columns else "the module does not honour its attention_mask" if columns
+                        else "the module's rows are not independent")
+                raise PaddingRefused(f"padding changes the answer ({what}): {exc}", exc.error,
+                                     exc.tolerance) from None
+
+
+class PaddedCall(_C.PaddedReplay, _Checked):
     """The built callable. A call of a ready bucket is served by the C base type
     (_C.PaddedReplay: the bucket found from the call's sizes, the copies in, the replay, the
     cuts and copies out, the counters); any other call comes back here, to _slow: a new
@@ -480,85 +565,6 @@ class PaddedCall(_C.PaddedReplay):
         except Exception as exc:  # noqa: BLE001 - the Python path still serves the bucket
             logger.warning("torch-tweak: bucket %s is replayed from Python: %s", bucket.key, exc)
             return None
-
-    def _first_sight(self, key: tuple[int, int], leaves: list, args: tuple, kwargs: dict) -> Any:
-        """A call of a bucket not seen before: answered by the original; the new bucket serves
-        later calls only if it answered this one the same."""
-        with torch.no_grad():
-            reference = self.module(*args, **kwargs)
-        try:
-            bucket = self._record(key, leaves)
-        except Exception as exc:  # a capture that fails: the bucket is not served
-            logger.warning("torch-tweak: no graph for a new bucket %s: %s", key, exc)
-            bucket = _Bucket(key)
-            bucket.ok = False
-            self.buckets[key] = bucket
-            self.refused += 1
-            return reference
-        if bucket is None:
-            self.outside += 1
-            return reference
-        b, n = _sizes(leaves, self.plan.tensors, self.plan.mask)
-        try:
-            check(self._run(bucket, leaves, b, n, hit=False), reference, self.tolerance,
-                  where="a new bucket's first call", own=self.own)
-        except MismatchError as exc:
-            bucket.ok = False
-            self.refused += 1
-            logger.warning("torch-tweak: a new bucket %s gave another answer than the original (%s); its calls run "
-                           "the module compiled for dynamic shapes", key, exc)
-            return reference
-        self._ready(bucket)
-        return reference
-
-    # ---- the proof, at build
-    def prove(self, samples: Sequence[Call]) -> None:
-        """Checks each recorded call that gets padded, and for each bucket the samples use a
-        call made from one of them that needs that bucket's most padding, against the
-        original on the same unpadded call; raises PaddingRefused saying what failed."""
-        plan = self.plan
-        done: set[tuple[int, int]] = set()
-        for sample in samples:
-            leaves, _ = pytree.tree_flatten(sample)
-            b, n = _sizes(leaves, plan.tensors, plan.mask)
-            key = plan.key(b, n)
-            if key is None:
-                continue
-            if key != (b, n):
-                self._prove_one(leaves, b, n, key)
-            if key in done:
-                continue
-            done.add(key)
-            low_b, low_n = plan.lower(key)
-            cut_b, cut_n = min(b, low_b), (min(n, low_n) if plan.length else n)
-            if (cut_b, cut_n) != (b, n):
-                self._prove_one(leaves, cut_b, cut_n, key)
-
-    def _prove_one(self, leaves: list, cut_b: int, cut_n: int, key: tuple[int, int]) -> None:
-        plan = self.plan
-        cut = list(leaves)
-        for i in plan.tensors:
-            x = leaves[i]
-            if plan.batch:
-                x = x[:cut_b]
-            if i in plan.seq_inputs:
-                x = x[:, :cut_n]
-            cut[i] = x.contiguous()
-        args, kwargs = pytree.tree_unflatten(cut, plan.spec)
-        rows = cut_b < key[0] and plan.batch
-        columns = plan.length and cut_n < key[1]
-        where = (f"a call of batch {cut_b}" + (f", length {cut_n}" if plan.length else "")
-                 + f" padded to {key[0]}" + (f"x{key[1]}" if plan.length else ""))
-        with torch.no_grad():
-            reference = self.module(*args, **kwargs)
-            try:
-                check(self(*args, **kwargs), reference, self.tolerance, where=where, own=self.own)
-            except MismatchError as exc:
-                what = ("the module's rows are not independent, or it does not honour its attention_mask"
-                        if rows and columns else "the module does not honour its attention_mask" if columns
-                        else "the module's rows are not independent")
-                raise PaddingRefused(f"padding changes the answer ({what}): {exc}", exc.error,
-                                     exc.tolerance) from None
 
 
 def _fill_unlike(buffer: torch.Tensor, b: int) -> None:
