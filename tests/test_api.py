@@ -271,7 +271,7 @@ def test_load_without_the_model_says_what_to_pass(mlp, tmp_path):
 
 def test_effort_and_speedup_are_typed():
     import typing
-    from torch_tweak.tweak import TweakResult
+    from torch_tweak.results import TweakResult
     assert typing.get_type_hints(tt.tweak)["effort"] == typing.Literal["default", "high"]
     hints = typing.get_type_hints(TweakResult)
     assert hints["speedup"] == (float | None) and hints["baseline_ms"] == (float | None)

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from torch_tweak.tweak import DepthResult, TweakResult, _token_rows
+from torch_tweak._view.result import DepthResult, TweakResult, _token_rows
 
 # ------------------------------------------------------------------ the generate() table
 
@@ -43,8 +43,8 @@ def test_a_depth_faster_than_the_kept_loop_says_why_it_was_not_kept():
     report = [_loop("generate", 2400.0, False), _loop("decode loop (loop)", 1666.7, True),
               _loop("decode loop (loop, top-k sampler)", None, False, "failed", "MismatchError: token 3 parts")]
     rows = [DepthResult(0, 1, 0, 1500.0, 1.1, "", False), DepthResult(1, 3, 0, 1071.4, 1.5, "", False)]
-    side = {"depth": 1, "confirmed": False, "speedup": 1.6, "speedup_low": 1.2, "speedup_high": 2.0,
-            "busy_keep": 4.89}
+    side = {"depth": 1, "confirmed": False, "speedup": 1.1, "speedup_low": 0.9, "speedup_high": 1.4,
+            "paired_rounds": 40}
     result = _result(rows, confirmation=side, quality="busy", share=0.8)
     tokens = _token_rows(result, _job(report))
     by_label = {r.label: r for r in tokens}
@@ -55,7 +55,8 @@ def test_a_depth_faster_than_the_kept_loop_says_why_it_was_not_kept():
     assert by_label["untuned"].status == "slower than untuned + decode loop (loop)"
     assert by_label["untuned + decode loop (loop, top-k sampler)"].status == "refused: MismatchError: token 3 parts"
     depth1 = by_label["depth 1 + decode loop (loop)"]
-    assert depth1.status.startswith("not kept: the machine was busy") and "4.89x" in depth1.status
+    assert depth1.status.startswith("not kept: the machine was busy") and \
+        "paired rounds put it at 1.10x, 99% interval 0.90x to 1.40x" in depth1.status, depth1.status
     assert by_label["depth 0 + decode loop (loop)"].status == "slower than depth 1 + decode loop (loop), itself not kept"
     result.tokens, result.tokens_per_run, result.numerics, result.hint = tokens, 24, {}, ""
     table = result._tokens_table()
