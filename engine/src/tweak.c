@@ -570,6 +570,49 @@ static int tw_busy_budget_used(const tw_search *s)
     return tw_budget_used(s) && !tw_budget_spent(s->host, &budget);
 }
 
+/* The two runners of a measurement side by side: the applied cut active and
+ * deactivated, the active one first when `active_first`. */
+static void tw_side_runners(tw_search *s, tw_runner *runners, int active_first)
+{
+    int k;
+
+    for (k = 0; k < 2; k++) {
+        runners[k].ctx = (void *)s->ops;
+        runners[k].n_samples = s->ops->model.n_samples;
+        runners[k].run = tw_run_model;
+        runners[k].sync = s->ops->model.sync != NULL ? tw_sync_model : NULL;
+        runners[k].round = (k == 0) == (active_first != 0) ? tw_round_active : tw_round_inactive;
+    }
+}
+
+/* What follows a measurement side by side: an interrupt, or no runner that
+ * could run, is returned as an error; another failure is logged and sets
+ * *failed_measure; else the load read after it is kept with the result. */
+static tw_code tw_after_side(tw_search *s, tw_code rc, size_t failed, const tw_error *cause,
+                             const char *how, int depth, const tw_load *before,
+                             int *failed_measure, tw_error *err)
+{
+    tw_load after;
+    double others;
+    double capacity;
+
+    if (rc != TW_OK && (rc == TW_EINTERRUPT || failed == TW_NO_RUNNER)) {
+        tw_error_set(err, rc, "confirming depth %d%s: %s", depth, how, cause->msg);
+        return rc;
+    }
+    if (rc != TW_OK) {
+        tw_host_logf(s->host, 1, "depth %d could not be confirmed: %s", depth, cause->msg);
+        *failed_measure = 1;
+        return TW_OK;
+    }
+    rc = tw_read_load(s, &after, err);
+    if (rc == TW_OK && tw_load_window(before, &after, &others, &capacity)) {
+        s->result->side_others = others;
+        s->result->side_capacity = capacity;
+    }
+    return rc;
+}
+
 /* One side-by-side measurement of the applied cut: stats[0] active, stats[1]
  * deactivated. *failed_measure is set (and the error logged) when the model
  * failed; an interrupt or the engine's own failure is returned. */
@@ -580,43 +623,19 @@ static tw_code tw_measure_side_by_side(tw_search *s, int depth, tw_stats *stats,
     tw_runner runners[2];
     tw_error cause;
     tw_load before;
-    tw_load after;
-    double others;
-    double capacity;
     size_t failed;
-    int k;
 
     *failed_measure = 0;
     s->result->side_others = 0.0;
     s->result->side_capacity = 0.0;
     rc = tw_read_load(s, &before, err);
     if (rc != TW_OK) {
-        goto cleanup;
+        return rc;
     }
-    for (k = 0; k < 2; k++) {
-        runners[k].ctx = (void *)s->ops;
-        runners[k].n_samples = s->ops->model.n_samples;
-        runners[k].run = tw_run_model;
-        runners[k].sync = s->ops->model.sync != NULL ? tw_sync_model : NULL;
-        runners[k].round = k == 0 ? tw_round_active : tw_round_inactive;
-    }
+    tw_side_runners(s, runners, 1);
     tw_error_clear(&cause);
     rc = tw_measure_runners(s->host, runners, 2, &s->cfg->measure, stats, &failed, &cause);
-    if (rc != TW_OK && (rc == TW_EINTERRUPT || failed == TW_NO_RUNNER)) {
-        tw_error_set(err, rc, "confirming depth %d: %s", depth, cause.msg);
-    } else if (rc != TW_OK) {
-        tw_host_logf(s->host, 1, "depth %d could not be confirmed: %s", depth, cause.msg);
-        *failed_measure = 1;
-        rc = TW_OK;
-    } else {
-        rc = tw_read_load(s, &after, err);
-        if (rc == TW_OK && tw_load_window(&before, &after, &others, &capacity)) {
-            s->result->side_others = others;
-            s->result->side_capacity = capacity;
-        }
-    }
-cleanup:
-    return rc;
+    return tw_after_side(s, rc, failed, &cause, "", depth, &before, failed_measure, err);
 }
 
 /* Paired rounds of the applied cut deactivated (runner 0) and active (runner
@@ -631,12 +650,8 @@ static tw_code tw_measure_paired_side(tw_search *s, int depth, tw_paired *paired
     tw_budget budget;
     tw_error cause;
     tw_load before;
-    tw_load after;
-    double others;
-    double capacity;
     uint64_t now;
     size_t failed;
-    int k;
 
     *failed_measure = 0;
     tw_paired_config_default(&pcfg);
@@ -648,32 +663,13 @@ static tw_code tw_measure_paired_side(tw_search *s, int depth, tw_paired *paired
     }
     rc = tw_read_load(s, &before, err);
     if (rc != TW_OK) {
-        goto cleanup;
+        return rc;
     }
-    for (k = 0; k < 2; k++) {
-        runners[k].ctx = (void *)s->ops;
-        runners[k].n_samples = s->ops->model.n_samples;
-        runners[k].run = tw_run_model;
-        runners[k].sync = s->ops->model.sync != NULL ? tw_sync_model : NULL;
-        runners[k].round = k == 0 ? tw_round_inactive : tw_round_active;
-    }
+    tw_side_runners(s, runners, 0);
     tw_error_clear(&cause);
     rc = tw_measure_pairs(s->host, runners, &s->cfg->measure, &pcfg, paired, &failed, &cause);
-    if (rc != TW_OK && (rc == TW_EINTERRUPT || failed == TW_NO_RUNNER)) {
-        tw_error_set(err, rc, "confirming depth %d in paired rounds: %s", depth, cause.msg);
-    } else if (rc != TW_OK) {
-        tw_host_logf(s->host, 1, "depth %d could not be confirmed: %s", depth, cause.msg);
-        *failed_measure = 1;
-        rc = TW_OK;
-    } else {
-        rc = tw_read_load(s, &after, err);
-        if (rc == TW_OK && tw_load_window(&before, &after, &others, &capacity)) {
-            s->result->side_others = others;
-            s->result->side_capacity = capacity;
-        }
-    }
-cleanup:
-    return rc;
+    return tw_after_side(s, rc, failed, &cause, " in paired rounds", depth, &before,
+                         failed_measure, err);
 }
 
 /* A speedup's figure from an untuned and a tuned measurement: the median
