@@ -157,7 +157,7 @@ def trial(model: torch.nn.Module, variant: str) -> dict:
             b = run().clone()
             out["eager_eager_equal"] = bool(torch.equal(a, b))
             if variant == "no own workspace":
-                graph, logits = _record_plain(run)
+                graph, logits = common.graphed(run)
             elif variant == "masks as eager":  # the loop's recording since this study
                 graph, logits = sampling.record_graph(_kept(run, keep), torch.device("cuda"), warmups=2,
                                                       context=lambda: prefill.masks_as_eager(cache))
@@ -199,19 +199,6 @@ def _kept(run: Callable, keep: Keep) -> Callable:
             keep.on = False
     return recorded
 
-
-def _record_plain(run: Callable) -> tuple:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            run()
-    stream.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        logits = run()
-    torch.cuda.current_stream().wait_stream(stream)
-    return graph, logits
 
 
 @contextlib.contextmanager
