@@ -813,6 +813,11 @@ char *tw_result_format(const tw_result *result, tw_error *err);
  * depth is kept, for a caller that keeps something else, e.g. "its modules stay
  * untuned; generate() runs tweak's decode loop (graph)". */
 char *tw_result_format_as(const tw_result *result, const char *untuned, tw_error *err);
+/* The lines that end that table, alone: what was kept and by how much (or why
+ * nothing was), then the notes on the machine (busy budget, busy, noisy), one per
+ * line; the one place tweak's outcome is written (TweakResult.outcome() joins
+ * the lines, a tuning-cache entry keeps them). Free with tw_free(). */
+char *tw_result_outcome_as(const tw_result *result, const char *untuned, tw_error *err);
 
 #ifdef __cplusplus
 }

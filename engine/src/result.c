@@ -473,6 +473,25 @@ static int tw_nothing_tried(const tw_result *result)
     return result->row_count > 0;
 }
 
+/* The reason every depth was skipped for, when they all were for one (a caller
+ * that refused every cut, say), else NULL. */
+static const char *tw_one_skip_reason(const tw_result *result)
+{
+    const char *reason = NULL;
+    size_t i;
+
+    for (i = 0; i < result->row_count; i++) {
+        const tw_row *row = &result->rows[i].row;
+
+        if (row->state != TW_ROW_SKIPPED || row->error == NULL || row->error[0] == '\0' ||
+            (reason != NULL && strcmp(reason, row->error) != 0)) {
+            return NULL;
+        }
+        reason = row->error;
+    }
+    return reason;
+}
+
 /* The measured row of `depth`, or NULL. */
 static const tw_row *tw_measured_row(const tw_result *result, int depth)
 {
@@ -531,6 +550,7 @@ static void tw_format_busy(tw_buf *buf, const tw_result *result, const char *unt
 static void tw_format_summary(tw_buf *buf, const tw_result *result, const char *untuned)
 {
     const tw_row *row;
+    const char *skipped;
     const tw_confirmation *c = &result->confirmation;
     const tw_stats *tuned = &c->tuned;
     const tw_stats *base = &c->untuned;
@@ -578,8 +598,34 @@ static void tw_format_summary(tw_buf *buf, const tw_result *result, const char *
                            "before the first depth: %s\n", result->time_budget_ns / 1e9,
                            untuned);
         }
+    } else if ((skipped = tw_one_skip_reason(result)) != NULL) {
+        tw_buf_appendf(buf, "every depth was skipped: %s: %s\n", skipped, untuned);
     } else {
         tw_buf_appendf(buf, "no depth beat the untuned model: %s\n", untuned);
+    }
+}
+
+/* What the tweak kept and by how much, then the notes on the machine (busy budget,
+ * busy, noisy): the lines that end the table, and tw_result_outcome_as's text. */
+static void tw_format_outcome(tw_buf *buf, const tw_result *result, const char *untuned)
+{
+    tw_format_summary(buf, result, untuned != NULL ? untuned : "it stays untuned");
+    if (result->busy_stopped) {
+        tw_buf_appendf(buf, "the machine was busy: tuning stopped at its busy budget (%.0f s), "
+                       "so deeper depths were not tried (busy_budget= raises it); tweak again "
+                       "on a quiet machine to try them\n", result->busy_budget_ns / 1e9);
+    }
+    if (result->confirmation.measured && result->confirmation.quality == TW_QUALITY_BUSY) {
+        /* the summary said it */
+    } else if (tw_result_busy(result)) {
+        /* no figure was claimed; the untuned model's measurement still fell on a busy moment */
+        tw_buf_appendf(buf, "other processes took %.0f%% of the CPUs while the untuned model was "
+                       "measured: the machine was busy; close other work and tweak again\n",
+                       tw_result_others_share(result) * 100.0);
+    } else if (tw_result_noisy(result)) {
+        tw_buf_appendf(buf, "the measurements spread by up to %.0f%%: the machine was busy; close "
+                       "other work and tweak again, or measure longer (measure={\"rounds_max\": "
+                       "200})\n", tw_result_max_spread(result) * 100.0);
     }
 }
 
@@ -616,28 +662,29 @@ char *tw_result_format_as(const tw_result *result, const char *untuned, tw_error
     /* the untuned model wraps nothing: its module columns stay empty */
     tw_buf_appendf(&buf, TW_TABLE_ROW "%s\n", "", "untuned", "-", "-", latency, spread, speedup,
                    result->baseline_measured ? "" : "  not measured");
-    tw_format_summary(&buf, result, untuned != NULL ? untuned : "it stays untuned");
-    if (result->busy_stopped) {
-        tw_buf_appendf(&buf, "the machine was busy: tuning stopped at its busy budget (%.0f s), "
-                       "so deeper depths were not tried (busy_budget= raises it); tweak again "
-                       "on a quiet machine to try them\n", result->busy_budget_ns / 1e9);
-    }
-    if (result->confirmation.measured && result->confirmation.quality == TW_QUALITY_BUSY) {
-        /* the summary said it */
-    } else if (tw_result_busy(result)) {
-        /* no figure was claimed; the untuned model's measurement still fell on a busy moment */
-        tw_buf_appendf(&buf, "other processes took %.0f%% of the CPUs while the untuned model was "
-                       "measured: the machine was busy; close other work and tweak again\n",
-                       tw_result_others_share(result) * 100.0);
-    } else if (tw_result_noisy(result)) {
-        tw_buf_appendf(&buf, "the measurements spread by up to %.0f%%: the machine was busy; close "
-                       "other work and tweak again, or measure longer (measure={\"rounds_max\": "
-                       "200})\n", tw_result_max_spread(result) * 100.0);
-    }
+    tw_format_outcome(&buf, result, untuned);
     text = tw_buf_take(&buf);
     if (text == NULL) {
         tw_error_set(err, TW_ENOMEM, "out of memory formatting the result table");
     }
 cleanup:
+    return text;
+}
+
+char *tw_result_outcome_as(const tw_result *result, const char *untuned, tw_error *err)
+{
+    tw_buf buf;
+    char *text = NULL;
+
+    if (result == NULL) {
+        tw_error_set(err, TW_EINVAL, "result is NULL");
+        return NULL;
+    }
+    tw_buf_init(&buf, &result->host);
+    tw_format_outcome(&buf, result, untuned);
+    text = tw_buf_take(&buf);
+    if (text == NULL) {
+        tw_error_set(err, TW_ENOMEM, "out of memory formatting the result's outcome");
+    }
     return text;
 }

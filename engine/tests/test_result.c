@@ -276,11 +276,52 @@ static void test_accessors(void)
     tw_free(NULL);
 }
 
+/* The outcome alone is the table's last lines, the same words: and a tweak whose
+ * every depth was skipped for one reason says that reason. */
+static void test_outcome_alone(void)
+{
+    fake_model m;
+    tw_tweak_config cfg = fake_model_config();
+    tw_result *result = NULL;
+    char *text;
+    char *outcome;
+
+    fake_model_setup(&m);
+    m.depth_latency[0] = 1000000;
+    m.depth_latency[1] = 500000;
+    m.depth_latency[2] = 800000;
+    m.base_first = m.base_second = 1000000;
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
+    text = tw_result_format(result, NULL);
+    outcome = tw_result_outcome_as(result, NULL, NULL);
+    CHECK(text != NULL && outcome != NULL);
+    if (text != NULL && outcome != NULL) {
+        CHECK(strlen(text) > strlen(outcome));
+        CHECK_STR(text + strlen(text) - strlen(outcome), outcome);
+        CHECK_HAS(outcome, "depth 1: 2.00x faster than untuned");
+        CHECK(strstr(outcome, "untuned  ") == NULL); /* no row of the table */
+    }
+    tw_free(text);
+    tw_free(outcome);
+    fake_model_teardown(&m, result);
+
+    fake_model_setup(&m);
+    cfg.max_depth = 0;
+    m.depth_fail[0] = TW_ECALLBACK;
+    CHECK_INT(fake_model_tweak(&m, &cfg, &result, NULL), TW_OK);
+    outcome = tw_result_outcome_as(result, "its modules stay untuned", NULL);
+    CHECK_STR(outcome, "every depth was skipped: model broke at depth 0: its modules stay untuned\n");
+    tw_free(outcome);
+    fake_model_teardown(&m, result);
+    CHECK(tw_result_outcome_as(NULL, NULL, NULL) == NULL);
+}
+
 int main(void)
 {
     test_long_error_is_cut_between_words();
     test_table();
     test_budget_and_untuned();
+    test_outcome_alone();
     test_dry_run_table();
     test_multi_line_error();
     test_accessors();

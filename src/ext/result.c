@@ -377,16 +377,18 @@ cleanup:
     return result;
 }
 
-/* The result table, `untuned` (NULL: the engine's words) ending its last line
- * when no depth is kept. */
+/* The result table (or its outcome lines alone), `untuned` (NULL: the engine's
+ * words) ending its summary line when no depth is kept. */
 static PyObject *
-tt_result_text(TtResult *self, const char *untuned)
+tt_result_text(TtResult *self, const char *untuned, int outcome_only)
 {
     TtState *st = (TtState *)PyType_GetModuleState(Py_TYPE(self));
     tw_error err;
 
     memset(&err, 0, sizeof(err));
-    return tt_take_formatted(st, tw_result_format_as(self->result, untuned, &err), &err);
+    return tt_take_formatted(st, outcome_only ? tw_result_outcome_as(self->result, untuned, &err)
+                                              : tw_result_format_as(self->result, untuned, &err),
+                             &err);
 }
 
 static PyObject *
@@ -398,13 +400,25 @@ tt_result_format(TtResult *self, PyObject *args, PyObject *kwargs)
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|z:format", keywords, &untuned)) {
         return NULL;
     }
-    return tt_result_text(self, untuned);
+    return tt_result_text(self, untuned, 0);
+}
+
+static PyObject *
+tt_result_outcome(TtResult *self, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"untuned", NULL};
+    const char *untuned = NULL;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|z:outcome", keywords, &untuned)) {
+        return NULL;
+    }
+    return tt_result_text(self, untuned, 1);
 }
 
 static PyObject *
 tt_result_str(TtResult *self)
 {
-    return tt_result_text(self, NULL);
+    return tt_result_text(self, NULL, 0);
 }
 
 static PyMethodDef tt_result_methods[] = {
@@ -413,6 +427,9 @@ static PyMethodDef tt_result_methods[] = {
     {"format", (PyCFunction)(void (*)(void))tt_result_format, METH_VARARGS | METH_KEYWORDS,
      "format(untuned=None) -> the result table; untuned: what its last line says stays untuned "
      "when no depth is kept (None: \"it stays untuned\")"},
+    {"outcome", (PyCFunction)(void (*)(void))tt_result_outcome, METH_VARARGS | METH_KEYWORDS,
+     "outcome(untuned=None) -> the lines that end the table, alone: what was kept and by how "
+     "much, then the notes on the machine"},
     {NULL, NULL, 0, NULL}};
 
 static PyGetSetDef tt_result_getset[] = {

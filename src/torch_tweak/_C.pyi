@@ -174,6 +174,9 @@ class Result:
     def format(self, untuned: Optional[str] = None) -> str:
         """The result table; `untuned` ends its last line when no depth is kept (None:
         "it stays untuned")."""
+    def outcome(self, untuned: Optional[str] = None) -> str:
+        """The lines that end the table, alone: what was kept and by how much (or why
+        nothing was), then the notes on the machine, one per line."""
 
 MODE_ORIGINAL: int
 MODE_ACTIVE: int

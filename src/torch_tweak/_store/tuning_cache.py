@@ -52,9 +52,10 @@ from .serial import Unstorable, class_path, describe_backend, device_name, dumps
 from .._core.signatures import SignatureGroup, describe_call
 from ..backends.strategy import Strategy, default_strategy
 
-ENTRY_VERSION = 4
-"""4: the calls of one shape class whose sizes vary are one group (signatures.merge_varying):
-an entry written before names groups that recording no longer makes."""
+ENTRY_VERSION = 5
+"""5: an entry keeps the engine's outcome lines (TweakResult.outcome() of a cache hit); 4: the
+calls of one shape class whose sizes vary are one group (signatures.merge_varying): an entry
+written before names groups that recording no longer makes."""
 OPTIONAL_PACKAGES = registry.optional_packages()
 """The packages of the backends on an optional install (their registrations'): their presence
 changes which default backends build, so their versions are in the key."""

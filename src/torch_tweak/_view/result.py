@@ -140,8 +140,7 @@ class TweakResult:
     def __str__(self) -> str:
         if not self.cached:
             # the engine knows depths only: with a decode loop kept, what stays untuned is the modules
-            table = self._engine.format(untuned=f"its modules stay untuned; generate() runs tweak's decode "
-                                        f"loop ({self.decode_loop})" if self.decode_loop else None)
+            table = self._engine.format(untuned=self._untuned_words())
             lines = self.precision_lines() + self.shapes_lines()
             return table + "".join("\n" + line for line in lines) + \
                 self._tokens_table()
@@ -216,8 +215,20 @@ class TweakResult:
         return from_record(record, tree, modules, measured_at)
 
     def outcome(self) -> str:
-        """One line: what the tweak kept, and by how much (outcome_line)."""
-        return outcome_line(self)
+        """One line: what the tweak kept and by how much (or why nothing was), then the notes on
+        the machine, joined by "; ": the engine's words, the lines that end the table (a cache
+        entry keeps them), with the decode loop kept behind generate() named."""
+        text = self._outcome if self.cached else self._engine.outcome(untuned=self._untuned_words())
+        lines = [line for line in text.splitlines() if line]
+        if self.decode_loop and self.selected_depth is not None and lines:
+            lines[0] += f"; generate() runs tweak's decode loop ({self.decode_loop})"
+        return "; ".join(lines)
+
+    def _untuned_words(self) -> str | None:
+        """What stays untuned when no depth is kept, in the engine's last line (None: the model)."""
+        if not self.decode_loop:
+            return None
+        return f"its modules stay untuned; generate() runs tweak's decode loop ({self.decode_loop})"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError("tt.tweak tunes the model in place and returns its report, not a model: keep calling "
@@ -236,65 +247,20 @@ class TweakResult:
                 f"tuned_ms={self.tuned_ms}>")
 
 
-def outcome_line(self: TweakResult) -> str:
-    """One line: what the tweak kept, and by how much (side by side); the one place it is said,
-    for a tweak and for a result from the tuning cache alike."""
-    if self.rows and all(r.latency_ms is None and not r.error for r in self.rows):
-        return "dry run: nothing built or measured"
-    side = self.confirmation
-    loop = f"; generate() runs tweak's decode loop ({self.decode_loop})" if self.decode_loop else ""
-    stays = "its modules stay untuned" if self.decode_loop else "the model stays untuned"
-    quality = self.measurement_quality
-    how = ("the smaller of two figures that disagree" if quality == "inconsistent"
-           else "measured side by side again after the load changed" if quality == "remeasured"
-           else "measured side by side")
-    if quality == "busy" and side is not None:
-        return _busy_outcome(self, side, stays, loop)
-    if self.selected_depth is not None:
-        how = how if side is not None and side["confirmed"] else "measured in turn"
-        return f"kept depth {self.selected_depth}, {self.speedup:.2f}x faster than untuned ({how}){loop}"
-    if side is not None:
-        verdict = "slower than" if side["speedup_high"] < 1.0 else "within noise of"
-        return (f"depth {side['depth']} was {verdict} the untuned model ({side['speedup']:.2f}x, {how}): "
-                f"{stays}{loop}")
-    if self.refused and self.rows and all(r.latency_ms is None for r in self.rows):
-        return f"no depth was searched: {self.refused}: {stays}{loop}"
-    if self.rows and all(r.error == "time budget used up" for r in self.rows):
-        why = "was 0" if self.time_budget == 0 else "was used up before the first depth"
-        return f"no depth was tried: the time budget {why}: {stays}{loop}"
-    if self.busy:
-        return (f"no depth beat the untuned model: {stays}{loop}; other processes took "
-                f"{100 * (self.others_share or 0):.0f}% of the CPUs while it was measured (a busy machine): "
-                f"tweak again on a quiet machine")
-    return f"no depth beat the untuned model: {stays}{loop}"
-
-def _busy_outcome(self: TweakResult, side: dict, stays: str, loop: str) -> str:
-    """outcome() for figures measured busy: the paired rounds' figure, marked busy."""
-    busy = (f"measured busy: other processes took {100 * (self.others_share or 0):.0f}% of the CPUs; "
-            f"{side.get('paired_rounds', 0)} paired rounds, 99% interval {side['speedup_low']:.2f}x to "
-            f"{side['speedup_high']:.2f}x")
-    stopped = "; the busy budget stopped the search early" if self.busy_stopped else ""
-    if self.selected_depth is not None:
-        return (f"kept depth {self.selected_depth}, {side['speedup']:.2f}x faster than untuned ({busy}; tweak "
-                f"again on a quiet machine for a quiet figure){stopped}{loop}")
-    verdict = "slower than" if side["speedup_high"] < 1.0 else "within noise of"
-    return (f"depth {side['depth']} was {verdict} the untuned model ({side['speedup']:.2f}x, {busy}): "
-            f"{stays}{stopped}{loop}")
-
-
 def record_of(self: TweakResult) -> dict:
     """The result as plain JSON (what the tuning cache keeps)."""
     return {"rows": [dataclasses.asdict(r) for r in self.rows], "baseline_ms": self.baseline_ms,
             "tuned_ms": self.tuned_ms, "search_baseline_ms": self.untuned.latency_ms,
             "confirmation": self.confirmation, "quality": self.measurement_quality, "noisy": self.noisy,
             "others_share": self.others_share, "busy": self.busy, "busy_stopped": self.busy_stopped,
-            "table": str(self)}
+            "table": str(self), "outcome": self._engine.outcome(untuned=self._untuned_words())}
 
 def from_record(record: dict, tree: ModuleTree, modules: ModuleResults, measured_at: str | None = None) -> TweakResult:
     """The result a cache entry recorded, marked cached; measured_at: the entry's time."""
     self = object.__new__(TweakResult)
     self._engine = None
     self._table = record["table"]
+    self._outcome = str(record["outcome"])
     self.cached = True
     self.measured_at = measured_at if isinstance(measured_at, str) else None
     self.measurement_quality = str(record["quality"])

@@ -75,7 +75,7 @@ class ModelStatus(dict):
                          *(str(s.untuned.get(reason, 0)) for reason in UNTUNED_REASONS)])
         text = _table(rows) if len(rows) > 1 else "no tuned modules"
         if self.busy:
-            text += f"\nmeasured busy: {self.busy}"
+            text += f"\n{self.busy}"  # the outcome, which says "measured busy"
         text += "".join("\n" + line for line in self.shapes_lines())
         loop = self.decode_loop
         if loop is not None:
