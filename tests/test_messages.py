@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from torch_tweak._view.result import DepthResult, TweakResult, _token_rows
+from torch_tweak._view.result import DepthResult, TweakResult, _token_rows, tokens_table
 
 # ------------------------------------------------------------------ the generate() table
 
@@ -59,7 +59,7 @@ def test_a_depth_faster_than_the_kept_loop_says_why_it_was_not_kept():
         "paired rounds put it at 1.10x, 99% interval 0.90x to 1.40x" in depth1.status, depth1.status
     assert by_label["depth 0 + decode loop (loop)"].status == "slower than depth 1 + decode loop (loop), itself not kept"
     result.tokens, result.tokens_per_run, result.numerics, result.hint = tokens, 24, {}, ""
-    table = result._tokens_table()
+    table = tokens_table(result)
     assert "status" in table.splitlines()[2]
     starred = [line for line in table.splitlines() if line.startswith("*")]
     assert len(starred) == 1 and "untuned + decode loop (loop)" in starred[0] and "14.4" in starred[0]

@@ -140,10 +140,10 @@ class TweakResult:
     def __str__(self) -> str:
         if not self.cached:
             # the engine knows depths only: with a decode loop kept, what stays untuned is the modules
-            table = self._engine.format(untuned=self._untuned_words())
+            table = self._engine.format(untuned=untuned_words(self.decode_loop))
             lines = self.precision_lines() + self.shapes_lines()
             return table + "".join("\n" + line for line in lines) + \
-                self._tokens_table()
+                tokens_table(self)
         return self._table + "".join("\n" + line for line in self.shapes_lines()) + f"\n{self.cache_note()}"
 
     @property
@@ -188,22 +188,6 @@ class TweakResult:
             lines.append(f"lower precision, as asked: {path or '(root)'} runs {label}{shown}")
         return lines
 
-    def _tokens_table(self) -> str:
-        if not self.tokens:
-            return ""
-        width = max(len(r.label) for r in self.tokens)
-        lines = ["", f"generate(): {self.tokens_per_run} new tokens per run of the workload",
-                 f"  {'configuration':<{width}}  {'tokens/s':>10}  {'first token ms':>14}  status"]
-        for r in self.tokens:
-            rate = "-" if r.tokens_per_s is None else f"{r.tokens_per_s:,.1f}"
-            ttft = "-" if r.ttft_ms is None else f"{r.ttft_ms:.3f}"
-            lines.append(f"{'*' if r.kept else ' '} {r.label:<{width}}  {rate:>10}  {ttft:>14}  {r.status}".rstrip())
-        for label, found in (self.numerics or {}).items():  # the correctness rule's finding, per candidate
-            lines.append(f"  correctness, {label}: {fold(found, 140)}")
-        if self.hint:
-            lines.append(f"note: {self.hint}")
-        return "\n".join(lines)
-
     def to_record(self) -> dict:
         """The result as plain JSON (what the tuning cache keeps): record_of."""
         return record_of(self)
@@ -218,17 +202,11 @@ class TweakResult:
         """One line: what the tweak kept and by how much (or why nothing was), then the notes on
         the machine, joined by "; ": the engine's words, the lines that end the table (a cache
         entry keeps them), with the decode loop kept behind generate() named."""
-        text = self._outcome if self.cached else self._engine.outcome(untuned=self._untuned_words())
+        text = self._outcome if self.cached else self._engine.outcome(untuned=untuned_words(self.decode_loop))
         lines = [line for line in text.splitlines() if line]
         if self.decode_loop and self.selected_depth is not None and lines:
             lines[0] += f"; generate() runs tweak's decode loop ({self.decode_loop})"
         return "; ".join(lines)
-
-    def _untuned_words(self) -> str | None:
-        """What stays untuned when no depth is kept, in the engine's last line (None: the model)."""
-        if not self.decode_loop:
-            return None
-        return f"its modules stay untuned; generate() runs tweak's decode loop ({self.decode_loop})"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError("tt.tweak tunes the model in place and returns its report, not a model: keep calling "
@@ -247,13 +225,38 @@ class TweakResult:
                 f"tuned_ms={self.tuned_ms}>")
 
 
+def tokens_table(self: TweakResult) -> str:
+    """The generate() table: tokens per second and time to first token per configuration."""
+    if not self.tokens:
+        return ""
+    width = max(len(r.label) for r in self.tokens)
+    lines = ["", f"generate(): {self.tokens_per_run} new tokens per run of the workload",
+             f"  {'configuration':<{width}}  {'tokens/s':>10}  {'first token ms':>14}  status"]
+    for r in self.tokens:
+        rate = "-" if r.tokens_per_s is None else f"{r.tokens_per_s:,.1f}"
+        ttft = "-" if r.ttft_ms is None else f"{r.ttft_ms:.3f}"
+        lines.append(f"{'*' if r.kept else ' '} {r.label:<{width}}  {rate:>10}  {ttft:>14}  {r.status}".rstrip())
+    for label, found in (self.numerics or {}).items():  # the correctness rule's finding, per candidate
+        lines.append(f"  correctness, {label}: {fold(found, 140)}")
+    if self.hint:
+        lines.append(f"note: {self.hint}")
+    return "\n".join(lines)
+
+
+def untuned_words(decode_loop: str | None) -> str | None:
+    """What stays untuned when no depth is kept, for the engine's last line (None: the model)."""
+    if not decode_loop:
+        return None
+    return f"its modules stay untuned; generate() runs tweak's decode loop ({decode_loop})"
+
+
 def record_of(self: TweakResult) -> dict:
     """The result as plain JSON (what the tuning cache keeps)."""
     return {"rows": [dataclasses.asdict(r) for r in self.rows], "baseline_ms": self.baseline_ms,
             "tuned_ms": self.tuned_ms, "search_baseline_ms": self.untuned.latency_ms,
             "confirmation": self.confirmation, "quality": self.measurement_quality, "noisy": self.noisy,
             "others_share": self.others_share, "busy": self.busy, "busy_stopped": self.busy_stopped,
-            "table": str(self), "outcome": self._engine.outcome(untuned=self._untuned_words())}
+            "table": str(self), "outcome": self._engine.outcome(untuned=untuned_words(self.decode_loop))}
 
 def from_record(record: dict, tree: ModuleTree, modules: ModuleResults, measured_at: str | None = None) -> TweakResult:
     """The result a cache entry recorded, marked cached; measured_at: the entry's time."""
