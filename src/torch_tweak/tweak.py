@@ -118,7 +118,7 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
                                      strategy=_strategy_setting(strategy, device), measure=measuring,
                                      calls=len(calls) if job is None else "a workload", cache=cache,
                                      dry_run=bool(dry_run), device=device.type), "tt.tweak")
-        strategy, declared, edges = distributed.step(
+        strategy, edges = distributed.step(
             lambda: _declared(model, shapes, calls, job, strategy, device), "checking shapes=")
         # Tracing, recording and measuring run the model; anything they or a build changed is put
         # back when the tweak ends, however it ends.
@@ -127,7 +127,7 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
                             progress=speaks, dry_run=dry_run,
                             cache=cache, limits=limits,
                             settings={"measure": measure, "effort": effort, "busy_budget": busy_budget},
-                            declared=declared, edges=edges)
+                            edges=edges)
             if ranks is not None and not dry_run:
                 _same_plan(model, ranks)
             return result
@@ -192,9 +192,11 @@ def _silent(silent: bool) -> Iterator[None]:
 
 def _tweak(model: nn.Module, calls: Any, job: Workload | None, device: torch.device, measuring: dict | None,
            asked: Any, *, strategy: Strategy | None, progress: bool, dry_run: bool, cache: bool,
-           limits: dict, settings: dict, declared: Any, edges: list) -> TweakResult:
+           limits: dict, settings: dict, edges: list) -> TweakResult:
     """tt.tweak once its arguments passed: the tuning cache, else the engine's search.
-    limits: the depth search's settings as checked (the engine's forms)."""
+    limits: the depth search's settings as checked (the engine's forms); the declared shapes
+    are the strategy's (Strategy.shapes: one owner, handed down with the backends)."""
+    declared = strategy.shapes if strategy is not None else None
     min_depth, max_depth, time_budget = limits["min_depth"], limits["max_depth"], limits["time_budget"]
     speaks_tokens = False
     if job is not None:
@@ -242,7 +244,7 @@ def _tweak(model: nn.Module, calls: Any, job: Workload | None, device: torch.dev
                        speaks_tokens=speaks_tokens, compiled_loop=compiled_loop, edges=edges)
     engine = _search(model, session, calls, job, shown, device, **limits, dry_run=dry_run, config=measuring,
                      busy_budget=settings.get("busy_budget", DEFAULT_BUSY_BUDGET))
-    result = _kept(model, engine, tree, session, time_budget, dry_run, declared)
+    result = _kept(model, engine, tree, session, time_budget, dry_run)
     if speaks_tokens:
         speak_tokens(result, job)
     if key is not None:
@@ -348,12 +350,12 @@ def _checked(model: nn.Module, dataset: Any, *, workload: Any, strategy: Strateg
 
 def _declared(model: nn.Module, shapes: Any, calls: Any, job: Workload | None, strategy: Strategy | None,
               device: torch.device) -> tuple:
-    """(the strategy, given the declared shapes; the declared shapes or None; the calls at their
-    ends): shapes= checked against the dataset's calls before anything runs (TypeError or
-    ValueError; the model is untouched)."""
+    """(the strategy, given the declared shapes (Strategy.shapes); the calls at their ends):
+    shapes= checked against the dataset's calls before anything runs (TypeError or ValueError;
+    the model is untouched)."""
     declared = check_shapes(shapes)
     if declared is None:
-        return strategy, None, []
+        return strategy, []
     if job is not None:
         raise TypeError("shapes= declares the sizes of a dataset's calls; a workload (generate()) tunes its own "
                         "calls: leave shapes=None, or pass a dataset")
@@ -361,7 +363,7 @@ def _declared(model: nn.Module, shapes: Any, calls: Any, job: Workload | None, s
     params = forward_params(model)
     check_calls(declared, calls, params)
     strategy = (strategy if strategy is not None else default_strategy(device)).with_shapes(declared)
-    return strategy, declared, edge_calls(declared, calls, params)
+    return strategy, edge_calls(declared, calls, params)
 
 
 def _session(model: nn.Module, tree: ModuleTree, calls: Any, job: Workload | None, strategy: Strategy | None,
@@ -441,9 +443,11 @@ def _together(ranks: "distributed.Ranks", session: Session, hooks: dict) -> dict
 
 
 def _kept(model: nn.Module, engine: Any, tree: ModuleTree, session: Session, time_budget: float | None,
-          dry_run: bool, declared: Any = None) -> "TweakResult":
+          dry_run: bool) -> "TweakResult":
     """The result of the engine's search; the wrappers of the cuts not kept release their calls;
-    a kept depth keeps the declared shapes (tt.save writes them, tt.status shows them)."""
+    a kept depth keeps the declared shapes, the search's strategy's (tt.save writes them,
+    tt.status shows them)."""
+    declared = session.strategy.shapes if session.strategy is not None else None
     selected = engine.selected
     kept_depth = engine.rows[selected]["depth"] if selected >= 0 else None
     result = TweakResult(engine, tree, session.module_results(engine, kept_depth))
