@@ -75,6 +75,7 @@ def test_second_tweak_reuses_the_first(mlp_data, tuning_cache_folder, monkeypatc
     assert Fast.builds - builds == 2  # one rebuild per kept module and signature, no more
     assert second.selected_depth == first.selected_depth and second.rows == first.rows
     assert second.baseline_ms == first.baseline_ms and second.speedup == first.speedup
+    assert second.outcome() == first.outcome() and second.outcome() in str(second)  # the engine's words, kept
     assert str(second.modules) == str(first.modules)
     assert {p: [g.backend.name if g.backend else None for g in w.tt_signatures]
             for p, w in tt.installed(again).items()} == kept
@@ -249,6 +250,8 @@ def damages(path, valid: dict):
     yield "a plan naming another backend", shape(
         lambda e: e["plan"][0]["signatures"][0].__setitem__("backend", {"class": "os:system", "config": {}}))
     yield "retry_after not a number", shape(lambda e: e.__setitem__("retry_after", "never"))
+    yield "no outcome", shape(lambda e: e["result"].pop("outcome"))
+    yield "an outcome not text", shape(lambda e: e["result"].__setitem__("outcome", {"kept": "everything"}))
 
 
 @pytest.mark.slow

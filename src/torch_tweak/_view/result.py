@@ -263,7 +263,9 @@ def from_record(record: dict, tree: ModuleTree, modules: ModuleResults, measured
     self = object.__new__(TweakResult)
     self._engine = None
     self._table = record["table"]
-    self._outcome = str(record["outcome"])
+    self._outcome = record["outcome"]
+    if not isinstance(self._outcome, str):
+        raise TypeError(f"a cache entry's outcome is {type(self._outcome).__name__}, not text")
     self.cached = True
     self.measured_at = measured_at if isinstance(measured_at, str) else None
     self.measurement_quality = str(record["quality"])
