@@ -291,3 +291,40 @@ def test_the_bucket_rule_is_the_c_types_and_gives_what_python_gave():
         rule._pad_key(-1, 0, True, False, 8, 0, 1)
     with pytest.raises(ValueError, match="step >= 1"):
         rule._pad_lower(4, 4, True, True, 0)
+
+
+def test_python_calls_of_a_bucket_copy_and_cut_by_the_c_rule():
+    """_pad_copy_in and _pad_cut (what PaddedCall._run uses for the calls Python makes of a
+    bucket) against the rule written out with slices: rows past b untouched, a length axis
+    zeroed past n in the call's rows, outputs cut and copied; bad input refused by name."""
+    replay = _C.PaddedReplay()
+    torch.manual_seed(0)
+    buffers = [torch.full((8, 16, 3), 7.0), torch.full((8, 5), 7.0), torch.full((4,), 7.0)]
+    tensors = [torch.randn(3, 10, 3), torch.randn(3, 5), torch.randn(4)]
+    axes = [(True, True), (True, False), (False, False)]
+    want = [b.clone() for b in buffers]
+    want[0][:3, 10:] = 0
+    want[0][:3, :10] = tensors[0]
+    want[1][:3] = tensors[1]
+    want[2][:] = tensors[2]
+    assert replay._pad_copy_in(buffers, tensors, axes, 3, 10, 8, 16) is None
+    for got, expected in zip(buffers, want):
+        assert torch.equal(got, expected)
+    assert torch.equal(buffers[0][3:], torch.full((5, 16, 3), 7.0))  # rows past the call's: as they were
+    leaves = [torch.arange(8 * 16.0).reshape(8, 16), "plain", torch.ones(8, 2), None]
+    out = replay._pad_cut(leaves, [(True, True), (False, False), (True, False), (False, False)], 3, 10, 8, 16)
+    assert torch.equal(out[0], leaves[0][:3, :10]) and out[1] == "plain" and out[3] is None
+    assert torch.equal(out[2], leaves[2][:3])
+    assert out[0].data_ptr() != leaves[0].data_ptr()  # copied: a later call cannot change it
+    with pytest.raises(ValueError, match="2 buffers for 3 tensors"):
+        replay._pad_copy_in(buffers[:2], tensors, axes, 3, 10, 8, 16)
+    with pytest.raises(ValueError, match="2 axis pairs for 3 tensors"):
+        replay._pad_copy_in(buffers, tensors, axes[:2], 3, 10, 8, 16)
+    with pytest.raises(TypeError, match="item 1 is str, not a torch.Tensor"):
+        replay._pad_copy_in(buffers, [tensors[0], "x", tensors[2]], axes, 3, 10, 8, 16)
+    with pytest.raises(ValueError, match="batch 9, length 10 does not fit a bucket of 8 x 16"):
+        replay._pad_copy_in(buffers, tensors, axes, 9, 10, 8, 16)
+    with pytest.raises(TypeError, match="axis pair must be a"):
+        replay._pad_cut(leaves, [True] * 4, 3, 10, 8, 16)
+    with pytest.raises(ValueError, match="length 17 does not fit"):
+        replay._pad_cut(leaves, [(True, True)] * 4, 3, 17, 8, 16)

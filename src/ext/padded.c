@@ -27,7 +27,10 @@
  * Which buckets exist and what they hold are Python's decisions
  * (backends/padded.py), set through _pad_bucket. The bucket rule itself (a
  * call's bucket, a bucket's range) is C's alone (padded_bucket.c): Python
- * asks it through _pad_key, _pad_lower and _pad_batch_bucket.
+ * asks it through _pad_key, _pad_lower and _pad_batch_bucket. So are the
+ * copies in and the cuts out (padded_call.c): the calls Python makes of a
+ * bucket (recording, a first sight's check, a layout this type cannot take)
+ * copy and cut through _pad_copy_in and _pad_cut.
  *
  * The type is four files sharing padded_replay.h, in this order:
  * padded_layout.c (the recorded layout, whether a call fits it),
@@ -179,6 +182,15 @@ static PyMethodDef tt_pad_methods[] = {
     {"_pad_lower", (PyCFunction)tt_pad_py_lower, METH_VARARGS | METH_STATIC,
      "_pad_lower(b, n, batch, length, step) -> (low_b, low_n): the smallest batch and\n"
      "length that fall into bucket (b, n)."},
+    {"_pad_copy_in", (PyCFunction)tt_pad_py_copy_in, METH_VARARGS,
+     "_pad_copy_in(buffers, tensors, axes, b, n, bucket_b, bucket_n): each tensor copied\n"
+     "into its buffer as a call of the bucket is (axes: (batch, length) per tensor): its\n"
+     "first b rows, and along a length axis its first n positions, the rest of those\n"
+     "rows zeroed. The per-call path's rule, for the calls Python makes of a bucket."},
+    {"_pad_cut", (PyCFunction)tt_pad_py_cut, METH_VARARGS,
+     "_pad_cut(leaves, axes, b, n, bucket_b, bucket_n) -> list: each tensor leaf cut\n"
+     "back to the call's batch and length (axes: (batch, length) per leaf) and copied,\n"
+     "other leaves as they are. The per-call path's rule, for Python's calls."},
     {"reset_counts", (PyCFunction)tt_pad_reset_counts, METH_NOARGS,
      "reset_counts(): every bucket's counters, fast_calls and slow_calls to 0."},
     {NULL, NULL, 0, NULL}};

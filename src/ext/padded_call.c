@@ -50,30 +50,29 @@ tt_pad_inplace(PyObject *t, PyObject *method, PyObject *arg)
 
 /* ------------------------------------------------------------ a call */
 
-/* Copies each slot's tensor into the bucket's buffer: its first b rows, and
- * along a length axis its first n positions, the rest of those rows zeroed.
- * -1 on error. */
-static int
-tt_pad_copy_in(TtPaddedReplay *self, const TtPadBucket *bk, PyObject *buffers, PyObject **found,
-               Py_ssize_t b, Py_ssize_t n)
+/* Copies each of `count` tensors into its buffer (`buffers`, a tuple): its
+ * first b rows where its slot's batch is set, and where its seq is set its
+ * first n positions along axis 1, the rest of those rows zeroed; bb and bn:
+ * the buffers' batch and length. The one copy-in rule: the per-call path's
+ * and the Python path's (_pad_copy_in). -1 on error. */
+int
+tt_pad_copy_in_as(TtState *st, PyObject *buffers, PyObject *const *found, Py_ssize_t count,
+                  const TtPadSlot *slots, Py_ssize_t b, Py_ssize_t n, Py_ssize_t bb, Py_ssize_t bn)
 {
-    TtState *st = self->state;
     Py_ssize_t s;
-    int rc = -1;
 
-    for (s = 0; s < self->nslots; s++) {
-        const TtPadSlot *slot = &self->slots[s];
+    for (s = 0; s < count; s++) {
         PyObject *view = Py_NewRef(PyTuple_GET_ITEM(buffers, s)); /* new reference */
         PyObject *next = NULL, *tail = NULL;                       /* new references */
         int ok = 0;
 
-        if (slot->batch && b < bk->b) {
+        if (slots[s].batch && b < bb) {
             if ((next = tt_pad_narrow(st, view, 0, 0, b)) == NULL)
                 goto next_slot;
             Py_SETREF(view, next);
         }
-        if (slot->seq && n < bk->n) {
-            if ((tail = tt_pad_narrow(st, view, 1, n, bk->n - n)) == NULL ||
+        if (slots[s].seq && n < bn) {
+            if ((tail = tt_pad_narrow(st, view, 1, n, bn - n)) == NULL ||
                 tt_pad_inplace(tail, st->str_zero_, NULL) < 0 ||
                 (next = tt_pad_narrow(st, view, 1, 0, n)) == NULL)
                 goto next_slot;
@@ -84,11 +83,18 @@ next_slot:
         Py_XDECREF(tail);
         Py_DECREF(view);
         if (!ok)
-            goto cleanup;
+            return -1;
     }
-    rc = 0;
-cleanup:
-    return rc;
+    return 0;
+}
+
+/* The copies in of a call that fits bucket `bk` (its slots' axes). -1 on error. */
+static int
+tt_pad_copy_in(TtPaddedReplay *self, const TtPadBucket *bk, PyObject *buffers, PyObject **found,
+               Py_ssize_t b, Py_ssize_t n)
+{
+    return tt_pad_copy_in_as(self->state, buffers, found, self->nslots, self->slots, b, n, bk->b,
+                             bk->n);
 }
 
 /* The run of a bucket without a graph: the target on the call with each
@@ -144,29 +150,31 @@ cleanup:
     return leaves;
 }
 
-/* What the call returns: each tensor leaf cut back to the call's batch and
- * length and copied, plain leaves as they are, rebuilt. New reference. */
-static PyObject *
-tt_pad_copy_out(TtPaddedReplay *self, const TtPadBucket *bk, PyObject *leaves, PyObject *rebuild,
-                Py_ssize_t b, Py_ssize_t n)
+/* Each of the `count` leaves of `leaves` (a list) as a call returns it: a
+ * tensor cut back to the call's b rows where batch[j] (bb: the bucket's) and
+ * its first n positions along axis 1 where length[j] (bn), and copied, so a
+ * later call never changes what a caller holds; other leaves as they are. The
+ * one cut-out rule: the per-call path's and the Python path's (_pad_cut). A
+ * new list, or NULL. */
+PyObject *
+tt_pad_cut_as(TtState *st, PyObject *leaves, Py_ssize_t count, const int *batch,
+              const int *length, Py_ssize_t b, Py_ssize_t n, Py_ssize_t bb, Py_ssize_t bn)
 {
-    TtState *st = self->state;
-    PyObject *outs = PyList_New(self->nouts); /* new reference */
-    PyObject *result = NULL;
+    PyObject *outs = PyList_New(count); /* new reference */
     Py_ssize_t j;
 
     if (outs == NULL)
-        goto cleanup;
-    for (j = 0; j < self->nouts; j++) {
+        return NULL;
+    for (j = 0; j < count; j++) {
         PyObject *leaf = Py_NewRef(PyList_GET_ITEM(leaves, j)); /* new reference */
         PyObject *next;
 
         if (PyObject_TypeCheck(leaf, st->tensor_type)) {
-            if (self->out_batch[j] && b < bk->b) {
+            if (batch[j] && b < bb) {
                 next = tt_pad_narrow(st, leaf, 0, 0, b);
                 Py_SETREF(leaf, next);
             }
-            if (leaf != NULL && self->out_length[j] && n < bk->n) {
+            if (leaf != NULL && length[j] && n < bn) {
                 next = tt_pad_narrow(st, leaf, 1, 0, n);
                 Py_SETREF(leaf, next);
             }
@@ -175,17 +183,33 @@ tt_pad_copy_out(TtPaddedReplay *self, const TtPadBucket *bk, PyObject *leaves, P
                                                  1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
                 Py_SETREF(leaf, next);
             }
-            if (leaf == NULL)
-                goto cleanup;
+            if (leaf == NULL) {
+                Py_DECREF(outs);
+                return NULL;
+            }
         }
         PyList_SET_ITEM(outs, j, leaf);
     }
+    return outs;
+}
+
+/* What the call returns: its leaves cut out (tt_pad_cut_as) and rebuilt. New
+ * reference, or NULL. */
+static PyObject *
+tt_pad_copy_out(TtPaddedReplay *self, const TtPadBucket *bk, PyObject *leaves, PyObject *rebuild,
+                Py_ssize_t b, Py_ssize_t n)
+{
+    PyObject *outs = tt_pad_cut_as(self->state, leaves, self->nouts, self->out_batch,
+                                   self->out_length, b, n, bk->b, bk->n); /* new reference */
+    PyObject *result = NULL;
+
+    if (outs == NULL)
+        return NULL;
     if (rebuild == NULL)
         result = Py_NewRef(PyList_GET_ITEM(outs, 0));
     else
         result = PyObject_CallOneArg(rebuild, outs);
-cleanup:
-    Py_XDECREF(outs);
+    Py_DECREF(outs);
     return result;
 }
 
@@ -307,3 +331,166 @@ cleanup:
     return result;
 }
 
+
+/* ------------------------------------------- Python's calls of a bucket */
+
+/* Per item of `axes` (a sequence of `count` pairs of truth values), its two
+ * flags into first[] and second[]. -1 with an exception. */
+static int
+tt_pad_read_axes(PyObject *axes, Py_ssize_t count, int *first, int *second, const char *what)
+{
+    PyObject *fast = PySequence_Fast(axes, what); /* new reference */
+    Py_ssize_t i;
+    int rc = -1;
+
+    if (fast == NULL)
+        return -1;
+    if (PySequence_Fast_GET_SIZE(fast) != count) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd axis pairs for %zd tensors", what,
+                     PySequence_Fast_GET_SIZE(fast), count);
+        goto cleanup;
+    }
+    for (i = 0; i < count; i++) {
+        PyObject *pair = PySequence_Fast_GET_ITEM(fast, i); /* borrowed */
+
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            PyErr_Format(PyExc_TypeError, "%s: each axis pair must be a (batch, length) tuple",
+                         what);
+            goto cleanup;
+        }
+        if ((first[i] = PyObject_IsTrue(PyTuple_GET_ITEM(pair, 0))) < 0 ||
+            (second[i] = PyObject_IsTrue(PyTuple_GET_ITEM(pair, 1))) < 0)
+            goto cleanup;
+    }
+    rc = 0;
+cleanup:
+    Py_DECREF(fast);
+    return rc;
+}
+
+/* torch.Tensor, looked up once (st->tensor_type set), or NULL with an
+ * exception: torch not imported. */
+static PyTypeObject *
+tt_pad_tensor_type(TtState *st, const char *what)
+{
+    PyTypeObject *tensor_type = tt_state_tensor_type(st); /* borrowed */
+
+    if (tensor_type == NULL && !PyErr_Occurred())
+        PyErr_Format(PyExc_TypeError, "%s: torch is not imported", what);
+    return tensor_type;
+}
+
+/* 0 when every item of the tuple is a torch.Tensor, else -1 with a TypeError. */
+static int
+tt_pad_all_tensors(TtState *st, PyObject *tuple, const char *what)
+{
+    PyTypeObject *tensor_type = tt_pad_tensor_type(st, what); /* borrowed */
+    Py_ssize_t i;
+
+    if (tensor_type == NULL)
+        return -1;
+    for (i = 0; i < PyTuple_GET_SIZE(tuple); i++) {
+        if (!PyObject_TypeCheck(PyTuple_GET_ITEM(tuple, i), tensor_type)) {
+            PyErr_Format(PyExc_TypeError, "%s: item %zd is %s, not a torch.Tensor", what, i,
+                         Py_TYPE(PyTuple_GET_ITEM(tuple, i))->tp_name);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* 0 when the sizes can be a call of a bucket (0 <= b <= bb, 0 <= n <= bn),
+ * else -1 with a ValueError. */
+static int
+tt_pad_check_sizes(Py_ssize_t b, Py_ssize_t n, Py_ssize_t bb, Py_ssize_t bn, const char *what)
+{
+    if (b < 0 || n < 0 || b > bb || (n > bn && bn > 0)) {
+        PyErr_Format(PyExc_ValueError, "%s: a call of batch %zd, length %zd does not fit a "
+                     "bucket of %zd x %zd", what, b, n, bb, bn);
+        return -1;
+    }
+    return 0;
+}
+
+PyObject *
+tt_pad_py_copy_in(TtPaddedReplay *self, PyObject *args)
+{
+    PyObject *buffers, *tensors, *axes;              /* borrowed */
+    PyObject *buffers_t = NULL, *tensors_t = NULL;  /* new references */
+    TtPadSlot *slots = NULL;
+    Py_ssize_t b, n, bb, bn, count, s;
+    int *batch = NULL, *seq = NULL;
+    PyObject *result = NULL;
+
+    if (!PyArg_ParseTuple(args, "OOOnnnn:_pad_copy_in", &buffers, &tensors, &axes, &b, &n, &bb,
+                          &bn))
+        return NULL;
+    if ((buffers_t = PySequence_Tuple(buffers)) == NULL ||
+        (tensors_t = PySequence_Tuple(tensors)) == NULL)
+        goto cleanup;
+    count = PyTuple_GET_SIZE(buffers_t);
+    if (PyTuple_GET_SIZE(tensors_t) != count) {
+        PyErr_Format(PyExc_ValueError, "_pad_copy_in: %zd buffers for %zd tensors", count,
+                     PyTuple_GET_SIZE(tensors_t));
+        goto cleanup;
+    }
+    if (tt_pad_all_tensors(self->state, buffers_t, "_pad_copy_in buffers") < 0 ||
+        tt_pad_all_tensors(self->state, tensors_t, "_pad_copy_in tensors") < 0 ||
+        tt_pad_check_sizes(b, n, bb, bn, "_pad_copy_in") < 0)
+        goto cleanup;
+    slots = PyMem_Calloc((size_t)count + 1, sizeof(*slots));
+    batch = PyMem_Calloc((size_t)count + 1, sizeof(*batch));
+    seq = PyMem_Calloc((size_t)count + 1, sizeof(*seq));
+    if (slots == NULL || batch == NULL || seq == NULL) {
+        PyErr_NoMemory();
+        goto cleanup;
+    }
+    if (tt_pad_read_axes(axes, count, batch, seq, "_pad_copy_in") < 0)
+        goto cleanup;
+    for (s = 0; s < count; s++) {
+        slots[s].batch = batch[s];
+        slots[s].seq = seq[s];
+    }
+    if (tt_pad_copy_in_as(self->state, buffers_t, PySequence_Fast_ITEMS(tensors_t), count, slots,
+                          b, n, bb, bn) < 0)
+        goto cleanup;
+    result = Py_NewRef(Py_None);
+cleanup:
+    PyMem_Free(slots);
+    PyMem_Free(batch);
+    PyMem_Free(seq);
+    Py_XDECREF(buffers_t);
+    Py_XDECREF(tensors_t);
+    return result;
+}
+
+PyObject *
+tt_pad_py_cut(TtPaddedReplay *self, PyObject *args)
+{
+    PyObject *leaves, *axes;   /* borrowed */
+    PyObject *list = NULL;     /* new reference */
+    Py_ssize_t b, n, bb, bn, count;
+    int *batch = NULL, *length = NULL;
+    PyObject *result = NULL;
+
+    if (!PyArg_ParseTuple(args, "OOnnnn:_pad_cut", &leaves, &axes, &b, &n, &bb, &bn))
+        return NULL;
+    if (tt_pad_tensor_type(self->state, "_pad_cut") == NULL ||
+        (list = PySequence_List(leaves)) == NULL || tt_pad_check_sizes(b, n, bb, bn, "_pad_cut") < 0)
+        goto cleanup;
+    count = PyList_GET_SIZE(list);
+    batch = PyMem_Calloc((size_t)count + 1, sizeof(*batch));
+    length = PyMem_Calloc((size_t)count + 1, sizeof(*length));
+    if (batch == NULL || length == NULL) {
+        PyErr_NoMemory();
+        goto cleanup;
+    }
+    if (tt_pad_read_axes(axes, count, batch, length, "_pad_cut") < 0)
+        goto cleanup;
+    result = tt_pad_cut_as(self->state, list, count, batch, length, b, n, bb, bn);
+cleanup:
+    PyMem_Free(batch);
+    PyMem_Free(length);
+    Py_XDECREF(list);
+    return result;
+}

@@ -96,6 +96,18 @@ PyObject *tt_pad_ready(TtPaddedReplay *self, PyObject *unused);
 
 /* ------------------------------------------------------ padded_call.c */
 
+/* The copy-in and cut-out rules, for the per-call path and for Python's calls
+ * of a bucket (padded.c's _pad_copy_in and _pad_cut): see padded_call.c. Of a
+ * slot, only batch and seq are read. */
+int tt_pad_copy_in_as(TtState *st, PyObject *buffers, PyObject *const *found, Py_ssize_t count,
+                      const TtPadSlot *slots, Py_ssize_t b, Py_ssize_t n, Py_ssize_t bb,
+                      Py_ssize_t bn);
+PyObject *tt_pad_cut_as(TtState *st, PyObject *leaves, Py_ssize_t count, const int *batch,
+                        const int *length, Py_ssize_t b, Py_ssize_t n, Py_ssize_t bb,
+                        Py_ssize_t bn);
+/* _pad_copy_in and _pad_cut (padded.c's method table says what each does). */
+PyObject *tt_pad_py_copy_in(TtPaddedReplay *self, PyObject *args);
+PyObject *tt_pad_py_cut(TtPaddedReplay *self, PyObject *args);
 /* A call: served from a ready bucket when it fits, else handed to _slow. */
 PyObject *tt_pad_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
                             PyObject *kwnames);

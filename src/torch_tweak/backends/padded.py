@@ -459,34 +459,21 @@ class PaddedCall(_C.PaddedReplay, _Checked):
         return self._run(bucket, leaves, b, n)
 
     def _run(self, bucket: _Bucket, leaves: list, b: int, n: int, hit: bool = True) -> Any:
-        """The Python path of one call of a bucket (the C base type's, written in Python): the
-        calls while a bucket is recorded and checked, and those the C path cannot lay out."""
+        """The calls Python makes of a bucket (while it is recorded and checked, and those the C
+        path cannot lay out): the copies in and the cuts out are the C type's (_pad_copy_in,
+        _pad_cut), the one rule the per-call path serves by."""
         plan = self.plan
-        for i in plan.tensors:
-            buffer = bucket.buffers[i]
-            view = buffer[:b] if plan.batch else buffer
-            if i in plan.seq_inputs:
-                if n < buffer.shape[1]:
-                    view[:, n:].zero_()  # padded positions: masked out
-                view = view[:, :n]
-            view.copy_(leaves[i])
+        bb, bn = bucket.key
+        self._pad_copy_in([bucket.buffers[i] for i in plan.tensors], [leaves[i] for i in plan.tensors],
+                          [(plan.batch, i in plan.seq_inputs) for i in plan.tensors], b, n, bb, bn)
         if bucket.graph is not None:
             bucket.graph.replay()
             produced = bucket.outputs
         else:
             args, kwargs = pytree.tree_unflatten(self._leaves_of(bucket, leaves), plan.spec)
             produced = pytree.tree_flatten(self.target(*args, **kwargs))[0]
-        out = []
-        for j, leaf in enumerate(produced):
-            if isinstance(leaf, torch.Tensor):
-                if plan.out_batch[j]:
-                    leaf = leaf[:b]
-                if plan.out_length[j]:
-                    leaf = leaf[:, :n]
-                leaf = leaf.clone()
-            out.append(leaf)
-        self._pad_count(*bucket.key, int(hit), b * (n if plan.length else 1),
-                        bucket.key[0] * (bucket.key[1] if plan.length else 1))
+        out = self._pad_cut(produced, list(zip(plan.out_batch, plan.out_length)), b, n, bb, bn)
+        self._pad_count(bb, bn, int(hit), b * (n if plan.length else 1), bb * (bn if plan.length else 1))
         return pytree.tree_unflatten(out, bucket.spec)
 
     def _leaves_of(self, bucket: _Bucket, leaves: list) -> list:
