@@ -6,7 +6,8 @@ start's residual MLP, `--model quickstart`) is tuned beside
 loops are then stopped, and on the quiet machine
 
   1. the model tuned busy is measured against an untuned build of the same model in paired,
-     interleaved rounds (the median of the per-round ratios and its 99 % sign-test interval):
+     interleaved rounds (the engine's paired rounds, _C.measure_paired: the median of the
+     per-round ratios and its 99 % sign-test interval):
      is the depth kept under load faster when the load is gone?
   2. tt.tweak runs again on a fresh build with the same cache folder: the busy entry must be
      measured again, not replayed;
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
 import subprocess
@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples", "Tweak"))
 import encoder  # noqa: E402
 
 import torch_tweak as tt  # noqa: E402
+from torch_tweak import _C  # noqa: E402
 
 
 def busy_loops(count: int) -> list[int]:
@@ -96,34 +97,13 @@ def tweak(name: str, dataset: list, seconds_label: str) -> tuple[torch.nn.Module
     return model, row
 
 
-def sign_interval(ratios: list[float], z: float = 2.576) -> tuple[float, float]:
-    """The 99 % sign-test interval of the median of `ratios` (order statistics)."""
-    ordered = sorted(ratios)
-    n = len(ordered)
-    k = max(0, int(math.floor(n / 2 - z * math.sqrt(n) / 2)))
-    return ordered[k], ordered[n - 1 - k]
-
-
 @torch.no_grad()
 def paired(tuned: torch.nn.Module, untuned: torch.nn.Module, dataset: list, rounds: int) -> dict:
-    """Paired, interleaved rounds of the tuned and the untuned model: per-round ratios."""
-    for _ in range(3):
-        for x in dataset:
-            tuned(x)
-            untuned(x)
-    ratios = []
-    for i in range(rounds):
-        x = dataset[i % len(dataset)]
-        times = {}
-        order = (("tuned", tuned), ("untuned", untuned)) if i % 2 else (("untuned", untuned), ("tuned", tuned))
-        for name, model in order:
-            start = time.perf_counter()
-            model(x)
-            times[name] = time.perf_counter() - start
-        ratios.append(times["untuned"] / times["tuned"])
-    low, high = sign_interval(ratios)
-    ordered = sorted(ratios)
-    return {"rounds": rounds, "speedup": ordered[len(ordered) // 2], "low": low, "high": high}
+    """The tuned and the untuned model in `rounds` paired rounds: the engine's own measurement on
+    a busy machine (_C.measure_paired), its median ratio (untuned over tuned) and 99 % interval."""
+    result = _C.measure_paired(lambda i: untuned(dataset[i]), lambda i: tuned(dataset[i]), len(dataset),
+                               rounds_min=rounds, rounds_max=rounds)
+    return {"rounds": result["rounds"], "speedup": result["ratio"], "low": result["low"], "high": result["high"]}
 
 
 def main() -> int:
@@ -132,12 +112,14 @@ def main() -> int:
     parser.add_argument("--loops", type=int, default=2, help="busy loops beside the first tweak")
     parser.add_argument("--batch", type=int, default=1, help="the example's batch (the quick start's is 32)")
     parser.add_argument("--seq", type=int, default=64, help="the example's sequence length")
-    parser.add_argument("--rounds", type=int, default=300, help="paired rounds of the quiet check")
+    parser.add_argument("--rounds", type=int, default=300, help="paired rounds of the quiet check (8 to 1000)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     dataset = samples(args.model, args.batch, args.seq)
-    run = {"model": args.model, "loops": args.loops, "batch": args.batch, "seq": args.seq, "cpus": os.cpu_count(),
+    from gpu_bench import source_commit
+
+    run = {"commit": source_commit(), "model": args.model, "loops": args.loops, "batch": args.batch, "seq": args.seq, "cpus": os.cpu_count(),
            "torch": torch.__version__, "torch_tweak": tt.__version__}
     with tempfile.TemporaryDirectory() as folder:
         os.environ["TORCH_TWEAK_CACHE"] = folder

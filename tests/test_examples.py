@@ -45,3 +45,9 @@ def test_tweak_example_that_keeps_nothing_saves_nothing(tmp_path):
     out = done.stdout
     assert "Nothing kept, nothing saved: the model runs as it did" in out
     assert "(root):" not in out and "Saved the tuned model" not in out and "loaded:" not in out
+
+
+def test_tweak_example_refuses_a_batch_of_none(tmp_path):
+    done = run_example("examples/Tweak/main.py", "--device", "cpu", "--batch", "0", cache=str(tmp_path))
+    assert done.returncode == 2 and "--batch must be 1 or more sequences per call, not 0" in done.stderr
+    assert "Dry run" not in done.stdout  # refused before anything is built or tuned

@@ -226,6 +226,31 @@ def test_compare_interleaves_and_reports_each():
         _C.compare([clock.runner(1), 3], 1, clock=clock)
 
 
+def test_measure_paired_sees_a_load_both_rounds_share_and_refuses_bad_settings():
+    """Paired rounds from Python (the engine's tw_measure_paired): a burst that slows every
+    round of a stretch alike leaves each pair's ratio, and so the median, as it was."""
+    clock = FakeClock()
+    state = {"rounds": 0}
+
+    def cost(base):
+        def of(i):
+            state["rounds"] += 1
+            return base * (5 if 40 <= state["rounds"] < 80 else 1)  # a burst of other work
+        return of
+
+    paired = _C.measure_paired(clock.runner(cost(3000)), clock.runner(cost(1000)), 1, clock=clock,
+                               rounds_min=20, rounds_max=20)
+    assert paired["rounds"] == 20 and paired["wins"] == 20
+    assert paired["ratio"] == pytest.approx(3.0) and paired["low"] == pytest.approx(3.0)
+    assert paired["high"] == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="rounds_min \\(3\\) is under 8"):
+        _C.measure_paired(clock.runner(1), clock.runner(1), 1, clock=clock, rounds_min=3)
+    with pytest.raises(ValueError, match="width"):
+        _C.measure_paired(clock.runner(1), clock.runner(1), 1, clock=clock, width=-1.0)
+    with pytest.raises(TypeError, match="second must be callable"):
+        _C.measure_paired(clock.runner(1), 3, 1, clock=clock)
+
+
 def test_compare_stops_once_the_fastest_is_clear_unless_told_not_to():
     clock = FakeClock()
     count = {"n": 0}

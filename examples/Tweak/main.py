@@ -34,6 +34,8 @@ def main() -> int:
     parser.add_argument("--time-budget", type=float, help="seconds; no new depth starts after it (default: none)")
     parser.add_argument("--batch", type=int, help="sequences per call (default: 8 on the GPU, 1 on the CPU)")
     args = parser.parse_args()
+    if args.batch is not None and args.batch < 1:
+        parser.error(f"--batch must be 1 or more sequences per call, not {args.batch}")
     batch = args.batch or (1 if args.device == "cpu" else 8)
 
     model = encoder.build(args.device)

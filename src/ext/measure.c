@@ -157,6 +157,89 @@ cleanup:
     return result;
 }
 
+/* ======================================================= measure_paired */
+
+/* The paired rounds' settings from rounds_min, rounds_max and width (each None:
+ * the engine's default), checked by the engine. -1 with ValueError. */
+static int
+tt_paired_config_read(PyObject *rounds_min, PyObject *rounds_max, PyObject *width,
+                      tw_paired_config *pcfg)
+{
+    tw_error err;
+    long value;
+
+    memset(&err, 0, sizeof(err));
+    tw_paired_config_default(pcfg);
+    if (rounds_min != Py_None) {
+        if ((value = PyLong_AsLong(rounds_min)) == -1 && PyErr_Occurred())
+            return -1;
+        pcfg->rounds_min = value < 0 || value > (long)UINT32_MAX ? 0u : (uint32_t)value;
+    }
+    if (rounds_max != Py_None) {
+        if ((value = PyLong_AsLong(rounds_max)) == -1 && PyErr_Occurred())
+            return -1;
+        pcfg->rounds_max = value < 0 || value > (long)UINT32_MAX ? 0u : (uint32_t)value;
+    }
+    if (width != Py_None && (pcfg->width = PyFloat_AsDouble(width)) == -1.0 && PyErr_Occurred())
+        return -1;
+    if (tw_paired_config_check(pcfg, &err) != TW_OK) {
+        PyErr_SetString(PyExc_ValueError, err.msg);
+        return -1;
+    }
+    return 0;
+}
+
+PyObject *
+tt_py_measure_paired(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"first", "second", "n_samples", "sync", "config", "clock",
+                             "rounds_min", "rounds_max", "width", NULL};
+    PyObject *runs[2], *sync = Py_None, *config = Py_None, *clock = Py_None; /* borrowed */
+    PyObject *rounds_min = Py_None, *rounds_max = Py_None, *width = Py_None; /* borrowed */
+    PyObject *held[2] = {NULL, NULL}; /* new references: the runs, for the whole call */
+    PyObject *result = NULL;
+    Py_ssize_t n_samples;
+    tw_measure_config cfg;
+    tw_paired_config pcfg;
+    tw_runner runners[2];
+    tw_paired paired;
+    tw_error err;
+    tw_code code;
+    TtCall call;
+    TtRun ctxs[2];
+    int i;
+
+    tt_call_init(&call, (TtState *)PyModule_GetState(module), Py_None, Py_None);
+    memset(&err, 0, sizeof(err));
+    memset(&paired, 0, sizeof(paired));
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOn|$OOOOOO:measure_paired", kwlist, &runs[0],
+                                     &runs[1], &n_samples, &sync, &config, &clock, &rounds_min,
+                                     &rounds_max, &width))
+        goto cleanup;
+    if (tt_check_callable(runs[0], "first", 0) < 0 || tt_check_callable(runs[1], "second", 0) < 0 ||
+        tt_check_measure_args(sync, clock, n_samples, config, &cfg) < 0 ||
+        tt_paired_config_read(rounds_min, rounds_max, width, &pcfg) < 0)
+        goto cleanup;
+    tt_call_init(&call, call.st, clock, sync);
+    for (i = 0; i < 2; i++) {
+        held[i] = Py_NewRef(runs[i]);
+        ctxs[i].call = &call;
+        ctxs[i].run = held[i];
+        ctxs[i].build = NULL;
+        tt_runner_init(&runners[i], &ctxs[i], (size_t)n_samples);
+    }
+    code = tw_measure_paired(&call.host, runners, &cfg, &pcfg, &paired, &err);
+    if (tt_call_check(&call, code, &err) < 0)
+        goto cleanup;
+    result = Py_BuildValue("{s:d,s:d,s:d,s:I,s:I}", "ratio", paired.ratio, "low", paired.low,
+                           "high", paired.high, "rounds", paired.rounds, "wins", paired.wins);
+cleanup:
+    tt_call_release(&call);
+    Py_XDECREF(held[0]);
+    Py_XDECREF(held[1]);
+    return result;
+}
+
 /* =============================================================== choose */
 
 /* The strategy named `kind`, by the engine's own names; -1 with ValueError. */

@@ -10,6 +10,9 @@
 
 /* measure, compare and choose; each is METH_VARARGS | METH_KEYWORDS. */
 PyObject *tt_py_measure(PyObject *module, PyObject *args, PyObject *kwargs);
+/* measure_paired(first, second, n_samples, *, sync, config, clock, rounds_min,
+ * rounds_max, width) -> {ratio, low, high, rounds, wins}: tw_measure_paired. */
+PyObject *tt_py_measure_paired(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *tt_py_compare(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *tt_py_choose(PyObject *module, PyObject *args, PyObject *kwargs);
 

@@ -77,6 +77,12 @@ static PyMethodDef tt_module_methods[] = {
      "measure(run, n_samples, *, sync=None, config=None, clock=None) -> stats"},
     {"compare", (PyCFunction)(void (*)(void))tt_py_compare, METH_VARARGS | METH_KEYWORDS,
      "compare(runs, n_samples, *, sync=None, config=None, clock=None) -> [stats]"},
+    {"measure_paired", (PyCFunction)(void (*)(void))tt_py_measure_paired,
+     METH_VARARGS | METH_KEYWORDS,
+     "measure_paired(first, second, n_samples, *, sync=None, config=None, clock=None,\n"
+     "rounds_min=None, rounds_max=None, width=None) -> {ratio, low, high, rounds, wins}:\n"
+     "paired rounds (ratio: first's round over second's, its median; low, high: its 99 %\n"
+     "interval), the engine's own measurement on a busy machine"},
     {"choose", (PyCFunction)(void (*)(void))tt_py_choose, METH_VARARGS | METH_KEYWORDS,
      "choose(kind, candidates, n_samples, *, sync=None, config=None, clock=None)\n"
      "-> (winner or -1, reports)"},

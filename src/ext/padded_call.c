@@ -404,7 +404,7 @@ tt_pad_all_tensors(TtState *st, PyObject *tuple, const char *what)
 static int
 tt_pad_check_sizes(Py_ssize_t b, Py_ssize_t n, Py_ssize_t bb, Py_ssize_t bn, const char *what)
 {
-    if (b < 0 || n < 0 || b > bb || (n > bn && bn > 0)) {
+    if (b < 0 || n < 0 || b > bb || n > bn) {
         PyErr_Format(PyExc_ValueError, "%s: a call of batch %zd, length %zd does not fit a "
                      "bucket of %zd x %zd", what, b, n, bb, bn);
         return -1;

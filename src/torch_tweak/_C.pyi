@@ -61,6 +61,15 @@ def measure(run: Callable[[int], object], n_samples: int, *,
             clock: Optional[Callable[[], int]] = None) -> Stats:
     """tw_measure: run(i) makes call i of the dataset."""
 
+def measure_paired(first: Callable[[int], object], second: Callable[[int], object], n_samples: int, *,
+                   sync: Optional[Callable[[], object]] = None,
+                   config: Optional[dict[str, Any]] = None,
+                   clock: Optional[Callable[[], int]] = None,
+                   rounds_min: Optional[int] = None, rounds_max: Optional[int] = None,
+                   width: Optional[float] = None) -> dict[str, Any]:
+    """tw_measure_paired: {"ratio", "low", "high", "rounds", "wins"}; ratio is first's round
+    over second's (above 1: second is faster)."""
+
 def compare(runs: Sequence[Callable[[int], object]], n_samples: int, *,
             sync: Optional[Callable[[], object]] = None,
             config: Optional[dict[str, Any]] = None,
