@@ -251,6 +251,19 @@ def test_measure_paired_sees_a_load_both_rounds_share_and_refuses_bad_settings()
         _C.measure_paired(clock.runner(1), 3, 1, clock=clock)
 
 
+@pytest.mark.parametrize("name, value", [("rounds_max", 2 ** 40), ("rounds_max", 2 ** 32), ("rounds_max", -5),
+                                         ("rounds_min", -1), ("rounds_min", 2 ** 70), ("rounds_max", 2000)])
+def test_measure_paired_names_the_value_it_was_given(name, value):
+    """A count of rounds out of range is refused with the value the caller gave (never the 0
+    a conversion made of it), before any round runs."""
+    clock = FakeClock()
+    ran = []
+    with pytest.raises(ValueError, match=rf"paired {name} \({value}\)"):
+        _C.measure_paired(clock.runner(lambda i: ran.append(i) or 1), clock.runner(1), 1, clock=clock,
+                          **{name: value})
+    assert not ran
+
+
 def test_compare_stops_once_the_fastest_is_clear_unless_told_not_to():
     clock = FakeClock()
     count = {"n": 0}
