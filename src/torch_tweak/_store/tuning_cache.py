@@ -23,7 +23,6 @@ seconds, then tuned again.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import hashlib
 import importlib.metadata
@@ -42,7 +41,7 @@ from .. import _C
 from .._core import cpu_load
 from .._core._samples import Call
 from ..backends import registry
-from .._core.storage import atomic_file, cache_dir, read_regular
+from .._core.storage import cache_dir, listed_cached, printable, read_cached, remove_cached, write_cached
 from .._core.correctness import TOLERANCES
 from .._search import plan as planning
 from .._search.plan import ModulePlan, Plan, PlanError, RebuildFailed, plan_of
@@ -158,7 +157,7 @@ def read(key: str, parts: dict[str, Any]) -> dict | None:
     None otherwise. Whatever is wrong with the entry, the answer is a miss."""
     path = folder() / f"{key}.json"
     try:
-        entry = loads(read_regular(path, MAX_ENTRY_BYTES))
+        entry = loads(read_cached(path, MAX_ENTRY_BYTES))
     except FileNotFoundError:
         return None
     except Exception:  # a FIFO, a device, too large, not JSON, too deep...: tune afresh and write it again
@@ -186,40 +185,26 @@ def read(key: str, parts: dict[str, Any]) -> dict | None:
 
 
 def write(key: str, entry: dict) -> None:
-    """Writes an entry atomically (a temporary file, then a rename); a failure only warns."""
+    """Writes an entry atomically, never through a link planted in the folder
+    (storage.write_cached); a failure only warns."""
     target = folder() / f"{key}.json"
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_file(target, "w", encoding="utf-8") as f:
-            json.dump(entry, f, indent=1)
+        write_cached(target, json.dumps(entry, indent=1).encode("utf-8"), "the tuning cache entry")
     except OSError as exc:
         warnings.warn(f"torch-tweak could not write the tuning cache entry {target}: {exc}", stacklevel=3)
 
 
 def drop(key: str) -> None:
     """Removes an entry: a link is removed, not what it points to; an empty folder in its place too."""
-    path = folder() / f"{key}.json"
-    try:
-        path.unlink()
-    except IsADirectoryError:
-        with contextlib.suppress(OSError):
-            path.rmdir()
-    except OSError:
-        pass
+    remove_cached(folder() / f"{key}.json")
 
 
 def clear_cache() -> int:
     """Removes every tuning-cache entry (not the build logs); returns how many."""
     removed = 0
-    if not folder().is_dir():
-        return 0
-    for path in folder().iterdir():
-        if path.suffix in (".json", ".tmp"):
-            try:
-                path.unlink()
-                removed += path.suffix == ".json"
-            except OSError:
-                pass
+    for name in listed_cached(folder()):
+        if name.endswith((".json", ".tmp")) and remove_cached(folder() / name):
+            removed += name.endswith(".json")
     return removed
 
 
