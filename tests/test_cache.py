@@ -250,8 +250,12 @@ def damages(path, valid: dict):
     yield "a plan naming another backend", shape(
         lambda e: e["plan"][0]["signatures"][0].__setitem__("backend", {"class": "os:system", "config": {}}))
     yield "retry_after not a number", shape(lambda e: e.__setitem__("retry_after", "never"))
-    yield "no outcome", shape(lambda e: e["result"].pop("outcome"))
-    yield "an outcome not text", shape(lambda e: e["result"].__setitem__("outcome", {"kept": "everything"}))
+    yield "no rows", shape(lambda e: e["result"].pop("rows"))
+    yield "a latency not a number", shape(lambda e: e["result"]["baseline"].__setitem__("median_ns", "fast"))
+    yield "a negative latency", shape(lambda e: e["result"]["rows"][0]["stats"].__setitem__("median_ns", -1.0))
+    yield "a kept depth its numbers do not keep", shape(lambda e: e["result"].__setitem__("selected", -1))
+    yield "a candidate of another shape", shape(lambda e: e["modules"][0]["candidates"].append(5))
+    yield "an entry of the former version", shape(lambda e: e.__setitem__("version", 5))
 
 
 @pytest.mark.slow

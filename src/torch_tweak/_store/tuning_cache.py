@@ -46,15 +46,18 @@ from .._core.correctness import TOLERANCES
 from .._search import plan as planning
 from .._search.plan import ModulePlan, Plan, PlanError, RebuildFailed, plan_of
 from .._view.report import ModuleResult, ModuleResults, SignatureResult
+from .._view.result import TweakResult
 from .._core.schema import fingerprint
 from .serial import Unstorable, class_path, describe_backend, device_name, dumps, loads
 from .._core.signatures import SignatureGroup, describe_call
 from ..backends.strategy import Strategy, default_strategy
 
-ENTRY_VERSION = 5
-"""5: an entry keeps the engine's outcome lines (TweakResult.outcome() of a cache hit); 4: the
-calls of one shape class whose sizes vary are one group (signatures.merge_varying): an entry
-written before names groups that recording no longer makes."""
+ENTRY_VERSION = 6
+"""6: an entry keeps the numbers of its result (the engine's, per depth, and per module), never
+its table or outcome as text: a hit has the engine build the result again from them, checked
+(_C.restore_result), and its text is written again from them; 5 kept the text, which a forged
+entry could make anything. 4: the calls of one shape class whose sizes vary are one group
+(signatures.merge_varying). An entry of an older version is a miss."""
 OPTIONAL_PACKAGES = registry.optional_packages()
 """The packages of the backends on an optional install (their registrations'): their presence
 changes which default backends build, so their versions are in the key."""
@@ -235,15 +238,78 @@ def module_tree(result: ModuleResult) -> dict:
 
 
 def module_results(entry: dict) -> ModuleResults:
+    """The entry's module table, every value checked (ValueError for one of another shape) and
+    every text made printable: a file's text reaches no terminal as it is."""
     results = ModuleResults()
-    kept = [r["depth"] for r in entry["result"]["rows"] if r["selected"]]
-    results.kept_depth = kept[0] if kept else None
+    kept = entry["kept_depth"]
+    results.kept_depth = kept if type(kept) is int else None
+    if type(entry["modules"]) is not list:
+        raise ValueError("an entry's modules are a list")
     for m in entry["modules"]:
-        signatures = tuple(SignatureResult(s["text"], s["key"], s["backend"], s["error"], tuple(s["candidates"]),
-                                           s["unstorable"]) for s in m["signatures"])
-        results[m["path"]] = ModuleResult(m["path"], m["backend"], m["error"], tuple(m["candidates"]), signatures,
-                                          tuple(m["depths"]), bool(m["kept"]))
+        signatures = tuple(SignatureResult(_text(s["text"]), _text(s["key"]), _text_or_none(s["backend"]),
+                                           _text(s["error"]), tuple(_candidate(c) for c in _list(s["candidates"])),
+                                           _count(s["unstorable"])) for s in _list(m["signatures"]))
+        depths = _list(m["depths"])
+        if not all(type(d) is int for d in depths) or type(m["kept"]) is not bool:
+            raise ValueError("a module's depths are ints, and whether it was kept a bool")
+        results[_text(m["path"])] = ModuleResult(
+            _text(m["path"]), _text_or_none(m["backend"]), _text(m["error"]),
+            tuple(_candidate(c) for c in _list(m["candidates"])), signatures, tuple(depths), m["kept"])
     return results
+
+
+_CANDIDATE_TEXTS = ("backend", "state", "error", "reason", "signature")
+_CANDIDATE_NUMBERS = ("latency_ms", "max_error", "tolerance", "own_error")
+
+
+def _candidate(found: Any) -> dict:
+    """A candidate's dict of an entry (report.SignatureResult's form), its keys checked: texts
+    printable, numbers finite (or None), lowers_precision a bool."""
+    if type(found) is not dict or not all(type(found.get(k)) is str for k in _CANDIDATE_TEXTS[:4]):
+        raise ValueError("a candidate is a dict with its backend, state, error and reason")
+    checked: dict[str, Any] = {k: _text(found[k]) for k in _CANDIDATE_TEXTS if k in found}
+    for k in _CANDIDATE_NUMBERS:
+        value = found.get(k)
+        if value is not None and not (type(value) in (int, float) and math.isfinite(value)):
+            raise ValueError(f"a candidate's {k} is a finite number or None")
+        checked[k] = value
+    if type(found.get("lowers_precision", False)) is not bool:
+        raise ValueError("a candidate's lowers_precision is a bool")
+    checked["lowers_precision"] = found.get("lowers_precision", False)
+    return checked
+
+
+def _text(value: Any) -> str:
+    if type(value) is not str:
+        raise ValueError(f"a text of an entry is {type(value).__name__}")
+    return printable(value)
+
+
+def _text_or_none(value: Any) -> str | None:
+    return None if value is None else _text(value)
+
+
+def _list(value: Any) -> list:
+    if type(value) is not list:
+        raise ValueError(f"a list of an entry is {type(value).__name__}")
+    return value
+
+
+def _count(value: Any) -> int:
+    if type(value) is not int or value < 0:
+        raise ValueError("a count of an entry is an int >= 0")
+    return value
+
+
+def result_of(entry: dict, tree: Any) -> TweakResult:
+    """The entry's TweakResult, marked cached (measured_at: the entry's time): built again by
+    the engine from its numbers (TweakResult.from_record), its modules checked (module_results);
+    ValueError or TypeError for an entry whose parts are of another shape, or whose kept depth
+    and quality are not the ones its numbers give."""
+    result = TweakResult.from_record(entry["result"], tree, module_results(entry), entry.get("created"))
+    if result.selected_depth != entry["kept_depth"] or result.measurement_quality != entry.get("quality"):
+        raise ValueError("an entry's kept depth or quality is not the one its figures give")
+    return result
 
 
 def _matching(strategy: Strategy, device: torch.device, wanted: dict):
@@ -273,12 +339,15 @@ def plan_of_entry(entry: dict, strategy: Strategy | None, device: torch.device) 
             if want["backend"] is not None:
                 backend = _matching(template, device, want["backend"])
                 if backend is None:
-                    raise PlanError(f"the strategy has no backend {want['backend']['class']} with the cached config")
+                    raise PlanError(f"the strategy has no backend {printable(str(want['backend'].get('class')))[:200]} "
+                                    "with the cached config")
             info = stored.get(want["key"], {})
-            groups.append(SignatureGroup(None, want["text"], want["key"], backend=backend, error=info.get("error", ""),
-                                         report=list(info.get("candidates", [])),
-                                         unstorable=info.get("unstorable", 0)))
-        modules.append(ModulePlan(item["path"], groups, report["error"], list(report["candidates"])))
+            groups.append(SignatureGroup(None, _text(want["text"]), _text(want["key"]), backend=backend,
+                                         error=_text(info.get("error", "")),
+                                         report=[_candidate(c) for c in _list(info.get("candidates", []))],
+                                         unstorable=_count(info.get("unstorable", 0))))
+        modules.append(ModulePlan(item["path"], groups, _text(report["error"]),
+                                  [_candidate(c) for c in _list(report["candidates"])]))
     return Plan(module_results(entry).kept_depth, modules, shapes=template.shapes)  # shapes: part of the key
 
 

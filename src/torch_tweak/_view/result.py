@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from .. import _C
+from .._core.storage import printable
 from .._runtime.inspecting import ModuleTree
 from .._runtime.workload import TokenRow, Workload
 from .report import ModuleResults, fold
@@ -138,13 +139,13 @@ class TweakResult:
         return self.baseline_ms / self.tuned_ms if self.baseline_ms is not None and self.tuned_ms else None
 
     def __str__(self) -> str:
-        if not self.cached:
-            # the engine knows depths only: with a decode loop kept, what stays untuned is the modules
-            table = self._engine.format(untuned=untuned_words(self.decode_loop))
-            lines = self.precision_lines() + self.shapes_lines()
-            return table + "".join("\n" + line for line in lines) + \
-                tokens_table(self)
-        return self._table + "".join("\n" + line for line in self.shapes_lines()) + f"\n{self.cache_note()}"
+        # the engine knows depths only: with a decode loop kept, what stays untuned is the modules
+        table = self._engine.format(untuned=untuned_words(self.decode_loop))
+        lines = self.precision_lines()
+        if self.cached:  # the figures above are the first tweak's, with their time; the lines below, now's
+            lines.append(self.cache_note())
+        lines += self.shapes_lines()
+        return table + "".join("\n" + line for line in lines) + tokens_table(self)
 
     @property
     def kept(self) -> bool:
@@ -202,7 +203,7 @@ class TweakResult:
         """One line: what the tweak kept and by how much (or why nothing was), then the notes on
         the machine, joined by "; ": the engine's words, the lines that end the table (a cache
         entry keeps them), with the decode loop kept behind generate() named."""
-        text = self._outcome if self.cached else self._engine.outcome(untuned=untuned_words(self.decode_loop))
+        text = self._engine.outcome(untuned=untuned_words(self.decode_loop))
         lines = [line for line in text.splitlines() if line]
         if self.decode_loop and self.selected_depth is not None and lines:
             lines[0] += f"; generate() runs tweak's decode loop ({self.decode_loop})"
@@ -251,41 +252,40 @@ def untuned_words(decode_loop: str | None) -> str | None:
 
 
 def record_of(self: TweakResult) -> dict:
-    """The result as plain JSON (what the tuning cache keeps)."""
-    return {"rows": [dataclasses.asdict(r) for r in self.rows], "baseline_ms": self.baseline_ms,
-            "tuned_ms": self.tuned_ms, "search_baseline_ms": self.untuned.latency_ms,
-            "confirmation": self.confirmation, "quality": self.measurement_quality, "noisy": self.noisy,
-            "others_share": self.others_share, "busy": self.busy, "busy_stopped": self.busy_stopped,
-            "table": str(self), "outcome": self._engine.outcome(untuned=untuned_words(self.decode_loop))}
+    """The result as plain JSON (what the tuning cache keeps): the engine's numbers, in the forms
+    its getters give (_C.restore_result builds the result again from them, checked), and the
+    quality they gave. No text: the table and the outcome are written again from the numbers."""
+    engine = self._engine
+    return {"rows": engine.rows, "selected": engine.selected, "baseline": engine.baseline,
+            "confirmation": engine.confirmation, "others_share": engine.others_share,
+            "busy_stopped": engine.busy_stopped, "budgets": engine.budgets, "quality": engine.quality}
+
+
+ROW_ERROR_BYTES = 500
+"""A kept row's error, cut (at a character) below the engine's message size."""
+
 
 def from_record(record: dict, tree: ModuleTree, modules: ModuleResults, measured_at: str | None = None) -> TweakResult:
-    """The result a cache entry recorded, marked cached; measured_at: the entry's time."""
-    self = object.__new__(TweakResult)
-    self._engine = None
-    self._table = record["table"]
-    self._outcome = record["outcome"]
-    if not isinstance(self._outcome, str):
-        raise TypeError(f"a cache entry's outcome is {type(self._outcome).__name__}, not text")
+    """The result a cache entry recorded, marked cached; measured_at: the entry's time. The
+    engine builds it again from the entry's numbers, checked (_C.restore_result: TypeError or
+    ValueError for numbers no tweak gives), so its table and outcome say only what the numbers
+    do; a row's error, text from the file, is made printable first."""
+    if type(record) is not dict or type(record.get("rows")) is not list:
+        raise TypeError("a cache entry's result is a dict with its rows")
+    rows = [dict(row, error=_row_error(row.get("error"))) if type(row) is dict else row for row in record["rows"]]
+    self = TweakResult(_C.restore_result(dict(record, rows=rows)), tree, modules)
+    if self.measurement_quality != record.get("quality"):
+        raise ValueError(f"a cache entry's quality ({printable(str(record.get('quality')))[:20]}) is not the one "
+                         f"its figures give ({self.measurement_quality})")
     self.cached = True
     self.measured_at = measured_at if isinstance(measured_at, str) else None
-    self.measurement_quality = str(record["quality"])
-    self.tree = tree
-    self.modules = modules
-    self.baseline_ms = record["baseline_ms"]
-    self.confirmation = record["confirmation"]
-    self.noisy = bool(record["noisy"])
-    share = record.get("others_share")
-    self.others_share = float(share) if type(share) in (int, float) else None
-    self.busy = bool(record.get("busy", False))
-    self.rows = [DepthResult(**row) for row in record["rows"]]
-    chosen = next((r for r in self.rows if r.selected), None)
-    self.selected_depth = None if chosen is None else chosen.depth
-    search = record["search_baseline_ms"]  # the untuned model as the search measured it
-    self.untuned = DepthResult(None, 0, 0, search, None if search is None else 1.0, "", chosen is None)
-    self.tuned_ms = record["tuned_ms"]
-    self.busy_stopped = bool(record.get("busy_stopped", False))
-    self.speedup = self._speedup()
     return self
+
+
+def _row_error(error: Any) -> Any:
+    if type(error) is not str:
+        return error  # refused by restore_result
+    return printable(error).encode("utf-8")[:ROW_ERROR_BYTES].decode("utf-8", "ignore")
 
 
 def speak_tokens(result: TweakResult, job: Workload) -> None:
