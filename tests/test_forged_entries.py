@@ -237,3 +237,64 @@ def test_restore_result_is_the_engines_rule_from_python(tuning_cache_folder):
         _C.restore_result(5)
     with pytest.raises(ValueError, match="out of range"):
         _C.restore_result(dict(record, selected=2 ** 70))
+
+
+def test_a_saved_files_text_reaches_no_terminal(tmp_path, capsys):
+    """tt.load's errors and warnings and `torch-tweak show` quote a file's text only printable."""
+    import warnings
+
+    import forgery
+    from torch_tweak import cli
+
+    plain, _ = forgery.genuine(tmp_path)
+    base = forgery.members(plain)
+    manifest = json.loads(base["manifest.json"])
+    other_model = forgery.forge(tmp_path, "other_model", {}, base, manifest={"model": ESCAPES})
+    with pytest.raises(tt.CheckpointError) as refused:
+        tt.load(forgery.build(), other_model)
+    assert clean(str(refused.value)) and "\\x1b[2J" in str(refused.value)
+    device = dict(manifest["device"], name=ESCAPES)
+    version = manifest["torch"] + "\x1b]0;pwned\x07"
+    forged = forgery.forge(tmp_path, "texts", {"plan.json": json.dumps(
+        dict(json.loads(base["plan.json"]), modules=[
+            dict(m, signatures=[dict(s, text="\x1b[31m(x)\udc80") for s in m["signatures"]])
+            for m in json.loads(base["plan.json"])["modules"]])).encode()}, base,
+        manifest={"device": device, "torch": version})
+    model = forgery.build()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tt.load(model, forged)
+    assert caught and all(clean(str(w.message)) for w in caught)
+    assert any("\\x1b]0;pwned\\x07" in str(w.message) for w in caught)
+    with torch.no_grad():
+        assert all(torch.equal(model(x), e) for x, e in zip(forgery.INPUTS, forgery.EXPECTED))
+    assert clean(str(tt.status(model)))
+    capsys.readouterr()
+    assert cli.main(["show", str(forged)]) == 0
+    out = capsys.readouterr().out
+    assert clean(out) and "\\x1b[2J" in out and "\\x1b]0;pwned\\x07" in out
+    assert cli.main(["show", str(other_model)]) == 0 and clean(capsys.readouterr().out)
+
+
+def test_a_verdicts_reason_and_a_build_logs_text_are_printable(tuning_cache_folder):
+    from torch_tweak._search import verdicts
+
+    module = torch.nn.Linear(4, 4)
+    parts = verdicts.parts_of(Served(), module, [((torch.randn(2, 4),), {})], torch.device("cpu"))
+    assert verdicts.write(parts, verdicts.Verdict(True, ESCAPES))
+    found = verdicts.read(parts)
+    assert found.crashed and clean(found.reason) and "\\x1b[2J" in found.reason
+
+    class Loud(Backend):
+        name = "Loud"
+
+        def build(self, module, samples, device):
+            raise RuntimeError(ESCAPES + "\udc80")
+
+    model = fresh()
+    result = tt.tweak(model, DATA, max_depth=0, strategy=tt.OneBackendStrategy(Loud()), measure=FAST,
+                      progress=False)
+    assert result.selected_depth is None and same_as_untuned(model)
+    (log,) = (tuning_cache_folder / "logs").rglob("Loud.log")
+    text = log.read_bytes().decode("utf-8")
+    assert clean(text) and "RuntimeError: \\x1b[2J" in text

@@ -10,8 +10,8 @@ at a path a teammate's next tweak writes. Every write and removal inside it (wri
 remove_cached, listed_cached) walks the folders below the root one by one without following
 a link (the root itself is the user's choice, and may be one), creates its temporary file
 anew (never through a link) and renames it over the final name, which replaces a link there
-rather than writing through it; a folder on the way that is a link (or not a folder) skips
-the write, with one log line naming it. Text read from any file (a cache entry, a saved file,
+rather than writing through it; a folder on the way that is a link skips the write, with one
+log line naming it. Text read from any file (a cache entry, a saved file,
 a verdict) is shown only through printable, which no terminal obeys.
 
 What decides whether native code runs in this process (an isolation verdict) is sealed with
@@ -161,8 +161,8 @@ def atomic_file(path: Path, mode: str = "wb", **open_args) -> Iterator[IO]:
 
 
 class Planted(OSError):
-    """A path inside torch-tweak's folder that is a symbolic link, or not a folder where one is
-    needed: someone else's, never written or removed through."""
+    """A folder inside torch-tweak's folder that is a symbolic link: perhaps someone else's,
+    never written, read or removed through."""
 
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -183,8 +183,8 @@ def _inside(path: Path) -> tuple[Path, tuple[str, ...]]:
 
 def _walk(root: Path, names: tuple[str, ...], create: bool) -> int:
     """The descriptor of root/names..., each folder below the root opened without following a
-    link (and made, when `create`, if missing); Planted for a link or a non-folder on the way,
-    FileNotFoundError for a missing one when not `create`."""
+    link (and made, when `create`, if missing); Planted for a link on the way,
+    NotADirectoryError for a file there, FileNotFoundError for a missing one when not `create`."""
     if create:
         os.makedirs(root, exist_ok=True)  # the root and what leads to it: the user's choice
     fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC)
@@ -198,8 +198,9 @@ def _walk(root: Path, names: tuple[str, ...], create: bool) -> int:
             except OSError as exc:
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
                     where = root.joinpath(*names[:i + 1])
-                    kind = "a symbolic link" if os.path.islink(where) else "not a folder"
-                    raise Planted(exc.errno, f"{where} is {kind}", str(where)) from None
+                    if os.path.islink(where):
+                        raise Planted(exc.errno, f"{where} is a symbolic link", str(where)) from None
+                    raise NotADirectoryError(exc.errno, f"{where} is not a folder", str(where)) from None
                 raise
             os.close(fd)
             fd = below
@@ -232,7 +233,8 @@ def write_cached(path: Path, data: bytes, what: str = "the file") -> bool:
     """Writes `data` to `path` inside the cache folder, atomically and never through a link
     planted there (see the module docs): a new temporary file in the final folder, synced, then
     renamed over the final name (a link there is replaced, never followed). False, with one log
-    line, when a folder on the way is a link or not a folder; other OSErrors are raised."""
+    line, when a folder on the way is a link; other OSErrors (a file where a folder goes, a
+    read-only folder) are raised."""
     root, parts = _inside(path)
     try:
         folder = _walk(root, parts[:-1], create=True)
