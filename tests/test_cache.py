@@ -76,7 +76,8 @@ def test_second_tweak_reuses_the_first(mlp_data, tuning_cache_folder, monkeypatc
     assert second.selected_depth == first.selected_depth and second.rows == first.rows
     assert second.baseline_ms == first.baseline_ms and second.speedup == first.speedup
     assert second.outcome() == first.outcome() and second.outcome() in str(second)  # the engine's words, kept
-    assert str(second.modules) == str(first.modules)
+    # the module table's latencies are the first tweak's too, and it says so, with their time
+    assert str(second.modules) == str(first.modules) + "\n" + second.cache_note()
     assert {p: [g.backend.name if g.backend else None for g in w.tt_signatures]
             for p, w in tt.installed(again).items()} == kept
     with torch.no_grad():

@@ -5,7 +5,6 @@ tokens per second, one row per configuration measured or refused."""
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
 import weakref
 from typing import Any
@@ -16,7 +15,7 @@ from .. import _C
 from .._core.storage import printable
 from .._runtime.inspecting import ModuleTree
 from .._runtime.workload import TokenRow, Workload
-from .report import ModuleResults, fold
+from .report import ModuleResults, cache_note, fold
 from .status import status
 
 logger = logging.getLogger("torch_tweak")
@@ -161,10 +160,8 @@ class TweakResult:
         return [] if model is None else status(model).shapes_lines()
 
     def cache_note(self) -> str:
-        """What a result from the tuning cache says about its figures."""
-        when = measured_when(self.measured_at)
-        return (f"(from the tuning cache: the figures were measured {when}; tt.tweak(..., cache=False) "
-                f"measures again)")
+        """What a result from the tuning cache says about its figures (report.cache_note)."""
+        return cache_note(self.measured_at)
 
     @property
     def lower_precision(self) -> dict[str, str]:
@@ -279,6 +276,8 @@ def from_record(record: dict, tree: ModuleTree, modules: ModuleResults, measured
                          f"its figures give ({self.measurement_quality})")
     self.cached = True
     self.measured_at = measured_at if isinstance(measured_at, str) else None
+    modules.measured_at = self.measured_at  # its latencies are the first tweak's too: print(result.modules) says so
+    modules.cached = True
     return self
 
 
@@ -358,18 +357,3 @@ def _depth_not_kept(result: TweakResult, row: DepthResult, on: str) -> str:
     if side is not None:
         return f"slower than depth {side['depth']}{on}, itself not kept"
     return f"slower than untuned{on}" + (f" ({fold(row.error, 60)})" if row.error else "")
-
-
-def measured_when(created: Any) -> str:
-    """An entry's "created" as a reader wants it: "on 2026-12-02 at 21:51 UTC (3 hours ago)"."""
-    try:
-        then = datetime.datetime.fromisoformat(created)
-        if then.tzinfo is None:
-            raise ValueError("no time zone")
-    except (TypeError, ValueError):
-        return "at a time the entry does not say"
-    then = then.astimezone(datetime.timezone.utc)
-    seconds = (datetime.datetime.now(datetime.timezone.utc) - then).total_seconds()
-    ago = ("just now" if seconds < 60 else f"{seconds / 60:.0f} minutes ago" if seconds < 5400
-           else f"{seconds / 3600:.0f} hours ago" if seconds < 2 * 86400 else f"{seconds / 86400:.0f} days ago")
-    return f"on {then:%Y-%m-%d} at {then:%H:%M} UTC ({ago})"
