@@ -318,12 +318,31 @@ static void tw_skip_row(tw_search *s, size_t i, const char *msg)
     tw_host_logf(s->host, 1, "depth %d skipped: %s", s->depths[i], msg);
 }
 
+/* What a step of a depth (enter, activate) that returned `step` means: an
+ * interrupt ends the whole search (returned, with err); any other failure
+ * skips the depth's row i with its error (*skipped set). */
+static tw_code tw_depth_step(tw_search *s, size_t i, tw_code step, const char *what,
+                             tw_error *cause, int *skipped, tw_error *err)
+{
+    *skipped = 0;
+    if (step == TW_OK) {
+        return TW_OK;
+    }
+    tw_error_forward(cause, step, cause, what);
+    if (step == TW_EINTERRUPT) {
+        return tw_error_set(err, step, "%s", cause->msg);
+    }
+    tw_skip_row(s, i, cause->msg);
+    *skipped = 1;
+    return TW_OK;
+}
+
 /* One depth: enter, tune, activate, measure, leave. Returns only what ends
- * the whole search; a failing depth is recorded in its row. */
+ * the whole search (then the cut is not left here: tw_tweak_run leaves it); a
+ * failing depth is recorded in its row. */
 static tw_code tw_run_depth(tw_search *s, size_t i, int *measured, tw_error *err)
 {
     tw_code rc = TW_OK;
-    tw_code step;
     tw_row *row = &s->result->rows[i].row;
     tw_error cause;
     size_t k;
@@ -333,19 +352,13 @@ static tw_code tw_run_depth(tw_search *s, size_t i, int *measured, tw_error *err
     for (k = 0; k < s->cut_size; k++) {
         s->tune[k] = s->result->modules[s->nodes[k]] == NULL;
     }
-    step = tw_enter_cut(s, &cause);
-    if (step != TW_OK) {
-        tw_error_forward(&cause, step, &cause, "enter");
-        if (step == TW_EINTERRUPT) {
-            rc = tw_error_set(err, step, "%s", cause.msg);
-            goto cleanup;
-        }
-        tw_skip_row(s, i, cause.msg);
+    rc = tw_depth_step(s, i, tw_enter_cut(s, &cause), "enter", &cause, &failed, err);
+    if (rc != TW_OK || failed) {
         goto leave;
     }
     rc = tw_tune_cut(s, err);
     if (rc != TW_OK) {
-        goto cleanup;
+        goto leave;
     }
     tw_load_cut(s, i);
     if (row->modules > 0 && row->failed == row->modules) {
@@ -353,31 +366,24 @@ static tw_code tw_run_depth(tw_search *s, size_t i, int *measured, tw_error *err
         goto leave;
     }
     tw_error_clear(&cause);
-    step = s->ops->activate(s->ops->ctx, &cause);
-    if (step != TW_OK) {
-        tw_error_forward(&cause, step, &cause, "activate");
-        if (step == TW_EINTERRUPT) {
-            rc = tw_error_set(err, step, "%s", cause.msg);
-            goto cleanup;
-        }
-        tw_skip_row(s, i, cause.msg);
+    rc = tw_depth_step(s, i, s->ops->activate(s->ops->ctx, &cause), "activate", &cause, &failed,
+                       err);
+    if (rc != TW_OK || failed) {
         goto leave;
     }
     rc = tw_measure_model(s, &row->stats, &failed, &cause, err);
-    if (rc != TW_OK) {
-        goto cleanup;
-    }
-    if (failed) {
+    if (rc == TW_OK && failed) {
         tw_skip_row(s, i, cause.msg);
-        goto leave;
+    } else if (rc == TW_OK) {
+        row->state = TW_ROW_MEASURED;
+        *measured = 1;
+        tw_host_logf(s->host, 0, "depth %d: %zu modules, %zu failed, %.3f ms", row->depth,
+                     row->modules, row->failed, row->stats.median_ns / 1e6);
     }
-    row->state = TW_ROW_MEASURED;
-    *measured = 1;
-    tw_host_logf(s->host, 0, "depth %d: %zu modules, %zu failed, %.3f ms", row->depth,
-                 row->modules, row->failed, row->stats.median_ns / 1e6);
 leave:
-    rc = tw_leave_cut(s, row->depth, err);
-cleanup:
+    if (rc == TW_OK) {
+        rc = tw_leave_cut(s, row->depth, err);
+    }
     return rc;
 }
 
