@@ -284,7 +284,7 @@ def test_rounds_that_ran_out_name_the_busy_budget_that_buys_them(fake_clock, bus
     side = result.confirmation
     assert side["quality"] == "busy" and not side["confirmed"] and side["speedup"] > 1.0, str(result)
     wanted = side["busy_budget_wanted"]
-    assert wanted > 1 and side["time_budget_wanted"] == 0
+    assert wanted > 1 and side["time_budget_wanted"] == 0 and side["rounds_ran_out"]
     words = f"the busy budget (1.5 s) ran out before the rounds could decide: busy_budget={wanted:.0f} buys them"
     assert verdict_of(result).endswith(words), result.outcome()
     assert "rounds_max" not in str(result)  # one setting, not two

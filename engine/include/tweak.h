@@ -578,9 +578,10 @@ typedef struct tw_tweak_config {
  * of them are spoilt by the load's bursts (the depth measured slower in them):
  * for a depth that loses a quarter of its pairs, 995 times in 1000 (10 pairs
  * decide it 56 times in 1000: all 10 must be won). The time is estimated
- * from the untuned model's latency: each pair is two rounds of every sample and
- * the settle calls, and each runner's warm-up at most warmup_max rounds. At most
- * half the budget in force is kept so. */
+ * from the untuned model's busy latency (the upper quartile of its rounds):
+ * each pair is two rounds of every sample and the settle calls, and each
+ * runner's warm-up at most warmup_max rounds. At most half the budget in force
+ * is kept so. */
 #define TW_BUSY_PAIRS 100u
 
 /* Defaults: min_depth 0, max_depth 1 (the model and its children: deeper cuts
@@ -799,6 +800,10 @@ typedef struct tw_confirmation {
                                      * rounded up, to tens from 10 s). Else 0 */
     uint64_t time_budget_wanted_ns; /* likewise when the time budget (the smaller of
                                      * the two) was the one in force; else 0 */
+    int rounds_ran_out;  /* busy, not kept: the paired rounds stopped at their time cap
+                          * before their interval decided (with a budget wanted, or none
+                          * when at their share of pairs won no number of pairs up to
+                          * their most would decide) */
     double others_share; /* what other processes took of the CPU capacity during
                           * the last side-by-side measurement, 0..1; -1: unknown
                           * or too short to tell (TW_LOAD_MIN_CAPACITY) */

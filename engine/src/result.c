@@ -576,6 +576,12 @@ static void tw_format_wanted(tw_buf *buf, const tw_result *result)
     int busy = c->busy_budget_wanted_ns != 0;
     uint64_t wanted = busy ? c->busy_budget_wanted_ns : c->time_budget_wanted_ns;
 
+    if (wanted == 0 && c->rounds_ran_out && c->speedup > 1.0) {
+        tw_buf_appendf(buf, "; its rounds ran out of time, and at this load no budget buys "
+                       "enough of them (it won %u of %u): tweak again on a quieter machine",
+                       c->paired_wins, c->paired_rounds);
+        return;
+    }
     if (wanted == 0) {
         return;
     }

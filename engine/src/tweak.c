@@ -270,10 +270,11 @@ static void tw_search_budget(const tw_search *s, tw_budget *budget)
 }
 
 /* The paired rounds' share of the budget in force on a busy machine: the time
- * of TW_BUSY_PAIRS pairs and both runners' warm-up at the untuned model's
- * latency `untuned` (a pair: two rounds of every sample and the settle calls),
- * at most half the budget; 0 when no budget bounds them or none can be taken
- * (no deactivate callback). */
+ * of TW_BUSY_PAIRS pairs and both runners' warm-up at the untuned model's busy
+ * latency `untuned` (its upper quartile: the load's bursts lengthen rounds; a
+ * pair is two rounds of every sample and the settle calls), at most half the
+ * budget; 0 when no budget bounds them or none can be taken (no deactivate
+ * callback). */
 static uint64_t tw_paired_reserve(const tw_search *s, const tw_stats *untuned)
 {
     const tw_measure_config *m = &s->cfg->measure;
@@ -288,7 +289,7 @@ static uint64_t tw_paired_reserve(const tw_search *s, const tw_stats *untuned)
     }
     calls = (double)TW_BUSY_PAIRS * 2.0 * (samples + (double)m->settle) +
             2.0 * (double)m->warmup_max * samples;
-    ns = calls * untuned->median_ns;
+    ns = calls * (untuned->q75_ns > untuned->median_ns ? untuned->q75_ns : untuned->median_ns);
     return ns < (double)(budget.ns / 2) ? (uint64_t)ns : budget.ns / 2;
 }
 
@@ -862,6 +863,8 @@ static tw_code tw_settle(tw_search *s, int depth, tw_stats *stats, uint32_t trie
     rc = tw_measure_paired_side(s, depth, &paired, &wanted, failed, err);
     if (rc == TW_OK && !*failed) {
         tw_settle_paired(r, &paired, tries + 1);
+        r->confirmation.rounds_ran_out = !r->confirmation.confirmed &&
+                                         paired.stopped_by == TW_STOP_TIME;
         /* the setting that buys the rounds: the budget that stopped them */
         *(tw_busy_in_force(s) ? &r->confirmation.busy_budget_wanted_ns
                               : &r->confirmation.time_budget_wanted_ns) = wanted;

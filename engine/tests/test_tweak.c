@@ -1545,6 +1545,28 @@ static void test_busy_verdict_names_the_budget_that_buys_it(void)
         tw_free(text);
         fake_model_teardown(&m, result);
     }
+    /* a gain so small that at this load no number of pairs up to 400 would decide it: no
+     * setting is named, and the verdict says so */
+    fake_model_setup(&m);
+    cfg = fake_model_config();
+    cfg.busy_budget_ns = 2000000; /* about 100 pairs: enough to judge their share won */
+    m.loaded = 1;
+    m.lcg = 1;
+    m.load_known = 1;
+    m.search_share = m.side_share = 0.7;
+    m.wrapped_latency = 1000;
+    m.depth_latency[0] = m.depth_latency[1] = m.depth_latency[2] = 900; /* 1.11x, 45% of pairs lost */
+    ops = fake_model_ops(&m);
+    ops.deactivate = model_deactivate;
+    CHECK_INT(tw_tweak_run(&m.host, m.tree, &cfg, &ops, &result, NULL), TW_OK);
+    tw_result_confirmation(result, &c);
+    text = tw_result_format(result, NULL);
+    CHECK(text != NULL && !c.confirmed && c.rounds_ran_out && c.speedup > 1.0);
+    CHECK(c.busy_budget_wanted_ns == 0 && strstr(text, "busy_budget=") == NULL);
+    CHECK_HAS(verdict_line(text), "its rounds ran out of time, and at this load no budget buys "
+                                  "enough of them (it won ");
+    tw_free(text);
+    fake_model_teardown(&m, result);
 }
 
 int main(void)

@@ -40,6 +40,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.batch is not None and args.batch < 1:
         parser.error(f"--batch must be 1 or more sequences per call, not {args.batch}")
+    if not args.busy_budget >= 0:
+        parser.error(f"--busy-budget must be 0 or more seconds, not {args.busy_budget}")
     batch = args.batch or (1 if args.device == "cpu" else 8)
 
     model = encoder.build(args.device)

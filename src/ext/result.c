@@ -136,7 +136,7 @@ tt_result_get_confirmation(TtResult *self, void *closure)
         goto cleanup;
     tw_result_confirmed_figure(self->result, figure, sizeof(figure));
     result = Py_BuildValue("{s:i,s:O,s:O,s:O,s:d,s:d,s:d,s:s,s:I,s:O,s:d,s:d,s:O,s:O,s:I,s:I,s:d,"
-                           "s:d,s:s}", "depth",
+                           "s:d,s:O,s:s}", "depth",
                            c.depth, "confirmed", c.confirmed ? Py_True : Py_False, "tuned", tuned,
                            "untuned", untuned, "speedup", c.speedup, "speedup_low",
                            c.speedup_low, "speedup_high", c.speedup_high, "quality",
@@ -147,7 +147,8 @@ tt_result_get_confirmation(TtResult *self, void *closure)
                            "paired_rounds", (unsigned int)c.paired_rounds, "paired_wins",
                            (unsigned int)c.paired_wins, "busy_budget_wanted",
                            (double)c.busy_budget_wanted_ns / 1e9, "time_budget_wanted",
-                           (double)c.time_budget_wanted_ns / 1e9, "figure", figure);
+                           (double)c.time_budget_wanted_ns / 1e9, "rounds_ran_out",
+                           c.rounds_ran_out ? Py_True : Py_False, "figure", figure);
 cleanup:
     Py_XDECREF(tuned);
     Py_XDECREF(untuned);
@@ -445,7 +446,7 @@ static PyGetSetDef tt_result_getset[] = {
      "The kept depth measured side by side with the untuned model: a dict (depth, confirmed, "
      "tuned, untuned, speedup, speedup_low, speedup_high, quality, tries, from_search, "
      "side_speedup, search_speedup, agreed, others_share, paired_rounds, paired_wins, "
-     "busy_budget_wanted, time_budget_wanted, figure), or None "
+     "busy_budget_wanted, time_budget_wanted, rounds_ran_out, figure), or None "
      "when none was measured. "
      "speedup is the figure reported: side by side, or the smaller of it and the search's when "
      "they disagree, or on a busy machine (quality \"busy\") the median ratio of paired "
@@ -455,6 +456,7 @@ static PyGetSetDef tt_result_getset[] = {
      "those the depth won (else 0); busy_budget_wanted, time_budget_wanted: on a busy machine "
      "whose paired rounds leaned faster but ran out of the budget in force before they could "
      "decide, the busy_budget (or time_budget) in seconds that buys the rounds (else 0); "
+     "rounds_ran_out: those rounds stopped at their time cap undecided; "
      "figure: speedup as the table's confirmed column and its last line write it (\"1.54x\").",
      NULL},
     {"quality", (getter)tt_result_get_quality, NULL,

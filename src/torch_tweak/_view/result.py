@@ -57,7 +57,8 @@ class TweakResult:
     (docs/tweak.md): {"depth", "confirmed", "tuned", "untuned", "speedup", "speedup_low",
     "speedup_high", "quality", "tries", "from_search", "side_speedup", "search_speedup",
     "agreed", "others_share", "paired_rounds", "paired_wins", "busy_budget_wanted",
-    "time_budget_wanted", "figure"}, or None when no depth beat the untuned model in the search;
+    "time_budget_wanted", "rounds_ran_out", "figure"}, or None when no depth beat the untuned
+    model in the search;
     "figure" is "speedup" as the table writes it, "busy_budget_wanted" the busy_budget that buys
     the paired rounds a busy verdict lacked for time (else 0).
     measurement_quality: how the side-by-side figures held against the search's own for
