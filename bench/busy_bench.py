@@ -1,21 +1,23 @@
 """A tweak on a busy CPU, checked afterwards on the quiet machine.
 
-Issue 48's check, as one script: the example's encoder (examples/Tweak; or the README quick
-start's residual MLP, `--model quickstart`) is tuned beside
-`--loops` busy loops (processes that only spin), with a tuning cache folder of its own. The
-loops are then stopped, and on the quiet machine
+Issue 54's check, as one script: the README quick start's residual MLP and the example's
+encoder (examples/Tweak, batch 1) are each tuned `--runs` times beside `--loops` busy loops
+(processes that only spin) and `--jobs` more CPU-bound jobs (processes that multiply matrices on
+one thread, as a compile or a test run beside would), every one started as another process, not
+this one's child (tweak counts its own descendants' CPU time as its own work). After each busy
+tweak the load is stopped, and on the quiet machine the model tuned busy is measured against an
+untuned build of the same model in paired, interleaved rounds (the engine's paired rounds,
+_C.measure_paired: the median of the per-round ratios and its 99 % sign-test interval): is the
+depth kept under load faster when the load is gone? Each busy tweak uses a tuning cache folder
+of its own; after the runs, a quiet tweak in the last run's folder must measure again (a busy
+entry is replayed only while the machine is busy), and it names the depth that is faster on the
+quiet machine: the busy runs should keep it in at least 4 of 5.
 
-  1. the model tuned busy is measured against an untuned build of the same model in paired,
-     interleaved rounds (the engine's paired rounds, _C.measure_paired: the median of the
-     per-round ratios and its 99 % sign-test interval):
-     is the depth kept under load faster when the load is gone?
-  2. tt.tweak runs again on a fresh build with the same cache folder: the busy entry must be
-     measured again, not replayed;
-  3. and once more without the cache: is the quiet figure within the spread of a re-run?
+    python bench/busy_bench.py --json bench/results/runs/busy-<commit>.json       # 5 runs of each model
+    python bench/busy_bench.py --models quickstart --runs 1 --rounds 30           # a short look
 
-    python bench/busy_bench.py --loops 2 --batch 1 --seq 64 --json bench/results/runs/busy-<commit>.json
-
-The figures are this machine's: ratios only, each phase's load as tweak read it.
+The figures are this machine's: ratios only, each tweak's load as tweak read it. Run it on a
+machine nothing else uses: the quiet checks need the load gone.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,16 +41,30 @@ import encoder  # noqa: E402
 import torch_tweak as tt  # noqa: E402
 from torch_tweak import _C  # noqa: E402
 
+SPIN = "while True: pass"
+"""A busy loop."""
 
-def busy_loops(count: int) -> list[int]:
-    """The pids of `count` processes that spin until killed: other processes, not this one's
-    children (tweak counts its own descendants' CPU time as its own, not as others')."""
+JOB = "import torch\ntorch.set_num_threads(1)\na = torch.randn(384, 384)\nwhile True:\n    a = torch.tanh(a @ a)"
+"""One more CPU-bound job: matrix products on one thread, its caches and memory traffic too."""
+
+
+def other_processes(code: str, count: int) -> list[int]:
+    """The pids of `count` processes running `code` until killed: other processes, not this one's
+    children (started from a shell that exits at once, so init adopts them)."""
     pids = []
     for _ in range(count):
-        shell = subprocess.run(["sh", "-c", f"'{sys.executable}' -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
+        shell = subprocess.run(["sh", "-c", f"'{sys.executable}' -c \"$0\" >/dev/null 2>&1 & echo $!", code],
                                capture_output=True, text=True, check=True)
         pids.append(int(shell.stdout.strip()))
     return pids
+
+
+def stop(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 class Block(torch.nn.Module):
@@ -70,9 +87,10 @@ def build(name: str) -> torch.nn.Module:
     return torch.nn.Sequential(*[Block(64) for _ in range(6)], torch.nn.Linear(64, 8)).eval()
 
 
-def samples(name: str, batch: int, seq: int) -> list[torch.Tensor]:
+def samples(name: str) -> list[torch.Tensor]:
+    """The README quick start's dataset, or the example's on the CPU (batch 1)."""
     if name == "example":
-        return encoder.samples(batch=batch, seq=seq)
+        return encoder.samples(batch=1)
     generator = torch.Generator().manual_seed(1)
     return [torch.randn(32, 64, generator=generator) for _ in range(4)]
 
@@ -81,19 +99,20 @@ def summary(result: "tt.TweakResult", seconds: float) -> dict:
     """What a tweak kept and how it measured it."""
     side = result.confirmation or {}
     return {"kept": result.kept, "depth": result.selected_depth, "cached": result.cached,
-            "quality": result.measurement_quality, "speedup": result.speedup,
-            "low": side.get("speedup_low"), "high": side.get("speedup_high"),
-            "paired_rounds": side.get("paired_rounds"), "others_share": result.others_share,
-            "busy": result.busy, "seconds": seconds, "outcome": result.outcome()}
+            "quality": result.measurement_quality, "speedup": result.speedup, "confirmed_depth": side.get("depth"),
+            "figure": side.get("figure"), "low": side.get("speedup_low"), "high": side.get("speedup_high"),
+            "paired_rounds": side.get("paired_rounds"), "busy_budget_wanted": side.get("busy_budget_wanted"),
+            "others_share": result.others_share, "busy": result.busy, "busy_stopped": result.busy_stopped,
+            "seconds": seconds, "outcome": result.outcome()}
 
 
-def tweak(name: str, dataset: list, seconds_label: str) -> tuple[torch.nn.Module, dict]:
-    """A fresh build of the model tuned on `dataset`."""
+def tweak(name: str, dataset: list, label: str, busy_budget: float) -> tuple[torch.nn.Module, dict]:
+    """A fresh build of the model tuned on `dataset` (the tuning cache: $TORCH_TWEAK_CACHE)."""
     model = build(name)
     start = time.perf_counter()
-    result = tt.tweak(model, dataset, progress=False)
+    result = tt.tweak(model, dataset, progress=False, busy_budget=busy_budget)
     row = summary(result, time.perf_counter() - start)
-    print(f"{seconds_label}: {row['outcome']} ({row['seconds']:.0f} s)", flush=True)
+    print(f"{label}: {row['outcome']} ({row['seconds']:.0f} s)", flush=True)
     return model, row
 
 
@@ -106,41 +125,60 @@ def paired(tuned: torch.nn.Module, untuned: torch.nn.Module, dataset: list, roun
     return {"rounds": result["rounds"], "speedup": result["ratio"], "low": result["low"], "high": result["high"]}
 
 
+def busy_run(name: str, dataset: list, args: argparse.Namespace, k: int) -> dict:
+    """One tweak beside the load, in a cache folder of its own, then its quiet check."""
+    os.environ["TORCH_TWEAK_CACHE"] = tempfile.mkdtemp(prefix="busy-bench-")
+    load = other_processes(SPIN, args.loops) + other_processes(JOB, args.jobs)
+    try:
+        time.sleep(2)
+        tuned, row = tweak(name, dataset, f"{name} run {k + 1}, beside {args.loops} busy loops and "
+                           f"{args.jobs} more jobs", args.busy_budget)
+    finally:
+        stop(load)
+    time.sleep(args.settle)
+    if row["kept"]:
+        row["quiet_check"] = paired(tuned, build(name), dataset, args.rounds)
+        print("  on the quiet machine, tuned busy against untuned: {speedup:.2f}x ({low:.2f}x to {high:.2f}x, "
+              "{rounds} paired rounds)".format(**row["quiet_check"]), flush=True)
+    row["cache"] = os.environ["TORCH_TWEAK_CACHE"]
+    return row
+
+
+def bench(name: str, args: argparse.Namespace) -> dict:
+    """--runs busy runs of one model, then a quiet tweak in the last run's cache folder: the depth
+    faster on the quiet machine, and whether the busy runs kept it."""
+    torch.set_grad_enabled(False)
+    dataset = samples(name)
+    runs = [busy_run(name, dataset, args, k) for k in range(args.runs)]
+    os.environ["TORCH_TWEAK_CACHE"] = runs[-1]["cache"]
+    _, quiet = tweak(name, dataset, f"{name}, quiet, the last run's cache folder", args.busy_budget)
+    for row in runs:
+        shutil.rmtree(row.pop("cache"), ignore_errors=True)
+    kept_faster = sum(1 for r in runs if r["kept"] and r["depth"] == quiet["depth"] and quiet["kept"]
+                      and r.get("quiet_check", {}).get("low", 0) > 1.0)
+    print(f"{name}: {kept_faster} of {len(runs)} busy runs kept the depth faster on the quiet machine "
+          f"(depth {quiet['depth']}), and measured it faster there", flush=True)
+    return {"runs": runs, "quiet": quiet, "kept_faster": kept_faster}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("example", "quickstart"), default="example")
-    parser.add_argument("--loops", type=int, default=2, help="busy loops beside the first tweak")
-    parser.add_argument("--batch", type=int, default=1, help="the example's batch (the quick start's is 32)")
-    parser.add_argument("--seq", type=int, default=64, help="the example's sequence length")
-    parser.add_argument("--rounds", type=int, default=300, help="paired rounds of the quiet check (8 to 1000)")
+    parser.add_argument("--models", nargs="+", choices=("quickstart", "example"), default=["quickstart", "example"])
+    parser.add_argument("--runs", type=int, default=5, help="busy tweaks of each model (5)")
+    parser.add_argument("--loops", type=int, default=2, help="busy loops beside each busy tweak (2)")
+    parser.add_argument("--jobs", type=int, default=1, help="more CPU-bound jobs beside them (1)")
+    parser.add_argument("--busy-budget", type=float, default=120.0, help="tt.tweak's busy_budget (120 s)")
+    parser.add_argument("--rounds", type=int, default=300, help="paired rounds of each quiet check (8 to 1000)")
+    parser.add_argument("--settle", type=float, default=5.0, help="seconds to wait once the load is stopped")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    torch.set_grad_enabled(False)
-    dataset = samples(args.model, args.batch, args.seq)
+    if args.runs < 1:
+        parser.error(f"--runs must be 1 or more, not {args.runs}")
     from gpu_bench import source_commit
 
-    run = {"commit": source_commit(), "model": args.model, "loops": args.loops, "batch": args.batch, "seq": args.seq, "cpus": os.cpu_count(),
-           "torch": torch.__version__, "torch_tweak": tt.__version__}
-    with tempfile.TemporaryDirectory() as folder:
-        os.environ["TORCH_TWEAK_CACHE"] = folder
-        loops = busy_loops(args.loops)
-        try:
-            time.sleep(2)
-            tuned, run["busy"] = tweak(args.model, dataset, f"beside {args.loops} busy loops")
-        finally:
-            for pid in loops:
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(5)
-        run["quiet_check"] = paired(tuned, build(args.model), dataset, args.rounds)
-        print("quiet check of the model tuned busy: {speedup:.2f}x ({low:.2f}x to {high:.2f}x, "
-              "{rounds} paired rounds)".format(**run["quiet_check"]), flush=True)
-        _, run["quiet"] = tweak(args.model, dataset, "quiet, same cache")
-        del os.environ["TORCH_TWEAK_CACHE"]
-        model = build(args.model)
-        start = time.perf_counter()
-        result = tt.tweak(model, dataset, progress=False, cache=False)
-        run["rerun"] = summary(result, time.perf_counter() - start)
-        print(f"quiet re-run without the cache: {run['rerun']['outcome']}", flush=True)
+    run = {"commit": source_commit(), "loops": args.loops, "jobs": args.jobs, "busy_budget": args.busy_budget,
+           "cpus": os.cpu_count(), "torch": torch.__version__, "torch_tweak": tt.__version__,
+           "models": {name: bench(name, args) for name in args.models}}
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -51,3 +51,13 @@ def test_tweak_example_refuses_a_batch_of_none(tmp_path):
     done = run_example("examples/Tweak/main.py", "--device", "cpu", "--batch", "0", cache=str(tmp_path))
     assert done.returncode == 2 and "--batch must be 1 or more sequences per call, not 0" in done.stderr
     assert "Dry run" not in done.stdout  # refused before anything is built or tuned
+
+
+def test_tweak_example_takes_the_busy_budget_its_verdict_may_name(tmp_path):
+    """The verdict of a busy tweak may name busy_budget=N: the example takes it as --busy-budget N
+    (and refuses a negative one before anything is built)."""
+    done = run_example("examples/Tweak/main.py", "--device", "cpu", "--busy-budget", "-5", cache=str(tmp_path))
+    assert done.returncode == 2 and "--busy-budget must be 0 or more seconds, not -5.0" in done.stderr
+    assert "Dry run" not in done.stdout
+    done = run_example("examples/Tweak/main.py", "--help", cache=str(tmp_path))
+    assert "--busy-budget SECONDS" in done.stdout and "busy_budget=N" in done.stdout

@@ -573,6 +573,17 @@ typedef struct tw_tweak_config {
 /* The default busy budget: 120 s. */
 #define TW_BUSY_BUDGET_NS 120000000000ull
 
+/* The paired rounds a busy machine's budget keeps time for (see tw_tweak_run):
+ * the sign test's 99 % interval of 100 pairs lies above 1 when fewer than 37
+ * of them are spoilt by the load's bursts (the depth measured slower in them):
+ * for a depth that loses a quarter of its pairs, 995 times in 1000 (10 pairs
+ * decide it 56 times in 1000: all 10 must be won). The time is estimated
+ * from the untuned model's busy latency (the upper quartile of its rounds):
+ * each pair is two rounds of every sample and the settle calls, and each
+ * runner's warm-up at most warmup_max rounds. At most half the budget in force
+ * is kept so. */
+#define TW_BUSY_PAIRS 100u
+
 /* Defaults: min_depth 0, max_depth 1 (the model and its children: deeper cuts
  * won on no benchmarked model and cost much tuning time), tie_tolerance 0.02, no budget, a busy
  * budget of TW_BUSY_BUDGET_NS, not a dry run, the default measurement. */
@@ -631,10 +642,17 @@ typedef struct tw_result tw_result;
  * different moments are not comparable (the load comes in bursts, and it slows
  * eager torch's threads more than a compiled backend's). Then:
  *   - once the untuned model was measured busy, the budget in force is the
- *     smaller of time_budget_ns and busy_budget_ns (when not 0): a depth not
- *     started for it says "busy budget used up" (tw_result_busy_stopped), a
- *     variant is not built, and the paired rounds stop at what is left of it
- *     (after their minimum);
+ *     smaller of time_budget_ns and busy_budget_ns (when not 0), split in two:
+ *     the paired rounds' share (TW_BUSY_PAIRS pairs at the untuned model's
+ *     busy latency, at most half the budget; only with ops->deactivate set),
+ *     and the search's, the rest: a depth not started once the search's share
+ *     is used up says "busy budget used up" (tw_result_busy_stopped), and a
+ *     variant is not built. The paired rounds stop at what is left of the whole
+ *     budget, or after their own share, whichever is later (after their
+ *     minimum), so a search that ran over its share never takes theirs;
+ *     when they stop so, leaning faster but undecided, the confirmation says
+ *     which budget would buy the rounds (busy_budget_wanted_ns,
+ *     time_budget_wanted_ns) and so does the result's last line;
  *   - with ops->deactivate set, the fastest measured depth is selected
  *     (shallowest within tie_tolerance) even when the untuned model's own
  *     measurement was faster;
@@ -774,6 +792,18 @@ typedef struct tw_confirmation {
     uint32_t paired_rounds; /* busy: the paired rounds the figure comes from
                              * (tw_measure_paired); else 0 */
     uint32_t paired_wins;   /* busy: of which the cut active was the faster */
+    uint64_t busy_budget_wanted_ns; /* busy, not kept: the paired rounds leaned faster
+                                     * (median above 1) but the busy budget ran out
+                                     * before their interval could decide; the busy
+                                     * budget that buys the rounds it needs (estimated
+                                     * from the pairs' wins and pace, in whole seconds
+                                     * rounded up, to tens from 10 s). Else 0 */
+    uint64_t time_budget_wanted_ns; /* likewise when the time budget (the smaller of
+                                     * the two) was the one in force; else 0 */
+    int rounds_ran_out;  /* busy, not kept: the paired rounds stopped at their time cap
+                          * before their interval decided (with a budget wanted, or none
+                          * when at their share of pairs won no number of pairs up to
+                          * their most would decide) */
     double others_share; /* what other processes took of the CPU capacity during
                           * the last side-by-side measurement, 0..1; -1: unknown
                           * or too short to tell (TW_LOAD_MIN_CAPACITY) */
@@ -781,6 +811,12 @@ typedef struct tw_confirmation {
 
 /* Copies the confirmation into *out (all zero when none was measured). */
 void tw_result_confirmation(const tw_result *result, tw_confirmation *out);
+/* The confirmation's figure as the result table's "confirmed" column and its
+ * last line write it, the one place that writes it: "1.54x", or for a busy
+ * keep whose interval's low end lies just above 1, with the digit that shows
+ * it ("1.003x"). Into out (size bytes, 16 are enough); "" when none was
+ * measured or result is NULL. */
+void tw_result_confirmed_figure(const tw_result *result, char *out, size_t size);
 /* The confirmation's quality; TW_QUALITY_UNCHECKED when none was measured or
  * result is NULL. */
 tw_quality tw_result_quality(const tw_result *result);
@@ -800,13 +836,19 @@ int tw_result_busy(const tw_result *result);
  * a depth was not tried because the machine was busy. */
 int tw_result_busy_stopped(const tw_result *result);
 
-/* The result table: one row per depth (depth, modules wrapped, latency in ms,
- * speedup against untuned, status or error) and one for the untuned model,
- * the selected row marked with '>', then what was kept and by how much: the
- * side-by-side figure, "slower" when its interval lies wholly below 1, "within
+/* The result table: one row per depth (depth, modules wrapped, then the
+ * search's figures: "search ms" its latency, its spread, "search" its speedup
+ * against the untuned model's search baseline; then "confirmed": on the row of
+ * the depth measured against the untuned model side by side or in paired
+ * rounds, the figure that decided whether it is kept, the same number the last
+ * line gives; then its status or error) and one for the untuned model, the
+ * selected row marked with '>', then what was kept and by how much: the
+ * confirmed figure, "slower" when its interval lies wholly below 1, "within
  * noise" when it holds 1; when the side-by-side figures never agreed with the
  * search's, one line says so and the smaller figure counts; when no depth was
  * tried because the time budget was used up first, the last line says that.
+ * Every figure of a row is its column's moment's: the search's columns are
+ * never the confirmation's, and the reverse.
  * Free with tw_free(). */
 char *tw_result_format(const tw_result *result, tw_error *err);
 /* The same table; `untuned` (NULL: "it stays untuned") ends its last line when no
@@ -847,7 +889,9 @@ typedef struct tw_result_record {
     /* Read: measured, depth, tuned, untuned, tries, quality (whether busy;
      * any other quality must be the one the figures give), others_share; on a
      * busy machine also speedup, speedup_low, speedup_high (the paired rounds'
-     * figure), paired_rounds, paired_wins. Everything else (agreed, the
+     * figure), paired_rounds, paired_wins, busy_budget_wanted_ns,
+     * time_budget_wanted_ns and rounds_ran_out (each only for rounds that did
+     * not keep the depth; 0 otherwise). Everything else (agreed, the
      * figures of a side-by-side measurement, from_search, side_speedup,
      * search_speedup, confirmed) is derived again from the numbers, as
      * tw_tweak_run derives it. Ignored unless measured. */
@@ -873,7 +917,8 @@ typedef struct tw_result_record {
  * measured row has, with no tries or more than TW_CONFIRM_TRIES + 1, a quality
  * out of range or not the one its figures give, a busy figure that is NaN or
  * negative or outside its interval, more paired wins than rounds or more
- * rounds than TW_PAIRED_ROUNDS_MAX, a share that is neither -1 nor within 0..1
+ * rounds than TW_PAIRED_ROUNDS_MAX, a budget wanted or rounds run out for a
+ * kept depth (or both budgets wanted), a share that is neither -1 nor within 0..1
  * (the confirmation's: -1 or >= 0), a kept depth its confirmation does not
  * keep or the other way round. TW_ENOMEM when out of memory. Thread-safe: it
  * reads the record and touches only what it creates. */

@@ -105,6 +105,11 @@ tw_code tw_measure_runners(const tw_host *host, const tw_runner *runners, size_t
                            const tw_measure_config *cfg, tw_stats *out,
                            size_t *failed, tw_error *err);
 
+/* The rank k (1-based) of the order statistics that bound a 99 % interval of
+ * the median of n values (the sign test: the largest k with P(X <= k - 1) <=
+ * 0.005 for X ~ Binomial(n, 1/2)); 0 when n is too small for one. */
+size_t tw_sign_rank(size_t n);
+
 /* tw_measure_paired on a resolved host, with cfg and pcfg given; *failed is
  * the runner whose callback failed, or TW_NO_RUNNER. */
 tw_code tw_measure_pairs(const tw_host *host, const tw_runner *runners,

@@ -495,10 +495,7 @@ tw_code tw_paired_config_check(const tw_paired_config *cfg, tw_error *err)
     return rc;
 }
 
-/* The rank k (1-based) of the order statistics that bound a 99 % interval of
- * the median of n values (the sign test: the largest k with P(X <= k - 1) <=
- * 0.005 for X ~ Binomial(n, 1/2)); 0 when n is too small for one. */
-static size_t tw_sign_rank(size_t n)
+size_t tw_sign_rank(size_t n)
 {
     double pmf = ldexp(1.0, -(int)n);
     double cdf = 0.0;

@@ -442,9 +442,22 @@ cleanup:
 
 /* ------------------------------------------------------------------ table */
 
-/* Fixed columns: marker, depth, modules, failed, latency, speedup; the status
- * comes last because it is the only field of unbounded length. */
-#define TW_TABLE_ROW "%-2s%7s  %7s  %6s  %10s  %6s  %7s"
+/* Fixed columns: marker, depth, modules, failed, then the search's latency,
+ * spread and speedup, then the confirmed speedup; the status comes last because
+ * it is the only field of unbounded length. */
+#define TW_TABLE_ROW "%-2s%7s  %7s  %6s  %9s  %6s  %6s  %9s"
+
+/* The digits the confirmed figure is written with, wherever it is written: a
+ * busy keep whose interval's low end lies just above 1 is written with the
+ * digit that shows it above 1 (1.003x, not 1.00x), and its figure and high end
+ * with it; else 2. */
+static int tw_confirmed_digits(const tw_confirmation *c)
+{
+    return c->quality == TW_QUALITY_BUSY && c->confirmed && c->speedup_low > 1.0 &&
+                   c->speedup_low < 1.005
+               ? 3
+               : 2;
+}
 
 static void tw_format_latency(char *out, size_t size, const tw_stats *stats, int valid)
 {
@@ -476,6 +489,54 @@ static void tw_format_speedup(char *out, size_t size, const tw_result *result,
     }
 }
 
+void tw_result_confirmed_figure(const tw_result *result, char *out, size_t size)
+{
+    const tw_confirmation *c = result != NULL ? &result->confirmation : NULL;
+
+    if (out == NULL || size == 0) {
+        return;
+    }
+    if (c != NULL && c->measured) {
+        snprintf(out, size, "%.*fx", tw_confirmed_digits(c), c->speedup);
+    } else {
+        out[0] = '\0';
+    }
+}
+
+/* The confirmed column of row i: the confirmation's figure on the row of the
+ * depth it measured (the same number the last line gives), else "-". */
+static void tw_format_confirmed(char *out, size_t size, const tw_result *result, size_t i)
+{
+    const tw_confirmation *c = &result->confirmation;
+    const tw_row *row = &result->rows[i].row;
+
+    if (c->measured && row->state == TW_ROW_MEASURED && c->depth == row->depth) {
+        tw_result_confirmed_figure(result, out, size);
+    } else {
+        snprintf(out, size, "-");
+    }
+}
+
+/* The status of a measured row: selected, or why the confirmed depth was not kept. */
+static void tw_format_measured_status(tw_buf *buf, const tw_result *result, size_t i)
+{
+    const tw_confirmation *c = &result->confirmation;
+    const tw_row *row = &result->rows[i].row;
+    int busy = c->measured && c->quality == TW_QUALITY_BUSY;
+
+    if ((long)i == result->selected) {
+        tw_buf_appendf(buf, "  selected%s", busy ? ", measured busy in paired rounds"
+                                            : c->measured && c->from_search
+                                                ? ", by the search's figure (the smaller)"
+                                            : c->measured ? ", measured side by side" : "");
+    } else if (c->measured && !c->confirmed && c->depth == row->depth) {
+        tw_buf_appendf(buf, "  %s %s", c->speedup_high < 1.0 ? "slower" : "within noise",
+                       busy ? "in paired rounds (busy)"
+                            : c->from_search ? "by the search's figure (the smaller)"
+                                             : "side by side");
+    }
+}
+
 static void tw_format_depth_row(tw_buf *buf, const tw_result *result, size_t i)
 {
     const tw_row *row = &result->rows[i].row;
@@ -486,7 +547,7 @@ static void tw_format_depth_row(tw_buf *buf, const tw_result *result, size_t i)
     char latency[32];
     char spread[32];
     char speedup[32];
-    const tw_confirmation *c = &result->confirmation;
+    char confirmed[32];
 
     snprintf(depth, sizeof depth, "%d", row->depth);
     snprintf(modules, sizeof modules, "%zu", row->modules);
@@ -499,26 +560,12 @@ static void tw_format_depth_row(tw_buf *buf, const tw_result *result, size_t i)
     tw_format_latency(latency, sizeof latency, &row->stats, measured);
     tw_format_spread(spread, sizeof spread, &row->stats, measured);
     tw_format_speedup(speedup, sizeof speedup, result, &row->stats, measured);
-    if (measured && c->measured && c->quality == TW_QUALITY_BUSY && c->depth == row->depth) {
-        /* busy: the search's rows fell on different moments of the load; the paired
-         * rounds' figure is the one that decided, and the row shows it */
-        snprintf(speedup, sizeof speedup, "%.2fx", c->speedup);
-    }
+    tw_format_confirmed(confirmed, sizeof confirmed, result, i);
     tw_buf_appendf(buf, TW_TABLE_ROW, (long)i == result->selected ? ">" : "", depth,
-                   modules, failed, latency, spread, speedup);
+                   modules, failed, latency, spread, speedup, confirmed);
     switch (row->state) {
     case TW_ROW_MEASURED:
-        if ((long)i == result->selected) {
-            tw_buf_appendf(buf, "  selected%s",
-                           c->measured && c->quality == TW_QUALITY_BUSY ? ", measured busy" : "");
-        } else if (c->measured && !c->confirmed && c->depth == row->depth &&
-                   c->quality == TW_QUALITY_BUSY) {
-            tw_buf_appendf(buf, "  %s in paired rounds (busy)",
-                           c->speedup_high < 1.0 ? "slower" : "within noise");
-        } else if (c->measured && !c->confirmed && c->depth == row->depth) {
-            tw_buf_appendf(buf, "  %s%s", c->speedup_high < 1.0 ? "slower" : "within noise",
-                           c->from_search ? "" : " side by side");
-        }
+        tw_format_measured_status(buf, result, i);
         break;
     case TW_ROW_SKIPPED:
         tw_buf_appendf(buf, "  skipped: ");
@@ -596,29 +643,53 @@ static void tw_format_disagreement(tw_buf *buf, const tw_result *result)
                    result->baseline.median_ns / 1e6, c->tries, c->tries == 1 ? "" : "s");
 }
 
+/* After a busy verdict that its paired rounds could not reach for lack of
+ * time: the one setting that buys them, as tt.tweak's keyword. */
+static void tw_format_wanted(tw_buf *buf, const tw_result *result)
+{
+    const tw_confirmation *c = &result->confirmation;
+    int busy = c->busy_budget_wanted_ns != 0;
+    uint64_t wanted = busy ? c->busy_budget_wanted_ns : c->time_budget_wanted_ns;
+
+    if (wanted == 0 && c->rounds_ran_out && c->speedup > 1.0) {
+        tw_buf_appendf(buf, "; its rounds ran out of time, and at this load no budget buys "
+                       "enough of them (it won %u of %u): tweak again on a quieter machine",
+                       c->paired_wins, c->paired_rounds);
+        return;
+    }
+    if (wanted == 0) {
+        return;
+    }
+    tw_buf_appendf(buf, "; the %s budget (%.3g s) ran out before the rounds could decide: "
+                   "%s=%.0f buys them", busy ? "busy" : "time",
+                   (double)(busy ? result->busy_budget_ns : result->time_budget_ns) / 1e9,
+                   busy ? "busy_budget" : "time_budget", (double)wanted / 1e9);
+}
+
 /* The last line of a result measured on a busy machine: the paired rounds'
  * figure, marked busy, and whether the depth was kept. */
 static void tw_format_busy(tw_buf *buf, const tw_result *result, const char *untuned)
 {
     const tw_confirmation *c = &result->confirmation;
     double share = tw_result_others_share(result) * 100.0;
+    int low_digits = tw_confirmed_digits(c);
+    char figure[32];
 
-    /* a low end just above 1 is written with the digit that shows it above 1 (and
-     * the figure and its high end with it) */
-    int low_digits = c->speedup_low > 1.0 && c->speedup_low < 1.005 ? 3 : 2;
-
+    tw_result_confirmed_figure(result, figure, sizeof figure);
     if (c->confirmed) {
-        tw_buf_appendf(buf, "kept depth %d: %.*fx faster than untuned, measured busy (other "
+        tw_buf_appendf(buf, "kept depth %d: %s faster than untuned, measured busy (other "
                        "processes took %.0f%% of the CPUs) in %u paired rounds, 99%% interval "
                        "%.*fx to %.*fx; tweak again on a quiet machine for a quiet figure\n",
-                       c->depth, low_digits, c->speedup, share, c->paired_rounds, low_digits,
+                       c->depth, figure, share, c->paired_rounds, low_digits,
                        c->speedup_low, low_digits, c->speedup_high);
     } else {
         tw_buf_appendf(buf, "depth %d was %s the untuned model, measured busy (other processes "
-                       "took %.0f%% of the CPUs) in %u paired rounds (%.2fx, 99%% interval "
-                       "%.2fx to %.2fx): %s\n", c->depth,
+                       "took %.0f%% of the CPUs) in %u paired rounds (%s, 99%% interval "
+                       "%.2fx to %.2fx): %s", c->depth,
                        c->speedup_high < 1.0 ? "slower than" : "within noise of", share,
-                       c->paired_rounds, c->speedup, c->speedup_low, c->speedup_high, untuned);
+                       c->paired_rounds, figure, c->speedup_low, c->speedup_high, untuned);
+        tw_format_wanted(buf, result);
+        tw_buf_appendf(buf, "\n");
     }
 }
 
@@ -630,7 +701,9 @@ static void tw_format_summary(tw_buf *buf, const tw_result *result, const char *
     const tw_stats *tuned = &c->tuned;
     const tw_stats *base = &c->untuned;
     const char *how = "measured side by side";
+    char figure[32];
 
+    tw_result_confirmed_figure(result, figure, sizeof figure);
     if (c->measured && !c->agreed) {
         tw_format_disagreement(buf, result);
         how = c->from_search ? "by the smaller figure, the search's"
@@ -648,16 +721,16 @@ static void tw_format_summary(tw_buf *buf, const tw_result *result, const char *
     } else if (c->measured && c->quality == TW_QUALITY_BUSY) {
         tw_format_busy(buf, result, untuned);
     } else if (c->measured && c->confirmed) {
-        tw_buf_appendf(buf, "kept depth %d: %.2fx faster than untuned, %s "
+        tw_buf_appendf(buf, "kept depth %d: %s faster than untuned, %s "
                        "(%.3f ms, spread %.0f%%, against %.3f ms, spread %.0f%%; %.2fx to "
-                       "%.2fx)\n", c->depth, c->speedup, how, tuned->median_ns / 1e6,
+                       "%.2fx)\n", c->depth, figure, how, tuned->median_ns / 1e6,
                        tuned->spread * 100.0, base->median_ns / 1e6,
                        base->spread * 100.0, c->speedup_low, c->speedup_high);
     } else if (c->measured) {
-        tw_buf_appendf(buf, "depth %d was %s the untuned model, %s (%.2fx, from %.2fx to "
+        tw_buf_appendf(buf, "depth %d was %s the untuned model, %s (%s, from %.2fx to "
                        "%.2fx): %s\n", c->depth,
                        c->speedup_high < 1.0 ? "slower than" : "within noise of", how,
-                       c->speedup, c->speedup_low, c->speedup_high, untuned);
+                       figure, c->speedup_low, c->speedup_high, untuned);
     } else if (result->selected >= 0) {
         row = &result->rows[result->selected].row;
         tw_buf_appendf(buf, "selected depth %d: %.2fx faster than untuned (%.3f ms against "
@@ -724,9 +797,9 @@ char *tw_result_format_as(const tw_result *result, const char *untuned, tw_error
     }
     tw_buf_init(&buf, &result->host);
     tw_buf_appendf(&buf, TW_TABLE_ROW "  %s\n", "", "depth", "modules", "failed",
-                   "latency ms", "spread", "speedup", "status");
+                   "search ms", "spread", "search", "confirmed", "status");
     tw_buf_appendf(&buf, TW_TABLE_ROW "  %s\n", "", "-----", "-------", "------",
-                   "----------", "------", "-------", "------");
+                   "---------", "------", "------", "---------", "------");
     for (i = 0; i < result->row_count; i++) {
         tw_format_depth_row(&buf, result, i);
     }
@@ -736,7 +809,7 @@ char *tw_result_format_as(const tw_result *result, const char *untuned, tw_error
                       result->baseline_measured);
     /* the untuned model wraps nothing: its module columns stay empty */
     tw_buf_appendf(&buf, TW_TABLE_ROW "%s\n", "", "untuned", "-", "-", latency, spread, speedup,
-                   result->baseline_measured ? "" : "  not measured");
+                   "-", result->baseline_measured ? "" : "  not measured");
     tw_format_outcome(&buf, result, untuned);
     text = tw_buf_take(&buf);
     if (text == NULL) {
@@ -895,8 +968,20 @@ static tw_code tw_restore_confirmation(tw_result *result, const tw_result_record
         c->speedup_high = kept->speedup_high;
         c->paired_rounds = kept->paired_rounds;
         c->paired_wins = kept->paired_wins;
+        c->busy_budget_wanted_ns = kept->busy_budget_wanted_ns;
+        c->time_budget_wanted_ns = kept->time_budget_wanted_ns;
+        c->rounds_ran_out = kept->rounds_ran_out != 0;
     }
     tw_confirmation_derive(c, &result->baseline, &row->stats);
+    if (c->confirmed && (c->busy_budget_wanted_ns != 0 || c->time_budget_wanted_ns != 0 ||
+                         c->rounds_ran_out)) {
+        return tw_error_set(err, TW_EINVAL, "the confirmation keeps depth %d and says its rounds "
+                            "ran out undecided", c->depth);
+    }
+    if (c->busy_budget_wanted_ns != 0 && c->time_budget_wanted_ns != 0) {
+        return tw_error_set(err, TW_EINVAL, "the confirmation wants both a busy and a time "
+                            "budget; one budget is in force");
+    }
     if (c->quality != kept->quality) {
         return tw_error_set(err, TW_EINVAL, "the confirmation says its figures were %s; they are "
                             "%s", tw_quality_name(kept->quality), tw_quality_name(c->quality));

@@ -37,6 +37,7 @@ typedef struct tw_search {
     size_t cut_size;
     int entered;          /* enter() was called and leave() not yet */
     int busy;             /* the untuned model was measured on a busy machine */
+    uint64_t reserve_ns;  /* busy: the paired rounds' share of the budget in force */
     uint64_t start;
 } tw_search;
 
@@ -240,17 +241,56 @@ cleanup:
     return rc;
 }
 
+/* 1 when the budget in force is the busy budget: the machine was found busy,
+ * and the busy budget is set and smaller than the time budget (if any). */
+static int tw_busy_in_force(const tw_search *s)
+{
+    uint64_t time = s->cfg->time_budget_ns;
+
+    return s->busy && s->cfg->busy_budget_ns != 0 &&
+           (time == 0 || s->cfg->busy_budget_ns < time);
+}
+
 /* The budget in force: the time budget, and once the machine was found busy,
  * the busy budget too (the smaller of the two). */
+static void tw_budget_in_force(const tw_search *s, tw_budget *budget)
+{
+    budget->start_ns = s->start;
+    budget->ns = tw_busy_in_force(s) ? s->cfg->busy_budget_ns : s->cfg->time_budget_ns;
+}
+
+/* The search's share of the budget in force, which bounds its depths and
+ * variants: all of it, less the paired rounds' share once the machine is busy. */
 static void tw_search_budget(const tw_search *s, tw_budget *budget)
 {
-    uint64_t ns = s->cfg->time_budget_ns;
-
-    if (s->busy && s->cfg->busy_budget_ns != 0 && (ns == 0 || s->cfg->busy_budget_ns < ns)) {
-        ns = s->cfg->busy_budget_ns;
+    tw_budget_in_force(s, budget);
+    if (budget->ns != 0 && s->reserve_ns != 0) {
+        budget->ns = budget->ns > s->reserve_ns ? budget->ns - s->reserve_ns : 1;
     }
-    budget->start_ns = s->start;
-    budget->ns = ns;
+}
+
+/* The paired rounds' share of the budget in force on a busy machine: the time
+ * of TW_BUSY_PAIRS pairs and both runners' warm-up at the untuned model's busy
+ * latency `untuned` (its upper quartile: the load's bursts lengthen rounds; a
+ * pair is two rounds of every sample and the settle calls), at most half the
+ * budget; 0 when no budget bounds them or none can be taken (no deactivate
+ * callback). */
+static uint64_t tw_paired_reserve(const tw_search *s, const tw_stats *untuned)
+{
+    const tw_measure_config *m = &s->cfg->measure;
+    double samples = (double)s->ops->model.n_samples;
+    double calls;
+    double ns;
+    tw_budget budget;
+
+    tw_budget_in_force(s, &budget);
+    if (!s->busy || budget.ns == 0 || s->ops->deactivate == NULL) {
+        return 0;
+    }
+    calls = (double)TW_BUSY_PAIRS * 2.0 * (samples + (double)m->settle) +
+            2.0 * (double)m->warmup_max * samples;
+    ns = calls * (untuned->q75_ns > untuned->median_ns ? untuned->q75_ns : untuned->median_ns);
+    return ns < (double)(budget.ns / 2) ? (uint64_t)ns : budget.ns / 2;
 }
 
 /* Searches the modules of the entered cut that were never tried. A module that
@@ -318,12 +358,31 @@ static void tw_skip_row(tw_search *s, size_t i, const char *msg)
     tw_host_logf(s->host, 1, "depth %d skipped: %s", s->depths[i], msg);
 }
 
+/* What a step of a depth (enter, activate) that returned `step` means: an
+ * interrupt ends the whole search (returned, with err); any other failure
+ * skips the depth's row i with its error (*skipped set). */
+static tw_code tw_depth_step(tw_search *s, size_t i, tw_code step, const char *what,
+                             tw_error *cause, int *skipped, tw_error *err)
+{
+    *skipped = 0;
+    if (step == TW_OK) {
+        return TW_OK;
+    }
+    tw_error_forward(cause, step, cause, what);
+    if (step == TW_EINTERRUPT) {
+        return tw_error_set(err, step, "%s", cause->msg);
+    }
+    tw_skip_row(s, i, cause->msg);
+    *skipped = 1;
+    return TW_OK;
+}
+
 /* One depth: enter, tune, activate, measure, leave. Returns only what ends
- * the whole search; a failing depth is recorded in its row. */
+ * the whole search (then the cut is not left here: tw_tweak_run leaves it); a
+ * failing depth is recorded in its row. */
 static tw_code tw_run_depth(tw_search *s, size_t i, int *measured, tw_error *err)
 {
     tw_code rc = TW_OK;
-    tw_code step;
     tw_row *row = &s->result->rows[i].row;
     tw_error cause;
     size_t k;
@@ -333,19 +392,13 @@ static tw_code tw_run_depth(tw_search *s, size_t i, int *measured, tw_error *err
     for (k = 0; k < s->cut_size; k++) {
         s->tune[k] = s->result->modules[s->nodes[k]] == NULL;
     }
-    step = tw_enter_cut(s, &cause);
-    if (step != TW_OK) {
-        tw_error_forward(&cause, step, &cause, "enter");
-        if (step == TW_EINTERRUPT) {
-            rc = tw_error_set(err, step, "%s", cause.msg);
-            goto cleanup;
-        }
-        tw_skip_row(s, i, cause.msg);
+    rc = tw_depth_step(s, i, tw_enter_cut(s, &cause), "enter", &cause, &failed, err);
+    if (rc != TW_OK || failed) {
         goto leave;
     }
     rc = tw_tune_cut(s, err);
     if (rc != TW_OK) {
-        goto cleanup;
+        goto leave;
     }
     tw_load_cut(s, i);
     if (row->modules > 0 && row->failed == row->modules) {
@@ -353,31 +406,24 @@ static tw_code tw_run_depth(tw_search *s, size_t i, int *measured, tw_error *err
         goto leave;
     }
     tw_error_clear(&cause);
-    step = s->ops->activate(s->ops->ctx, &cause);
-    if (step != TW_OK) {
-        tw_error_forward(&cause, step, &cause, "activate");
-        if (step == TW_EINTERRUPT) {
-            rc = tw_error_set(err, step, "%s", cause.msg);
-            goto cleanup;
-        }
-        tw_skip_row(s, i, cause.msg);
+    rc = tw_depth_step(s, i, s->ops->activate(s->ops->ctx, &cause), "activate", &cause, &failed,
+                       err);
+    if (rc != TW_OK || failed) {
         goto leave;
     }
     rc = tw_measure_model(s, &row->stats, &failed, &cause, err);
-    if (rc != TW_OK) {
-        goto cleanup;
-    }
-    if (failed) {
+    if (rc == TW_OK && failed) {
         tw_skip_row(s, i, cause.msg);
-        goto leave;
+    } else if (rc == TW_OK) {
+        row->state = TW_ROW_MEASURED;
+        *measured = 1;
+        tw_host_logf(s->host, 0, "depth %d: %zu modules, %zu failed, %.3f ms", row->depth,
+                     row->modules, row->failed, row->stats.median_ns / 1e6);
     }
-    row->state = TW_ROW_MEASURED;
-    *measured = 1;
-    tw_host_logf(s->host, 0, "depth %d: %zu modules, %zu failed, %.3f ms", row->depth,
-                 row->modules, row->failed, row->stats.median_ns / 1e6);
 leave:
-    rc = tw_leave_cut(s, row->depth, err);
-cleanup:
+    if (rc == TW_OK) {
+        rc = tw_leave_cut(s, row->depth, err);
+    }
     return rc;
 }
 
@@ -424,6 +470,7 @@ static int tw_load_window(const tw_load *before, const tw_load *after, double *o
 static tw_code tw_measure_baseline(tw_search *s, tw_stats *stats, tw_error *err)
 {
     tw_code rc;
+    int was_busy;
     tw_error cause;
     tw_load before;
     tw_load after;
@@ -446,13 +493,16 @@ static tw_code tw_measure_baseline(tw_search *s, tw_stats *stats, tw_error *err)
         s->result->baseline_others += others;
         s->result->baseline_capacity += capacity;
     }
-    if (!s->busy && tw_result_busy(s->result) && s->cfg->busy_budget_ns != 0) {
+    was_busy = s->busy;
+    s->busy = tw_result_busy(s->result);
+    s->reserve_ns = tw_paired_reserve(s, stats);
+    if (!was_busy && s->busy && s->cfg->busy_budget_ns != 0) {
         tw_host_logf(s->host, 1, "the machine is busy (other processes took %.0f%% of the CPUs "
                      "while the untuned model was measured): figures are measured in paired "
-                     "rounds, and tuning stops at the busy budget (%.0f s)",
-                     tw_result_others_share(s->result) * 100.0, s->cfg->busy_budget_ns / 1e9);
+                     "rounds, and tuning stops at the busy budget (%.0f s), %.1f s of it kept "
+                     "for them", tw_result_others_share(s->result) * 100.0,
+                     s->cfg->busy_budget_ns / 1e9, s->reserve_ns / 1e9);
     }
-    s->busy = tw_result_busy(s->result);
 cleanup:
     return rc;
 }
@@ -563,11 +613,7 @@ static int tw_budget_used(const tw_search *s)
 /* 1 when the busy budget, not the time budget, is what is used up. */
 static int tw_busy_budget_used(const tw_search *s)
 {
-    tw_budget budget;
-
-    budget.start_ns = s->start;
-    budget.ns = s->cfg->time_budget_ns;
-    return tw_budget_used(s) && !tw_budget_spent(s->host, &budget);
+    return tw_budget_used(s) && tw_busy_in_force(s);
 }
 
 /* The two runners of a measurement side by side: the applied cut active and
@@ -613,11 +659,14 @@ static tw_code tw_after_side(tw_search *s, tw_code rc, size_t failed, const tw_e
     return rc;
 }
 
-/* One side-by-side measurement of the applied cut: stats[0] active, stats[1]
- * deactivated. *failed_measure is set (and the error logged) when the model
+/* The applied cut measured against itself deactivated, reading the load
+ * around it: side by side when pcfg is NULL (stats[0] active, stats[1]
+ * deactivated), else in paired rounds (*paired: runner 0 deactivated, runner 1
+ * active). *failed_measure is set (and the error logged) when the model
  * failed; an interrupt or the engine's own failure is returned. */
-static tw_code tw_measure_side_by_side(tw_search *s, int depth, tw_stats *stats,
-                                       int *failed_measure, tw_error *err)
+static tw_code tw_measure_side(tw_search *s, int depth, const tw_paired_config *pcfg,
+                               tw_stats *stats, tw_paired *paired, int *failed_measure,
+                               tw_error *err)
 {
     tw_code rc;
     tw_runner runners[2];
@@ -626,50 +675,82 @@ static tw_code tw_measure_side_by_side(tw_search *s, int depth, tw_stats *stats,
     size_t failed;
 
     *failed_measure = 0;
-    s->result->side_others = 0.0;
-    s->result->side_capacity = 0.0;
+    if (pcfg == NULL) {
+        s->result->side_others = 0.0;
+        s->result->side_capacity = 0.0;
+    }
     rc = tw_read_load(s, &before, err);
     if (rc != TW_OK) {
         return rc;
     }
-    tw_side_runners(s, runners, 1);
+    tw_side_runners(s, runners, pcfg == NULL);
     tw_error_clear(&cause);
-    rc = tw_measure_runners(s->host, runners, 2, &s->cfg->measure, stats, &failed, &cause);
-    return tw_after_side(s, rc, failed, &cause, "", depth, &before, failed_measure, err);
+    rc = pcfg == NULL
+             ? tw_measure_runners(s->host, runners, 2, &s->cfg->measure, stats, &failed, &cause)
+             : tw_measure_pairs(s->host, runners, &s->cfg->measure, pcfg, paired, &failed,
+                                &cause);
+    return tw_after_side(s, rc, failed, &cause, pcfg == NULL ? "" : " in paired rounds", depth,
+                         &before, failed_measure, err);
+}
+
+/* The budget that would buy paired rounds `p` the pairs their interval needs:
+ * at the share of pairs the depth won, the fewest pairs (up to rounds_max)
+ * whose losses, expected and one standard deviation more, stay under the sign
+ * test's rank, at the pace of these (took_ns, warm-up included), started once
+ * the search used `used_ns` of the budget, budget_ns; in whole seconds, rounded
+ * up (to tens from 10 s: it is an estimate, and a user sets it). 0 when they
+ * did not stop for time, leaned no faster (median at most 1), or no number of
+ * pairs would do. */
+static uint64_t tw_budget_wanted(const tw_paired *p, const tw_paired_config *pcfg,
+                                 uint64_t took_ns, uint64_t used_ns, uint64_t budget_ns)
+{
+    double won = p->rounds > 0 ? (double)p->wins / (double)p->rounds : 0.0;
+    double losses;
+    double pace;
+    double seconds;
+    uint32_t n;
+
+    if (p->stopped_by != TW_STOP_TIME || !(p->ratio > 1.0) || p->low > 1.0 || budget_ns == 0) {
+        return 0;
+    }
+    pace = (double)took_ns / (double)p->rounds;
+    for (n = p->rounds + 1; n <= pcfg->rounds_max; n++) {
+        losses = (double)n * (1.0 - won) + sqrt((double)n * won * (1.0 - won));
+        if (losses < (double)tw_sign_rank(n)) {
+            seconds = ceil(((double)(used_ns > budget_ns ? used_ns : budget_ns) + pace * n) / 1e9);
+            seconds = seconds >= 10.0 ? ceil(seconds / 10.0) * 10.0 : seconds;
+            return (uint64_t)(seconds * 1e9);
+        }
+    }
+    return 0;
 }
 
 /* Paired rounds of the applied cut deactivated (runner 0) and active (runner
- * 1), within what is left of the budget in force, reading the load around
- * them; *failed_measure as for tw_measure_side_by_side. */
+ * 1), within what is left of the budget in force or their own share of it
+ * (s->reserve_ns), whichever is longer; *failed_measure as for
+ * tw_measure_side. *wanted: the budget in force that would buy the rounds
+ * (tw_budget_wanted). */
 static tw_code tw_measure_paired_side(tw_search *s, int depth, tw_paired *paired,
-                                      int *failed_measure, tw_error *err)
+                                      uint64_t *wanted, int *failed_measure, tw_error *err)
 {
     tw_code rc;
-    tw_runner runners[2];
     tw_paired_config pcfg;
     tw_budget budget;
-    tw_error cause;
-    tw_load before;
-    uint64_t now;
-    size_t failed;
+    uint64_t start = tw_host_now(s->host);
+    uint64_t used = start - s->start;
 
-    *failed_measure = 0;
+    *wanted = 0;
     tw_paired_config_default(&pcfg);
-    tw_search_budget(s, &budget);
+    tw_budget_in_force(s, &budget);
     if (budget.ns != 0) {
-        now = tw_host_now(s->host);
-        pcfg.time_cap_ns = now - budget.start_ns < budget.ns ? budget.ns - (now - budget.start_ns)
-                                                             : 1;
+        pcfg.time_cap_ns = used < budget.ns ? budget.ns - used : 1;
+        pcfg.time_cap_ns = pcfg.time_cap_ns > s->reserve_ns ? pcfg.time_cap_ns : s->reserve_ns;
     }
-    rc = tw_read_load(s, &before, err);
-    if (rc != TW_OK) {
-        return rc;
+    rc = tw_measure_side(s, depth, &pcfg, NULL, paired, failed_measure, err);
+    if (rc == TW_OK && !*failed_measure) {
+        *wanted = tw_budget_wanted(paired, &pcfg, tw_host_now(s->host) - start, used, budget.ns);
     }
-    tw_side_runners(s, runners, 0);
-    tw_error_clear(&cause);
-    rc = tw_measure_pairs(s->host, runners, &s->cfg->measure, &pcfg, paired, &failed, &cause);
-    return tw_after_side(s, rc, failed, &cause, " in paired rounds", depth, &before,
-                         failed_measure, err);
+    return rc;
 }
 
 /* Fills the confirmation from the last side-by-side measurement and the
@@ -719,15 +800,21 @@ static tw_code tw_settle(tw_search *s, int depth, tw_stats *stats, uint32_t trie
 {
     tw_result *r = s->result;
     tw_paired paired;
+    uint64_t wanted;
     tw_code rc;
 
     if (!s->busy && !tw_result_busy(r)) {
         tw_settle_confirmation(r, stats, tries);
         return TW_OK;
     }
-    rc = tw_measure_paired_side(s, depth, &paired, failed, err);
+    rc = tw_measure_paired_side(s, depth, &paired, &wanted, failed, err);
     if (rc == TW_OK && !*failed) {
         tw_settle_paired(r, &paired, tries + 1);
+        r->confirmation.rounds_ran_out = !r->confirmation.confirmed &&
+                                         paired.stopped_by == TW_STOP_TIME;
+        /* the setting that buys the rounds: the budget that stopped them */
+        *(tw_busy_in_force(s) ? &r->confirmation.busy_budget_wanted_ns
+                              : &r->confirmation.time_budget_wanted_ns) = wanted;
     }
     return rc;
 }
@@ -765,6 +852,32 @@ cleanup:
     return rc;
 }
 
+/* Logs why the confirmed depth is not kept: its paired rounds on a busy
+ * machine, else its side-by-side (or the search's) figure. */
+static void tw_log_not_kept(const tw_search *s, int depth)
+{
+    const tw_confirmation *c = &s->result->confirmation;
+
+    if (c->quality == TW_QUALITY_BUSY) {
+        tw_host_logf(s->host, 1, "depth %d not kept: on a busy machine (other processes took "
+                     "%.0f%% of the CPUs) its %u paired rounds put it at %.2fx, 99%% interval "
+                     "%.2fx to %.2fx, %s; the model stays untuned%s", depth,
+                     tw_result_others_share(s->result) * 100.0, c->paired_rounds, c->speedup,
+                     c->speedup_low, c->speedup_high,
+                     c->speedup_high < 1.0 ? "slower" : "which holds 1",
+                     c->busy_budget_wanted_ns != 0 || c->time_budget_wanted_ns != 0
+                         ? " (its budget ran out first: the result's last line says which "
+                           "setting buys the rounds)"
+                         : "");
+        return;
+    }
+    tw_host_logf(s->host, 1, "depth %d is %s the untuned model %s (%.2fx, %.2fx to %.2fx): the "
+                 "model stays untuned", depth,
+                 c->speedup_high < 1.0 ? "slower than" : "within noise of",
+                 c->from_search ? "in the search" : "side by side", c->speedup,
+                 c->speedup_low, c->speedup_high);
+}
+
 /* Measures the applied cut active and deactivated side by side, holds the
  * figures against the search's (measuring again while they disagree, a
  * bounded number of times), and keeps the cut only when the reported speedup's
@@ -795,7 +908,7 @@ static tw_code tw_confirm_selected(tw_search *s, tw_error *err)
                          row->median_ns / 1e6, r->baseline.median_ns / 1e6, tries + 1,
                          TW_CONFIRM_TRIES);
         }
-        rc = tw_measure_side_by_side(s, depth, stats, &failed, err);
+        rc = tw_measure_side(s, depth, NULL, stats, NULL, &failed, err);
         if (rc != TW_OK) {
             goto cleanup;
         }
@@ -827,21 +940,7 @@ static tw_code tw_confirm_selected(tw_search *s, tw_error *err)
         rc = tw_keep_confirmed(s, depth, err);
         goto cleanup;
     }
-    if (c->quality == TW_QUALITY_BUSY) {
-        tw_host_logf(s->host, 1, "depth %d not kept: on a busy machine (other processes took "
-                     "%.0f%% of the CPUs) its %u paired rounds put it at %.2fx, 99%% interval "
-                     "%.2fx to %.2fx, %s; the model stays untuned", depth,
-                     tw_result_others_share(r) * 100.0, c->paired_rounds, c->speedup,
-                     c->speedup_low, c->speedup_high,
-                     c->speedup_high < 1.0 ? "slower" : "which holds 1");
-        r->selected = -1;
-        goto leave;
-    }
-    tw_host_logf(s->host, 1, "depth %d is %s the untuned model %s (%.2fx, %.2fx to %.2fx): the "
-                 "model stays untuned", depth,
-                 c->speedup_high < 1.0 ? "slower than" : "within noise of",
-                 c->from_search ? "in the search" : "side by side", c->speedup,
-                 c->speedup_low, c->speedup_high);
+    tw_log_not_kept(s, depth);
     r->selected = -1;
 leave:
     rc = tw_leave_cut(s, depth, err);

@@ -40,7 +40,9 @@ typedef struct fake_model {
     int burst_until;
     uint64_t burst_tuned;             /* likewise, the active cut's latency; 0: none */
     double jitter;                    /* each call's latency varies by up to this fraction */
-    uint64_t lcg;                     /* the jitter's random state */
+    int loaded;                       /* each call is slowed as beside other CPU-bound jobs
+                                       * on 2 cores (model_loaded) */
+    uint64_t lcg;                     /* the jitter's and the load's random state */
     tw_code deactivate_rc;
     tw_code enter_rc;
     tw_code activate_rc;
@@ -248,17 +250,34 @@ static inline tw_code model_leave(void *ctx, tw_error *err)
     return TW_OK;
 }
 
-/* `latency` moved by up to +-jitter of itself, from a fixed random sequence. */
+/* The next number of the model's fixed random sequence, in [0, 1). */
+static inline double model_uniform(fake_model *m)
+{
+    m->lcg = m->lcg * 6364136223846793005ULL + 1442695040888963407ULL;
+    return (double)(m->lcg >> 11) / 9007199254740992.0;
+}
+
+/* A call's latency beside two busy loops and one more CPU-bound job on 2
+ * cores: half the calls run unhindered, most others wait for the CPU up to 3
+ * times their own length more, and one in 20 ten times its length (a burst). */
+static inline double model_loaded(fake_model *m, double latency)
+{
+    double u = model_uniform(m);
+
+    return u < 0.5 ? latency : u < 0.95 ? latency * (1.0 + 3.0 * model_uniform(m))
+                                        : latency * 10.0;
+}
+
+/* `latency` moved by up to +-jitter of itself, then slowed by the load when
+ * the model is loaded, from a fixed random sequence. */
 static inline uint64_t model_jittered(fake_model *m, uint64_t latency)
 {
-    double u;
+    double value = (double)latency;
 
-    if (m->jitter == 0.0) {
-        return latency;
+    if (m->jitter != 0.0) {
+        value *= 1.0 + m->jitter * (2.0 * model_uniform(m) - 1.0);
     }
-    m->lcg = m->lcg * 6364136223846793005ULL + 1442695040888963407ULL;
-    u = (double)(m->lcg >> 11) / 9007199254740992.0; /* [0, 1) */
-    return (uint64_t)((double)latency * (1.0 + m->jitter * (2.0 * u - 1.0)));
+    return (uint64_t)(m->loaded ? model_loaded(m, value) : value);
 }
 
 static inline tw_code model_run(void *ctx, size_t sample, tw_error *err)

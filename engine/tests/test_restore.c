@@ -88,8 +88,36 @@ static void restore_one(uint64_t wrapped, int deactivate, double share, uint64_t
     fake_model_teardown(&m, result);
 }
 
+/* Busy rounds that leaned faster but ran out of the busy budget: the budget
+ * that buys them is kept, and the verdict names it again. */
+static void restore_budget_wanted(void)
+{
+    fake_model m;
+    tw_tweak_config cfg = fake_model_config();
+    tw_tweak_ops ops;
+    tw_result *result = NULL;
+    tw_confirmation c;
+
+    fake_model_setup(&m);
+    cfg.busy_budget_ns = 60000;
+    m.loaded = 1;
+    m.lcg = 3;
+    m.load_known = 1;
+    m.search_share = m.side_share = 0.7;
+    m.wrapped_latency = 1000;
+    m.depth_latency[0] = m.depth_latency[1] = m.depth_latency[2] = 650;
+    ops = fake_model_ops(&m);
+    ops.deactivate = model_deactivate;
+    CHECK_INT(tw_tweak_run(&m.host, m.tree, &cfg, &ops, &result, NULL), TW_OK);
+    tw_result_confirmation(result, &c);
+    CHECK(!c.confirmed && c.busy_budget_wanted_ns > 0 && c.rounds_ran_out);
+    check_same_restored(&m, result);
+    fake_model_teardown(&m, result);
+}
+
 static void test_every_kind_of_result_reads_the_same_restored(void)
 {
+    restore_budget_wanted();
     restore_one(0, 0, 0.0, 0, TW_OK);            /* selected, no confirmation */
     restore_one(0, 0, 0.0, 0, TW_ECALLBACK);     /* a skipped row and its error */
     restore_one(1000, 1, 0.0, 0, TW_OK);         /* confirmed side by side */
@@ -191,6 +219,10 @@ static void test_forged_numbers_are_refused(void)
     k.record.confirmation.speedup_low = 50.0;
     k.record.confirmation.speedup_high = 60.0;
     check_refused(&k, "the busy figure 42x");
+    kept_setup(&k);
+    k.record.confirmation.quality = TW_QUALITY_BUSY;
+    k.record.confirmation.busy_budget_wanted_ns = 10000000000ull; /* for a depth it keeps */
+    check_refused(&k, "keeps depth 2 and says its rounds ran out undecided");
     kept_setup(&k);
     k.record.confirmation.quality = TW_QUALITY_BUSY;
     k.record.confirmation.paired_rounds = 3;

@@ -57,12 +57,12 @@ static void test_table(void)
     if (text != NULL) {
         printf("%s\n", text);
     }
-    CHECK_HAS(text, "depth  modules  failed  latency ms  spread  speedup  status");
+    CHECK_HAS(text, "depth  modules  failed  search ms  spread  search  confirmed  status");
     CHECK(find_line(text, "        0", line, sizeof line) != NULL);
     CHECK_HAS(line, "1.234");
     CHECK_HAS(line, "1.05x");
     CHECK(strchr(line, '>') == NULL);
-    CHECK_LINE(text, ">       1", "      3       0       0.987      0%    1.31x  selected");
+    CHECK_LINE(text, ">       1", "      3       0      0.987      0%   1.31x          -  selected");
     CHECK_LINE(text, "        2", "skipped: model broke at depth 2");
     CHECK(find_line(text, "  untuned", line, sizeof line) != NULL);
     CHECK_HAS(line, "1.293");
@@ -170,8 +170,8 @@ static void test_dry_run_table(void)
     if (text != NULL) {
         printf("%s\n", text);
     }
-    CHECK_LINE(text, "        0", "      1       -           -       -        -  dry run");
-    CHECK_LINE(text, "        2", "      3       -           -       -        -  dry run");
+    CHECK_LINE(text, "        0", "      1       -          -       -       -          -  dry run");
+    CHECK_LINE(text, "        2", "      3       -          -       -       -          -  dry run");
     CHECK_LINE(text, "  untuned", "not measured");
     CHECK_HAS(text, "dry run: nothing was built or measured");
     tw_free(text);

@@ -1296,6 +1296,279 @@ static void test_config_check(void)
     CHECK_INT(tw_tweak_config_check(&cfg, &err), TW_OK);
 }
 
+/* ------------------------------------------- the tables agree with their verdicts */
+
+/* The confirmed column of the row of `text` that starts with `start` (">" for
+ * the selected row), trimmed, into out: the table's columns are fixed (marker
+ * and depth 9 characters, then modules 7, failed 6, search ms 9, spread 6,
+ * search 6 and confirmed 9, two spaces apart). "" when there is no such row. */
+static const char *confirmed_column(const char *text, const char *start, char *out, size_t size)
+{
+    const char *at = text;
+    size_t n = 0;
+    size_t k;
+
+    out[0] = '\0';
+    while (at != NULL && *at != '\0' && strncmp(at, start, strlen(start)) != 0) {
+        at = strchr(at, '\n');
+        at = at != NULL ? at + 1 : NULL;
+    }
+    if (at == NULL || *at == '\0' || strcspn(at, "\n") < 64) {
+        return out;
+    }
+    for (k = 55; k < 64 && n + 1 < size; k++) {
+        if (at[k] != ' ') {
+            out[n++] = at[k];
+        }
+    }
+    out[n] = '\0';
+    return out;
+}
+
+/* The line of the table that gives the verdict: the first that starts "kept
+ * depth" or "depth N was" (notes on the machine may follow it). */
+static const char *verdict_line(const char *text)
+{
+    const char *at = text;
+    int depth;
+    char word[8];
+
+    while (at != NULL && *at != '\0') {
+        if (strncmp(at, "kept depth ", 11) == 0 ||
+            (sscanf(at, "depth %d %7s", &depth, word) == 2 && strcmp(word, "was") == 0)) {
+            return at;
+        }
+        at = strchr(at, '\n');
+        at = at != NULL ? at + 1 : NULL;
+    }
+    return "";
+}
+
+/* Whether the first line of `text` holds `part`. */
+static int first_line_has(const char *text, const char *part)
+{
+    const char *at = strstr(text, part);
+
+    return at != NULL && at < text + strcspn(text, "\n");
+}
+
+/* The confirmation's figure as every place writes it (the busy keep just
+ * above 1 with three digits, else two). */
+static void confirmed_figure(const tw_confirmation *c, char *out, size_t size)
+{
+    int digits = c->quality == TW_QUALITY_BUSY && c->confirmed && c->speedup_low > 1.0 &&
+                 c->speedup_low < 1.005 ? 3 : 2;
+
+    snprintf(out, size, "%.*fx", digits, c->speedup);
+}
+
+/* The table of `result` agrees with its verdict: the row of the depth that was
+ * confirmed (the selected one when kept) shows in its confirmed column the
+ * figure the last line gives, the confirmation's; the search's columns are
+ * the search's own (baseline over the row). */
+static void check_table_agrees(const tw_result *result, const char *text)
+{
+    tw_confirmation c;
+    tw_row row;
+    char start[16];
+    char column[32];
+    char figure[32];
+    char search[32];
+    long selected = tw_result_selected(result);
+    tw_stats base;
+
+    tw_result_confirmation(result, &c);
+    tw_result_baseline(result, &base, NULL);
+    CHECK(c.measured);
+    confirmed_figure(&c, figure, sizeof figure);
+    snprintf(start, sizeof start, "%s%7d", selected >= 0 ? "> " : "  ", c.depth);
+    CHECK_STR(confirmed_column(text, start, column, sizeof column), figure);
+    CHECK(first_line_has(verdict_line(text), figure));
+    if (selected >= 0) {
+        row = fake_model_row(result, (size_t)selected);
+        CHECK_INT(row.depth, c.depth);
+        snprintf(search, sizeof search, "%.2fx", base.median_ns / row.stats.median_ns);
+        snprintf(start, sizeof start, "> %7d", c.depth);
+        CHECK_HAS(text, start);
+        CHECK(strstr(text, search) != NULL); /* the search's own figure, in its column */
+    }
+}
+
+/* Quiet: the search put depth 2 at 1.43x, side by side it was 1.36x (within the
+ * agreement margin): the selected row's confirmed column, the last line and
+ * the confirmation say 1.36x; its search column says 1.43x, under "search".
+ * Busy: the paired rounds' figure, the same way. */
+static void test_tables_agree_with_their_verdicts(void)
+{
+    fake_model m;
+    tw_result *result;
+    tw_confirmation c;
+    char *text;
+    int busy;
+
+    for (busy = 0; busy < 2; busy++) {
+        fake_model_setup(&m);
+        m.wrapped_latency = 950;
+        m.load_known = busy;
+        m.search_share = m.side_share = busy ? 0.7 : 0.0;
+        m.jitter = busy ? 0.2 : 0.0;
+        m.lcg = 11;
+        result = run_confirmed(&m, &c, &text);
+        CHECK(text != NULL && c.confirmed);
+        CHECK_INT(c.quality, busy ? TW_QUALITY_BUSY : TW_QUALITY_CONSISTENT);
+        CHECK_HAS(text, "depth  modules  failed  search ms  spread  search  confirmed  status");
+        if (!busy) {
+            CHECK_HAS(text, "1.43x      1.36x  selected, measured side by side");
+            CHECK_HAS(verdict_line(text), "kept depth 2: 1.36x faster than untuned");
+        }
+        check_table_agrees(result, text);
+        tw_free(text);
+        fake_model_teardown(&m, result);
+    }
+    /* not kept: the row of the depth confirmed says the figure of the last line */
+    fake_model_setup(&m);
+    m.wrapped_latency = 700;
+    result = run_confirmed(&m, &c, &text);
+    CHECK(text != NULL && !c.confirmed && tw_result_selected(result) < 0);
+    check_table_agrees(result, text);
+    CHECK_HAS(text, "1.00x  within noise side by side");
+    tw_free(text);
+    fake_model_teardown(&m, result);
+}
+
+/* ------------------------------------------- a busy machine reaches a verdict */
+
+/* The README quick start's and the example's kind of model on a busy machine:
+ * depth 0 (the whole model compiled) 1.54x faster than untuned, depth 1 1.25x,
+ * depth 2 1.18x; builds that take most of the busy budget (depth 0 a third of
+ * it, depth 1 a third, depth 2 a third), and every call slowed as beside two
+ * busy loops and one more CPU-bound job (model_loaded). */
+static tw_code run_busy_search(fake_model *m, uint64_t seed, uint64_t busy_budget,
+                               tw_result **result)
+{
+    tw_tweak_config cfg = fake_model_config();
+    tw_tweak_ops ops;
+
+    fake_model_setup(m);
+    tw_measure_config_default(&cfg.measure); /* as a user's tweak measures */
+    cfg.busy_budget_ns = busy_budget;
+    m->loaded = 1;
+    m->lcg = seed;
+    m->load_known = 1;
+    m->search_share = m->side_share = 0.7;
+    m->wrapped_latency = 1000;
+    m->depth_latency[0] = 650;
+    m->depth_latency[1] = 800;
+    m->depth_latency[2] = 850;
+    m->tune_cost[ROOT] = busy_budget / 3;
+    m->tune_cost[L0] = m->tune_cost[L1] = m->tune_cost[HEAD] = busy_budget / 9;
+    m->tune_cost[L0_MLP] = m->tune_cost[L1_MLP] = busy_budget / 6;
+    ops = fake_model_ops(m);
+    ops.deactivate = model_deactivate;
+    return tw_tweak_run(&m->host, m->tree, &cfg, &ops, result, NULL);
+}
+
+/* Before the budget was split, the builds took the whole busy budget, the
+ * paired rounds got their 10 pairs only, and with a quarter of the pairs
+ * spoilt by the load their 99 % interval (the smallest to the largest pair)
+ * held 1: nothing was kept. Now the paired rounds keep their share: the
+ * faster depth is kept in at least 4 of 5 seeded runs. */
+static void test_busy_machine_keeps_the_faster_depth(void)
+{
+    fake_model m;
+    tw_result *result = NULL;
+    tw_confirmation c;
+    char *text;
+    uint64_t seed;
+    int kept = 0;
+
+    for (seed = 1; seed <= 5; seed++) {
+        CHECK_INT(run_busy_search(&m, seed, 4000000, &result), TW_OK);
+        tw_result_confirmation(result, &c);
+        text = tw_result_format(result, NULL);
+        CHECK(text != NULL && tw_result_busy(result) && c.quality == TW_QUALITY_BUSY);
+        if (c.confirmed && c.depth == 0) {
+            kept++;
+            CHECK(m.entered && m.active);
+            check_table_agrees(result, text);
+        }
+        tw_free(text);
+        fake_model_teardown(&m, result);
+    }
+    CHECK(kept >= 4);
+}
+
+/* Paired rounds that lean faster but ran out of their budget name the one
+ * setting that buys the rounds (busy_budget=N), and that budget buys them. */
+static void test_busy_verdict_names_the_budget_that_buys_it(void)
+{
+    fake_model m;
+    tw_tweak_config cfg;
+    tw_tweak_ops ops;
+    tw_result *result = NULL;
+    tw_confirmation c;
+    char *text;
+    char wanted[64];
+    int k;
+
+    for (k = 0; k < 2; k++) {
+        fake_model_setup(&m);
+        cfg = fake_model_config();
+        cfg.busy_budget_ns = k == 0 ? 60000 : c.busy_budget_wanted_ns;
+        m.loaded = 1;
+        m.lcg = 3;
+        m.load_known = 1;
+        m.search_share = m.side_share = 0.7;
+        m.wrapped_latency = 1000;
+        m.depth_latency[0] = m.depth_latency[1] = m.depth_latency[2] = 650;
+        ops = fake_model_ops(&m);
+        ops.deactivate = model_deactivate;
+        CHECK_INT(tw_tweak_run(&m.host, m.tree, &cfg, &ops, &result, NULL), TW_OK);
+        tw_result_confirmation(result, &c);
+        text = tw_result_format(result, NULL);
+        CHECK(text != NULL && c.quality == TW_QUALITY_BUSY);
+        if (k == 0) {
+            CHECK(!c.confirmed && c.speedup > 1.0 && c.paired_rounds == 10);
+            CHECK(c.busy_budget_wanted_ns > cfg.busy_budget_ns && c.time_budget_wanted_ns == 0);
+            CHECK(c.busy_budget_wanted_ns % 1000000000u == 0);
+            snprintf(wanted, sizeof wanted, "busy_budget=%.0f buys them\n",
+                     c.busy_budget_wanted_ns / 1e9);
+            CHECK_HAS(verdict_line(text), "the busy budget (6e-05 s) ran out before the rounds "
+                                          "could decide: ");
+            CHECK_HAS(verdict_line(text), wanted);
+            CHECK(strstr(text, "rounds_max") == NULL);
+            CHECK(!m.entered && !m.active);
+        } else {
+            CHECK(c.confirmed && c.paired_rounds > 10 && c.busy_budget_wanted_ns == 0);
+            CHECK(strstr(text, "busy_budget=") == NULL);
+        }
+        tw_free(text);
+        fake_model_teardown(&m, result);
+    }
+    /* a gain so small that at this load no number of pairs up to 400 would decide it: no
+     * setting is named, and the verdict says so */
+    fake_model_setup(&m);
+    cfg = fake_model_config();
+    cfg.busy_budget_ns = 2000000; /* about 100 pairs: enough to judge their share won */
+    m.loaded = 1;
+    m.lcg = 1;
+    m.load_known = 1;
+    m.search_share = m.side_share = 0.7;
+    m.wrapped_latency = 1000;
+    m.depth_latency[0] = m.depth_latency[1] = m.depth_latency[2] = 900; /* 1.11x, 45% of pairs lost */
+    ops = fake_model_ops(&m);
+    ops.deactivate = model_deactivate;
+    CHECK_INT(tw_tweak_run(&m.host, m.tree, &cfg, &ops, &result, NULL), TW_OK);
+    tw_result_confirmation(result, &c);
+    text = tw_result_format(result, NULL);
+    CHECK(text != NULL && !c.confirmed && c.rounds_ran_out && c.speedup > 1.0);
+    CHECK(c.busy_budget_wanted_ns == 0 && strstr(text, "busy_budget=") == NULL);
+    CHECK_HAS(verdict_line(text), "its rounds ran out of time, and at this load no budget buys "
+                                  "enough of them (it won ");
+    tw_free(text);
+    fake_model_teardown(&m, result);
+}
+
 int main(void)
 {
     test_result_model();
@@ -1336,5 +1609,8 @@ int main(void)
     test_interrupt_while_reading_load();
     test_short_windows_are_judged_together_or_not_at_all();
     test_busy_untuned_measurement_is_named();
+    test_tables_agree_with_their_verdicts();
+    test_busy_machine_keeps_the_faster_depth();
+    test_busy_verdict_names_the_budget_that_buys_it();
     return CHECK_SUMMARY("test_tweak");
 }

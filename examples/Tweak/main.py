@@ -32,10 +32,16 @@ def main() -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--max-depth", type=int, help="the deepest cut to try (default: tt.tweak's)")
     parser.add_argument("--time-budget", type=float, help="seconds; no new depth starts after it (default: none)")
+    parser.add_argument("--busy-budget", type=float, default=120.0, metavar="SECONDS",
+                        help="tt.tweak's busy_budget=: on a busy machine (others taking over a quarter of the "
+                             "CPUs), the seconds tuning and its paired rounds may take (default %(default).0f); "
+                             "when the result says busy_budget=N buys the rounds, pass --busy-budget N")
     parser.add_argument("--batch", type=int, help="sequences per call (default: 8 on the GPU, 1 on the CPU)")
     args = parser.parse_args()
     if args.batch is not None and args.batch < 1:
         parser.error(f"--batch must be 1 or more sequences per call, not {args.batch}")
+    if not args.busy_budget >= 0:
+        parser.error(f"--busy-budget must be 0 or more seconds, not {args.busy_budget}")
     batch = args.batch or (1 if args.device == "cpu" else 8)
 
     model = encoder.build(args.device)
@@ -52,7 +58,7 @@ def main() -> int:
 
     depth = {} if args.max_depth is None else {"max_depth": args.max_depth}
     start = time.perf_counter()
-    result = tt.tweak(model, dataset, time_budget=args.time_budget, **depth)
+    result = tt.tweak(model, dataset, time_budget=args.time_budget, busy_budget=args.busy_budget, **depth)
     print(f"\nTweak took {time.perf_counter() - start:.1f} s")
     print(result)
     if not result.kept:

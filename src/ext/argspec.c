@@ -527,6 +527,20 @@ tt_spec_match(TtState *st, const TtArgSpec *spec, PyObject *arg)
 }
 
 
+/* a == b as Python says, for tt_spec_overlap: 1 or 0; when they cannot be
+ * compared (== raised), 1: a call might fit both. */
+static int
+tt_equal_or_unsure(PyObject *a, PyObject *b)
+{
+    int rc = PyObject_RichCompareBool(a, b, Py_EQ);
+
+    if (rc < 0) {
+        PyErr_Clear();
+        return 1;
+    }
+    return rc;
+}
+
 /* Whether some call could fit both specs (1) or surely not (0). Used once per
  * _tt_set_entries, so it may be slow; when unsure it says 1. */
 int
@@ -546,12 +560,7 @@ tt_spec_overlap(const TtArgSpec *a, const TtArgSpec *b)
         for (i = 0; i < a->ndim; i++)
             if (a->shape[i] >= 0 && b->shape[i] >= 0 && a->shape[i] != b->shape[i])
                 return 0;
-        rc = PyObject_RichCompareBool(a->device, b->device, Py_EQ);
-        if (rc < 0) {
-            PyErr_Clear();
-            return 1;
-        }
-        return rc;
+        return tt_equal_or_unsure(a->device, b->device);
     case TT_ARG_SEQ:
         if (a->value != b->value || a->ndim != b->ndim)
             return 0;
@@ -560,23 +569,13 @@ tt_spec_overlap(const TtArgSpec *a, const TtArgSpec *b)
                 return 0;
         return 1;
     case TT_ARG_KEYED:
-        rc = PyObject_RichCompareBool(a->value, b->value, Py_EQ);
-        if (rc < 0) {
-            PyErr_Clear();
-            return 1;
-        }
-        return rc;
+        return tt_equal_or_unsure(a->value, b->value);
     default:
         if (a->value == b->value)
             return 1;
         if (Py_TYPE(a->value) != Py_TYPE(b->value))
             return 0;
-        rc = PyObject_RichCompareBool(a->value, b->value, Py_EQ);
-        if (rc < 0) {
-            PyErr_Clear();
-            return 1;
-        }
-        return rc;
+        return tt_equal_or_unsure(a->value, b->value);
     }
 }
 

@@ -8,6 +8,7 @@
 #include "record.h"
 
 #include "call.h"
+#include "config.h"
 #include "result.h"
 
 #include <limits.h>
@@ -203,6 +204,32 @@ tt_row_read(PyObject *d, tw_row *row)
     return 0;
 }
 
+/* A busy confirmation's budgets wanted (seconds, as the getter gives them) and
+ * whether its rounds ran out. */
+static int
+tt_wanted_read(PyObject *d, tw_confirmation *c)
+{
+    const char *where = "the confirmation";
+    PyObject *busy, *time, *ran_out; /* borrowed */
+
+    if ((busy = tt_item(d, where, "busy_budget_wanted")) == NULL ||
+        (time = tt_item(d, where, "time_budget_wanted")) == NULL ||
+        (ran_out = tt_item(d, where, "rounds_ran_out")) == NULL)
+        return -1;
+    if (PyBool_Check(busy) || PyBool_Check(time) || !PyBool_Check(ran_out)) {
+        PyErr_SetString(PyExc_TypeError, "the confirmation's budgets wanted are seconds, and "
+                        "rounds_ran_out a bool");
+        return -1;
+    }
+    if (tt_seconds_to_ns(busy, "the confirmation's busy_budget_wanted",
+                         &c->busy_budget_wanted_ns) < 0 ||
+        tt_seconds_to_ns(time, "the confirmation's time_budget_wanted",
+                         &c->time_budget_wanted_ns) < 0)
+        return -1;
+    c->rounds_ran_out = ran_out == Py_True;
+    return 0;
+}
+
 /* The confirmation dict (the confirmation getter's form), or None. */
 static int
 tt_confirmation_read(PyObject *d, tw_confirmation *c)
@@ -231,7 +258,8 @@ tt_confirmation_read(PyObject *d, tw_confirmation *c)
         return -1;
     }
     c->others_share = -1.0;
-    if (share != Py_None && tt_number(d, where, "others_share", &c->others_share) < 0)
+    if ((share != Py_None && tt_number(d, where, "others_share", &c->others_share) < 0) ||
+        tt_wanted_read(d, c) < 0)
         return -1;
     c->measured = 1;
     c->depth = (int)depth;

@@ -122,6 +122,7 @@ static PyObject *
 tt_result_get_confirmation(TtResult *self, void *closure)
 {
     tw_confirmation c;
+    char figure[32];
     PyObject *tuned = NULL, *untuned = NULL, *share = NULL; /* new references */
     PyObject *result = NULL;
 
@@ -133,7 +134,9 @@ tt_result_get_confirmation(TtResult *self, void *closure)
         (untuned = tt_stats_to_dict(&c.untuned)) == NULL ||
         (share = c.others_share < 0.0 ? Py_NewRef(Py_None) : PyFloat_FromDouble(c.others_share)) == NULL)
         goto cleanup;
-    result = Py_BuildValue("{s:i,s:O,s:O,s:O,s:d,s:d,s:d,s:s,s:I,s:O,s:d,s:d,s:O,s:O,s:I,s:I}", "depth",
+    tw_result_confirmed_figure(self->result, figure, sizeof(figure));
+    result = Py_BuildValue("{s:i,s:O,s:O,s:O,s:d,s:d,s:d,s:s,s:I,s:O,s:d,s:d,s:O,s:O,s:I,s:I,s:d,"
+                           "s:d,s:O,s:s}", "depth",
                            c.depth, "confirmed", c.confirmed ? Py_True : Py_False, "tuned", tuned,
                            "untuned", untuned, "speedup", c.speedup, "speedup_low",
                            c.speedup_low, "speedup_high", c.speedup_high, "quality",
@@ -142,7 +145,10 @@ tt_result_get_confirmation(TtResult *self, void *closure)
                            c.side_speedup, "search_speedup", c.search_speedup, "agreed",
                            c.agreed ? Py_True : Py_False, "others_share", share,
                            "paired_rounds", (unsigned int)c.paired_rounds, "paired_wins",
-                           (unsigned int)c.paired_wins);
+                           (unsigned int)c.paired_wins, "busy_budget_wanted",
+                           (double)c.busy_budget_wanted_ns / 1e9, "time_budget_wanted",
+                           (double)c.time_budget_wanted_ns / 1e9, "rounds_ran_out",
+                           c.rounds_ran_out ? Py_True : Py_False, "figure", figure);
 cleanup:
     Py_XDECREF(tuned);
     Py_XDECREF(untuned);
@@ -450,14 +456,19 @@ static PyGetSetDef tt_result_getset[] = {
     {"confirmation", (getter)tt_result_get_confirmation, NULL,
      "The kept depth measured side by side with the untuned model: a dict (depth, confirmed, "
      "tuned, untuned, speedup, speedup_low, speedup_high, quality, tries, from_search, "
-     "side_speedup, search_speedup, agreed, others_share, paired_rounds, paired_wins), or None "
+     "side_speedup, search_speedup, agreed, others_share, paired_rounds, paired_wins, "
+     "busy_budget_wanted, time_budget_wanted, rounds_ran_out, figure), or None "
      "when none was measured. "
      "speedup is the figure reported: side by side, or the smaller of it and the search's when "
      "they disagree, or on a busy machine (quality \"busy\") the median ratio of paired "
      "rounds, speedup_low and speedup_high its 99 % interval; others_share: what other "
      "processes took of the CPUs during the last side-by-side measurement or the paired rounds "
      "(None: unknown); paired_rounds, paired_wins: on a busy machine, the pairs measured and "
-     "those the depth won (else 0).",
+     "those the depth won (else 0); busy_budget_wanted, time_budget_wanted: on a busy machine "
+     "whose paired rounds leaned faster but ran out of the budget in force before they could "
+     "decide, the busy_budget (or time_budget) in seconds that buys the rounds (else 0); "
+     "rounds_ran_out: those rounds stopped at their time cap undecided; "
+     "figure: speedup as the table's confirmed column and its last line write it (\"1.54x\").",
      NULL},
     {"quality", (getter)tt_result_get_quality, NULL,
      "How the side-by-side figures held against the search's: \"consistent\", "

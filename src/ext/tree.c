@@ -170,41 +170,19 @@ cleanup:
     return result;
 }
 
-static PyObject *
-tt_tree_path(TtTree *self, PyObject *arg)
-{
-    return tt_tree_node_field(self, arg, TT_NODE_PATH);
-}
-
-static PyObject *
-tt_tree_depth(TtTree *self, PyObject *arg)
-{
-    return tt_tree_node_field(self, arg, TT_NODE_DEPTH);
-}
-
-static PyObject *
-tt_tree_parent(TtTree *self, PyObject *arg)
-{
-    return tt_tree_node_field(self, arg, TT_NODE_PARENT);
-}
-
-static PyObject *
-tt_tree_child_count(TtTree *self, PyObject *arg)
-{
-    return tt_tree_node_field(self, arg, TT_NODE_CHILD_COUNT);
-}
-
-static PyObject *
-tt_tree_calls(TtTree *self, PyObject *arg)
-{
-    return tt_tree_node_field(self, arg, TT_NODE_CALLS);
-}
-
-static PyObject *
-tt_tree_time_ns(TtTree *self, PyObject *arg)
-{
-    return tt_tree_node_field(self, arg, TT_NODE_TIME_NS);
-}
+/* Tree's per-node getters, each tt_tree_node_field of its field. */
+#define TT_NODE_GETTER(name, what)                                                          \
+    static PyObject *tt_tree_##name(TtTree *self, PyObject *arg)                            \
+    {                                                                                       \
+        return tt_tree_node_field(self, arg, what);                                         \
+    }
+TT_NODE_GETTER(path, TT_NODE_PATH)
+TT_NODE_GETTER(depth, TT_NODE_DEPTH)
+TT_NODE_GETTER(parent, TT_NODE_PARENT)
+TT_NODE_GETTER(child_count, TT_NODE_CHILD_COUNT)
+TT_NODE_GETTER(calls, TT_NODE_CALLS)
+TT_NODE_GETTER(time_ns, TT_NODE_TIME_NS)
+#undef TT_NODE_GETTER
 
 static PyObject *
 tt_tree_find(TtTree *self, PyObject *arg)
@@ -224,13 +202,45 @@ tt_tree_find(TtTree *self, PyObject *arg)
     return PyLong_FromLong(tw_tree_find(self->tree, path));
 }
 
+/* The `count` numbers the engine wrote into `out` (size_t when `nodes`, else
+ * int depths) as a list, once `count` is checked against the `cap` it was
+ * given. New reference; NULL with an exception. */
+static PyObject *
+tt_tree_list(TtState *st, const void *out, size_t count, size_t cap, int nodes,
+             const char *what)
+{
+    PyObject *list = NULL;
+    PyObject *result = NULL;
+    PyObject *v;
+    size_t i;
+
+    if (count > cap) {
+        PyErr_Format(st->EngineError, "%s: the engine returned more %s than the tree has", what,
+                     nodes ? "nodes" : "depths");
+        goto cleanup;
+    }
+    if ((list = PyList_New((Py_ssize_t)count)) == NULL)
+        goto cleanup;
+    for (i = 0; i < count; i++) {
+        v = nodes ? PyLong_FromSize_t(((const size_t *)out)[i])
+                  : PyLong_FromLong(((const int *)out)[i]);
+        if (v == NULL)
+            goto cleanup;
+        PyList_SET_ITEM(list, (Py_ssize_t)i, v);
+    }
+    result = list;
+    list = NULL;
+cleanup:
+    Py_XDECREF(list);
+    return result;
+}
+
 static PyObject *
 tt_tree_cut(TtTree *self, PyObject *arg)
 {
     TtState *st = (TtState *)PyType_GetModuleState(Py_TYPE(self));
-    size_t cap = tw_tree_size(self->tree) + 1, count = 0, i;
+    size_t cap = tw_tree_size(self->tree) + 1, count = 0;
     size_t *out = NULL;
-    PyObject *list = NULL;
     PyObject *result = NULL;
     long depth;
     tw_error err;
@@ -254,23 +264,9 @@ tt_tree_cut(TtTree *self, PyObject *arg)
         tt_raise_code(st, code, err.msg, NULL);
         goto cleanup;
     }
-    if (count > cap) {
-        PyErr_SetString(st->EngineError, "cut: the engine returned more nodes than the tree has");
-        goto cleanup;
-    }
-    if ((list = PyList_New((Py_ssize_t)count)) == NULL)
-        goto cleanup;
-    for (i = 0; i < count; i++) {
-        PyObject *v = PyLong_FromSize_t(out[i]);
-        if (v == NULL)
-            goto cleanup;
-        PyList_SET_ITEM(list, (Py_ssize_t)i, v);
-    }
-    result = list;
-    list = NULL;
+    result = tt_tree_list(st, out, count, cap, 1, "cut");
 cleanup:
     PyMem_Free(out);
-    Py_XDECREF(list);
     return result;
 }
 
@@ -280,9 +276,8 @@ tt_tree_distinct_depths(TtTree *self, PyObject *args, PyObject *kwargs)
     static char *kwlist[] = {"min_depth", "max_depth", NULL};
     TtState *st = (TtState *)PyType_GetModuleState(Py_TYPE(self));
     int min_depth = 0, max_depth = -1;
-    size_t cap, count = 0, i;
+    size_t cap, count = 0;
     int *out = NULL;
-    PyObject *list = NULL;
     PyObject *result = NULL;
     tw_error err;
     tw_code code;
@@ -302,24 +297,9 @@ tt_tree_distinct_depths(TtTree *self, PyObject *args, PyObject *kwargs)
         tt_raise_code(st, code, err.msg, NULL);
         goto cleanup;
     }
-    if (count > cap) {
-        PyErr_SetString(st->EngineError,
-                        "distinct_depths: the engine returned more depths than the tree has");
-        goto cleanup;
-    }
-    if ((list = PyList_New((Py_ssize_t)count)) == NULL)
-        goto cleanup;
-    for (i = 0; i < count; i++) {
-        PyObject *v = PyLong_FromLong(out[i]);
-        if (v == NULL)
-            goto cleanup;
-        PyList_SET_ITEM(list, (Py_ssize_t)i, v);
-    }
-    result = list;
-    list = NULL;
+    result = tt_tree_list(st, out, count, cap, 0, "distinct_depths");
 cleanup:
     PyMem_Free(out);
-    Py_XDECREF(list);
     return result;
 }
 

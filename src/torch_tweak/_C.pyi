@@ -148,11 +148,17 @@ class Result:
         """The kept depth measured side by side with the untuned model: {"depth",
         "confirmed", "tuned": Stats, "untuned": Stats, "speedup", "speedup_low",
         "speedup_high", "quality", "tries", "from_search", "side_speedup",
-        "search_speedup", "agreed", "others_share", "paired_rounds", "paired_wins"}; None when
-        none was measured. "speedup" is the figure reported: side by side, or the smaller of it
-        and the search's when they disagree ("from_search" when that is the search's), or on a
-        busy machine (quality "busy") the median ratio of paired rounds with its 99 % interval
-        ("speedup_low", "speedup_high"), measured busy."""
+        "search_speedup", "agreed", "others_share", "paired_rounds", "paired_wins",
+        "busy_budget_wanted", "time_budget_wanted", "rounds_ran_out", "figure"}; None when none was
+        measured. "speedup" is
+        the figure reported: side by side, or the smaller of it and the search's when they
+        disagree ("from_search" when that is the search's), or on a busy machine (quality
+        "busy") the median ratio of paired rounds with its 99 % interval ("speedup_low",
+        "speedup_high"), measured busy; "busy_budget_wanted" (or "time_budget_wanted"): when
+        those rounds leaned faster but their budget ran out before they could decide, the
+        budget in seconds that buys them, else 0 ("rounds_ran_out" True whenever they stopped
+        undecided for time, also when no budget would buy them); "figure": "speedup" as the table's confirmed
+        column and its last line write it ("1.54x")."""
     @property
     def quality(self) -> Literal["consistent", "remeasured", "inconsistent", "busy", "unchecked"]:
         """How the side-by-side figures held against the search's: "remeasured" when they

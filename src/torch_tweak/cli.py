@@ -179,6 +179,21 @@ def parse_shapes(text: str) -> dict[str, tuple[int, int]]:
     return shapes
 
 
+SETTINGS = {"busy_budget": "--busy-budget", "time_budget": "--time-budget"}
+"""tt.tweak's keywords that tweak's own words name (the verdict names the setting that buys
+more paired rounds, "busy_budget=300"), and the command's options that set them."""
+
+
+def in_options(text: str) -> str:
+    """tt.tweak's words with each setting they name spelled as this command's option:
+    "busy_budget=300 buys them" -> "--busy-budget 300 buys them", "(busy_budget= raises it)" ->
+    "(--busy-budget raises it)"."""
+    for keyword, option in SETTINGS.items():
+        text = re.sub(rf"\b{keyword}=(?=\d)", f"{option} ", text)
+        text = re.sub(rf"\b{keyword}=", option, text)
+    return text
+
+
 def command_tweak(args: argparse.Namespace) -> int:
     import torch
 
@@ -229,7 +244,7 @@ def command_tweak(args: argparse.Namespace) -> int:
                           busy_budget=args.busy_budget, **depth)
     except (TypeError, ValueError) as exc:
         raise CliError(str(exc)) from None
-    print(result)
+    print(in_options(str(result)))
     if args.modules:
         print(result.modules)
     if args.plot:

@@ -49,7 +49,9 @@ class GenerateCall:
 @dataclasses.dataclass(frozen=True)
 class TokenRow:
     """Tokens per second and time to first token of one configuration; status: "kept", or why
-    it was not ("slower than ...", "refused: ...", "not kept: ...")."""
+    it was not ("slower than ...", "refused: ...", "not kept: ..."); measured: the moment its
+    figures come from, the one its status speaks of ("loop choice", "depth search", "side by
+    side", "paired rounds, busy"; "" when nothing was measured)."""
 
     label: str
     latency_ms: float | None
@@ -57,6 +59,7 @@ class TokenRow:
     ttft_ms: float | None
     kept: bool = False
     status: str = ""
+    measured: str = ""
 
 
 class Workload:

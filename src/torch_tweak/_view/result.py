@@ -23,7 +23,11 @@ logger = logging.getLogger("torch_tweak")
 
 @dataclasses.dataclass(frozen=True)
 class DepthResult:
-    """One row of a tweak: a depth, or the untuned model (depth None)."""
+    """One row of a tweak: a depth, or the untuned model (depth None). latency_ms and speedup
+    are the depth search's (speedup: the search's untuned latency over this row's, the table's
+    "search" column); confirmed: on the row of the depth measured against the untuned model side
+    by side (or in paired rounds on a busy machine), the figure that decided whether it is kept
+    (confirmation["speedup"], the table's "confirmed" column; result.speedup when kept), else None."""
 
     depth: int | None
     modules: int
@@ -32,6 +36,7 @@ class DepthResult:
     speedup: float | None
     error: str
     selected: bool
+    confirmed: float | None = None
 
 
 class TweakResult:
@@ -51,8 +56,11 @@ class TweakResult:
     confirmation: the best depth measured side by side with the untuned model, interleaved
     (docs/tweak.md): {"depth", "confirmed", "tuned", "untuned", "speedup", "speedup_low",
     "speedup_high", "quality", "tries", "from_search", "side_speedup", "search_speedup",
-    "agreed", "others_share", "paired_rounds", "paired_wins"}, or None when no depth beat the
-    untuned model in the search.
+    "agreed", "others_share", "paired_rounds", "paired_wins", "busy_budget_wanted",
+    "time_budget_wanted", "rounds_ran_out", "figure"}, or None when no depth beat the untuned
+    model in the search;
+    "figure" is "speedup" as the table writes it, "busy_budget_wanted" the busy_budget that buys
+    the paired rounds a busy verdict lacked for time (else 0).
     measurement_quality: how the side-by-side figures held against the search's own for
     the same configurations: "consistent"; "remeasured" (they disagreed, the machine's load
     changed, and agreed when measured again); "inconsistent" (they never agreed: the smaller
@@ -68,14 +76,17 @@ class TweakResult:
     larger), None where it cannot be read (not Linux); busy: True when it is above
     torch_tweak._C.BUSY_SHARE (0.25); busy_stopped: True when the busy budget
     (tt.tweak's busy_budget) stopped the search before every depth was tried.
-    rows: a DepthResult per depth; untuned: the DepthResult of the untuned model.
+    rows: a DepthResult per depth (the depth search's figures, and on the row of the depth
+    measured against the untuned model the confirmed figure: the table's "search" and
+    "confirmed" columns); untuned: the DepthResult of the untuned model (the search's).
     modules: a ModuleResult per tuned module, by path; ``print(result.modules)`` shows, per
     module and input signature, every candidate backend's latency or why it lost.
     kept: True when a depth or a decode loop was kept; False: nothing kept, nothing to save.
     cached: True when the result came from the tuning cache (no depth was measured again);
     measured_at: then, when its figures were measured (UTC, ISO 8601), else None.
     tokens: for a workload that calls generate(), a TokenRow (tokens per second, time to
-    first token) for the untuned model, each depth and the kept configuration; else None.
+    first token, the moment its figures come from) for the untuned model, each loop, each depth
+    and the kept configuration; else None.
     decode_loop: the decode loop kept behind generate() (torch_tweak._runtime.generation.LOOPS), or None;
     loop_report: each decode-loop candidate's latency or why it lost, and "numerics": what
     the correctness rule found on its generate() calls (its error as a multiple of the untuned
@@ -112,18 +123,19 @@ class TweakResult:
         self.busy: bool = engine.busy
         self.busy_stopped: bool = engine.busy_stopped
         chosen = engine.selected
+        side = self.confirmation
         rows = []
         for i, row in enumerate(engine.rows):
             stats = row["stats"]
             latency = None if stats is None else stats["median_ns"] / 1e6
             speedup = None if latency is None or self.baseline_ms is None or latency <= 0 else self.baseline_ms / latency
+            confirmed = side["speedup"] if side is not None and side["depth"] == row["depth"] and latency else None
             rows.append(DepthResult(row["depth"], row["modules"], row["failed"], latency, speedup,
-                                    row["error"], i == chosen))
+                                    row["error"], i == chosen, confirmed))
         self.rows = rows
         self.selected_depth = rows[chosen].depth if chosen >= 0 else None
         self.untuned = DepthResult(None, 0, 0, self.baseline_ms, None if base is None else 1.0, "", chosen < 0)
         self.tuned_ms = rows[chosen].latency_ms if chosen >= 0 else self.baseline_ms
-        side = self.confirmation
         if side is not None and side["confirmed"] and not side["from_search"]:
             # else the search's figures were the smaller of two that disagree: they stay
             self.baseline_ms = side["untuned"]["median_ns"] / 1e6
@@ -224,16 +236,19 @@ class TweakResult:
 
 
 def tokens_table(self: TweakResult) -> str:
-    """The generate() table: tokens per second and time to first token per configuration."""
+    """The generate() table: tokens per second and time to first token per configuration, and
+    the moment each row's figures come from (the one its status speaks of)."""
     if not self.tokens:
         return ""
     width = max(len(r.label) for r in self.tokens)
+    moment = max([len("measured")] + [len(r.measured) for r in self.tokens])
     lines = ["", f"generate(): {self.tokens_per_run} new tokens per run of the workload",
-             f"  {'configuration':<{width}}  {'tokens/s':>10}  {'first token ms':>14}  status"]
+             f"  {'configuration':<{width}}  {'tokens/s':>10}  {'first token ms':>14}  {'measured':<{moment}}  status"]
     for r in self.tokens:
         rate = "-" if r.tokens_per_s is None else f"{r.tokens_per_s:,.1f}"
         ttft = "-" if r.ttft_ms is None else f"{r.ttft_ms:.3f}"
-        lines.append(f"{'*' if r.kept else ' '} {r.label:<{width}}  {rate:>10}  {ttft:>14}  {r.status}".rstrip())
+        lines.append(f"{'*' if r.kept else ' '} {r.label:<{width}}  {rate:>10}  {ttft:>14}  "
+                     f"{r.measured or '-':<{moment}}  {r.status}".rstrip())
     for label, found in (self.numerics or {}).items():  # the correctness rule's finding, per candidate
         lines.append(f"  correctness, {label}: {fold(found, 140)}")
     if self.hint:
@@ -301,36 +316,77 @@ def speak_tokens(result: TweakResult, job: Workload) -> None:
 
 def _token_rows(result: TweakResult, job: Workload) -> list[TokenRow]:
     """One row per configuration measured or refused: transformers' loop and each decode loop
-    tried (choose_loop's measurement), then each depth under the loop kept (the depth
-    search's); one is the configuration kept, every other says why it was not."""
+    tried (choose_loop's measurement), then each depth under the loop kept (the depth search's,
+    or for the depth measured against the untuned model, that measurement's: the figure its
+    verdict used); one is the configuration kept, every other says why it was not."""
     chosen = next((r for r in job.loop_report if r.get("kept")), None)
     on = "" if chosen is None or chosen["candidate"] == "generate" else f" + {chosen['candidate']}"
     depth = result.selected_depth
     kept_label = f"untuned{on}" if depth is None else f"depth {depth}{on}"
-    winner = "untuned" if chosen is None or chosen["candidate"] == "generate" else f"untuned + {chosen['candidate']}"
-    rows = []
-    for report in job.loop_report:
-        name = report["candidate"]
-        label = "untuned" if name == "generate" else f"untuned + {name}"
-        if label == kept_label:
-            status = "kept" + _busy_note(result)
-        elif report is chosen:
-            status = f"its loop kept, with depth {depth} (below)" if on else f"depth {depth} kept over it (below)"
-        elif report["state"] == "measured":
-            status = f"slower than {winner}"
-        else:
-            status = f"{'refused' if report['state'] == 'failed' else report['state']}: {fold(report['error'], 90)}"
-        ttft = job.ttft.get("untuned" if name == "generate" else "loop" if report is chosen else None)
-        latency = report["latency_ms"]
-        rows.append(TokenRow(label, latency, job.tokens_per_s(latency), ttft, label == kept_label, status))
+    rows = [_loop_row(result, job, report, chosen, on, kept_label) for report in job.loop_report]
     for row in result.rows:
         if row.latency_ms is None and not row.error:
             continue  # a dry run's or a cut not tried: nothing to say
-        status = ("kept" + _busy_note(result) if row.selected else
-                  f"refused: {fold(row.error, 90)}" if row.latency_ms is None else _depth_not_kept(result, row, on))
-        rows.append(TokenRow(f"depth {row.depth}{on}", row.latency_ms, job.tokens_per_s(row.latency_ms),
-                             job.ttft.get(row.depth), row.selected, status))
+        rows.append(_depth_row(result, job, row, on))
     return rows
+
+
+def _loop_row(result: TweakResult, job: Workload, report: dict, chosen: dict | None, on: str,
+              kept_label: str) -> TokenRow:
+    """A loop's row: transformers' own or a decode loop tweak tried, with choose_loop's figure."""
+    name = report["candidate"]
+    label = "untuned" if name == "generate" else f"untuned + {name}"
+    winner = "untuned" if chosen is None or chosen["candidate"] == "generate" else f"untuned + {chosen['candidate']}"
+    depth = result.selected_depth
+    if label == kept_label:
+        status = "kept" + _busy_note(result)
+    elif report is chosen:
+        status = f"its loop kept, with depth {depth} (below)" if on else f"depth {depth} kept over it (below)"
+    elif report["state"] == "measured":
+        status = f"slower than {winner}"
+    else:
+        status = f"{'refused' if report['state'] == 'failed' else report['state']}: {fold(report['error'], 90)}"
+    ttft = job.ttft.get("untuned" if name == "generate" else "loop" if report is chosen else None)
+    latency = report["latency_ms"]
+    return TokenRow(label, latency, job.tokens_per_s(latency), ttft, label == kept_label, status,
+                    "" if latency is None else "loop choice")
+
+
+def _depth_row(result: TweakResult, job: Workload, row: DepthResult, on: str) -> TokenRow:
+    """A depth's row under the loop kept: the figure and the moment its verdict used (the
+    measurement against the untuned model for the depth it confirmed, else the depth search's)."""
+    side = result.confirmation
+    label = f"depth {row.depth}{on}"
+    if row.latency_ms is None:
+        return TokenRow(label, None, None, job.ttft.get(row.depth), False, f"refused: {fold(row.error, 90)}")
+    latency, measured = row.latency_ms, "depth search"
+    if side is not None and side["depth"] == row.depth and not side.get("from_search") and side.get("tuned"):
+        latency = side["tuned"]["median_ns"] / 1e6
+        measured = "paired rounds, busy" if result.measurement_quality == "busy" else "side by side"
+    if row.selected and side is not None and side["depth"] == row.depth:
+        how = "in paired rounds" if result.measurement_quality == "busy" else \
+            "by the search's figure" if side.get("from_search") else "side by side"
+        status = f"kept: {confirmed_figure(side)} faster than untuned{on} {how}{_there(side, job)}" + \
+            _busy_note(result)
+    elif row.selected:
+        status = "kept" + _busy_note(result)
+    else:
+        status = _depth_not_kept(result, row, on, job)
+    return TokenRow(label, latency, job.tokens_per_s(latency), job.ttft.get(row.depth), row.selected, status,
+                    measured)
+
+
+def _there(side: dict, job: Workload) -> str:
+    """The untuned configuration's tokens per second in the measurement that confirmed a depth,
+    for the depth's row: " (N tokens/s there)", or "" when it is not known."""
+    rate = job.tokens_per_s(side["untuned"]["median_ns"] / 1e6) if side.get("untuned") else None
+    return "" if rate is None or side.get("from_search") else f" ({rate:,.1f} tokens/s there)"
+
+
+def confirmed_figure(side: dict) -> str:
+    """The confirmation's figure as the engine's table and last line write it ("1.54x"; a busy
+    keep just above 1 with the digit that shows it, "1.003x"): the binding's "figure"."""
+    return side.get("figure") or f"{side['speedup']:.2f}x"
 
 
 def _busy_note(result: TweakResult) -> str:
@@ -339,21 +395,26 @@ def _busy_note(result: TweakResult) -> str:
             if result.measurement_quality == "busy" else "")
 
 
-def _depth_not_kept(result: TweakResult, row: DepthResult, on: str) -> str:
-    """Why a depth that was measured is not the one kept (its row of the generate() table)."""
+def _depth_not_kept(result: TweakResult, row: DepthResult, on: str, job: Workload) -> str:
+    """Why a depth that was measured is not the one kept (its row of the generate() table); a
+    comparison with another depth names the depth search's figure it was made on."""
     side = result.confirmation
     if side is not None and side["depth"] == row.depth:
         if result.measurement_quality == "busy":
             return (f"not kept: the machine was busy (other processes took {100 * (result.others_share or 0):.0f}% "
-                    f"of the CPUs): its paired rounds put it at {side['speedup']:.2f}x, 99% interval "
-                    f"{side['speedup_low']:.2f}x to {side['speedup_high']:.2f}x")
+                    f"of the CPUs): its paired rounds put it at {confirmed_figure(side)}, 99% interval "
+                    f"{side['speedup_low']:.2f}x to {side['speedup_high']:.2f}x{_there(side, job)}")
         verdict = "slower than" if side["speedup_high"] < 1.0 else "within noise of"
-        return f"not kept: {verdict} untuned{on} side by side ({side['speedup']:.2f}x)"
+        how = "by the search's figure" if side.get("from_search") else "side by side"
+        return f"not kept: {verdict} untuned{on} {how} ({confirmed_figure(side)}){_there(side, job)}"
     kept = next((r for r in result.rows if r.selected), None)
-    if kept is not None and kept.latency_ms is not None:
-        if row.latency_ms is not None and row.latency_ms < kept.latency_ms:
-            return f"not kept: within the tie tolerance of depth {kept.depth}{on}, the shallower is kept"
-        return f"slower than depth {kept.depth}{on}"
-    if side is not None:
-        return f"slower than depth {side['depth']}{on}, itself not kept"
+    other = kept if kept is not None and kept.latency_ms is not None else None
+    if other is None and side is not None:
+        other = next((r for r in result.rows if r.depth == side["depth"] and r.latency_ms is not None), None)
+    if other is not None:
+        rate = job.tokens_per_s(other.latency_ms)
+        there = f"depth {other.depth}{on} in the depth search" + ("" if rate is None else f" ({rate:,.1f} tokens/s there)")
+        if kept is not None and row.latency_ms is not None and row.latency_ms < kept.latency_ms:
+            return f"not kept: within the tie tolerance of {there}, the shallower is kept"
+        return f"slower than {there}" + ("" if kept is not None else ", itself not kept")
     return f"slower than untuned{on}" + (f" ({fold(row.error, 60)})" if row.error else "")
