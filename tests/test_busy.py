@@ -253,6 +253,7 @@ def test_a_busy_entry_is_replayed_while_busy_and_measured_again_when_quiet(mlp_d
     assert again.cached and again.busy and again.measurement_quality == "busy"
     assert "measured busy" in again.outcome() and again.speedup == pytest.approx(first.speedup)
     assert "measured busy" in str(tt.status(model))
+    assert "(from the tuning cache: the figures were measured on " in str(tt.status(model))  # the first tweak's
     assert_untuned_answers(model, mlp_data)
     # quiet now: measured again, a quiet figure replaces it
     busy_machine(0.0)

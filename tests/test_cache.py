@@ -76,7 +76,8 @@ def test_second_tweak_reuses_the_first(mlp_data, tuning_cache_folder, monkeypatc
     assert second.selected_depth == first.selected_depth and second.rows == first.rows
     assert second.baseline_ms == first.baseline_ms and second.speedup == first.speedup
     assert second.outcome() == first.outcome() and second.outcome() in str(second)  # the engine's words, kept
-    assert str(second.modules) == str(first.modules)
+    # the module table's latencies are the first tweak's too, and it says so, with their time
+    assert str(second.modules) == str(first.modules) + "\n" + second.cache_note()
     assert {p: [g.backend.name if g.backend else None for g in w.tt_signatures]
             for p, w in tt.installed(again).items()} == kept
     with torch.no_grad():
@@ -250,8 +251,12 @@ def damages(path, valid: dict):
     yield "a plan naming another backend", shape(
         lambda e: e["plan"][0]["signatures"][0].__setitem__("backend", {"class": "os:system", "config": {}}))
     yield "retry_after not a number", shape(lambda e: e.__setitem__("retry_after", "never"))
-    yield "no outcome", shape(lambda e: e["result"].pop("outcome"))
-    yield "an outcome not text", shape(lambda e: e["result"].__setitem__("outcome", {"kept": "everything"}))
+    yield "no rows", shape(lambda e: e["result"].pop("rows"))
+    yield "a latency not a number", shape(lambda e: e["result"]["baseline"].__setitem__("median_ns", "fast"))
+    yield "a negative latency", shape(lambda e: e["result"]["rows"][0]["stats"].__setitem__("median_ns", -1.0))
+    yield "a kept depth its numbers do not keep", shape(lambda e: e["result"].__setitem__("selected", -1))
+    yield "a candidate of another shape", shape(lambda e: e["modules"][0]["candidates"].append(5))
+    yield "an entry of the former version", shape(lambda e: e.__setitem__("version", 5))
 
 
 @pytest.mark.slow

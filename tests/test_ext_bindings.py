@@ -251,6 +251,19 @@ def test_measure_paired_sees_a_load_both_rounds_share_and_refuses_bad_settings()
         _C.measure_paired(clock.runner(1), 3, 1, clock=clock)
 
 
+@pytest.mark.parametrize("name, value", [("rounds_max", 2 ** 40), ("rounds_max", 2 ** 32), ("rounds_max", -5),
+                                         ("rounds_min", -1), ("rounds_min", 2 ** 70), ("rounds_max", 2000)])
+def test_measure_paired_names_the_value_it_was_given(name, value):
+    """A count of rounds out of range is refused with the value the caller gave (never the 0
+    a conversion made of it), before any round runs."""
+    clock = FakeClock()
+    ran = []
+    with pytest.raises(ValueError, match=rf"paired {name} \({value}\)"):
+        _C.measure_paired(clock.runner(lambda i: ran.append(i) or 1), clock.runner(1), 1, clock=clock,
+                          **{name: value})
+    assert not ran
+
+
 def test_compare_stops_once_the_fastest_is_clear_unless_told_not_to():
     clock = FakeClock()
     count = {"n": 0}
@@ -491,6 +504,54 @@ def test_tweak_result_says_how_good_its_figures_are():
     assert result.confirmation["tries"] == 1 and not result.confirmation["from_search"]
     untuned = FakeModel(FakeClock(), {frozenset([0]): 1500})
     assert _C.tweak(_C.Tree(TREE_MODULES), **untuned.kwargs(max_depth=0)).quality == "unchecked"
+
+
+def _record_of(result):
+    return {"rows": result.rows, "selected": result.selected, "baseline": result.baseline,
+            "confirmation": result.confirmation, "others_share": result.others_share,
+            "busy_stopped": result.busy_stopped, "budgets": result.budgets, "quality": result.quality}
+
+
+def test_restore_result_builds_the_same_result_from_its_numbers_and_refuses_others():
+    """_C.restore_result (tw_result_restore): the numbers a caller kept of a result, in the
+    getters' forms, give the same table, outcome and figures; the confirmation's figures are
+    derived from its measurements, never read; numbers no tweak gives are refused."""
+    clock = FakeClock()
+    model = FakeModel(clock, {frozenset([0]): 500})
+
+    def run(i):
+        if model.entered is not None and not model.active:
+            clock.now += 20000  # side by side only: the figures disagree, the search's counts
+        else:
+            model.run(i)
+
+    kwargs = model.kwargs(max_depth=None, deactivate=lambda: setattr(model, "active", False), time_budget=100.0)
+    kwargs["run"] = run
+    result = _C.tweak(_C.Tree(TREE_MODULES), **kwargs)
+    record = _record_of(result)
+    assert record["budgets"] == {"time_budget_ns": 100 * 10 ** 9, "busy_budget_ns": record["budgets"]["busy_budget_ns"]}
+    again = _C.restore_result(record)
+    assert str(again) == str(result) and again.outcome() == result.outcome()
+    assert again.rows == result.rows and again.confirmation == result.confirmation
+    assert again.quality == result.quality == "inconsistent" and again.modules == []
+    forged = dict(record, confirmation=dict(record["confirmation"], speedup=42.0, side_speedup=42.0))
+    assert _C.restore_result(forged).confirmation == result.confirmation  # derived, not read
+    for change, words in [(dict(selected=-1), "is not the depth its confirmation keeps"),
+                          (dict(others_share=2.0), "a share of the CPUs of 2"),
+                          (dict(rows=record["rows"] * 400), "rows"),
+                          (dict(baseline=dict(record["baseline"], spread=-1.0)), "a spread of -1")]:
+        with pytest.raises(ValueError, match=words):
+            _C.restore_result(dict(record, **change))
+    for change in [dict(rows=5), dict(selected=True), dict(baseline="fast"), dict(budgets=None),
+                   dict(rows=[dict(record["rows"][0], state=3)]), dict(busy_stopped=1)]:
+        with pytest.raises(TypeError):
+            _C.restore_result(dict(record, **change))
+    with pytest.raises(ValueError, match="no name the engine gives"):
+        _C.restore_result(dict(record, rows=[dict(record["rows"][0], state="kept")] + record["rows"][1:]))
+    missing = dict(record)
+    del missing["confirmation"]
+    with pytest.raises(TypeError, match='has no "confirmation"'):
+        _C.restore_result(missing)
 
 
 def test_tweak_with_no_faster_depth_keeps_the_model_untuned():

@@ -861,6 +861,70 @@ char *tw_result_format_as(const tw_result *result, const char *untuned, tw_error
  * the lines, a tuning-cache entry keeps them). Free with tw_free(). */
 char *tw_result_outcome_as(const tw_result *result, const char *untuned, tw_error *err);
 
+/* The time budget and the busy budget the result was computed under, in ns (0:
+ * none; tw_tweak_config's). Either out parameter may be NULL; both 0 for a NULL
+ * result. */
+void tw_result_budgets(const tw_result *result, uint64_t *time_budget_ns,
+                       uint64_t *busy_budget_ns);
+
+/* ---------------------------------------------------------- a kept result */
+
+/* The most rows a kept result may have: a module tree is never this deep. */
+#define TW_RESULT_MAX_ROWS 1024u
+
+/* The numbers a result's table and outcome are written from, as a caller kept
+ * them (a tuning-cache entry keeps a finished tweak's, read with the accessors
+ * above): tw_result_restore checks them and builds the result again, so that
+ * every line a user reads of a kept result is written from checked numbers by
+ * the one formatter (tw_result_format_as, tw_result_outcome_as), never kept as
+ * text. */
+typedef struct tw_result_record {
+    const tw_row *rows;     /* row_count rows (may be NULL when row_count is 0);
+                             * each row's error NULL or text, copied and cut to
+                             * TW_MSG_SIZE - 1 bytes; stats read when measured */
+    size_t row_count;       /* at most TW_RESULT_MAX_ROWS */
+    long selected;          /* -1, or the index of a measured row */
+    tw_stats baseline;      /* read when baseline_measured */
+    int baseline_measured;
+    /* Read: measured, depth, tuned, untuned, tries, quality (whether busy;
+     * any other quality must be the one the figures give), others_share; on a
+     * busy machine also speedup, speedup_low, speedup_high (the paired rounds'
+     * figure), paired_rounds, paired_wins, busy_budget_wanted_ns,
+     * time_budget_wanted_ns and rounds_ran_out (each only for rounds that did
+     * not keep the depth; 0 otherwise). Everything else (agreed, the
+     * figures of a side-by-side measurement, from_search, side_speedup,
+     * search_speedup, confirmed) is derived again from the numbers, as
+     * tw_tweak_run derives it. Ignored unless measured. */
+    tw_confirmation confirmation;
+    double others_share;    /* tw_result_others_share: 0..1, or -1 (unknown) */
+    int busy_stopped;       /* tw_result_busy_stopped */
+    uint64_t time_budget_ns; /* tw_result_budgets */
+    uint64_t busy_budget_ns;
+} tw_result_record;
+
+/* A result built from `record`: its rows, selection, baseline, confirmation,
+ * load and budgets read as the result the numbers were read from, and its table
+ * and outcome are written from them (it keeps no module search:
+ * tw_result_module_search is NULL for every node). On success *out owns it
+ * (free with tw_result_destroy); on any failure *out is NULL. host: NULL, or
+ * NULL members, take the defaults (see tw_host).
+ * TW_EINVAL, with what was wrong, for a NULL record or out, and for
+ * numbers no tweak gives: more than TW_RESULT_MAX_ROWS rows, a row state out of
+ * range, a negative depth, more failed modules than modules; a latency
+ * (median, quartiles, minimum) that is negative or not finite, quartiles out of
+ * order, a spread that is negative or NaN; a selected row out of range or not
+ * measured, or without an untuned baseline; a confirmation of a depth no
+ * measured row has, with no tries or more than TW_CONFIRM_TRIES + 1, a quality
+ * out of range or not the one its figures give, a busy figure that is NaN or
+ * negative or outside its interval, more paired wins than rounds or more
+ * rounds than TW_PAIRED_ROUNDS_MAX, a budget wanted or rounds run out for a
+ * kept depth (or both budgets wanted), a share that is neither -1 nor within 0..1
+ * (the confirmation's: -1 or >= 0), a kept depth its confirmation does not
+ * keep or the other way round. TW_ENOMEM when out of memory. Thread-safe: it
+ * reads the record and touches only what it creates. */
+tw_code tw_result_restore(const tw_host *host, const tw_result_record *record,
+                          tw_result **out, tw_error *err);
+
 #ifdef __cplusplus
 }
 #endif

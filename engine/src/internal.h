@@ -198,6 +198,26 @@ struct tw_result {
     int busy_stopped;            /* the busy budget left a depth untried */
 };
 
+/* A speedup's figure from an untuned and a tuned measurement: the median
+ * ratio and its interval (untuned q25 / tuned q75 to untuned q75 / tuned q25),
+ * 0 where the tuned figure is 0. */
+void tw_speedup_of(const tw_stats *untuned, const tw_stats *tuned, double *speedup,
+                   double *low, double *high);
+/* Whether a side-by-side measurement (untuned, tuned) agrees with the search's
+ * figures for the same configurations (its untuned baseline, the depth's row):
+ * each latency with its own (tw_stats_agree), and the speedup they give as a
+ * latency, within the four spreads. */
+int tw_side_agrees(const tw_stats *untuned, const tw_stats *tuned, const tw_stats *baseline,
+                   const tw_stats *row);
+/* Derives what a confirmation's measurements give, given the search's untuned
+ * baseline and the confirmed depth's row: on a busy machine (quality
+ * TW_QUALITY_BUSY, its figure the paired rounds') the search's figure and the
+ * verdict; otherwise, from its last side-by-side measurement (tuned, untuned,
+ * tries), whether it agreed with the search's (tw_side_agrees), its quality,
+ * the figure reported (the smaller of the two when they disagree) and the
+ * verdict. The one rule tw_tweak_run and tw_result_restore share. */
+void tw_confirmation_derive(tw_confirmation *c, const tw_stats *baseline, const tw_stats *row);
+
 /* A result with `rows` empty rows and `modules` unsearched modules. */
 tw_result *tw_result_create(const tw_host *host, size_t rows, size_t modules);
 /* Sets the error text of a row (truncated to TW_MSG_SIZE). */

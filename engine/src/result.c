@@ -171,6 +171,70 @@ int tw_stats_agree(const tw_stats *a, const tw_stats *b)
     return (high - low) / low <= allowed;
 }
 
+void tw_speedup_of(const tw_stats *untuned, const tw_stats *tuned, double *speedup,
+                   double *low, double *high)
+{
+    *speedup = tuned->median_ns > 0 ? untuned->median_ns / tuned->median_ns : 0.0;
+    *low = tuned->q75_ns > 0 ? untuned->q25_ns / tuned->q75_ns : 0.0;
+    *high = tuned->q25_ns > 0 ? untuned->q75_ns / tuned->q25_ns : 0.0;
+}
+
+/* Whether the speedups two pairs of measurements give agree as two latencies
+ * do (tw_stats_agree), within the four measurements' spreads: each latency
+ * may move within the margin, but not the two apart so far that the speedup
+ * moves beyond it. */
+static int tw_speedups_agree(const tw_stats *untuned_a, const tw_stats *tuned_a,
+                             const tw_stats *untuned_b, const tw_stats *tuned_b)
+{
+    tw_stats a;
+    tw_stats b;
+
+    memset(&a, 0, sizeof a);
+    memset(&b, 0, sizeof b);
+    a.median_ns = tuned_a->median_ns > 0 ? untuned_a->median_ns / tuned_a->median_ns : 0.0;
+    b.median_ns = tuned_b->median_ns > 0 ? untuned_b->median_ns / tuned_b->median_ns : 0.0;
+    a.spread = untuned_a->spread + tuned_a->spread;
+    b.spread = untuned_b->spread + tuned_b->spread;
+    return tw_stats_agree(&a, &b);
+}
+
+int tw_side_agrees(const tw_stats *untuned, const tw_stats *tuned, const tw_stats *baseline,
+                   const tw_stats *row)
+{
+    return tw_stats_agree(untuned, baseline) && tw_stats_agree(tuned, row) &&
+           tw_speedups_agree(untuned, tuned, baseline, row);
+}
+
+void tw_confirmation_derive(tw_confirmation *c, const tw_stats *baseline, const tw_stats *row)
+{
+    double search;
+    double search_low;
+    double search_high;
+
+    tw_speedup_of(baseline, row, &search, &search_low, &search_high);
+    c->search_speedup = search;
+    c->from_search = 0;
+    if (c->quality == TW_QUALITY_BUSY) {
+        /* the paired rounds' figure stands: the search's fell on other moments */
+        c->agreed = 1;
+        c->side_speedup = c->speedup;
+    } else {
+        c->agreed = tw_side_agrees(&c->untuned, &c->tuned, baseline, row);
+        c->quality = c->agreed ? (c->tries == 1 ? TW_QUALITY_CONSISTENT : TW_QUALITY_REMEASURED)
+                               : TW_QUALITY_INCONSISTENT;
+        tw_speedup_of(&c->untuned, &c->tuned, &c->speedup, &c->speedup_low, &c->speedup_high);
+        c->side_speedup = c->speedup;
+        if (!c->agreed && search < c->speedup) {
+            /* the conservative figure: what the search measured for the same cut */
+            c->from_search = 1;
+            c->speedup = search;
+            c->speedup_low = search_low;
+            c->speedup_high = search_high;
+        }
+    }
+    c->confirmed = c->speedup_low > 1.0;
+}
+
 /* The widest spread of any measurement of the result. */
 static double tw_result_max_spread(const tw_result *result)
 {
@@ -224,6 +288,17 @@ double tw_result_others_share(const tw_result *result)
 int tw_result_busy_stopped(const tw_result *result)
 {
     return result != NULL && result->busy_stopped;
+}
+
+void tw_result_budgets(const tw_result *result, uint64_t *time_budget_ns,
+                       uint64_t *busy_budget_ns)
+{
+    if (time_budget_ns != NULL) {
+        *time_budget_ns = result != NULL ? result->time_budget_ns : 0;
+    }
+    if (busy_budget_ns != NULL) {
+        *busy_budget_ns = result != NULL ? result->busy_budget_ns : 0;
+    }
 }
 
 int tw_result_busy(const tw_result *result)
@@ -760,4 +835,211 @@ char *tw_result_outcome_as(const tw_result *result, const char *untuned, tw_erro
         tw_error_set(err, TW_ENOMEM, "out of memory formatting the result's outcome");
     }
     return text;
+}
+
+/* ------------------------------------------------------------ kept result */
+
+/* TW_EINVAL naming `what` when `stats` are no measurement's: a latency that is
+ * negative or not finite, quartiles out of order, a spread negative or NaN. */
+static tw_code tw_check_kept_stats(const tw_stats *stats, const char *what, tw_error *err)
+{
+    const double values[4] = {stats->min_ns, stats->q25_ns, stats->median_ns, stats->q75_ns};
+    size_t i;
+
+    for (i = 0; i < 4; i++) {
+        if (!isfinite(values[i]) || values[i] < 0.0) {
+            return tw_error_set(err, TW_EINVAL, "%s: a latency of %g ns is no measurement's",
+                                what, values[i]);
+        }
+    }
+    if (!(stats->min_ns <= stats->q25_ns && stats->q25_ns <= stats->median_ns &&
+          stats->median_ns <= stats->q75_ns)) {
+        return tw_error_set(err, TW_EINVAL, "%s: its minimum, quartiles and median are out of "
+                            "order", what);
+    }
+    if (isnan(stats->spread) || stats->spread < 0.0) {
+        return tw_error_set(err, TW_EINVAL, "%s: a spread of %g is no measurement's", what,
+                            stats->spread);
+    }
+    return TW_OK;
+}
+
+/* The rows, the selection and the baseline of a record, checked. */
+static tw_code tw_check_kept_rows(const tw_result_record *record, tw_error *err)
+{
+    char what[64];
+    const tw_row *row;
+    tw_code rc = TW_OK;
+    size_t i;
+
+    if (record->row_count > TW_RESULT_MAX_ROWS || (record->rows == NULL && record->row_count > 0)) {
+        return tw_error_set(err, TW_EINVAL, "%zu rows, more than the %u a kept result may have, "
+                            "or none given", record->row_count, TW_RESULT_MAX_ROWS);
+    }
+    for (i = 0; i < record->row_count && rc == TW_OK; i++) {
+        row = &record->rows[i];
+        snprintf(what, sizeof what, "row %zu (depth %d)", i, row->depth);
+        if ((int)row->state < (int)TW_ROW_MEASURED || (int)row->state > (int)TW_ROW_DRY ||
+            row->depth < 0 || row->failed > row->modules) {
+            rc = tw_error_set(err, TW_EINVAL, "%s: its state, depth or module counts are no "
+                              "tweak's", what);
+        } else if (row->state == TW_ROW_MEASURED) {
+            rc = tw_check_kept_stats(&row->stats, what, err);
+        }
+    }
+    if (rc == TW_OK && (record->selected < -1 || record->selected >= (long)record->row_count ||
+                        (record->selected >= 0 &&
+                         (record->rows[record->selected].state != TW_ROW_MEASURED ||
+                          !record->baseline_measured)))) {
+        rc = tw_error_set(err, TW_EINVAL, "the selected row (%ld) is not a measured row of a "
+                          "result with an untuned baseline", record->selected);
+    }
+    if (rc == TW_OK && record->baseline_measured) {
+        rc = tw_check_kept_stats(&record->baseline, "the untuned baseline", err);
+    }
+    if (rc == TW_OK && !(record->others_share == -1.0 ||
+                         (record->others_share >= 0.0 && record->others_share <= 1.0))) {
+        rc = tw_error_set(err, TW_EINVAL, "a share of the CPUs of %g is neither -1 (unknown) "
+                          "nor within 0..1", record->others_share);
+    }
+    return rc;
+}
+
+/* A record's confirmation, checked before its figures are derived again. */
+static tw_code tw_check_kept_confirmation(const tw_confirmation *c, tw_error *err)
+{
+    tw_code rc = TW_OK;
+
+    if (c->tries < 1 || c->tries > TW_CONFIRM_TRIES + 1 || (int)c->quality < 0 ||
+        (int)c->quality > (int)TW_QUALITY_BUSY || c->quality == TW_QUALITY_UNCHECKED) {
+        rc = tw_error_set(err, TW_EINVAL, "the confirmation's tries (%u) or quality are no "
+                          "tweak's", (unsigned)c->tries);
+    } else if (!(c->others_share == -1.0 || (isfinite(c->others_share) && c->others_share >= 0))) {
+        rc = tw_error_set(err, TW_EINVAL, "the confirmation's share of the CPUs (%g) is neither "
+                          "-1 (unknown) nor a share", c->others_share);
+    } else if ((rc = tw_check_kept_stats(&c->tuned, "the confirmation's tuned figure",
+                                         err)) != TW_OK ||
+               (rc = tw_check_kept_stats(&c->untuned, "the confirmation's untuned figure",
+                                         err)) != TW_OK) {
+        /* said */
+    } else if (c->quality == TW_QUALITY_BUSY &&
+               (isnan(c->speedup) || !(c->speedup_low >= 0.0) ||
+                !(c->speedup_low <= c->speedup && c->speedup <= c->speedup_high) ||
+                c->paired_wins > c->paired_rounds ||
+                c->paired_rounds > TW_PAIRED_ROUNDS_MAX)) {
+        rc = tw_error_set(err, TW_EINVAL, "the busy figure %gx (%gx to %gx, %u of %u paired "
+                          "rounds) is no paired rounds'", c->speedup, c->speedup_low,
+                          c->speedup_high, (unsigned)c->paired_wins, (unsigned)c->paired_rounds);
+    }
+    return rc;
+}
+
+/* The record's confirmation into the result, its figures derived again from
+ * its measurements, and checked against the selection. */
+static tw_code tw_restore_confirmation(tw_result *result, const tw_result_record *record,
+                                       tw_error *err)
+{
+    const tw_confirmation *kept = &record->confirmation;
+    tw_confirmation *c = &result->confirmation;
+    const tw_row *row;
+    tw_code rc;
+
+    if (!kept->measured) {
+        return TW_OK;
+    }
+    rc = tw_check_kept_confirmation(kept, err);
+    if (rc != TW_OK) {
+        return rc;
+    }
+    if ((row = tw_measured_row(result, kept->depth)) == NULL || !result->baseline_measured) {
+        return tw_error_set(err, TW_EINVAL, "the confirmation is of depth %d, which no measured "
+                            "row of a result with an untuned baseline has", kept->depth);
+    }
+    c->measured = 1;
+    c->depth = kept->depth;
+    c->tuned = kept->tuned;
+    c->untuned = kept->untuned;
+    c->tries = kept->tries;
+    c->quality = kept->quality;
+    c->others_share = kept->others_share;
+    if (kept->quality == TW_QUALITY_BUSY) {
+        c->speedup = kept->speedup;
+        c->speedup_low = kept->speedup_low;
+        c->speedup_high = kept->speedup_high;
+        c->paired_rounds = kept->paired_rounds;
+        c->paired_wins = kept->paired_wins;
+        c->busy_budget_wanted_ns = kept->busy_budget_wanted_ns;
+        c->time_budget_wanted_ns = kept->time_budget_wanted_ns;
+        c->rounds_ran_out = kept->rounds_ran_out != 0;
+    }
+    tw_confirmation_derive(c, &result->baseline, &row->stats);
+    if (c->confirmed && (c->busy_budget_wanted_ns != 0 || c->time_budget_wanted_ns != 0 ||
+                         c->rounds_ran_out)) {
+        return tw_error_set(err, TW_EINVAL, "the confirmation keeps depth %d and says its rounds "
+                            "ran out undecided", c->depth);
+    }
+    if (c->busy_budget_wanted_ns != 0 && c->time_budget_wanted_ns != 0) {
+        return tw_error_set(err, TW_EINVAL, "the confirmation wants both a busy and a time "
+                            "budget; one budget is in force");
+    }
+    if (c->quality != kept->quality) {
+        return tw_error_set(err, TW_EINVAL, "the confirmation says its figures were %s; they are "
+                            "%s", tw_quality_name(kept->quality), tw_quality_name(c->quality));
+    }
+    if (c->confirmed != (result->selected >= 0) ||
+        (c->confirmed && result->rows[result->selected].row.depth != c->depth)) {
+        return tw_error_set(err, TW_EINVAL, "the selected row (%ld) is not the depth its "
+                            "confirmation %s (depth %d, %.2fx from %.2fx)", result->selected,
+                            c->confirmed ? "keeps" : "leaves", c->depth, c->speedup,
+                            c->speedup_low);
+    }
+    return TW_OK;
+}
+
+tw_code tw_result_restore(const tw_host *host, const tw_result_record *record,
+                          tw_result **out, tw_error *err)
+{
+    tw_result *result = NULL;
+    tw_host resolved;
+    tw_code rc;
+    size_t i;
+
+    if (record == NULL || out == NULL) {
+        rc = tw_error_set(err, TW_EINVAL, "%s is NULL", record == NULL ? "record" : "out");
+        goto cleanup;
+    }
+    *out = NULL;
+    tw_host_resolve(host, &resolved);
+    rc = tw_check_kept_rows(record, err);
+    if (rc != TW_OK) {
+        goto cleanup;
+    }
+    result = tw_result_create(&resolved, record->row_count, 0);
+    if (result == NULL) {
+        rc = tw_error_set(err, TW_ENOMEM, "out of memory restoring a result of %zu rows",
+                          record->row_count);
+        goto cleanup;
+    }
+    for (i = 0; i < record->row_count; i++) {
+        result->rows[i].row = record->rows[i];
+        result->rows[i].row.error = result->rows[i].error; /* its own copy */
+        tw_result_set_row_error(result, i, record->rows[i].error != NULL ? record->rows[i].error
+                                                                         : "");
+    }
+    result->selected = record->selected;
+    result->baseline = record->baseline;
+    result->baseline_measured = record->baseline_measured != 0;
+    result->baseline_others = record->others_share >= 0.0 ? record->others_share : 0.0;
+    result->baseline_capacity = record->others_share >= 0.0 ? 1.0 : 0.0; /* >= TW_LOAD_MIN_CAPACITY */
+    result->busy_stopped = record->busy_stopped != 0;
+    result->time_budget_ns = record->time_budget_ns;
+    result->busy_budget_ns = record->busy_budget_ns;
+    rc = tw_restore_confirmation(result, record, err);
+    if (rc == TW_OK) {
+        *out = result;
+        result = NULL;
+    }
+cleanup:
+    tw_result_destroy(result);
+    return rc;
 }

@@ -753,69 +753,21 @@ static tw_code tw_measure_paired_side(tw_search *s, int depth, tw_paired *paired
     return rc;
 }
 
-/* A speedup's figure from an untuned and a tuned measurement: the median
- * ratio and its interval. */
-static void tw_speedup_of(const tw_stats *untuned, const tw_stats *tuned, double *speedup,
-                          double *low, double *high)
-{
-    *speedup = tuned->median_ns > 0 ? untuned->median_ns / tuned->median_ns : 0.0;
-    *low = tuned->q75_ns > 0 ? untuned->q25_ns / tuned->q75_ns : 0.0;
-    *high = tuned->q25_ns > 0 ? untuned->q75_ns / tuned->q25_ns : 0.0;
-}
-
-/* Whether the speedups two pairs of measurements give agree as two latencies
- * do (tw_stats_agree), within the four measurements' spreads: each latency
- * may move within the margin, but not the two apart so far that the speedup
- * moves beyond it. */
-static int tw_speedups_agree(const tw_stats *untuned_a, const tw_stats *tuned_a,
-                             const tw_stats *untuned_b, const tw_stats *tuned_b)
-{
-    tw_stats a;
-    tw_stats b;
-
-    memset(&a, 0, sizeof a);
-    memset(&b, 0, sizeof b);
-    a.median_ns = tuned_a->median_ns > 0 ? untuned_a->median_ns / tuned_a->median_ns : 0.0;
-    b.median_ns = tuned_b->median_ns > 0 ? untuned_b->median_ns / tuned_b->median_ns : 0.0;
-    a.spread = untuned_a->spread + tuned_a->spread;
-    b.spread = untuned_b->spread + tuned_b->spread;
-    return tw_stats_agree(&a, &b);
-}
-
 /* Fills the confirmation from the last side-by-side measurement and the
  * search's figures: the reported figure, and whether the cut is kept. */
-static void tw_settle_confirmation(tw_result *r, const tw_stats *stats, uint32_t tries,
-                                   int agree)
+static void tw_settle_confirmation(tw_result *r, const tw_stats *stats, uint32_t tries)
 {
     tw_confirmation *c = &r->confirmation;
-    const tw_stats *row = &r->rows[r->selected].row.stats;
-    double search;
-    double search_low;
-    double search_high;
 
     c->measured = 1;
     c->depth = r->rows[r->selected].row.depth;
     c->tuned = stats[0];
     c->untuned = stats[1];
     c->tries = tries;
-    c->agreed = agree;
     c->others_share = r->side_capacity >= TW_LOAD_MIN_CAPACITY
                           ? r->side_others / r->side_capacity : -1.0;
-    c->quality = agree ? (tries == 1 ? TW_QUALITY_CONSISTENT : TW_QUALITY_REMEASURED)
-                       : TW_QUALITY_INCONSISTENT;
-    tw_speedup_of(&stats[1], &stats[0], &c->speedup, &c->speedup_low, &c->speedup_high);
-    tw_speedup_of(&r->baseline, row, &search, &search_low, &search_high);
-    c->side_speedup = c->speedup;
-    c->search_speedup = search;
-    c->from_search = 0;
-    if (!agree && search < c->speedup) {
-        /* the conservative figure: what the search measured for the same cut */
-        c->from_search = 1;
-        c->speedup = search;
-        c->speedup_low = search_low;
-        c->speedup_high = search_high;
-    }
-    c->confirmed = c->speedup_low > 1.0;
+    c->quality = TW_QUALITY_CONSISTENT; /* not busy: tw_confirmation_derive says which */
+    tw_confirmation_derive(c, &r->baseline, &r->rows[r->selected].row.stats);
 }
 
 /* The confirmation from paired rounds on a busy machine: their median ratio
@@ -823,32 +775,27 @@ static void tw_settle_confirmation(tw_result *r, const tw_stats *stats, uint32_t
 static void tw_settle_paired(tw_result *r, const tw_paired *p, uint32_t tries)
 {
     tw_confirmation *c = &r->confirmation;
-    const tw_stats *row = &r->rows[r->selected].row.stats;
 
     c->measured = 1;
     c->depth = r->rows[r->selected].row.depth;
     c->untuned = p->stats[0];
     c->tuned = p->stats[1];
     c->tries = tries;
-    c->agreed = 1;
-    c->from_search = 0;
     c->quality = TW_QUALITY_BUSY;
     c->speedup = p->ratio;
     c->speedup_low = p->low;
     c->speedup_high = p->high;
-    c->side_speedup = p->ratio;
-    c->search_speedup = row->median_ns > 0 ? r->baseline.median_ns / row->median_ns : 0.0;
     c->paired_rounds = p->rounds;
     c->paired_wins = p->wins;
     c->others_share = r->side_capacity >= TW_LOAD_MIN_CAPACITY
                           ? r->side_others / r->side_capacity : -1.0;
-    c->confirmed = p->low > 1.0;
+    tw_confirmation_derive(c, &r->baseline, &r->rows[r->selected].row.stats);
 }
 
 /* Settles the confirmation: on a busy machine (the untuned model's
  * measurements or the side-by-side one read busy) from paired rounds, robust to
  * the load's bursts; else from the side-by-side figures. */
-static tw_code tw_settle(tw_search *s, int depth, tw_stats *stats, uint32_t tries, int agree,
+static tw_code tw_settle(tw_search *s, int depth, tw_stats *stats, uint32_t tries,
                          int *failed, tw_error *err)
 {
     tw_result *r = s->result;
@@ -857,7 +804,7 @@ static tw_code tw_settle(tw_search *s, int depth, tw_stats *stats, uint32_t trie
     tw_code rc;
 
     if (!s->busy && !tw_result_busy(r)) {
-        tw_settle_confirmation(r, stats, tries, agree);
+        tw_settle_confirmation(r, stats, tries);
         return TW_OK;
     }
     rc = tw_measure_paired_side(s, depth, &paired, &wanted, failed, err);
@@ -970,13 +917,12 @@ static tw_code tw_confirm_selected(tw_search *s, tw_error *err)
             goto leave;
         }
         tries++;
-        agree = tw_stats_agree(&stats[1], &r->baseline) && tw_stats_agree(&stats[0], row) &&
-                tw_speedups_agree(&stats[1], &stats[0], &r->baseline, row);
+        agree = tw_side_agrees(&stats[1], &stats[0], &r->baseline, row);
         if (agree || tw_result_busy(r)) {
             break;
         }
     }
-    rc = tw_settle(s, depth, stats, tries, agree, &failed, err);
+    rc = tw_settle(s, depth, stats, tries, &failed, err);
     if (rc != TW_OK) {
         goto cleanup;
     }

@@ -265,7 +265,7 @@ tt_call_check(TtCall *call, tw_code code, const tw_error *err)
 
 /* ================================================================= stats */
 
-static const char *
+const char *
 tt_stop_name(tw_stop stop)
 {
     switch (stop) {

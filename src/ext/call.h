@@ -56,6 +56,9 @@ void tt_raise_code(TtState *st, tw_code code, const char *msg, PyObject *cause);
  * exception raised again, or the engine's error raised. */
 int tt_call_check(TtCall *call, tw_code code, const tw_error *err);
 
+/* A stop rule's name in a stats dict ("spread", "rounds", "time", "decided";
+ * "unknown" out of range). */
+const char *tt_stop_name(tw_stop stop);
 /* The dict of `s`. New reference. */
 PyObject *tt_stats_to_dict(const tw_stats *s);
 /* The dict of `s` when it was measured, else None. New reference. */

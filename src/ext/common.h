@@ -15,6 +15,8 @@
  * config        the engine's measurement config as a dict (config.h)
  * tree          the Tree type (tree.h)
  * result        the Result type: the engine's result model read (result.h)
+ * record        restore_result: a Result built again from the numbers a
+ *               caller kept of one (record.h)
  * measure       measure, compare, choose; the argument checks every engine
  *               binding shares (measure.h)
  * search        tune_module, the module callbacks' trampolines (search.h)

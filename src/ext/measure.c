@@ -159,6 +159,29 @@ cleanup:
 
 /* ======================================================= measure_paired */
 
+/* A paired rounds count from `value` into *out; -1 with ValueError naming the
+ * value as it was given when it is no count of rounds at all (negative, past
+ * what the engine's config holds), so that no message names a value the caller
+ * never gave. The rule on the range is the engine's (tw_paired_config_check). */
+static int
+tt_paired_rounds_read(PyObject *value, const char *name, uint32_t *out)
+{
+    long long n;
+    int overflow = 0;
+
+    n = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (n == -1 && !overflow && PyErr_Occurred())
+        return -1;
+    if (overflow || n < 0 || n > (long long)UINT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "paired %s (%R) is not a number of rounds: give a whole "
+                     "number from %u to %u", name, value, (unsigned)TW_PAIRED_ROUNDS_MIN,
+                     (unsigned)TW_PAIRED_ROUNDS_MAX);
+        return -1;
+    }
+    *out = (uint32_t)n;
+    return 0;
+}
+
 /* The paired rounds' settings from rounds_min, rounds_max and width (each None:
  * the engine's default), checked by the engine. -1 with ValueError. */
 static int
@@ -166,20 +189,15 @@ tt_paired_config_read(PyObject *rounds_min, PyObject *rounds_max, PyObject *widt
                       tw_paired_config *pcfg)
 {
     tw_error err;
-    long value;
 
     memset(&err, 0, sizeof(err));
     tw_paired_config_default(pcfg);
-    if (rounds_min != Py_None) {
-        if ((value = PyLong_AsLong(rounds_min)) == -1 && PyErr_Occurred())
-            return -1;
-        pcfg->rounds_min = value < 0 || value > (long)UINT32_MAX ? 0u : (uint32_t)value;
-    }
-    if (rounds_max != Py_None) {
-        if ((value = PyLong_AsLong(rounds_max)) == -1 && PyErr_Occurred())
-            return -1;
-        pcfg->rounds_max = value < 0 || value > (long)UINT32_MAX ? 0u : (uint32_t)value;
-    }
+    if (rounds_min != Py_None &&
+        tt_paired_rounds_read(rounds_min, "rounds_min", &pcfg->rounds_min) < 0)
+        return -1;
+    if (rounds_max != Py_None &&
+        tt_paired_rounds_read(rounds_max, "rounds_max", &pcfg->rounds_max) < 0)
+        return -1;
     if (width != Py_None && (pcfg->width = PyFloat_AsDouble(width)) == -1.0 && PyErr_Occurred())
         return -1;
     if (tw_paired_config_check(pcfg, &err) != TW_OK) {

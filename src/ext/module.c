@@ -12,6 +12,7 @@
 #include "guard.h"
 #include "measure.h"
 #include "padded.h"
+#include "record.h"
 #include "result.h"
 #include "rootcall.h"
 #include "depth.h"
@@ -93,6 +94,11 @@ static PyMethodDef tt_module_methods[] = {
      "check_tweak_config(*, min_depth, max_depth, tie_tolerance, time_budget, config)"},
     {"tweak", (PyCFunction)(void (*)(void))tt_py_tweak, METH_VARARGS | METH_KEYWORDS,
      "tweak(tree, *, enter, modules, activate, leave, run, n_samples, ...) -> Result"},
+    {"restore_result", (PyCFunction)tt_py_restore_result, METH_O,
+     "restore_result(record) -> Result\n\n"
+     "The Result of the numbers a caller kept of one, in the forms Result's getters give\n"
+     "(rows, selected, baseline, confirmation, others_share, busy_stopped, budgets), checked\n"
+     "by the engine (tw_result_restore): its table and outcome are written from them."},
     {"set_value_keyer", (PyCFunction)tt_py_set_value_keyer, METH_O,
      "set_value_keyer(fn or None)\n\n"
      "fn(value) -> a key of the value's structure, or None. Signatures made afterwards\n"

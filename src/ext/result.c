@@ -30,7 +30,7 @@ typedef struct {
     size_t n_nodes;    /* of the tree it was computed on */
 } TtResult;
 
-static const char *
+const char *
 tt_row_state_name(tw_row_state state)
 {
     switch (state) {
@@ -186,6 +186,17 @@ tt_result_get_busy(TtResult *self, void *closure)
 {
     (void)closure;
     return PyBool_FromLong(tw_result_busy(self->result));
+}
+
+static PyObject *
+tt_result_get_budgets(TtResult *self, void *closure)
+{
+    uint64_t time_ns = 0, busy_ns = 0;
+
+    (void)closure;
+    tw_result_budgets(self->result, &time_ns, &busy_ns);
+    return Py_BuildValue("{s:K,s:K}", "time_budget_ns", (unsigned long long)time_ns,
+                         "busy_budget_ns", (unsigned long long)busy_ns);
 }
 
 static PyObject *
@@ -472,6 +483,9 @@ static PyGetSetDef tt_result_getset[] = {
      "True when others_share is above the engine's busy share (BUSY_SHARE).", NULL},
     {"busy_stopped", (getter)tt_result_get_busy_stopped, NULL,
      "True when the busy budget stopped the search: a depth was not tried on a busy machine.",
+     NULL},
+    {"budgets", (getter)tt_result_get_budgets, NULL,
+     "The budgets the result was computed under: {\"time_budget_ns\", \"busy_budget_ns\"} (0: none).",
      NULL},
     {"noisy", (getter)tt_result_get_noisy, NULL,
      "True when no speedup was confirmed and a measurement spread more than the engine's noisy "

@@ -15,6 +15,9 @@ PyObject *tt_result_new(TtState *st, tw_result *result, size_t n_nodes);
  * "groups": [{"text", "strategy", "samples", "chosen", "error", "candidates":
  * [{"name", "state", "verdict", "error", "stats"}]}]}. New reference. */
 PyObject *tt_module_result_to_dict(const tw_module_result *module);
+/* A row state's name in a row dict ("measured", "skipped", "budget", "dry";
+ * "unknown" out of range). */
+const char *tt_row_state_name(tw_row_state state);
 /* Adds Result to the module and fills st->ResultType. -1 on error. */
 int tt_result_exec(PyObject *module, TtState *st);
 

@@ -177,6 +177,9 @@ class Result:
     def busy_stopped(self) -> bool:
         """The busy budget stopped the search: a depth was not tried on a busy machine."""
     @property
+    def budgets(self) -> dict[str, int]:
+        """{"time_budget_ns", "busy_budget_ns"}: the budgets it was computed under (0: none)."""
+    @property
     def noisy(self) -> bool:
         """No speedup was confirmed, and a measurement spread more than the engine's noisy
         limit (a busy machine may have hidden one)."""
@@ -192,6 +195,13 @@ class Result:
     def outcome(self, untuned: Optional[str] = None) -> str:
         """The lines that end the table, alone: what was kept and by how much (or why
         nothing was), then the notes on the machine, one per line."""
+
+def restore_result(record: dict[str, Any]) -> Result:
+    """tw_result_restore: the Result of the numbers a caller kept of one, in the forms Result's
+    getters give ({"rows", "selected", "baseline", "confirmation", "others_share",
+    "busy_stopped", "budgets"}; other keys are ignored); its table and outcome are written from
+    them. TypeError for a value of another form, ValueError with the engine's words for numbers
+    no tweak gives. Its modules are not kept (modules is [])."""
 
 MODE_ORIGINAL: int
 MODE_ACTIVE: int

@@ -262,6 +262,14 @@ def command_tweak(args: argparse.Namespace) -> int:
     return 0
 
 
+def _show_printable(line: str) -> None:
+    """A line of `show`: text from the file, printed only printable (no control character of
+    a forged file reaches the terminal)."""
+    from ._core.storage import printable
+
+    print(printable(line))
+
+
 def command_show(args: argparse.Namespace) -> int:
     if not os.path.lexists(args.file):
         raise CliError(f"{args.file} does not exist")
@@ -271,16 +279,17 @@ def command_show(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         raise CliError(f"{args.file}: {exc}") from None
     manifest, plan = summary["manifest"], summary["plan"]
+    show = _show_printable
     device = manifest.get("device", {})
-    print(f"file:        {args.file}")
-    print(f"model:       {manifest.get('model', '?')}")
-    print(f"device:      {device.get('type', '?')}" + (f" ({device['name']})" if device.get("name") else ""))
-    print(f"torch:       {manifest.get('torch', '?')}   torch-tweak: {manifest.get('torch_tweak', '?')}")
-    print(f"saved:       {manifest.get('created', '?')}")
+    show(f"file:        {args.file}")
+    show(f"model:       {manifest.get('model', '?')}")
+    show(f"device:      {device.get('type', '?')}" + (f" ({device['name']})" if device.get("name") else ""))
+    show(f"torch:       {manifest.get('torch', '?')}   torch-tweak: {manifest.get('torch_tweak', '?')}")
+    show(f"saved:       {manifest.get('created', '?')}")
     depth = plan.get("depth")
-    print(f"depth:       {'untuned' if depth is None else depth}")
+    show(f"depth:       {'untuned' if depth is None else depth}")
     modules = plan.get("modules", [])
-    print(f"modules:     {len(modules)}")
+    show(f"modules:     {len(modules)}")
     for module in modules:
         signatures = module.get("signatures", [])
         for i, signature in enumerate(signatures):
@@ -289,7 +298,7 @@ def command_show(args: argparse.Namespace) -> int:
                 backend += " (no stored call: runs the original after load)"
             path = (module.get("path") or "(root)") if i == 0 else ""
             text = signature.get("text", "") if len(signatures) > 1 else ""
-            print(f"  {path:<28} {backend:<18} {text}".rstrip())
+            show(f"  {path:<28} {backend:<18} {text}".rstrip())
     return 0
 
 
@@ -349,8 +358,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--samples must be at least 1")
     try:
         return args.run(args)
-    except CliError as exc:
-        print(f"torch-tweak: error: {exc}", file=sys.stderr)
+    except CliError as exc:  # it may quote a file's text: printable
+        from ._core.storage import printable
+
+        print(printable(f"torch-tweak: error: {exc}"), file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("torch-tweak: interrupted; the model was left as it was", file=sys.stderr)

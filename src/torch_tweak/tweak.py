@@ -18,6 +18,7 @@ from ._core import correctness, distributed, model_state, noise
 from ._runtime import decode_call, generation
 from ._store import tuning_cache
 from ._core import cpu_load
+from ._core.storage import printable
 from ._core._samples import load_dataset, resolve_device, synchronizer
 from ._runtime.inspecting import ModuleTree, trace
 from ._runtime.module import arm_untuned, installed, unwrap
@@ -272,7 +273,8 @@ def _check_busy_budget(busy_budget: Any) -> None:
 def _mark_busy(model: nn.Module, result: TweakResult) -> None:
     """tt.status shows a kept figure measured on a busy machine as such (BUSY_FIGURES)."""
     if result.measurement_quality == "busy" and result.selected_depth is not None:
-        BUSY_FIGURES[model] = result.outcome()
+        # a cache hit's figure is the first tweak's: marked so, with its time
+        BUSY_FIGURES[model] = result.outcome() + (f" {result.cache_note()}" if result.cached else "")
     else:
         BUSY_FIGURES.pop(model, None)
 
@@ -510,9 +512,8 @@ def _from_cache(model: nn.Module, tree: ModuleTree, calls: list, device: torch.d
     if entry is None:
         return None
     shown.line(f"tuning cache hit {key}: building the cached choices again, no measurement")
-    try:
-        result = TweakResult.from_record(entry["result"], tree, tuning_cache.module_results(entry),
-                                         entry.get("created"))
+    try:  # the engine builds it again from the entry's numbers, checked
+        result = tuning_cache.result_of(entry, tree)
     except Exception:  # an entry of another shape is a miss like any other
         result = None
     whole = result is not None if ranks is None else ranks.all(result is not None)
@@ -524,7 +525,7 @@ def _from_cache(model: nn.Module, tree: ModuleTree, calls: list, device: torch.d
         unwrap(model)  # another rank could not apply its entry: none keeps its own
         failure = "another rank's entry could not be applied"
     if failure is not None:
-        logger.warning("tuning cache entry %s dropped (%s); tuning afresh", key, failure)
+        logger.warning("tuning cache entry %s dropped (%s); tuning afresh", key, printable(failure))
         tuning_cache.drop(key)
         return None
     result._model = weakref.ref(model)

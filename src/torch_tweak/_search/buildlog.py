@@ -18,11 +18,12 @@ import warnings
 from pathlib import Path
 from typing import Iterator
 
-from .._core.storage import cache_dir
+from .._core.storage import cache_dir, printable, write_cached
 
 
 def _safe(part: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._+-]", "_", part) or "_"
+    safe = re.sub(r"[^A-Za-z0-9._+-]", "_", part)
+    return "_" if safe in ("", ".", "..") else safe
 
 
 def log_path(model_class: str, module_path: str, signature_key: str, backend: str) -> Path:
@@ -66,10 +67,10 @@ class BuildLog:
         if error is not None:
             text.append("")
             text.extend(traceback.format_exception(type(error), error, error.__traceback__))
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("\n".join(line.rstrip("\n") for line in text) + "\n", encoding="utf-8")
-        except OSError as exc:  # a read-only home must not fail a tuning
+        body = "\n".join(printable(line.rstrip("\n")) for line in text) + "\n"
+        try:  # never through a link planted in the folder (storage.write_cached)
+            write_cached(self.path, body.encode("utf-8"), "the build log")
+        except (OSError, ValueError) as exc:  # a read-only home must not fail a tuning
             warnings.warn(f"torch-tweak could not write the build log {self.path}: {exc}", stacklevel=3)
 
 

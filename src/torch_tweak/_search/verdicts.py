@@ -29,9 +29,7 @@ import hashlib
 import importlib.metadata
 import functools
 import json
-import os
 import platform
-import stat
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -39,7 +37,8 @@ import torch
 from torch import nn
 
 from .._core._samples import Call
-from .._core.storage import atomic_file, cache_dir, seal, unseal
+from .._core.storage import (cache_dir, listed_cached, printable, read_cached, remove_cached, seal, unseal,
+                             write_cached)
 from .._core.signatures import describe_call
 
 VERSION = 2
@@ -161,7 +160,7 @@ def read(parts: dict[str, Any]) -> Verdict | None:
     reason = entry.get("reason", "")
     if not isinstance(reason, str) or not unseal(_sealed_text(parts, entry["crashed"], reason), entry.get("seal")):
         return None  # edited, another user's, or never sealed: the child runs again
-    return Verdict(entry["crashed"], reason)
+    return Verdict(entry["crashed"], printable(reason))  # shown in the report: no terminal obeys it
 
 
 def _sealed_text(parts: dict[str, Any], crashed: bool, reason: str) -> bytes:
@@ -178,12 +177,9 @@ def write(parts: dict[str, Any], verdict: Verdict) -> bool:
     text = json.dumps({"parts": parts, "crashed": verdict.crashed, "reason": verdict.reason, "seal": sealed},
                       sort_keys=True)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_file(path, "w", encoding="utf-8") as f:
-            f.write(text)
+        return write_cached(path, text.encode("utf-8"), "the isolated build's verdict")
     except OSError:
         return False
-    return True
 
 
 TIMES = "times.json"
@@ -192,28 +188,12 @@ KEPT_TIMES = 16
 
 
 def _read_json(path: Path) -> Any:
-    """The JSON in `path`, or None: never fails and never blocks (see the module docs)."""
+    """The JSON in `path`, or None: never fails and never blocks (see the module docs); a link
+    planted in the folder is not followed (storage.read_cached)."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        return json.loads(read_cached(path, MAX_BYTES).decode("utf-8"))
     except Exception:
         return None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_BYTES:
-            return None
-        data = b""
-        while len(data) <= MAX_BYTES:
-            chunk = os.read(fd, MAX_BYTES + 1 - len(data))
-            if not chunk:
-                break
-            data += chunk
-        if len(data) > MAX_BYTES:
-            return None
-        return json.loads(data.decode("utf-8"))
-    except Exception:
-        return None
-    finally:
-        os.close(fd)
 
 
 def _times_key(backend: Any, how: str) -> str:
@@ -244,25 +224,15 @@ def record_rate(backend: Any, how: str, rate: float) -> bool:
     while len(json.dumps(found)) > MAX_BYTES // 2 and len(found) > 1:  # the oldest classes go first
         del found[next(k for k in found if k != key)]
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_file(path, "w", encoding="utf-8") as f:
-            f.write(json.dumps(found, sort_keys=True))
+        return write_cached(path, json.dumps(found, sort_keys=True).encode("utf-8"), "the isolated builds' times")
     except OSError:
         return False
-    return True
 
 
 def clear() -> int:
     """Removes every stored verdict; returns how many."""
     removed = 0
-    try:
-        entries = list(folder().glob("*.json"))
-    except OSError:
-        return 0
-    for path in entries:
-        try:
-            path.unlink()
-            removed += path.name != TIMES
-        except OSError:
-            pass
+    for name in listed_cached(folder()):
+        if name.endswith(".json") and remove_cached(folder() / name):
+            removed += name != TIMES
     return removed

@@ -39,7 +39,7 @@ from .._core._samples import resolve_device, unstorable
 from ..backends import Backend
 from . import archive
 from .._core import correctness, distributed
-from .._core.storage import NotRegular, atomic_file
+from .._core.storage import NotRegular, atomic_file, printable
 from .._runtime.module import installed, own_class, resolve_paths
 from .._search import plan as planning
 from .._runtime.generation import LoopPlan
@@ -79,7 +79,11 @@ _SEAL_LENGTH = len(b"torch-tweak sha256= hmac=") + 128
 
 class CheckpointError(ValueError):
     """A file tt.load cannot use: not a torch-tweak file, damaged, forged, unsigned when a
-    key was given, or for another model or machine. The model is left as it was."""
+    key was given, or for another model or machine. The model is left as it was. Its message
+    quotes the file's own text only printable (storage.printable)."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(printable(message))
 
 
 def _key_bytes(key: Any) -> bytes | None:
@@ -487,8 +491,9 @@ def _applied(model: nn.Module, path: Any, target: torch.device, manifest: dict, 
         if manifest.get("torch") == torch.__version__:
             torch.compiler.load_cache_artifacts(bytes(artifacts))
         else:
-            warnings.warn(f"{path}: its artifacts are for torch {manifest.get('torch')}, not {torch.__version__}; "
-                          "they are not applied and the backends compile from scratch", stacklevel=2)
+            warnings.warn(printable(f"{path}: its artifacts are for torch {str(manifest.get('torch'))[:40]}, not "
+                                    f"{torch.__version__}; they are not applied and the backends compile from "
+                                    "scratch"), stacklevel=2)
     modules = []
     for (name, backends), module_groups in zip(steps, groups):
         for group, backend in zip(module_groups, backends):
@@ -497,8 +502,8 @@ def _applied(model: nn.Module, path: Any, target: torch.device, manifest: dict, 
     failures = planning.apply(model, Plan(plan.get("depth"), modules, loop, shapes, tolerance), device=target,
                               bounded=True, strict=False)
     for failure in failures:
-        warnings.warn(f"tt.load: {failure.path or '(root)'} {failure.group.text}: {failure}; these calls run the "
-                      "original forward", stacklevel=2)
+        warnings.warn(printable(f"tt.load: {failure.path or '(root)'} {failure.group.text}: {failure}; these calls "
+                                "run the original forward"), stacklevel=2)
     wrappers = installed(model)
     return {m.path: None if wrappers[m.path].tt_backend is None else wrappers[m.path].tt_backend.name
             for m in modules}
@@ -598,15 +603,16 @@ def _check_target(model: nn.Module, target: torch.device, implicit: bool, manife
                               f"this is a {root}")
     here = device_name(target)
     if saved.get("name") != here:
-        warnings.warn(f"{path} was tuned on {str(saved.get('name'))[:80]}, this is {here}: the plan still runs, but it may "
-                      "not be the fastest here", stacklevel=3)
+        warnings.warn(printable(f"{path} was tuned on {str(saved.get('name'))[:80]}, this is {here}: the plan still "
+                                "runs, but it may not be the fastest here"), stacklevel=3)
     saved_torch = str(manifest.get("torch"))[:40]
     if saved_torch != torch.__version__:
         if saved_torch.split(".")[:2] != torch.__version__.split(".")[:2]:
             raise CheckpointError(f"{path} was saved with torch {saved_torch}, this is torch {torch.__version__}: "
                                   "backends and their configs belong to one torch release; tune again here")
-        warnings.warn(f"{path} was saved with torch {saved_torch}, this is torch {torch.__version__}: the "
-                      "backends are built again and checked against the stored outputs", stacklevel=3)
+        warnings.warn(printable(f"{path} was saved with torch {saved_torch}, this is torch {torch.__version__}: "
+                                "the backends are built again and checked against the stored outputs"),
+                      stacklevel=3)
 
 
 def _check_plan(model: nn.Module, plan: dict, given: list[Backend], path: Any) -> list[tuple[str, list]]:
@@ -718,7 +724,7 @@ def _groups(plan: dict, stored: tuple, path: Any,
                     raise ValueError("a signature's text and key are strings")
                 samples = [_call(decode(s, tensors, place, types)) for s in stored]
                 outputs = [decode(o, tensors, place, types) for o in results]
-                text, key = sig["text"][:400], sig["key"][:40]
+                text, key = printable(sig["text"][:400]), sig["key"][:40]  # the text is shown (tt.status)
                 if len(samples) != len(outputs):
                     raise ValueError("as many outputs as calls are needed")
                 params = forward_params(model.get_submodule(item["path"]) if item["path"] else model)

@@ -23,7 +23,6 @@ seconds, then tuned again.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import hashlib
 import importlib.metadata
@@ -42,20 +41,23 @@ from .. import _C
 from .._core import cpu_load
 from .._core._samples import Call
 from ..backends import registry
-from .._core.storage import atomic_file, cache_dir, read_regular
+from .._core.storage import cache_dir, listed_cached, printable, read_cached, remove_cached, write_cached
 from .._core.correctness import TOLERANCES
 from .._search import plan as planning
 from .._search.plan import ModulePlan, Plan, PlanError, RebuildFailed, plan_of
 from .._view.report import ModuleResult, ModuleResults, SignatureResult
+from .._view.result import TweakResult
 from .._core.schema import fingerprint
 from .serial import Unstorable, class_path, describe_backend, device_name, dumps, loads
 from .._core.signatures import SignatureGroup, describe_call
 from ..backends.strategy import Strategy, default_strategy
 
-ENTRY_VERSION = 5
-"""5: an entry keeps the engine's outcome lines (TweakResult.outcome() of a cache hit); 4: the
-calls of one shape class whose sizes vary are one group (signatures.merge_varying): an entry
-written before names groups that recording no longer makes."""
+ENTRY_VERSION = 6
+"""6: an entry keeps the numbers of its result (the engine's, per depth, and per module), never
+its table or outcome as text: a hit has the engine build the result again from them, checked
+(_C.restore_result), and its text is written again from them; 5 kept the text, which a forged
+entry could make anything. 4: the calls of one shape class whose sizes vary are one group
+(signatures.merge_varying). An entry of an older version is a miss."""
 OPTIONAL_PACKAGES = registry.optional_packages()
 """The packages of the backends on an optional install (their registrations'): their presence
 changes which default backends build, so their versions are in the key."""
@@ -158,7 +160,7 @@ def read(key: str, parts: dict[str, Any]) -> dict | None:
     None otherwise. Whatever is wrong with the entry, the answer is a miss."""
     path = folder() / f"{key}.json"
     try:
-        entry = loads(read_regular(path, MAX_ENTRY_BYTES))
+        entry = loads(read_cached(path, MAX_ENTRY_BYTES))
     except FileNotFoundError:
         return None
     except Exception:  # a FIFO, a device, too large, not JSON, too deep...: tune afresh and write it again
@@ -186,40 +188,26 @@ def read(key: str, parts: dict[str, Any]) -> dict | None:
 
 
 def write(key: str, entry: dict) -> None:
-    """Writes an entry atomically (a temporary file, then a rename); a failure only warns."""
+    """Writes an entry atomically, never through a link planted in the folder
+    (storage.write_cached); a failure only warns."""
     target = folder() / f"{key}.json"
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_file(target, "w", encoding="utf-8") as f:
-            json.dump(entry, f, indent=1)
+        write_cached(target, json.dumps(entry, indent=1).encode("utf-8"), "the tuning cache entry")
     except OSError as exc:
         warnings.warn(f"torch-tweak could not write the tuning cache entry {target}: {exc}", stacklevel=3)
 
 
 def drop(key: str) -> None:
     """Removes an entry: a link is removed, not what it points to; an empty folder in its place too."""
-    path = folder() / f"{key}.json"
-    try:
-        path.unlink()
-    except IsADirectoryError:
-        with contextlib.suppress(OSError):
-            path.rmdir()
-    except OSError:
-        pass
+    remove_cached(folder() / f"{key}.json")
 
 
 def clear_cache() -> int:
     """Removes every tuning-cache entry (not the build logs); returns how many."""
     removed = 0
-    if not folder().is_dir():
-        return 0
-    for path in folder().iterdir():
-        if path.suffix in (".json", ".tmp"):
-            try:
-                path.unlink()
-                removed += path.suffix == ".json"
-            except OSError:
-                pass
+    for name in listed_cached(folder()):
+        if name.endswith((".json", ".tmp")) and remove_cached(folder() / name):
+            removed += name.endswith(".json")
     return removed
 
 
@@ -250,15 +238,78 @@ def module_tree(result: ModuleResult) -> dict:
 
 
 def module_results(entry: dict) -> ModuleResults:
+    """The entry's module table, every value checked (ValueError for one of another shape) and
+    every text made printable: a file's text reaches no terminal as it is."""
     results = ModuleResults()
-    kept = [r["depth"] for r in entry["result"]["rows"] if r["selected"]]
-    results.kept_depth = kept[0] if kept else None
+    kept = entry["kept_depth"]
+    results.kept_depth = kept if type(kept) is int else None
+    if type(entry["modules"]) is not list:
+        raise ValueError("an entry's modules are a list")
     for m in entry["modules"]:
-        signatures = tuple(SignatureResult(s["text"], s["key"], s["backend"], s["error"], tuple(s["candidates"]),
-                                           s["unstorable"]) for s in m["signatures"])
-        results[m["path"]] = ModuleResult(m["path"], m["backend"], m["error"], tuple(m["candidates"]), signatures,
-                                          tuple(m["depths"]), bool(m["kept"]))
+        signatures = tuple(SignatureResult(_text(s["text"]), _text(s["key"]), _text_or_none(s["backend"]),
+                                           _text(s["error"]), tuple(_candidate(c) for c in _list(s["candidates"])),
+                                           _count(s["unstorable"])) for s in _list(m["signatures"]))
+        depths = _list(m["depths"])
+        if not all(type(d) is int for d in depths) or type(m["kept"]) is not bool:
+            raise ValueError("a module's depths are ints, and whether it was kept a bool")
+        results[_text(m["path"])] = ModuleResult(
+            _text(m["path"]), _text_or_none(m["backend"]), _text(m["error"]),
+            tuple(_candidate(c) for c in _list(m["candidates"])), signatures, tuple(depths), m["kept"])
     return results
+
+
+_CANDIDATE_TEXTS = ("backend", "state", "error", "reason", "signature")
+_CANDIDATE_NUMBERS = ("latency_ms", "max_error", "tolerance", "own_error")
+
+
+def _candidate(found: Any) -> dict:
+    """A candidate's dict of an entry (report.SignatureResult's form), its keys checked: texts
+    printable, numbers finite (or None), lowers_precision a bool."""
+    if type(found) is not dict or not all(type(found.get(k)) is str for k in _CANDIDATE_TEXTS[:4]):
+        raise ValueError("a candidate is a dict with its backend, state, error and reason")
+    checked: dict[str, Any] = {k: _text(found[k]) for k in _CANDIDATE_TEXTS if k in found}
+    for k in _CANDIDATE_NUMBERS:
+        value = found.get(k)
+        if value is not None and not (type(value) in (int, float) and math.isfinite(value)):
+            raise ValueError(f"a candidate's {k} is a finite number or None")
+        checked[k] = value
+    if type(found.get("lowers_precision", False)) is not bool:
+        raise ValueError("a candidate's lowers_precision is a bool")
+    checked["lowers_precision"] = found.get("lowers_precision", False)
+    return checked
+
+
+def _text(value: Any) -> str:
+    if type(value) is not str:
+        raise ValueError(f"a text of an entry is {type(value).__name__}")
+    return printable(value)
+
+
+def _text_or_none(value: Any) -> str | None:
+    return None if value is None else _text(value)
+
+
+def _list(value: Any) -> list:
+    if type(value) is not list:
+        raise ValueError(f"a list of an entry is {type(value).__name__}")
+    return value
+
+
+def _count(value: Any) -> int:
+    if type(value) is not int or value < 0:
+        raise ValueError("a count of an entry is an int >= 0")
+    return value
+
+
+def result_of(entry: dict, tree: Any) -> TweakResult:
+    """The entry's TweakResult, marked cached (measured_at: the entry's time): built again by
+    the engine from its numbers (TweakResult.from_record), its modules checked (module_results);
+    ValueError or TypeError for an entry whose parts are of another shape, or whose kept depth
+    and quality are not the ones its numbers give."""
+    result = TweakResult.from_record(entry["result"], tree, module_results(entry), entry.get("created"))
+    if result.selected_depth != entry["kept_depth"] or result.measurement_quality != entry.get("quality"):
+        raise ValueError("an entry's kept depth or quality is not the one its figures give")
+    return result
 
 
 def _matching(strategy: Strategy, device: torch.device, wanted: dict):
@@ -288,12 +339,15 @@ def plan_of_entry(entry: dict, strategy: Strategy | None, device: torch.device) 
             if want["backend"] is not None:
                 backend = _matching(template, device, want["backend"])
                 if backend is None:
-                    raise PlanError(f"the strategy has no backend {want['backend']['class']} with the cached config")
+                    raise PlanError(f"the strategy has no backend {printable(str(want['backend'].get('class')))[:200]} "
+                                    "with the cached config")
             info = stored.get(want["key"], {})
-            groups.append(SignatureGroup(None, want["text"], want["key"], backend=backend, error=info.get("error", ""),
-                                         report=list(info.get("candidates", [])),
-                                         unstorable=info.get("unstorable", 0)))
-        modules.append(ModulePlan(item["path"], groups, report["error"], list(report["candidates"])))
+            groups.append(SignatureGroup(None, _text(want["text"]), _text(want["key"]), backend=backend,
+                                         error=_text(info.get("error", "")),
+                                         report=[_candidate(c) for c in _list(info.get("candidates", []))],
+                                         unstorable=_count(info.get("unstorable", 0))))
+        modules.append(ModulePlan(item["path"], groups, _text(report["error"]),
+                                  [_candidate(c) for c in _list(report["candidates"])]))
     return Plan(module_results(entry).kept_depth, modules, shapes=template.shapes)  # shapes: part of the key
 
 

@@ -7,6 +7,8 @@ prints the rows of one module.
 from __future__ import annotations
 
 import dataclasses
+import datetime
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,9 +186,12 @@ def table(rows: list[list[str]]) -> str:
 
 class ModuleResults(dict):
     """{path: ModuleResult}; ``str()`` is one table of every module, signature and candidate,
-    grouped by depth with the kept depth marked (kept_depth: None when none was kept)."""
+    grouped by depth with the kept depth marked (kept_depth: None when none was kept); from the
+    tuning cache (cached), it ends with when its figures were measured (measured_at)."""
 
     kept_depth: int | None = None
+    cached = False
+    measured_at: str | None = None
 
     def __str__(self) -> str:
         rows = [HEADER]
@@ -204,4 +209,25 @@ class ModuleResults(dict):
             return "no module was tuned"
         folded = [p for p, r in self.items() if any(" ..." in row[4] for row in r.rows())]
         hint = f"\n(errors in full: print(result.modules[{folded[0]!r}]))" if folded else ""
-        return table(rows) + hint
+        return table(rows) + hint + (f"\n{cache_note(self.measured_at)}" if self.cached else "")
+
+
+def cache_note(measured_at: str | None) -> str:
+    """What a result from the tuning cache says about its figures: when they were measured."""
+    return (f"(from the tuning cache: the figures were measured {measured_when(measured_at)}; "
+            "tt.tweak(..., cache=False) measures again)")
+
+
+def measured_when(created: Any) -> str:
+    """An entry's "created" as a reader wants it: "on 2026-12-02 at 21:51 UTC (3 hours ago)"."""
+    try:
+        then = datetime.datetime.fromisoformat(created)
+        if then.tzinfo is None:
+            raise ValueError("no time zone")
+    except (TypeError, ValueError):
+        return "at a time the entry does not say"
+    then = then.astimezone(datetime.timezone.utc)
+    seconds = (datetime.datetime.now(datetime.timezone.utc) - then).total_seconds()
+    ago = ("just now" if seconds < 60 else f"{seconds / 60:.0f} minutes ago" if seconds < 5400
+           else f"{seconds / 3600:.0f} hours ago" if seconds < 2 * 86400 else f"{seconds / 86400:.0f} days ago")
+    return f"on {then:%Y-%m-%d} at {then:%H:%M} UTC ({ago})"

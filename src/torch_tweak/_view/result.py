@@ -5,7 +5,6 @@ tokens per second, one row per configuration measured or refused."""
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
 import weakref
 from typing import Any
@@ -13,9 +12,10 @@ from typing import Any
 from torch import nn
 
 from .. import _C
+from .._core.storage import printable
 from .._runtime.inspecting import ModuleTree
 from .._runtime.workload import TokenRow, Workload
-from .report import ModuleResults, fold
+from .report import ModuleResults, cache_note, fold
 from .status import status
 
 logger = logging.getLogger("torch_tweak")
@@ -150,13 +150,13 @@ class TweakResult:
         return self.baseline_ms / self.tuned_ms if self.baseline_ms is not None and self.tuned_ms else None
 
     def __str__(self) -> str:
-        if not self.cached:
-            # the engine knows depths only: with a decode loop kept, what stays untuned is the modules
-            table = self._engine.format(untuned=untuned_words(self.decode_loop))
-            lines = self.precision_lines() + self.shapes_lines()
-            return table + "".join("\n" + line for line in lines) + \
-                tokens_table(self)
-        return self._table + "".join("\n" + line for line in self.shapes_lines()) + f"\n{self.cache_note()}"
+        # the engine knows depths only: with a decode loop kept, what stays untuned is the modules
+        table = self._engine.format(untuned=untuned_words(self.decode_loop))
+        lines = self.precision_lines()
+        if self.cached:  # the figures above are the first tweak's, with their time; the lines below, now's
+            lines.append(self.cache_note())
+        lines += self.shapes_lines()
+        return table + "".join("\n" + line for line in lines) + tokens_table(self)
 
     @property
     def kept(self) -> bool:
@@ -172,10 +172,8 @@ class TweakResult:
         return [] if model is None else status(model).shapes_lines()
 
     def cache_note(self) -> str:
-        """What a result from the tuning cache says about its figures."""
-        when = measured_when(self.measured_at)
-        return (f"(from the tuning cache: the figures were measured {when}; tt.tweak(..., cache=False) "
-                f"measures again)")
+        """What a result from the tuning cache says about its figures (report.cache_note)."""
+        return cache_note(self.measured_at)
 
     @property
     def lower_precision(self) -> dict[str, str]:
@@ -214,7 +212,7 @@ class TweakResult:
         """One line: what the tweak kept and by how much (or why nothing was), then the notes on
         the machine, joined by "; ": the engine's words, the lines that end the table (a cache
         entry keeps them), with the decode loop kept behind generate() named."""
-        text = self._outcome if self.cached else self._engine.outcome(untuned=untuned_words(self.decode_loop))
+        text = self._engine.outcome(untuned=untuned_words(self.decode_loop))
         lines = [line for line in text.splitlines() if line]
         if self.decode_loop and self.selected_depth is not None and lines:
             lines[0] += f"; generate() runs tweak's decode loop ({self.decode_loop})"
@@ -266,41 +264,42 @@ def untuned_words(decode_loop: str | None) -> str | None:
 
 
 def record_of(self: TweakResult) -> dict:
-    """The result as plain JSON (what the tuning cache keeps)."""
-    return {"rows": [dataclasses.asdict(r) for r in self.rows], "baseline_ms": self.baseline_ms,
-            "tuned_ms": self.tuned_ms, "search_baseline_ms": self.untuned.latency_ms,
-            "confirmation": self.confirmation, "quality": self.measurement_quality, "noisy": self.noisy,
-            "others_share": self.others_share, "busy": self.busy, "busy_stopped": self.busy_stopped,
-            "table": str(self), "outcome": self._engine.outcome(untuned=untuned_words(self.decode_loop))}
+    """The result as plain JSON (what the tuning cache keeps): the engine's numbers, in the forms
+    its getters give (_C.restore_result builds the result again from them, checked), and the
+    quality they gave. No text: the table and the outcome are written again from the numbers."""
+    engine = self._engine
+    return {"rows": engine.rows, "selected": engine.selected, "baseline": engine.baseline,
+            "confirmation": engine.confirmation, "others_share": engine.others_share,
+            "busy_stopped": engine.busy_stopped, "budgets": engine.budgets, "quality": engine.quality}
+
+
+ROW_ERROR_BYTES = 500
+"""A kept row's error, cut (at a character) below the engine's message size."""
+
 
 def from_record(record: dict, tree: ModuleTree, modules: ModuleResults, measured_at: str | None = None) -> TweakResult:
-    """The result a cache entry recorded, marked cached; measured_at: the entry's time."""
-    self = object.__new__(TweakResult)
-    self._engine = None
-    self._table = record["table"]
-    self._outcome = record["outcome"]
-    if not isinstance(self._outcome, str):
-        raise TypeError(f"a cache entry's outcome is {type(self._outcome).__name__}, not text")
+    """The result a cache entry recorded, marked cached; measured_at: the entry's time. The
+    engine builds it again from the entry's numbers, checked (_C.restore_result: TypeError or
+    ValueError for numbers no tweak gives), so its table and outcome say only what the numbers
+    do; a row's error, text from the file, is made printable first."""
+    if type(record) is not dict or type(record.get("rows")) is not list:
+        raise TypeError("a cache entry's result is a dict with its rows")
+    rows = [dict(row, error=_row_error(row.get("error"))) if type(row) is dict else row for row in record["rows"]]
+    self = TweakResult(_C.restore_result(dict(record, rows=rows)), tree, modules)
+    if self.measurement_quality != record.get("quality"):
+        raise ValueError(f"a cache entry's quality ({printable(str(record.get('quality')))[:20]}) is not the one "
+                         f"its figures give ({self.measurement_quality})")
     self.cached = True
     self.measured_at = measured_at if isinstance(measured_at, str) else None
-    self.measurement_quality = str(record["quality"])
-    self.tree = tree
-    self.modules = modules
-    self.baseline_ms = record["baseline_ms"]
-    self.confirmation = record["confirmation"]
-    self.noisy = bool(record["noisy"])
-    share = record.get("others_share")
-    self.others_share = float(share) if type(share) in (int, float) else None
-    self.busy = bool(record.get("busy", False))
-    self.rows = [DepthResult(**row) for row in record["rows"]]
-    chosen = next((r for r in self.rows if r.selected), None)
-    self.selected_depth = None if chosen is None else chosen.depth
-    search = record["search_baseline_ms"]  # the untuned model as the search measured it
-    self.untuned = DepthResult(None, 0, 0, search, None if search is None else 1.0, "", chosen is None)
-    self.tuned_ms = record["tuned_ms"]
-    self.busy_stopped = bool(record.get("busy_stopped", False))
-    self.speedup = self._speedup()
+    modules.measured_at = self.measured_at  # its latencies are the first tweak's too: print(result.modules) says so
+    modules.cached = True
     return self
+
+
+def _row_error(error: Any) -> Any:
+    if type(error) is not str:
+        return error  # refused by restore_result
+    return printable(error).encode("utf-8")[:ROW_ERROR_BYTES].decode("utf-8", "ignore")
 
 
 def speak_tokens(result: TweakResult, job: Workload) -> None:
@@ -419,18 +418,3 @@ def _depth_not_kept(result: TweakResult, row: DepthResult, on: str, job: Workloa
             return f"not kept: within the tie tolerance of {there}, the shallower is kept"
         return f"slower than {there}" + ("" if kept is not None else ", itself not kept")
     return f"slower than untuned{on}" + (f" ({fold(row.error, 60)})" if row.error else "")
-
-
-def measured_when(created: Any) -> str:
-    """An entry's "created" as a reader wants it: "on 2026-12-02 at 21:51 UTC (3 hours ago)"."""
-    try:
-        then = datetime.datetime.fromisoformat(created)
-        if then.tzinfo is None:
-            raise ValueError("no time zone")
-    except (TypeError, ValueError):
-        return "at a time the entry does not say"
-    then = then.astimezone(datetime.timezone.utc)
-    seconds = (datetime.datetime.now(datetime.timezone.utc) - then).total_seconds()
-    ago = ("just now" if seconds < 60 else f"{seconds / 60:.0f} minutes ago" if seconds < 5400
-           else f"{seconds / 3600:.0f} hours ago" if seconds < 2 * 86400 else f"{seconds / 86400:.0f} days ago")
-    return f"on {then:%Y-%m-%d} at {then:%H:%M} UTC ({ago})"
