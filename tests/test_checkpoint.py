@@ -665,3 +665,29 @@ def test_a_saved_file_names_no_private_module(tmp_path, mlp_data):
     assert tt.load(fresh, path) == {"blocks.0": "TorchEager", "head": "TorchEager"}
     with torch.no_grad():
         assert all(torch.equal(fresh(x), untuned(x)) for x in mlp_data)
+
+
+@pytest.mark.parametrize("field, value", [("manifest", {"device": "cuda"}), ("manifest", {"device": [1, 2]}),
+                                          ("plan", {"modules": "all"}), ("plan", {"modules": [1, "x", None]}),
+                                          ("plan", {"modules": [{"path": 3, "signatures": [7, {"backend": "x"}]}]})])
+def test_show_reads_a_forged_field_of_another_type_as_empty(saved, capsys, field, value):
+    """`torch-tweak show` on a file whose fields a forger gave another type: it prints what it
+    can read, with no traceback; the file still refuses to load."""
+    from torch_tweak.cli import main
+
+    model, data, path = saved
+    if field == "manifest":
+        rewrite(path, {}, manifest=value)
+    else:
+        with zipfile.ZipFile(path) as archive:
+            plan = json.loads(archive.read("plan.json"))
+        plan.update(value)
+        rewrite(path, {"plan.json": json.dumps(plan).encode()})
+    code = main(["show", str(path)])
+    out, err = capsys.readouterr()
+    if code == 0:  # what it can read, printed
+        assert "file:" in out and "modules:" in out
+    else:  # or refused in one line that says why
+        assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    with pytest.raises(tt.CheckpointError):
+        tt.load(fresh_mlp(), path)

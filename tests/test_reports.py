@@ -106,6 +106,28 @@ def test_result_shows_every_candidates_latency_or_why_it_lost(mlp, mlp_data):
     assert text.count("TorchEager") == 3  # one row per module
 
 
+class LongWordedBackend(Backend):
+    """Its build error is longer than the engine's message slot and not ASCII: the slot's cut
+    falls inside a character."""
+    name = "LongWorded"
+
+    def build(self, module, samples, device):
+        raise RuntimeError("x" + "\u20ac" * 400)
+
+
+def test_a_long_non_ascii_error_cut_to_its_slot_reads_whole(mlp, mlp_data):
+    strategy = tt.HighestThroughputStrategy([LongWordedBackend(), TorchEagerBackend()])
+    untuned = __import__("copy").deepcopy(mlp)
+    result = tt.tweak(mlp, mlp_data, max_depth=1, min_depth=1, strategy=strategy, progress=False, measure=FAST)
+    (sig,) = result.modules["head"].signatures
+    error = {c["backend"]: c for c in sig.candidates}["LongWorded"]["error"]
+    assert "\u20ac" * 100 in error and error.rstrip(".").endswith("\u20ac")
+    assert "LongWorded" in str(result.modules)
+    with torch.inference_mode():
+        for x in mlp_data:
+            torch.testing.assert_close(mlp(x), untuned(x))
+
+
 def test_build_logs_in_the_cache_folder(mlp, mlp_data, cache_folder, monkeypatch):
     monkeypatch.setenv("TORCH_TWEAK_CACHE", str(cache_folder / "logs-test"))
     (w,) = tt.wrap(mlp, ["head"], strategy=tt.FirstWinsStrategy([BrokenBackend(), WarningBackend()]))

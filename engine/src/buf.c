@@ -140,3 +140,27 @@ void tw_buf_dispose(tw_buf *buf)
     buf->len = 0;
     buf->cap = 0;
 }
+
+void tw_utf8_trim(char *s)
+{
+    size_t n = strlen(s), i = n, tail = 0, want;
+    unsigned char lead;
+
+    while (i > 0 && tail < 3 && ((unsigned char)s[i - 1] & 0xC0) == 0x80) {
+        i--;
+        tail++;
+    }
+    if (i == 0) {
+        goto cleanup;
+    }
+    lead = (unsigned char)s[i - 1];
+    if (lead < 0xC0) {
+        goto cleanup; /* ASCII, or continuation bytes with no lead: not a cut */
+    }
+    want = lead >= 0xF0 ? 4 : lead >= 0xE0 ? 3 : 2;
+    if (tail + 1 < want) {
+        s[i - 1] = '\0';
+    }
+cleanup:
+    return;
+}

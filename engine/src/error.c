@@ -30,6 +30,7 @@ tw_code tw_error_set(tw_error *err, tw_code code, const char *fmt, ...)
         /* vsnprintf truncates and always terminates: messages never overflow */
         vsnprintf(err->msg, sizeof err->msg, fmt, ap);
         va_end(ap);
+        tw_utf8_trim(err->msg);
     }
 cleanup:
     return code;

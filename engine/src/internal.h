@@ -86,6 +86,10 @@ void tw_buf_appendf(tw_buf *buf, const char *fmt, ...)
  * characters as spaces: a callback's long or multi-line message keeps a table
  * row on one line. The whole message stays in the result (tw_row.error). */
 void tw_buf_append_line(tw_buf *buf, const char *s, size_t width);
+/* Cuts a UTF-8 sequence that a truncation left incomplete at the end of `s`
+ * (a message cut to its slot's size may stop inside a character): the text
+ * every reader gets is whole characters. */
+void tw_utf8_trim(char *s);
 /* Gives the string away (NULL when an append failed) and resets buf. */
 char *tw_buf_take(tw_buf *buf);
 void tw_buf_dispose(tw_buf *buf);

@@ -72,6 +72,7 @@ cleanup:
 void tw_result_set_row_error(tw_result *result, size_t i, const char *msg)
 {
     snprintf(result->rows[i].error, sizeof result->rows[i].error, "%s", msg);
+    tw_utf8_trim(result->rows[i].error);
 }
 
 size_t tw_result_row_count(const tw_result *result)

@@ -316,8 +316,32 @@ static void test_outcome_alone(void)
     CHECK(tw_result_outcome_as(NULL, NULL, NULL) == NULL);
 }
 
+/* A message longer than its slot, cut inside a character: what is kept is
+ * whole characters (a reader decoding UTF-8 strictly gets no error). */
+static void test_cut_message_keeps_whole_characters(void)
+{
+    tw_error err;
+    char text[3 * TW_MSG_SIZE];
+    size_t i, n, len;
+
+    for (n = 0; n < 4; n++) {
+        memset(text, 'a', n);
+        for (i = n; i + 3 < sizeof text; i += 3) {
+            memcpy(text + i, "\xe2\x82\xac", 3); /* the euro sign, three bytes */
+        }
+        text[i] = '\0';
+        tw_error_set(&err, TW_ECALLBACK, "%s", text);
+        len = strlen(err.msg);
+        CHECK(len > TW_MSG_SIZE - 5 && len < TW_MSG_SIZE);
+        CHECK_INT((int)((len - n) % 3), 0);
+    }
+    tw_error_set(&err, TW_ECALLBACK, "%s", "short \xc3\xa9");
+    CHECK_STR(err.msg, "short \xc3\xa9");
+}
+
 int main(void)
 {
+    test_cut_message_keeps_whole_characters();
     test_long_error_is_cut_between_words();
     test_table();
     test_budget_and_untuned();

@@ -270,6 +270,15 @@ def _show_printable(line: str) -> None:
     print(printable(line))
 
 
+def _fields(value: Any) -> dict:
+    """A JSON object of a file as show reads it: a forged field of another type reads as empty."""
+    return value if isinstance(value, dict) else {}
+
+
+def _items(value: Any) -> list:
+    return value if isinstance(value, list) else []
+
+
 def command_show(args: argparse.Namespace) -> int:
     if not os.path.lexists(args.file):
         raise CliError(f"{args.file} does not exist")
@@ -278,9 +287,9 @@ def command_show(args: argparse.Namespace) -> int:
         summary = read_summary(args.file)
     except (ValueError, OSError) as exc:
         raise CliError(f"{args.file}: {exc}") from None
-    manifest, plan = summary["manifest"], summary["plan"]
+    manifest, plan = _fields(summary["manifest"]), _fields(summary["plan"])
     show = _show_printable
-    device = manifest.get("device", {})
+    device = _fields(manifest.get("device"))
     show(f"file:        {args.file}")
     show(f"model:       {manifest.get('model', '?')}")
     show(f"device:      {device.get('type', '?')}" + (f" ({device['name']})" if device.get("name") else ""))
@@ -288,16 +297,16 @@ def command_show(args: argparse.Namespace) -> int:
     show(f"saved:       {manifest.get('created', '?')}")
     depth = plan.get("depth")
     show(f"depth:       {'untuned' if depth is None else depth}")
-    modules = plan.get("modules", [])
+    modules = [_fields(m) for m in _items(plan.get("modules"))]
     show(f"modules:     {len(modules)}")
     for module in modules:
-        signatures = module.get("signatures", [])
+        signatures = [_fields(s) for s in _items(module.get("signatures"))]
         for i, signature in enumerate(signatures):
-            backend = (signature.get("backend") or {}).get("name", "original")
+            backend = str(_fields(signature.get("backend")).get("name", "original"))
             if signature.get("backend") and not signature.get("samples") and signature.get("key") != "other":
                 backend += " (no stored call: runs the original after load)"
-            path = (module.get("path") or "(root)") if i == 0 else ""
-            text = signature.get("text", "") if len(signatures) > 1 else ""
+            path = str(module.get("path") or "(root)") if i == 0 else ""
+            text = str(signature.get("text", "")) if len(signatures) > 1 else ""
             show(f"  {path:<28} {backend:<18} {text}".rstrip())
     return 0
 
