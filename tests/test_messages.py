@@ -222,17 +222,18 @@ def test_a_length_past_the_position_table_is_refused_before_anything_is_built():
 def test_position_tables_found_and_not_found():
     from torch import nn
 
-    from torch_tweak._core.shapes import position_table
+    from torch_tweak._core.shapes import position_limit
 
-    assert position_table(_bert())[0] == 64
+    assert position_limit(_bert())[0] == 64
 
     class Roberta(nn.Module):  # a padding row before the positions: 2 fewer usable
         def __init__(self):
             super().__init__()
             self.position_embeddings = nn.Embedding(514, 8, padding_idx=1)
 
-    assert position_table(Roberta())[0] == 512
-    assert position_table(_mlp()) is None  # no table: any length
+    assert position_limit(Roberta()) == (512, "position_embeddings.num_embeddings = 514 less 2 rows up to its "
+                                               "padding_idx 1", True)
+    assert position_limit(_mlp()) is None  # no table, no config: any length
 
 
 @pytest.mark.slow
