@@ -40,6 +40,7 @@ import inspect
 from typing import Any, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
 from .. import _C
 from ._samples import Call, describe_cache, structure_key, unstorable
@@ -99,6 +100,20 @@ def describe_value(value: Any, depth: int = 0) -> str:
 def describe_call(args: tuple, kwargs: dict) -> str:
     parts = [describe_value(a) for a in args] + [f"{k}={describe_value(v)}" for k, v in kwargs.items()]
     return "(" + ", ".join(parts) + ")"
+
+
+def call_form(call: tuple[tuple, dict]) -> str:
+    """A call's form as ranks compare it before the model runs on it (Ranks.same_calls): the
+    call as describe_call shows it (each tensor's dtype and sizes, the plain values); where an
+    argument nests deeper than describe_call shows, every leaf of the call and its structure."""
+    args, kwargs = call
+    shown = describe_call(args, kwargs)
+    flat = all(not isinstance(v, (tuple, list, dict)) or (isinstance(v, (tuple, list)) and not any(
+        isinstance(item, (tuple, list, dict)) for item in v)) for v in list(args) + list(kwargs.values()))
+    if flat:
+        return shown
+    leaves, spec = pytree.tree_flatten(call)
+    return f"{shown} holding {', '.join(describe_value(leaf, 1) for leaf in leaves)} ({key_of(str(spec))})"
 
 
 def key_of(text: str) -> str:
