@@ -459,6 +459,23 @@ def test_a_bad_group_is_refused_and_the_model_left_as_it_was():
     assert type(model) is nn.Sequential
 
 
+def test_the_forms_ranks_compare_and_what_they_say_when_they_differ():
+    """Ranks.same_calls compares every call's structure, dtypes and sizes (signatures.call_form)
+    before the model runs; a difference nested where describe_call shows only a type counts."""
+    from torch_tweak._core.distributed import _calls_differ
+    from torch_tweak._core.signatures import call_form
+
+    x = torch.zeros(4, WIDTH)
+    assert call_form(((x,), {"mask": torch.ones(4, 3, dtype=torch.long)})) == "(float32[4, 16], mask=int64[4, 3])"
+    nested = [call_form(((x, [torch.zeros(1), (torch.zeros(n),)]), {})) for n in (4, 5)]
+    assert nested[0] != nested[1] and nested[0].startswith("(float32[4, 16], [float32[1], tuple]) holding ")
+    assert _calls_differ([["(a)", "(b)"], ["(a)", "(c)"]], "of the dataset", "tt.tweak").startswith(
+        "the ranks call tt.tweak with different inputs: call 1 of the dataset is rank 0 (b); rank 1 (c); every rank "
+        "must pass calls of the same structure, dtypes and sizes")
+    assert "call 1 of the dataset is rank 0 (b); rank 1 none (it has 1 calls)" in _calls_differ(
+        [["(a)", "(b)"], ["(a)"]], "of the dataset", "tt.tweak")
+
+
 def test_saved_ranks_must_match_the_loading_process():
     from torch_tweak._store.checkpoint import CheckpointError, _check_ranks
 
@@ -612,3 +629,98 @@ def test_rank_0_alone_speaks_unless_a_rank_asks(tmp_path):
     assert second["default"] == ""
     assert first["asked"] == ""
     assert "keeps its forward" in second["asked"] and "tuned in" in second["asked"], second["asked"]
+
+
+# -------------------------------------------------- ranks that disagree on how they run (issue 53, 9)
+
+GROUP_TIMEOUT = 5.0  # the user's group's timeout: every rank must end with its error within about it
+
+
+def _elapsed(fn) -> tuple[str, float]:
+    """(fn()'s error as 'Type: message notes', or 'no error'; the seconds it took)."""
+    start = time.monotonic()
+    try:
+        fn()
+        found = "no error"
+    except Exception as exc:
+        found = f"{type(exc).__name__}: {exc} " + " ".join(getattr(exc, "__notes__", []))
+    return found, time.monotonic() - start
+
+
+def _state(model: nn.Module) -> dict:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _untouched(model: nn.Module, before: dict, cls: type = nn.Sequential) -> bool:
+    state = model.state_dict()
+    return (not tt.installed(model) and type(model) is cls and state.keys() == before.keys()
+            and all(torch.equal(before[k], v) for k, v in state.items()))
+
+
+def _disagree(rank: int, world: int, folder: Path) -> dict:
+    """On the user's own gloo groups (a short timeout): the ranks' datasets of different batch
+    sizes; then rank 0 passes group=False to tt.load and to tt.tweak while rank 1 does not
+    (each on a group of its own: an agreement that timed out is closed)."""
+    users = [dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT)) for _ in range(2)]
+
+    def on_user(model, user):
+        for block in model[:2]:
+            block.down = RaisingRowParallel(block.down, user, 0).eval()  # its all_reduce on the user's group
+        return model
+
+    found = {}
+    alone = full_model()  # no collectives: each rank tunes it alone and saves its rank's file
+    tt.tweak(alone, dataset(), strategy=tt.FirstWinsStrategy([Shortcut()]), max_depth=0, measure=MEASURE,
+             cache=False, progress=False, group=False)
+    tt.save(alone, folder / f"rank{rank}.tt")
+
+    model = on_user(sharded_model(rank, world), users[0])
+    before = _state(model)
+    torch.manual_seed(1)
+    data = [torch.randn(BATCH * (1 + rank), WIDTH) for _ in range(2)]  # rank 1's calls are twice as large
+    found["sizes"], found["sizes s"] = _elapsed(lambda: tt.tweak(
+        model, data, strategy=tt.OneBackendStrategy(Shortcut()), max_depth=0, measure=MEASURE, cache=False,
+        progress=False, group=users[0]))
+    found["sizes untouched"] = _untouched(model, before)
+
+    fresh = full_model()
+    before = _state(fresh)
+    found["load"], found["load s"] = _elapsed(lambda: tt.load(  # the ranks have met on users[0] before
+        fresh, folder / f"rank{rank}.tt", backends=[Shortcut()], group=False if rank == 0 else users[0]))
+    found["load untouched"] = _untouched(fresh, before)
+
+    model = on_user(sharded_model(rank, world), users[1])
+    before = _state(model)
+    found["tweak"], found["tweak s"] = _elapsed(lambda: tt.tweak(  # the first meeting on users[1]
+        model, dataset(), strategy=tt.OneBackendStrategy(Shortcut()), max_depth=0, measure=MEASURE, cache=False,
+        progress=False, group=False if rank == 0 else users[1]))
+    found["tweak untouched"] = _untouched(model, before)
+    found["again"] = _elapsed(lambda: tt.tweak(full_model(), dataset(), group=users[0]))[0] if rank == 1 else ""
+    return found
+
+
+@pytest.mark.slow
+def test_ranks_that_disagree_end_with_one_error_on_every_rank_within_the_groups_timeout(tmp_path):
+    """Ranks whose datasets differ in size aborted the process (gloo: "Received data size doesn't
+    match", in the model's all_reduce); a rank left alone by another's group=False to tt.tweak or
+    tt.load waited until it was killed, far past the group's timeout. Now the calls' sizes are
+    compared before the model runs, and the ranks meet within the group's timeout."""
+    results = run_ranks(_disagree, 2, tmp_path, timeout=120.0)
+    bound = GROUP_TIMEOUT + 5.0  # the group's timeout, and the time to start a tweak on a busy machine
+    for r, got in enumerate(results):
+        assert got["sizes"].startswith("ValueError: the ranks call tt.tweak with different inputs: call 0 of the "
+                                       "dataset is rank 0 (float32[4, 16]); rank 1 (float32[8, 16])"), got["sizes"]
+        assert got["sizes s"] < bound and got["sizes untouched"], got
+        for case in ("load", "tweak"):
+            assert got[f"{case} s"] < bound and got[f"{case} untouched"], (r, case, got)
+    zero, one = results
+    assert zero["load"].startswith("CheckpointError: ") and "this process runs alone" in zero["load"], zero["load"]
+    assert "Timed out" in zero["tweak"] and "called tt.tweak with group=False (alone)" in zero["tweak"], zero["tweak"]
+    for case, call in (("load", "tt.load"), ("tweak", "tt.tweak")):
+        assert one[case].startswith(f"RanksTimedOut: torch-tweak's agreement of the 2 ranks timed out meeting the "
+                                    f"other ranks (rank 1 waited 5 s of at most 5 s; the group's timeout is 5 s): "
+                                    f"every rank must call {call} at the same point of its program, with the same "
+                                    "group="), one[case]
+    assert one["again"].startswith("RanksTimedOut: torch-tweak's agreement of these ranks timed out earlier in this "
+                                   "process (tt.load, meeting the other ranks), and torch closed its connections: "
+                                   "start the ranks again (torchrun)"), one["again"]

@@ -185,6 +185,103 @@ def test_two_arguments_a_model_takes_are_no_label_pairs():
     assert label_pairs(_mlp(), [((torch.randn(2, 8),), {})]) is None
 
 
+def _one_argument(self, x):
+    """What the wrapped forwards below say they are: one argument."""
+    return self.lin(x)
+
+
+def _wrapped_forwards():
+    """Models whose forward is functools.wraps(_one_argument) around a function of two
+    arguments, named (x, b) or taken as *args: model(x, b) runs, after a 2 ms pause (what
+    the backend below skips)."""
+    import functools
+
+    import torch
+    from torch import nn
+
+    from support import pause
+
+    class Named(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        @functools.wraps(_one_argument)
+        def forward(self, x, b):
+            pause(0.002)
+            return self.lin(x) + b
+
+    class Passed(Named):
+        @functools.wraps(_one_argument)
+        def forward(self, *args):
+            x, b = args
+            pause(0.002)
+            return self.lin(x) * b
+
+    torch.manual_seed(0)
+    return Named().eval(), Passed().eval()
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_a_forward_wrapped_around_two_arguments_is_tuned_not_taken_for_label_pairs(fake_clock, which):
+    """functools.wraps makes inspect.signature report the wrapped function's one argument: a
+    model called as m(x, b) was refused with "W.forward takes one argument"."""
+    import copy
+
+    import torch
+    import torch_tweak as tt
+    from torch_tweak.backends import Backend
+
+    from support import FAST
+
+    class Skip(Backend):  # the model's answer without its pause
+        name = "Skip"
+
+        def build(self, module, samples, device):
+            two = type(module).__name__ == "Named"
+            return lambda x, b: (module.lin(x) + b) if two else (module.lin(x) * b)
+
+    model = _wrapped_forwards()[which]
+    untuned = copy.deepcopy(model)
+    pairs = [(torch.randn(4, 8), torch.randn(4, 8)) for _ in range(3)]
+    result = tt.tweak(model, pairs, strategy=tt.OneBackendStrategy(Skip()), max_depth=0, progress=False,
+                      cache=False, measure=FAST)
+    assert result.selected_depth == 0 and tt.installed(model)
+    with torch.inference_mode():
+        for x, b in pairs + [(torch.randn(4, 8), torch.randn(4, 8))]:
+            assert torch.equal(model(x, b), untuned(x, b))
+    assert sum(tt.installed(model)[""].tt_untuned.values()) == 0
+
+
+def test_the_signature_a_wrapped_forward_is_called_with():
+    import functools
+
+    import torch
+    from torch import nn
+
+    from torch_tweak._core.signatures import forward_params, label_pairs
+
+    named, passed = _wrapped_forwards()
+    assert forward_params(named) == ("x", "b")  # its own names, not the wrapped function's
+    pairs = [((torch.randn(2, 8), torch.randn(2, 8)), {})]
+    assert label_pairs(named, pairs) is None and label_pairs(passed, pairs) is None
+
+    class Decorated(nn.Module):  # a pass-through decorator: the wrapped function's names bind the call
+        @torch.no_grad()
+        def forward(self, x, scale=1.0):
+            return x * scale
+
+    assert forward_params(Decorated()) == ("x", "scale")
+
+    class Honest(nn.Module):  # the honest case keeps its message, also under a wraps that names one argument
+        @functools.wraps(_one_argument)
+        def forward(self, x):
+            return x
+
+    assert label_pairs(Honest(), pairs).startswith("the dataset's samples look like (input, label) pairs")
+    assert label_pairs(_mlp(), pairs).startswith("the dataset's samples look like (input, label) pairs")
+
+
 # ------------------------------------------------------------------ shapes= against the model
 
 
@@ -224,17 +321,18 @@ def test_a_length_past_the_position_table_is_refused_before_anything_is_built():
 def test_position_tables_found_and_not_found():
     from torch import nn
 
-    from torch_tweak._core.shapes import position_table
+    from torch_tweak._core.shapes import position_limit
 
-    assert position_table(_bert())[0] == 64
+    assert position_limit(_bert())[0] == 64
 
     class Roberta(nn.Module):  # a padding row before the positions: 2 fewer usable
         def __init__(self):
             super().__init__()
             self.position_embeddings = nn.Embedding(514, 8, padding_idx=1)
 
-    assert position_table(Roberta())[0] == 512
-    assert position_table(_mlp()) is None  # no table: any length
+    assert position_limit(Roberta()) == (512, "position_embeddings.num_embeddings = 514 less 2 rows up to its "
+                                               "padding_idx 1", True)
+    assert position_limit(_mlp()) is None  # no table, no config: any length
 
 
 @pytest.mark.slow

@@ -330,3 +330,101 @@ def test_every_module_of_a_depth_is_checked_on_the_declared_ends():
             x = torch.randn(b, 16)
             torch.testing.assert_close(model(x), untuned(x))
     assert all(sum(w.tt_untuned.values()) == 0 for w in tt.installed(model).values())
+
+
+# ------------------------------------------------------------------ the model's positions
+
+
+def _seq_model(family):
+    """A tiny transformers model of `family`, 64 positions, tied as its released checkpoints
+    are: OPT and BART look position p up at row p + 2 of a 66-row embed_positions; Marian's
+    sinusoidal embed_positions holds exactly 64."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=100, max_position_embeddings=64, tie_word_embeddings=True)
+    if family == "opt":
+        return transformers.OPTModel(transformers.OPTConfig(hidden_size=16, word_embed_proj_dim=16, ffn_dim=32,
+                                                            num_hidden_layers=1, num_attention_heads=2, **sizes))
+    layers = dict(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                  decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32)
+    if family == "bart":
+        return transformers.BartModel(transformers.BartConfig(**layers, **sizes))
+    return transformers.MarianModel(transformers.MarianConfig(**layers, decoder_start_token_id=1, pad_token_id=1,
+                                                              **sizes))
+
+
+def _token_calls(n, length, model):
+    g = torch.Generator().manual_seed(3)
+    calls = []
+    for _ in range(n):
+        ids = torch.randint(3, 100, (2, length), generator=g)
+        call = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if isinstance(model, SlowSeq) and model.decoder_ids:
+            call["decoder_input_ids"] = ids
+        calls.append(call)
+    return calls
+
+
+class SlowSeq(nn.Module):
+    """A transformers model's last hidden state after a 2 ms sleep (what InnerSeq skips)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.decoder_ids = type(inner).__name__ == "MarianModel"  # Marian does not shift its own
+
+    def forward(self, input_ids, attention_mask, decoder_input_ids=None):
+        pause(0.002)
+        extra = {} if decoder_input_ids is None else {"decoder_input_ids": decoder_input_ids}
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
+
+
+class InnerSeq(Backend):
+    name = "InnerSeq"
+    builds = 0
+
+    def build(self, module, samples, device):
+        type(self).builds += 1
+        inner = module.inner
+
+        def run(input_ids, attention_mask, decoder_input_ids=None):
+            extra = {} if decoder_input_ids is None else {"decoder_input_ids": decoder_input_ids}
+            return inner(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
+
+        return run
+
+
+@pytest.mark.parametrize("family, where", [
+    ("opt", "decoder.embed_positions.num_embeddings = 66 less its offset 2, config.max_position_embeddings = 64"),
+    ("bart", "encoder.embed_positions.num_embeddings = 66 less its offset 2, config.max_position_embeddings = 64"),
+    ("marian", "encoder.embed_positions.num_embeddings = 64, config.max_position_embeddings = 64"),
+])
+def test_a_length_past_an_embed_positions_table_is_refused_before_anything_is_built(family, where):
+    """OPT, BART, Whisper, M2M100 and Marian name their table embed_positions: shapes= past it
+    went through unchecked (tt.load refused the same range in the file tt.save wrote)."""
+    model = _seq_model(family).eval()
+    cls, before = type(model), copy.deepcopy(model.state_dict())
+    InnerSeq.builds = 0
+    with pytest.raises(ValueError) as caught:
+        tweak(model, _token_calls(2, 16, SlowSeq(model)), InnerSeq(), shapes={"length": (8, 200)})
+    assert str(caught.value) == (
+        f"shapes['length'] = (8, 200): the model's position table holds 64 positions ({where}), so no call "
+        "longer than 64 can run on it; declare a length of at most 64, e.g. shapes={'length': (8, 64)}")
+    assert InnerSeq.builds == 0 and not tt.installed(model) and type(model) is cls
+    assert model.state_dict().keys() == before.keys()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert declared_shapes.positions(model) == 64  # the bound tt.load puts on a file's range: the same reader
+
+
+@pytest.mark.parametrize("family", ["opt", "bart", "marian"])
+def test_a_length_within_an_embed_positions_table_tunes_and_answers_as_the_untuned_model(family):
+    model = SlowSeq(_seq_model(family)).eval()
+    untuned = copy.deepcopy(model)
+    result = tweak(model, _token_calls(3, 16, model), InnerSeq(), shapes={"length": (8, 64)})
+    assert result.selected_depth == 0 and "declared shapes: length 8-64" in str(result)
+    with torch.inference_mode():
+        for length in (8, 16, 37, 64):
+            (call,) = _token_calls(1, length, model)
+            call["attention_mask"][1, length // 2:] = 0  # a shorter second row
+            torch.testing.assert_close(model(**call), untuned(**call), rtol=0, atol=0)
+    assert sum(tt.installed(model)[""].tt_untuned.values()) == 0

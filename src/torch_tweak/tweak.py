@@ -30,7 +30,7 @@ from .backends.strategy import Strategy, default_backends, default_strategy
 from ._store.serial import Unstorable
 from ._view.status import BUSY_FIGURES
 from ._core.shapes import DECLARED, check_calls, check_model, check_shapes, edge_calls
-from ._core.signatures import forward_params, label_pairs
+from ._core.signatures import call_form, forward_params, label_pairs
 from ._search.tuning import GivenCalls, check_measure, dataset_runner, measure_for, release
 from ._runtime.workload import Workload, choose_loop, depths_cannot_match
 
@@ -109,7 +109,7 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
     if progress not in (None, True, False):
         raise TypeError(f"progress must be True, False or None (rank 0 alone under torch.distributed), not {progress!r}")
     speaks = progress if progress is not None else ranks is None or ranks.rank == 0
-    with distributed.using(ranks), _silent(not speaks), _own_runs():
+    with distributed.noted_alone(group, "tt.tweak"), distributed.using(ranks), _silent(not speaks), _own_runs():
         device, measuring, asked, job, calls, limits = distributed.step(lambda: _checked(
             model, dataset, workload=workload, strategy=strategy, device=device, measure=measure, cache=cache,
             effort=effort, precision=precision, min_depth=min_depth, max_depth=max_depth,
@@ -119,6 +119,8 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
                                      strategy=_strategy_setting(strategy, device), measure=measuring,
                                      calls=len(calls) if job is None else "a workload", cache=cache,
                                      dry_run=bool(dry_run), device=device.type), "tt.tweak")
+            if job is None:  # before the model first runs on them: its collectives pair the calls' tensors
+                ranks.same_calls([call_form(c) for c in calls], "of the dataset")
         strategy, edges = distributed.step(
             lambda: _declared(model, shapes, calls, job, strategy, device), "checking shapes=")
         # Tracing, recording and measuring run the model; anything they or a build changed is put

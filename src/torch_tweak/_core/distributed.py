@@ -36,13 +36,28 @@ Before any collective whose sequence depends on them, the settings that decide t
 (tt.tweak's depths, tie tolerance, time budget, shapes, correctness rule, effort and
 precision, the strategy and its backends, the measurement settings, the number of calls,
 caching; tt.tune's likewise) are compared (``Ranks.same_settings``): ranks that differ raise
-one ValueError on every rank naming each setting and every rank's value.
+one ValueError on every rank naming each setting and every rank's value. Then, before the
+model first runs, the calls themselves (their structure, dtypes and sizes: ``Ranks.same_calls``,
+a digest first, the calls' forms only when the digests differ): the model's own collectives
+would pair tensors of different sizes, and gloo aborts the process ("Received data size
+doesn't match").
+
+The agreement waits no longer than the user's group allows. Every rank first meets the others
+(``_meet``, as a Ranks is made) within the group's own timeout (init_process_group's or new_group's
+``timeout=``, ``timeout_of``): a rank that never comes (it passed ``group=False``, or never called)
+leaves the others with one ``RanksTimedOut`` at that timeout, naming what to pass, before
+anything changed; the rank that tunes alone gets a note on its own error when its model's
+collectives time out (``noted_alone``). Each agreement after that waits at most
+AGREEMENT_TIMEOUTS times the group's timeout: long enough for a rank held in one of the
+model's collectives to leave it at the group's timeout and bring its failure to the agreement.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import datetime
+import hashlib
 import os
 import socket
 import time
@@ -56,10 +71,19 @@ T = TypeVar("T")
 
 _CURRENT: contextvars.ContextVar["Ranks | None"] = contextvars.ContextVar("torch_tweak_ranks", default=None)
 _CONTROL: dict[Any, Any] = {}  # a user's group -> torch-tweak's own gloo group of its ranks
+_BROKEN: dict[Any, str] = {}  # a user's group -> how its agreement timed out (gloo then closed its connections)
+
+
+AGREEMENT_TIMEOUTS = 2
+"""How many of the group's timeouts (timeout_of) one agreement waits, once the ranks have met."""
 
 
 class RankFailed(Exception):
     """A step that failed on another rank; this rank's own failure is raised as it was."""
+
+
+class RanksTimedOut(RuntimeError):
+    """The other ranks did not reach torch-tweak's agreement in time (see the module's docs)."""
 
 
 def _dist() -> Any:
@@ -68,18 +92,19 @@ def _dist() -> Any:
     return dist
 
 
-def resolve(group: Any) -> "Ranks | None":
+def resolve(group: Any, call: str = "tt.tweak") -> "Ranks | None":
     """The Ranks tt.tweak / tt.load decide with, from their ``group=``: None (the default)
     takes torch.distributed's default group when it is initialised with more than one
     process; False: this process alone; a ProcessGroup: that group. None when this process
-    decides alone."""
+    decides alone. call: what the ranks call (for messages); RanksTimedOut when the other
+    ranks do not meet this one within the group's timeout."""
     if group is False:
         return None
     available = torch.distributed.is_available()
     if group is None:
         if not available or not torch.distributed.is_initialized() or torch.distributed.get_world_size() < 2:
             return None
-        return Ranks(_dist().group.WORLD)
+        return Ranks(_dist().group.WORLD, call)
     if group is True:
         raise TypeError("group must be None (the default group when torch.distributed is initialised), False "
                         "(this process alone) or a torch.distributed ProcessGroup, not True")
@@ -87,7 +112,7 @@ def resolve(group: Any) -> "Ranks | None":
         raise TypeError(f"group must be None, False or a torch.distributed ProcessGroup, not {type(group).__name__}")
     if _dist().get_rank(group) < 0:
         raise ValueError("this process is not a member of the group passed as group=: tweak only on its ranks")
-    return Ranks(group)
+    return Ranks(group, call)
 
 
 def position(group: Any) -> tuple[int, int] | None:
@@ -105,15 +130,85 @@ def position(group: Any) -> tuple[int, int] | None:
     return None if size < 2 else (_dist().get_rank(group), size)
 
 
-def _control_of(group: Any) -> Any:
+def timeout_of(group: Any) -> datetime.timedelta:
+    """The process group's own timeout (init_process_group's or new_group's ``timeout=``), read
+    from its backend; torch's default for its backend where the group does not say."""
+    dist = _dist()
+    for device in getattr(group, "_device_types", ()):
+        try:
+            value = getattr(getattr(group._get_backend(device), "options", None), "_timeout", None)
+        except Exception:  # a backend of no such device, or a torch that keeps it elsewhere
+            continue
+        if isinstance(value, datetime.timedelta) and value.total_seconds() > 0:
+            return value
+    try:
+        return dist.distributed_c10d._get_default_timeout(dist.get_backend(group))
+    except Exception:
+        return dist.default_pg_timeout
+
+
+def _control_of(group: Any, timeout: datetime.timedelta) -> Any:
     """torch-tweak's own gloo group of `group`'s ranks, for the agreement alone (made once per
     group, by its ranks alone: use_local_synchronization; the other processes of the default
-    group take no part)."""
+    group take no part), whose collectives wait at most `timeout`."""
     dist = _dist()
     if group not in _CONTROL:
         _CONTROL[group] = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo",
-                                         use_local_synchronization=True)
+                                         use_local_synchronization=True, timeout=timeout)
     return _CONTROL[group]
+
+
+def _set_timeout(group: Any, timeout: datetime.timedelta) -> None:
+    """The timeout of `group`'s collectives from now on, where torch lets it be set (else the
+    one it was made with stays)."""
+    setter = getattr(_dist().distributed_c10d, "_set_pg_timeout", None)
+    if setter is not None:
+        setter(timeout, group)
+
+
+@contextlib.contextmanager
+def _waiting(ranks: "Ranks", what: str, timeout: datetime.timedelta) -> Iterator[None]:
+    """A collective of the ranks' agreement: torch's error when another rank never joined it (a
+    timeout, a rank gone) becomes one RanksTimedOut saying what every rank must do; the group's
+    agreement is closed from then on (gloo closed its connections)."""
+    start = time.monotonic()
+    try:
+        yield
+    except RuntimeError as exc:  # torch.distributed's DistError and gloo's errors are RuntimeErrors
+        _BROKEN[ranks.group] = f"{ranks.call}, {what}"
+        said = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise RanksTimedOut(
+            f"torch-tweak's agreement of the {ranks.size} ranks timed out {what} (rank {ranks.rank} waited "
+            f"{time.monotonic() - start:.0f} s of at most {timeout.total_seconds():g} s; the group's timeout is "
+            f"{ranks.timeout.total_seconds():g} s): every rank must call {ranks.call} at the same point of its "
+            "program, with the same group= (a rank that passes group=False tunes alone, and the others wait for "
+            f"it) and the same settings; torch said: {said}") from exc
+
+
+def _meet(ranks: "Ranks") -> Any:
+    """torch-tweak's own group of `ranks`' group (_control_of), once every rank has reached it
+    within the group's timeout (RanksTimedOut else); its agreements then wait at most
+    AGREEMENT_TIMEOUTS times that timeout."""
+    if ranks.group in _BROKEN:
+        raise RanksTimedOut(f"torch-tweak's agreement of these ranks timed out earlier in this process "
+                            f"({_BROKEN[ranks.group]}), and torch closed its connections: start the ranks again "
+                            f"(torchrun) to call {ranks.call} together")
+    with _waiting(ranks, "meeting the other ranks", ranks.timeout):
+        control = _control_of(ranks.group, ranks.timeout)
+        _dist().monitored_barrier(group=control, timeout=ranks.timeout, wait_all_ranks=True)
+    _set_timeout(control, AGREEMENT_TIMEOUTS * ranks.timeout)
+    return control
+
+
+def _calls_differ(every: list[list[str]], what: str, call: str) -> str:
+    """What to say when the ranks' calls differ (Ranks.same_calls): the first call that
+    differs, every rank's form of it."""
+    k = next((i for i in range(max(map(len, every))) if len({tuple(f[i:i + 1]) for f in every}) > 1), 0)
+    shown = "; ".join(f"rank {r} " + (f[k][:300] if k < len(f) else f"none (it has {len(f)} calls)")
+                      for r, f in enumerate(every))
+    return (f"the ranks call {call} with different inputs: call {k} {what} is {shown}; every rank must pass calls "
+            "of the same structure, dtypes and sizes, in the same order (the model's collectives pair them: "
+            "tensors of different sizes in one all_reduce abort the process); nothing was changed")
 
 
 class Ranks:
@@ -122,14 +217,15 @@ class Ranks:
     rank, size: this process's rank in the group and the group's size; backend: the group's
     backend ("gloo", "nccl"...); peers: the process ids of the other ranks on this host."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, call: str = "tt.tweak") -> None:
         dist = _dist()
-        self.group = group
+        self.group, self.call = group, call
         self.rank: int = dist.get_rank(group)
         self.size: int = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))
-        self.control = _control_of(group)  # never the user's group: it would pair with the model's collectives
+        self.timeout = timeout_of(group)
         self.pending: Exception | None = None
+        self.control = _meet(self)  # never the user's group: it would pair with the model's collectives
         hosts = self.gather((socket.gethostname(), os.getpid()))
         here = hosts[self.rank][0]
         self.peers = tuple(pid for host, pid in hosts if host == here and pid != os.getpid())
@@ -139,13 +235,15 @@ class Ranks:
 
     def _reduce(self, values: list[float], op: Any) -> list[float]:
         tensor = torch.tensor(values, dtype=torch.float64)
-        _dist().all_reduce(tensor, op=op, group=self.control)
+        with _waiting(self, "in an all_reduce", AGREEMENT_TIMEOUTS * self.timeout):
+            _dist().all_reduce(tensor, op=op, group=self.control)
         return tensor.tolist()
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's `value` (picklable), by rank."""
         out: list[Any] = [None] * self.size
-        _dist().all_gather_object(out, value, group=self.control)
+        with _waiting(self, "in an all_gather", AGREEMENT_TIMEOUTS * self.timeout):
+            _dist().all_gather_object(out, value, group=self.control)
         return out
 
     def any(self, flag: bool) -> bool:
@@ -157,7 +255,8 @@ class Ranks:
         return self._reduce([float(bool(flag))], _dist().ReduceOp.MIN)[0] > 0
 
     def barrier(self) -> None:
-        _dist().barrier(group=self.control)
+        with _waiting(self, "in a barrier", AGREEMENT_TIMEOUTS * self.timeout):
+            _dist().barrier(group=self.control)
 
     # ------------------------------------------------------------- agreement
 
@@ -169,7 +268,14 @@ class Ranks:
         before it) raises RankFailed naming the first rank's too, with its own as the cause."""
         flags = [0.0] * self.size
         flags[self.rank] = float(failure is not None)
-        flags = self._reduce(flags, _dist().ReduceOp.SUM)
+        try:
+            flags = self._reduce(flags, _dist().ReduceOp.SUM)
+        except RanksTimedOut as lost:
+            if failure is None:
+                raise
+            if hasattr(failure, "add_note"):  # this rank's own failure stays the error, the others' silence noted
+                failure.add_note(f"torch-tweak: {what} failed on this rank ({self.rank}), and then {lost}")
+            raise failure
         if not any(flags):
             return
         messages = self.gather(None if failure is None else f"{type(failure).__name__}: {failure}"[:500])
@@ -208,6 +314,18 @@ class Ranks:
         raise ValueError(f"the ranks differ in {what} ({shown}); every rank must run the same model code on the "
                          "same inputs (each its own shard), in the same order")
 
+    def same_calls(self, forms: list[str], what: str) -> None:
+        """Returns when every rank holds calls of equal forms (`forms`: each call's structure,
+        dtypes and sizes, signatures.call_form); else ValueError on every rank naming the first
+        call that differs and every rank's form of it. A digest is compared first, the forms
+        only when the digests differ. Called before the model first runs on them: its own
+        collectives would pair tensors of different sizes, and gloo aborts the process.
+        what: where the calls come from ("of the dataset")."""
+        digest = hashlib.sha256("\n".join(forms).encode("utf-8", "surrogatepass")).hexdigest()
+        if all(d == digest for d in self.gather(digest)):
+            return
+        raise ValueError(_calls_differ(self.gather(forms), what, self.call))
+
     def same_settings(self, settings: dict[str, Any], what: str) -> None:
         """Returns when every rank holds equal `settings` ({name: plain value}); else ValueError on
         every rank naming each setting that differs and every rank's value of it. Called before
@@ -226,7 +344,8 @@ class Ranks:
     def clock(self) -> int:
         """The engine's clock: the largest of the ranks' nanoseconds since the common start."""
         tensor = torch.tensor([time.monotonic_ns() - self.t0], dtype=torch.int64)
-        _dist().all_reduce(tensor, op=_dist().ReduceOp.MAX, group=self.control)
+        with _waiting(self, "reading the ranks' clock", AGREEMENT_TIMEOUTS * self.timeout):
+            _dist().all_reduce(tensor, op=_dist().ReduceOp.MAX, group=self.control)
         return int(tensor.item())
 
     def deferred(self, fn: Callable[..., Any]) -> Callable[..., None]:
@@ -284,6 +403,39 @@ class Ranks:
     def describe(self) -> dict[str, int]:
         """What a saved file says of the ranks."""
         return {"rank": self.rank, "world_size": self.size}
+
+
+@contextlib.contextmanager
+def noted_alone(group: Any, call: str) -> Iterator[None]:
+    """`call` on a process that passed group=False while torch.distributed runs several: when
+    it fails on a collective that timed out (the model's, waiting for ranks that do not run
+    it with this one), a note on the error says so and what to pass."""
+    try:
+        yield
+    except Exception as exc:
+        if group is False and hasattr(exc, "add_note") and _timed_out(exc):
+            exc.add_note(f"torch-tweak: this process called {call} with group=False (alone) while torch.distributed "
+                         f"runs {_dist().get_world_size()} processes, and a collective timed out: the other ranks do "
+                         f"not run the model with this one. A model whose modules call collectives is tuned and "
+                         f"loaded by every rank together: pass the same group= on every rank (None, the default)")
+        raise
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """Whether `exc` or an error that caused it is torch.distributed's (a collective that timed
+    out or lost its peer), while this process is one of several."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return False
+    if _dist().get_world_size() < 2:
+        return False
+    seen: BaseException | None = exc
+    for _ in range(16):  # a bounded walk of the causes
+        if seen is None:
+            return False
+        if isinstance(seen, getattr(_dist(), "DistError", ())) or "Timed out" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def current() -> Ranks | None:

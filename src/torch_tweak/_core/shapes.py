@@ -40,8 +40,11 @@ LIMITS = {"batch": 1 << 16, "length": 1 << 20}
 
 POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "n_ctx")
 """The fields of a model's config (transformers') that say how many positions it takes."""
-POSITION_TABLES = ("position_embeddings", "wpe", "embed_positions", "position_embedding", "pos_embed")
-"""The names of a position table (an nn.Embedding of one row per position) in a model."""
+POSITION_TABLES = ("position_embeddings", "position_embedding", "pos_embed", "pos_embedding", "wpe",
+                   "embed_positions")
+"""The names (a module path's last part) of a learned position table: an nn.Embedding of one row
+per position (BERT's position_embeddings, GPT-2's wpe, OPT's, BART's, Whisper's and Marian's
+embed_positions)."""
 
 AXES = {"batch": "axis 0 of every tensor argument",
         "length": "axis 1 of attention_mask and of the tensor arguments shaped like it"}
@@ -94,38 +97,58 @@ def check_shapes(shapes: Any) -> Shapes | None:
     return Shapes(**ranges)
 
 
-POSITION_TABLES = ("position_embeddings", "position_embedding", "pos_embed", "pos_embedding", "wpe")
-"""The names (a module path's last part) of the learned position tables a call's length must fit."""
+def _rows_before(module: torch.nn.Embedding) -> tuple[int, str]:
+    """(the rows of a position table before its first position, why): OPT's and BART's tables
+    look position p up at row p + offset (2); RoBERTa's keep rows up to their padding row."""
+    offset = getattr(module, "offset", 0)
+    if isinstance(offset, int) and not isinstance(offset, bool) and 0 < offset < module.num_embeddings:
+        return offset, f" less its offset {offset}"
+    if module.padding_idx is not None and module.padding_idx >= 0:
+        return module.padding_idx + 1, f" less {module.padding_idx + 1} rows up to its padding_idx {module.padding_idx}"
+    return 0, ""
 
 
-def position_table(model: torch.nn.Module) -> tuple[int, str] | None:
-    """(the positions the model's learned position table holds, where that was read), or None
-    when it has none (rotary or relative positions take any length). A table with a padding
-    row before its positions (RoBERTa's: padding_idx 1, positions from 2) holds that many fewer."""
+def position_limit(model: torch.nn.Module) -> tuple[int, str, bool] | None:
+    """(how many positions the model takes, where that was read, whether a position table says
+    so), or None when nothing says (rotary or relative positions and no POSITION_FIELDS: any
+    length): the smallest of its config's POSITION_FIELDS and of the usable rows of its
+    position tables (an nn.Embedding named as in POSITION_TABLES, less the rows before its first
+    position). The one reader of a model's positions: shapes= at tweak (check_model), the
+    declared shapes and the padded max_length at tt.load (positions)."""
+    found: list[tuple[int, str, bool]] = []
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in POSITION_TABLES:
-            usable = module.num_embeddings - (0 if module.padding_idx is None else module.padding_idx + 1)
-            where = f"{name}.num_embeddings = {module.num_embeddings}"
-            declared = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-            if isinstance(declared, int) and not isinstance(declared, bool):
-                where += f", config.max_position_embeddings = {declared}"
-            return usable, where
-    return None
+        if isinstance(module, torch.nn.Embedding) and name.rpartition(".")[2] in POSITION_TABLES:
+            before, why = _rows_before(module)
+            found.append((module.num_embeddings - before, f"{name}.num_embeddings = {module.num_embeddings}{why}", True))
+    config = getattr(model, "config", None)
+    for field in POSITION_FIELDS:
+        value = getattr(config, field, None) if config is not None else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            found.append((value, f"config.{field} = {value}", False))
+    if not found:
+        return None
+    usable = min(value for value, _, _ in found)
+    at_least = [(where, table) for value, where, table in found if value == usable]
+    tables = [where for where, table in at_least if table][:1]  # one of an encoder's and a decoder's equal tables
+    where = ", ".join(tables + [where for where, table in at_least if not table])
+    return usable, where, bool(tables)
 
 
 def check_model(shapes: Shapes, model: torch.nn.Module) -> None:
-    """The declared lengths fit the model's position table (position_table); ValueError saying
-    the table's size and the range to declare, before anything is built."""
-    table = position_table(model) if shapes.length is not None else None
-    if table is None:
+    """The declared lengths fit the model's positions (position_limit); ValueError saying how
+    many positions the model takes, where that was read, and the range to declare, before
+    anything is built."""
+    limit = position_limit(model) if shapes.length is not None else None
+    if limit is None:
         return
-    positions, where = table
+    usable, where, table = limit
     lo, hi = shapes.length  # type: ignore[misc]
-    if hi > positions:
-        fits = f"shapes={{'length': ({min(lo, positions)}, {positions})}}"
-        raise ValueError(f"shapes['length'] = ({lo}, {hi}): the model's position table holds {positions} "
-                         f"positions ({where}), so no call longer than {positions} can run on it; declare a "
-                         f"length of at most {positions}, e.g. {fits}")
+    if hi > usable:
+        holds = "position table holds" if table else "config takes at most"
+        fits = f"shapes={{'length': ({min(lo, usable)}, {usable})}}"
+        raise ValueError(f"shapes['length'] = ({lo}, {hi}): the model's {holds} {usable} positions ({where}), so "
+                         f"no call longer than {usable} can run on it; declare a length of at most {usable}, e.g. "
+                         f"{fits}")
 
 
 def named_leaves(call: Call, params: Sequence[str | None]) -> tuple[list, Any, dict[int, str]]:
@@ -243,19 +266,10 @@ def edge_calls(shapes: Shapes | None, calls: Sequence[Call], params: Sequence[st
 
 
 def positions(model: torch.nn.Module) -> int | None:
-    """How many positions the model takes: the smallest of its config's POSITION_FIELDS and of
-    the rows of its position tables (an nn.Embedding named as in POSITION_TABLES); None when it
-    has neither (a length past it is no call of this model: tt.load's bounds)."""
-    found = []
-    config = getattr(model, "config", None)
-    for name in POSITION_FIELDS:
-        value = getattr(config, name, None) if config is not None else None
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            found.append(value)
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Embedding) and name.rpartition(".")[2] in POSITION_TABLES:
-            found.append(int(module.num_embeddings))
-    return min(found) if found else None
+    """How many positions the model takes (position_limit); None when nothing says (a length
+    past it is no call of this model: tt.load's bounds)."""
+    limit = position_limit(model)
+    return None if limit is None else limit[0]
 
 
 def mask_lengths(calls: Sequence[Call], params: Sequence[str | None]) -> list[int]:

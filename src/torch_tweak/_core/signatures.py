@@ -40,6 +40,7 @@ import inspect
 from typing import Any, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
 from .. import _C
 from ._samples import Call, describe_cache, structure_key, unstorable
@@ -101,16 +102,43 @@ def describe_call(args: tuple, kwargs: dict) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
+def call_form(call: tuple[tuple, dict]) -> str:
+    """A call's form as ranks compare it before the model runs on it (Ranks.same_calls): the
+    call as describe_call shows it (each tensor's dtype and sizes, the plain values); where an
+    argument nests deeper than describe_call shows, every leaf of the call and its structure."""
+    args, kwargs = call
+    shown = describe_call(args, kwargs)
+    flat = all(not isinstance(v, (tuple, list, dict)) or (isinstance(v, (tuple, list)) and not any(
+        isinstance(item, (tuple, list, dict)) for item in v)) for v in list(args) + list(kwargs.values()))
+    if flat:
+        return shown
+    leaves, spec = pytree.tree_flatten(call)
+    return f"{shown} holding {', '.join(describe_value(leaf, 1) for leaf in leaves)} ({key_of(str(spec))})"
+
+
 def key_of(text: str) -> str:
     return hashlib.sha1(text.encode("utf-8")).hexdigest()[:12]
 
 
+def call_signature(function: Any) -> inspect.Signature:
+    """The signature a call of `function` really has: the function's own, unless it takes
+    ``*args`` or ``**kwargs`` and wraps another (functools.wraps: ``__wrapped__``), as a
+    pass-through decorator does (torch.no_grad, transformers' forwards), whose wrapped
+    function's names then bind the call. A function that says it wraps another but names its
+    own parameters (``@functools.wraps(inner) def forward(self, x, b)``) is called with those.
+    TypeError or ValueError when neither can be read."""
+    own = inspect.signature(function, follow_wrapped=False)
+    passes_on = any(p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+                    for p in own.parameters.values())
+    return inspect.signature(function) if passes_on else own
+
+
 def forward_params(module: Any) -> tuple[str | None, ...]:
-    """The names of the parameters of ``module.forward`` that take a position, in order
-    (None for a positional-only one), up to ``*args`` or the first keyword-only one: what a
-    Signature binds a call by. () when forward has no inspectable signature."""
+    """The names of the parameters of ``module.forward`` that take a position (call_signature),
+    in order (None for a positional-only one), up to ``*args`` or the first keyword-only one:
+    what a Signature binds a call by. () when forward has no inspectable signature."""
     try:
-        parameters = inspect.signature(module.forward).parameters.values()
+        parameters = call_signature(module.forward).parameters.values()
     except (TypeError, ValueError, AttributeError):
         return ()
     names: list[str | None] = []
@@ -124,25 +152,29 @@ def forward_params(module: Any) -> tuple[str | None, ...]:
     return tuple(names)
 
 
+def _binds(signature: inspect.Signature, args: tuple) -> bool:
+    try:
+        signature.bind(*args)
+        return True
+    except TypeError:
+        return False
+
+
 def label_pairs(module: Any, calls: Sequence[tuple[tuple, dict]]) -> str | None:
     """What to say when a dataset's samples look like (input, label) pairs, as a training
     loader gives them: every call is two positional arguments, and ``module.forward`` takes
-    the first alone but not both; None otherwise (the model may take two arguments)."""
+    the first alone but not both; None otherwise (the model may take two arguments). Said
+    only when forward's own signature refuses both as well as the one its call binds by
+    (call_signature): a wrapper that takes ``*args`` may pass them to anything, so what
+    the function it wraps takes decides nothing about the call."""
     if not calls or any(kwargs or len(args) != 2 for args, kwargs in calls):
         return None
     try:
-        signature = inspect.signature(module.forward)
+        signatures = [inspect.signature(module.forward, follow_wrapped=False), call_signature(module.forward)]
     except (TypeError, ValueError, AttributeError):
         return None
     args = calls[0][0]
-    try:
-        signature.bind(*args)
-        return None
-    except TypeError:
-        pass
-    try:
-        signature.bind(args[0])
-    except TypeError:
+    if any(_binds(signature, args) for signature in signatures) or not _binds(signatures[1], args[:1]):
         return None
     shown = ", ".join(describe_value(a) for a in args)
     return (f"the dataset's samples look like (input, label) pairs ({shown}): {type(module).__name__}.forward "

@@ -22,8 +22,8 @@ from .._core.correctness import Finding, MismatchError, Reference, check
 from .._runtime.module import TunedModule, arm_untuned, installed, own_class
 from .._view.progress import Progress
 from .._view.report import candidates_of, fold
-from .._core.signatures import (MAX_CALLS_PER_SIGNATURE, SignatureGroup, forward_params, group_for, is_other,
-                                merge_varying, proven_signatures)
+from .._core.signatures import (MAX_CALLS_PER_SIGNATURE, SignatureGroup, call_form, forward_params, group_for,
+                                is_other, merge_varying, proven_signatures)
 from ..backends.strategy import Strategy, default_backends, default_strategy
 
 logger = logging.getLogger("torch_tweak")
@@ -430,14 +430,15 @@ def tune(model: nn.Module, dataset: Any, *, strategy: Strategy | None = None, de
     tolerance: how candidates are judged, as tt.tweak's ("measured", "dtype" or a number).
     """
     rule = correctness.check_rule(tolerance)
-    ranks = distributed.resolve(group)
-    with distributed.using(ranks), correctness.ruling(rule):
+    ranks = distributed.resolve(group, "tt.tune")
+    with distributed.noted_alone(group, "tt.tune"), distributed.using(ranks), correctness.ruling(rule):
         device, paths, templates, calls = distributed.step(
             lambda: _tune_checked(model, dataset, strategy, device, measure), "checking tt.tune's arguments")
         if ranks is not None:  # before any collective whose sequence they decide
             ranks.same_settings({"strategies": [repr(t) for t in templates], "measure": measure_for(device, measure),
                                  "tolerance": rule.tolerance, "calls": len(calls), "device": device.type}, "tt.tune")
             ranks.same(paths, "the wrapped modules")
+            ranks.same_calls([call_form(c) for c in calls], "of the dataset")  # before the model runs on them
         wrappers = installed(model)
         shown = Progress(progress and (ranks is None or ranks.rank == 0))
         search = ModuleSearch(lambda node: wrappers[paths[node]],

@@ -50,8 +50,8 @@ from .._core.shapes import Shapes, check_shapes, positions
 from .._runtime.workload import MAX_GENERATE_CALLS
 from .serial import (MAX_JSON_VALUES, Unstorable, build_backend, class_path, decode, describe_backend,
                      device_name, dumps, encode, known_types, loads)
-from .._core.signatures import (MAX_CALLS_PER_SIGNATURE, MAX_SIGNATURES, OTHER, SignatureGroup, forward_params,
-                                make_signature, proven_signatures)
+from .._core.signatures import (MAX_CALLS_PER_SIGNATURE, MAX_SIGNATURES, OTHER, SignatureGroup, call_form,
+                                forward_params, make_signature, proven_signatures)
 
 FORMAT = "torch-tweak"
 VERSION = 2
@@ -418,12 +418,16 @@ def load(model: nn.Module, path: str | os.PathLike | None = None, *, device: Any
     one rank is a failure on all). A file saved by a single process loads only alone.
     Returns {path: the backend of its first signature, or None}.
     """
-    ranks = distributed.resolve(group)
-    with distributed.using(ranks):
+    ranks = distributed.resolve(group, "tt.load")
+    with distributed.noted_alone(group, "tt.load"), distributed.using(ranks):
         target, manifest, plan, data, steps, groups, loop, shapes, tolerance = distributed.step(lambda: _opened(
             model, path, device=device, trust_artifacts=trust_artifacts, backends=backends, key=key,
             max_bytes=max_bytes, types=types, where=None if ranks is None else (ranks.rank, ranks.size)),
             "reading the file")
+        if ranks is not None:  # before the modules run on them: their collectives pair the calls' tensors
+            ranks.same_calls([f"{name or '(root)'} {g.text}: {call_form(call)}" for (name, _), module_groups
+                              in zip(steps, groups) for g in module_groups for call in g.samples],
+                             "stored in the files")
         return _applied(model, path, target, manifest, plan, data, steps, groups, loop, shapes, tolerance,
                         trust_artifacts)
 
