@@ -31,7 +31,9 @@ transformers = pytest.importorskip("transformers")
 
 VOCAB = 256
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.3)
+"""initializer_range 0.3: at the default 0.02 a tiny random decoder repeats one token from the
+first step on, and its tokens would say little."""
 LLAMA_32_ROPE = {"rope_type": "llama3", "factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                  "original_max_position_embeddings": 64, "rope_theta": 500000.0}
 """Llama-3.2's rope scaling (its original length shortened to the tiny model's positions)."""
@@ -235,6 +237,40 @@ def test_the_triton_step_keeps_the_measured_rule(name):
     ids, _, ref = made(name)
     found = fused_check.check(decoder, ids, 8, "triton", made=ref)
     assert found.multiple is not None and found.multiple <= 4
+
+
+@pytest.mark.slow  # an Inductor compile
+def test_the_inductor_candidate_keeps_the_rule_with_one_compile_per_shape():
+    """The torch ops compiled by Inductor (on CUDA with coordinate descent tuning's kernels): the
+    check's cache and the call's are other tensors of the same shapes, and take one compile."""
+    model, decoder = shared("qwen3")
+    ids, tokens, ref = made("qwen3")
+    found = fused_check.check(decoder, ids, 8, "inductor", made=ref)
+    assert found.multiple is not None and found.multiple <= 4
+    assert torch.equal(fused_check.generate(decoder, ids, 8, "inductor"), tokens)
+    assert len(decoder._compiled) == 1
+
+
+@pytest.mark.slow  # a subprocess: tens of seconds
+def test_the_study_runs_in_its_smoke_mode(tmp_path):
+    """bench/studies/decode_step_study.py --smoke: tiny models of both shapes on the CPU."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    study = Path(__file__).resolve().parents[1] / "bench" / "studies" / "decode_step_study.py"
+    out = tmp_path / "run.json"
+    done = subprocess.run([sys.executable, str(study), "--smoke", "--json", str(out)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = json.loads(out.read_text())
+    for shape in ("llama-1b", "qwen2.5-0.5b"):
+        batches = run["models"][shape]["batches"]
+        assert sorted(batches) == ["1", "3"]
+        assert batches["1"]["check torch"]["multiple"] <= 4, batches["1"]
+        assert batches["3"]["step torch"]["ms"] > 0 and "generate torch chat" in batches["1"]
+        assert set(batches["1"]["parts torch"]) >= {"products", "attention", "choice_greedy", "choice_chat"}
 
 
 def broken(decoder: FusedDecoder, how: str) -> FusedDecoder:

@@ -55,7 +55,11 @@ class SeenPenalty:
         elif isinstance(self.ignore, torch.Tensor):
             place = torch.arange(ids.shape[1], device=ids.device)
             ids = ids.masked_fill(place[None, :] < self.ignore.to(ids.device)[:, None], vocab)
-        self.seen = torch.zeros(ids.shape[0], vocab + 1, dtype=torch.bool, device=ids.device)
+        shape = (ids.shape[0], vocab + 1)
+        if self.seen is None or tuple(self.seen.shape) != shape or self.seen.device != ids.device:
+            self.seen = torch.zeros(shape, dtype=torch.bool, device=ids.device)
+        else:  # in place: a recorded step keeps reading this mask
+            self.seen.zero_()
         self.seen.scatter_(1, ids, True)
 
     def __call__(self, scores: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
@@ -79,7 +83,8 @@ class LengthFloor:
         self.mask: torch.Tensor | None = None
 
     def start(self, ids: torch.Tensor, vocab: int) -> None:
-        self.mask = torch.isin(torch.arange(vocab, device=ids.device), self.eos.to(ids.device))
+        if self.mask is None or self.mask.shape[0] != vocab or self.mask.device != ids.device:
+            self.mask = torch.isin(torch.arange(vocab, device=ids.device), self.eos.to(ids.device))
 
     def __call__(self, scores: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
         assert self.mask is not None
@@ -145,15 +150,24 @@ class StepChoice:
         return cls(parts, sample, tuple(eos), pad, top)
 
     def start(self, ids: torch.Tensor, vocab: int) -> None:
-        """Before a call's first token: its prompt ([batch, length], the rows the call chooses for)."""
-        self.length = torch.tensor(ids.shape[1], dtype=torch.int64, device=ids.device)
-        self.finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-        self._eos = torch.tensor(self.eos, dtype=torch.int64, device=ids.device)
+        """Before a call's first token: its prompt ([batch, length], the rows the call chooses for).
+        A choice started again on a prompt of the same batch and device keeps its tensors (set in
+        place), so a step recorded with it replays for the new call."""
+        batch, device = ids.shape[0], ids.device
+        if self.finished is None or self.finished.shape[0] != batch or self.finished.device != device:
+            self.length = torch.zeros((), dtype=torch.int64, device=device)
+            self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
+            self._eos = torch.tensor(self.eos, dtype=torch.int64, device=device)
+            if self.top is not None:
+                self.top.flag = torch.zeros(batch, dtype=torch.bool, device=device)
+        assert self.length is not None
+        self.length.fill_(ids.shape[1])
+        self.finished.zero_()
+        if self.top is not None and self.top.flag is not None:
+            self.top.flag.zero_()
         for part in self.parts:
             if isinstance(part, FIXED):
                 part.start(ids, vocab)
-        if self.top is not None:
-            self.top.flag = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
 
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
         """The processed scores (float32) of a step's logits ([batch, vocab]), as transformers'

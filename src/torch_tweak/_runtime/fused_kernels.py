@@ -303,11 +303,15 @@ class TritonKernels:
             BLOCK_G=_pow2(groups), BLOCK_D=_pow2(a.head_dim), BLOCK_L=c.block_l, num_warps=c.warps)
 
 
+TORCH = TorchKernels()
+"""The torch ops (stateless: one for every step, so Inductor's compile of one serves all)."""
+
+
 def kernels(name: str, device: torch.device) -> TorchKernels | TritonKernels:
     """The implementation called `name` ("torch" or "triton") for `device`; raises RuntimeError
     with the reason where Triton cannot run."""
     if name == "torch":
-        return TorchKernels()
+        return TORCH
     if name == "triton":
         return TritonKernels(device)
     raise ValueError(f"kernels must be 'torch' or 'triton', not {name!r}")

@@ -173,6 +173,7 @@ class FusedDecoder:
         self.weights = weights_of(model)  # what the step reads of the model, by address
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._steps: "weakref.WeakKeyDictionary[Any, dict[str, Step]]" = weakref.WeakKeyDictionary()
+        self._compiled: dict[tuple, Any] = {}  # Inductor's step per options (Step.compile)
 
     @classmethod
     def of(cls, model: nn.Module) -> "FusedDecoder | str":
@@ -254,10 +255,15 @@ class FusedDecoder:
         return out.logits[:ids.shape[0], -1]
 
     def runner(self, cache: Any, kernels: str = "torch") -> "Step":
-        """The step's work on `cache` with the kernels called `kernels` (made at its first use)."""
+        """The step's work on `cache` (made at its first use) with the kernels called `kernels`:
+        "torch" (torch ops: on CUDA cuBLAS's products), "inductor" (the same ops compiled by
+        Inductor with coordinate descent tuning: Step.compile) or "triton" (fused_triton.py's)."""
         per_cache = self._steps.setdefault(cache, {})
         if kernels not in per_cache:
-            per_cache[kernels] = Step(self, cache, kernels)
+            step = Step(self, cache, "torch" if kernels == "inductor" else kernels)
+            if kernels == "inductor":
+                step.compile()
+            per_cache[kernels] = step
         return per_cache[kernels]
 
     def step(self, tokens: torch.Tensor, position: torch.Tensor, cache: Any, kernels: str = "torch") -> torch.Tensor:
@@ -331,35 +337,37 @@ class Step:
             k.prepare(layer.down, self.gate_up, self.hidden)
         k.prepare(self.decoder.final, self.hidden, self.logits)
 
+    def buffers(self) -> tuple:
+        """What a step reads and writes besides the model's weights, in run_step's order."""
+        return (self.tokens, self.position, self.hidden, self.qkv, self.attn, self.gate_up, self.logits, self.cos,
+                self.sin, self.caches)
+
     @torch.no_grad()
     def forward(self) -> torch.Tensor:
         """One step from the `tokens` and `position` buffers; returns the `logits` buffer."""
         if self.compiled is not None:
-            return self.compiled()
-        return self._forward(False)
-
-    def _forward(self, tracing: bool) -> torch.Tensor:
-        k = self.kernels
-        if tracing:
-            self.hidden.copy_(self.decoder.embed[self.tokens])
-        else:
-            torch.index_select(self.decoder.embed, 0, self.tokens, out=self.hidden)
-        for layer, (keys, values, length) in zip(self.decoder.layers, self.caches):
-            k.product(layer.qkv, self.hidden, self.qkv)
-            k.attention(layer.attention, self.qkv, self.attn, keys, values, self.cos, self.sin, self.position, length)
-            k.product(layer.o, self.attn, self.hidden)
-            k.product(layer.gate_up, self.hidden, self.gate_up)
-            k.product(layer.down, self.gate_up, self.hidden)
-        k.product(self.decoder.final, self.hidden, self.logits)
-        return self.logits
+            return self.compiled(*self.buffers())
+        return run_step(self.kernels, self.decoder, *self.buffers())
 
     def compile(self, **options: Any) -> None:
-        """The torch ops' step compiled by Inductor (coordinate descent tuning unless `options`
-        say otherwise; Inductor's own device graphs off: the caller records the step)."""
+        """The torch ops' step compiled by Inductor: coordinate descent tuning unless `options` say
+        otherwise, Inductor's own device graphs off (the caller records the step), static shapes.
+        One compiled function per decoder and options: the steps of other caches of the same
+        shapes reuse its compile (the buffers are its arguments)."""
         if self.kernels.name != "torch":
             raise ValueError("only the torch ops' step is compiled")
         settings = {"coordinate_descent_tuning": True, "triton.cudagraphs": False, **options}
-        self.compiled = torch.compile(lambda: self._forward(True), fullgraph=True, options=settings)
+        key = tuple(sorted(settings.items()))
+        compiled = self.decoder._compiled.get(key)
+        if compiled is None:
+            decoder, kernels = self.decoder, self.kernels
+
+            def traced(*buffers: Any) -> torch.Tensor:
+                return run_step(kernels, decoder, *buffers, tracing=True)
+
+            compiled = self.decoder._compiled[key] = torch.compile(traced, fullgraph=True, dynamic=False,
+                                                                   options=settings)
+        self.compiled = compiled
 
     def __call__(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """The logits ([batch, vocab]) of `tokens` ([batch] int64, batch <= the bucket) at
@@ -370,6 +378,24 @@ class Step:
         self.tokens[:batch].copy_(tokens)
         self.position.copy_(position)
         return self.forward()[:batch]
+
+
+def run_step(k: Any, decoder: FusedDecoder, tokens: torch.Tensor, position: torch.Tensor, hidden: torch.Tensor,
+             qkv: torch.Tensor, attn: torch.Tensor, gate_up: torch.Tensor, logits: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor, caches: list, tracing: bool = False) -> torch.Tensor:
+    """One decode step (the module's docs) with the kernels `k` on these buffers."""
+    if tracing:  # Inductor: index_select's out= is not traced
+        hidden.copy_(decoder.embed[tokens])
+    else:
+        torch.index_select(decoder.embed, 0, tokens, out=hidden)
+    for layer, (keys, values, length) in zip(decoder.layers, caches):
+        k.product(layer.qkv, hidden, qkv)
+        k.attention(layer.attention, qkv, attn, keys, values, cos, sin, position, length)
+        k.product(layer.o, attn, hidden)
+        k.product(layer.gate_up, hidden, gate_up)
+        k.product(layer.down, gate_up, hidden)
+    k.product(decoder.final, hidden, logits)
+    return logits
 
 
 def _length_of(layer: Any) -> torch.Tensor | None:
