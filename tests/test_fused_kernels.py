@@ -138,3 +138,17 @@ def test_the_configs_measured_on_a_card_are_a_short_list():
         configs = fused_kernels.product_configs(rows)
         assert 4 <= len(configs) <= 8
         assert any(c.dot for c in configs) == (rows >= 4)
+
+
+@needs_triton
+def test_a_position_past_the_cache_writes_nothing_of_it(triton_kernels):
+    """No read of the device checks a position on CUDA: the kernel masks its writes instead."""
+    g = torch.Generator().manual_seed(5)
+    a = Attention(4, 2, 16, 0.25)
+    qkv = torch.randn(1, 8 * 16, generator=g)
+    keys, values = torch.randn(1, 2, 8, 16, generator=g), torch.randn(1, 2, 8, 16, generator=g)
+    before = keys.clone(), values.clone()
+    cos, sin = torch.ones(8, 16), torch.zeros(8, 16)
+    triton_kernels._attention(a, qkv, torch.zeros(1, 64), keys, values, cos, sin, torch.tensor(8), None,
+                              Config(block_l=16))
+    assert torch.equal(keys, before[0]) and torch.equal(values, before[1])

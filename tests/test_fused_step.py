@@ -185,6 +185,34 @@ def test_a_cache_or_a_batch_it_does_not_serve_is_refused():
     assert [bucket(b) for b in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8] and BUCKETS == (1, 2, 4, 8)
 
 
+def test_eight_threads_on_one_reading_get_their_own_tokens():
+    """Eight calls at once through one decoder, each on its own cache: each gets the tokens it
+    gets alone (the steps' work and the tables are made under a lock; the buffers are per cache)."""
+    import threading
+
+    model, decoder = shared("llama")
+    prompts = [prompt(1 + i % 3, seed=100 + i) for i in range(8)]
+    alone = [fused_check.generate(decoder, ids, 6) for ids in prompts]
+    got: list = [None] * 8
+
+    def run(i: int) -> None:
+        got[i] = fused_check.generate(decoder, prompts[i], 6)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(a, b) for a, b in zip(got, alone))
+
+
+def test_a_position_past_the_cache_is_refused():
+    _, decoder = shared("llama")
+    cache = decoder.cache(1, 16)
+    with pytest.raises(ValueError, match="position 16 of a cache of 16 positions"):
+        decoder.step(torch.tensor([5]), torch.tensor(16), cache)
+
+
 def test_weights_replaced_after_reading_are_not_read():
     model = family("llama")
     decoder = FusedDecoder.of(model)

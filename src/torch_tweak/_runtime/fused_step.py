@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import threading
 import weakref
 from typing import Any
 
@@ -50,6 +51,10 @@ BUCKETS = (1, 2, 4, 8)
 DYNAMIC_ROPE = ("dynamic", "longrope")
 """Rope types whose frequencies depend on the longest position of a call: their table is made
 position by position, as the decode steps call the rotary module."""
+
+
+_LOCK = threading.RLock()
+"""Held while a step's work or a rotary table is made (steps of several threads on one decoder)."""
 
 
 def bucket(batch: int) -> int | None:
@@ -208,6 +213,10 @@ class FusedDecoder:
         """cos and sin ([length, head_dim], the model's dtype) for positions 0..length-1, from the
         model's own rotary module; its state (a dynamic rope's frequencies) put back after."""
         key = (length, str(device))
+        with _LOCK:  # a dynamic rope's module changes while its table is made
+            return self._table(key, length, device)
+
+    def _table(self, key: tuple, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if key not in self._tables:
             x = torch.zeros(1, dtype=self.dtype, device=device)
             state = snapshot(self.rotary)
@@ -258,6 +267,10 @@ class FusedDecoder:
         """The step's work on `cache` (made at its first use) with the kernels called `kernels`:
         "torch" (torch ops: on CUDA cuBLAS's products), "inductor" (the same ops compiled by
         Inductor with coordinate descent tuning: Step.compile) or "triton" (fused_triton.py's)."""
+        with _LOCK:
+            return self._runner(cache, kernels)
+
+    def _runner(self, cache: Any, kernels: str) -> "Step":
         per_cache = self._steps.setdefault(cache, {})
         if kernels not in per_cache:
             step = Step(self, cache, "torch" if kernels == "inductor" else kernels)
@@ -375,6 +388,8 @@ class Step:
         batch = tokens.shape[0]
         if tokens.dim() != 1 or not 1 <= batch <= self.rows:
             raise ValueError(f"tokens of shape {tuple(tokens.shape)}: a [batch] tensor of 1 to {self.rows} rows")
+        if position.device.type == "cpu" and not 0 <= int(position) < self.length:  # on a device: not read
+            raise ValueError(f"position {int(position)} of a cache of {self.length} positions")
         self.tokens[:batch].copy_(tokens)
         self.position.copy_(position)
         return self.forward()[:batch]

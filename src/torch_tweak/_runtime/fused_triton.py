@@ -186,7 +186,8 @@ if triton is not None:
         kvh = pid % KV
         pos = tl.load(pos_ptr)
         d = tl.arange(0, BLOCK_D)
-        dmask = d < D
+        inside = pos < L  # a position past the cache writes and reads nothing of it (its output is garbage)
+        dmask = (d < D) & inside
         partner = tl.where(d < D // 2, d + D // 2, d - D // 2)
         sign = tl.where(d < D // 2, -1.0, 1.0)
         cos = tl.load(cos_ptr + pos * D + d, mask=dmask, other=0.0).to(tl.float32)
@@ -209,7 +210,7 @@ if triton is not None:
         m_i, l_i, acc = _past(q, k_base, v_base, stride_kl, stride_vl, pos, d, dmask, m_i, l_i, acc, scale, L, BLOCK_L)
         out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
         optrs = out_ptr + b * stride_om + (kvh * G + g)[:, None] * D + d[None, :]
-        tl.store(optrs, out, mask=gmask[:, None] & dmask[None, :])
+        tl.store(optrs, out, mask=gmask[:, None] & (d < D)[None, :])
         if LENGTH:
             if kvh == 0:
                 tl.store(len_ptr + one * 0, pos + 1 + one * 0)
