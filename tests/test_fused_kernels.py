@@ -8,6 +8,8 @@ norms, the first and last positions of the cache. Skipped where Triton is not in
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -18,13 +20,16 @@ needs_triton = pytest.mark.skipif(fused_triton.triton is None,
                                   reason="Triton is not installed (scripts/setup.sh installs it for the CPU)")
 
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+"""Where the kernels run: compiled on CUDA, else under Triton's interpreter on the CPU."""
+
+
 def interpreted():
     """fused_triton's kernels: on a machine without CUDA, made for Triton's interpreter (conftest.py
     sets TRITON_INTERPRET=1 before anything imports Triton)."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not fused_triton.INTERPRETED:
+    if DEVICE.type == "cpu" and not fused_triton.INTERPRETED:
         pytest.skip("Triton was imported before TRITON_INTERPRET=1 was set (conftest.py sets it)")
-    return fused_kernels.TritonKernels(device)
+    return fused_kernels.TritonKernels(DEVICE)
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +46,8 @@ def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 
 def weights(n: tuple[int, ...], k: int, dtype: torch.dtype, bias: bool, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    ws = tuple((torch.randn(m, k, generator=g) / k ** 0.5).to(dtype) for m in n)
-    bs = tuple(torch.randn(m, generator=g).to(dtype) for m in n) if bias else None
+    ws = tuple((torch.randn(m, k, generator=g) / k ** 0.5).to(DEVICE, dtype) for m in n)
+    bs = tuple(torch.randn(m, generator=g).to(DEVICE, dtype) for m in n) if bias else None
     return ws, bs
 
 
@@ -69,11 +74,11 @@ def test_each_product_is_its_torch_reference(triton_kernels, kind, config, dtype
     k = 72
     ws, bs = weights(spec["n"], k, dtype, spec.get("bias", False))
     g = torch.Generator().manual_seed(1)
-    norm = (1 + 0.1 * torch.randn(2 * k if spec.get("glu") else k, generator=g)).to(dtype)[:k]
+    norm = (1 + 0.1 * torch.randn(k, generator=g)).to(DEVICE, dtype)
     p = Product(ws, bs, norm if spec.get("norm") else None, 1e-5, spec.get("glu", False), spec.get("residual", False))
     for rows in (1, 3, 8):
-        x = torch.randn(rows, 2 * k if p.glu else k, generator=g).to(dtype)
-        start = torch.randn(rows, p.n, generator=g).to(dtype)
+        x = torch.randn(rows, 2 * k if p.glu else k, generator=g).to(DEVICE, dtype)
+        start = torch.randn(rows, p.n, generator=g).to(DEVICE, dtype)
         want, got = start.clone(), start.clone()
         TorchKernels().product(p, x, want)
         triton_kernels._product(p, x, got, config)
@@ -97,17 +102,19 @@ def test_the_attention_is_its_torch_reference(triton_kernels, kind, dtype):
     spec = ATTENTION[kind]
     g = torch.Generator().manual_seed(2)
     h, kv, d, length, rows = spec["heads"], spec["kv"], spec["d"], 21, 3
-    norms = [(1 + 0.1 * torch.randn(d, generator=g)).to(dtype) for _ in range(2)] if spec.get("norm") else [None, None]
+    norms = [(1 + 0.1 * torch.randn(d, generator=g)).to(DEVICE, dtype) for _ in range(2)] if spec.get("norm") \
+        else [None, None]
     a = Attention(h, kv, d, d ** -0.5, norms[0], norms[1], 1e-6)
     angle = torch.arange(length)[:, None] * (1e-2 ** (torch.arange(d // 2) / (d // 2)))[None]
-    cos, sin = torch.cat([angle.cos()] * 2, 1).to(dtype), torch.cat([angle.sin()] * 2, 1).to(dtype)
+    cos, sin = (torch.cat([f(angle)] * 2, 1).to(DEVICE, dtype) for f in (torch.cos, torch.sin))
     for position in (0, 7, length - 1):
-        qkv = torch.randn(rows, (h + 2 * kv) * d, generator=g).to(dtype)
-        keys = torch.randn(rows, kv, length, d, generator=g).to(dtype)
-        values = torch.randn(rows, kv, length, d, generator=g).to(dtype)
-        mine = [keys.clone(), values.clone(), torch.zeros(rows, h * d, dtype=dtype), torch.tensor(0)]
-        theirs = [keys.clone(), values.clone(), torch.zeros(rows, h * d, dtype=dtype), torch.tensor(0)]
-        pos = torch.tensor(position)
+        qkv = torch.randn(rows, (h + 2 * kv) * d, generator=g).to(DEVICE, dtype)
+        keys = torch.randn(rows, kv, length, d, generator=g).to(DEVICE, dtype)
+        values = torch.randn(rows, kv, length, d, generator=g).to(DEVICE, dtype)
+        zero = torch.zeros(rows, h * d, dtype=dtype, device=DEVICE)
+        mine = [keys.clone(), values.clone(), zero.clone(), torch.tensor(0, device=DEVICE)]
+        theirs = [keys.clone(), values.clone(), zero.clone(), torch.tensor(0, device=DEVICE)]
+        pos = torch.tensor(position, device=DEVICE)
         TorchKernels().attention(a, qkv, theirs[2], theirs[0], theirs[1], cos, sin, pos, theirs[3])
         triton_kernels._attention(a, qkv, mine[2], mine[0], mine[1], cos, sin, pos, mine[3], Config(block_l=16))
         close(mine[0], theirs[0], dtype)  # the new key (rotated) written at the position, nothing else
@@ -145,10 +152,28 @@ def test_a_position_past_the_cache_writes_nothing_of_it(triton_kernels):
     """No read of the device checks a position on CUDA: the kernel masks its writes instead."""
     g = torch.Generator().manual_seed(5)
     a = Attention(4, 2, 16, 0.25)
-    qkv = torch.randn(1, 8 * 16, generator=g)
-    keys, values = torch.randn(1, 2, 8, 16, generator=g), torch.randn(1, 2, 8, 16, generator=g)
+    qkv = torch.randn(1, 8 * 16, generator=g).to(DEVICE)
+    keys, values = (torch.randn(1, 2, 8, 16, generator=g).to(DEVICE) for _ in range(2))
     before = keys.clone(), values.clone()
-    cos, sin = torch.ones(8, 16), torch.zeros(8, 16)
-    triton_kernels._attention(a, qkv, torch.zeros(1, 64), keys, values, cos, sin, torch.tensor(8), None,
-                              Config(block_l=16))
+    cos, sin = torch.ones(8, 16, device=DEVICE), torch.zeros(8, 16, device=DEVICE)
+    triton_kernels._attention(a, qkv, torch.zeros(1, 64, device=DEVICE), keys, values, cos, sin,
+                              torch.tensor(8, device=DEVICE), None, Config(block_l=16))
     assert torch.equal(keys, before[0]) and torch.equal(values, before[1])
+
+
+@needs_triton
+@pytest.mark.slow  # about fifty compiles
+def test_the_kernels_compile_for_an_h100_without_one():
+    """tests/fused_compile.py in a child process without TRITON_INTERPRET: every variant the step
+    launches on the Llama-1B and Qwen2.5-0.5B shapes, and every config measured, compiled by this
+    Triton for sm_90 down to a cubin (the interpreter checks what they compute, not that the
+    compiler takes them)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("fused_compile.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=1200, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "for sm_90" in done.stdout

@@ -117,10 +117,11 @@ if triton is not None:
             x = _input_tile(x_ptr, stride_xm, rows, cols, M, K, norm_ptr, rstd, NORM, GLU)
             wmask = (ns[:, None] < n_size) & (cols[None, :] < K)
             w = tl.load(w_ptr + ns[:, None] * K + cols[None, :], mask=wmask, other=0.0)
-            if DOT and UPCAST:  # the interpreter's tl.dot takes no bf16: the same exact products in fp32
-                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-            elif DOT:
-                acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+            if DOT:
+                if UPCAST:  # the interpreter's tl.dot takes no bf16: the same exact products in fp32
+                    acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+                else:
+                    acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
             else:
                 acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
         if BIAS:
