@@ -166,6 +166,11 @@ def test_a_changed_model_is_refused_with_the_reason():
     model.model.layers[0].mlp.up_proj.to(torch.float16)
     assert "several dtypes" in FusedDecoder.of(model) or "plain" in FusedDecoder.of(model)
     model = family("llama")
+    model(torch.tensor([[5, 6]]), output_hidden_states=True)  # transformers' own capturing hooks: served
+    assert isinstance(FusedDecoder.of(model), FusedDecoder)
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda m, i, o: o * 2)
+    assert FusedDecoder.of(model) == "forward hooks on model.layers.1.mlp (the step would not run them)"
+    handle.remove()
     tt.wrap(model, ["model.layers.0.mlp"])
     try:
         assert "tuned by torch-tweak" in FusedDecoder.of(model)

@@ -122,6 +122,22 @@ def _module_problem(model: nn.Module, family: str) -> str | None:
     return None
 
 
+def _hook_problem(model: nn.Module) -> str | None:
+    """Hooks the step would not run: any forward hook but transformers' own output capturing
+    (installed by a call with output_hidden_states, recording only when asked), torch's global
+    module hooks, accelerate's dispatch hooks (a model spread over devices or offloaded)."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return "global forward hooks (the step would not run them)"
+    for path, m in model.named_modules():
+        hooks = list(m._forward_hooks.values()) + list(m._forward_pre_hooks.values())
+        if any(getattr(h, "__module__", "") != "transformers.utils.output_capturing" for h in hooks) or \
+                hasattr(m, "_hf_hook"):
+            return f"forward hooks on {path or 'the model'} (the step would not run them)"
+    return None
+
+
 def problem(model: nn.Module) -> str | None:
     """Why FusedDecoder does not serve `model`, or None."""
     family = FAMILIES.get(type(model).__name__)
@@ -133,7 +149,7 @@ def problem(model: nn.Module) -> str | None:
         return "modules tuned by torch-tweak are installed in the model"
     if model.training:
         return "the model is in train mode (call model.eval())"
-    return _config_problem(model, family) or _module_problem(model, family)
+    return _config_problem(model, family) or _module_problem(model, family) or _hook_problem(model)
 
 
 def _layer(layer: nn.Module, where: str) -> Layer | str:
