@@ -18,7 +18,8 @@ Per model and batch, every figure measured on this card (none written in):
                (as the implementation runs them: Triton's with their norms fused; torch's with
                the norms, silu and residual adds as their own ops), cuBLAS's F.linear calls
                alone, the attention (rotary, cache write, attention), the choice (argmax; the
-               chat call's sampling)
+               chat call's sampling); for the torch ops also their norms alone and their rotary
+               embeddings alone (what Triton's kernels fuse)
     sampling   the step with the chat call's choice (T 0.8, top-k 50, top-p 0.9, repetition
                penalty 1.1) inside the graph against the step with the argmax
     generate   one call of NEW tokens: the model's own prefill, then NEW - 1 replays of the step
@@ -229,12 +230,34 @@ def parts(decoder: Any, kernels: str, batch: int) -> dict:
             k.attention(layer.attention, step.qkv, step.attn, keys, values, step.cos, step.sin, step.position, length)
 
     choice = chat_choice(decoder, ids)
-    return {"embedding": timed_ms(lambda: torch.index_select(decoder.embed, 0, step.tokens, out=step.hidden), dev),
+    found = {} if kernels != "torch" else elementwise(decoder, step)
+    embed = timed_ms(lambda: torch.index_select(decoder.embed, 0, step.tokens, out=step.hidden), dev)
+    return found | {"embedding": embed,
             "products": timed_ms(products, dev),
             "cublas_linear_alone": timed_ms(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights], dev),
             "attention": timed_ms(attention, dev),
             "choice_greedy": timed_ms(lambda: step.logits[:batch].argmax(-1), dev),
             "choice_chat": timed_ms(lambda: choice(step.logits[:batch]), dev)}
+
+
+def elementwise(decoder: Any, step: Any) -> dict:
+    """The torch ops' norms (two a layer and the last) and rotary embeddings (q and k of every
+    layer) recorded alone: what the Triton kernels fuse into the products and the attention."""
+    from torch_tweak._runtime.fused_kernels import rms_norm, rotate_half
+
+    norms = [p for layer in decoder.layers for p in (layer.qkv, layer.gate_up)] + [decoder.final]
+    a = decoder.layers[0].attention
+    c, s = step.cos[:1], step.sin[:1]
+
+    def rotary() -> None:
+        for _ in decoder.layers:
+            q, k = step.qkv[:, :a.heads * a.head_dim], step.qkv[:, a.heads * a.head_dim:(a.heads + a.kv_heads) * a.head_dim]
+            for x in (q, k):
+                x = x.view(step.rows, -1, a.head_dim)
+                (x * c) + (rotate_half(x) * s)
+
+    return {"norms_alone": timed_ms(lambda: [rms_norm(step.hidden, p.norm, p.eps) for p in norms], decoder.device),
+            "rotary_alone": timed_ms(rotary, decoder.device)}
 
 
 def generate(decoder: Any, kernels: str, batch: int, chat: bool) -> dict:
@@ -275,7 +298,8 @@ def generate(decoder: Any, kernels: str, batch: int, chat: bool) -> dict:
         call()
         seconds.append(time.perf_counter() - start)
     s = statistics.median(seconds)
-    return {"tokens/s": round(batch * NEW / s, 1), "ms/token": round(s * 1e3 / NEW, 4), "first_tokens": out[0, :8].tolist()}
+    return {"tokens/s": round(batch * NEW / s, 1), "ms/token": round(s * 1e3 / NEW, 4),
+            "first_tokens": out[0, :8].tolist()}
 
 
 def check(decoder: Any, kernels: str, ids: torch.Tensor, made: Any) -> dict:

@@ -285,8 +285,9 @@ class TritonKernels:
             x, x.stride(0), p.norm if p.norm is not None else x, p.eps, *ws, *bs, *ns, blocks[0],
             blocks[1] if len(blocks) > 1 else 0, out, out.stride(0), out, out.stride(0), rows, K=p.k,
             GROUPS=len(p.weights), NORM=p.norm is not None, GLU=p.glu, RESIDUAL=p.residual,
-            BIAS=p.biases is not None, DOT=c.dot, PRECISION=precision, UPCAST=self.k.INTERPRETED, BLOCK_M=max(16, _pow2(rows)) if c.dot
-            else _pow2(rows), BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.warps)
+            BIAS=p.biases is not None, DOT=c.dot, PRECISION=precision, UPCAST=self.k.INTERPRETED,
+            BLOCK_M=max(16, _pow2(rows)) if c.dot else _pow2(rows), BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+            num_warps=c.warps)
 
     def _attention(self, a: Attention, qkv: torch.Tensor, out: torch.Tensor, keys: torch.Tensor,
                    values: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor,
