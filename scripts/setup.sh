@@ -56,6 +56,12 @@ PY
 "$VPY" -c "import transformers" 2>/dev/null || optional+=("transformers==5.24.0")
 # accelerate: transformers' tensor parallelism (tp_plan="auto") needs it; tests/test_distributed.py tunes one
 "$VPY" -c "import accelerate" 2>/dev/null || optional+=("accelerate==1.15.0")
+# Triton, next to a CPU torch only (a CUDA torch brings its own): its interpreter runs the fused decode
+# step's kernels in tests/test_fused_*.py; 3.6, the release the GPU machines run, so the kernels are checked
+# against the Triton they run on
+if ! "$VPY" -c "import triton" 2>/dev/null && "$VPY" -c "import sys, torch; sys.exit(torch.version.cuda is not None)" 2>/dev/null; then
+    optional+=("triton==3.6.0")
+fi
 if [ ${#optional[@]} -gt 0 ]; then
     echo "setup: installing the optional ${optional[*]}"
     if [ "${CI:-}" = true ]; then

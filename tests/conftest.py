@@ -9,6 +9,12 @@ import signal
 import pytest
 import torch
 
+# Triton's interpreter runs the fused decode step's kernels on a machine without CUDA (its tests,
+# tests/test_fused_*.py): Triton reads this when it is first imported, and importing transformers'
+# models imports it, so it is set before anything is. Inductor's CPU kernels do not use Triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import torch_tweak as tt
 import support
 from support import FAST, MLP, encoder
