@@ -219,7 +219,9 @@ REPEAT_LAUNCHES = 24
 def graph_ms(fn: Callable[[], Any], device: torch.device, launches: int) -> float:
     """ms of one call of `fn` (which makes `launches` launches) on the card: called once (its
     kernels loaded, its scratch made), then called enough times for about REPEAT_LAUNCHES
-    launches in one CUDA graph, replayed: the median of 5 replays timed with CUDA events."""
+    launches in one CUDA graph, replayed: the median of 5 replays timed with CUDA events. (The
+    graph is recorded with capture_begin/capture_end: torch.cuda.graph would collect garbage
+    and empty the allocator's cache for each config.)"""
     repeat = max(1, -(-REPEAT_LAUNCHES // max(1, launches)))
     with torch.cuda.device(device):
         stream = torch.cuda.Stream(device)
@@ -228,9 +230,12 @@ def graph_ms(fn: Callable[[], Any], device: torch.device, launches: int) -> floa
         with torch.cuda.stream(stream):
             fn()
             stream.synchronize()
-            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
                 for _ in range(repeat):
                     fn()
+            finally:
+                graph.capture_end()
         torch.cuda.current_stream(device).wait_stream(stream)
         graph.replay()
         rounds = []
