@@ -599,11 +599,11 @@ def build_checked(backend: Backend, module: nn.Module, samples: Sequence[Call], 
     # under torch.distributed each step is agreed on by every rank (a failure anywhere fails it everywhere)
     step = distributed.step
     copy = clone if writes else fresh
+    backend.layout = layout  # the child of an isolated build is given it too
     if backend.isolate_build:
         isolation.check(backend, module, samples, device, log.notes)  # raises BuildCrashed
     measured = reference is not None and reference.measured and backend.check_tolerance() is None
     backend.own_errors = reference.own if measured else None
-    backend.layout = layout
     try:
         try:
             # a key/value cache in a call grows at every call: each use gets its own copy

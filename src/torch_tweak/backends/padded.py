@@ -363,6 +363,10 @@ class PaddedCall(_C.PaddedReplay, _Checked):
         self.checks = 0    # new buckets checked on their first call after tuning
         self.building = True
         self.worker = Worker(self, "torch-tweak padded buckets")
+        # under torch.distributed a bucket's recording runs the module's collectives: every rank
+        # records it in the same call, on the call's path, as the ranks' calls come in one order
+        self.inline = torch.distributed.is_available() and torch.distributed.is_initialized() and \
+            torch.distributed.get_world_size() > 1
         try:
             self._pad_layout(sample, plan.axes, list(zip(plan.out_batch, plan.out_length)), plan.length, target,
                              pytree.tree_leaves, plan.max_batch, plan.max_length, plan.step)
@@ -386,7 +390,10 @@ class PaddedCall(_C.PaddedReplay, _Checked):
         if self.api is not None:  # the worker's stream waits for the copies
             event = self.api.mod.Event()
             event.record()
-        self.worker.hand((key, copied, reference, event))
+        if self.inline:
+            self._prove_new((key, copied, reference, event))
+        else:
+            self.worker.hand((key, copied, reference, event))
         return out
 
     def settle(self, timeout: float = 60.0) -> bool:
@@ -471,6 +478,9 @@ class PaddedCall(_C.PaddedReplay, _Checked):
         plan, config = self.plan, self.config
         held = self.table.snapshot()[0]
         if not plan.batch or config.max_batch is not None or not held:
+            return
+        if self.inline:  # each rank's free memory is its own: the ranks keep one range, the learned one
+            plan.notes["batch"] += " (under torch.distributed, the same on every rank)"
             return
         each = max(b.memory / (b.key[0] * max(b.key[1], 1)) for b in held)
         per_row, free = each * (plan.max_length if plan.length else 1), free_bytes(device)
