@@ -380,6 +380,16 @@ def tweak_column(model: torch.nn.Module, stream: list[Request], ranges: dict | N
     return fn
 
 
+def cold_start(column: str) -> None:
+    """Before a column is built: dynamo reset, memory collected, the compiler caches fresh, as a
+    user's first run is."""
+    torch._dynamo.reset()
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    cold_compiler(column)
+
+
 def bench_row(name: str, dtype_name: str, columns: list[str], rounds: int, seed: int,
               partial: Callable[[dict], None] = lambda row: None, declare: bool = True) -> dict:
     dtype = DTYPES[dtype_name]
@@ -396,11 +406,7 @@ def bench_row(name: str, dtype_name: str, columns: list[str], rounds: int, seed:
     for column in columns:
         print(f"  {name} {dtype_name}: {column}", flush=True)
         before, reading = load_average(), cpu_load.reading()
-        torch._dynamo.reset()
-        gc.collect()
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
-        cold_compiler(column)
+        cold_start(column)
         try:
             sync()
             t0 = time.perf_counter()
@@ -683,11 +689,7 @@ def fresh_row(name: str, dtype_name: str, rounds: int, seed: int, started: float
             row["skipped"][column] = f"past the run's budget of {FRESH_BUDGET_S:.0f} s"
             continue
         print(f"  {name} {dtype_name}: {column}", flush=True)
-        torch._dynamo.reset()
-        gc.collect()
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
-        cold_compiler(column)
+        cold_start(column)
         try:
             sync()
             t0 = time.perf_counter()

@@ -22,7 +22,8 @@ import torch_tweak as tt
 from torch_tweak._core.correctness import check
 from torch_tweak.backends import PaddedGraphBackend
 from torch_tweak.backends import padded as padded_module
-from support import FAST, in_threads
+from support import in_threads
+from test_padded_c import tune
 from test_varying import requests
 
 
@@ -48,15 +49,6 @@ def tiny_bert():
                                      intermediate_size=64, max_position_embeddings=64,
                                      tie_word_embeddings=True)  # as BERT's released checkpoints tie them
     return transformers.BertModel(config).eval()  # the pooler on
-
-
-def tune(model, data, **options):
-    (w,) = tt.wrap(model, [""], strategy=tt.OneBackendStrategy(
-        PaddedGraphBackend(graph=False, compile=False, **options)))
-    tt.tune(model, data, measure=FAST)
-    (group,) = [g for g in w.tt_signatures if g.varying]
-    assert group.backend is not None, group.error
-    return w, group.backend.callable
 
 
 def one_request(b: int, n: int, seed: int) -> dict:

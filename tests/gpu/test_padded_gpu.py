@@ -125,11 +125,8 @@ def test_hostile_calls_of_a_padded_graph_get_the_untuned_answers_or_its_error():
         torch.testing.assert_close(model(x), untuned(x), rtol=1e-4, atol=1e-4)
 
 
-def test_eight_threads_with_mixed_shapes():
-    model = tiny_bert()
-    untuned = copy.deepcopy(model)
-    tune_padded(model, bert_requests(8, 0), compile=False)
-    requests = bert_requests(64, 2)
+def served_in_eight_threads(model, untuned, requests):
+    """Each request served by `model` from one of eight threads, its answer the untuned model's."""
     with torch.inference_mode():
         wanted = [untuned(**r) for r in requests]
     errors = []
@@ -148,6 +145,14 @@ def test_eight_threads_with_mixed_shapes():
     for t in threads:
         t.join()
     assert not errors, errors[0]
+    return wanted
+
+
+def test_eight_threads_with_mixed_shapes():
+    model = tiny_bert()
+    untuned = copy.deepcopy(model)
+    tune_padded(model, bert_requests(8, 0), compile=False)
+    served_in_eight_threads(model, untuned, bert_requests(64, 2))
 
 
 def test_tweak_with_the_defaults_serves_varying_batches():
@@ -207,24 +212,7 @@ def test_new_buckets_are_recorded_beside_eight_threads_and_evicted_under_the_cap
     call = backend.callable
     rng = random.Random(3)
     requests = [bert_requests(1, 100 + i, batches=(rng.randint(1, 16),), lengths=range(1, 128))[0] for i in range(96)]
-    with torch.inference_mode():
-        wanted = [untuned(**r) for r in requests]
-    errors = []
-
-    def serve(k):
-        try:
-            with torch.inference_mode():
-                for i in range(k, len(requests), 8):
-                    same_valid(model(**requests[i]), wanted[i], requests[i]["attention_mask"])
-        except Exception as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=serve, args=(k,)) for k in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    wanted = served_in_eight_threads(model, untuned, requests)
     assert call.settle()
     stats = backend.describe()
     assert len(call.table.snapshot()[0]) <= 6 and stats["evicted_buckets"] > 0 and stats["refused_buckets"] == 0
