@@ -65,6 +65,21 @@ of the CPUs other processes took during it (torch_tweak._core.cpu_load: this pro
 workers are not others): the machine may be shared, and a figure measured beside other work is
 not the model's alone.
     python bench/serving_bench.py --report RUN.json [...] [--out bench/results/serving.md]
+
+--fresh is issue 57's measurement (docs/serving.md), prepared to finish within 8 minutes on one
+H100: stock BERT (pooler on, bf16) and ResNet-50, tuned on the first 8 requests of their streams;
+each column (BERT: eager, tweak, reduce-overhead, a CUDA graph per request shape, dynamic,
+compile; ResNet-50: eager, tweak, reduce-overhead) serves the stream cold and warm, then a fresh
+stream of shapes no request had (BERT: batches 1-16 of lengths 1 to the position table;
+ResNet-50: the batch sizes the stream never had) first and warm, tweak's new buckets waited for
+between the two. Each row's verdict sets tweak against the best other column (warm and fresh,
+targets 3x for BERT and 1.2x for ResNet-50), its fresh first pass against eager's warm pass of
+it (at most 1.5x), and its tuning plus first pass against the cold pass of the column it is set
+against (at most 1.5x); for ResNet-50 a per-batch breakdown (ms, kernel time by kind, the rest:
+launch and host, tweak's bucket and padding) names the largest gap to reduce-overhead. Columns
+that would start past FRESH_BUDGET_S are skipped and said so.
+    python bench/serving_bench.py --fresh --json $OUT/serving-fresh.json
+    python bench/serving_bench.py --fresh --smoke --json /tmp/fresh.json   # tiny models on the CPU
 """
 
 from __future__ import annotations
