@@ -78,8 +78,8 @@ it (at most 1.5x), and its tuning plus first pass against the cold pass of the c
 against (at most 1.5x); for ResNet-50 a per-batch breakdown (ms, kernel time by kind, the rest:
 launch and host, tweak's bucket and padding) names the largest gap to reduce-overhead. Columns
 that would start past FRESH_BUDGET_S are skipped and said so.
-    python bench/serving_bench.py --fresh --json $OUT/serving-fresh.json
-    python bench/serving_bench.py --fresh --smoke --json /tmp/fresh.json   # tiny models on the CPU
+    python bench/serving_bench.py --fresh [--json bench/results/runs/serving-fresh-<commit>-cuda.json]
+    python bench/serving_bench.py --fresh --smoke   # tiny models on the CPU, seconds of work
 """
 
 from __future__ import annotations
