@@ -79,7 +79,7 @@ against (at most 1.5x); for ResNet-50 a per-batch breakdown (ms, kernel time by 
 launch and host, tweak's bucket and padding) names the largest gap to reduce-overhead. Columns
 that would start past FRESH_BUDGET_S are skipped and said so.
     python bench/serving_bench.py --fresh [--json bench/results/runs/serving-fresh-<commit>-cuda.json]
-    python bench/serving_bench.py --fresh --smoke   # tiny models on the CPU, seconds of work
+    python bench/serving_bench.py --fresh --smoke   # tiny models on the CPU: under a minute of its work
 """
 
 from __future__ import annotations
