@@ -44,6 +44,7 @@ import torch.utils._pytree as pytree
 
 from .. import _C
 from ._samples import Call, describe_cache, structure_key, unstorable
+from .layout import CallLayout, layout_of
 
 _C.set_value_keyer(structure_key)  # a key/value cache fits a signature by its structure, not its identity
 
@@ -77,6 +78,7 @@ class SignatureGroup:
     serves: tuple = ()  # "any other call": the Signatures its backend serves (proven_signatures)
     varying: bool = False  # the calls of one shape class whose sizes vary (merge_varying)
     declared: int = 0  # its last calls are at the ends of the declared shapes: checked on, never measured
+    layout: CallLayout | None = None  # what its calls look like (lay_out); None: calls of several structures
 
     def release(self) -> None:
         self.samples.clear()
@@ -381,3 +383,15 @@ def _without(groups: list[SignatureGroup], taken: set[int] | frozenset[int]) -> 
         group.outputs[:] = [o for _, o in pairs]
         rest.append(group)
     return rest
+
+
+def lay_out(groups: Sequence[SignatureGroup], params: tuple = (), positions: tuple[int, str] | None = None) -> None:
+    """Each group's layout (torch_tweak._core.layout), made once here, where its calls were
+    grouped, from its recorded calls: what every reader of them (the backends built for it)
+    reads. None for a group whose calls differ in structure ("any other call"), or that has no
+    call. positions: the model's position table (the longest length a call may have), or None."""
+    for group in groups:
+        try:
+            group.layout = layout_of(group.samples, params, positions) if group.samples else None
+        except ValueError:
+            group.layout = None

@@ -29,8 +29,8 @@ from .._runtime.decode_check import apply_loop
 from .._runtime.generation import LoopPlan, plan_loop, uninstall as uninstall_loop
 from ..backends.base import Backend
 from .._runtime.module import TunedModule, arm_untuned, install_all, installed, unwrap
-from .._core.shapes import DECLARED, Shapes, edge_calls
-from .._core.signatures import SignatureGroup, forward_params, is_other
+from .._core.shapes import DECLARED, Shapes, edge_calls, position_table
+from .._core.signatures import SignatureGroup, forward_params, is_other, lay_out
 from .tuning import apply_groups, dataset_runner, model_class_name, rebuild_group, record, release
 
 SELECTED_DEPTHS: "weakref.WeakKeyDictionary[nn.Module, int | None]" = weakref.WeakKeyDictionary()
@@ -136,10 +136,11 @@ def _apply(model: nn.Module, plan: Plan, device: torch.device, calls: Sequence[C
     wrappers = install_all(model, plan.paths)
     try:
         if calls is not None and wrappers:  # the declared shapes' ends too: the groups were formed with them
-            record(wrappers, dataset_runner(model, calls), dataset_runner(model, edges) if edges else None)
+            record(wrappers, dataset_runner(model, calls), dataset_runner(model, edges) if edges else None, model)
         for wrapper, module in zip(wrappers, plan.modules):
             if calls is None:
                 wrapper.tt_signatures[:] = [_copy(g, None) for g in module.groups]
+                lay_out(wrapper.tt_signatures, forward_params(wrapper._tt_original), position_table(model))
             elif [g.key for g in wrapper.tt_signatures] != [g.key for g in module.groups]:
                 raise PlanError(f"{module.path or '(root)'} was called with other signatures")
             errors = [module.error]

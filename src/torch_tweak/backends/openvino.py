@@ -53,7 +53,8 @@ from .._core._samples import Call, move, unstorable
 from .._core.cpu_load import host_memory
 from .._core.model_state import restore_places, weight_places
 from .._core.schema import Count, Name, OneOf
-from .._core.shapes import Shapes, find_mask, length_inputs, named_leaves
+from .._core.layout import CallLayout
+from .._core.shapes import Shapes
 from .base import Backend, BackendConfig, Baked, OutputForm
 from ._ov_shapes import StaticShapes, kept_signal_stack
 from ._traced import Served, flatten_for_numpy, watch_values
@@ -242,28 +243,22 @@ def _within(leaves: list, slots: list[int], bounds: list) -> bool:
     return True
 
 
-def declared_bounds(declared: Shapes | None, samples: Sequence[Call], slots: list[int],
-                    module: torch.nn.Module) -> list | None:
-    """Per tensor slot, per axis: its size where every sample has the same, the declared
-    (min, max) on a declared axis that varies, -1 (any size) on another axis that varies;
-    None without declared shapes (then every axis that varies is fully dynamic)."""
+def declared_bounds(declared: Shapes | None, layout: CallLayout, slots: list[int]) -> list | None:
+    """Per tensor slot (its leaf index), per axis: its size where every sample has the same,
+    the declared (min, max) on a declared axis that varies (the layout's batch axis and length
+    inputs), -1 (any size) on another axis that varies; None without declared shapes (then
+    every axis that varies is fully dynamic)."""
     if declared is None:
         return None
-    from .._core.signatures import forward_params
-    leaves, _, named = named_leaves(samples[0], forward_params(module))
-    mask = find_mask(leaves, slots, named)
-    flats = [pytree.tree_leaves(s) for s in samples]
-    along_length = length_inputs([leaves], slots, mask)
+    by_leaf = {s.leaf: s for s in layout.slots}
     dims = []
     for i in slots:
-        shape = tuple(leaves[i].shape)
-        along = i in along_length
+        slot = by_leaf[i]
         axes: list = []
-        for axis, size in enumerate(shape):
-            varies = len({int(f[i].shape[axis]) for f in flats}) > 1
-            limits = (declared.batch if axis == 0 else
-                      declared.length if axis == 1 and along else None)
-            axes.append(int(size) if not varies else limits if limits is not None else -1)
+        for axis, size in enumerate(slot.shape):
+            limits = (declared.batch if axis == 0 and layout.batch else
+                      declared.length if axis == 1 and slot.length else None)
+            axes.append(size if axis not in slot.varies else limits if limits is not None else -1)
         dims.append(axes)
     return dims
 
@@ -374,7 +369,7 @@ class OpenVINOBackend(Backend):
         static = all(
             [tuple(leaf.shape) for leaf in pytree.tree_leaves(s) if isinstance(leaf, torch.Tensor)]
             == [tuple(t.shape) for t in example] for s in samples)
-        bounds = None if static else declared_bounds(self.declared, samples, slots, module)
+        bounds = None if static else declared_bounds(self.declared, self.layout_for(module, samples), slots)
         with torch.no_grad(), watch_values("OpenVINO", len(example)):  # a branch on values: refused
             model = ov.convert_model(flat, example_input=example,
                                      input=[tuple(t.shape) for t in example] if static else None if bounds is None
