@@ -132,6 +132,13 @@ def position_limit(model: torch.nn.Module) -> tuple[int, str, bool] | None:
     return usable, where, bool(tables)
 
 
+def position_table(model: torch.nn.Module) -> tuple[int, str] | None:
+    """position_limit's (positions, where that was read), as a call's layout keeps it
+    (CallLayout.positions: the padded range's upper end); None when nothing says."""
+    limit = position_limit(model)
+    return None if limit is None else (limit[0], limit[1])
+
+
 def check_model(shapes: Shapes, model: torch.nn.Module) -> None:
     """The declared lengths fit the model's positions (position_limit); ValueError saying how
     many positions the model takes, where that was read, and the range to declare, before
