@@ -137,8 +137,7 @@ def _high_logits(model: nn.Module, call: decode_call.Greedy, tokens: torch.Tenso
             return weights
         place, state = weights
         moved = {k: v.to(place) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        with torch.no_grad():
-            out = torch.func.functional_call(model, state, (), moved, strict=False)
+        out = correctness.run_higher(model, state, ((), moved))
     logits = out.logits if hasattr(out, "logits") else out[0]
     return [logits[:, prompt - 1 + step].float().to(tokens.device) for step in range(steps)]
 
