@@ -8,7 +8,8 @@ that are right by one of two rules.
 
 **The measured rule** (the default). For each recorded call, the module also runs at a higher
 precision (float32 weights and inputs for a bfloat16 or float16 module, float64 for a float32
-one: ``reference``). That run's outputs are the reference, and the original's
+one: ``reference``; a parameter two modules share, as a tied output projection and input
+embedding, is one copy there too). That run's outputs are the reference, and the original's
 own outputs have an error against it: its rounding. Each part of a candidate's output is held
 to the original's own error in that same part, per output tensor (each tensor of a tuple on its
 own), by error_groups' measure:
@@ -36,7 +37,8 @@ dtype, never skipped.
 
 A module without a reference (no higher precision to run at, a call holding a key/value cache,
 a run that fails or does not fit in memory or time, an original whose typical error is past
-MAX_TOLERANCES: ``Reference.why`` says which) is held to the fixed rule. A call first seen after tuning (a padded bucket, a new size) has no reference
+MAX_TOLERANCES: ``Reference.why`` says which) is held to the fixed rule, and the result says so
+with the reason. A call first seen after tuning (a padded bucket, a new size) has no reference
 of its own: each group of its output is held against the original's output within
 MULTIPLIER + 1 times the original's typical own error measured at tuning (``Reference.own``).
 
@@ -331,10 +333,11 @@ def reference(module: torch.nn.Module, samples: Sequence[Any], outputs: Sequence
               seconds: float = REFERENCE_SECONDS) -> Reference:
     """The measured rule's reference of one signature: `module` run on each recorded call
     (`samples`, whose original outputs are `outputs`) with its floating weights and inputs at
-    the precision REFERENCE_DTYPES gives for its outputs (torch.func.functional_call: the
-    module's own weights are not touched, only higher-precision copies of them are made, one
-    module at a time, on its device when they take at most REFERENCE_MEMORY_SHARE of its free
-    memory, else on the host's, else none). A reference that cannot be had (the fixed rule is
+    the precision REFERENCE_DTYPES gives for its outputs (run_higher: the module's own weights
+    are swapped for higher-precision copies while it runs and put back, one copy of a tensor
+    however many names it has; the copies are made one module at a time, on its device when
+    they take at most REFERENCE_MEMORY_SHARE of its free memory, else on the host's, else
+    none). A reference that cannot be had (the fixed rule is
     in force, no floating output, a float64 output, a call holding a key/value cache, a run
     that raises, takes longer than `seconds` or does not fit) is returned without outputs and
     says why: its signature is held to the fixed rule."""
@@ -372,11 +375,26 @@ def reference(module: torch.nn.Module, samples: Sequence[Any], outputs: Sequence
 
 
 def run_higher(module: torch.nn.Module, state: dict, call: tuple[tuple, dict]) -> Any:
-    """`module` called with `call` (args, kwargs) on `state`'s weights in place of its own
-    (higher_weights'): torch.func.functional_call."""
+    """`module` called with `call` (args, kwargs) on `state`'s weights (higher_weights') in
+    place of its own, which are put back afterwards whatever happens. Each owner's entry is
+    swapped once: a module reached by two paths, or a tensor two modules hold (a tied
+    embedding), is swapped and put back once (torch.func.functional_call refused tied weights,
+    and left the higher-precision copies in a module reached by two paths)."""
     args, kwargs = call
-    with torch.no_grad():
-        return torch.func.functional_call(module, state, args, kwargs, strict=False)
+    taken: dict[tuple[int, str], tuple[dict, str, Any]] = {}
+    try:
+        for name, value in state.items():
+            prefix, _, attr = name.rpartition(".")
+            owner = module.get_submodule(prefix)
+            table = owner._parameters if attr in owner._parameters else owner._buffers
+            if (id(owner), attr) not in taken and attr in table:
+                taken[(id(owner), attr)] = (table, attr, table[attr])
+                table[attr] = value
+        with torch.no_grad():
+            return module(*args, **kwargs)
+    finally:
+        for table, attr, original in taken.values():
+            table[attr] = original
 
 
 def _own_errors(outputs: Sequence[Any], found: Sequence[Any], dtype: torch.dtype, start: float) -> Reference:
@@ -417,21 +435,33 @@ def _own_errors(outputs: Sequence[Any], found: Sequence[Any], dtype: torch.dtype
     return Reference(kept, own, seconds=time.perf_counter() - start, dtype=dtype)
 
 
+def judged_by(found: Reference) -> str:
+    """Under the measured rule, the rule that judges a signature without a reference and why
+    (what the result shows beside each candidate's error); "" when the reference was made or
+    another rule was asked for."""
+    if found.measured or not rule().measured:
+        return ""
+    return f"the fixed rule: no higher-precision reference ({found.why})"
+
+
 def higher_weights(module: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.device, dict] | str:
-    """(where the reference runs, the module's floating weights at `dtype` there), or why it
-    cannot: they do not fit on the module's device nor on the host."""
+    """(where the reference runs, the module's floating weights at `dtype` there, by name), or
+    why it cannot: they do not fit on the module's device nor on the host. A tensor held under
+    several names (a tied output projection and input embedding, a parameter two modules share)
+    is one copy under each of its names, and counts once."""
     named = dict(module.named_parameters(remove_duplicate=False))
     named.update(module.named_buffers(remove_duplicate=False))
-    need = sum(t.numel() for t in named.values() if t.is_floating_point()) * torch.finfo(dtype).bits // 8
-    devices = {t.device for t in named.values()}
+    distinct = {id(t): t for t in named.values()}
+    need = sum(t.numel() for t in distinct.values() if t.is_floating_point()) * torch.finfo(dtype).bits // 8
+    devices = {t.device for t in distinct.values()}
     device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
     if device.type == "cuda" and need > REFERENCE_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0]:
         device = torch.device("cpu")
     if device.type == "cpu" and need > REFERENCE_MEMORY_SHARE * _host_free():
         return f"its weights at {dtype} ({need / 2**20:.0f} MiB) do not fit in free memory"
-    state = {name: (t.detach().to(device=device, dtype=dtype) if t.is_floating_point() else t.detach().to(device))
-             for name, t in named.items()}
-    return device, state
+    copies = {key: (t.detach().to(device=device, dtype=dtype) if t.is_floating_point() else t.detach().to(device))
+              for key, t in distinct.items()}
+    return device, {name: copies[id(t)] for name, t in named.items()}
 
 
 def _host_free() -> int:
@@ -473,10 +503,10 @@ def check(out: Any, ref: Any, tolerance: float | None = None, where: str = "outp
 
     tolerance: the fixed rule at this tolerance (a backend config's own); None: the rule in
     force. high: this call's reference outputs (Reference.outputs[i]), for the measured rule;
-    own: per output tensor the original's own error (Reference.own), for a call with no
-    reference of its own (a size first seen after tuning): the candidate is then held to
-    MULTIPLIER + 1 times it against the original's output, the most the measured bound allows
-    by the triangle inequality. A transformers key/value cache (or its CacheRecord from a file)
+    own: per output tensor the original's typical own error (Reference.own), for a call with no
+    reference of its own (a size first seen after tuning): each group of the candidate's output
+    is then held to MULTIPLIER + 1 times it against the original's output, the most the
+    measured bound allows by the triangle inequality. A transformers key/value cache (or its CacheRecord from a file)
     matches one of the same class with as many layers and matching tensors in each: caches are
     values, never compared by identity. bounded: the tolerance came from a file, capped by
     MAX_TOLERANCES."""

@@ -76,6 +76,7 @@ class SignatureGroup:
     serves: tuple = ()  # "any other call": the Signatures its backend serves (proven_signatures)
     varying: bool = False  # the calls of one shape class whose sizes vary (merge_varying)
     declared: int = 0  # its last calls are at the ends of the declared shapes: checked on, never measured
+    judged: str = ""  # under the measured rule, the rule that judged its candidates instead and why, else ""
 
     def release(self) -> None:
         self.samples.clear()
