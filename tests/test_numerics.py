@@ -524,3 +524,20 @@ def test_calls_of_one_signature_with_different_numbers_of_outputs_are_judged():
     w = tuned(model, "0", lambda m, x: m(x, off=1.01), data)  # the second call's second tensor 1 % off
     refused(w, "sample 1 output[1]", "x the original's error")
     same_as_untuned(model, untuned, data)
+
+
+def test_decode_logits_where_the_reference_is_inf_are_held_to_the_untuned_ones():
+    from torch_tweak._core import decode_numerics
+
+    torch.manual_seed(0)
+    untuned = [torch.randn(2, 64) * 3 for _ in range(3)]
+    high = [t.double().add(1e-7).float() for t in untuned]
+    for h in high:
+        h[:, :4] = float("inf")  # the higher-precision logits overflow there, the untuned ones do not
+    reference = decode_numerics.step_reference(untuned, high)
+    assert decode_numerics.check_steps([t.clone() for t in untuned], reference, "call").multiple == pytest.approx(1)
+    flipped = [t.clone() for t in untuned]
+    flipped[1][:, :4] *= -1  # was skipped: the higher-precision run has no finite value there
+    with pytest.raises(correctness.MismatchError, match="call step 1 logits: at the 8 logits where the higher-precision "
+                                                        "run is NaN or Inf"):
+        decode_numerics.check_steps(flipped, reference, "call")

@@ -161,15 +161,20 @@ def test_the_decode_check_of_a_tied_decoder_is_the_measured_rule(make):
 
 
 @pytest.mark.slow
-def test_a_decode_check_without_a_reference_says_exact_tokens_and_why(monkeypatch):
+def test_the_generate_table_says_exact_tokens_and_why_where_no_reference_can_be_made(monkeypatch):
     model = built(llama)
+    untuned = copy.deepcopy(model)
     ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(0))
 
     def fails(*args, **kwargs):
         raise RuntimeError("out of host memory")
 
     monkeypatch.setattr(decode_check, "_high_logits", fails)
-    job = Workload(model, _generate(ids), torch.device("cpu"))
-    job.record()
-    assert job.check_generate() == ("call 0: exact tokens: the reference run failed (RuntimeError: out of host "
-                                    "memory)")
+    workload = _generate(ids)
+    result = tt.tweak(model, workload=workload, strategy=EAGER, max_depth=0, measure=QUICK, progress=False)
+    said = "call 0: exact tokens: the reference run failed (RuntimeError: out of host memory)"
+    assert result.numerics and all(found == said for found in result.numerics.values()), result.numerics
+    text = str(result)
+    assert f"  correctness, depth 0: {said}" in text and f"  correctness, decode loop (loop): {said}" in text, text
+    with torch.no_grad():
+        assert torch.equal(workload(model), workload(untuned))
