@@ -1003,7 +1003,7 @@ def test_tokens_may_part_only_at_a_near_tie_and_every_step_is_judged_teacher_for
     try:
         with torch.no_grad():
             assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False), call.tokens)
-        with pytest.raises(MismatchError, match=r"generate call 0 step 0 logits, row \(\d\): .*x the original's error"):
+        with pytest.raises(MismatchError, match=r"generate call 0 step 0 logits: row \(\d\): .*x the original's error"):
             job.check_generate()
     finally:
         handle.remove()

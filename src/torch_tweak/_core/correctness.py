@@ -509,9 +509,9 @@ def check(out: Any, ref: Any, tolerance: float | None = None, where: str = "outp
     own: per output tensor the original's typical own error (Reference.own), for a call with no
     reference of its own (a size first seen after tuning): each group of the candidate's output
     is then held to MULTIPLIER + 1 times it against the original's output, the most the
-    measured bound allows by the triangle inequality. A transformers key/value cache (or its CacheRecord from a file)
-    matches one of the same class with as many layers and matching tensors in each: caches are
-    values, never compared by identity. bounded: the tolerance came from a file, capped by
+    measured bound allows by the triangle inequality. A transformers key/value cache (or its
+    CacheRecord from a file) matches one of the same class with as many layers and matching
+    tensors in each: caches are values, never compared by identity. bounded: the tolerance came from a file, capped by
     MAX_TOLERANCES."""
     pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     _structure(out, ref, where, pairs)
@@ -703,12 +703,13 @@ def judge_groups(found: error_groups.Groups, own: error_groups.Groups | None, mu
                 chosen, at = candidate, (mine, g, stat)
     if at is not None and float(chosen) > chosen.bound:
         family, g, stat = at
+        whose = "typical one measured at tuning" if own is None else f"own there, at least its typical {family.name}'s"
         raise MismatchError(
-            f"{where}, {found.name(family, g)}: {describe_finding(chosen)}, more than {multiplier:g}x allowed "
+            f"{where}: {found.name(family, g)}: {describe_finding(chosen)}, more than {multiplier:g}x allowed "
             f"({'error' if stat == 'rms' else 'largest single error'} {float(chosen):.3g} {against}, the original's "
-            f"{chosen.own:.3g} there; the bound {chosen.bound:.3g} is {multiplier:g}x the original's, at least its "
-            f"typical {family.name}'s, plus one unit in the last place of {_name(dtype)}, at most "
-            f"{cap if stat == 'rms' else 10 * cap:g} or the original's own)", float(chosen), chosen.bound, chosen.own)
+            f"{chosen.own:.3g}; the bound {chosen.bound:.3g} is {multiplier:g}x the original's {whose}, plus one unit "
+            f"in the last place of {_name(dtype)}, at most {cap if stat == 'rms' else 10 * cap:g} or the original's)",
+            float(chosen), chosen.bound, chosen.own)
     return chosen
 
 
