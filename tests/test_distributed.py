@@ -360,7 +360,8 @@ def tiny_llama(folder: Path) -> None:
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=True)  # as Llama-3.2-1B and 3B ship
     LlamaForCausalLM(config).save_pretrained(folder / "llama")
 
 

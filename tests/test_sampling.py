@@ -98,7 +98,8 @@ def test_it_serves_only_the_chains_it_reproduces():
 def tiny_llama(zero_head: bool = False):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=500, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      tie_word_embeddings=True)  # as Llama-3.2-1B and 3B ship
     model = transformers.LlamaForCausalLM(config).eval()
     if zero_head:  # every logit 0: every score ties with the k-th
         with torch.no_grad():

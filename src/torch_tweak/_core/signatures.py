@@ -79,6 +79,7 @@ class SignatureGroup:
     varying: bool = False  # the calls of one shape class whose sizes vary (merge_varying)
     declared: int = 0  # its last calls are at the ends of the declared shapes: checked on, never measured
     layout: CallLayout | None = None  # what its calls look like (lay_out); None: calls of several structures
+    judged: str = ""  # under the measured rule, the rule that judged its candidates instead and why, else ""
 
     def release(self) -> None:
         self.samples.clear()

@@ -219,6 +219,7 @@ class ModuleSearch:
             try:
                 if o.reference is None:
                     o.reference = reference_of(o.module, group, o.state, log)
+                    group.judged = correctness.judged_by(o.reference)
                 worst = build_checked(backend, o.module, group.samples, group.outputs, self.device, o.state, log,
                                       writes=bool(wrapper.__dict__.get("tt_writes_inputs")), reference=o.reference,
                                       layout=group.layout)
@@ -295,7 +296,7 @@ def absorb(wrapper: TunedModule, report: dict) -> None:
     (tt_report, tt_error); logs each candidate at DEBUG."""
     groups = wrapper.tt_signatures
     for group, found in zip(groups, report["groups"]):
-        group.report = candidates_of(found)
+        group.report = [dict(c, rule=group.judged) if group.judged else c for c in candidates_of(found)]
         group.error = found["error"]
         label = wrapper.tt_name if len(groups) == 1 else f"{wrapper.tt_name} {group.text}"
         for candidate, built in zip(group.report, found["candidates"]):
