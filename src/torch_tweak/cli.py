@@ -275,6 +275,9 @@ def command_show(args: argparse.Namespace) -> int:
             path = (module.get("path") or "(root)") if i == 0 else ""
             text = signature.get("text", "") if len(signatures) > 1 else ""
             print(f"  {path:<28} {backend:<18} {text}".rstrip())
+    if summary["refused"] is not None:  # what tt.load would say, before any model is built
+        print(f"tt.load:     refuses this file: {summary['refused']}")
+        return 1
     return 0
 
 
