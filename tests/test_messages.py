@@ -219,6 +219,36 @@ def test_a_length_past_the_position_table_is_refused_before_anything_is_built():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_a_length_past_a_rotary_models_config_is_refused_as_tt_load_refuses_it(tmp_path):
+    """tt.tweak took shapes={"length": (8, 128)} on a Llama of 64 positions (no learned table),
+    and tt.load refused the file it saved: "its declared shapes are refused: length (8, 128) is
+    past the model's position table (64 positions) ... tt.save never writes such a range". One
+    bound now (shapes.position_table), read by both."""
+    import torch
+    import torch_tweak as tt
+    from torch_tweak._core import shapes
+    from torch_tweak._store import checkpoint
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (2, 16))
+    with pytest.raises(ValueError) as caught:
+        tt.tweak(model, [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}], shapes={"length": (8, 128)},
+                 max_depth=0, progress=False, cache=False, strategy=tt.OneBackendStrategy(tt.backends.TorchEagerBackend()))
+    assert str(caught.value) == (
+        "shapes['length'] = (8, 128): the model's config gives it 64 positions (config.max_position_embeddings = "
+        "64), so no call longer than 64 can run on it; declare a length of at most 64, e.g. "
+        "shapes={'length': (8, 64)}")
+    assert not tt.installed(model)
+    declared = shapes.Shapes(length=(8, 64))
+    shapes.check_model(declared, model)  # what tt.tweak takes, tt.load takes
+    assert checkpoint._shapes_of({"shapes": declared.as_dict()}, tmp_path / "f.tt", model) == declared
+
+
 def test_position_tables_found_and_not_found():
     from torch import nn
 

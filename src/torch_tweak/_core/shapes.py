@@ -40,8 +40,10 @@ LIMITS = {"batch": 1 << 16, "length": 1 << 20}
 
 POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "n_ctx")
 """The fields of a model's config (transformers') that say how many positions it takes."""
-POSITION_TABLES = ("position_embeddings", "wpe", "embed_positions", "position_embedding", "pos_embed")
-"""The names of a position table (an nn.Embedding of one row per position) in a model."""
+POSITION_TABLES = ("position_embeddings", "position_embedding", "pos_embed", "pos_embedding", "wpe",
+                   "embed_positions")
+"""The names (a module path's last part) of a learned position table (an nn.Embedding of one row
+per position) in a model."""
 
 AXES = {"batch": "axis 0 of every tensor argument",
         "length": "axis 1 of attention_mask and of the tensor arguments shaped like it"}
@@ -94,38 +96,44 @@ def check_shapes(shapes: Any) -> Shapes | None:
     return Shapes(**ranges)
 
 
-POSITION_TABLES = ("position_embeddings", "position_embedding", "pos_embed", "pos_embedding", "wpe")
-"""The names (a module path's last part) of the learned position tables a call's length must fit."""
-
-
-def position_table(model: torch.nn.Module) -> tuple[int, str] | None:
-    """(the positions the model's learned position table holds, where that was read), or None
-    when it has none (rotary or relative positions take any length). A table with a padding
-    row before its positions (RoBERTa's: padding_idx 1, positions from 2) holds that many fewer."""
+def position_table(model: torch.nn.Module) -> tuple[int, str, bool] | None:
+    """(the most positions a call of the model may take, where that was read, whether a learned
+    position table holds them), or None when neither a table nor its config says (rotary or
+    relative positions with no config take any length). The one bound of a declared length:
+    tt.tweak's check (check_model) and tt.load's (positions) both read it. It is the smallest
+    of the usable rows of its position tables (an nn.Embedding named as in POSITION_TABLES; one
+    with a padding row before its positions, RoBERTa's padding_idx 1, holds that many fewer) and
+    of its config's POSITION_FIELDS."""
+    found: list[tuple[int, str]] = []
+    table = False
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in POSITION_TABLES:
             usable = module.num_embeddings - (0 if module.padding_idx is None else module.padding_idx + 1)
-            where = f"{name}.num_embeddings = {module.num_embeddings}"
-            declared = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-            if isinstance(declared, int) and not isinstance(declared, bool):
-                where += f", config.max_position_embeddings = {declared}"
-            return usable, where
-    return None
+            found.append((usable, f"{name}.num_embeddings = {module.num_embeddings}"))
+            table = True
+    config = getattr(model, "config", None)
+    for field in POSITION_FIELDS:
+        value = getattr(config, field, None) if config is not None else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            found.append((value, f"config.{field} = {value}"))
+    if not found:
+        return None
+    return min(n for n, _ in found), ", ".join(where for _, where in found), table
 
 
 def check_model(shapes: Shapes, model: torch.nn.Module) -> None:
-    """The declared lengths fit the model's position table (position_table); ValueError saying
-    the table's size and the range to declare, before anything is built."""
+    """The declared lengths fit the model's positions (position_table); ValueError saying how
+    many and the range to declare, before anything is built."""
     table = position_table(model) if shapes.length is not None else None
     if table is None:
         return
-    positions, where = table
+    most, where, learned = table
     lo, hi = shapes.length  # type: ignore[misc]
-    if hi > positions:
-        fits = f"shapes={{'length': ({min(lo, positions)}, {positions})}}"
-        raise ValueError(f"shapes['length'] = ({lo}, {hi}): the model's position table holds {positions} "
-                         f"positions ({where}), so no call longer than {positions} can run on it; declare a "
-                         f"length of at most {positions}, e.g. {fits}")
+    if hi > most:
+        fits = f"shapes={{'length': ({min(lo, most)}, {most})}}"
+        holds = "the model's position table holds" if learned else "the model's config gives it"
+        raise ValueError(f"shapes['length'] = ({lo}, {hi}): {holds} {most} positions ({where}), so no call "
+                         f"longer than {most} can run on it; declare a length of at most {most}, e.g. {fits}")
 
 
 def named_leaves(call: Call, params: Sequence[str | None]) -> tuple[list, Any, dict[int, str]]:
@@ -243,19 +251,11 @@ def edge_calls(shapes: Shapes | None, calls: Sequence[Call], params: Sequence[st
 
 
 def positions(model: torch.nn.Module) -> int | None:
-    """How many positions the model takes: the smallest of its config's POSITION_FIELDS and of
-    the rows of its position tables (an nn.Embedding named as in POSITION_TABLES); None when it
-    has neither (a length past it is no call of this model: tt.load's bounds)."""
-    found = []
-    config = getattr(model, "config", None)
-    for name in POSITION_FIELDS:
-        value = getattr(config, name, None) if config is not None else None
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            found.append(value)
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Embedding) and name.rpartition(".")[2] in POSITION_TABLES:
-            found.append(int(module.num_embeddings))
-    return min(found) if found else None
+    """How many positions the model takes (position_table's bound, the one tt.tweak's shapes=
+    is checked against); None when nothing says (a length past it is no call of this model:
+    tt.load's bounds)."""
+    table = position_table(model)
+    return None if table is None else table[0]
 
 
 def mask_lengths(calls: Sequence[Call], params: Sequence[str | None]) -> list[int]:
