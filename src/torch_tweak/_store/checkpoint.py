@@ -25,8 +25,10 @@ import datetime
 import hashlib
 import hmac
 import io
+import logging
 import os
 import re
+import time
 import warnings
 import zipfile
 from pathlib import Path
@@ -45,7 +47,7 @@ from .._search import plan as planning
 from .._runtime.generation import LoopPlan
 from .._runtime.decode_call import LOOPS, check_bounds
 from .._runtime.decode_model import check_layouts
-from .._search.plan import SELECTED_DEPTHS, ModulePlan, Plan, plan_of
+from .._search.plan import SELECTED_DEPTHS, LoadResult, ModulePlan, Plan, Rebuilt, plan_of
 from .._core.shapes import Shapes, check_shapes, positions
 from .._runtime.workload import MAX_GENERATE_CALLS
 from .serial import (MAX_JSON_VALUES, Unstorable, build_backend, class_path, decode, describe_backend,
@@ -76,6 +78,7 @@ SLACK_BYTES = 256 << 20
 """tt.load reads at most 4 x the model's weights + this from a file unless told (max_bytes)."""
 _SEAL = re.compile(rb"torch-tweak sha256=([0-9a-f]{64}) hmac=([0-9a-f]{64}|-{64})")
 _SEAL_LENGTH = len(b"torch-tweak sha256= hmac=") + 128
+logger = logging.getLogger("torch_tweak")
 
 
 class CheckpointError(ValueError):
@@ -427,7 +430,7 @@ def _layout_problem(plan: dict) -> str | None:
 
 def load(model: nn.Module, path: str | os.PathLike | None = None, *, device: Any = None, trust_artifacts: bool = False,
          backends: Sequence[Backend] | None = None, key: bytes | str | None = None,
-         max_bytes: int | None = None, types: Sequence[type] = (), group: Any = None) -> dict[str, str | None]:
+         max_bytes: int | None = None, types: Sequence[type] = (), group: Any = None) -> LoadResult:
     """Applies a file written by tt.save to a freshly built `model`, with no tuning.
 
     Every check (seal and hashes, versions, device, model class, module paths, classes and
@@ -453,16 +456,24 @@ def load(model: nn.Module, path: str | os.PathLike | None = None, *, device: Any
     the file its own rank saved, in a run of the same world size (else CheckpointError), and
     the backends are built again on every rank together, each step agreed on (a failure on
     one rank is a failure on all). A file saved by a single process loads only alone.
-    Returns {path: the backend of its first signature, or None}.
+    Returns {path: the backend of its first signature, or None}, a LoadResult that also says
+    what the load cost and what it built again (``seconds``, ``rebuilt``, ``summary()``: the
+    line it logs at INFO on the logger torch_tweak).
     """
+    start = time.perf_counter()
     ranks = distributed.resolve(group)
     with distributed.using(ranks):
         target, manifest, plan, data, steps, groups, loop, shapes, tolerance = distributed.step(lambda: _opened(
             model, path, device=device, trust_artifacts=trust_artifacts, backends=backends, key=key,
             max_bytes=max_bytes, types=types, where=None if ranks is None else (ranks.rank, ranks.size)),
             "reading the file")
-        return _applied(model, path, target, manifest, plan, data, steps, groups, loop, shapes, tolerance,
-                        trust_artifacts)
+        read_s = time.perf_counter() - start
+        rebuilt: list[Rebuilt] = []
+        chosen = _applied(model, path, target, manifest, plan, data, steps, groups, loop, shapes, tolerance,
+                          trust_artifacts, rebuilt)
+    loaded = LoadResult(chosen, path, time.perf_counter() - start, read_s, rebuilt)
+    logger.info("%s", loaded.summary())
+    return loaded
 
 
 def _opened(model: nn.Module, path: Any, *, device: Any, trust_artifacts: bool, backends: Any, key: Any,
@@ -523,7 +534,7 @@ def _rule_of(plan: dict, path: Any) -> "correctness.Rule":
 
 def _applied(model: nn.Module, path: Any, target: torch.device, manifest: dict, plan: dict, data: dict,
              steps: list, groups: list, loop: Any, shapes: Shapes | None, tolerance: str | float,
-             trust_artifacts: bool) -> dict[str, str | None]:
+             trust_artifacts: bool, rebuilt: list[Rebuilt]) -> dict[str, str | None]:
     """The checked file applied to the model (tt.load's second half)."""
     artifacts = data.get(ARTIFACTS)
     if trust_artifacts and artifacts is not None:
@@ -538,7 +549,7 @@ def _applied(model: nn.Module, path: Any, target: torch.device, manifest: dict, 
             group.backend = backend
         modules.append(ModulePlan(name, module_groups))
     failures = planning.apply(model, Plan(plan.get("depth"), modules, loop, shapes, tolerance), device=target,
-                              bounded=True, strict=False)
+                              bounded=True, strict=False, rebuilt=rebuilt)
     for failure in failures:
         warnings.warn(f"tt.load: {failure.path or '(root)'} {failure.group.text}: {failure}; these calls run the "
                       "original forward", stacklevel=2)
