@@ -305,3 +305,31 @@ def test_no_recompile_limit_line_from_tweaks_own_runs_and_the_limit_restored():
     with torch.no_grad():
         for x in data:
             assert torch.equal(model(x), x * 2 + 1)
+
+
+def test_no_message_passes_on_torchs_advice_to_untie_the_weights(tmp_path, monkeypatch):
+    """The tied-weights fallback's only explanation was torch's functional_call error, ending
+    "Consider using tie_weights=False": read as advice to untie the model, whose checkpoint ties
+    them. No message a user reads passes it on; what it means is said instead."""
+    import torch
+    import torch_tweak as tt
+    from torch_tweak._core import noise
+
+    torch_says = ("the higher-precision run failed (ValueError: functional_call got multiple values for keys "
+                  "['lm_head.weight', 'transformer.wte.weight'], which are tied. Consider using tie_weights=False)")
+    said = noise.without_advice(torch_says)
+    assert "tie_weights" not in said and "which are tied)" in said
+    assert said.endswith("the model's weights are tied (one tensor under two names), as its checkpoint has them: "
+                         "nothing to change, the fixed rule checks this signature instead")
+    assert noise.without_advice("another error") == "another error"
+
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("TORCH_TWEAK_CACHE", str(tmp_path))
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64,
+                                     tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    tt.wrap(model, [""], strategy=tt.OneBackendStrategy(tt.backends.TorchEagerBackend()))
+    tt.tune(model, [{"input_ids": torch.randint(0, 64, (2, 16))}], measure={"rounds_min": 3, "rounds_max": 3})
+    logs = [p.read_text() for p in tmp_path.glob("logs/**/*.log")]
+    assert logs and not any("tie_weights" in text for text in logs)

@@ -154,7 +154,7 @@ class Progress:
         if not self.enabled:
             return
         self.clear()
-        self.stream.write(f"torch-tweak: {text}\n")
+        self.stream.write(("" if text.startswith("torch-tweak: ") else "torch-tweak: ") + f"{text}\n")
         self.stream.flush()
 
     def finish(self, text: str) -> None:
