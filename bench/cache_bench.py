@@ -71,7 +71,8 @@ def child(args: argparse.Namespace) -> int:
     dataset = [inputs[f"x{i}"] for i in range(len(inputs))]
     with torch.no_grad():
         save_file({f"y{i}": model(x).cpu() for i, x in enumerate(dataset)}, args.child[2])
-    print(json.dumps({"load_s": load_s, "load_cpu": load_cpu, "summary": loaded.summary(),
+    summary = loaded.summary().replace(args.child[0], os.path.basename(args.child[0]))  # no temporary folder named
+    print(json.dumps({"load_s": load_s, "load_cpu": load_cpu, "summary": summary,
                       "loadavg": os.getloadavg()[0]}), flush=True)
     for line in sys.stdin:  # one measurement per request, taking turns with the parent
         if line.strip() != "measure":
