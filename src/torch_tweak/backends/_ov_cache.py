@@ -2,10 +2,10 @@
 (a tuning-cache hit, tt.load, another tweak) reads the model ``ov.convert_model`` made
 instead of converting it again.
 
-Converting is most of an OpenVINO build: on examples/Tweak's encoder it took 2.51 s of CPU,
-reading its model back from bytes 0.02 s, and compiling 0.13 s (bench/results/cache_cpu.md).
+Converting is most of an OpenVINO build: on examples/Tweak's encoder it took 1.74 s of CPU,
+reading its model back from bytes 0.02 s, and compiling 0.12 s (bench/results/cache_cpu.md).
 OpenVINO's own model cache (``CACHE_DIR``) keeps the compiled blob, and importing it took
-about what compiling takes on the CPU (0.09 s); it never skips the conversion. So the
+about what compiling takes on the CPU (0.08 s); it never skips the conversion. So the
 converted model is what is kept here, and the compile runs as before.
 
 An entry is one file, ``<cache folder>/openvino/<key>.ovm``: a first line naming the format,
