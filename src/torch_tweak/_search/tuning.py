@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .. import _C
-from .._core import distributed, model_state
+from .._core import distributed, model_state, noise
 from . import isolation
 from .._core._samples import Call, clone, fresh, load_dataset, resolve_device, synchronizer, unstorable
 from ..backends.base import Backend, BackendUnavailable, ShapesVary
@@ -572,7 +572,7 @@ def reference_of(module: nn.Module, group: SignatureGroup, state: model_state.Sn
         log.notes.append(f"reference: the module at {str(found.dtype).replace('torch.', '')} on its recorded "
                          f"calls ({found.seconds:.2f} s)")
     else:
-        log.notes.append(f"no higher-precision reference ({found.why}): the fixed rule holds")
+        log.notes.append(f"no higher-precision reference ({noise.without_advice(found.why)}): the fixed rule holds")
     return found
 
 

@@ -151,6 +151,10 @@ class Backend(abc.ABC):
     compiles_with_inductor = False
     """True when the built callable runs Inductor-compiled code: tt.save then keeps
     Inductor's compiled-code cache in the file (applied only with trust_artifacts=True)."""
+    build_note = ""
+    """What the last build did that its time depends on, in a few words (OpenVINO: "converted in
+    1.20 s", or its converted model read from torch-tweak's folder): tt.load's report of what
+    it rebuilt (LoadResult) says it beside the build's time; "" says nothing."""
 
     @staticmethod
     def build_scope(static: bool) -> contextlib.AbstractContextManager:
