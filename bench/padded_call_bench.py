@@ -105,26 +105,21 @@ def per_call(fns: list[tuple[Callable[[dict], Any], list]], rounds: int) -> list
 
 
 def padded_call(call: Any, plan: Any, kwargs: dict) -> dict:
-    """The call padded to its bucket, as the backend hands it to the module."""
+    """The call padded to its bucket, as the backend hands it to the module (its sizes and
+    bucket as the C type finds them: _pad_fit)."""
+    b, n, (bb, bn), _ = call._pad_fit(((), kwargs))
     leaves, spec = pytree.tree_flatten(((), kwargs))
-    first = leaves[plan.tensors[0]]
-    b = int(first.shape[0])
-    n = int(leaves[plan.mask].shape[1]) if plan.mask is not None else 0
-    bb, bn = plan.key(b, n)
-    out = list(leaves)
-    for i in plan.tensors:
-        x = leaves[i]
+    for slot, (batch, length) in zip(plan.layout.slots, plan.axes):
+        x = leaves[slot.leaf]
         shape = list(x.shape)
-        shape[0] = bb
-        if i in plan.seq_inputs:
+        shape[0] = bb if batch else shape[0]
+        if length:
             shape[1] = bn
         buf = torch.zeros(shape, dtype=x.dtype)
-        view = buf[:b]
-        if i in plan.seq_inputs:
-            view = view[:, :n]
-        view.copy_(x)
-        out[i] = buf
-    return pytree.tree_unflatten(out, spec)[1]
+        view = buf[:b] if batch else buf
+        (view[:, :n] if length else view).copy_(x)
+        leaves[slot.leaf] = buf
+    return pytree.tree_unflatten(leaves, spec)[1]
 
 
 def run_case(name: str, rounds: int) -> dict:

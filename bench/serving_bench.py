@@ -65,6 +65,21 @@ of the CPUs other processes took during it (torch_tweak._core.cpu_load: this pro
 workers are not others): the machine may be shared, and a figure measured beside other work is
 not the model's alone.
     python bench/serving_bench.py --report RUN.json [...] [--out bench/results/serving.md]
+
+--fresh is issue 57's measurement (docs/serving.md), prepared to finish within 8 minutes on one
+H100: stock BERT (pooler on, bf16) and ResNet-50, tuned on the first 8 requests of their streams;
+each column (BERT: eager, tweak, reduce-overhead, a CUDA graph per request shape, dynamic,
+compile; ResNet-50: eager, tweak, reduce-overhead) serves the stream cold and warm, then a fresh
+stream of shapes no request had (BERT: batches 1-16 of lengths 1 to the position table;
+ResNet-50: the batch sizes the stream never had) first and warm, tweak's new buckets waited for
+between the two. Each row's verdict sets tweak against the best other column (warm and fresh,
+targets 3x for BERT and 1.2x for ResNet-50), its fresh first pass against eager's warm pass of
+it (at most 1.5x), and its tuning plus first pass against the cold pass of the column it is set
+against (at most 1.5x); for ResNet-50 a per-batch breakdown (ms, kernel time by kind, the rest:
+launch and host, tweak's bucket and padding) names the largest gap to reduce-overhead. Columns
+that would start past FRESH_BUDGET_S are skipped and said so.
+    python bench/serving_bench.py --fresh [--json bench/results/runs/serving-fresh-<commit>-cuda.json]
+    python bench/serving_bench.py --fresh --smoke   # tiny models on the CPU: under a minute of its work
 """
 
 from __future__ import annotations
@@ -380,6 +395,16 @@ def tweak_column(model: torch.nn.Module, stream: list[Request], ranges: dict | N
     return fn
 
 
+def cold_start(column: str) -> None:
+    """Before a column is built: dynamo reset, memory collected, the compiler caches fresh, as a
+    user's first run is."""
+    torch._dynamo.reset()
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    cold_compiler(column)
+
+
 def bench_row(name: str, dtype_name: str, columns: list[str], rounds: int, seed: int,
               partial: Callable[[dict], None] = lambda row: None, declare: bool = True) -> dict:
     dtype = DTYPES[dtype_name]
@@ -396,11 +421,7 @@ def bench_row(name: str, dtype_name: str, columns: list[str], rounds: int, seed:
     for column in columns:
         print(f"  {name} {dtype_name}: {column}", flush=True)
         before, reading = load_average(), cpu_load.reading()
-        torch._dynamo.reset()
-        gc.collect()
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
-        cold_compiler(column)
+        cold_start(column)
         try:
             sync()
             t0 = time.perf_counter()
@@ -548,6 +569,302 @@ def report(paths: list[str], out: str) -> None:
     print(f"wrote {out}")
 
 
+# ------------------------------------------------------------------ --fresh: shapes never seen at tuning
+
+
+FRESH_COLUMNS = {"bert-pooler": ("eager", "tweak", "reduce-overhead", "graph", "dynamic", "compile"),
+                 "resnet50": ("eager", "tweak", "reduce-overhead")}
+"""--fresh: the columns of each row, most needed first (a run past its budget drops the last)."""
+FRESH_BUDGET_S = 450.0
+"""--fresh: the run's budget (the lead's limit is 8 minutes on one H100): a column that would
+start past it is skipped, and said so in the run file."""
+
+
+class PerShapeGraph:
+    """The "graph" column: a CUDA graph per request shape, recorded at its first call (three
+    warm-up calls and the recording on a side stream, bench/studies/common.graphed), replayed
+    on static copies of the inputs: each shape's eager kernels without their launches."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.graphs = model, {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if DEVICE != "cuda":
+            raise RuntimeError("the graph column needs CUDA")
+        given = list(args) + list(kwargs.values())
+        key = tuple((tuple(t.shape), t.dtype) for t in given)
+        held = self.graphs.get(key)
+        if held is None:
+            static = [t.clone() for t in given]
+            sargs, skwargs = tuple(static[:len(args)]), dict(zip(kwargs, static[len(args):]))
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    self.model(*sargs, **skwargs)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=side):
+                    out = self.model(*sargs, **skwargs)
+            torch.cuda.current_stream().wait_stream(side)
+            held = self.graphs[key] = (graph, static, out)
+        graph, static, out = held
+        for buffer, t in zip(static, given):
+            buffer.copy_(t)
+        graph.replay()
+        return out
+
+
+def fresh_stream(name: str, stream: list[Request], model: torch.nn.Module, dtype: torch.dtype, seed: int,
+                 count: int) -> tuple[list[Request], str]:
+    """`count` requests of shapes no request of `stream` had: BERT, batches 1-16 of rows padded to
+    a length from 1 to the model's position table; vision, batches 1-24 (16 past the stream's)."""
+    rng = random.Random(seed + 7)
+    seen = {r.shape() for r in stream}
+    if name.startswith("bert"):
+        top, most = int(model.config.max_position_embeddings), 16
+        if SMOKE:  # seconds on a CPU
+            top, most = 64, 4
+        shapes = [(b, n) for b in range(1, most + 1) for n in range(1, top + 1) if (b, n) not in seen]
+        out = []
+        for b, n in rng.sample(shapes, count):
+            made = text_stream(1, [b], [n], model.config.vocab_size, rng.randrange(1 << 30))[0]
+            out.append(made)
+        return out, f"{count} requests of batch 1-{most} and length 1-{top}, none of the stream's shapes"
+    side = stream[0].args[0].shape[-1]
+    sizes = [b for b in range(1, 25) if (b, 3, side, side) not in seen] or list(range(17, 25))
+    return (vision_stream(count, sizes, side, dtype, seed + 7),
+            f"{count} requests of batch {min(sizes)}-{max(sizes)} (sizes the stream never had)")
+
+
+def padded_calls(fn: Any) -> list[Any]:
+    """The padded backend's callables of a tuned model (tt.installed), those that serve."""
+    import torch_tweak as tt
+    from torch_tweak.backends.padded import PaddedCall
+
+    found = []
+    for wrapper in tt.installed(fn).values():
+        for group in wrapper.tt_signatures:
+            backend = group.backend
+            if backend is not None and isinstance(getattr(backend, "callable", None), PaddedCall):
+                found.append(backend.callable)
+    return found
+
+
+def fresh_column(column: str, model: torch.nn.Module, stream: list[Request], row: dict) -> Callable[..., Any]:
+    """The column's callable, built (tweak: tuned on the stream's first N_TUNE requests)."""
+    if column == "eager":
+        return model
+    if column == "graph":
+        return PerShapeGraph(model)
+    if column in ("compile", "dynamic", "reduce-overhead"):
+        options = {"compile": {}, "dynamic": {"dynamic": True}, "reduce-overhead": {"mode": "reduce-overhead"}}
+        return compiled(model, **options[column])
+    if DEVICE == "cuda":
+        return tweak_column(model, stream, None, row)
+    import torch_tweak as tt  # --smoke on the CPU: the padded backend alone, at depth 0, in seconds
+
+    fn = copy.deepcopy(model)
+    backend = tt.backends.PaddedGraphBackend(graph=False, compile=False)
+    (wrapper,) = tt.wrap(fn, [""], strategy=tt.OneBackendStrategy(backend))
+    tt.tune(fn, [r.kwargs if r.kwargs else r.args[0] for r in stream[:N_TUNE]],
+            measure={"rounds_max": 5, "time_cap": 0.5})
+    row["tweak_modules"] = str(wrapper.tt_signatures[0].text if wrapper.tt_signatures else "")
+    return fn
+
+
+def fresh_passes(column: str, fn: Callable[..., Any], stream: list[Request], fresh: list[Request], rounds: int,
+                 row: dict, t0: float) -> None:
+    """The column's passes: cold (its build and the stream once), warm, the fresh stream's first
+    pass (tweak: then its new buckets waited for, timed apart), the fresh stream warm."""
+    row["cold_s"][column] = time.perf_counter() - t0 + serve(fn, stream)
+    row["warm_s"][column] = statistics.median(serve(fn, stream) for _ in range(rounds))
+    row["new_first_s"][column] = serve(fn, fresh)
+    if column == "tweak":
+        start = time.perf_counter()
+        row["tweak_settled"] = all(c.settle(120.0) for c in padded_calls(fn))
+        row["tweak_settle_s"] = time.perf_counter() - start
+    row["new_s"][column] = statistics.median(serve(fn, fresh) for _ in range(rounds))
+
+
+def fresh_row(name: str, dtype_name: str, rounds: int, seed: int, started: float,
+              partial: Callable[[dict], None]) -> dict:
+    """One row of --fresh (see fresh_verdict for what it decides)."""
+    dtype = DTYPES[dtype_name]
+    model, stream, _, what, _ = build(name, dtype, seed)
+    fresh, fresh_what = fresh_stream(name, stream, model, dtype, seed, 6 if SMOKE else 64)
+    refs = references(model, [stream, fresh])
+    row: dict[str, Any] = {"model": name, "dtype": dtype_name, "stream": what, "fresh": fresh_what, "device": DEVICE,
+                           "shapes": len({r.shape() for r in stream}), "new_shapes": len({r.shape() for r in fresh}),
+                           "cold_s": {}, "warm_s": {}, "new_first_s": {}, "new_s": {}, "error": {}, "errors": {},
+                           "skipped": {}, "first_sight": True}
+    columns = [c for c in FRESH_COLUMNS.get(name, ("eager", "tweak")) if DEVICE == "cuda" or c in ("eager", "tweak")]
+    alive: dict[str, Callable[..., Any]] = {}
+    for column in columns:
+        if time.perf_counter() - started > FRESH_BUDGET_S:
+            row["skipped"][column] = f"past the run's budget of {FRESH_BUDGET_S:.0f} s"
+            continue
+        print(f"  {name} {dtype_name}: {column}", flush=True)
+        cold_start(column)
+        try:
+            sync()
+            t0 = time.perf_counter()
+            fn = fresh_column(column, model, stream, row)
+            sync()
+            if column == "tweak":
+                row["tune_s"] = time.perf_counter() - t0
+            fresh_passes(column, fn, stream, fresh, rounds, row, t0)
+            row["error"][column] = error_of(fn, [stream, fresh], refs) if column != "eager" else 0.0
+            if column == "tweak":
+                import torch_tweak as tt
+                row["tweak_status"] = str(tt.status(fn))
+                row["tweak_buckets"] = [c.describe() for c in padded_calls(fn)]
+            alive[column] = fn
+        except Exception as exc:  # a column that cannot serve the streams is reported, not fatal
+            traceback.print_exc()
+            row["errors"][column] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        print(f"    {json.dumps({k: row[k].get(column) for k in ('cold_s', 'warm_s', 'new_first_s', 'new_s', 'error')})}",
+              flush=True)
+        partial(row)
+    if not name.startswith("bert") and alive:
+        row["per_batch"] = per_batch(alive, fresh + stream, dtype)
+        row["levers"] = levers(row["per_batch"], stream + fresh)
+    row["verdict"] = fresh_verdict(row)
+    partial(row)
+    return row
+
+
+KERNEL_KINDS = (("cudnn", ("cudnn", "xmma", "implicit_convolve", "implicit_gemm", "conv2d_", "nhwc", "nchw")),
+                ("inductor", ("triton",)), ("cublas", ("gemm", "cutlass", "cublas")), ("copies", ("memcpy", "memset")))
+"""How a kernel's name says who wrote it (the first kind whose words it holds, else "other")."""
+
+
+def kernel_kind(name: str) -> str:
+    lower = name.lower()
+    return next((kind for kind, words in KERNEL_KINDS if any(w in lower for w in words)), "other")
+
+
+def profiled(fn: Callable[[], Any], calls: int) -> tuple[float, dict, list]:
+    """`calls` calls of fn under torch.profiler: (the device time per call in ms, per kernel kind,
+    the five longest kernels with their kind and ms per call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CUDA] if DEVICE == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        sync()
+    per: dict[str, float] = {}
+    kinds: dict[str, float] = {}
+    for e in prof.key_averages():
+        ms = float(getattr(e, "self_device_time_total", 0.0) or getattr(e, "self_cuda_time_total", 0.0) or 0.0) / 1e3
+        if DEVICE != "cuda":
+            ms = float(e.self_cpu_time_total) / 1e3
+        if ms <= 0:
+            continue
+        per[e.key] = per.get(e.key, 0.0) + ms / calls
+        kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + ms / calls
+    top = sorted(per.items(), key=lambda kv: -kv[1])[:5]
+    return sum(per.values()), kinds, [[k[:100], kernel_kind(k), round(v, 4)] for k, v in top]
+
+
+def per_batch(alive: dict[str, Callable[..., Any]], requests: list[Request], dtype: torch.dtype) -> list[dict]:
+    """Per batch size of the streams, per column: ms a call (median of 10, synchronised), the
+    device's kernel time and what is left (launch, host), the kernels by kind and the longest;
+    for tweak the bucket the batch is padded to and its padding share."""
+    from torch_tweak import _C
+
+    sizes = sorted({r.shape()[0] for r in requests})[:2 if SMOKE else None]
+    shape = requests[0].shape()[1:]
+    out = []
+    for b in sizes:
+        x = torch.randn(b, *shape).to(DEVICE, dtype)
+        entry: dict[str, Any] = {"batch": b, "bucket": _C.PaddedReplay._pad_batch_bucket(b)}
+        entry["padding"] = round(1 - b / entry["bucket"], 3)
+        with torch.no_grad():
+            for column, fn in alive.items():
+                for _ in range(3):
+                    fn(x)
+                times = []
+                for _ in range(10):
+                    sync()
+                    t0 = time.perf_counter()
+                    fn(x)
+                    sync()
+                    times.append((time.perf_counter() - t0) * 1e3)
+                ms = statistics.median(times)
+                kernel_ms, kinds, top = profiled(lambda: fn(x), 3)
+                entry[column] = {"ms": round(ms, 4), "kernel_ms": round(kernel_ms, 4),
+                                 "rest_ms": round(max(0.0, ms - kernel_ms), 4),
+                                 "kinds": {k: round(v, 4) for k, v in kinds.items()}, "top": top}
+        out.append(entry)
+    return out
+
+
+def levers(rows: list[dict], requests: list[Request]) -> dict:
+    """Over the streams' batch sizes (as often as they come), where tweak's time goes against
+    reduce-overhead's: padding (tweak's ms times the padded share of its rows), what is not
+    kernels (launch, host), and the kernels by kind; the largest gap first."""
+    count: dict[int, int] = {}
+    for r in requests:
+        count[r.shape()[0]] = count.get(r.shape()[0], 0) + 1
+    other = "reduce-overhead" if all("reduce-overhead" in e for e in rows) else "eager"
+    total = {"padding_ms": 0.0, "tweak_rest_ms": 0.0, f"{other}_rest_ms": 0.0}
+    kinds: dict[str, float] = {}
+    for e in rows:
+        if "tweak" not in e or other not in e:
+            continue
+        n = count.get(e["batch"], 0)
+        total["padding_ms"] += n * e["tweak"]["ms"] * e["padding"]
+        total["tweak_rest_ms"] += n * e["tweak"]["rest_ms"]
+        total[f"{other}_rest_ms"] += n * e[other]["rest_ms"]
+        for kind in set(e["tweak"]["kinds"]) | set(e[other]["kinds"]):
+            kinds[kind] = kinds.get(kind, 0.0) + n * (e["tweak"]["kinds"].get(kind, 0.0) - e[other]["kinds"].get(kind, 0.0))
+    gaps = {"padding": total["padding_ms"], "launch and host": total["tweak_rest_ms"] - total[f"{other}_rest_ms"],
+            **{f"{k} kernels": v for k, v in kinds.items()}}
+    return {"against": other, "totals_ms": {k: round(v, 3) for k, v in total.items()},
+            "gaps_ms": {k: round(v, 3) for k, v in sorted(gaps.items(), key=lambda kv: -kv[1])},
+            "largest": max(gaps, key=gaps.__getitem__) if gaps else None}
+
+
+def fresh_verdict(row: dict) -> dict:
+    """Issue 57's figures of a row: tweak against the best other column warm and on the fresh
+    stream warm (targets: BERT 3x, ResNet-50 1.2x), tweak's first pass of the fresh stream against
+    eager's warm pass of it (at most 1.5x), and tweak's tuning plus its first pass of the stream
+    against the cold pass of the column it is set against warm (at most 1.5x)."""
+    out: dict[str, Any] = {}
+    target = 3.0 if row["model"].startswith("bert") else 1.2
+    for key in ("warm_s", "new_s"):
+        got = row[key]
+        others = {c: v for c, v in got.items() if c != "tweak"}
+        if "tweak" in got and others:
+            best = min(others, key=others.__getitem__)
+            out[key] = {"best_other": best, "speedup": round(others[best] / got["tweak"], 3), "target": target}
+    if "tweak" in row["new_first_s"] and "eager" in row["new_s"]:
+        out["first_pass_vs_eager_warm"] = {"ratio": round(row["new_first_s"]["tweak"] / row["new_s"]["eager"], 3),
+                                           "target_at_most": 1.5}
+    best = out.get("warm_s", {}).get("best_other")
+    if best is not None and best in row["cold_s"] and "tweak" in row["cold_s"]:
+        out["cold_vs_beaten_column"] = {"column": best, "ratio": round(row["cold_s"]["tweak"] / row["cold_s"][best], 3),
+                                        "target_at_most": 1.5}
+    return out
+
+
+def run_fresh(rows: list[list[str]], rounds: int, seed: int, path: str, run: dict) -> None:
+    """--fresh: every row, the run file written after each column."""
+    started = time.perf_counter()
+
+    def save(row: dict | None = None) -> None:
+        with open(path, "w") as f:
+            json.dump(dict(run, rows=run["rows"] + ([row] if row else [])), f, indent=1)
+
+    for name, dtype_name in rows:
+        run["rows"].append(fresh_row(name, dtype_name, rounds, seed, started, save))
+        save()
+        print(f"  verdict {name}: {json.dumps(run['rows'][-1]['verdict'])}", flush=True)
+    run["seconds"] = round(time.perf_counter() - started, 1)
+    save()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="")
@@ -562,6 +879,10 @@ def main() -> None:
                         "cuda, 0 on the CPU)")
     parser.add_argument("--sequential", action="store_true", help="warm figures from each column's own passes, "
                         "not measured again side by side (every column then stays built to the end)")
+    parser.add_argument("--fresh", action="store_true", help="issue 57's protocol: stock BERT (pooler, bf16) and "
+                        "ResNet-50 tuned on the first 8 requests, then their stream warm and a stream of shapes never "
+                        "seen, with a per-batch breakdown of ResNet-50's time (in 8 minutes on one H100; with --smoke: "
+                        "tiny models on the CPU, seconds)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--report", nargs="+", metavar="JSON")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "serving.md"))
@@ -579,10 +900,14 @@ def main() -> None:
         sys.exit("serving_bench needs a CUDA device (or --cpu)")
     MAX_DEPTH = args.max_depth if args.max_depth is not None else 0 if args.cpu else None
     default_rows = "resnet18:fp32,bert:fp32" if args.cpu else "resnet50:bf16,bert:bf16,vit:bf16,resnet50:fp32,bert:fp32"
+    if args.fresh:
+        default_rows = "bert-pooler:fp32,resnet18:fp32" if args.cpu else "bert-pooler:bf16,resnet50:bf16"
+        args.rounds = 1 if SMOKE else 2
     rows = [r.split(":") for r in (args.rows or default_rows).split(",") if r]
     columns = [c for c in args.columns.split(",") if c] or list(CPU_COLUMNS if args.cpu else CUDA_COLUMNS)
-    path = args.json or (os.path.join(tempfile.gettempdir(), "serving-smoke.json") if SMOKE else
-                         os.path.join(HERE, "results", "runs", f"serving-{source_commit()}-{DEVICE}.json"))
+    kind = "serving-fresh" if args.fresh else "serving"
+    path = args.json or (os.path.join(tempfile.gettempdir(), f"{kind}-smoke.json") if SMOKE else
+                         os.path.join(HERE, "results", "runs", f"{kind}-{source_commit()}-{DEVICE}.json"))
     import platform
 
     import torch_tweak
@@ -595,6 +920,10 @@ def main() -> None:
 
     if DEVICE == "cpu":
         run["environment"] += f", {os.cpu_count()} CPUs"
+    if args.fresh:
+        run_fresh(rows, args.rounds, args.seed, path, run)
+        print(f"wrote {path}")
+        return
     for name, dtype_name in rows:
         run["rows"].append(bench_row(name, dtype_name, columns, args.rounds, args.seed, save, not args.no_shapes))
         save()

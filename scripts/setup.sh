@@ -49,8 +49,17 @@ for extra, listed in re.findall(r'^([A-Za-z][\w-]*)\s*=\s*\[([^\]]*)\]', section
         print("\n".join(requirements))
 PY
 )
-# torchao 0.18 is built for torch 2.11 and later; an older torch goes without.
-"$VPY" -c "import torchao" 2>/dev/null || ! "$VPY" -c "import sys, torch; v = torch.__version__.split('.'); sys.exit((int(v[0]), int(v[1])) < (2, 11))" 2>/dev/null || optional+=("torchao==0.18.0")
+# torchao: on a CPU build of torch, 0.13.0, which imports without a line (0.16 to 0.18 log the CUDA
+# kernels they cannot load there, an incompatible-torch notice or torch's deprecation of their Enum
+# constants at every import, transformers' too); elsewhere 0.18, built for torch 2.11 and later (an
+# older torch goes without).
+if ! "$VPY" -c "import torchao" 2>/dev/null; then
+    if "$VPY" -c "import sys, torch; sys.exit(torch.version.cuda is not None or torch.version.hip is not None)" 2>/dev/null; then
+        optional+=("torchao==0.13.0")
+    elif "$VPY" -c "import sys, torch; v = torch.__version__.split('.'); sys.exit((int(v[0]), int(v[1])) < (2, 11))" 2>/dev/null; then
+        optional+=("torchao==0.18.0")
+    fi
+fi
 "$VPY" -c "import matplotlib" 2>/dev/null || optional+=("matplotlib>=3.5")
 # transformers: its models are tested end to end (built from configs, nothing downloaded)
 "$VPY" -c "import transformers" 2>/dev/null || optional+=("transformers==5.24.0")

@@ -685,9 +685,53 @@ def test_show_reads_a_forged_field_of_another_type_as_empty(saved, capsys, field
         rewrite(path, {"plan.json": json.dumps(plan).encode()})
     code = main(["show", str(path)])
     out, err = capsys.readouterr()
-    if code == 0:  # what it can read, printed
-        assert "file:" in out and "modules:" in out
+    if code in (0, 1):  # what it can read, printed (1: with what tt.load refuses)
+        assert "file:" in out and "modules:" in out and "Traceback" not in err
     else:  # or refused in one line that says why
         assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     with pytest.raises(tt.CheckpointError):
         tt.load(fresh_mlp(), path)
+
+
+def test_a_file_past_what_tt_save_writes_is_refused_for_what_it_is(tmp_path):
+    """A file tt.save wrote was refused as "damaged" (test_round_trips.py: it never is now); a
+    file past the bounds tt.save writes within (signatures.stored_bounds) is refused by tt.load
+    and by `torch-tweak show` alike, saying what is past which bound and how such a file comes
+    to be: changed after it was saved, or written by another version, never "damaged" when its
+    bytes match their seal."""
+    import forgery
+
+    plain, _ = forgery.genuine(tmp_path)
+    base = forgery.members(plain)
+
+    def eleven(plan):
+        sig = plan["modules"][0]["signatures"][0]
+        sig["samples"] = (sig["samples"] * 11)[:11]
+        sig["outputs"] = (sig["outputs"] * 11)[:11]
+
+    forged = forgery.with_plan(tmp_path, "eleven", base, eleven)
+    model = forgery.build()
+    before = snapshot(model)
+    with pytest.raises(tt.CheckpointError) as caught:
+        tt.load(model, forged)
+    assert_unchanged(model, before)
+    message = str(caught.value)
+    assert "body has 11 stored calls for one signature; tt.save writes at most 10 (8 of the traffic and 2 at " \
+           "the declared shapes' ends)" in message
+    assert "tt.save does not write that: the file was changed after it was saved" in message
+    assert "damaged" not in message
+    assert tt.read_summary(forged)["refused"].startswith("body has 11 stored calls")
+    assert tt.read_summary(plain)["refused"] is None
+    shown = subprocess.run([sys.executable, "-m", "torch_tweak", "show", str(forged)], capture_output=True, text=True,
+                           timeout=300)
+    assert shown.returncode == 1 and "tt.load:     refuses this file: body has 11 stored calls" in shown.stdout
+
+    newer = forgery.forge(tmp_path, "newer", json_plan(base, eleven), base, manifest={"torch_tweak": "9.0.0"})
+    with pytest.raises(tt.CheckpointError, match=r"written by torch-tweak 9\.0\.0, and this is torch-tweak "):
+        tt.load(forgery.build(), newer)
+
+
+def json_plan(base: dict, edit) -> dict:
+    plan = json.loads(base["plan.json"])
+    edit(plan)
+    return {"plan.json": json.dumps(plan).encode()}

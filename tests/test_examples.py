@@ -35,6 +35,8 @@ def test_tweak_example_on_the_cpu(tmp_path):
     kept = "Nothing kept, nothing saved" not in out
     assert not kept or ("OK: the tuned model's output matches the untuned one" in out
                         and "OK: the loaded model's output matches the tuned one" in out), out[-3000:]
+    # tt.load says what it cost and what it built again (its LoadResult's summary)
+    assert not kept or ("tt.load of " in out and " built again and checked on its stored calls: " in out), out[-3000:]
 
 
 def test_tweak_example_that_keeps_nothing_saves_nothing(tmp_path):

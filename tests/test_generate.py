@@ -28,13 +28,19 @@ QUICK = {"rounds_max": 6, "time_cap": 1.0}
 
 
 def build(kind: str = "llama", eos: int | None = None):
+    """A tiny decoder with random weights: "llama" (tied embeddings, as Llama-3.2-1B and 3B ship),
+    "gpt2" (tied, as GPT-2 ships) or "llama-untied", only for the tests that need a random
+    model's tokens to vary and tie: a tied one's logits favour its input token (the embedding's
+    product with itself) by a wide margin, so its greedy tokens repeat and it has no near tie."""
     torch.manual_seed(0)
-    if kind == "llama":
+    if kind in ("llama", "llama-untied"):
         config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                          tie_word_embeddings=kind == "llama")
         model = transformers.LlamaForCausalLM(config)
     else:
-        config = transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=2, n_positions=128)
+        config = transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=2, n_positions=128,
+                                         tie_word_embeddings=True)
         model = transformers.GPT2LMHeadModel(config)
     if eos is not None:
         model.generation_config.eos_token_id = eos
@@ -54,7 +60,7 @@ def generate(model, ids, cache=None, **kwargs):
 # ------------------------------------------------------------- the loop alone
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "llama-untied"])  # untied: tokens that vary (see build)
 @pytest.mark.parametrize("cache", [None, "static"])
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.slow
@@ -293,6 +299,12 @@ def test_a_generate_workload_speaks_in_tokens(tweaked):
     assert "tokens/s" in text and "first token ms" in text and "16 new tokens per run" in text
     assert result.decode_loop in decode_call.LOOPS + (None,)
     assert [r["candidate"] for r in result.loop_report] == ["generate", "decode loop (loop)"]  # no graphs on a CPU
+    # the tied Llama is judged by the measured rule (its reference once failed on the tied weights,
+    # and the exact tokens judged without a word), the multiple shown in the table's correctness lines
+    assert set(result.numerics) == {"decode loop (loop)", "depth 0"}, result.numerics
+    assert all(found.startswith("call 0: 1x the original's error") for found in result.numerics.values()), \
+        result.numerics
+    assert "  correctness, decode loop (loop): call 0: 1x the original's error" in text, text
 
 
 def test_decode_steps_of_a_static_cache_share_one_signature(tweaked):
@@ -618,8 +630,9 @@ step sees one token and no past, so its tokens are not the untuned ones."""
 def test_a_forged_loop_storing_its_own_tokens_is_not_installed(tmp_path):
     """A file's loop passed the cache under an ignored keyword and stored its own tokens as the
     "untuned" ones; tt.load compared the loop with the file and installed it, changing what
-    generate() returns. Now the loop is compared with transformers' generate() run here."""
-    model = build("llama")
+    generate() returns. Now the loop is compared with transformers' generate() run here. Untied
+    weights: the forged loop's tokens must differ from the untuned ones (see build)."""
+    model = build("llama-untied")
     ids = prompt(2)
     loop = generation.DecodeLoop(model, "loop", FORGED_LAYOUTS)
     generation.install(model, loop)
@@ -629,14 +642,15 @@ def test_a_forged_loop_storing_its_own_tokens_is_not_installed(tmp_path):
     SELECTED_DEPTHS[model] = None
     path = tmp_path / "forged.tt"
     tt.save(model, path)
-    fresh = build("llama")
+    fresh = build("llama-untied")
     import warnings
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         tt.load(fresh, path)
     with torch.no_grad():
-        assert torch.equal(fresh.generate(ids, **kwargs), build("llama").generate(ids, **kwargs)), "tokens differ"
+        assert torch.equal(fresh.generate(ids, **kwargs), build("llama-untied").generate(ids, **kwargs)), \
+            "tokens differ"
     assert generation.loop_of(fresh) is None
     assert any("decode loop is not installed" in str(w.message) and "untuned" in str(w.message) for w in seen)
 
@@ -950,8 +964,9 @@ def test_tokens_may_part_only_at_a_near_tie_and_every_step_is_judged_teacher_for
     of a float32 run, and two tokens are closer than that at a few steps. A candidate that
     nudges one token's logit by 0.002 turns such a near tie (kept, with the step and margin
     said), one that adds 1.0 to a token turns a step whose margin is wide (refused, naming the
-    step and the margin); both against the untuned call, teacher-forced and free-running."""
-    model = build("llama").bfloat16()
+    step and the margin); both against the untuned call, teacher-forced and free-running. Untied
+    weights: a tied random model has no near tie (see build); tied ones are test_tied.py's."""
+    model = build("llama-untied").bfloat16()
     ids = prompt(2, length=8)
     job = Workload(model, lambda m: m.generate(ids, max_new_tokens=12, do_sample=False), torch.device("cpu"))
     job.record()
@@ -988,7 +1003,7 @@ def test_tokens_may_part_only_at_a_near_tie_and_every_step_is_judged_teacher_for
     try:
         with torch.no_grad():
             assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False), call.tokens)
-        with pytest.raises(MismatchError, match=r"generate call 0 step 0 logits: .*x the original's error"):
+        with pytest.raises(MismatchError, match=r"generate call 0 step 0 logits: row \(\d\): .*x the original's error"):
             job.check_generate()
     finally:
         handle.remove()
@@ -1003,4 +1018,4 @@ def test_without_a_reference_the_tokens_must_be_the_untuned_ones():
         job.record()
     (call,) = job.generate_calls
     assert not call.reference.measured and "bit-identical" in call.reference.why
-    assert job.check_generate() == "call 0: the untuned tokens"
+    assert job.check_generate() == "call 0: exact tokens: the bit-identical rule was asked for"

@@ -28,22 +28,26 @@ def family(name: str):
     torch.manual_seed(0)
     T = transformers
     if name == "qwen2":  # the attention mask a dict, one mask per layer type
-        model = T.Qwen2ForCausalLM(T.Qwen2Config(**COMMON))
+        model = T.Qwen2ForCausalLM(T.Qwen2Config(**COMMON, tie_word_embeddings=True))  # as Qwen2.5-0.5B to 3B
     elif name == "qwen3":
-        model = T.Qwen3ForCausalLM(T.Qwen3Config(**COMMON, head_dim=8))
+        model = T.Qwen3ForCausalLM(T.Qwen3Config(**COMMON, head_dim=8, tie_word_embeddings=True))  # 0.6B to 4B
     elif name == "mistral":  # every layer a sliding window
-        model = T.MistralForCausalLM(T.MistralConfig(**COMMON, sliding_window=4))
+        model = T.MistralForCausalLM(T.MistralConfig(**COMMON, sliding_window=4, tie_word_embeddings=False))
     elif name == "gemma2":  # sliding and full layers, soft-capping of attention and logits
-        model = T.Gemma2ForCausalLM(T.Gemma2Config(**COMMON, head_dim=8, sliding_window=4))
+        model = T.Gemma2ForCausalLM(T.Gemma2Config(**COMMON, head_dim=8, sliding_window=4, tie_word_embeddings=True))
     elif name == "gemma3":
-        model = T.Gemma3ForCausalLM(T.Gemma3TextConfig(**COMMON, head_dim=8, sliding_window=4))
+        model = T.Gemma3ForCausalLM(T.Gemma3TextConfig(**COMMON, head_dim=8, sliding_window=4,
+                                                       tie_word_embeddings=True))
     elif name == "phi3":
-        model = T.Phi3ForCausalLM(T.Phi3Config(**COMMON, pad_token_id=0, eos_token_id=2, bos_token_id=1))
+        model = T.Phi3ForCausalLM(T.Phi3Config(**COMMON, pad_token_id=0, eos_token_id=2, bos_token_id=1,
+                                               tie_word_embeddings=False))
     elif name == "qwen2moe":
         model = T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(**COMMON, moe_intermediate_size=32, num_experts=4,
-                                                       num_experts_per_tok=2, shared_expert_intermediate_size=32))
+                                                       num_experts_per_tok=2, shared_expert_intermediate_size=32,
+                                                       tie_word_embeddings=False))
     elif name == "mixtral":
-        model = T.MixtralForCausalLM(T.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2))
+        model = T.MixtralForCausalLM(T.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
+                                                     tie_word_embeddings=False))
     else:
         raise ValueError(name)
     return model.eval()
@@ -351,7 +355,7 @@ def test_recording_under_transformers_compiled_forward_is_never_traced():
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128)).eval()
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True)).eval()
     config = CompileConfig(backend="eager", fullgraph=False)
     config._compile_all_devices = True
     model.generation_config.compile_config = config

@@ -318,6 +318,36 @@ def test_a_length_past_the_position_table_is_refused_before_anything_is_built():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_a_length_past_a_rotary_models_config_is_refused_as_tt_load_refuses_it(tmp_path):
+    """tt.tweak took shapes={"length": (8, 128)} on a Llama of 64 positions (no learned table),
+    and tt.load refused the file it saved: "its declared shapes are refused: length (8, 128) is
+    past the model's position table (64 positions) ... tt.save never writes such a range". One
+    bound now (shapes.position_table), read by both."""
+    import torch
+    import torch_tweak as tt
+    from torch_tweak._core import shapes
+    from torch_tweak._store import checkpoint
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (2, 16))
+    with pytest.raises(ValueError) as caught:
+        tt.tweak(model, [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}], shapes={"length": (8, 128)},
+                 max_depth=0, progress=False, cache=False, strategy=tt.OneBackendStrategy(tt.backends.TorchEagerBackend()))
+    assert str(caught.value) == (
+        "shapes['length'] = (8, 128): the model's config gives it 64 positions (config.max_position_embeddings = "
+        "64), so no call longer than 64 can run on it; declare a length of at most 64, e.g. "
+        "shapes={'length': (8, 64)}")
+    assert not tt.installed(model)
+    declared = shapes.Shapes(length=(8, 64))
+    shapes.check_model(declared, model)  # what tt.tweak takes, tt.load takes
+    assert checkpoint._shapes_of({"shapes": declared.as_dict()}, tmp_path / "f.tt", model) == declared
+
+
 def test_position_tables_found_and_not_found():
     from torch import nn
 
@@ -375,3 +405,31 @@ def test_no_recompile_limit_line_from_tweaks_own_runs_and_the_limit_restored():
     with torch.no_grad():
         for x in data:
             assert torch.equal(model(x), x * 2 + 1)
+
+
+def test_no_message_passes_on_torchs_advice_to_untie_the_weights(tmp_path, monkeypatch):
+    """The tied-weights fallback's only explanation was torch's functional_call error, ending
+    "Consider using tie_weights=False": read as advice to untie the model, whose checkpoint ties
+    them. No message a user reads passes it on; what it means is said instead."""
+    import torch
+    import torch_tweak as tt
+    from torch_tweak._core import noise
+
+    torch_says = ("the higher-precision run failed (ValueError: functional_call got multiple values for keys "
+                  "['lm_head.weight', 'transformer.wte.weight'], which are tied. Consider using tie_weights=False)")
+    said = noise.without_advice(torch_says)
+    assert "tie_weights" not in said and "which are tied)" in said
+    assert said.endswith("the model's weights are tied (one tensor under two names), as its checkpoint has them: "
+                         "nothing to change, the fixed rule checks this signature instead")
+    assert noise.without_advice("another error") == "another error"
+
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("TORCH_TWEAK_CACHE", str(tmp_path))
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64,
+                                     tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    tt.wrap(model, [""], strategy=tt.OneBackendStrategy(tt.backends.TorchEagerBackend()))
+    tt.tune(model, [{"input_ids": torch.randint(0, 64, (2, 16))}], measure={"rounds_min": 3, "rounds_max": 3})
+    logs = [p.read_text() for p in tmp_path.glob("logs/**/*.log")]
+    assert logs and not any("tie_weights" in text for text in logs)

@@ -64,6 +64,7 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 
 CTRL_C = """
+import os, shutil
 import openvino
 import openvino_telemetry
 from openvino.frontend.pytorch.ts_decoder import TorchScriptPythonDecoder
@@ -85,6 +86,8 @@ openvino_telemetry.Telemetry.send_event = aimed(openvino_telemetry.Telemetry.sen
 TorchScriptPythonDecoder.get_op_type = aimed(TorchScriptPythonDecoder.get_op_type, "decoder")
 
 def attempt(what, where, nth, run):
+    # each attempt converts: the models torch-tweak kept converted (backends/_ov_cache.py) go first
+    shutil.rmtree(os.path.join(os.environ["TORCH_TWEAK_CACHE"], "openvino"), ignore_errors=True)
     aim.update(where=where, nth=nth, count=0, sent=False)
     model, untuned = build(), build()
     try:
@@ -130,6 +133,7 @@ def test_ctrl_c_while_openvino_converts_is_a_keyboard_interrupt_and_the_model_is
 TELEMETRY = """
 import os, json
 from pathlib import Path
+import torch._dynamo  # its import sets TORCHINDUCTOR_CACHE_DIR (torch's own doing, whoever imports it first)
 before = dict(os.environ)
 home = Path(os.environ["HOME"])
 cache = Path(os.environ["TORCH_TWEAK_CACHE"])

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import torch_tweak as tt
-from torch_tweak._core import correctness
+from torch_tweak._core import correctness, error_groups
 from torch_tweak._runtime.module import installed
 from torch_tweak.backends import Backend
 from support import FAST
@@ -337,18 +337,27 @@ def test_a_bad_tolerance_is_refused_before_anything_runs(bad):
     assert not installed(model)
 
 
-def test_the_measure_is_per_row_and_relative_to_each_value():
-    ref = torch.ones(4, 8)
+def test_the_measure_is_per_row_and_column_and_relative_to_each_value():
+    ref = torch.ones(32, 16)
     ref[:, 0] = 1000.0
     out = ref.clone()
     out[2, 1:] *= 3.5  # one row, ordinary channels 250 % wrong
-    rms, peak = correctness.deviation(out, ref)
-    typical = ref.mean().item() / 10  # the median (1) is under a tenth of the mean (125.9)
-    assert peak == pytest.approx(2.5 / (1 + typical), rel=1e-6) and rms == pytest.approx(peak * (7 / 8) ** 0.5)
+    everywhere = torch.ones_like(ref, dtype=torch.bool)
+    groups = error_groups.groups_of(out, ref, everywhere)
+    typical = ref.mean().item() / 10  # the median (1) is under a tenth of the mean
+    value = 2.5 / (1 + typical)
+    assert groups.rows.block == 1 and groups.columns.block == 1  # 16 values a row, 32 a column
+    assert groups.rows.rms[2] == pytest.approx(value * (15 / 16) ** 0.5) and groups.rows.rms[3] == 0
+    assert groups.columns.rms[1] == pytest.approx(value / 32 ** 0.5) and groups.columns.rms[0] == 0
+    assert groups.columns.peak[5] == pytest.approx(value) and groups.name(groups.rows, 2) == "row (2)"
     out = ref.clone()
     out[:, 0] += 1.0  # the massive channel off by 0.1 %
-    rms, peak = correctness.deviation(out, ref)
-    assert peak == pytest.approx(1.0 / (1000 + typical), rel=1e-6) and rms < peak
+    groups = error_groups.groups_of(out, ref, everywhere)
+    assert groups.columns.peak[0] == pytest.approx(1.0 / (1000 + typical)) and groups.columns.rms[1] == 0
+    # a short last axis: rows gathered in twos (16 values), a few rows: columns in fours
+    short = error_groups.groups_of(torch.ones(4, 8) * 1.5, torch.ones(4, 8), torch.ones(4, 8, dtype=torch.bool))
+    assert (short.rows.block, short.columns.block) == (2, 4) and short.rows.rms.shape == (2,)
+    assert short.name(short.columns, 1) == "columns 4-7 of the last axis"
     assert correctness.deviation(torch.zeros(3), torch.zeros(3)) == (0.0, 0.0)
 
 
@@ -393,3 +402,142 @@ def test_save_and_load_keep_the_rule_and_judge_the_stored_calls_by_it(tmp_path):
         other.head.out.bias.add_(0.5)  # other weights: the file's outputs are not this module's
     with pytest.warns(UserWarning, match="recorded outputs are not this module's"):
         assert tt.load(other, path, backends=[Scaled()])["head"] is None
+
+
+# ------------------------------------------------------------- no single value loosens the bound
+
+
+class Cancelling(nn.Module):
+    """A linear layer with one channel (or one batch row) that cancels: it goes through
+    ``(h + offset) - offset``, as a large-offset residual does, and float32 keeps only a few
+    bits of it. The original's own error there is thousands of times its error elsewhere."""
+
+    def __init__(self, along: str, offset: float):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.along, self.offset = along, offset
+
+    def forward(self, x, scale=None, wide=False):
+        if wide:  # the module at float64, rounded once: more accurate than the original everywhere
+            h = nn.functional.linear(x.double(), self.lin.weight.double(), self.lin.bias.double())
+        else:
+            h = self.lin(x)
+        off = torch.zeros_like(h)
+        if self.along == "channel":
+            off[..., 5] = self.offset
+        else:
+            off[1] = self.offset
+        h = (h + off) - off
+        if scale is not None:
+            h = h.clone()
+            if self.along == "channel":
+                h[..., 9] *= scale
+            else:
+                h[3] *= scale
+        return h.to(x.dtype)
+
+
+@pytest.mark.parametrize("along, offset, scale, group", [
+    ("channel", 4e6, 1.3, "column 9"),  # an ordinary channel 30 % wrong beside one that cancels
+    ("channel", 4e6, 1.1, "column 9"),  # 10 % wrong
+    ("row", 5e5, 1.03, "row (3, "),  # a batch row 3 % wrong beside one that cancels
+])
+def test_one_cancelling_channel_or_row_loosens_the_bound_of_no_other(along, offset, scale, group):
+    # the bound was 4x the original's worst row and worst value: the cancelling channel's own
+    # error (0.03) let an ordinary channel 30 % wrong pass at 0.039
+    torch.manual_seed(0)
+    model = nn.Sequential(Cancelling(along, offset)).eval()
+    untuned = copy.deepcopy(model)
+    data = [torch.randn(8, 16, 64) for _ in range(2)]
+    with torch.no_grad():
+        own = correctness.reference(model[0], [((x,), {}) for x in data], [model(x) for x in data])
+    assert own.measured, own.why  # the cancellation stays within what rounding explains
+    w = tuned(model, "0", lambda m, x: m(x, scale=scale), data)
+    refused(w, "sample 0 output", group, "x the original's error", "float64 run of the module")
+    same_as_untuned(model, untuned, data)
+    for right in (lambda m, x: m(x), lambda m, x: m(x, wide=True)):  # the same as the original; more accurate
+        w = tuned(model, "0", right, data)
+        assert w.tt_backend is not None, w.tt_error
+        with torch.inference_mode():
+            for x in data:  # the candidate answers: within float32's rounding, and the cancelling one's ulp
+                assert torch.allclose(model(x), untuned(x), rtol=1e-5, atol=0.5)
+
+
+class Reciprocal(nn.Module):
+    """A linear layer's output beside 1 / ((x + 1e4) - 1e4 - x) of its input: 0 in float64
+    (Inf: a float32 x is exact there), a few ulps of 1e4 in float32 (finite)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x, flip=False):
+        r = 1 / ((x + 1e4) - 1e4 - x)
+        return torch.cat([self.lin(x), -r if flip else r], dim=-1)
+
+
+def test_values_where_the_reference_is_inf_and_the_original_finite_are_still_compared():
+    torch.manual_seed(0)
+    model = nn.Sequential(Reciprocal()).eval()
+    untuned = copy.deepcopy(model)
+    data = [torch.randn(8, 16) for _ in range(2)]
+    with torch.no_grad():
+        assert all(bool(torch.isfinite(model(x)).all()) for x in data)  # the original: finite everywhere
+        found = correctness.reference(model[0], [((x,), {}) for x in data], [model(x) for x in data])
+    assert found.measured, found.why
+    assert not bool(torch.isfinite(found.outputs[0][0][:, 16:]).any())  # the reference: Inf there
+    w = tuned(model, "0", lambda m, x: m(x, flip=True), data)  # the sign of each such value flipped: was kept
+    refused(w, "higher-precision run is NaN or Inf and the original finite", "held to the original's")
+    same_as_untuned(model, untuned, data)
+    w = tuned(model, "0", lambda m, x: m(x), data)
+    assert w.tt_backend is not None, w.tt_error
+    same_as_untuned(model, untuned, data)
+
+
+class Varying(nn.Module):
+    """One signature, two structures: one tensor or two, by the sign of the first input."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, off=1.0):
+        y = self.lin(x)
+        return (y,) if x[0, 0] > 0 else (y, y * 2 * off)
+
+
+def test_calls_of_one_signature_with_different_numbers_of_outputs_are_judged():
+    # the reference read each tensor's dtype from the first call's outputs: IndexError, and every
+    # candidate was "build failed"
+    torch.manual_seed(0)
+    model = nn.Sequential(Varying()).eval()
+    untuned = copy.deepcopy(model)
+    one, two = torch.randn(4, 8), torch.randn(4, 8)
+    one[0, 0], two[0, 0] = 1.0, -1.0
+    data = [one, two]
+    with torch.no_grad():
+        found = correctness.reference(model[0], [((x,), {}) for x in data], [model(x) for x in data])
+    assert found.measured and len(found.own) == 2 and [len(t) for t in found.outputs] == [1, 2]
+    w = tuned(model, "0", lambda m, x: m(x), data)
+    assert w.tt_backend is not None, w.tt_error
+    same_as_untuned(model, untuned, data)
+    w = tuned(model, "0", lambda m, x: m(x, off=1.01), data)  # the second call's second tensor 1 % off
+    refused(w, "sample 1 output[1]", "x the original's error")
+    same_as_untuned(model, untuned, data)
+
+
+def test_decode_logits_where_the_reference_is_inf_are_held_to_the_untuned_ones():
+    from torch_tweak._core import decode_numerics
+
+    torch.manual_seed(0)
+    untuned = [torch.randn(2, 64) * 3 for _ in range(3)]
+    high = [t.double().add(1e-7).float() for t in untuned]
+    for h in high:
+        h[:, :4] = float("inf")  # the higher-precision logits overflow there, the untuned ones do not
+    reference = decode_numerics.step_reference(untuned, high)
+    assert decode_numerics.check_steps([t.clone() for t in untuned], reference, "call").multiple == pytest.approx(1)
+    flipped = [t.clone() for t in untuned]
+    flipped[1][:, :4] *= -1  # was skipped: the higher-precision run has no finite value there
+    with pytest.raises(correctness.MismatchError, match="call step 1 logits: at the 8 logits where the higher-precision "
+                                                        "run is NaN or Inf"):
+        decode_numerics.check_steps(flipped, reference, "call")

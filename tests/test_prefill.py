@@ -29,9 +29,10 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden
 def build(name: str = "llama"):
     torch.manual_seed(0)
     if name == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).eval()
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, tie_word_embeddings=True)).eval()
     # every layer a sliding window of 4 positions: its static cache counts positions in Python
-    return transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON, sliding_window=4)).eval()
+    return transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON, sliding_window=4,
+                                                                      tie_word_embeddings=False)).eval()
 
 
 def prompt(batch: int, length: int, seed: int) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 
 import torch
 from torch import nn
@@ -58,7 +59,8 @@ def test_progress_and_logging_are_separate_and_each_line_appears_once(caplog, ca
     shown = capsys.readouterr().err.splitlines()
     records = [r for r in caplog.records if r.name == "torch_tweak"]
     texts = [r.getMessage() for r in records]
-    assert shown and shown[-1].startswith("torch-tweak: tuned in ") and "kept depth 1" in shown[-1]
+    # the last line: the counter at its total ("the counter stops at 8/10" was all a log showed)
+    assert shown and re.match(r"torch-tweak: \[(\d+)/\1\] tuned in ", shown[-1]) and "kept depth 1" in shown[-1]
     assert any("about" in line and "left" in line for line in shown)  # an estimate once a step is done
     assert all(line.startswith("torch-tweak: ") for line in shown)  # plain lines: stderr is not a terminal
     assert not any(text in line for text in texts for line in shown)  # no record is also a progress line
@@ -144,5 +146,76 @@ def test_public_namespace_holds_only_the_api():
     # the result types live in tt.results; their old names at the top are the same classes, not listed
     types = ("DepthResult", "ModelStatus", "ModuleResult", "ModuleResults", "ModuleStatus", "ModuleTree",
              "SignatureResult", "TweakResult")
-    assert sorted(tt.results.__all__) == sorted(types) and "results" in names
+    new = ("LoadResult", "Rebuilt")  # named in tt.results only: they had no old name at the top
+    assert sorted(tt.results.__all__) == sorted(types + new) and "results" in names
     assert all(getattr(tt, t) is getattr(tt.results, t) and t not in names for t in types)
+    assert not any(hasattr(tt, t) for t in new)
+
+
+def test_the_time_left_is_estimated_per_kind_of_step_and_weight():
+    """"about 0:03 left" after the untuned model's measurement, then 46 s of compiling, then
+    "about 3:03 left": the estimate took the measurement's seconds for a module's. Now no
+    estimate until a module is tuned, a module's time scales with the modules it holds (the
+    whole model at depth 0 weighs what depth 1's modules weigh together), and the counter ends at
+    its total."""
+    now = [0.0]
+    log = io.StringIO()
+    shown = Progress(True, log, clock=lambda: now[0])
+    layers = {f"layers.{i}": 8 for i in range(4)}
+    shown.plan(1 + 4 + 1 + 2 + 2, {"": 34, **layers, "norm": 1})  # 6 modules, 4 measurements
+    shown.phase("measuring the untuned model")
+    now[0] = 2.0
+    shown.start_depth(0, 1, 2, 1, 1)
+    shown.end_phase()
+    assert "left" not in log.getvalue()  # one measurement says nothing of a compile
+    now[0] = 62.0  # the whole model: 34 units in 60 s
+    shown.finish_module("", "chose OpenVINO")
+    # 33 units of modules at 60/34 s each, and 3 measurements at 2 s: 64 s
+    assert log.getvalue().splitlines()[-1].endswith("(root): chose OpenVINO (1:02, about 1:04 left)")
+    shown.phase("depth 0: measuring the whole model")
+    now[0] = 64.0
+    shown.end_phase()
+    for i in range(4):
+        now[0] += 14.0
+        shown.finish_module(f"layers.{i}", "chose OpenVINO")
+    now[0] += 2.0
+    shown.finish_module("norm", "chose OpenVINO")
+    # the modules took 60 + 58 s for 67 units; the last two measurements are left, at 2 s each
+    assert log.getvalue().splitlines()[-1].endswith("norm: chose OpenVINO (2:02, about 0:04 left)")
+    shown.phase("depth 1: measuring the whole model")
+    now[0] += 2.0
+    shown.phase("depth 0: measuring it side by side with the untuned model")
+    now[0] += 2.0
+    shown.finish("kept depth 0")
+    assert log.getvalue().splitlines()[-1] == "torch-tweak: [10/10] tuned in 126.0 s: kept depth 0"
+
+
+WARNED = """
+import torch
+from torch import nn
+import torch_tweak as tt
+
+class Broken(tt.Backend):
+    name = "Broken"
+    def build(self, module, samples, device):
+        raise RuntimeError("this backend cannot build anything")
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4)).eval()
+tt.tweak(model, [torch.randn(8, 16)], strategy=tt.OneBackendStrategy(Broken()), max_depth=0, cache=False,
+         measure={"rounds_min": 3, "rounds_max": 5, "warmup_min": 1, "warmup_max": 2, "time_cap": 0.5})
+"""
+
+
+def test_a_warning_during_a_tweak_is_a_line_of_its_progress():
+    """With no logging handler configured, logging's last resort printed torch_tweak's warnings
+    (a module that keeps its forward, a busy machine) bare between the progress lines; they are
+    progress lines now, with its prefix."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", WARNED], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stderr.splitlines()
+    warned = [line for line in lines if "keeps its forward: no backend passed" in line or "depth 0 skipped" in line]
+    assert len(warned) == 2 and all(line.startswith("torch-tweak: ") for line in warned), done.stderr[-3000:]

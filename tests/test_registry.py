@@ -98,3 +98,23 @@ def test_variants_come_from_the_registrations():
             assert any(all(getattr(backend.config, k) == value for k, value in v.fields) for v in offers), backend
     names = [b.name for b, _ in axes.variants(tt.default_backends(cpu), cpu)]
     assert "TorchAO [int8_weight_only]" in names and not any("sdpa" in n or "combo" in n for n in names)
+
+
+def test_torchao_imports_without_a_line_on_a_cpu_torch():
+    """Every transformers import printed torchao 0.18's load failures of its CUDA kernels and
+    torch's deprecation of its Enum constants: on a CPU torch, scripts/setup.sh installs the
+    torchao that imports without a line (0.13.0)."""
+    import subprocess
+    import sys
+
+    import torch
+
+    torchao = pytest.importorskip("torchao")
+    if torch.version.cuda is not None or torch.version.hip is not None:
+        pytest.skip("a GPU build of torch: torchao 0.18, whose kernels load there")
+    if torchao.__version__ != "0.13.0":
+        pytest.skip(f"torchao {torchao.__version__} was installed by an older set-up: scripts/setup.sh in a fresh "
+                    ".venv installs 0.13.0 on a CPU torch")
+    done = subprocess.run([sys.executable, "-W", "error", "-c", "import torchao, transformers"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout == "" and done.stderr == "", done.stderr[-2000:]

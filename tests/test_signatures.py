@@ -92,3 +92,95 @@ def test_plain_values_split_signatures(mlp):
     tt.tune(mlp, data, measure=FAST)
     assert [g.text for g in w.tt_signatures] == ["(float32[4, 16], scale=1.0)", "(float32[4, 16], scale=2.0)"]
     assert len({g.key for g in w.tt_signatures}) == 2
+
+
+class Twice(torch.nn.Module):
+    """Calls its inner module twice per call: once on its input, once on its first half of rows."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x).sum() + self.inner(x[: max(1, x.shape[0] // 2)]).sum()
+
+
+def _classes(rng):
+    """One to eight shape classes of a module taking one tensor: (rank, dtype)."""
+    every = [(rank, dtype) for rank in (1, 2, 3, 4) for dtype in (torch.float32, torch.float64, torch.int64)]
+    return rng.sample(every, rng.randint(1, 8))
+
+
+def _calls(rng, classes, n):
+    """n calls of the given classes, sizes 1 to 6 (rank 1: up to 40)."""
+    calls = []
+    for _ in range(n):
+        rank, dtype = rng.choice(classes)
+        calls.append(torch.ones(*[rng.randint(1, 40 if rank == 1 else 6) for _ in range(rank)], dtype=dtype))
+    return calls
+
+
+def test_recording_stays_within_the_bounds_a_file_is_read_with():
+    """tt.save wrote a file tt.load refused: merge_varying kept 8 calls of the traffic and the 2
+    declared ends in one group (10), and could leave 8 groups, where the reader took 8 and 5.
+    stored_bounds is the one bound of both: random mixes of calls (several shape classes, "any
+    other call", declared ends, a module called twice per call) never leave more."""
+    import random
+
+    most_groups, most_calls = signatures.stored_bounds()
+    assert (most_groups, most_calls) == (signatures.MAX_SIGNATURES + signatures.MAX_CALLS_PER_SIGNATURE,
+                                         signatures.MAX_CALLS_PER_SIGNATURE + signatures.MAX_DECLARED_CALLS)
+    seen_calls = 0
+    for seed in range(40):
+        rng = random.Random(seed)
+        model = Twice(torch.nn.Identity()).eval()
+        (w,) = tt.wrap(model, ["inner"])
+        classes = _classes(rng)
+        calls, edges = _calls(rng, classes, rng.randint(1, 40)), _calls(rng, classes, rng.randint(0, 3))
+        record([w], dataset_runner(model, load_dataset(calls)),
+               dataset_runner(model, load_dataset(edges)) if edges else None)
+        groups = w.tt_signatures
+        assert len(groups) <= most_groups, (seed, [g.text for g in groups])
+        for g in groups:
+            assert len(g.samples) == len(g.outputs) <= most_calls, (seed, g.text, len(g.samples))
+            assert g.declared <= signatures.MAX_DECLARED_CALLS
+            assert len(g.samples) - g.declared <= signatures.MAX_CALLS_PER_SIGNATURE
+        seen_calls = max(seen_calls, *(len(g.samples) for g in groups))
+        tt.unwrap(model)
+    assert seen_calls == most_calls  # the bound is reached (eight groups: test_a_file_of_more_groups_than_signatures_loads)
+
+
+def test_a_module_called_twice_per_call_keeps_its_smallest_and_largest_end():
+    model = Twice(torch.nn.Identity()).eval()
+    (w,) = tt.wrap(model, ["inner"])
+    traffic = [torch.randn(8, 4) for _ in range(9)]
+    ends = [torch.randn(2, 4), torch.randn(32, 4)]  # inner sees rows 2, 1 and 32, 16
+    record([w], dataset_runner(model, load_dataset(traffic)), dataset_runner(model, load_dataset(ends)))
+    (group,) = w.tt_signatures
+    assert group.varying and group.declared == 2 and group.text == "(float32[1-32, 4])"
+    assert [a[0].shape[0] for a, _ in group.samples] == [8, 4] * 4 + [1, 32]
+
+
+def test_a_file_of_more_groups_than_signatures_loads(tmp_path):
+    """Four signatures of four shape classes, then "any other call" holding four more classes of
+    two sizes each: recording leaves eight groups, and tt.load refused more than five."""
+    class Double(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    calls = [torch.randn(3), torch.randn(3, 2), torch.randn(3, 2, 2), torch.randn(3, 2, 2, 2)]
+    for dtype in (torch.float64, torch.float16, torch.bfloat16, torch.int64):
+        calls += [torch.ones(2, dtype=dtype), torch.ones(5, dtype=dtype)]
+    model = Double().eval()
+    (w,) = tt.wrap(model, [""], strategy=tt.OneBackendStrategy(TorchEagerBackend()))
+    tt.tune(model, calls, measure=FAST)
+    assert len(w.tt_signatures) == 8 and all(g.backend is not None for g in w.tt_signatures)
+    tt.save(model, tmp_path / "groups.tt")
+    assert tt.read_summary(tmp_path / "groups.tt")["refused"] is None
+    fresh = Double().eval()
+    assert tt.load(fresh, tmp_path / "groups.tt") == {"": "TorchEager"}
+    assert [g.text for g in tt.installed(fresh)[""].tt_signatures] == [g.text for g in w.tt_signatures]
+    with torch.inference_mode():
+        for x in calls + [torch.ones(7, dtype=torch.float16)]:
+            assert torch.equal(fresh(x), x * 2)
+    assert sum(tt.installed(fresh)[""].tt_untuned.values()) == 0

@@ -28,7 +28,8 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 
 def build_gpt2():
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64,
+                                     tie_word_embeddings=True)
     return transformers.GPT2LMHeadModel(config).eval()  # use_cache=True, as by default
 
 

@@ -89,22 +89,39 @@ def test_batches_padded_to_buckets_give_the_untuned_answers():
     untuned = copy.deepcopy(model)
     w, group = tune(model, [torch.randn(b, 16) for b in (3, 5, 1, 8, 6)], padded())
     assert group.backend is not None, group.error
+    call = group.backend.callable
     with torch.no_grad():
-        for b in (1, 2, 3, 7, 9, 12, 16, 17, 40):  # 9-16: new buckets; 17 and 40: outside the range (up to 16)
+        for b in (1, 2, 3, 7, 9, 12, 16, 17, 40):  # 9-40: new buckets, inside the range memory allows
             x = torch.randn(b, 16)
             torch.testing.assert_close(model(x), untuned(x))
+            call.settle()  # the new bucket recorded and checked off the call's path
             torch.testing.assert_close(model(x), untuned(x))
     stats = group.backend.describe()
-    assert stats["batch_range"] == (1, 16)
+    assert stats["batch_range"][1] >= 40 and "what memory holds" in stats["range_from"]["batch"]
     # batch 9 and 12, twice each, fall into bucket 12, 16 into 16; the first call of each new
-    # bucket was answered by the original
-    assert set(stats["buckets"]) >= {"1", "4", "8", "12", "16"}
-    assert stats["buckets"]["12"] == 3 and stats["buckets"]["16"] == 1
-    assert stats["outside_range"] == 4 and stats["refused_buckets"] == 0
+    # bucket (2, 12, 16, 20, 40) was answered by the module, the bucket checked on a copy of it
+    assert set(stats["buckets"]) >= {"1", "2", "4", "8", "12", "16", "20", "40"}
+    assert stats["buckets"]["12"] == 3 and stats["buckets"]["16"] == 1 and stats["checked_buckets"] == 5
+    assert stats["outside_range"] == 0 and stats["unready_calls"] == 5 and stats["refused_buckets"] == 0
     assert 0 < stats["padding_waste"] < 0.5
     assert sum(w.tt_untuned.values()) == 0
     shown = str(tt.status(model))
-    assert "(root) (float32[1-8, 16]): buckets (calls)" in shown and "4 calls outside the range" in shown
+    assert "(root) (float32[1-8, 16]): buckets (calls)" in shown and "0 calls outside the range" in shown
+
+
+def test_a_declared_range_sends_calls_past_it_to_the_target():
+    model = mlp()
+    untuned = copy.deepcopy(model)
+    w, group = tune(model, [torch.randn(b, 16) for b in (3, 5, 1, 8, 6)], padded(max_batch=16))
+    with torch.no_grad():
+        for b in (17, 40, 12):
+            x = torch.randn(b, 16)
+            torch.testing.assert_close(model(x), untuned(x))
+    group.backend.callable.settle()
+    stats = group.backend.describe()
+    assert stats["batch_range"] == (1, 16) and stats["range_from"]["batch"] == "declared"
+    assert stats["outside_range"] == 2 and "12" in stats["buckets"]
+    assert "2 calls outside the range" in str(tt.status(model))
 
 
 class MaxCentre(nn.Module):
@@ -163,6 +180,7 @@ def test_declared_ranges_serve_traffic_the_samples_did_not_show():
         for b in (40, 64, 65):
             x = torch.randn(b, 16)
             torch.testing.assert_close(model(x), untuned(x))
+    group.backend.callable.settle()
     stats = group.backend.describe()
     assert "40" in stats["buckets"] and "64" in stats["buckets"] and stats["outside_range"] == 1
 

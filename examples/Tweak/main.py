@@ -86,7 +86,9 @@ sys.path.insert(0, sys.argv[1])
 import encoder, torch_tweak as tt
 from safetensors.torch import load_file, save_file
 model = encoder.build(sys.argv[2])                    # freshly built: same seed, same weights
-print("  loaded:", tt.load(model, sys.argv[3]))
+loaded = tt.load(model, sys.argv[3])
+print("  loaded:", dict(loaded))
+print(" ", loaded.summary())                          # what the load cost and what it built again
 inputs = load_file(sys.argv[4], device=sys.argv[2])
 with torch.no_grad():
     outputs = {k: model(x) for k, x in inputs.items()}

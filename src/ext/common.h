@@ -36,11 +36,11 @@
  *               GraphReplay's three files share the private graph_replay.h
  * graph_record  the recordings a GraphReplay holds, set when it is made
  * graph         the GraphReplay type, the device-graph replay path (graph.h)
- * padded_layout a PaddedReplay's recorded layout and whether a call fits
- *               it. The PaddedReplay's four files share the private
- *               padded_replay.h
- * padded_bucket its buckets: which one holds a call, what Python sets in
- *               them, their counters
+ * padded_layout a PaddedReplay's recorded layout (tensors inside containers
+ *               too) and whether a call fits it. The PaddedReplay's four
+ *               files share the private padded_replay.h
+ * padded_bucket the bucket rule and the buckets: which one holds a call,
+ *               what Python sets in them and drops, their counters
  * padded_call   a call: a bucket's copies in, its graph launched through
  *               graph_call.h (or the target), the outputs cut back
  * padded        the PaddedReplay type, the padded backend's per-call path

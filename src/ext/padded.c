@@ -4,33 +4,38 @@
  * path of a call of varying sizes.
  *
  * A call is served here when it fits the recorded layout (the same
- * positional count and keywords, the same plain values, each input tensor
- * a torch.Tensor of the recorded dtype, device and rank, sizes equal to the
- * recorded ones but on the padded axes) and a ready bucket's range holds its
- * batch and length. Then, for that bucket: each input is copied into the
- * bucket's buffer (its first rows; the length axis past the call's length
- * zeroed in those rows, so a mask there is zero), the bucket's device graph
- * is launched through its GraphReplay (graph.h: the launch alone), or, with
- * no graph, the target runs on the buffers, and each output is cut back to
- * the call's batch and length and copied out, so a later call never
- * changes what a caller holds. The bucket counts the call (hits, valid and
- * served elements).
+ * positional count and keywords, the same plain values, each container that
+ * holds a tensor of the recorded exact type and size, each input tensor a
+ * torch.Tensor of the recorded dtype, device and rank, sizes equal to the
+ * recorded ones but on the padded axes, one batch and one length among them)
+ * and a ready bucket's range holds its batch and length. Then, for that
+ * bucket: each input is copied into the bucket's buffer (its first rows; the
+ * length axis past the call's length zeroed in those rows, so a mask there is
+ * zero), the bucket's device graph is launched through its GraphReplay
+ * (graph_call.h: the launch alone), or, with no graph, the target runs on the
+ * buffers, and each output is cut back to the call's batch and length and
+ * copied out, so a later call never changes what a caller holds. The bucket
+ * counts the call (hits, valid and served elements).
  *
- * Any other call goes back to Python, to the subclass's _slow method: a new
- * bucket's first sight, recording, a call outside every range, or one that
- * does not fit (another dtype or device, a tensor subclass...). A call made
- * while another is inside this object, here or in _slow (the dispatcher
- * serialises a backend that is not thread-safe: this is a call made from
- * inside one, or past the dispatcher) runs the target on its own arguments,
- * never the buffers.
+ * Whether a call fits is this type's decision alone: a call that does not
+ * fit (another dtype, device, structure or plain value, a tensor subclass...)
+ * or whose sizes fall outside the range runs the target on its own
+ * arguments, counted (outside_calls). A call that fits, in the range, whose
+ * bucket is not ready goes back to Python, to the subclass's
+ * _slow(bucket_b, bucket_n, b, n, *args, **kwargs): recording, a new
+ * bucket's first sight. A call made while another is inside this object, here
+ * or in _slow (the dispatcher serialises a backend that is not thread-safe:
+ * this is a call made from inside one, or past the dispatcher) runs the
+ * target on its own arguments, never the buffers.
  *
- * Which buckets exist and what they hold are Python's decisions
- * (backends/padded.py), set through _pad_bucket. The bucket rule itself (a
- * call's bucket, a bucket's range) is C's alone (padded_bucket.c): Python
- * asks it through _pad_key, _pad_lower and _pad_batch_bucket. So are the
- * copies in and the cuts out (padded_call.c): the calls Python makes of a
- * bucket (recording, a first sight's check, a layout this type cannot take)
- * copy and cut through _pad_copy_in and _pad_cut.
+ * Which buckets exist, what they hold and when they serve are Python's
+ * decisions (backends/padded.py), set through _pad_bucket, _pad_serve and
+ * _pad_drop (which leaves a bucket a call is being served from). The bucket
+ * rule itself (a call's bucket, a bucket's range) is C's alone
+ * (padded_bucket.c): Python asks it through _pad_key, _pad_lower and
+ * _pad_batch_bucket. So are the fit, the copies in and the cuts out: the
+ * calls Python makes of a bucket (recording, a first sight's check) fit,
+ * copy and cut through _pad_fit, _pad_filled and _pad_run.
  *
  * The type is four files sharing padded_replay.h, in this order:
  * padded_layout.c (the recorded layout, whether a call fits it),
@@ -73,8 +78,8 @@ tt_pad_traverse(TtPaddedReplay *self, visitproc visit, void *arg)
     Py_VISIT(self->target);
     Py_VISIT(self->flatten);
     Py_VISIT(self->kwnames);
-    for (i = 0; self->plain != NULL && i < self->nplain; i++)
-        Py_VISIT(self->plain[i]);
+    if ((i = tt_pad_nodes_visit(self, visit, arg)) != 0)
+        return (int)i;
     for (i = 0; self->slots != NULL && i < self->nslots; i++) {
         Py_VISIT(self->slots[i].dtype);
         Py_VISIT(self->slots[i].device);
@@ -97,8 +102,7 @@ tt_pad_clear(TtPaddedReplay *self)
     Py_ssize_t i;
 
     self->nparams = 0;
-    for (i = 0; self->plain != NULL && i < self->nplain; i++)
-        Py_CLEAR(self->plain[i]);
+    tt_pad_nodes_free(self);
     for (i = 0; self->slots != NULL && i < self->nslots; i++) {
         Py_CLEAR(self->slots[i].dtype);
         Py_CLEAR(self->slots[i].device);
@@ -127,8 +131,7 @@ tt_pad_dealloc(TtPaddedReplay *self)
     for (i = 0; i < self->nbuckets; i++)
         PyMem_Free(self->buckets[i]);
     PyMem_Free(self->buckets);
-    PyMem_Free(self->plain);
-    PyMem_Free(self->slot_of);
+    PyMem_Free(self->params);
     PyMem_Free(self->slots);
     PyMem_Free(self->out_batch);
     PyMem_Free(self->out_length);
@@ -148,26 +151,45 @@ tt_pad_get_served_here(TtPaddedReplay *self, void *closure)
 static PyGetSetDef tt_pad_getset[] = {
     {"fast_calls", tt_get_counter, NULL, "Calls served here, from a ready bucket.",
      TT_FIELD(TtPaddedReplay, fast)},
-    {"slow_calls", tt_get_counter, NULL, "Calls handed to _slow (or to the target while busy).",
+    {"slow_calls", tt_get_counter, NULL, "Calls that fit, in the range, handed to _slow.",
      TT_FIELD(TtPaddedReplay, slow)},
+    {"outside_calls", tt_get_counter, NULL,
+     "Calls run by the target: they do not fit the layout, or fall outside the range.",
+     TT_FIELD(TtPaddedReplay, outside)},
     {"serves_here", (getter)tt_pad_get_served_here, NULL,
-     "True when a call of the recorded layout can be served here (_pad_layout had a call).",
+     "True when a call of the recorded layout can be served here (_pad_layout set it).",
      NULL},
     {NULL, NULL, NULL, NULL, NULL}};
 
 static PyMethodDef tt_pad_methods[] = {
     {"_pad_layout", (PyCFunction)(void (*)(void))tt_pad_layout, METH_VARARGS | METH_KEYWORDS,
-     "_pad_layout(call, slots, outputs, length, target, flatten): set once.\n"
-     "call: the recorded (args, kwargs), or None (every call goes to _slow);\n"
-     "slots: (position or keyword name, batch, length) per input tensor, each a\n"
-     "torch.Tensor argument of call; outputs: (batch, length) per output leaf;\n"
-     "length: the length axis is padded; target: runs a bucket without a graph,\n"
-     "and a call made while another is inside; flatten(result) -> its leaves."},
+     "_pad_layout(call, slots, outputs, length, target, flatten, max_batch, max_length, step):\n"
+     "set once. call: the recorded (args, kwargs); slots: (batch, length) per tensor of the\n"
+     "call, in the order of its leaves (torch's pytree), each an argument or inside a tuple,\n"
+     "list, namedtuple or dict of str keys; outputs: (batch, length) per output leaf;\n"
+     "length: the length axis is padded; target: runs a bucket without a graph, and every\n"
+     "call not served here; flatten(result) -> its leaves; the range and the length step."},
+    {"_pad_fit", (PyCFunction)tt_pad_py_fit, METH_VARARGS,
+     "_pad_fit((args, kwargs)) -> (b, n, bucket, tensors), or None when the call does not fit\n"
+     "the layout: its batch and length (n 0 without a length axis), its bucket ((b, n), None\n"
+     "outside the range) and its tensor per slot. The per-call path's fit."},
     {"_pad_bucket", (PyCFunction)(void (*)(void))tt_pad_set_bucket, METH_VARARGS | METH_KEYWORDS,
-     "_pad_bucket(b, n, low_b, low_n, buffers, graph, outputs, rebuild): bucket (b, n)\n"
-     "serves the calls of batch low_b..b and length low_n..n from now on."},
-    {"_pad_count", (PyCFunction)tt_pad_count, METH_VARARGS,
-     "_pad_count(b, n, hits, valid, served): adds to bucket (b, n)'s counters."},
+     "_pad_bucket(b, n, buffers, graph, outputs, rebuild): bucket (b, n) holds these (a buffer\n"
+     "per slot of its shape, a GraphReplay or None); it serves no call until _pad_serve."},
+    {"_pad_serve", (PyCFunction)tt_pad_serve_bucket, METH_VARARGS,
+     "_pad_serve(b, n): bucket (b, n) serves the calls of its range from now on."},
+    {"_pad_drop", (PyCFunction)tt_pad_drop, METH_VARARGS,
+     "_pad_drop(b, n) -> bool: bucket (b, n) serves no more and lets go of what it held\n"
+     "(True, also when there is no such bucket); False (and nothing done) while a call is\n"
+     "being served from it."},
+    {"_pad_range", (PyCFunction)tt_pad_set_range, METH_VARARGS,
+     "_pad_range(max_batch, max_length): the range of the calls served from now on."},
+    {"_pad_run", (PyCFunction)tt_pad_py_run, METH_VARARGS,
+     "_pad_run((args, kwargs), hit=False): the call through the bucket its sizes fall into\n"
+     "(held, ready or not): copies in, graph or target, cuts out; counted, a hit if hit."},
+    {"_pad_filled", (PyCFunction)tt_pad_py_filled, METH_VARARGS,
+     "_pad_filled((args, kwargs)) -> (args, kwargs): the call copied into its bucket's\n"
+     "buffers, and the call of the recorded layout with the buffers in its tensors' places."},
     {"_pad_counts", (PyCFunction)tt_pad_counts, METH_NOARGS,
      "_pad_counts() -> {(b, n): (hits, valid, served)}"},
     {"_pad_ready", (PyCFunction)tt_pad_ready, METH_NOARGS,
@@ -182,17 +204,8 @@ static PyMethodDef tt_pad_methods[] = {
     {"_pad_lower", (PyCFunction)tt_pad_py_lower, METH_VARARGS | METH_STATIC,
      "_pad_lower(b, n, batch, length, step) -> (low_b, low_n): the smallest batch and\n"
      "length that fall into bucket (b, n)."},
-    {"_pad_copy_in", (PyCFunction)tt_pad_py_copy_in, METH_VARARGS,
-     "_pad_copy_in(buffers, tensors, axes, b, n, bucket_b, bucket_n): each tensor copied\n"
-     "into its buffer as a call of the bucket is (axes: (batch, length) per tensor): its\n"
-     "first b rows, and along a length axis its first n positions, the rest of those\n"
-     "rows zeroed. The per-call path's rule, for the calls Python makes of a bucket."},
-    {"_pad_cut", (PyCFunction)tt_pad_py_cut, METH_VARARGS,
-     "_pad_cut(leaves, axes, b, n, bucket_b, bucket_n) -> list: each tensor leaf cut\n"
-     "back to the call's batch and length (axes: (batch, length) per leaf) and copied,\n"
-     "other leaves as they are. The per-call path's rule, for Python's calls."},
     {"reset_counts", (PyCFunction)tt_pad_reset_counts, METH_NOARGS,
-     "reset_counts(): every bucket's counters, fast_calls and slow_calls to 0."},
+     "reset_counts(): every bucket's counters, fast_calls, slow_calls and outside_calls to 0."},
     {NULL, NULL, 0, NULL}};
 
 static PyMemberDef tt_pad_members[] = {
@@ -204,10 +217,11 @@ static PyType_Slot tt_pad_slots[] = {
     {Py_tp_doc,
      "Base type of the padded backend's callable: the steady per-call path of a\n"
      "call of varying sizes. A call of the layout set by _pad_layout whose batch\n"
-     "and length fall in a ready bucket's range (_pad_bucket) is copied into the\n"
+     "and length fall in a ready bucket's range (_pad_serve) is copied into the\n"
      "bucket's buffers (the length axis past the call's zeroed), runs the bucket's\n"
      "graph (or the target on the buffers), and returns copies of the outputs cut\n"
-     "back to the call's sizes; any other call goes to self._slow(*args, **kwargs)."},
+     "back to the call's sizes; a call that does not fit, or is outside the range,\n"
+     "runs the target; any other goes to self._slow(bb, bn, b, n, *args, **kwargs)."},
     {Py_tp_new, tt_pad_new},
     {Py_tp_dealloc, tt_pad_dealloc},
     {Py_tp_traverse, tt_pad_traverse},

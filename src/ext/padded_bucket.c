@@ -2,11 +2,13 @@
  * padded_bucket.c - a PaddedReplay's buckets: the bucket rule (the bucket of
  * a call's batch and length, the range of calls a bucket takes; the padded
  * backend's Python asks it through _pad_key, _pad_lower and
- * _pad_batch_bucket), which ready bucket's range holds a call, the buckets
- * Python sets (_pad_bucket: its sizes, range, buffers, graph and outputs) and
- * their counters (hits, valid and served elements). Which buckets are made,
- * and when one serves, are Python's decisions (backends/padded.py). See
- * padded.c for the design.
+ * _pad_batch_bucket; the per-call path asks tt_pad_key), which ready
+ * bucket's range holds a call, the buckets Python sets (_pad_bucket: its
+ * buffers, graph and outputs; _pad_serve: it serves from now on; _pad_drop:
+ * its contents released, unless a call is being served from it) and their
+ * counters (hits, valid and served elements). Which buckets are made, and
+ * when one serves, are Python's decisions (backends/padded.py). See padded.c
+ * for the design.
  */
 #include "padded_replay.h"
 
@@ -87,6 +89,47 @@ tt_pad_py_batch_bucket(PyObject *unused, PyObject *args)
     return PyLong_FromSsize_t(tt_pad_batch_bucket(b));
 }
 
+/* The bucket rule: 1 with the bucket (*bb, *bn) of a call of batch b and
+ * length n, 0 outside the range. */
+static int
+tt_pad_key_as(Py_ssize_t b, Py_ssize_t n, int batch, int length, Py_ssize_t max_batch,
+              Py_ssize_t max_length, Py_ssize_t step, Py_ssize_t *bb, Py_ssize_t *bn)
+{
+    if ((batch && b > max_batch) || (length && n > max_length))
+        return 0;
+    *bb = batch ? tt_pad_batch_bucket(b) : b;
+    *bn = n;
+    if (length) {
+        *bn = -tt_pad_floor_div(-n, step) * step;
+        if (*bn > max_length)
+            *bn = max_length;
+    }
+    return 1;
+}
+
+/* The smallest batch and length that fall into bucket (b, n). */
+static void
+tt_pad_lower_as(Py_ssize_t b, Py_ssize_t n, int batch, int length, Py_ssize_t step,
+                Py_ssize_t *low_b, Py_ssize_t *low_n)
+{
+    *low_b = b;
+    if (batch && b > 1)
+        *low_b = b <= TT_PAD_POW2_UP_TO ? b / 2 + 1 : b - tt_pad_batch_step(b) + 1;
+    *low_n = length ? tt_pad_floor_div(n - 1, step) * step + 1 : n;
+    if (*low_n > n)
+        *low_n = n;
+    if (*low_n < 1)
+        *low_n = 1;
+}
+
+/* padded_replay.h */
+int
+tt_pad_key(const TtPaddedReplay *self, Py_ssize_t b, Py_ssize_t n, Py_ssize_t *bb, Py_ssize_t *bn)
+{
+    return tt_pad_key_as(b, n, self->batch, self->length, self->max_batch, self->max_length,
+                         self->step, bb, bn);
+}
+
 /* padded_replay.h */
 PyObject *
 tt_pad_py_key(PyObject *unused, PyObject *args)
@@ -99,15 +142,8 @@ tt_pad_py_key(PyObject *unused, PyObject *args)
                           &max_length, &step) ||
         tt_pad_rule_args(b, n, step, "_pad_key") < 0)
         return NULL;
-    if ((batch && b > max_batch) || (length && n > max_length))
+    if (!tt_pad_key_as(b, n, batch, length, max_batch, max_length, step, &bb, &bn))
         Py_RETURN_NONE;
-    bb = batch ? tt_pad_batch_bucket(b) : b;
-    bn = n;
-    if (length) {
-        bn = -tt_pad_floor_div(-n, step) * step;
-        if (bn > max_length)
-            bn = max_length;
-    }
     return Py_BuildValue("(nn)", bb, bn);
 }
 
@@ -122,13 +158,8 @@ tt_pad_py_lower(PyObject *unused, PyObject *args)
     if (!PyArg_ParseTuple(args, "nnppn:_pad_lower", &b, &n, &batch, &length, &step) ||
         tt_pad_rule_args(b, n, step, "_pad_lower") < 0)
         return NULL;
-    low_b = b;
-    if (batch && b > 1)
-        low_b = b <= TT_PAD_POW2_UP_TO ? b / 2 + 1 : b - tt_pad_batch_step(b) + 1;
-    low_n = length ? tt_pad_floor_div(n - 1, step) * step + 1 : n;
-    if (low_n > n)
-        low_n = n;
-    return Py_BuildValue("(nn)", low_b, low_n > 1 ? low_n : 1);
+    tt_pad_lower_as(b, n, batch, length, step, &low_b, &low_n);
+    return Py_BuildValue("(nn)", low_b, low_n);
 }
 
 /* padded_replay.h */
@@ -144,11 +175,23 @@ tt_pad_find(TtPaddedReplay *self, Py_ssize_t b, Py_ssize_t n)
         if (i >= self->nbuckets)
             continue;
         bk = self->buckets[i];
-        if (bk->buffers != NULL && bk->low_b <= b && b <= bk->b && bk->low_n <= n && n <= bk->n) {
+        if (bk->ready && bk->low_b <= b && b <= bk->b && bk->low_n <= n && n <= bk->n) {
             self->last = i;
             return bk;
         }
     }
+    return NULL;
+}
+
+/* padded_replay.h */
+TtPadBucket *
+tt_pad_held(TtPaddedReplay *self, Py_ssize_t b, Py_ssize_t n)
+{
+    Py_ssize_t i;
+
+    for (i = 0; i < self->nbuckets; i++)
+        if (self->buckets[i]->b == b && self->buckets[i]->n == n)
+            return self->buckets[i]->buffers != NULL ? self->buckets[i] : NULL;
     return NULL;
 }
 
@@ -181,72 +224,112 @@ error:
     return NULL;
 }
 
-/* Whether `held` (a tuple) holds one torch.Tensor per slot, of its slot's
- * dtype. -1 with an exception that names the buffer when not. */
+/* Whether buffer s (a torch.Tensor) is of its slot's dtype and the bucket's
+ * shape (bb, bn on the padded axes, the recorded sizes elsewhere). -1 with an
+ * exception that names the buffer when not. */
 static int
-tt_pad_check_buffers(TtPaddedReplay *self, PyObject *held)
+tt_pad_check_buffer(TtPaddedReplay *self, Py_ssize_t s, PyObject *buffer, Py_ssize_t bb,
+                    Py_ssize_t bn)
 {
     TtState *st = self->state;
-    Py_ssize_t s;
+    const TtPadSlot *slot = &self->slots[s];
+    PyObject *dtype = NULL, *shape = NULL; /* new references */
+    Py_ssize_t axis, want, size;
     int rc = -1;
 
+    if (Py_TYPE(buffer) != st->tensor_type) {
+        PyErr_Format(PyExc_TypeError, "_pad_bucket: buffer %zd must be a torch.Tensor", s);
+        goto cleanup;
+    }
+    if ((dtype = PyObject_GetAttr(buffer, st->str_dtype)) == NULL ||
+        (shape = PyObject_GetAttr(buffer, st->str_shape)) == NULL)
+        goto cleanup;
+    if (dtype != slot->dtype) {
+        PyErr_Format(PyExc_ValueError, "_pad_bucket: buffer %zd is not of its slot's dtype", s);
+        goto cleanup;
+    }
+    if (!PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) != PyTuple_GET_SIZE(slot->shape))
+        goto bad_shape;
+    for (axis = 0; axis < PyTuple_GET_SIZE(shape); axis++) {
+        want = axis == 0 && slot->batch ? bb : axis == 1 && slot->seq ? bn : tt_pad_size(slot->shape, axis);
+        if ((size = tt_pad_size(shape, axis)) < 0 || want < 0)
+            goto cleanup;
+        if (size != want)
+            goto bad_shape;
+    }
+    rc = 0;
+    goto cleanup;
+bad_shape:
+    PyErr_Format(PyExc_ValueError, "_pad_bucket: buffer %zd is not of the bucket's shape", s);
+cleanup:
+    Py_XDECREF(dtype);
+    Py_XDECREF(shape);
+    return rc;
+}
+
+/* Whether (b, n) is a bucket of the rule (the bucket of its own smallest
+ * call) and `held` (a tuple) holds a buffer per slot that fits it; the
+ * bucket's range in *low_b, *low_n. -1 with an exception when not. */
+static int
+tt_pad_check_bucket(TtPaddedReplay *self, Py_ssize_t b, Py_ssize_t n, PyObject *held,
+                    Py_ssize_t *low_b, Py_ssize_t *low_n)
+{
+    Py_ssize_t s, kb = -1, kn = -1;
+
+    if (self->nparams == 0) {
+        PyErr_SetString(PyExc_RuntimeError, "_pad_bucket: no call layout (_pad_layout)");
+        return -1;
+    }
+    tt_pad_lower_as(b, n, self->batch, self->length, self->step, low_b, low_n);
+    if (b < 1 || n < 0 || (!self->length && n != 0) ||
+        !tt_pad_key(self, *low_b, self->length ? *low_n : 0, &kb, &kn) || kb != b || kn != n) {
+        PyErr_Format(PyExc_ValueError, "_pad_bucket: %zd x %zd is not a bucket's size", b, n);
+        return -1;
+    }
+    if (!self->length)
+        *low_n = 0;
     if (PyTuple_GET_SIZE(held) != self->nslots) {
         PyErr_Format(PyExc_ValueError, "_pad_bucket: %zd buffers for %zd slots",
                      PyTuple_GET_SIZE(held), self->nslots);
-        goto cleanup;
+        return -1;
     }
-    for (s = 0; s < self->nslots; s++) {
-        PyObject *buffer = PyTuple_GET_ITEM(held, s); /* borrowed */
-        PyObject *dtype;                             /* new reference */
-        int same;
+    for (s = 0; s < self->nslots; s++)
+        if (tt_pad_check_buffer(self, s, PyTuple_GET_ITEM(held, s), b, n) < 0)
+            return -1;
+    return 0;
+}
 
-        if (Py_TYPE(buffer) != st->tensor_type) {
-            PyErr_Format(PyExc_TypeError, "_pad_bucket: buffer %zd must be a torch.Tensor", s);
-            goto cleanup;
-        }
-        if ((dtype = PyObject_GetAttr(buffer, st->str_dtype)) == NULL)
-            goto cleanup;
-        same = dtype == self->slots[s].dtype;
-        Py_DECREF(dtype);
-        if (!same) {
-            PyErr_Format(PyExc_ValueError, "_pad_bucket: buffer %zd is not of its slot's dtype", s);
-            goto cleanup;
-        }
-    }
-    rc = 0;
-cleanup:
-    return rc;
+/* The bucket (b, n) of this object's buckets, or NULL with KeyError. */
+static TtPadBucket *
+tt_pad_named(TtPaddedReplay *self, PyObject *args, const char *format)
+{
+    Py_ssize_t b, n, i;
+
+    if (!PyArg_ParseTuple(args, format, &b, &n))
+        return NULL;
+    for (i = 0; i < self->nbuckets; i++)
+        if (self->buckets[i]->b == b && self->buckets[i]->n == n)
+            return self->buckets[i];
+    PyErr_Format(PyExc_KeyError, "no bucket %zd x %zd", b, n);
+    return NULL;
 }
 
 PyObject *
 tt_pad_set_bucket(TtPaddedReplay *self, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"b", "n", "low_b", "low_n", "buffers", "graph", "outputs",
-                             "rebuild", NULL};
+    static char *kwlist[] = {"b", "n", "buffers", "graph", "outputs", "rebuild", NULL};
     TtState *st = self->state;
-    Py_ssize_t b, n, low_b, low_n, s;
+    Py_ssize_t b, n, low_b, low_n;
     PyObject *buffers, *graph, *outputs, *rebuild; /* borrowed */
     PyObject *held = NULL;                         /* new reference: a tuple of the buffers */
     TtPadBucket *bk;
     PyObject *result = NULL;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "nnnnOOOO:_pad_bucket", kwlist, &b, &n, &low_b,
-                                     &low_n, &buffers, &graph, &outputs, &rebuild))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "nnOOOO:_pad_bucket", kwlist, &b, &n, &buffers,
+                                     &graph, &outputs, &rebuild))
         goto cleanup;
-    if (self->nparams == 0) {
-        PyErr_SetString(PyExc_RuntimeError, "_pad_bucket: no call layout to serve (_pad_layout "
-                        "with a call)");
-        goto cleanup;
-    }
-    if (low_b < 1 || low_b > b || low_n < 0 || low_n > n || (self->length && low_n < 1) ||
-        (!self->length && n != 0)) {
-        PyErr_Format(PyExc_ValueError, "_pad_bucket: the range %zd-%zd x %zd-%zd is not a bucket's",
-                     low_b, b, low_n, n);
-        goto cleanup;
-    }
-    if ((held = tt_sequence_tuple(buffers, "_pad_bucket: buffers must be a sequence")) == NULL)
-        goto cleanup;
-    if (tt_pad_check_buffers(self, held) < 0)
+    if ((held = tt_sequence_tuple(buffers, "_pad_bucket: buffers must be a sequence")) == NULL ||
+        tt_pad_check_bucket(self, b, n, held, &low_b, &low_n) < 0)
         goto cleanup;
     if (graph != Py_None && !PyObject_TypeCheck(graph, st->GraphReplayType)) {
         PyErr_SetString(PyExc_TypeError, "_pad_bucket: graph must be a GraphReplay or None");
@@ -264,16 +347,16 @@ tt_pad_set_bucket(TtPaddedReplay *self, PyObject *args, PyObject *kwargs)
     }
     if ((bk = tt_pad_bucket_of(self, b, n)) == NULL)
         goto cleanup;
+    bk->ready = 0; /* set anew: it serves again only once _pad_serve says so */
     bk->low_b = low_b;
     bk->low_n = low_n;
+    Py_CLEAR(bk->buffers);
     Py_XSETREF(bk->graph, graph != Py_None ? Py_NewRef(graph) : NULL);
     Py_XSETREF(bk->outputs, graph != Py_None ? PyList_GetSlice(outputs, 0, self->nouts) : NULL);
     Py_XSETREF(bk->rebuild, rebuild != Py_None ? Py_NewRef(rebuild) : NULL);
-    if (graph != Py_None && bk->outputs == NULL) {
-        Py_CLEAR(bk->buffers);
+    if (graph != Py_None && bk->outputs == NULL)
         goto cleanup;
-    }
-    Py_XSETREF(bk->buffers, held); /* last: the bucket is ready */
+    bk->buffers = held; /* last: the bucket is held */
     held = NULL;
     result = Py_NewRef(Py_None);
 cleanup:
@@ -282,19 +365,55 @@ cleanup:
 }
 
 PyObject *
-tt_pad_count(TtPaddedReplay *self, PyObject *args)
+tt_pad_serve_bucket(TtPaddedReplay *self, PyObject *args)
 {
-    Py_ssize_t b, n;
-    unsigned long long hits, valid, served;
-    TtPadBucket *bk;
+    TtPadBucket *bk = tt_pad_named(self, args, "nn:_pad_serve");
 
-    if (!PyArg_ParseTuple(args, "nnKKK:_pad_count", &b, &n, &hits, &valid, &served))
+    if (bk == NULL)
         return NULL;
-    if ((bk = tt_pad_bucket_of(self, b, n)) == NULL)
+    if (bk->buffers == NULL) {
+        PyErr_Format(PyExc_ValueError, "_pad_serve: bucket %zd x %zd holds nothing to serve", bk->b, bk->n);
         return NULL;
-    bk->hits += hits;
-    bk->valid += valid;
-    bk->served += served;
+    }
+    bk->ready = 1;
+    Py_RETURN_NONE;
+}
+
+PyObject *
+tt_pad_drop(TtPaddedReplay *self, PyObject *args)
+{
+    TtPadBucket *bk = tt_pad_named(self, args, "nn:_pad_drop");
+
+    if (bk == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_KeyError))
+            return NULL;
+        PyErr_Clear(); /* no such bucket: nothing to let go */
+        Py_RETURN_TRUE;
+    }
+    if (bk == self->serving) /* a call is replaying it: it stays */
+        Py_RETURN_FALSE;
+    bk->ready = 0;
+    Py_CLEAR(bk->buffers);
+    Py_CLEAR(bk->graph);
+    Py_CLEAR(bk->outputs);
+    Py_CLEAR(bk->rebuild);
+    Py_RETURN_TRUE;
+}
+
+PyObject *
+tt_pad_set_range(TtPaddedReplay *self, PyObject *args)
+{
+    Py_ssize_t max_batch, max_length;
+
+    if (!PyArg_ParseTuple(args, "nn:_pad_range", &max_batch, &max_length))
+        return NULL;
+    if (self->nparams == 0 || max_batch < 1 || (self->length && max_length < 1)) {
+        PyErr_SetString(PyExc_ValueError, "_pad_range: a laid-out PaddedReplay, max_batch >= 1 and "
+                        "max_length >= 1 when the length is padded");
+        return NULL;
+    }
+    self->max_batch = max_batch;
+    self->max_length = max_length;
     Py_RETURN_NONE;
 }
 
@@ -326,7 +445,7 @@ tt_pad_reset_counts(TtPaddedReplay *self, PyObject *unused)
     (void)unused;
     for (i = 0; i < self->nbuckets; i++)
         self->buckets[i]->hits = self->buckets[i]->valid = self->buckets[i]->served = 0;
-    self->fast = self->slow = 0;
+    self->fast = self->slow = self->outside = 0;
     Py_RETURN_NONE;
 }
 
@@ -341,7 +460,7 @@ tt_pad_ready(TtPaddedReplay *self, PyObject *unused)
         const TtPadBucket *bk = self->buckets[i];
         PyObject *key;
 
-        if (bk->buffers == NULL)
+        if (!bk->ready)
             continue;
         key = Py_BuildValue("(nn)", bk->b, bk->n);
         if (key == NULL || PyList_Append(result, key) < 0)
@@ -350,4 +469,3 @@ tt_pad_ready(TtPaddedReplay *self, PyObject *unused)
     }
     return result;
 }
-

@@ -342,23 +342,35 @@ class Dispatcher:
 
 class PaddedReplay:
     """Base type of the padded backend's callable (backends.padded.PaddedCall): the
-    steady per-call path of a call of varying sizes. A call of the layout set by
-    ``_pad_layout`` whose batch and length fall in a ready bucket's range
-    (``_pad_bucket``) is copied into the bucket's buffers (the length axis past the
-    call's own zeroed), runs the bucket's graph (its GraphReplay's launch alone) or the
-    target on the buffers, and returns copies of the outputs cut back to the call's
-    sizes; any other call goes to ``self._slow(*args, **kwargs)``, and a call made while
-    another is inside runs the target on its own arguments."""
+    per-call path of a call of varying sizes. Whether a call fits the layout set by
+    ``_pad_layout`` is decided here (structure, containers, plain values, each tensor's
+    dtype, device, rank and sizes); a call whose batch and length fall in a ready
+    bucket's range (``_pad_serve``) is copied into the bucket's buffers (the length axis
+    past the call's own zeroed), runs the bucket's graph (its GraphReplay's launch alone)
+    or the target on the buffers, and returns copies of the outputs cut back to the
+    call's sizes; a call that does not fit or falls outside the range runs the target; a
+    call that fits whose bucket is not ready goes to ``self._slow(bb, bn, b, n, *args,
+    **kwargs)``; a call made while another is inside runs the target on its own arguments."""
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
-    def _pad_layout(self, call: Optional[tuple[tuple, dict]], slots: Sequence[tuple[int | str, bool, bool]],
+    def _pad_layout(self, call: tuple[tuple, dict], slots: Sequence[tuple[bool, bool]],
                     outputs: Sequence[tuple[bool, bool]], length: bool, target: Callable[..., Any],
-                    flatten: Callable[[Any], list]) -> None:
-        """Set once. call None: every call goes to _slow."""
-    def _pad_bucket(self, b: int, n: int, low_b: int, low_n: int, buffers: Sequence[Any],
-                    graph: Optional[GraphReplay], outputs: Optional[list],
-                    rebuild: Optional[Callable[[list], Any]]) -> None:
-        """Bucket (b, n) serves the calls of batch low_b..b and length low_n..n from now on."""
-    def _pad_count(self, b: int, n: int, hits: int, valid: int, served: int) -> None: ...
+                    flatten: Callable[[Any], list], max_batch: int, max_length: int, step: int) -> None:
+        """Set once: slots are (batch, length) per tensor of the call, in the order of its leaves."""
+    def _pad_fit(self, call: tuple[tuple, dict]) -> Optional[tuple[int, int, Optional[tuple[int, int]], tuple]]:
+        """(b, n, bucket or None outside the range, tensors per slot), or None: it does not fit."""
+    def _pad_bucket(self, b: int, n: int, buffers: Sequence[Any], graph: Optional[GraphReplay],
+                    outputs: Optional[list], rebuild: Optional[Callable[[list], Any]]) -> None:
+        """Bucket (b, n) holds these; it serves no call until _pad_serve."""
+    def _pad_serve(self, b: int, n: int) -> None:
+        """Bucket (b, n) serves the calls of its range from now on."""
+    def _pad_drop(self, b: int, n: int) -> bool:
+        """Bucket (b, n) lets go of what it held (True, also with no such bucket); False while a
+        call is served from it."""
+    def _pad_range(self, max_batch: int, max_length: int) -> None: ...
+    def _pad_run(self, call: tuple[tuple, dict], hit: bool = False) -> Any:
+        """The call through its bucket (held, ready or not): copies in, graph or target, cuts out."""
+    def _pad_filled(self, call: tuple[tuple, dict]) -> tuple[tuple, dict]:
+        """The call copied into its bucket's buffers, and the call with the buffers in place."""
     def _pad_counts(self) -> dict[tuple[int, int], tuple[int, int, int]]: ...
     def _pad_ready(self) -> list[tuple[int, int]]: ...
     def reset_counts(self) -> None: ...
@@ -378,10 +390,13 @@ class PaddedReplay:
         """Calls served in C, from a ready bucket."""
     @property
     def slow_calls(self) -> int:
-        """Calls handed to _slow (or to the target while busy)."""
+        """Calls that fit, in the range, handed to _slow."""
+    @property
+    def outside_calls(self) -> int:
+        """Calls run by the target: they do not fit the layout, or fall outside the range."""
     @property
     def serves_here(self) -> bool:
-        """Whether _pad_layout was given a call: calls of its layout can be served in C."""
+        """Whether _pad_layout set a layout: calls of it can be served in C."""
 
 CANDIDATE_VARIANT: int
 CANDIDATE_LOWERS_PRECISION: int

@@ -308,6 +308,9 @@ def command_show(args: argparse.Namespace) -> int:
             path = str(module.get("path") or "(root)") if i == 0 else ""
             text = str(signature.get("text", "")) if len(signatures) > 1 else ""
             show(f"  {path:<28} {backend:<18} {text}".rstrip())
+    if summary["refused"] is not None:  # what tt.load would say, before any model is built
+        show(f"tt.load:     refuses this file: {summary['refused']}")
+        return 1
     return 0
 
 

@@ -109,7 +109,8 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
     if progress not in (None, True, False):
         raise TypeError(f"progress must be True, False or None (rank 0 alone under torch.distributed), not {progress!r}")
     speaks = progress if progress is not None else ranks is None or ranks.rank == 0
-    with distributed.noted_alone(group, "tt.tweak"), distributed.using(ranks), _silent(not speaks), _own_runs():
+    shown = Progress(speaks)
+    with distributed.noted_alone(group, "tt.tweak"), distributed.using(ranks), _voiced(shown), _own_runs():
         device, measuring, asked, job, calls, limits = distributed.step(lambda: _checked(
             model, dataset, workload=workload, strategy=strategy, device=device, measure=measure, cache=cache,
             effort=effort, precision=precision, min_depth=min_depth, max_depth=max_depth,
@@ -127,7 +128,7 @@ def tweak(model: nn.Module, dataset: Any = None, *, workload: Any = None, min_de
         # back when the tweak ends, however it ends.
         with model_state.kept(model), correctness.ruling(rule):
             result = _tweak(model, calls, job, device, measuring, asked, strategy=strategy,
-                            progress=speaks, dry_run=dry_run,
+                            shown=shown, dry_run=dry_run,
                             cache=cache, limits=limits,
                             settings={"measure": measure, "effort": effort, "busy_budget": busy_budget},
                             edges=edges)
@@ -176,25 +177,42 @@ def _own_runs() -> Iterator[None]:
         yield
 
 
+class _Noted(logging.Handler):
+    """torch_tweak's warnings as lines of the progress display (Progress.note: "torch-tweak: "
+    and the message, the status line cleared first), where logging's last resort would print
+    them bare between its lines."""
+
+    def __init__(self, shown: Progress) -> None:
+        super().__init__(logging.WARNING)
+        self.shown = shown
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.shown.note(record.getMessage())
+        except Exception:  # noqa: BLE001 - logging's rule: a handler never raises
+            self.handleError(record)
+
+
 @contextlib.contextmanager
-def _silent(silent: bool) -> Iterator[None]:
-    """A tweak that does not speak (progress=False, or a rank other than 0 under
-    torch.distributed) prints nothing: where no handler takes torch_tweak's records, logging's
-    last resort would print its warnings (a depth not kept, a busy machine) on stderr, on every
-    rank; a NullHandler takes them while it runs. Handlers you configured get them as always."""
-    if not silent or logger.hasHandlers():
+def _voiced(shown: Progress) -> Iterator[None]:
+    """Where no handler takes torch_tweak's records, logging's last resort would print its
+    warnings (a depth not kept, a busy machine) on stderr, bare. While a tweak runs they are
+    lines of its progress display instead, with its "torch-tweak: " prefix; a tweak that does not
+    speak (progress=False, or a rank other than 0 under torch.distributed) prints nothing: a
+    NullHandler takes them. Handlers you configured get them as always."""
+    if logger.hasHandlers():
         yield
         return
-    quiet = logging.NullHandler()
-    logger.addHandler(quiet)
+    handler = _Noted(shown) if shown.enabled else logging.NullHandler()
+    logger.addHandler(handler)
     try:
         yield
     finally:
-        logger.removeHandler(quiet)
+        logger.removeHandler(handler)
 
 
 def _tweak(model: nn.Module, calls: Any, job: Workload | None, device: torch.device, measuring: dict | None,
-           asked: Any, *, strategy: Strategy | None, progress: bool, dry_run: bool, cache: bool,
+           asked: Any, *, strategy: Strategy | None, shown: Progress, dry_run: bool, cache: bool,
            limits: dict, settings: dict, edges: list) -> TweakResult:
     """tt.tweak once its arguments passed: the tuning cache, else the engine's search.
     limits: the depth search's settings as checked (the engine's forms); the declared shapes
@@ -205,7 +223,6 @@ def _tweak(model: nn.Module, calls: Any, job: Workload | None, device: torch.dev
     if job is not None:
         job.record()
         speaks_tokens = job.generates and not dry_run
-    shown = Progress(progress)
     if speaks_tokens:
         # the decode loop first: the depths are then tuned and measured under it, and a
         # loop's decode steps replay the untuned model, so module tuning serves the prefill
@@ -379,7 +396,9 @@ def _session(model: nn.Module, tree: ModuleTree, calls: Any, job: Workload | Non
     session = Session(model, tree, run_dataset, strategy, device, measuring, shown, depths)
     session.run_edges = dataset_runner(model, edges) if edges else None
     modules = {n for d in depths for n in tree.tree.cut(d)}
-    shown.plan(len(modules) + len(depths) + 2)  # each module tuned once, each measurement
+    # each module tuned once, each measurement; a module weighs the called modules it holds
+    sizes = _subtree_sizes(tree)
+    shown.plan(len(modules) + len(depths) + 2, {tree.tree.path(n): sizes[n] for n in modules})
     if not dry_run:
         shown.phase("measuring the untuned model")
     if speaks_tokens:
@@ -390,6 +409,18 @@ def _session(model: nn.Module, tree: ModuleTree, calls: Any, job: Workload | Non
     elif speaks_tokens:
         session.refuse = depths_cannot_match(job)
     return session
+
+
+def _subtree_sizes(tree: ModuleTree) -> list[int]:
+    """Per node of the tree of called modules, how many it holds, itself included: what a
+    module's tuning costs in proportion to (its builds compile that much), for the estimate of
+    the time left (Progress.plan)."""
+    sizes = [1] * len(tree.tree)
+    for node in sorted(range(len(tree.tree)), key=tree.tree.depth, reverse=True):
+        parent = tree.tree.parent(node)
+        if parent >= 0:
+            sizes[parent] += sizes[node]
+    return sizes
 
 
 def _cache_key(model: nn.Module, calls: Any, device: torch.device, strategy: Strategy | None,

@@ -18,11 +18,12 @@ def build(kind: str, dtype=torch.float32):
     torch.manual_seed(0)
     if kind == "llama":
         config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                          tie_word_embeddings=True)  # as Llama-3.2-1B and 3B ship
         model = transformers.LlamaForCausalLM(config)
     else:
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=2,
-                                                                     n_positions=256))
+                                                                     n_positions=256, tie_word_embeddings=True))
     return model.eval().to("cuda", dtype)
 
 
@@ -128,14 +129,15 @@ def family(name: str, dtype=torch.bfloat16):
                   num_key_value_heads=2, max_position_embeddings=256)
     T = transformers
     if name == "qwen2":
-        model = T.Qwen2ForCausalLM(T.Qwen2Config(**common))
+        model = T.Qwen2ForCausalLM(T.Qwen2Config(**common, tie_word_embeddings=True))  # as Qwen2.5-0.5B to 3B
     elif name == "mistral":
-        model = T.MistralForCausalLM(T.MistralConfig(**common, sliding_window=8))
+        model = T.MistralForCausalLM(T.MistralConfig(**common, sliding_window=8, tie_word_embeddings=False))
     elif name == "gemma2":
-        model = T.Gemma2ForCausalLM(T.Gemma2Config(**common, head_dim=16, sliding_window=8))
+        model = T.Gemma2ForCausalLM(T.Gemma2Config(**common, head_dim=16, sliding_window=8, tie_word_embeddings=True))
     else:
         model = T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(**common, moe_intermediate_size=64, num_experts=4,
-                                                       num_experts_per_tok=2, shared_expert_intermediate_size=64))
+                                                       num_experts_per_tok=2, shared_expert_intermediate_size=64,
+                                                       tie_word_embeddings=False))
     return model.eval().to("cuda", dtype)
 
 

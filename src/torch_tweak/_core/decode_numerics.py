@@ -12,24 +12,28 @@ from typing import Any, Sequence
 
 import torch
 
-from .correctness import MULTIPLIER, Finding, MismatchError, deviation, judge, measured_bounds, worst
+from . import error_groups
+from .correctness import MULTIPLIER, Finding, MismatchError, judge_groups, tolerance_for, worst
 
 
 @dataclasses.dataclass
 class StepReference:
     """The measured rule for one generate() call, teacher-forced on the untuned tokens: per
     decode step, the logits of a higher-precision run of the model on the same prefix (high,
-    ``[batch, vocab]``), the untuned call's own error against them (own: rms, peak, as
-    `deviation` measures it) and, per sequence, the untuned call's largest error in logits
-    (spread); for a sampling call, per step the total variation between the distributions
+    ``[batch, vocab]``), the untuned call's own error against them (own: gathered per row and
+    column, error_groups.Groups) and, per sequence, the untuned call's largest error in logits
+    (spread); unreferenced: per step, where the higher-precision logits are NaN or Inf and the
+    untuned ones finite, those positions and the untuned values there (None where there are
+    none); for a sampling call, per step the total variation between the distributions
     transformers' processors make of the untuned logits and of the higher-precision ones
     (own_tv). outputs-like: `high` is None when there is no reference, and why says why."""
 
     high: list[torch.Tensor] | None
-    own: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    own: list[error_groups.Groups] = dataclasses.field(default_factory=list)
     spread: list[torch.Tensor] = dataclasses.field(default_factory=list)
     own_tv: list[float] | None = None
     why: str = ""
+    unreferenced: list[tuple[torch.Tensor, torch.Tensor] | None] = dataclasses.field(default_factory=list)
 
     @property
     def measured(self) -> bool:
@@ -40,15 +44,17 @@ def step_reference(own_logits: Sequence[torch.Tensor], high_logits: Sequence[tor
                    own_tv: list[float] | None = None) -> StepReference:
     """The StepReference of a call whose untuned run gave `own_logits` and whose higher-precision
     teacher-forced run gave `high_logits`, step by step."""
-    own, spread, high = [], [], []
+    own, spread, high, odd = [], [], [], []
     for mine, theirs in zip(own_logits, high_logits):
         theirs = theirs.detach().to(mine.device, torch.float32)
         finite = torch.isfinite(mine) & torch.isfinite(theirs)
-        own.append(deviation(mine, theirs, finite))
+        own.append(error_groups.groups_of(mine, theirs, finite))
         gap = (mine.double() - theirs.double()).abs().where(finite, 0.0)
         spread.append(gap.reshape(gap.shape[0], -1).max(dim=-1).values.float())
         high.append(theirs)
-    return StepReference(high, own, spread, own_tv)
+        where = torch.isfinite(mine) & ~torch.isfinite(theirs)
+        odd.append((where, mine.detach().where(where, 0.0)) if bool(where.any()) else None)
+    return StepReference(high, own, spread, own_tv, unreferenced=odd)
 
 
 def check_steps(got: Sequence[torch.Tensor], reference: StepReference, where: str) -> Finding:
@@ -63,10 +69,28 @@ def check_steps(got: Sequence[torch.Tensor], reference: StepReference, where: st
         finite = torch.isfinite(high).to(mine.device)
         if bool((finite & ~torch.isfinite(mine)).any()):
             raise MismatchError(f"{where} step {step}: NaN or Inf logits where the higher-precision run has none")
-        found = deviation(mine, high.to(mine.device), finite & torch.isfinite(mine))
-        findings.append(judge(found, own, measured_bounds(own, MULTIPLIER, mine.dtype), f"{where} step {step} logits",
-                               mine.dtype, MULTIPLIER, "against a float32 run of the model on the same prefix"))
+        odd = reference.unreferenced[step] if step < len(reference.unreferenced) else None
+        if odd is not None:
+            _held_to_untuned(mine, odd, f"{where} step {step} logits")
+        found = error_groups.groups_of(mine, high.to(mine.device), finite & torch.isfinite(mine))
+        findings.append(judge_groups(found, own, MULTIPLIER, mine.dtype, f"{where} step {step} logits",
+                                     "against a float32 run of the model on the same prefix"))
     return worst(findings)
+
+
+def _held_to_untuned(mine: torch.Tensor, odd: tuple[torch.Tensor, torch.Tensor], where: str) -> None:
+    """Where the higher-precision logits are NaN or Inf and the untuned ones finite (`odd`: those
+    positions, the untuned values), the candidate's logits within the fixed rule's tolerance of
+    the untuned ones (each value relative to its size), never skipped."""
+    at, untuned = (t.to(mine.device) for t in odd)
+    if bool((at & ~torch.isfinite(mine)).any()):
+        raise MismatchError(f"{where}: NaN or Inf logits where the untuned call's are finite")
+    error = float(error_groups.relative_errors(mine, untuned, at).max())
+    limit = tolerance_for(torch.float32, bounded=True)
+    if error > limit:
+        raise MismatchError(f"{where}: at the {int(at.sum())} logits where the higher-precision run is NaN or Inf, "
+                            f"the error against the untuned call's is {error:.3g}, more than the fixed rule's {limit:.3g}",
+                            error, limit)
 
 
 @dataclasses.dataclass(frozen=True)

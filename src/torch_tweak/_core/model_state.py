@@ -235,9 +235,11 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     into)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    if a.is_floating_point() or a.is_complex():
+    if torch.equal(a, b):  # the common case, in one pass and no copy: equal, and so no NaN in either
+        return True
+    if a.is_floating_point() or a.is_complex():  # unequal, or NaN somewhere: the same where both have NaN?
         return bool(torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))) and bool(torch.equal(a.isnan(), b.isnan()))
-    return bool(torch.equal(a, b))
+    return False
 
 
 def snapshot(module: nn.Module, param_copy_limit: int = PARAM_COPY_LIMIT, structure: bool = True) -> Snapshot:

@@ -10,13 +10,30 @@ its text says it is that line: anything else those packages say still shows.
 
 A backend's own file keeps the lines of its packages (backends/torchao.py: TORCHAO_IMPORT,
 backends/onnxruntime.py: ONNX_EXPORT) and drops them with ``dropped`` here.
+
+And advice other packages give in an error that a message of ours passes on (without_advice):
+torch's functional_call, refusing a model whose weights are tied, ends "Consider using
+tie_weights=False", its own argument, which a user reads as advice to untie the model.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from typing import Iterator
+
+TIED_ADVICE = re.compile(r"\.?\s*Consider using tie_weights=False\.?")
+TIED_MEANING = ("; the model's weights are tied (one tensor under two names), as its checkpoint has them: "
+                "nothing to change, the fixed rule checks this signature instead")
+
+
+def without_advice(text: str) -> str:
+    """`text` (an error of another package that a message of ours passes on) without advice that
+    is not the user's to take: torch's "Consider using tie_weights=False" becomes what it means."""
+    if TIED_ADVICE.search(text) is None:
+        return text
+    return TIED_ADVICE.sub("", text) + TIED_MEANING
 
 
 class _Drop(logging.Filter):

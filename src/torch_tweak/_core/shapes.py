@@ -31,9 +31,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ._samples import Call
-
-MASK_NAMES = ("attention_mask",)
-"""Argument names taken as a mask of valid positions along axis 1 (transformers' name)."""
+from .layout import CallLayout, layout_of
 
 LIMITS = {"batch": 1 << 16, "length": 1 << 20}
 """The largest size each axis may declare (what a saved padded config may hold)."""
@@ -134,6 +132,13 @@ def position_limit(model: torch.nn.Module) -> tuple[int, str, bool] | None:
     return usable, where, bool(tables)
 
 
+def position_table(model: torch.nn.Module) -> tuple[int, str] | None:
+    """position_limit's (positions, where that was read), as a call's layout keeps it
+    (CallLayout.positions: the padded range's upper end); None when nothing says."""
+    limit = position_limit(model)
+    return None if limit is None else (limit[0], limit[1])
+
+
 def check_model(shapes: Shapes, model: torch.nn.Module) -> None:
     """The declared lengths fit the model's positions (position_limit); ValueError saying how
     many positions the model takes, where that was read, and the range to declare, before
@@ -151,66 +156,28 @@ def check_model(shapes: Shapes, model: torch.nn.Module) -> None:
                          f"{fits}")
 
 
-def named_leaves(call: Call, params: Sequence[str | None]) -> tuple[list, Any, dict[int, str]]:
-    """The call's leaves, its structure, and the name of the argument each leaf came from
-    ({leaf index: name}; params: the names of forward's positional parameters)."""
-    args, kwargs = call
-    leaves, spec = pytree.tree_flatten(call)
-    named: dict[int, str] = {}
-    position = 0
-    for i, value in enumerate(list(args) + list(kwargs.values())):
-        name = (params[i] if i < len(args) and i < len(params) else
-                list(kwargs)[i - len(args)] if i >= len(args) else None)
-        for _ in pytree.tree_leaves(value):
-            if name is not None:
-                named[position] = name
-            position += 1
-    return leaves, spec, named
-
-
-def find_mask(leaves: list, tensors: Sequence[int], named: dict[int, str]) -> int | None:
-    """The index of the call's mask among its leaves: an argument named in MASK_NAMES, 2-d, of
-    integers or booleans; None when it has none."""
-    return next((i for i in tensors if named.get(i) in MASK_NAMES and leaves[i].dim() == 2
-                 and not leaves[i].is_floating_point()), None)
-
-
-def length_inputs(calls: Sequence[list], tensors: Sequence[int], mask: int | None) -> set[int]:
-    """The axis rule, written once: the tensors whose first two axes are the mask's in every
-    one of `calls` (their leaves) are length inputs, padded or bounded along axis 1 with the
-    mask; none without a mask."""
-    if mask is None:
-        return set()
-    return {i for i in tensors if all(c[i].dim() >= 2 and tuple(c[i].shape[:2]) == tuple(c[mask].shape)
-                                      for c in calls)}
-
-
-def _axes_of(call: Call, params: Sequence[str | None], shapes: Shapes, where: str) -> tuple[list, Any, list, int | None]:
-    """(leaves, structure, tensor slots, mask slot) of a call, checking that it has the axes
-    `shapes` declares; ValueError naming what is missing."""
-    leaves, spec, named = named_leaves(call, params)
-    tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    if not tensors:
+def _axes_of(call: Call, params: Sequence[str | None], shapes: Shapes, where: str) -> CallLayout:
+    """The layout of one call (layout.layout_of: the batch-axis and length rules), checking
+    that it has the axes `shapes` declares; ValueError naming what is missing."""
+    layout = layout_of([call], params)
+    if not layout.slots:
         raise ValueError(f"shapes= declares sizes, but {where} passes no tensor")
-    if shapes.batch is not None and (any(leaves[i].dim() == 0 for i in tensors)
-                                     or len({int(leaves[i].shape[0]) for i in tensors}) != 1):
-        sizes = ", ".join(f"{named.get(i, f'tensor {k}')}: {tuple(leaves[i].shape)}" for k, i in enumerate(tensors))
+    if shapes.batch is not None and not layout.batch:
+        sizes = ", ".join(f"{s.name or f'tensor {k}'}: {s.shape}" for k, s in enumerate(layout.slots))
         raise ValueError(f"shapes['batch'] is {AXES['batch']}, but the tensor arguments of {where} do not share "
                          f"one axis-0 size ({sizes}); leave 'batch' out of shapes= for this model")
-    mask = find_mask(leaves, tensors, named)
-    if shapes.length is not None and mask is None:
+    if shapes.length is not None and layout.mask is None:
         raise ValueError(f"shapes['length'] is {AXES['length']}, but {where} passes no 2-d integer or bool "
                          "attention_mask; leave 'length' out of shapes= for this model")
-    return leaves, spec, tensors, mask
+    return layout
 
 
 def check_calls(shapes: Shapes, calls: Sequence[Call], params: Sequence[str | None]) -> None:
     """Each of the dataset's calls has the declared axes, at sizes within the declared
     ranges; ValueError saying which call and what to change (before anything runs)."""
     for k, call in enumerate(calls):
-        leaves, _, tensors, mask = _axes_of(call, params, shapes, f"call {k} of the dataset")
-        sizes = {"batch": int(leaves[tensors[0]].shape[0]) if shapes.batch is not None else None,
-                 "length": int(leaves[mask].shape[1]) if mask is not None else None}
+        batch, length = _axes_of(call, params, shapes, f"call {k} of the dataset").sizes()
+        sizes = {"batch": batch, "length": length}
         for name, (lo, hi) in shapes.as_dict().items():
             if not lo <= sizes[name] <= hi:
                 raise ValueError(f"call {k} of the dataset has {name} {sizes[name]}, outside shapes[{name!r}] = "
@@ -233,18 +200,14 @@ def edge_call(call: Call, params: Sequence[str | None], shapes: Shapes, end: int
     """`call` at the smallest (end 0) or largest (end 1) size of every declared range: rows cut
     or repeated along the batch axis, positions cut or padded along the length axis (a zero
     mask past the call's own positions)."""
-    leaves, spec, tensors, mask = _axes_of(call, params, shapes, "the dataset's first call")
-    out = list(leaves)
-    if shapes.length is not None:
-        assert mask is not None
-        n = shapes.length[end]
-        for i in length_inputs([leaves], tensors, mask):
-            out[i] = _resized(out[i], 1, n, pad_zeros=True)
-    if shapes.batch is not None:
-        b = shapes.batch[end]
-        for i in tensors:
-            out[i] = _resized(out[i], 0, b, pad_zeros=False)
-    return pytree.tree_unflatten(out, spec)
+    layout = _axes_of(call, params, shapes, "the dataset's first call")
+    out = pytree.tree_leaves(call)
+    for slot in layout.slots:
+        if shapes.length is not None and slot.length:
+            out[slot.leaf] = _resized(out[slot.leaf], 1, shapes.length[end], pad_zeros=True)
+        if shapes.batch is not None:
+            out[slot.leaf] = _resized(out[slot.leaf], 0, shapes.batch[end], pad_zeros=False)
+    return pytree.tree_unflatten(out, layout.spec)
 
 
 def edge_calls(shapes: Shapes | None, calls: Sequence[Call], params: Sequence[str | None]) -> list[Call]:
@@ -273,12 +236,11 @@ def positions(model: torch.nn.Module) -> int | None:
 
 
 def mask_lengths(calls: Sequence[Call], params: Sequence[str | None]) -> list[int]:
-    """Each call's length along its attention_mask (axis 1; find_mask), for the calls that have one."""
+    """Each call's length along its attention_mask (axis 1; the layout's length rule), for the
+    calls that have one."""
     lengths = []
     for call in calls:
-        leaves, _, named = named_leaves(call, params)
-        tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        mask = find_mask(leaves, tensors, named)
-        if mask is not None:
-            lengths.append(int(leaves[mask].shape[1]))
+        length = layout_of([call], params).sizes()[1]
+        if length is not None:
+            lengths.append(length)
     return lengths

@@ -12,7 +12,9 @@ positional count, the same keywords in the same order). Recorded calls are store
 layout too, so a backend builds on one layout.
 
 Recording keeps up to MAX_CALLS_PER_SIGNATURE calls of each of the first
-MAX_SIGNATURES signatures. Calls of any further signature share one last group,
+MAX_SIGNATURES signatures (and, with tt.tweak's shapes=, up to MAX_DECLARED_CALLS calls at
+the declared ends in a shape class's group: stored_bounds says what a module's groups may
+hold, for the writers and the readers of files alike). Calls of any further signature share one last group,
 "any other call", with no signature of its own. Its backend serves only calls of the
 shape classes it was built and checked on (see proven_signatures): a call whose plain
 values, structure, dtypes, ranks or devices differ from every recorded call of the
@@ -37,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
+import math
 from typing import Any, Sequence
 
 import torch
@@ -44,11 +47,17 @@ import torch.utils._pytree as pytree
 
 from .. import _C
 from ._samples import Call, describe_cache, structure_key, unstorable
+from .layout import CallLayout, layout_of
 
 _C.set_value_keyer(structure_key)  # a key/value cache fits a signature by its structure, not its identity
 
 MAX_SIGNATURES = 4
 MAX_CALLS_PER_SIGNATURE = 8
+"""Recording keeps at most this many of the traffic's calls per signature (merge_varying: per shape class)."""
+MAX_DECLARED_CALLS = 2
+"""A shape class's group keeps at most this many calls at the ends of the declared shapes beside
+its traffic's (torch_tweak._core.shapes.edge_calls makes one per end; a module called more than
+once per model call keeps its smallest and its largest)."""
 MERGE_VARYING = True
 """Whether the calls of a shape class whose sizes vary get their group (merge_varying)."""
 
@@ -77,6 +86,8 @@ class SignatureGroup:
     serves: tuple = ()  # "any other call": the Signatures its backend serves (proven_signatures)
     varying: bool = False  # the calls of one shape class whose sizes vary (merge_varying)
     declared: int = 0  # its last calls are at the ends of the declared shapes: checked on, never measured
+    layout: CallLayout | None = None  # what its calls look like (lay_out); None: calls of several structures
+    judged: str = ""  # under the measured rule, the rule that judged its candidates instead and why, else ""
 
     def release(self) -> None:
         self.samples.clear()
@@ -214,6 +225,20 @@ def _varying(shapes: Sequence[tuple]) -> tuple[int, ...]:
     return tuple(axis for axis in range(len(shapes[0])) if len({s[axis] for s in shapes}) > 1)
 
 
+def stored_bounds() -> tuple[int, int]:
+    """(the most signature groups one module's recording leaves, the most calls one group holds):
+    what merge_varying keeps within, and so what tt.save writes and tt.load accepts
+    (checkpoint._groups reads them here, at the call, so the two never part).
+
+    Calls: a group holds at most MAX_CALLS_PER_SIGNATURE of the traffic's calls and
+    MAX_DECLARED_CALLS at the declared ends. Groups: every group left holds a traffic call of a
+    shape class no other group holds (two groups of one class whose sizes differ are merged),
+    and the traffic's classes are at most one per signature group and one per call of "any
+    other call" (MAX_CALLS_PER_SIGNATURE of them); a remainder of "any other call" left after
+    merging keeps a call whose class is no group's."""
+    return MAX_SIGNATURES + MAX_CALLS_PER_SIGNATURE, MAX_CALLS_PER_SIGNATURE + MAX_DECLARED_CALLS
+
+
 def is_other(group: SignatureGroup) -> bool:
     """Whether `group` is "any other call" (also as a file or cache entry gives it back)."""
     return group.key == "other" and group.text == OTHER
@@ -328,9 +353,10 @@ def merge_varying(groups: list[SignatureGroup], samples: Sequence[Call], outputs
     module called with live state is left as it is.
 
     edges: the ids of the samples recorded from the calls at the ends of the declared shapes
-    (torch_tweak._core.shapes): each goes after the traffic's calls of its class's group (counted in
-    its ``declared``), whose free axes they widen; one whose class has no call of the
-    traffic is dropped, as is every one when nothing is merged."""
+    (torch_tweak._core.shapes): they go after the traffic's calls of their class's group (counted
+    in its ``declared``, at most MAX_DECLARED_CALLS: the smallest and the largest), whose free
+    axes they widen; one whose class has no call of the traffic is dropped, as is every one
+    when nothing is merged. Every group returned is within stored_bounds."""
     if not MERGE_VARYING or len(samples) < 2 or any(unstorable(s) is not None for s in samples):
         return _without(groups, edges)
     classes: list[tuple[Any, list[int]]] = []
@@ -350,7 +376,7 @@ def merge_varying(groups: list[SignatureGroup], samples: Sequence[Call], outputs
         traffic = [i for i in members if id(samples[i]) not in edges]
         if not traffic or len({tuple(_leaf_shapes(*samples[i])) for i in members}) < 2:
             continue
-        ends = [i for i in members if id(samples[i]) in edges]
+        ends = _extremes([i for i in members if id(samples[i]) in edges], samples)
         kept = traffic[:MAX_CALLS_PER_SIGNATURE] + ends
         calls = [samples[i] for i in kept]
         try:
@@ -368,6 +394,19 @@ def merge_varying(groups: list[SignatureGroup], samples: Sequence[Call], outputs
     return merged + _without(groups, taken | set(edges))  # a group none of whose calls went into a class's stays
 
 
+def _extremes(ends: list[int], samples: Sequence[Call]) -> list[int]:
+    """`ends` (indices into samples) when they are at most MAX_DECLARED_CALLS, else the smallest
+    and the largest call among them (by their tensors' elements), in recorded order."""
+    if len(ends) <= MAX_DECLARED_CALLS:
+        return ends
+
+    def size(i: int) -> int:
+        return sum(math.prod(shape) for shape in _leaf_shapes(*samples[i]))
+
+    chosen = {min(ends, key=size), max(ends, key=size)}
+    return [i for i in ends if i in chosen][:MAX_DECLARED_CALLS]
+
+
 def _without(groups: list[SignatureGroup], taken: set[int] | frozenset[int]) -> list[SignatureGroup]:
     """`groups` without the samples whose ids are in `taken` (a group left with none is dropped)."""
     if not taken:
@@ -381,3 +420,15 @@ def _without(groups: list[SignatureGroup], taken: set[int] | frozenset[int]) -> 
         group.outputs[:] = [o for _, o in pairs]
         rest.append(group)
     return rest
+
+
+def lay_out(groups: Sequence[SignatureGroup], params: tuple = (), positions: tuple[int, str] | None = None) -> None:
+    """Each group's layout (torch_tweak._core.layout), made once here, where its calls were
+    grouped, from its recorded calls: what every reader of them (the backends built for it)
+    reads. None for a group whose calls differ in structure ("any other call"), or that has no
+    call. positions: the model's position table (the longest length a call may have), or None."""
+    for group in groups:
+        try:
+            group.layout = layout_of(group.samples, params, positions) if group.samples else None
+        except ValueError:
+            group.layout = None

@@ -137,8 +137,7 @@ def _high_logits(model: nn.Module, call: decode_call.Greedy, tokens: torch.Tenso
             return weights
         place, state = weights
         moved = {k: v.to(place) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        with torch.no_grad():
-            out = torch.func.functional_call(model, state, (), moved, strict=False)
+        out = correctness.run_higher(model, state, ((), moved))
     logits = out.logits if hasattr(out, "logits") else out[0]
     return [logits[:, prompt - 1 + step].float().to(tokens.device) for step in range(steps)]
 
@@ -149,7 +148,8 @@ def check_call(model: nn.Module, i: int, args: tuple, kwargs: dict, untuned: Any
 
     untuned: the untuned call's tokens (several where it does not repeat its own:
     Workload._warm_tokens); reference: its decode_numerics.StepReference. Without a measured
-    reference the tokens must be one of the untuned runs' exactly. With one, the call is also
+    reference the tokens must be one of the untuned runs' exactly, and what it returns says so
+    and why ("exact tokens: the reference run failed (...)"). With one, the call is also
     run teacher-forced on the untuned tokens and each step's logits held to the measured rule
     (decode_numerics.check_steps); a greedy call's own tokens may part from the untuned ones only
     at a near tie (decode_numerics.partings); a sampling call's processed distributions are held to
@@ -165,7 +165,7 @@ def check_call(model: nn.Module, i: int, args: tuple, kwargs: dict, untuned: Any
     if reference is None or not reference.measured:
         if differ is not None:
             raise MismatchError(differ)
-        return f"call {i}: the untuned tokens"
+        return f"call {i}: exact tokens: {reference.why if reference is not None else 'no reference was made'}"
     call = decode_call.greedy_call(model, args, kwargs)
     sample = not isinstance(call, str) and call.sample
     notes = []

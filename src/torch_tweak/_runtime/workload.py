@@ -22,7 +22,7 @@ from torch import nn
 
 from .. import _C
 from . import decode_call, decode_check, decode_model, generation, sampling
-from .._core import correctness, decode_numerics
+from .._core import correctness, decode_numerics, noise
 from .._core._samples import synchronizer
 
 logger = logging.getLogger("torch_tweak")
@@ -180,7 +180,7 @@ class Workload:
             call.reference = decode_check.reference(self.model, call.args, call.kwargs, call.tokens)
             if not call.reference.measured and correctness.rule().measured:
                 logger.warning("torch-tweak: generate call %d has no higher-precision reference (%s): a candidate "
-                               "must give its untuned tokens exactly", i, call.reference.why)
+                               "must give its untuned tokens exactly", i, noise.without_advice(call.reference.why))
 
     def check_generate(self) -> str:
         """Raises MismatchError unless every recorded generate() call of the model as it is now

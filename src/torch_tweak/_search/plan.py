@@ -16,6 +16,7 @@ model is left as it was.
 from __future__ import annotations
 
 import dataclasses
+import time
 import warnings
 import weakref
 from typing import Any, Sequence
@@ -29,8 +30,8 @@ from .._runtime.decode_check import apply_loop
 from .._runtime.generation import LoopPlan, plan_loop, uninstall as uninstall_loop
 from ..backends.base import Backend
 from .._runtime.module import TunedModule, arm_untuned, install_all, installed, unwrap
-from .._core.shapes import DECLARED, Shapes, edge_calls
-from .._core.signatures import SignatureGroup, forward_params, is_other
+from .._core.shapes import DECLARED, Shapes, edge_calls, position_table
+from .._core.signatures import SignatureGroup, forward_params, is_other, lay_out
 from .tuning import apply_groups, dataset_runner, model_class_name, rebuild_group, record, release
 
 SELECTED_DEPTHS: "weakref.WeakKeyDictionary[nn.Module, int | None]" = weakref.WeakKeyDictionary()
@@ -83,6 +84,47 @@ class Plan:
         return [m.path for m in self.modules]
 
 
+@dataclasses.dataclass(frozen=True)
+class Rebuilt:
+    """One backend apply built again: the module's path, the signature's text, the backend's
+    name, the seconds its build and its check on the recorded calls took, and what its build
+    said of itself (Backend.build_note: e.g. a converted model read from torch-tweak's folder)."""
+
+    path: str
+    signature: str
+    backend: str
+    seconds: float
+    note: str = ""
+
+    def __str__(self) -> str:
+        return (f"{self.path or '(root)'} {self.signature[:80]}: {self.backend} in {self.seconds:.2f} s"
+                + (f" ({self.note})" if self.note else ""))
+
+
+class LoadResult(dict):
+    """What tt.load returns: {module path: the backend of its first signature, or None}, as
+    before, and what the load cost: ``seconds`` (the whole call), ``read_seconds`` (the file
+    read and checked), ``rebuilt`` (a Rebuilt per backend built again and checked on its stored
+    calls, in order) and ``summary()``, the line tt.load logs (INFO, logger torch_tweak)."""
+
+    def __init__(self, chosen: dict, path: Any, seconds: float, read_seconds: float,
+                 rebuilt: Sequence[Rebuilt]) -> None:
+        super().__init__(chosen)
+        self.path, self.seconds, self.read_seconds, self.rebuilt = path, seconds, read_seconds, list(rebuilt)
+
+    def summary(self) -> str:
+        """e.g. "tt.load of model.tt: 0.84 s: the file read and checked in 0.05 s; 1 backend
+        built again and checked on its stored calls: (root) (float32[1, 64, 256]): OpenVINO in
+        0.72 s (its converted model read from torch-tweak's folder, not converted again)"."""
+        built = len(self.rebuilt)
+        text = (f"tt.load of {self.path}: {self.seconds:.2f} s: the file read and checked in "
+                f"{self.read_seconds:.2f} s; ")
+        if not built:
+            return text + "no backend built (nothing tuned in it)"
+        return (text + f"{built} backend{'s' if built > 1 else ''} built again and checked on its stored calls: "
+                + "; ".join(map(str, self.rebuilt)))
+
+
 def _copy(group: SignatureGroup, backend: Backend | None) -> SignatureGroup:
     """A group of its own (its lists copied, not its tensors) with `backend`."""
     return dataclasses.replace(group, backend=backend, samples=list(group.samples), outputs=list(group.outputs),
@@ -101,7 +143,7 @@ def plan_of(model: nn.Module) -> Plan:
 
 
 def apply(model: nn.Module, plan: Plan, *, device: torch.device, calls: Sequence[Call] | None = None,
-          bounded: bool = False, strict: bool = True) -> list[RebuildFailed]:
+          bounded: bool = False, strict: bool = True, rebuilt: list[Rebuilt] | None = None) -> list[RebuildFailed]:
     """Applies `plan` to `model`, with no measurement; returns the rebuilds that failed
     (always empty when strict).
 
@@ -115,7 +157,8 @@ def apply(model: nn.Module, plan: Plan, *, device: torch.device, calls: Sequence
     it was checked on, see signatures.proven_signatures) fails to rebuild.
 
     A rebuild that fails raises RebuildFailed when strict; else that signature runs the
-    original forward, with the reason in its group's error and in the list returned. Then
+    original forward, with the reason in its group's error and in the list returned; one that
+    builds is appended to `rebuilt` (a Rebuilt: its time and its build's note). Then
     every wrapper gets its dispatcher entries, those with a backend are switched to it, the
     plan's depth is what tt.save writes, and untuned calls count from 0.
 
@@ -123,23 +166,24 @@ def apply(model: nn.Module, plan: Plan, *, device: torch.device, calls: Sequence
     taken out and the error raised: the model is as it was. Recording runs the model: a caller
     whose model is in training mode keeps its state (model_state.kept), as tt.tweak does."""
     with correctness.ruling(correctness.Rule(plan.tolerance)):
-        failures = _apply(model, plan, device, calls, bounded, strict)
+        failures = _apply(model, plan, device, calls, bounded, strict, [] if rebuilt is None else rebuilt)
     correctness.RULES[model] = correctness.Rule(plan.tolerance)
     return failures
 
 
 def _apply(model: nn.Module, plan: Plan, device: torch.device, calls: Sequence[Call] | None, bounded: bool,
-           strict: bool) -> list[RebuildFailed]:
+           strict: bool, rebuilt: list[Rebuilt]) -> list[RebuildFailed]:
     model_class = model_class_name(model)
     failures: list[RebuildFailed] = []
     edges = edge_calls(plan.shapes, calls, forward_params(model)) if calls is not None else []
     wrappers = install_all(model, plan.paths)
     try:
         if calls is not None and wrappers:  # the declared shapes' ends too: the groups were formed with them
-            record(wrappers, dataset_runner(model, calls), dataset_runner(model, edges) if edges else None)
+            record(wrappers, dataset_runner(model, calls), dataset_runner(model, edges) if edges else None, model)
         for wrapper, module in zip(wrappers, plan.modules):
             if calls is None:
                 wrapper.tt_signatures[:] = [_copy(g, None) for g in module.groups]
+                lay_out(wrapper.tt_signatures, forward_params(wrapper._tt_original), position_table(model))
             elif [g.key for g in wrapper.tt_signatures] != [g.key for g in module.groups]:
                 raise PlanError(f"{module.path or '(root)'} was called with other signatures")
             errors = [module.error]
@@ -150,6 +194,7 @@ def _apply(model: nn.Module, plan: Plan, device: torch.device, calls: Sequence[C
                 backend = planned.backend.fresh()
                 if plan.shapes is not None:
                     backend = backend.for_shapes(plan.shapes)
+                start = time.perf_counter()
                 try:
                     _build(wrapper, group, backend, device, model_class, bounded)
                 except RebuildFailed as failure:
@@ -161,6 +206,8 @@ def _apply(model: nn.Module, plan: Plan, device: torch.device, calls: Sequence[C
                     errors.append(group.error)
                     continue
                 group.backend = backend
+                rebuilt.append(Rebuilt(module.path, group.text, backend.name, time.perf_counter() - start,
+                                       backend.build_note))
             apply_groups(wrapper)
             wrapper.tt_error = "; ".join(e for e in errors if e)
             wrapper.tt_report = list(module.report)

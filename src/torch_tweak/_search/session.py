@@ -75,7 +75,7 @@ class Session:
             fresh = [self.wrappers[n] for n, t in zip(nodes, tune) if t]
             if fresh:
                 self.progress.step("", f"recording {len(fresh)} modules")
-                record(fresh, self.run_dataset, self.run_edges)
+                record(fresh, self.run_dataset, self.run_edges, self.model)
         except BaseException:
             self.leave()
             raise

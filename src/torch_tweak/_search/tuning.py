@@ -12,29 +12,33 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .. import _C
-from .._core import distributed, model_state
+from .._core import distributed, model_state, noise
 from . import isolation
 from .._core._samples import Call, clone, fresh, load_dataset, resolve_device, synchronizer, unstorable
 from ..backends.base import Backend, BackendUnavailable, ShapesVary
 from .buildlog import BuildLog, capture_build, log_path
 from .._core import correctness
 from .._core.correctness import Finding, MismatchError, Reference, check
+from .._core.layout import CallLayout
 from .._runtime.module import TunedModule, arm_untuned, installed, own_class
 from .._view.progress import Progress
 from .._view.report import candidates_of, fold
+from .._core.shapes import position_table
 from .._core.signatures import (MAX_CALLS_PER_SIGNATURE, SignatureGroup, call_form, forward_params, group_for,
-                                is_other, merge_varying, proven_signatures)
+                                is_other, lay_out, merge_varying, proven_signatures)
 from ..backends.strategy import Strategy, default_backends, default_strategy
 
 logger = logging.getLogger("torch_tweak")
 
 
 def record(wrappers: Iterable[TunedModule], run_dataset: Callable[[], None],
-           run_edges: Callable[[], None] | None = None) -> None:
+           run_edges: Callable[[], None] | None = None, model: nn.Module | None = None) -> None:
     """Runs the dataset once with `wrappers` recording their calls and original outputs,
-    grouped by input signature (see torch_tweak._core.signatures). run_edges: then runs the calls
-    at the ends of the declared shapes (torch_tweak._core.shapes), each recorded by every wrapper
-    and added to its shape class's group, to be checked on and never measured."""
+    grouped by input signature (see torch_tweak._core.signatures), each group with its calls'
+    layout (signatures.lay_out; with the position table of `model`, the whole model, where it
+    has one). run_edges: then runs the calls at the ends of the declared shapes
+    (torch_tweak._core.shapes), each recorded by every wrapper and added to its shape class's
+    group, to be checked on and never measured."""
     wrappers = list(wrappers)
     edges: set[int] = set()  # ids of the samples the edge calls recorded
     mode = {"edges": None}
@@ -48,9 +52,12 @@ def record(wrappers: Iterable[TunedModule], run_dataset: Callable[[], None],
         if run_edges is not None:
             mode["edges"] = edges
             run_edges()
+    positions = position_table(model) if model is not None else None
     for wrapper in wrappers:  # traffic whose sizes vary: one group per shape class
+        params = forward_params(wrapper._tt_original)
         wrapper.tt_signatures[:] = merge_varying(wrapper.tt_signatures, wrapper.tt_samples, wrapper.tt_outputs,
-                                                 forward_params(wrapper._tt_original), edges)
+                                                 params, edges)
+        lay_out(wrapper.tt_signatures, params, positions)
 
 
 def _recorder(wrapper: TunedModule, mode: dict) -> Callable[..., Any]:
@@ -212,8 +219,10 @@ class ModuleSearch:
             try:
                 if o.reference is None:
                     o.reference = reference_of(o.module, group, o.state, log)
+                    group.judged = correctness.judged_by(o.reference)
                 worst = build_checked(backend, o.module, group.samples, group.outputs, self.device, o.state, log,
-                                      writes=bool(wrapper.__dict__.get("tt_writes_inputs")), reference=o.reference)
+                                      writes=bool(wrapper.__dict__.get("tt_writes_inputs")), reference=o.reference,
+                                      layout=group.layout)
             except Exception as exc:
                 mismatch = isinstance(exc, MismatchError)
                 _tell(exc, (_reason(exc), exc.error if mismatch else None, exc.tolerance if mismatch else None,
@@ -287,7 +296,7 @@ def absorb(wrapper: TunedModule, report: dict) -> None:
     (tt_report, tt_error); logs each candidate at DEBUG."""
     groups = wrapper.tt_signatures
     for group, found in zip(groups, report["groups"]):
-        group.report = candidates_of(found)
+        group.report = [dict(c, rule=group.judged) if group.judged else c for c in candidates_of(found)]
         group.error = found["error"]
         label = wrapper.tt_name if len(groups) == 1 else f"{wrapper.tt_name} {group.text}"
         for candidate, built in zip(group.report, found["candidates"]):
@@ -450,7 +459,8 @@ def tune(model: nn.Module, dataset: Any, *, strategy: Strategy | None = None, de
             timing = {"sync": ranks.sync_with(timing["sync"]), "clock": ranks.clock}
         chosen: dict[str, str | None] = {}
         with model_state.kept(model):  # recording a train-mode model moves its batch-norm statistics
-            distributed.step(lambda: record(wrappers.values(), dataset_runner(model, calls)), "recording the calls")
+            distributed.step(lambda: record(wrappers.values(), dataset_runner(model, calls), model=model),
+                             "recording the calls")
             for node, path in enumerate(paths):
                 wrapper = wrappers[path]
                 try:
@@ -535,7 +545,7 @@ def rebuild_group(wrapper: TunedModule, group: SignatureGroup, backend: Backend,
                                         "code may have changed since it was saved: tune it again here",
                                         exc.error, exc.tolerance, exc.own) from None
         worst = build_checked(backend, module, group.samples, outputs, device, state, log, bounded, writes,
-                              reference)
+                              reference, group.layout)
         log.outcome = f"rebuilt; passed the correctness check ({correctness.describe_finding(worst)})"
     return worst
 
@@ -562,13 +572,14 @@ def reference_of(module: nn.Module, group: SignatureGroup, state: model_state.Sn
         log.notes.append(f"reference: the module at {str(found.dtype).replace('torch.', '')} on its recorded "
                          f"calls ({found.seconds:.2f} s)")
     else:
-        log.notes.append(f"no higher-precision reference ({found.why}): the fixed rule holds")
+        log.notes.append(f"no higher-precision reference ({noise.without_advice(found.why)}): the fixed rule holds")
     return found
 
 
 def build_checked(backend: Backend, module: nn.Module, samples: Sequence[Call], refs: Sequence[Any],
                   device: torch.device, state: model_state.Snapshot, log: BuildLog, bounded: bool = False,
-                  writes: bool = False, reference: Reference | None = None) -> Finding:
+                  writes: bool = False, reference: Reference | None = None,
+                  layout: CallLayout | None = None) -> Finding:
     """Builds `backend` for `module` (first in an isolated child when the backend asks for it)
     and checks it on `samples` against `refs`; returns the largest error. Whatever the build
     and the check changed in the module (its structure: hooks, attributes, submodules,
@@ -580,7 +591,8 @@ def build_checked(backend: Backend, module: nn.Module, samples: Sequence[Call], 
     (else only a key/value cache in them is copied). reference: the measured rule's
     (correctness.reference) for these calls; None or one without outputs: the fixed rule.
     The backend is given the original's own errors (Backend.own_errors) before it builds, for
-    the calls it checks itself later (a size first seen after tuning)."""
+    the calls it checks itself later (a size first seen after tuning), and the calls' layout
+    (Backend.layout: the group's, made where its calls were grouped)."""
     if writes and not backend.keeps_input_writes:
         raise ValueError(WRITES_INPUTS.format(backend=backend.name))
     refused = distributed.enter_build(backend)
@@ -589,6 +601,7 @@ def build_checked(backend: Backend, module: nn.Module, samples: Sequence[Call], 
     # under torch.distributed each step is agreed on by every rank (a failure anywhere fails it everywhere)
     step = distributed.step
     copy = clone if writes else fresh
+    backend.layout = layout  # the child of an isolated build is given it too
     if backend.isolate_build:
         isolation.check(backend, module, samples, device, log.notes)  # raises BuildCrashed
     measured = reference is not None and reference.measured and backend.check_tolerance() is None

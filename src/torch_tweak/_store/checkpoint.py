@@ -25,8 +25,10 @@ import datetime
 import hashlib
 import hmac
 import io
+import logging
 import os
 import re
+import time
 import warnings
 import zipfile
 from pathlib import Path
@@ -45,13 +47,14 @@ from .._search import plan as planning
 from .._runtime.generation import LoopPlan
 from .._runtime.decode_call import LOOPS, check_bounds
 from .._runtime.decode_model import check_layouts
-from .._search.plan import SELECTED_DEPTHS, ModulePlan, Plan, plan_of
+from .._search.plan import SELECTED_DEPTHS, LoadResult, ModulePlan, Plan, Rebuilt, plan_of
 from .._core.shapes import Shapes, check_shapes, positions
 from .._runtime.workload import MAX_GENERATE_CALLS
 from .serial import (MAX_JSON_VALUES, Unstorable, build_backend, class_path, decode, describe_backend,
                      device_name, dumps, encode, known_types, loads)
-from .._core.signatures import (MAX_CALLS_PER_SIGNATURE, MAX_SIGNATURES, OTHER, SignatureGroup, call_form,
-                                forward_params, make_signature, proven_signatures)
+from .._core import signatures
+from .._core.signatures import OTHER, SignatureGroup, call_form, forward_params, make_signature, proven_signatures
+from .._version import __version__
 
 FORMAT = "torch-tweak"
 VERSION = 2
@@ -75,6 +78,7 @@ SLACK_BYTES = 256 << 20
 """tt.load reads at most 4 x the model's weights + this from a file unless told (max_bytes)."""
 _SEAL = re.compile(rb"torch-tweak sha256=([0-9a-f]{64}) hmac=([0-9a-f]{64}|-{64})")
 _SEAL_LENGTH = len(b"torch-tweak sha256= hmac=") + 128
+logger = logging.getLogger("torch_tweak")
 
 
 class CheckpointError(ValueError):
@@ -137,8 +141,6 @@ def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None =
     False: none; or a ProcessGroup) the file says this process's rank and the world size, and
     tt.load takes it only on that rank of a run as large: save one file per rank.
     """
-    from .._version import __version__
-
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     secret = _key_bytes(key)
@@ -375,14 +377,56 @@ def _json(data: bytes | bytearray, name: str, path: Any, max_values: int = MAX_J
 
 def read_summary(path: str | os.PathLike, *, key: bytes | str | None = None,
                  max_bytes: int = 1 << 32) -> dict:
-    """{"manifest": ..., "plan": ...} of a torch-tweak file, its seal and hashes checked; loads no tensor."""
+    """{"manifest": ..., "plan": ..., "refused": ...} of a torch-tweak file, its seal and hashes
+    checked; loads no tensor. refused: why tt.load refuses its plan's layout (its modules'
+    signatures and stored calls past what tt.save writes: _layout_problem), else None."""
     try:
         manifest, plan, _ = _read(path, max_bytes, _key_bytes(key), tensors=False)
     except (CheckpointError, FileNotFoundError, TypeError):
         raise
     except Exception as exc:
-        raise CheckpointError(f"{path} is damaged: {type(exc).__name__}: {str(exc)[:200]}") from None
-    return {"manifest": manifest, "plan": plan}
+        raise CheckpointError(f"{path} could not be read: {type(exc).__name__}: {str(exc)[:200]}; "
+                              f"{_unwritten(None)}") from None
+    problem = _layout_problem(plan)
+    return {"manifest": manifest, "plan": plan,
+            "refused": None if problem is None else f"{problem}: {_unwritten(manifest)}"}
+
+
+def _unwritten(manifest: dict | None) -> str:
+    """Why a file whose bytes match its seal holds what tt.load refuses: the version that wrote
+    it (from its manifest), or, for one this version wrote, a change after tt.save."""
+    saved = None if manifest is None else manifest.get("torch_tweak")
+    if type(saved) is str and saved != __version__:
+        saved = saved[:40]
+        return (f"the file was written by torch-tweak {saved}, and this is torch-tweak {__version__}: save it "
+                "again with this version (tune the model again here)")
+    return ("torch-tweak's tt.save does not write that: the file was changed after it was saved (and its seal "
+            "written again), or forged; if tt.save of this version wrote it unchanged, that is a bug of "
+            "torch-tweak's to report")
+
+
+def _layout_problem(plan: dict) -> str | None:
+    """What in the plan's module list is past what tt.save writes (signatures.stored_bounds: the
+    signatures per module, the stored calls per signature, as many outputs as calls), or None."""
+    most_groups, most_calls = signatures.stored_bounds()
+    for item in plan.get("modules", []):
+        where = (item.get("path") if type(item) is dict and type(item.get("path")) is str else None) or "(root)"
+        listed = item.get("signatures") if type(item) is dict else None
+        if type(listed) is not list or not all(type(s) is dict for s in listed):
+            return f"{where}'s signatures are not a list of signatures"
+        if len(listed) > most_groups:
+            return f"{where} has {len(listed)} signatures; tt.save writes at most {most_groups} per module"
+        for sig in listed:
+            calls, outputs = sig.get("samples", []), sig.get("outputs", [])
+            if type(calls) is not list or type(outputs) is not list:
+                return f"{where}'s stored calls and outputs are not lists"
+            if len(calls) > most_calls:
+                return (f"{where} has {len(calls)} stored calls for one signature; tt.save writes at most "
+                        f"{most_calls} ({signatures.MAX_CALLS_PER_SIGNATURE} of the traffic and "
+                        f"{signatures.MAX_DECLARED_CALLS} at the declared shapes' ends)")
+            if len(calls) != len(outputs):
+                return f"{where} has {len(calls)} stored calls and {len(outputs)} outputs for one signature"
+    return None
 
 
 # ------------------------------------------------------------------ load
@@ -390,7 +434,7 @@ def read_summary(path: str | os.PathLike, *, key: bytes | str | None = None,
 
 def load(model: nn.Module, path: str | os.PathLike | None = None, *, device: Any = None, trust_artifacts: bool = False,
          backends: Sequence[Backend] | None = None, key: bytes | str | None = None,
-         max_bytes: int | None = None, types: Sequence[type] = (), group: Any = None) -> dict[str, str | None]:
+         max_bytes: int | None = None, types: Sequence[type] = (), group: Any = None) -> LoadResult:
     """Applies a file written by tt.save to a freshly built `model`, with no tuning.
 
     Every check (seal and hashes, versions, device, model class, module paths, classes and
@@ -416,8 +460,11 @@ def load(model: nn.Module, path: str | os.PathLike | None = None, *, device: Any
     the file its own rank saved, in a run of the same world size (else CheckpointError), and
     the backends are built again on every rank together, each step agreed on (a failure on
     one rank is a failure on all). A file saved by a single process loads only alone.
-    Returns {path: the backend of its first signature, or None}.
+    Returns {path: the backend of its first signature, or None}, a LoadResult that also says
+    what the load cost and what it built again (``seconds``, ``rebuilt``, ``summary()``: the
+    line it logs at INFO on the logger torch_tweak).
     """
+    start = time.perf_counter()
     ranks = distributed.resolve(group, "tt.load")
     with distributed.noted_alone(group, "tt.load"), distributed.using(ranks):
         target, manifest, plan, data, steps, groups, loop, shapes, tolerance = distributed.step(lambda: _opened(
@@ -428,8 +475,13 @@ def load(model: nn.Module, path: str | os.PathLike | None = None, *, device: Any
             ranks.same_calls([f"{name or '(root)'} {g.text}: {call_form(call)}" for (name, _), module_groups
                               in zip(steps, groups) for g in module_groups for call in g.samples],
                              "stored in the files")
-        return _applied(model, path, target, manifest, plan, data, steps, groups, loop, shapes, tolerance,
-                        trust_artifacts)
+        read_s = time.perf_counter() - start
+        rebuilt: list[Rebuilt] = []
+        chosen = _applied(model, path, target, manifest, plan, data, steps, groups, loop, shapes, tolerance,
+                          trust_artifacts, rebuilt)
+    loaded = LoadResult(chosen, path, time.perf_counter() - start, read_s, rebuilt)
+    logger.info("%s", loaded.summary())
+    return loaded
 
 
 def _opened(model: nn.Module, path: Any, *, device: Any, trust_artifacts: bool, backends: Any, key: Any,
@@ -458,22 +510,24 @@ def _opened(model: nn.Module, path: Any, *, device: Any, trust_artifacts: bool, 
         raise ValueError("the model already has torch-tweak wrappers; load into a freshly built model "
                          "(or tt.unwrap(model) first)")
     target = resolve_device(model, device)  # a bad device= fails here, as the caller's mistake
+    manifest = None
     try:
         manifest, plan, data = _read(path, default_max_bytes(model) if max_bytes is None else max_bytes, secret,
                                      artifacts=trust_artifacts)
         _check_target(model, target, device is None, manifest, path)
         _check_ranks(manifest, where, path)
-        steps = _check_plan(model, plan, given, path)
+        steps = _check_plan(model, plan, given, path, manifest)
         shapes = _shapes_of(plan, path, model)
         tolerance = _rule_of(plan, path).tolerance
         stored = _stored(data, target, path)
-        groups = _groups(plan, stored, path, model, known_types(types))
+        groups = _groups(plan, stored, path, model, known_types(types), manifest)
         _check_bounds(model, steps, groups, shapes, given, path)
-        loop = _loop_plan(plan, stored, path, known_types(types), model)
+        loop = _loop_plan(plan, stored, path, known_types(types), model, manifest)
     except (CheckpointError, FileNotFoundError):
         raise
-    except Exception as exc:  # whatever a damaged file makes a reader raise is one error, and the model is as it was
-        raise CheckpointError(f"{path} is damaged or forged: {type(exc).__name__}: {str(exc)[:200]}") from None
+    except Exception as exc:  # whatever else a file makes a reader raise is one error, and the model is as it was
+        raise CheckpointError(f"{path} could not be read: {type(exc).__name__}: {str(exc)[:200]}; "
+                              f"{_unwritten(manifest)}") from None
     return target, manifest, plan, data, steps, groups, loop, shapes, tolerance
 
 
@@ -488,7 +542,7 @@ def _rule_of(plan: dict, path: Any) -> "correctness.Rule":
 
 def _applied(model: nn.Module, path: Any, target: torch.device, manifest: dict, plan: dict, data: dict,
              steps: list, groups: list, loop: Any, shapes: Shapes | None, tolerance: str | float,
-             trust_artifacts: bool) -> dict[str, str | None]:
+             trust_artifacts: bool, rebuilt: list[Rebuilt]) -> dict[str, str | None]:
     """The checked file applied to the model (tt.load's second half)."""
     artifacts = data.get(ARTIFACTS)
     if trust_artifacts and artifacts is not None:
@@ -504,7 +558,7 @@ def _applied(model: nn.Module, path: Any, target: torch.device, manifest: dict, 
             group.backend = backend
         modules.append(ModulePlan(name, module_groups))
     failures = planning.apply(model, Plan(plan.get("depth"), modules, loop, shapes, tolerance), device=target,
-                              bounded=True, strict=False)
+                              bounded=True, strict=False, rebuilt=rebuilt)
     for failure in failures:
         warnings.warn(printable(f"tt.load: {failure.path or '(root)'} {failure.group.text}: {failure}; these calls "
                                 "run the original forward"), stacklevel=2)
@@ -580,7 +634,7 @@ def _check_ranks(manifest: dict, where: tuple[int, int] | None, path: Any) -> No
         return
     rank, size = (saved.get("rank"), saved.get("world_size")) if type(saved) is dict else (None, None)
     if type(rank) is not int or type(size) is not int or not 0 <= rank < size:
-        raise CheckpointError(f"{path} is damaged: its manifest's ranks are not a rank and a world size")
+        raise CheckpointError(f"{path}: its manifest's ranks are not a rank and a world size; {_unwritten(manifest)}")
     if where is None:
         raise CheckpointError(
             f"{path} was saved by rank {rank} of {size} processes (torch.distributed), and this process runs alone: "
@@ -619,7 +673,8 @@ def _check_target(model: nn.Module, target: torch.device, implicit: bool, manife
                       stacklevel=3)
 
 
-def _check_plan(model: nn.Module, plan: dict, given: list[Backend], path: Any) -> list[tuple[str, list]]:
+def _check_plan(model: nn.Module, plan: dict, given: list[Backend], path: Any,
+                manifest: dict) -> list[tuple[str, list]]:
     """[(module path, [backend or None per signature])]: the plan checked against the model."""
     steps = []
     modules = plan["modules"]
@@ -627,6 +682,9 @@ def _check_plan(model: nn.Module, plan: dict, given: list[Backend], path: Any) -
         raise CheckpointError(f"{path}: {PLAN} is not a torch-tweak plan for this model (its module list)")
     if not all(type(m.get("path")) is str for m in modules):
         raise CheckpointError(f"{path}: {PLAN} is not a torch-tweak plan (a module path is not a string)")
+    problem = _layout_problem(plan)
+    if problem is not None:
+        raise CheckpointError(f"{path}: tt.load refuses its plan: {problem}; {_unwritten(manifest)}")
     try:
         resolve_paths(model, [m["path"] for m in modules])
     except (ValueError, TypeError) as exc:
@@ -645,11 +703,7 @@ def _check_plan(model: nn.Module, plan: dict, given: list[Backend], path: Any) -
             raise CheckpointError(f"{path} is for another model: {name or '(root)'}.{diff} is "
                                   f"{_shape(saved.get(diff))} there, {_shape(params.get(diff))} here")
         backends = []
-        signatures = item.get("signatures")
-        if (type(signatures) is not list or len(signatures) > MAX_SIGNATURES + 1
-                or not all(type(s) is dict for s in signatures)):
-            raise CheckpointError(f"{path}: {PLAN} is not a torch-tweak plan ({name or '(root)'}'s signatures)")
-        for sig in signatures:
+        for sig in item["signatures"]:
             try:
                 backends.append(None if sig.get("backend") is None else build_backend(sig["backend"], given))
             except (ValueError, TypeError) as exc:
@@ -677,7 +731,8 @@ def _stored(data: dict[str, Any], device: torch.device, path: Any) -> tuple[list
     return tensors, place
 
 
-def _loop_plan(plan: dict, stored: tuple, path: Any, types: dict[str, type], model: nn.Module) -> LoopPlan | None:
+def _loop_plan(plan: dict, stored: tuple, path: Any, types: dict[str, type], model: nn.Module,
+               manifest: dict) -> LoopPlan | None:
     """The plan's decode loop, checked: a known kind, plain layouts, at most
     MAX_GENERATE_CALLS stored calls of (tensor ids, plain settings) and their tokens, each
     one the decode loop serves on this model, within the check's bounds (check_bounds)."""
@@ -703,7 +758,8 @@ def _loop_plan(plan: dict, stored: tuple, path: Any, types: dict[str, type], mod
             raise ValueError("its top_sampler is true or false")
         loop = LoopPlan(entry["kind"], check_layouts(entry.get("layouts")), calls, top_sampler)
     except (ValueError, TypeError, KeyError, RuntimeError) as exc:
-        raise CheckpointError(f"{path}: the decode loop of its plan is damaged: {str(exc)[:200]}") from None
+        raise CheckpointError(f"{path}: the decode loop of its plan is refused ({str(exc)[:200]}); "
+                              f"{_unwritten(manifest)}") from None
     for args, kwargs, _ in loop.checks:  # what a file may ask the check to decode, before anything runs
         problem = check_bounds(model, args, kwargs)
         if problem is not None:
@@ -712,9 +768,10 @@ def _loop_plan(plan: dict, stored: tuple, path: Any, types: dict[str, type], mod
     return loop
 
 
-def _groups(plan: dict, stored: tuple, path: Any,
-            model: nn.Module, types: dict[str, type]) -> list[list[SignatureGroup]]:
-    """The stored calls and outputs of every signature, tensors on their device."""
+def _groups(plan: dict, stored: tuple, path: Any, model: nn.Module, types: dict[str, type],
+            manifest: dict) -> list[list[SignatureGroup]]:
+    """The stored calls and outputs of every signature, tensors on their device (their number
+    checked by _check_plan against signatures.stored_bounds, the bound tt.save writes within)."""
     tensors, place = stored
     result = []
     for item in plan["modules"]:
@@ -722,8 +779,6 @@ def _groups(plan: dict, stored: tuple, path: Any,
         for sig in item["signatures"]:
             try:
                 stored, results = sig.get("samples", []), sig.get("outputs", [])
-                if type(stored) is not list or type(results) is not list or len(stored) > MAX_CALLS_PER_SIGNATURE:
-                    raise ValueError(f"at most {MAX_CALLS_PER_SIGNATURE} stored calls per signature, in a list")
                 if type(sig.get("text")) is not str or type(sig.get("key")) is not str:
                     raise ValueError("a signature's text and key are strings")
                 samples = [_call(decode(s, tensors, place, types)) for s in stored]
@@ -737,8 +792,8 @@ def _groups(plan: dict, stored: tuple, path: Any,
                     False if not samples else next(iter(proven_signatures(samples, params)), False) if varying
                     else make_signature(*samples[0], params))
             except (ValueError, TypeError, KeyError, RuntimeError) as exc:
-                raise CheckpointError(f"{path}: the stored calls of {item['path'] or '(root)'} are damaged: "
-                                      f"{str(exc)[:200]}") from None
+                raise CheckpointError(f"{path}: the stored calls of {item['path'] or '(root)'} are refused "
+                                      f"({str(exc)[:200]}); {_unwritten(manifest)}") from None
             group = SignatureGroup(signature if signature is not False else None, text, key, varying=varying)
             group.samples.extend(samples)
             group.outputs.extend(outputs)

@@ -5,7 +5,14 @@ candidate, elapsed time, and the time left estimated from the steps done so far)
 that stay are printed above it. Elsewhere (a log file, a notebook's captured stderr): plain
 lines at the milestones only (a depth starts, a module is tuned, a measurement starts),
 each with the elapsed time. The last line says how long the whole tweak took and what it
-kept.
+kept, with the counter at its total.
+
+The time left is estimated per kind of step, never across kinds: tuning a module (its builds
+and compiles) costs in proportion to its size, the called modules under it (its weight:
+the whole model at depth 0 weighs as much as the modules of depth 1 together), and a
+measurement costs what the measurements before it cost. No estimate is shown until a step
+of each kind still to come has been timed: the untuned model's measurement, done first, says
+nothing of what a compile takes (it said "about 0:03 left" before 46 s of compiling).
 
 This is a display, not a log: it never writes to ``logging`` (the library's records go
 there on their own, see docs/tweak.md), and ``progress=False`` turns it off alone. It is
@@ -41,19 +48,44 @@ class Progress:
         self.depth_label = ""
         self.open_line = False
         self.phase_open = False
+        self.mark = self.start  # when the step now running began
+        self.weights: dict[str, float] = {}  # module path -> its weight (plan)
+        self.timed = {"module": [0.0, 0.0], "measure": [0.0, 0.0]}  # kind -> [seconds, weight done]
+        self.to_do = {"module": 0.0, "measure": 0.0}  # kind -> weight planned
 
-    def plan(self, steps: int) -> None:
-        """How many steps the whole tweak has (modules to tune and measurements)."""
+    def plan(self, steps: int, weights: dict[str, float] | None = None) -> None:
+        """How many steps the whole tweak has (modules to tune and measurements); weights:
+        {module path: its weight} of the modules to tune (each 1 when not given)."""
         self.total = max(steps, self.done)
+        self.weights = dict(weights or {})
+        modules = len(self.weights)
+        self.to_do = {"module": float(sum(self.weights.values())), "measure": float(max(0, steps - modules))}
 
     def elapsed(self) -> float:
         return self.clock() - self.start
 
+    def _timed(self, kind: str, weight: float) -> None:
+        """The step that began at the mark, of `kind` and `weight`, is done now."""
+        now = self.clock()
+        spent = self.timed[kind]
+        spent[0] += max(0.0, now - self.mark)
+        spent[1] += weight
+        self.mark = now
+
     def eta(self) -> str:
         if self.done == 0 or self.total <= self.done:
             return ""
-        left = self.elapsed() / self.done * (self.total - self.done)
-        return f", about {clock_text(left)} left"
+        if not self.weights:  # steps of no known kind or weight (a plan without them): all alike
+            return f", about {clock_text(self.elapsed() / self.done * (self.total - self.done))} left"
+        left = 0.0
+        for kind, (seconds, weight) in self.timed.items():
+            remaining = max(0.0, self.to_do[kind] - weight)
+            if remaining == 0:
+                continue
+            if weight == 0:  # no step of this kind timed yet: no estimate rather than a wrong one
+                return ""
+            left += seconds / weight * remaining
+        return f", about {clock_text(left)} left" if left > 0 else ""
 
     def counter(self) -> str:
         return f"[{self.done}/{self.total}] " if self.total else ""
@@ -70,6 +102,7 @@ class Progress:
 
     def finish_module(self, module: str = "", what: str = "") -> None:
         self.done += 1
+        self._timed("module", self.weights.get(module, 1.0))
         if what:
             self.line(f"{self.depth_label}: {module or '(root)'}: {what}")
 
@@ -77,12 +110,16 @@ class Progress:
         """A measurement starts; the one before it, if any, is a step done."""
         if self.phase_open:
             self.done += 1
+            self._timed("measure", 1.0)
+        else:
+            self.mark = self.clock()  # what ran before it (recording, leaving a cut) is no step's
         self.phase_open = True
         self.line(what)
 
     def end_phase(self) -> None:
         if self.phase_open:
             self.done += 1
+            self._timed("measure", 1.0)
             self.phase_open = False
 
     def line(self, text: str) -> None:
@@ -111,14 +148,25 @@ class Progress:
             self.stream.flush()
             self.open_line = False
 
+    def note(self, text: str) -> None:
+        """A line of the library's own (a warning of torch_tweak's logger, tweak._voiced), with
+        the prefix plain lines have, on a terminal too: it is no step."""
+        if not self.enabled:
+            return
+        self.clear()
+        self.stream.write(("" if text.startswith("torch-tweak: ") else "torch-tweak: ") + f"{text}\n")
+        self.stream.flush()
+
     def finish(self, text: str) -> None:
-        """The last line: how long it took and what it kept."""
+        """The last line: the counter at its total (steps not run, such as depths a budget
+        left out, are over too), how long it took and what it kept."""
         self.end_phase()
         self.done = max(self.done, self.total)
         if not self.enabled:
             return
         self.clear()
-        self.stream.write(("" if self.tty else "torch-tweak: ") + f"tuned in {self.elapsed():.1f} s: {text}\n")
+        self.stream.write(("" if self.tty else "torch-tweak: ") + f"{self.counter()}tuned in {self.elapsed():.1f} s: "
+                          f"{text}\n")
         self.stream.flush()
 
     def close(self) -> None:

@@ -23,7 +23,9 @@ class SignatureResult:
     or None), "tolerance" (the bound it was held to), "own_error" (under the measured rule, the
     original's own error by the same measure: max_error / own_error is the candidate's error
     as a multiple of the original's; None under a fixed tolerance), "lowers_precision" (its
-    config lowers precision: BackendConfig.lowers_precision).
+    config lowers precision: BackendConfig.lowers_precision), and where the measured rule is in
+    force but the signature had no higher-precision reference, "rule" (the rule that judged it
+    instead and why: "the fixed rule: no higher-precision reference (...)").
     unstorable: recorded calls the chosen backend cannot store; they compile on first call.
     """
 
@@ -79,11 +81,22 @@ class ModuleResult:
                 found.append(f"{s.text}:\n  " + s.error.strip().replace("\n", "\n  "))
         return found
 
+    def rules(self) -> list[str]:
+        """Per signature judged by another rule than the measured one in force, which and why."""
+        found = []
+        for s in self.signatures:
+            rule = next((c["rule"] for c in s.candidates if c.get("rule")), "")
+            if rule:
+                found.append(f"{s.text}: judged by {rule}")
+        return found
+
     def __str__(self) -> str:
-        """The module's table, then every error in full."""
+        """The module's table, then every error in full, then the rule of each signature that
+        was not judged by the measured rule."""
         text = table([HEADER] + self.rows())
-        errors = self.errors()
-        return text + ("\n\nerrors in full:\n" + "\n".join(errors) if errors else "")
+        errors, rules = self.errors(), self.rules()
+        text += "\n\nerrors in full:\n" + "\n".join(errors) if errors else ""
+        return text + ("\n\ncorrectness:\n" + "\n".join(rules) if rules else "")
 
 
 def candidates_of(group: dict) -> list[dict]:
@@ -119,12 +132,14 @@ def module_result(report: dict, signatures: list[tuple[str, str, list[dict], int
 
 def numerics(candidate: dict) -> str:
     """A candidate's error as a user reads it: "1.3x the original's error" under the measured
-    rule, "relative error 0.004" under a fixed tolerance; "" when not known."""
+    rule, "relative error 0.004" under a fixed tolerance (with the rule and why where the
+    measured rule was in force but had no reference); "" when not known."""
     error, own = candidate.get("max_error"), candidate.get("own_error")
     if error is None:
         return ""
     if own is None:
-        return f"relative error {error:.2g}"
+        rule = candidate.get("rule")
+        return f"relative error {error:.2g}" + (f", by {rule}" if rule else "")
     if own > 0:
         return f"{error / own:.2g}x the original's error"
     return "exact, as the original" if error == 0 else f"error {error:.2g} where the original is exact"

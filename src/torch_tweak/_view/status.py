@@ -40,7 +40,8 @@ class ModuleStatus:
     "train mode", "device graph fell back", "trace fell back" (see docs/backends.md).
     shapes: per group of calls whose sizes vary that a backend serves shape by shape, {its
     text: its backend's describe()}: the padded backend's buckets and their calls, the padding
-    waste, the graphs recorded and their memory, the calls outside the range; OpenVINO's
+    waste, the graphs recorded and their memory, the calls outside the range, the new buckets
+    checked, refused and evicted, and the range with where each end came from; OpenVINO's
     models per call shape on the CPU; a traced model's call shapes proven and refused
     (backends._traced.Served); each with the "line" status prints (see
     docs/serving.md); empty otherwise.

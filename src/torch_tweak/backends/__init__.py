@@ -2,8 +2,8 @@
 
 Every module of this package but the support modules (``base``: the contract; ``variants``:
 the variant fields; ``registry``; ``axes`` and ``strategy``: a module's candidates made of the
-registrations) and the private helpers (a name starting with ``_``: ``_traced``, ``_ov_shapes``)
-is one backend's file: it is imported here, registers its backend
+registrations) and the private helpers (a name starting with ``_``: ``_traced``, ``_ov_shapes``,
+``_padded_buckets``, ``_ov_cache``) is one backend's file: it is imported here, registers its backend
 (``registry.register``), and this package exports the registered class and its config class by
 their names. Adding a backend is its file (with its registration) and its tests."""
 

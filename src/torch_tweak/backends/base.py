@@ -21,7 +21,9 @@ from .._core import noise
 from .._core.model_state import sampled, version_of, weight_change, weights_of
 from .._core._samples import Call, unstorable
 from .._core.schema import Fraction, Spec
+from .._core.layout import CallLayout, layout_of
 from .._core.shapes import Shapes
+from .._core.signatures import forward_params
 
 
 @dataclasses.dataclass
@@ -141,9 +143,18 @@ class Backend(abc.ABC):
     own error against a higher-precision run (torch_tweak._core.correctness.Reference.own).
     A backend that checks calls itself after tuning (a size first seen then) passes it to
     correctness.check as ``own``; None under a fixed tolerance."""
+    layout: CallLayout | None = None
+    """Set before build: the layout of the calls it is built on (torch_tweak._core.layout's
+    CallLayout: their structure and tensor slots, the batch axis, the length inputs and the
+    model's position table), made once where they were grouped; None when they differ in
+    structure or when a caller builds it directly (layout_for then makes one from the calls)."""
     compiles_with_inductor = False
     """True when the built callable runs Inductor-compiled code: tt.save then keeps
     Inductor's compiled-code cache in the file (applied only with trust_artifacts=True)."""
+    build_note = ""
+    """What the last build did that its time depends on, in a few words (OpenVINO: "converted in
+    1.20 s", or its converted model read from torch-tweak's folder): tt.load's report of what
+    it rebuilt (LoadResult) says it beside the build's time; "" says nothing."""
 
     @staticmethod
     def build_scope(static: bool) -> contextlib.AbstractContextManager:
@@ -213,6 +224,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def build(self, module: torch.nn.Module, samples: Sequence[Call], device: torch.device) -> Callable[..., Any]:
         """A callable that runs `module` on this backend, built and warmed on `samples`."""
+
+    def layout_for(self, module: torch.nn.Module, samples: Sequence[Call]) -> CallLayout:
+        """The layout of `samples` (Backend.layout, else made from them: CallLayout; ValueError
+        when they differ in structure)."""
+        return self.layout if self.layout is not None else layout_of(samples, forward_params(module))
 
     def for_shapes(self, shapes: Shapes) -> "Backend":
         """This backend for traffic within the declared ranges `shapes` (tt.tweak's shapes=,

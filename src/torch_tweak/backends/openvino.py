@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import logging
 import signal
 import threading
 import time
@@ -50,11 +51,14 @@ import torch
 import torch.utils._pytree as pytree
 
 from .._core._samples import Call, move, unstorable
+from .._core.correctness import check
 from .._core.cpu_load import host_memory
 from .._core.model_state import restore_places, weight_places
 from .._core.schema import Count, Name, OneOf
-from .._core.shapes import Shapes, find_mask, length_inputs, named_leaves
+from .._core.layout import CallLayout
+from .._core.shapes import Shapes
 from .base import Backend, BackendConfig, Baked, OutputForm
+from . import _ov_cache
 from ._ov_shapes import StaticShapes, kept_signal_stack
 from ._traced import Served, flatten_for_numpy, watch_values
 from .registry import register
@@ -63,6 +67,7 @@ PERFORMANCE_HINTS = ("LATENCY", "THROUGHPUT", "CUMULATIVE_THROUGHPUT")
 CONVERSIONS = ("convert_model", "torch_compile")
 PRECISIONS = {None: None, "f32": "f32", "f16": "f16", "bf16": "bf16"}
 _PRECISION_OF = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+logger = logging.getLogger("torch_tweak")
 
 
 @dataclasses.dataclass
@@ -230,6 +235,46 @@ def native() -> Iterator[None]:
         yield
 
 
+def _versions(ov: Any) -> dict[str, str]:
+    """What a converted model depends on besides the module and its call (_ov_cache.key)."""
+    from .._version import __version__
+
+    return {"openvino": str(getattr(ov, "__version__", "")), "torch": torch.__version__, "torch_tweak": __version__}
+
+
+def _compiled(backend: OpenVINOBackend, ov: Any, entry: str, module: torch.nn.Module, samples: Sequence[Call],
+              device: torch.device, slots: list[int], first: Any, convert: Callable[[], Any]) -> tuple:
+    """(the converted model, it compiled, the compile's seconds): the model torch-tweak's folder
+    keeps for `entry` (_ov_cache) where it gives the module's answer `first` to the first recorded
+    call, else convert() (traced with its values watched), kept there; backend.build_note says
+    which."""
+    model = _ov_cache.read(ov, entry, module)
+    if model is not None:  # read, not converted: held to the module's answer before it is used
+        start = time.perf_counter()
+        compiled = ov.Core().compile_model(model, backend.ov_device(device), backend.properties(samples, module))
+        compile_s = time.perf_counter() - start
+        leaves = pytree.tree_leaves(samples[0])
+        try:
+            got = compiled.create_infer_request().infer([leaves[i].detach().cpu().numpy() for i in slots]).to_tuple()
+            check(OutputForm(first).fill(torch.from_numpy(a) for a in got), first, backend.check_tolerance(),
+                  where="the first recorded call", own=backend.own_errors)
+        except Exception as exc:  # noqa: BLE001 - a mismatch (code the key does not see changed), or a failure
+            logger.info("OpenVINO's converted model from torch-tweak's folder does not give the module's answer "
+                        "(%s); converting again", str(exc)[:200])
+            _ov_cache.drop(entry)
+        else:
+            backend.build_note = "its converted model read from torch-tweak's folder, not converted again"
+            return model, compiled, compile_s
+    start = time.perf_counter()
+    with torch.no_grad(), watch_values("OpenVINO", len(slots)):
+        model = convert()  # a branch on values: refused
+    backend.build_note = f"converted in {time.perf_counter() - start:.2f} s"
+    _ov_cache.write(ov, entry, model)
+    start = time.perf_counter()
+    compiled = ov.Core().compile_model(model, backend.ov_device(device), backend.properties(samples, module))
+    return model, compiled, time.perf_counter() - start
+
+
 def _within(leaves: list, slots: list[int], bounds: list) -> bool:
     """Whether each tensor slot's sizes are within its axes' bounds (OpenVINOBackend.bounds)."""
     for i, axes in zip(slots, bounds):
@@ -242,28 +287,22 @@ def _within(leaves: list, slots: list[int], bounds: list) -> bool:
     return True
 
 
-def declared_bounds(declared: Shapes | None, samples: Sequence[Call], slots: list[int],
-                    module: torch.nn.Module) -> list | None:
-    """Per tensor slot, per axis: its size where every sample has the same, the declared
-    (min, max) on a declared axis that varies, -1 (any size) on another axis that varies;
-    None without declared shapes (then every axis that varies is fully dynamic)."""
+def declared_bounds(declared: Shapes | None, layout: CallLayout, slots: list[int]) -> list | None:
+    """Per tensor slot (its leaf index), per axis: its size where every sample has the same,
+    the declared (min, max) on a declared axis that varies (the layout's batch axis and length
+    inputs), -1 (any size) on another axis that varies; None without declared shapes (then
+    every axis that varies is fully dynamic)."""
     if declared is None:
         return None
-    from .._core.signatures import forward_params
-    leaves, _, named = named_leaves(samples[0], forward_params(module))
-    mask = find_mask(leaves, slots, named)
-    flats = [pytree.tree_leaves(s) for s in samples]
-    along_length = length_inputs([leaves], slots, mask)
+    by_leaf = {s.leaf: s for s in layout.slots}
     dims = []
     for i in slots:
-        shape = tuple(leaves[i].shape)
-        along = i in along_length
+        slot = by_leaf[i]
         axes: list = []
-        for axis, size in enumerate(shape):
-            varies = len({int(f[i].shape[axis]) for f in flats}) > 1
-            limits = (declared.batch if axis == 0 else
-                      declared.length if axis == 1 and along else None)
-            axes.append(int(size) if not varies else limits if limits is not None else -1)
+        for axis, size in enumerate(slot.shape):
+            limits = (declared.batch if axis == 0 and layout.batch else
+                      declared.length if axis == 1 and slot.length else None)
+            axes.append(size if axis not in slot.varies else limits if limits is not None else -1)
         dims.append(axes)
     return dims
 
@@ -374,18 +413,18 @@ class OpenVINOBackend(Backend):
         static = all(
             [tuple(leaf.shape) for leaf in pytree.tree_leaves(s) if isinstance(leaf, torch.Tensor)]
             == [tuple(t.shape) for t in example] for s in samples)
-        bounds = None if static else declared_bounds(self.declared, samples, slots, module)
-        with torch.no_grad(), watch_values("OpenVINO", len(example)):  # a branch on values: refused
-            model = ov.convert_model(flat, example_input=example,
-                                     input=[tuple(t.shape) for t in example] if static else None if bounds is None
-                                     else [ov.PartialShape([ov.Dimension(*d) if isinstance(d, tuple) else d
-                                                            for d in axes]) for axes in bounds])
-        start = time.perf_counter()
-        compiled = ov.Core().compile_model(model, self.ov_device(device), self.properties(samples, module))
-        compile_s = time.perf_counter() - start
+        bounds = None if static else declared_bounds(self.declared, self.layout_for(module, samples), slots)
+        shapes = [tuple(t.shape) for t in example] if static else bounds
+        entry = _ov_cache.key(module, _versions(ov), spec, [leaf for i, leaf in enumerate(leaves) if i not in slots],
+                              example, shapes)
         args, kwargs = move(samples[0], torch.device("cpu"))
         with torch.no_grad():
-            form = OutputForm(module(*args, **kwargs))
+            first = module(*args, **kwargs)
+        form = OutputForm(first)
+        model, compiled, compile_s = _compiled(self, ov, entry, module, samples, device, slots, first, lambda: (
+            ov.convert_model(flat, example_input=example, input=None if shapes is None else [
+                ov.PartialShape([ov.Dimension(*d) if isinstance(d, tuple) else d for d in axes]) if bounds
+                else axes for axes in shapes])))
         target = None if device.type == "cpu" else device
         special = self._static_shapes(ov, model, device, static, samples, module, form, compile_s)
         if special is not None:  # the recorded calls' shapes: compiled now, checked at their first call

@@ -1,8 +1,8 @@
 """TorchAO: the module's nn.Linear layers quantized by torchao. Opt-in only, never a default:
 quantization changes results, so it is checked against its own, wider tolerance.
 
-An optional dependency: ``pip install torch-tweak[torchao]`` (torchao 0.18 or newer, which
-supports torch 2.11 and later). The backend quantizes a copy of the module; the original
+An optional dependency: ``pip install torch-tweak[torchao]`` (torchao 0.13 or newer: 0.18 with
+a CUDA torch, 0.13 with a CPU one, where it imports without a line; docs/backends.md). The backend quantizes a copy of the module; the original
 module and its weights stay as they are.
 
 Modes: "int8_weight_only" (int8 weights, activations in their dtype), "int8_dynamic" (int8
