@@ -332,8 +332,9 @@ def test_a_broken_step_is_refused_with_the_step_and_the_multiple(how, kernels):
     with pytest.raises(MismatchError) as caught:
         fused_check.check(broken(decoder, how), ids, 8, kernels, made=ref)
     message = str(caught.value)
-    assert re.search(rf"the fused step \({kernels}\) step [1-7] logits: (.+: )?[\d.e+]+x the original's error", message), \
-        message  # (the rule names the row or column group it judged, where it judged one)
+    # the step and the multiple, and the group of values that broke the bound (a row, or columns)
+    assert re.search(rf"the fused step \({kernels}\) step [1-7] logits: (\w[\w -]*: )?[\d.e+]+x the original's error",
+                     message), message
 
 
 # ------------------------------------------------------------------ tokens

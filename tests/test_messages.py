@@ -339,7 +339,7 @@ def test_a_length_past_a_rotary_models_config_is_refused_as_tt_load_refuses_it(t
         tt.tweak(model, [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}], shapes={"length": (8, 128)},
                  max_depth=0, progress=False, cache=False, strategy=tt.OneBackendStrategy(tt.backends.TorchEagerBackend()))
     assert str(caught.value) == (
-        "shapes['length'] = (8, 128): the model's config gives it 64 positions (config.max_position_embeddings = "
+        "shapes['length'] = (8, 128): the model's config takes at most 64 positions (config.max_position_embeddings = "
         "64), so no call longer than 64 can run on it; declare a length of at most 64, e.g. "
         "shapes={'length': (8, 64)}")
     assert not tt.installed(model)

@@ -405,6 +405,29 @@ class Ranks:
         return {"rank": self.rank, "world_size": self.size}
 
 
+def saved_ranks_problem(saved: tuple[int, int] | None, where: tuple[int, int] | None) -> str | None:
+    """Why a file saved by rank saved[0] of saved[1] processes (None: a single process) cannot
+    load in this process (`where`: its rank and world size; None: it runs alone), as words that
+    follow the file's path; None when it can: a plan holds for the shard it was tuned on."""
+    if saved is None:
+        if where is None:
+            return None
+        return (f"was saved by a single process, and this is rank {where[0]} of {where[1]} processes "
+                "(torch.distributed): a plan holds for the shard it was tuned on; tune under torchrun (tt.tweak "
+                "on every rank) and save one file per rank, or load with group=False when every rank holds the "
+                "whole model")
+    rank, size = saved
+    if where is None:
+        return (f"was saved by rank {rank} of {size} processes (torch.distributed), and this process runs alone: "
+                f"load it on rank {rank} of a run of {size} processes (torchrun --nproc-per-node {size}), after "
+                "torch.distributed.init_process_group, into that rank's shard of the model")
+    if where != (rank, size):
+        return (f"was saved by rank {rank} of {size} processes, and this is rank {where[0]} of {where[1]} "
+                f"processes: each rank loads the file its own rank saved, in a run of as many processes ({size}); "
+                f"for {where[1]} processes, tune again under that run (tt.tweak on every rank)")
+    return None
+
+
 @contextlib.contextmanager
 def noted_alone(group: Any, call: str) -> Iterator[None]:
     """`call` on a process that passed group=False while torch.distributed runs several: when

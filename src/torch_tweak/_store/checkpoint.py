@@ -621,30 +621,15 @@ def _given_backends(backends: Any) -> list[Backend]:
 
 
 def _check_ranks(manifest: dict, where: tuple[int, int] | None, path: Any) -> None:
-    """The file's rank and world size (tt.save under torch.distributed) against this process's
-    (None: it runs alone). A file with none was saved by a single process."""
+    """The file's rank and world size (tt.save under torch.distributed; none: a single process)
+    against this process's (`where`; None: it runs alone): distributed.saved_ranks_problem."""
     saved = manifest.get("ranks")
-    if saved is None:
-        if where is not None:
-            raise CheckpointError(
-                f"{path} was saved by a single process, and this is rank {where[0]} of {where[1]} processes "
-                "(torch.distributed): a plan holds for the shard it was tuned on; tune under torchrun (tt.tweak on "
-                "every rank) and save one file per rank, or load with group=False when every rank holds the whole "
-                "model")
-        return
-    rank, size = (saved.get("rank"), saved.get("world_size")) if type(saved) is dict else (None, None)
-    if type(rank) is not int or type(size) is not int or not 0 <= rank < size:
+    ranks = (saved.get("rank"), saved.get("world_size")) if type(saved) is dict else (None, None)
+    if saved is not None and not (type(ranks[0]) is int and type(ranks[1]) is int and 0 <= ranks[0] < ranks[1]):
         raise CheckpointError(f"{path}: its manifest's ranks are not a rank and a world size; {_unwritten(manifest)}")
-    if where is None:
-        raise CheckpointError(
-            f"{path} was saved by rank {rank} of {size} processes (torch.distributed), and this process runs alone: "
-            f"load it on rank {rank} of a run of {size} processes (torchrun --nproc-per-node {size}), after "
-            "torch.distributed.init_process_group, into that rank's shard of the model")
-    if where != (rank, size):
-        raise CheckpointError(
-            f"{path} was saved by rank {rank} of {size} processes, and this is rank {where[0]} of {where[1]} "
-            f"processes: each rank loads the file its own rank saved, in a run of as many processes ({size}); "
-            f"for {where[1]} processes, tune again under that run (tt.tweak on every rank)")
+    problem = distributed.saved_ranks_problem(None if saved is None else ranks, where)
+    if problem is not None:
+        raise CheckpointError(f"{path} {problem}")
 
 
 def _check_target(model: nn.Module, target: torch.device, implicit: bool, manifest: dict, path: Any) -> None:
