@@ -362,6 +362,33 @@ def test_greedy_tokens_through_the_triton_step(name, batch):
     assert torch.equal(fused_check.generate(decoder, ids, 6, "triton"), want)
 
 
+@pytest.mark.slow  # Triton's interpreter: seconds per step
+def test_the_triton_step_split_along_k_and_positions_gives_the_untuned_tokens(monkeypatch):
+    """Every product cut into two parts along K (the last part of each column block sums them)
+    and every attention into two slices of the positions (the last slice of a head combines
+    them): the greedy tokens of a tied Qwen2 (seven query heads a group here: 7 over 1) are the
+    untuned generate()'s."""
+    triton_or_skip()
+    from torch_tweak._runtime import fused_tuning
+
+    split = {"product": fused_tuning.Config(16, 32, True, split=2),
+             "attention": fused_tuning.Config(block_l=4, split=2)}
+    monkeypatch.setattr(fused_tuning, "fixed", lambda kind, rows, interpreted: split[kind])
+    T = transformers
+    torch.manual_seed(0)
+    model = T.Qwen2ForCausalLM(T.Qwen2Config(**{**COMMON, "num_attention_heads": 7, "num_key_value_heads": 1,
+                                                  "head_dim": 8}, tie_word_embeddings=True)).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    decoder = FusedDecoder.of(model)
+    ids = prompt(2, seed=3)
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(fused_check.generate(decoder, ids, 6, "triton"), want)
+    step = decoder.runner(decoder.cache(2, 16), "triton")
+    assert set(step.kernels.configs.values()) == set(split.values())
+
+
 def test_the_model_s_own_forward_continues_the_step_s_cache():
     """Each step sets the cache layers' own count, so the model's forward can take over."""
     model, decoder = shared("qwen2")

@@ -4,11 +4,15 @@ bf16, prompt PROMPT, NEW new tokens, batch 1 (and 4 and 8).
 
 Per model and batch, every figure measured on this card (none written in):
 
+    tune       the Triton step made on a fresh cache of each bucket: the seconds it takes (its
+               kernels compiled at once and their configs measured; a larger bucket takes the
+               products' configs of the first) and the config chosen per product and attention
     products   per product shape of a layer (q/k/v, o, gate/up, down) and the output projection:
-               cuBLAS (F.linear on each weight, as the model lays them out), Inductor with
-               coordinate descent tuning (the same F.linear calls compiled), and the step's Triton
-               kernel at each config of fused_kernels.product_configs (with its prologue and
-               epilogue): us and GB/s of the weights' bytes
+               cuBLAS (F.linear on each weight, as the model lays them out) and the step's Triton
+               kernel at each config of fused_tuning.product_configs (with its prologue and
+               epilogue): us and GB/s of the weights' bytes (one weight timed again and again:
+               the small ones partly from the L2 cache); last of all, Inductor with coordinate
+               descent tuning (the same F.linear calls compiled, one compile each)
     step       the whole decode step (the step's work and the argmax) recorded as one CUDA graph,
                per implementation: torch ops eager (cuBLAS), torch ops compiled by Inductor with
                coordinate descent tuning, Triton kernels: ms a token and % of the floor (the
@@ -28,7 +32,9 @@ Per model and batch, every figure measured on this card (none written in):
     check      the step's logits teacher-forced on the untuned greedy tokens, held to the measured
                rule (fused_check.check): the worst error as a multiple of the untuned model's
 
-A section that would run past --budget seconds is skipped and says so. With --smoke the same
+The Triton rows come first, then Inductor's (its step, then its products: the compiles). A
+section that would run past --budget seconds is skipped and says so; each section's seconds
+are in the file (`section_s`). With --smoke the same
 sections run on the CPU on tiny models of both shapes (torch ops; eager timings, not graphs), in
 seconds: the script's own check.
 
@@ -115,11 +121,13 @@ def section(out: dict, name: str, budget: Budget, need: float, fn: Callable[[], 
     if budget.left() < need:
         out[name] = {"skipped": f"time budget: {budget.left():.0f} s left, about {need:.0f} s needed"}
         return
+    start = time.monotonic()
     try:
         out[name] = fn()
     except Exception as exc:  # keep the other sections' figures
         traceback.print_exc()
         out[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"}
+    out.setdefault("section_s", {})[name] = round(time.monotonic() - start, 1)  # what the budget's needs are from
     print(name, out[name], flush=True)
 
 
@@ -138,28 +146,28 @@ def kernel_names(device: torch.device) -> list[str]:
     return names
 
 
-def products(decoder: Any, batch: int, device: torch.device, inductor: bool) -> dict:
-    """Per product shape: cuBLAS, Inductor (coordinate descent) and each Triton config."""
-    from torch_tweak._runtime import fused_kernels, fused_step
+def product_specs(decoder: Any) -> dict:
+    layer = decoder.layers[0]
+    return {"qkv": layer.qkv, "o": layer.o, "gate_up": layer.gate_up, "down": layer.down, "lm_head": decoder.final}
 
-    rows, layer = fused_step.bucket(batch), decoder.layers[0]
-    specs = {"qkv": layer.qkv, "o": layer.o, "gate_up": layer.gate_up, "down": layer.down, "lm_head": decoder.final}
+
+def products(decoder: Any, batch: int, device: torch.device) -> dict:
+    """Per product shape: cuBLAS and the step's Triton kernel at each of its candidate configs."""
+    from torch_tweak._runtime import fused_kernels, fused_step, fused_tuning
+
+    rows = fused_step.bucket(batch)
     found: dict[str, Any] = {}
     triton = fused_kernels.TritonKernels(device) if "triton" in kernel_names(device) else None
-    for name, spec in specs.items():
+    for name, spec in product_specs(decoder).items():
         x = torch.randn(rows, 2 * spec.k if spec.glu else spec.k, device=device, dtype=decoder.dtype)
         y = torch.zeros(rows, spec.n, device=device, dtype=decoder.dtype)
         nbytes = sum(w.numel() * w.element_size() for w in spec.weights)
         plain = x[:, :spec.k].contiguous()
         row: dict[str, Any] = {"n": spec.n, "k": spec.k, "weights": len(spec.weights), "bytes": nbytes}
         row["cublas"] = figure(timed_ms(lambda: [F.linear(plain, w) for w in spec.weights], device), nbytes)
-        if inductor:
-            fn = torch.compile(lambda a, ws=spec.weights: [F.linear(a, w) for w in ws], fullgraph=True,
-                               options={"coordinate_descent_tuning": True, "triton.cudagraphs": False})
-            row["inductor"] = figure(timed_ms(lambda: fn(plain), device), nbytes)
         if triton is not None:
             row["triton"] = {}
-            for config in fused_kernels.product_configs(rows):
+            for config in fused_tuning.product_configs(rows, spec.n, spec.k, triton.sms):
                 try:
                     ms = timed_ms(lambda c=config: triton._product(spec, x, y, c), device)
                     row["triton"][repr(config)] = figure(ms, nbytes)
@@ -167,6 +175,37 @@ def products(decoder: Any, batch: int, device: torch.device, inductor: bool) -> 
                     row["triton"][repr(config)] = f"{type(exc).__name__}"
         found[name] = row
     return found
+
+
+def inductor_products(decoder: Any, batch: int, device: torch.device) -> dict:
+    """Per product shape: Inductor with coordinate descent tuning (the F.linear calls compiled)."""
+    from torch_tweak._runtime import fused_step
+
+    rows = fused_step.bucket(batch)
+    found: dict[str, Any] = {}
+    for name, spec in product_specs(decoder).items():
+        plain = torch.randn(rows, spec.k, device=device, dtype=decoder.dtype)
+        nbytes = sum(w.numel() * w.element_size() for w in spec.weights)
+        fn = torch.compile(lambda a, ws=spec.weights: [F.linear(a, w) for w in ws], fullgraph=True,
+                           options={"coordinate_descent_tuning": True, "triton.cudagraphs": False})
+        found[name] = figure(timed_ms(lambda: fn(plain), device), nbytes)
+    return found
+
+
+def tune(decoder: Any, batch: int) -> dict:
+    """The Triton step made on a fresh cache of the batch's bucket: the seconds it takes (its
+    kernels compiled and their configs measured, or taken from an earlier bucket's), and the
+    config chosen per product and for the attention."""
+    from torch_tweak._runtime import fused_step
+
+    cache = decoder.cache(batch, PROMPT + NEW)
+    start = time.perf_counter()
+    step = decoder.runner(cache, "triton")
+    seconds = time.perf_counter() - start
+    layer, rows = decoder.layers[0], fused_step.bucket(batch)
+    named = dict(product_specs(decoder), attention=layer.attention)
+    return {"seconds": round(seconds, 2),
+            "configs": {name: repr(step.kernels.configs.get((id(spec), rows))) for name, spec in named.items()}}
 
 
 def prompt(batch: int, vocab: int, device: torch.device) -> torch.Tensor:
@@ -310,7 +349,8 @@ def check(decoder: Any, kernels: str, ids: torch.Tensor, made: Any) -> dict:
 
 
 def one_model(shape: str, args: argparse.Namespace, budget: Budget, device: torch.device) -> dict:
-    """Every section for one shape at batch 1; the step, the call and the check at the other batches."""
+    """Every section for one shape at batch 1; the step, the call and the check at the other
+    batches; the torch ops' rows, then the Triton kernels' (tuned first, the time it takes said)."""
     from torch_tweak._runtime import fused_check
     from torch_tweak._runtime.fused_step import FusedDecoder
 
@@ -329,6 +369,10 @@ def one_model(shape: str, args: argparse.Namespace, budget: Budget, device: torc
         ids = prompt(batch, decoder.vocab, device)
         made = fused_check.reference(model, ids, args.check_tokens)
         for kernels in names:
+            if kernels == "triton":
+                section(at, "tune triton", budget, 60 if batch == args.batches[0] else 10, lambda: tune(decoder, batch))
+                if "configs" not in at["tune triton"]:  # its rows would tune it, past the budget or failing again
+                    continue
             section(at, f"check {kernels}", budget, 5, lambda: check(decoder, kernels, ids, made))
             section(at, f"step {kernels}", budget, 10, lambda: whole_step(decoder, kernels, batch, floor_ms))
             section(at, f"generate {kernels} greedy", budget, 5, lambda: generate(decoder, kernels, batch, False))
@@ -346,20 +390,29 @@ def decoder_anatomy_bytes(model: torch.nn.Module) -> int:
 
 
 def extras(shape: str, found: dict, args: argparse.Namespace, budget: Budget, device: torch.device) -> None:
-    """After every shape's core figures: the products per shape, and Inductor's step (compiles)."""
-    decoder = found.pop("decoder", None)
+    """After every shape's core rows: the products per config (no compile), then Inductor's
+    step (a compile), its check and its call."""
+    decoder = found.get("decoder")
     if decoder is None:
         return
     batch = args.batches[0]
     at = found["batches"][str(batch)]
-    inductor = device.type == "cuda"
-    section(at, "products", budget, 60 if inductor else 5, lambda: products(decoder, batch, device, inductor))
-    if inductor:
+    section(at, "products", budget, 20 if device.type == "cuda" else 5, lambda: products(decoder, batch, device))
+    if device.type == "cuda":
         ids = prompt(batch, decoder.vocab, device)
         made = fused_check_reference(decoder.model, ids, args.check_tokens)
         section(at, "step inductor", budget, 90, lambda: whole_step(decoder, "inductor", batch, found["floor_ms"]))
         section(at, "check inductor", budget, 10, lambda: check(decoder, "inductor", ids, made))
         section(at, "generate inductor greedy", budget, 10, lambda: generate(decoder, "inductor", batch, False))
+
+
+def last(shape: str, found: dict, args: argparse.Namespace, budget: Budget, device: torch.device) -> None:
+    """At the end, what takes the most compiles for the least: Inductor's products one by one."""
+    decoder = found.pop("decoder", None)
+    if decoder is not None and device.type == "cuda":
+        batch = args.batches[0]
+        section(found["batches"][str(batch)], "products inductor", budget, 60,
+                lambda: inductor_products(decoder, batch, device))
 
 
 def fused_check_reference(model: torch.nn.Module, ids: torch.Tensor, new: int) -> Any:
@@ -374,7 +427,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="llama-1b,qwen2.5-0.5b")
     parser.add_argument("--batches", default="1,4,8")
     parser.add_argument("--check-tokens", type=int, default=16)
-    parser.add_argument("--budget", type=float, default=220.0, help="seconds; later sections are skipped past it")
+    parser.add_argument("--budget", type=float, default=420.0, help="seconds; later sections are skipped past it")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
@@ -397,6 +450,8 @@ def main() -> None:
             run["models"][shape] = one_model(shape, args, budget, device)
         for shape in shapes:
             extras(shape, run["models"][shape], args, budget, device)
+        for shape in shapes:
+            last(shape, run["models"][shape], args, budget, device)
     run["seconds"] = round(args.budget - budget.left(), 1)
     common.write_run(args.json, run)
     summary(run)
@@ -411,6 +466,8 @@ def triton_version() -> str | None:
 
 
 def summary(run: dict) -> None:
+    """The step's rows, the Triton step's tuning (its time, the config chosen per product) and
+    which part of a step costs what."""
     print(f"{run['card']}, {run['seconds']} s")
     for shape, found in run["models"].items():
         for batch, at in found.get("batches", {}).items():
@@ -419,6 +476,15 @@ def summary(run: dict) -> None:
                     share = f"  {value['of_floor']:.1%} of the floor" if "of_floor" in value else ""
                     print(f"{shape} batch {batch} {name}: {value.get('ms', value.get('ms/token'))} ms a token, "
                           f"{value['tokens/s']} tok/s{share}")
+            tuned = at.get("tune triton", {})
+            if "configs" in tuned:
+                print(f"{shape} batch {batch} triton tuned in {tuned['seconds']} s:")
+                for part, config in tuned["configs"].items():
+                    print(f"    {part}: {config}")
+            for name in ("parts torch", "parts triton"):
+                if isinstance(at.get(name), dict) and "products" in at[name]:
+                    print(f"{shape} batch {batch} {name} (ms): " +
+                          ", ".join(f"{k} {v:.3f}" for k, v in at[name].items() if isinstance(v, float)))
 
 
 if __name__ == "__main__":

@@ -12,9 +12,9 @@ fused_triton.py's, on CUDA or under TRITON_INTERPRET=1 on the CPU).
 
 The torch implementation is the model's own arithmetic, op for op (transformers' RMSNorm,
 rotate_half, F.linear, SDPA over the cache with a boolean mask), so on the CPU it is the
-reference the Triton kernels are checked against. The Triton kernels' block sizes are chosen
-per shape on the card by measurement (CUDA events, a short list of configs: ``choose``); under
-the interpreter a fixed small config runs.
+reference the Triton kernels are checked against. The Triton kernels' launch settings are
+chosen per shape on the card by measurement (fused_tuning.py: a short list of candidates per
+shape, compiled at once, timed with CUDA events); under the interpreter a fixed config runs.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+
+from . import fused_tuning
+from .fused_tuning import Config
 
 
 @dataclasses.dataclass(eq=False)
@@ -128,30 +131,8 @@ class TorchKernels:
     def prepare(self, p: Any, *args: Any) -> None:
         """Nothing to choose: torch picks its own kernels."""
 
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """A Triton kernel's launch settings: a product's (block_n, block_k, dot) or the
-    attention's block_l; and the warps of a program."""
-
-    block_n: int = 0
-    block_k: int = 0
-    dot: bool = False
-    block_l: int = 0
-    warps: int = 4
-
-
-def product_configs(rows: int) -> list[Config]:
-    """The configs measured for a product of `rows` rows (one batch bucket) on a card."""
-    if rows <= 2:
-        return [Config(8, 256), Config(16, 256), Config(16, 512, warps=8), Config(32, 128), Config(32, 256),
-                Config(64, 128)]
-    plain = [Config(8, 128), Config(16, 128)] if rows >= 8 else [Config(8, 256), Config(16, 128)]
-    return plain + [Config(16, 128, True), Config(32, 128, True), Config(64, 64, True), Config(32, 256, True, warps=8)]
-
-
-ATTENTION_CONFIGS = [Config(block_l=16, warps=2), Config(block_l=32, warps=4), Config(block_l=64, warps=4)]
-"""The attention kernel's configs measured on a card."""
+    def prepare_all(self, jobs: list[tuple]) -> None:
+        """Nothing to choose."""
 
 
 def triton_problem(device: torch.device) -> str | None:
@@ -171,70 +152,21 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n - 1).bit_length())
 
 
-def _fixed(key: tuple) -> Config:
-    """The config under the interpreter: large blocks (the interpreter's time goes by programs
-    and operations, not by bytes), and the dot path for buckets of 4 and more, so both paths
-    run. (fused_kernels' tests run every kernel with small blocks too.)"""
-    if key[0] == "attention":
-        return Config(block_l=64)
-    return Config(64, 128, key[1] >= 4)
+def _product_key(p: Product, x: torch.Tensor) -> tuple:
+    return ("product", p.n, p.k, len(p.weights), p.norm is not None, p.glu, p.residual, p.biases is not None,
+            str(x.dtype))
 
 
-def _interpreted() -> bool:
-    from . import fused_triton
-
-    return fused_triton.INTERPRETED
-
-
-CHOSEN: dict[tuple, Config] = {}
-"""The config measured best per card and shape, for the process (a second decoder of the same
-shapes measures nothing)."""
-
-
-def choose(key: tuple, configs: list[Config], launch: Callable[[Config], None], device: torch.device) -> Config:
-    """The fastest of `configs` for one kernel shape (`key`), timed with CUDA events on scratch
-    buffers (`launch` runs one config): 3 warm-up launches, then the median of 5 rounds of 10.
-    A config that does not build or run on the card (too many registers) is skipped."""
-    if device.type != "cuda" or _interpreted():
-        return _fixed(key)
-    full = (torch.cuda.get_device_name(device),) + key
-    if full in CHOSEN:
-        return CHOSEN[full]
-    best, best_ms = None, float("inf")
-    for config in configs:
-        try:
-            ms = _time(lambda: launch(config), device)
-        except Exception:  # out of resources for this card: not a candidate
-            continue
-        if ms < best_ms:
-            best, best_ms = config, ms
-    if best is None:
-        raise RuntimeError(f"no Triton config ran for {key}")
-    CHOSEN[full] = best
-    return best
-
-
-def _time(fn: Callable[[], None], device: torch.device) -> float:
-    with torch.cuda.device(device):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize(device)
-        rounds = []
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(10):
-                fn()
-            end.record()
-            end.synchronize()
-            rounds.append(start.elapsed_time(end) / 10)
-    return sorted(rounds)[len(rounds) // 2]
+def _attention_key(a: Attention, x: torch.Tensor, keys: torch.Tensor) -> tuple:
+    return ("attention", a.heads, a.kv_heads, a.head_dim, int(keys.shape[2]), str(x.dtype))
 
 
 class TritonKernels:
-    """The step's work as fused_triton.py's kernels. `prepare` chooses each shape's config
-    before any step runs (it launches on scratch buffers, never the caller's); a step then only
-    launches, so it can be recorded in a device graph."""
+    """The step's work as fused_triton.py's kernels. `prepare_all` chooses each shape's config
+    before any step runs (fused_tuning.choose: it launches on scratch buffers, never the
+    caller's) and makes the split forms' scratch; a step then only launches, so it can be
+    recorded in a device graph. One instance per step: the split forms' partial sums and
+    counters are its own, shared by the launches of one shape (one after another on a stream)."""
 
     name = "triton"
 
@@ -245,27 +177,77 @@ class TritonKernels:
         from . import fused_triton
 
         self.k = fused_triton
-        self.configs: dict[int, Config] = {}  # id(spec) x rows -> config
+        self.device = device
+        self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+        self.configs: dict[tuple, Config] = {}  # id(spec) x rows -> config
+        self.scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.unused = (torch.zeros(1, dtype=torch.float32, device=device), torch.zeros(1, dtype=torch.int32,
+                                                                                       device=device))
 
     def prepare(self, spec: Any, x: torch.Tensor, out: torch.Tensor, *attention: Any) -> None:
         """Chooses the config of `spec` for these buffers' rows (on scratch copies)."""
-        rows = x.shape[0]
-        if isinstance(spec, Product):
-            key = ("product", rows, spec.n, spec.k, len(spec.weights), spec.norm is not None, spec.glu,
-                   spec.residual, spec.biases is not None, str(x.dtype))
-            xs, outs = x.clone(), out.clone()
-            chosen = choose(key, product_configs(rows), lambda c: self._product(spec, xs, outs, c), x.device)
-        else:
-            keys, values, cos, sin, position, _ = attention
-            key = ("attention", rows, spec.heads, spec.kv_heads, spec.head_dim, keys.shape[2], str(x.dtype))
-            scratch = (keys.clone(), values.clone(), cos, sin, position.clone(), None)
+        self.prepare_all([(spec, x, out, *attention)])
+
+    def prepare_all(self, jobs: list[tuple]) -> None:
+        """Chooses the config of each job's spec ((spec, x, out) for a product; (spec, qkv, out,
+        keys, values, cos, sin, position, length) for the attention) at its buffers' rows: the
+        jobs of one shape (a model's layers) measured together, on scratch copies of the first's
+        buffers and each job's own weights."""
+        groups: dict[tuple, list[tuple]] = {}
+        for job in jobs:
+            key = _product_key(job[0], job[1]) if isinstance(job[0], Product) else _attention_key(job[0], job[1],
+                                                                                                   job[3])
+            groups.setdefault((key, job[1].shape[0]), []).append(job)
+        shapes = [self._shape(key, rows, group) for (key, rows), group in groups.items()]
+        chosen = fused_tuning.choose(shapes, self.device, self.k.INTERPRETED)
+        for group, config in zip(groups.values(), chosen):
+            for job in group:
+                self.configs[(id(job[0]), job[1].shape[0])] = config
+            self._reserve(group[0], config)
+
+    def _shape(self, key: tuple, rows: int, group: list[tuple]) -> fused_tuning.Shape:
+        specs = [job[0] for job in group]
+        first = group[0]
+        if isinstance(first[0], Product):
+            p = first[0]
+            configs = fused_tuning.product_configs(rows, p.n, p.k, self.sms)
+
+            def make_product() -> Callable[[Config, bool], None]:
+                xs, outs = first[1].clone(), first[2].clone()
+
+                def run(c: Config, warm: bool) -> None:
+                    for spec in specs[:1] if warm else specs:
+                        self._product(spec, xs, outs, c, warm)
+                return run
+            return fused_tuning.Shape(key, rows, configs, len(specs), make_product)
+        a, qkv, out, keys, values, cos, sin, position, _ = first
+        configs = fused_tuning.attention_configs(int(keys.shape[2]), rows * a.heads, self.sms)
+
+        def make_attention() -> Callable[[Config, bool], None]:
+            middle = torch.full_like(position, keys.shape[2] // 2)  # a call's positions: from its prompt to the end
+            scratch = (keys.clone(), values.clone(), cos, sin, middle, None)
             outs = out.clone()
-            chosen = choose(key, ATTENTION_CONFIGS, lambda c: self._attention(spec, x, outs, *scratch, c), x.device)
-        self.configs[(id(spec), rows)] = chosen
+
+            def run(c: Config, warm: bool) -> None:
+                for spec in specs[:1] if warm else specs:
+                    self._attention(spec, qkv, outs, *scratch, c, warm)
+            return run
+        return fused_tuning.Shape(key, rows, configs, len(specs), make_attention)
+
+    def _reserve(self, job: tuple, config: Config) -> None:
+        """The split form's scratch for the chosen config, made before any step (not while one
+        is recorded)."""
+        if config.split > 1:
+            if isinstance(job[0], Product):
+                self._product_scratch(job[0], job[1].shape[0], config)
+            else:
+                self._attention_scratch(job[0], job[1].shape[0], config)
 
     def _config(self, spec: Any, rows: int) -> Config:
         found = self.configs.get((id(spec), rows))
-        return found if found is not None else _fixed(("product" if isinstance(spec, Product) else "attention", rows))
+        if found is not None:
+            return found
+        return fused_tuning.fixed("product" if isinstance(spec, Product) else "attention", rows, self.k.INTERPRETED)
 
     def product(self, p: Product, x: torch.Tensor, out: torch.Tensor) -> None:
         self._product(p, x, out, self._config(p, x.shape[0]))
@@ -274,34 +256,74 @@ class TritonKernels:
                   cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor, length: torch.Tensor | None) -> None:
         self._attention(a, qkv, out, keys, values, cos, sin, position, length, self._config(a, qkv.shape[0]))
 
-    def _product(self, p: Product, x: torch.Tensor, out: torch.Tensor, c: Config) -> None:
+    def _product_scratch(self, p: Product, rows: int, c: Config) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp32 partial sums [split, rows, n], int32 counters, one per program of a part: zero
+        between launches); the unused pair where the config does not split."""
+        if c.split == 1:
+            return self.unused
+        lanes = 1 if c.dot else rows
+        blocks = sum(-(-int(w.shape[0]) // c.block_n) for w in p.weights)
+        key = ("product", rows, p.n, c.split, lanes * blocks)
+        if key not in self.scratch:
+            self.scratch[key] = (torch.empty(c.split, rows, p.n, dtype=torch.float32, device=self.device),
+                                 torch.zeros(lanes * blocks, dtype=torch.int32, device=self.device))
+        return self.scratch[key]
+
+    def _attention_scratch(self, a: Attention, rows: int, c: Config) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp32 partials [programs, split, block_d + 2]: a slice's output, max and sum; int32
+        counters, one per program); the unused pair where the config does not split."""
+        if c.split == 1:
+            return self.unused
+        programs, width = rows * a.heads, _pow2(a.head_dim) + 2
+        key = ("attention", programs, c.split, width)
+        if key not in self.scratch:
+            self.scratch[key] = (torch.empty(programs, c.split, width, dtype=torch.float32, device=self.device),
+                                 torch.zeros(programs, dtype=torch.int32, device=self.device))
+        return self.scratch[key]
+
+    def _product(self, p: Product, x: torch.Tensor, out: torch.Tensor, c: Config, warm: bool = False) -> None:
         rows = x.shape[0]
         ws = list(p.weights) + [p.weights[0]] * (3 - len(p.weights))
         bs = list(p.biases) + [p.biases[0]] * (3 - len(p.biases)) if p.biases is not None else ws
         ns = [int(w.shape[0]) for w in ws]
         blocks = [-(-n // c.block_n) for n in ns[:len(p.weights)]]
-        precision = "ieee" if x.dtype == torch.float32 else None
-        self.k.product_kernel[(sum(blocks),)](
-            x, x.stride(0), p.norm if p.norm is not None else x, p.eps, *ws, *bs, *ns, blocks[0],
-            blocks[1] if len(blocks) > 1 else 0, out, out.stride(0), out, out.stride(0), rows, K=p.k,
-            GROUPS=len(p.weights), NORM=p.norm is not None, GLU=p.glu, RESIDUAL=p.residual,
-            BIAS=p.biases is not None, DOT=c.dot, PRECISION=precision, UPCAST=self.k.INTERPRETED,
-            BLOCK_M=max(16, _pow2(rows)) if c.dot else _pow2(rows), BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-            num_warps=c.warps)
+        parts, counts = self._product_scratch(p, rows, c)
+        pstrides = (parts.stride(0), parts.stride(1)) if parts.dim() == 3 else (0, 0)
+        grid = (sum(blocks), c.split if c.dot else rows * c.split)
+        args = (x, x.stride(0), p.norm if p.norm is not None else x, p.eps, *ws, *bs, *ns, blocks[0],
+                blocks[1] if len(blocks) > 1 else 0, out, out.stride(0), out, out.stride(0), parts, *pstrides, counts,
+                rows)
+        settings = dict(K=p.k, GROUPS=len(p.weights), NORM=p.norm is not None, GLU=p.glu, RESIDUAL=p.residual,
+                        BIAS=p.biases is not None, DOT=c.dot, PRECISION="ieee" if x.dtype == torch.float32 else None,
+                        UPCAST=self.k.INTERPRETED, BLOCK_M=max(16, _pow2(rows)) if c.dot else 1, BLOCK_N=c.block_n,
+                        BLOCK_K=c.block_k, SPLIT=c.split, num_warps=c.warps, **_stages(c))
+        self._launch(self.k.product_kernel, grid, args, settings, warm)
 
     def _attention(self, a: Attention, qkv: torch.Tensor, out: torch.Tensor, keys: torch.Tensor,
                    values: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor,
-                   length: torch.Tensor | None, c: Config) -> None:
+                   length: torch.Tensor | None, c: Config, warm: bool = False) -> None:
         batch = qkv.shape[0]
-        groups = a.heads // a.kv_heads
-        qn = a.q_norm if a.q_norm is not None else qkv
-        kn = a.k_norm if a.k_norm is not None else qkv
-        self.k.attention_kernel[(batch * a.kv_heads,)](
-            qkv, qkv.stride(0), cos, sin, position, keys, values, keys.stride(0), keys.stride(1), keys.stride(2),
-            values.stride(0), values.stride(1), values.stride(2), qn, kn, a.eps, a.scale,
-            length if length is not None else position, out, out.stride(0), H=a.heads, KV=a.kv_heads, G=groups,
-            D=a.head_dim, L=keys.shape[2], QK_NORM=a.q_norm is not None, LENGTH=length is not None,
-            BLOCK_G=_pow2(groups), BLOCK_D=_pow2(a.head_dim), BLOCK_L=c.block_l, num_warps=c.warps)
+        parts, counts = self._attention_scratch(a, batch, c)
+        args = (qkv, qkv.stride(0), cos, sin, position, keys, values, keys.stride(0), keys.stride(1), keys.stride(2),
+                values.stride(0), values.stride(1), values.stride(2), a.q_norm if a.q_norm is not None else qkv,
+                a.k_norm if a.k_norm is not None else qkv, a.eps, a.scale,
+                length if length is not None else position, out, out.stride(0), parts, counts)
+        settings = dict(H=a.heads, KV=a.kv_heads, G=a.heads // a.kv_heads, D=a.head_dim, L=int(keys.shape[2]),
+                        QK_NORM=a.q_norm is not None, LENGTH=length is not None, BLOCK_D=_pow2(a.head_dim),
+                        BLOCK_L=c.block_l, SPLIT=c.split, RUNTIME=not self.k.INTERPRETED, num_warps=c.warps,
+                        **_stages(c))
+        self._launch(self.k.attention_kernel, (batch * a.heads, c.split), args, settings, warm)
+
+    @staticmethod
+    def _launch(kernel: Any, grid: tuple, args: tuple, settings: dict, warm: bool) -> None:
+        if warm:  # compiled (asynchronously under fused_tuning.compile_all), not launched
+            kernel.warmup(*args, grid=grid, **settings)
+        else:
+            kernel[grid](*args, **settings)
+
+
+def _stages(c: Config) -> dict:
+    return {"num_stages": c.stages} if c.stages else {}
 
 
 TORCH = TorchKernels()

@@ -356,15 +356,16 @@ class Step:
 
     @torch.no_grad()
     def _prepare(self) -> None:
-        """The kernels' choices for every shape, on scratch buffers, before any step runs."""
-        k = self.kernels
+        """The kernels' choices for every shape (the layers of one shape measured together), on
+        scratch buffers, before any step runs."""
+        jobs: list[tuple] = []
         for layer, (keys, values, _) in zip(self.decoder.layers, self.caches):
-            k.prepare(layer.qkv, self.hidden, self.qkv)
-            k.prepare(layer.attention, self.qkv, self.attn, keys, values, self.cos, self.sin, self.position, None)
-            k.prepare(layer.o, self.attn, self.hidden)
-            k.prepare(layer.gate_up, self.hidden, self.gate_up)
-            k.prepare(layer.down, self.gate_up, self.hidden)
-        k.prepare(self.decoder.final, self.hidden, self.logits)
+            jobs += [(layer.qkv, self.hidden, self.qkv),
+                     (layer.attention, self.qkv, self.attn, keys, values, self.cos, self.sin, self.position, None),
+                     (layer.o, self.attn, self.hidden), (layer.gate_up, self.hidden, self.gate_up),
+                     (layer.down, self.gate_up, self.hidden)]
+        jobs.append((self.decoder.final, self.hidden, self.logits))
+        self.kernels.prepare_all(jobs)
 
     def buffers(self) -> tuple:
         """What a step reads and writes besides the model's weights, in run_step's order."""
