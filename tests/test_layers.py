@@ -113,10 +113,27 @@ def test_the_scan_finds_a_circle_and_the_package_has_none():
     assert cycles(edges) == []
 
 
+def package_order(text: str) -> list[str]:
+    """A package's own written order, from the bottom up, read from its __init__.py: the entries
+    of the indented list that follows the sentence with "from the bottom up" in its docstring
+    (a module's name, then what it holds; continuation lines further in), up to the first line
+    that is neither."""
+    block = text.split("from the bottom up", 1)[1]
+    names: list[str] = []
+    for line in block.split("\n\n", 1)[1].splitlines():
+        entry = re.match(r"^    ([a-z_]+)  +\S", line)
+        if entry:
+            names.append(entry.group(1))
+        elif not (names and re.match(r"^      +\S", line)):
+            break
+    return names
+
+
 def written_order() -> list[str]:
     """The modules in ARCHITECTURE.md's order of the Python package, from the bottom up
     (`backends/*`: every backend's file, the modules of backends/ the order does not name, each
-    after the backend files it imports)."""
+    after the backend files it imports; another `folder/*`: that package's own written order,
+    package_order, then the package itself)."""
     block = ARCHITECTURE.read_text().split("<!-- python order -->", 1)[1].split("```", 2)[1]
     names = [m.replace("/", ".") for m in block.split() if not m.endswith(":")]
     full = [PACKAGE.name if m == "__init__" else f"{PACKAGE.name}.{m.removesuffix('.__init__')}" for m in names]
@@ -129,8 +146,57 @@ def written_order() -> list[str]:
         left.remove(ready)
     out = []
     for m in full:
-        out += files if m == f"{PACKAGE.name}.backends.*" else [m]
+        if m == f"{PACKAGE.name}.backends.*":
+            out += files
+        elif m.endswith(".*"):
+            package = m.removesuffix(".*")
+            text = modules()[package].read_text()
+            out += [f"{package}.{name}" for name in package_order(text)] + [package]
+        else:
+            out.append(m)
     return out
+
+
+def order_problems(order: list[str], edges: dict[str, set[str]], package: str) -> list[str]:
+    """What breaks a package's written order (its modules' dotted names, from the bottom up),
+    for `edges` (module -> the modules it imports): a module of the package the order does not
+    name, a name with no module, a name given twice, a module importing one of the package's
+    listed after it."""
+    inside = {m for m in edges if m.startswith(package + ".")}
+    problems = [f"{m} is named twice in the order" for m in sorted(set(order)) if order.count(m) > 1]
+    problems += [f"{m} has no place in the order" for m in sorted(inside - set(order))]
+    problems += [f"the order names {m}, which is no module" for m in order if m not in edges]
+    place: dict[str, int] = {}
+    for i, m in enumerate(order):
+        place.setdefault(m, i)
+    problems += [f"{m} imports {d}, which is above it in the order" for m in order
+                 for d in sorted(edges.get(m, ())) if d in place and place[d] > place[m]]
+    return problems
+
+
+DECODE = f"{PACKAGE.name}._runtime.decode"
+
+
+def test_the_order_check_finds_what_breaks_it():
+    text = "\n".join(['"""A package.', "", "The modules, from the bottom up:", "",
+                      "    low     the low one", "    mid     the middle one, whose text", "            goes on",
+                      "    high    the top", "Not an entry.", "", "    other   not an entry either", '"""'])
+    assert package_order(text) == ["low", "mid", "high"]
+    order = [f"p.{m}" for m in package_order(text)]
+    good = {"p": set(), "p.low": set(), "p.mid": {"p.low"}, "p.high": {"p.mid", "p.low"}}
+    assert order_problems(order, good, "p") == []
+    bad = dict(good, **{"p.low": {"p.high"}, "p.extra": set()})
+    assert order_problems(order + ["p.mid", "p.gone"], bad, "p") == [
+        "p.mid is named twice in the order", "p.extra has no place in the order",
+        "the order names p.gone, which is no module", "p.low imports p.high, which is above it in the order"]
+
+
+def test_the_decode_package_keeps_its_written_order():
+    """The decode loop's package (_runtime/decode) has its own order, in its __init__.py, as
+    the extension's is in common.h: every module named once, none importing one after it."""
+    order = [f"{DECODE}.{m}" for m in package_order(modules()[DECODE].read_text())]
+    assert order[0] == f"{DECODE}.call" and order[-1] == f"{DECODE}.loop"
+    assert order_problems(order, graph(), DECODE) == []
 
 
 @pytest.mark.slow
@@ -243,16 +309,17 @@ def folder_of(name: str) -> str:
 
 @pytest.mark.slow
 def test_each_folder_is_one_layer_of_the_written_order():
-    """The folders are the layers: a folder's modules stand together in the written order, so
-    a module put into another layer's folder breaks its folder's block. The package's own
-    folder holds only the door and the version."""
-    blocks = []
-    for name in written_order():
-        folder = folder_of(name)
-        if not blocks or blocks[-1] != folder:
-            blocks.append(folder)
-    inner = [b for b in blocks if b]
-    assert len(inner) == len(set(inner)), f"a folder split by another layer: {blocks}"
+    """The folders are the layers: a folder's modules (its subfolders' too) stand together in
+    the written order, so a module put into another layer's folder breaks its folder's block.
+    The package's own folder holds only the door and the version."""
+    order = written_order()
+    folders = {name: folder_of(name) for name in order}
+    split = []
+    for folder in sorted(set(folders.values()) - {""}):
+        places = [i for i, name in enumerate(order) if (folders[name] + "/").startswith(folder + "/")]
+        if places != list(range(places[0], places[-1] + 1)):
+            split.append(folder)
+    assert split == [], f"folders split by another folder's modules: {split}"
     door = {f"{PACKAGE.name}.{m}" if m else PACKAGE.name for m in ("", "_version", "tweak", "results", "cli", "__main__")}
     assert {name for name in modules() if folder_of(name) == ""} == door
 
