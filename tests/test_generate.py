@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import torch_tweak as tt
-from torch_tweak._runtime.decode import call as decode_call, graph as decode_graph, loop as decode_loop
+from torch_tweak._runtime.decode import call as decode_call, choice, graph as decode_graph, loop as decode_loop
 from torch_tweak._runtime.decode import model as decode_model
 from torch_tweak.backends.base import Backend
 from torch_tweak._core import correctness
@@ -69,6 +69,40 @@ def test_the_loop_gives_transformers_tokens(kind, cache, batch):
     got = generate(model, ids, cache)
     assert loop.calls == 1 and not loop.fallbacks  # the loop ran, not transformers'
     assert torch.equal(got, expected)
+
+
+@pytest.mark.slow
+def test_each_part_of_the_loop_keeps_the_state_its_constructor_set(monkeypatch):
+    """DecodeLoop composes its parts (tests/test_layers.py checks the sources): after greedy and
+    sampling calls (through the top-k sampler, widened to the CPU), dynamic and static caches and a
+    teacher-forced check, neither the loop nor any part holds an attribute its constructor did
+    not set, and the greedy tokens are the untuned model's."""
+    monkeypatch.setattr(choice, "DEVICES", frozenset({"cuda", "cpu"}))
+    model = build("llama")
+    untuned = copy.deepcopy(model)
+    for kind in ("loop", "compiled"):
+        loop = decode_loop.DecodeLoop(model, kind, top_sampler=True)
+        objects = {"loop": loop, **{name: part for name, part in vars(loop).items()
+                                    if type(part).__module__.startswith("torch_tweak._runtime.decode.")}}
+        assert set(objects) == {"loop", "caches", "inputs", "prefills", "choice", "stopping", "source", "steps",
+                                "graph"}
+        before = {name: set(vars(part)) for name, part in objects.items()}
+        decode_loop.install(model, loop)
+        try:
+            for cache in (None, "static"):
+                ids = prompt(2)
+                assert torch.equal(generate(model, ids, cache), generate(untuned, ids, cache)), (kind, cache)
+                kwargs = dict(max_new_tokens=4, do_sample=True, top_k=5, cache_implementation=cache)
+                for subject in (model, untuned):
+                    with torch.no_grad(), decode_call.same_draws(subject, (ids,), kwargs):
+                        subject.generate(ids, **kwargs)
+                tokens = generate(untuned, ids, cache)
+                decode_check.teacher_forced(model, (ids,), dict(max_new_tokens=10, do_sample=False,
+                                                                 cache_implementation=cache), tokens, processed=True)
+        finally:
+            decode_loop.uninstall(model)
+        assert not loop.fallbacks and loop.calls == 6, loop.fallbacks
+        assert {name: set(vars(part)) for name, part in objects.items()} == before
 
 
 @pytest.mark.slow

@@ -252,6 +252,126 @@ def test_every_module_imports_on_its_own():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def _self_attr(node: ast.AST) -> str | None:
+    """`x` of an expression `self.x`, else None."""
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+        return node.attr
+    return None
+
+
+def _lineage(name: str, classes: dict[str, ast.ClassDef]) -> list[ast.ClassDef]:
+    """A class and its bases defined in the same module, nearest first."""
+    out, todo = [], [name]
+    while todo:
+        cls = classes.get(todo.pop(0))
+        if cls is not None and cls not in out:
+            out.append(cls)
+            todo += [b.id for b in cls.bases if isinstance(b, ast.Name)]
+    return out
+
+
+def _state(cls: ast.ClassDef) -> set[str]:
+    """The attributes a class's constructor sets on self (`self.x = ...`, annotated or not)."""
+    init = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+    return set() if init is None else {
+        a for node in ast.walk(init) if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+        and (a := _self_attr(node)) is not None}
+
+
+def _members(cls: ast.ClassDef) -> set[str]:
+    """What a class's body defines: its methods, properties and class attributes."""
+    out = set()
+    for node in cls.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            out |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return out
+
+
+def _root(node: ast.AST) -> str | None:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def part_problems(sources: dict[str, str]) -> list[str]:
+    """Where the parts of a package (its modules' classes) share state, for `sources` (module
+    name -> text): a class that subclasses a class of another module (a mixin); a method that
+    reads `self.x` its class's constructor (or a base's in its module) does not set, or sets
+    `self.x` outside the constructor when the constructor does not set it; and a module that
+    reads or sets, on anything but `self` (or a module it imports), an attribute that is the
+    state (or a private member) of a class of another module and of no class of its own."""
+    trees = {m: ast.parse(text) for m, text in sources.items()}
+    classes = {m: {c.name: c for c in tree.body if isinstance(c, ast.ClassDef)} for m, tree in trees.items()}
+    state = {(m, n): set().union(*map(_state, _lineage(n, cs))) for m, cs in classes.items() for n in cs}
+    members = {(m, n): set().union(*map(_members, _lineage(n, cs))) for m, cs in classes.items() for n in cs}
+    problems = []
+    for m, cs in classes.items():
+        others = {n for o, ocs in classes.items() if o != m for n in ocs}
+        for name, cls in cs.items():
+            problems += [f"{m}.{name} subclasses {_root(b)}, a class of another module" for b in cls.bases
+                         if _root(b) in others or (isinstance(b, ast.Attribute) and b.attr in others)]
+            for method in (n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+                for node in ast.walk(method):
+                    attr = _self_attr(node)
+                    if attr is None:
+                        continue
+                    if isinstance(node.ctx, ast.Load) and attr not in state[m, name] | members[m, name]:
+                        problems.append(f"{m}.{name}.{method.name} reads self.{attr}, which its constructor does not set")
+                    elif isinstance(node.ctx, ast.Store) and method.name != "__init__" and attr not in state[m, name]:
+                        problems.append(f"{m}.{name}.{method.name} sets self.{attr} outside its constructor")
+    for m, tree in trees.items():
+        own = set().union(set(), *(state[m, n] | members[m, n] for n in classes[m]))
+        foreign: dict[str, str] = {}
+        for (o, n), attrs in state.items():
+            if o != m:
+                private = {a for a in members[o, n] if a.startswith("_") and not a.startswith("__")}
+                foreign.update((a, f"{o}.{n}") for a in attrs | private)
+        imported = {alias.asname or alias.name.split(".")[0] for node in ast.walk(tree)
+                    if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in foreign and node.attr not in own and \
+                    not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")) and \
+                    _root(node) not in imported:
+                problems.append(f"{m}:{node.lineno} reads or sets .{node.attr}, the state of {foreign[node.attr]}: "
+                                "ask it through a method")
+    return problems
+
+
+def test_the_part_scan_finds_state_shared_between_parts():
+    sources = {
+        "p.low": "class Low:\n"
+                 "    def __init__(self):\n        self.count = 0\n        self._seen = []\n"
+                 "    def add(self):\n        self.count += 1\n        self.later = 1\n        return self.missing\n"
+                 "    def _private(self):\n        return self.count\n",
+        "p.high": "import torch\nfrom .low import Low\n"
+                  "class High:\n    def __init__(self, low):\n        self.low = low\n"
+                  "    def run(self):\n        self.low.add()\n        torch.cuda.count\n"
+                  "        return self.low.count + len(self.low._seen)\n"
+                  "class Mixed(Low):\n    pass\n",
+    }
+    assert part_problems(sources) == [
+        "p.low.Low.add sets self.later outside its constructor",
+        "p.low.Low.add reads self.missing, which its constructor does not set",
+        "p.high.Mixed subclasses Low, a class of another module",
+        "p.high:9 reads or sets .count, the state of p.low.Low: ask it through a method",
+        "p.high:9 reads or sets ._seen, the state of p.low.Low: ask it through a method"]
+
+
+def test_no_part_of_the_decode_loop_reads_another_parts_state():
+    """The decode loop's parts (_runtime/decode) are composed, not mixed in: each class's
+    state is set in its own constructor and read by its own methods; another module's part is
+    asked through its methods (DecodeLoop has no bases)."""
+    from torch_tweak._runtime.decode.loop import DecodeLoop
+
+    assert DecodeLoop.__bases__ == (object,)
+    sources = {name: path.read_text() for name, path in modules().items() if name.startswith(DECODE + ".")}
+    assert len(sources) >= 8
+    assert part_problems(sources) == []
+
+
 MAX_FUNCTION_LINES = 80
 
 
