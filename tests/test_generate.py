@@ -15,11 +15,13 @@ import torch
 from torch import nn
 
 import torch_tweak as tt
-from torch_tweak._runtime import decode_call, decode_check, decode_graph, decode_model, generation, sampling
+from torch_tweak._runtime.decode import call as decode_call, choice, graph as decode_graph, loop as decode_loop
+from torch_tweak._runtime.decode import model as decode_model
 from torch_tweak.backends.base import Backend
 from torch_tweak._core import correctness
 from torch_tweak._core.correctness import MismatchError
 from torch_tweak._runtime.workload import Workload
+from torch_tweak._search import decode_check, loop_search, plan as planning
 
 transformers = pytest.importorskip("transformers")
 
@@ -68,11 +70,45 @@ def test_the_loop_gives_transformers_tokens(kind, cache, batch):
     model = build(kind)
     ids = prompt(batch)
     expected = generate(model, ids, cache)
-    loop = generation.DecodeLoop(model, "loop")
-    generation.install(model, loop)
+    loop = decode_loop.DecodeLoop(model, "loop")
+    decode_loop.install(model, loop)
     got = generate(model, ids, cache)
     assert loop.calls == 1 and not loop.fallbacks  # the loop ran, not transformers'
     assert torch.equal(got, expected)
+
+
+@pytest.mark.slow
+def test_each_part_of_the_loop_keeps_the_state_its_constructor_set(monkeypatch):
+    """DecodeLoop composes its parts (tests/test_layers.py checks the sources): after greedy and
+    sampling calls (through the top-k sampler, widened to the CPU), dynamic and static caches and a
+    teacher-forced check, neither the loop nor any part holds an attribute its constructor did
+    not set, and the greedy tokens are the untuned model's."""
+    monkeypatch.setattr(choice, "DEVICES", frozenset({"cuda", "cpu"}))
+    model = build("llama")
+    untuned = copy.deepcopy(model)
+    for kind in ("loop", "compiled"):
+        loop = decode_loop.DecodeLoop(model, kind, top_sampler=True)
+        objects = {"loop": loop, **{name: part for name, part in vars(loop).items()
+                                    if type(part).__module__.startswith("torch_tweak._runtime.decode.")}}
+        assert set(objects) == {"loop", "caches", "inputs", "prefills", "choice", "stopping", "source", "steps",
+                                "graph"}
+        before = {name: set(vars(part)) for name, part in objects.items()}
+        decode_loop.install(model, loop)
+        try:
+            for cache in (None, "static"):
+                ids = prompt(2)
+                assert torch.equal(generate(model, ids, cache), generate(untuned, ids, cache)), (kind, cache)
+                kwargs = dict(max_new_tokens=4, do_sample=True, top_k=5, cache_implementation=cache)
+                for subject in (model, untuned):
+                    with torch.no_grad(), decode_call.same_draws(subject, (ids,), kwargs):
+                        subject.generate(ids, **kwargs)
+                tokens = generate(untuned, ids, cache)
+                decode_check.teacher_forced(model, (ids,), dict(max_new_tokens=10, do_sample=False,
+                                                                 cache_implementation=cache), tokens, processed=True)
+        finally:
+            decode_loop.uninstall(model)
+        assert not loop.fallbacks and loop.calls == 6, loop.fallbacks
+        assert {name: set(vars(part)) for name, part in objects.items()} == before
 
 
 @pytest.mark.slow
@@ -82,21 +118,21 @@ def test_the_graph_loop_off_a_cuda_device_runs_its_steps_one_by_one():
     (processors reading the sequence so far), and score-only sampling is recorded."""
     model = build("llama")
     untuned = copy.deepcopy(model)
-    loop = generation.DecodeLoop(model, "graph")
-    generation.install(model, loop)
+    loop = decode_loop.DecodeLoop(model, "graph")
+    decode_loop.install(model, loop)
     ids = prompt(2)
     for cache in (None, "static"):
         assert torch.equal(generate(model, ids, cache), generate(untuned, ids, cache)), cache
-    assert loop.calls == 2 and not loop.fallbacks and not loop._graphs
+    assert loop.calls == 2 and not loop.fallbacks and not loop.graph.graphs
     call = decode_call.greedy_call(model, (ids,), dict(max_new_tokens=4, cache_implementation="static",
                                                       repetition_penalty=1.2))
-    assert loop.graph_problem(call) is None  # not recorded on a CPU: nothing to refuse
-    loop.records = lambda c: True  # as on a CUDA device
-    why = loop.graph_problem(call)
+    assert loop.graph.problem(call) is None  # not recorded on a CPU: nothing to refuse
+    loop.graph.records = lambda c: True  # as on a CUDA device
+    why = loop.graph.problem(call)
     assert why is not None and "RepetitionPenaltyLogitsProcessor" in why, why
     sampled = decode_call.greedy_call(model, (ids,), dict(max_new_tokens=4, cache_implementation="static",
                                                          do_sample=True, temperature=0.7, top_k=5, top_p=0.9))
-    assert loop.graph_problem(sampled) is None  # temperature, top-k, top-p: recorded with the draw
+    assert loop.graph.problem(sampled) is None  # temperature, top-k, top-p: recorded with the draw
 
 
 def test_a_step_graph_that_cannot_be_recorded_leaves_its_calls_step_by_step(monkeypatch, caplog):
@@ -106,8 +142,8 @@ def test_a_step_graph_that_cannot_be_recorded_leaves_its_calls_step_by_step(monk
 
     model = build("llama")
     untuned = copy.deepcopy(model)
-    loop = generation.DecodeLoop(model, "graph")
-    loop.records = lambda c: True  # as on a CUDA device
+    loop = decode_loop.DecodeLoop(model, "graph")
+    loop.graph.records = lambda c: True  # as on a CUDA device
     tries = []
 
     def fail(*args, **kwargs):
@@ -115,13 +151,13 @@ def test_a_step_graph_that_cannot_be_recorded_leaves_its_calls_step_by_step(monk
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(decode_graph, "StepGraph", fail)
-    generation.install(model, loop)
+    decode_loop.install(model, loop)
     with caplog.at_level(logging.WARNING, logger="torch_tweak"):
         for seed in range(3):
             ids = prompt(2, seed)
             assert torch.equal(generate(model, ids, "static"), generate(untuned, ids, "static")), seed
-    assert len(tries) == 1 and not loop._graphs and not loop.fallbacks and loop.calls == 3
-    assert list(loop.unrecorded_steps.values()) == ["RuntimeError: operation not permitted when stream is capturing"]
+    assert len(tries) == 1 and not loop.graph.graphs and not loop.fallbacks and loop.calls == 3
+    assert list(loop.graph.unrecorded.values()) == ["RuntimeError: operation not permitted when stream is capturing"]
     assert sum("could not record its decode step" in r.getMessage() for r in caplog.records) == 1
     assert "its decode step not recorded for 1 shape(s), run step by step" in str(tt.status(model))
 
@@ -134,8 +170,8 @@ def test_a_step_graph_recorded_on_weights_that_moved_is_recorded_again(monkeypat
     recording is dropped (a device replay of it would read freed memory)."""
     model = build("llama")
     untuned = copy.deepcopy(model)
-    loop = generation.DecodeLoop(model, "graph")
-    loop.records = lambda c: True  # as on a CUDA device
+    loop = decode_loop.DecodeLoop(model, "graph")
+    loop.graph.records = lambda c: True  # as on a CUDA device
     recorded = []
 
     class Eager:  # the recorded step, run eagerly in its context
@@ -153,8 +189,8 @@ def test_a_step_graph_recorded_on_weights_that_moved_is_recorded_again(monkeypat
                 fn()
         return Eager(fn, context), None
 
-    monkeypatch.setattr(sampling, "record_graph", record)
-    generation.install(model, loop)
+    monkeypatch.setattr(decode_graph, "record_graph", record)
+    decode_loop.install(model, loop)
     ids = prompt(2, 0)
     for seed in range(2):
         assert torch.equal(generate(model, prompt(2, seed), "static"), generate(untuned, prompt(2, seed), "static"))
@@ -164,7 +200,7 @@ def test_a_step_graph_recorded_on_weights_that_moved_is_recorded_again(monkeypat
             m.lm_head.weight = nn.Parameter(m.lm_head.weight * 1.5)
     for seed in (2, 3):
         assert torch.equal(generate(model, prompt(2, seed), "static"), generate(untuned, prompt(2, seed), "static"))
-    assert len(recorded) == 2 and len(loop._graphs) == 1
+    assert len(recorded) == 2 and len(loop.graph.graphs) == 1
     model.float()  # the same tensors, moved in place: nothing to record again
     assert torch.equal(generate(model, ids, "static"), generate(untuned, ids, "static"))
     assert len(recorded) == 2
@@ -178,15 +214,15 @@ def test_the_compiled_loop_keeps_a_cache_per_grad_mode_and_alternating_modes_giv
     tokens, through two caches."""
     model = build("llama")
     untuned = copy.deepcopy(model)
-    loop = generation.DecodeLoop(model, "compiled")
+    loop = decode_loop.DecodeLoop(model, "compiled")
     loop.eager = True  # its steps run the plain forward: the caches are what is checked here
-    generation.install(model, loop)
+    decode_loop.install(model, loop)
     ids = prompt(2)
     expected = generate(untuned, ids, "static")
     for mode in (torch.inference_mode, torch.no_grad, torch.inference_mode):
         with mode():
             assert torch.equal(generate(model, ids, "static"), expected), mode
-    assert loop.calls == 3 and not loop.fallbacks and len(loop._caches) == 2
+    assert loop.calls == 3 and not loop.fallbacks and len(loop.caches.kept) == 2
 
 
 @pytest.mark.parametrize("cache", [None, "static"])
@@ -199,13 +235,13 @@ def test_the_loop_stops_and_pads_as_transformers_does(cache):
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = 0
     expected = generate(model, ids, cache)
-    loop = generation.DecodeLoop(model, "loop")
-    generation.install(model, loop)
+    loop = decode_loop.DecodeLoop(model, "loop")
+    decode_loop.install(model, loop)
     got = generate(model, ids, cache)
     assert loop.calls == 1 and torch.equal(got, expected)
     one = prompt(1)
     stop_early = generate(model, one, cache)  # one sequence: the output ends at its end-of-sequence
-    generation.uninstall(model)
+    decode_loop.uninstall(model)
     assert torch.equal(stop_early, generate(model, one, cache))
 
 
@@ -226,8 +262,8 @@ def test_calls_the_loop_does_not_serve_run_transformers_loop(why, kwargs):
             [transformers.MinLengthLogitsProcessor(3, eos_token_id=2)]))
     torch.manual_seed(5)
     expected = model.generate(ids, max_new_tokens=6, **kwargs)
-    loop = generation.DecodeLoop(model, "loop")
-    generation.install(model, loop)
+    loop = decode_loop.DecodeLoop(model, "loop")
+    decode_loop.install(model, loop)
     torch.manual_seed(5)
     got = model.generate(ids, max_new_tokens=6, **kwargs)
     assert loop.calls == 0 and sum(loop.fallbacks.values()) == 1, (why, loop.fallbacks)
@@ -252,11 +288,11 @@ def test_a_greedy_call_is_read_as_transformers_reads_it():
 
 def test_a_loop_refuses_pickling_and_unwrap_takes_it_out():
     model = build("llama")
-    generation.install(model, generation.DecodeLoop(model, "loop"))
+    decode_loop.install(model, decode_loop.DecodeLoop(model, "loop"))
     with pytest.raises(TypeError, match="tt.save"):
         pickle.dumps(model.__dict__["generate"])
     tt.unwrap(model)
-    assert "generate" not in model.__dict__ and generation.loop_of(model) is None
+    assert "generate" not in model.__dict__ and decode_loop.loop_of(model) is None
 
 
 # ------------------------------------------------------------- tt.tweak(workload=)
@@ -297,7 +333,7 @@ def test_a_generate_workload_speaks_in_tokens(tweaked):
                if row.kept or not row.label.startswith("untuned + "))  # a loop not kept: no TTFT taken
     text = str(result)
     assert "tokens/s" in text and "first token ms" in text and "16 new tokens per run" in text
-    assert result.decode_loop in decode_call.LOOPS + (None,)
+    assert result.decode_loop in decode_loop.LOOPS + (None,)
     assert [r["candidate"] for r in result.loop_report] == ["generate", "decode loop (loop)"]  # no graphs on a CPU
     # the tied Llama is judged by the measured rule (its reference once failed on the tied weights,
     # and the exact tokens judged without a word), the multiple shown in the table's correctness lines
@@ -379,12 +415,12 @@ def test_token_check_names_the_first_difference(exact_tokens):
     model = build("llama")
     ids = prompt(1)
     job = Workload(model, lambda m: m.generate(ids, max_new_tokens=4, do_sample=False), torch.device("cpu"))
-    job.record()
+    loop_search.record(job)
     assert job.tokens == 4 and len(job.generate_calls) == 1
-    job.check_generate()  # the untuned model gives its own tokens
+    loop_search.check_generate(job)  # the untuned model gives its own tokens
     job.generate_calls[0].tokens[0, -2] += 1
     with pytest.raises(MismatchError, match="token 2 of sequence 0"):
-        job.check_generate()
+        loop_search.check_generate(job)
 
 
 @pytest.mark.slow
@@ -411,28 +447,28 @@ def test_the_untuned_tokens_of_a_call_transformers_compiles_come_from_a_later_ca
     workload = lambda m: m.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static")  # noqa: E731
     monkeypatch.setattr(decode_model, "transformers_compiles", lambda *a: True)
     job = Workload(model, workload, torch.device("cpu"))
-    job.record()
+    loop_search.record(job)
     assert len(made) == 3  # the recorded call, then two later ones (equal: no other tokens)
     assert torch.equal(job.generate_calls[0].tokens, made[1]) and not job.generate_calls[0].others
-    job.check_generate()  # later calls give them: a candidate is held to what it can give
+    loop_search.check_generate(job)  # later calls give them: a candidate is held to what it can give
     monkeypatch.setattr(decode_model, "transformers_compiles", lambda *a: False)
     made.clear()
     job = Workload(model, workload, torch.device("cpu"))
-    job.record()
+    loop_search.record(job)
     assert len(made) == 1 and not torch.equal(job.generate_calls[0].tokens, made[0])  # the first call's own
     with pytest.raises(MismatchError, match="token 5 of sequence 0"):
-        job.check_generate()
+        loop_search.check_generate(job)
     # a loaded loop's check: the untuned generate() run there is warmed first, so the loop
     # (which gives the later calls' tokens) is installed
-    plan = generation.LoopPlan("loop", None, [(c.args, c.kwargs, c.tokens) for c in job.generate_calls])
+    plan = planning.LoopPlan("loop", None, [(c.args, c.kwargs, c.tokens) for c in job.generate_calls])
     monkeypatch.setattr(decode_model, "transformers_compiles", lambda *a: True)
     made.clear()
-    assert decode_check.apply_loop(model, plan) is None and generation.loop_of(model) is not None
+    assert decode_check.apply_loop(model, plan) is None and decode_loop.loop_of(model) is not None
     assert len(made) == 3  # the compiling call, then the two whose tokens a loop must give
-    generation.uninstall(model)
+    decode_loop.uninstall(model)
     made.clear()
     monkeypatch.setattr(decode_model, "transformers_compiles", lambda *a: False)  # one run: its cold token
-    assert "token 5 of sequence 0" in decode_check.apply_loop(model, plan) and generation.loop_of(model) is None
+    assert "token 5 of sequence 0" in decode_check.apply_loop(model, plan) and decode_loop.loop_of(model) is None
 
 
 @pytest.mark.slow
@@ -459,12 +495,12 @@ def test_an_untuned_model_that_does_not_repeat_its_tokens_holds_a_candidate_to_e
     workload = lambda m: m.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static")  # noqa: E731
     job = Workload(model, workload, torch.device("cpu"))
     with caplog.at_level(logging.WARNING, logger="torch_tweak"):
-        job.record()
+        loop_search.record(job)
     (call,) = job.generate_calls
     assert len(made) == 3 and len(call.others) == 1 and not torch.equal(call.tokens, call.others[0])
     assert sum("does not repeat its own tokens" in r.getMessage() for r in caplog.records) == 1
     for _ in range(2):
-        job.check_generate()  # the next calls give one, then the other
+        loop_search.check_generate(job)  # the next calls give one, then the other
     def third(self, *args, **kwargs):
         out = real(self, *args, **kwargs).clone()
         out[0, -1] = (out[0, -1] + 3) % 256
@@ -472,12 +508,12 @@ def test_an_untuned_model_that_does_not_repeat_its_tokens_holds_a_candidate_to_e
 
     monkeypatch.setattr(type(model), "generate", third)
     with pytest.raises(MismatchError, match="token 5 of sequence 0"):
-        job.check_generate()
+        loop_search.check_generate(job)
     monkeypatch.setattr(type(model), "generate", alternating)
-    plan = generation.LoopPlan("loop", None, [(call.args, call.kwargs, call.tokens)])
+    plan = planning.LoopPlan("loop", None, [(call.args, call.kwargs, call.tokens)])
     made[:] = [None]  # the load's runs: +0 (compiling), then +1 and +0: the first kept is the one the loop does not give
-    assert decode_check.apply_loop(model, plan) is None and generation.loop_of(model) is not None
-    generation.uninstall(model)
+    assert decode_check.apply_loop(model, plan) is None and decode_loop.loop_of(model) is not None
+    decode_loop.uninstall(model)
 
 
 @pytest.mark.slow
@@ -542,10 +578,10 @@ def with_loop(kind: str = "llama"):
     ids = prompt(2)
     job = Workload(model, lambda m: m.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static"),
                    torch.device("cpu"))
-    job.record()
-    loop = generation.DecodeLoop(model, "loop", job.layouts)
+    loop_search.record(job)
+    loop = decode_loop.DecodeLoop(model, "loop", job.layouts)
     loop.checks = [(c.args, c.kwargs, c.tokens) for c in job.generate_calls]
-    generation.install(model, loop)
+    decode_loop.install(model, loop)
     SELECTED_DEPTHS[model] = None  # the depth tweak kept: none, the loop alone
     return model, ids
 
@@ -586,7 +622,7 @@ def test_a_kept_loop_serves_only_the_kinds_of_call_it_was_measured_on():
     never measured (it might be slower through the loop) and runs transformers' generate()."""
     model, ids = with_loop()
     untuned = build("llama")
-    loop = generation.loop_of(model)
+    loop = decode_loop.loop_of(model)
     assert torch.equal(generate(model, prompt(2, 5), "static"), generate(untuned, prompt(2, 5), "static"))
     assert loop.calls == 1 and not loop.fallbacks  # a measured kind, another prompt: the loop
     for other, cache in ((prompt(1, 3), "static"), (prompt(3, 4), "static"), (prompt(2, 6), None)):
@@ -599,24 +635,23 @@ def test_a_kept_loop_serves_only_the_kinds_of_call_it_was_measured_on():
 
 @pytest.mark.slow
 def test_a_loaded_loop_is_checked_against_the_untuned_generate_not_the_stored_tokens(tmp_path):
-    from torch_tweak._search import plan as planning
 
     model, ids = with_loop()
     fresh = build("llama")
-    loop_plan = generation.plan_loop(model)
+    loop_plan = planning.plan_loop(model)
     loop_plan.checks[0][2][0, -1] += 1  # stored tokens are a file's word: not what the loop is compared with
     planning.apply(fresh, planning.Plan(None, [], loop_plan), device=torch.device("cpu"), strict=True)
-    assert generation.loop_of(fresh) is not None
+    assert decode_loop.loop_of(fresh) is not None
     assert torch.equal(generate(fresh, ids, "static"), generate(build("llama"), ids, "static"))
-    args, kwargs, tokens = generation.loop_of(fresh).checks[0]  # what a new save stores: the tokens given here
+    args, kwargs, tokens = decode_loop.loop_of(fresh).checks[0]  # what a new save stores: the tokens given here
     with torch.no_grad():
         assert torch.equal(tokens, build("llama").generate(*args, **kwargs))
     tt.unwrap(fresh)
-    generation.uninstall(fresh)
+    decode_loop.uninstall(fresh)
     with pytest.raises(planning.PlanError, match="decode loop"):  # a loop that gives other tokens than here
-        forged = generation.LoopPlan("loop", FORGED_LAYOUTS, loop_plan.checks)
+        forged = planning.LoopPlan("loop", FORGED_LAYOUTS, loop_plan.checks)
         planning.apply(fresh, planning.Plan(None, [], forged), device=torch.device("cpu"), strict=True)
-    assert generation.loop_of(fresh) is None
+    assert decode_loop.loop_of(fresh) is None
 
 
 FORGED_LAYOUTS = {phase: (("input_ids", ("tensor", "torch.int64", 2)), ("past_key_value", ("cache",)),
@@ -634,8 +669,8 @@ def test_a_forged_loop_storing_its_own_tokens_is_not_installed(tmp_path):
     weights: the forged loop's tokens must differ from the untuned ones (see build)."""
     model = build("llama-untied")
     ids = prompt(2)
-    loop = generation.DecodeLoop(model, "loop", FORGED_LAYOUTS)
-    generation.install(model, loop)
+    loop = decode_loop.DecodeLoop(model, "loop", FORGED_LAYOUTS)
+    decode_loop.install(model, loop)
     kwargs = {"max_new_tokens": 8, "do_sample": False}
     loop.checks = [((ids,), kwargs, model.generate(ids, **kwargs))]  # the forged loop's own tokens
     from torch_tweak._search.plan import SELECTED_DEPTHS
@@ -651,30 +686,29 @@ def test_a_forged_loop_storing_its_own_tokens_is_not_installed(tmp_path):
     with torch.no_grad():
         assert torch.equal(fresh.generate(ids, **kwargs), build("llama-untied").generate(ids, **kwargs)), \
             "tokens differ"
-    assert generation.loop_of(fresh) is None
+    assert decode_loop.loop_of(fresh) is None
     assert any("decode loop is not installed" in str(w.message) and "untuned" in str(w.message) for w in seen)
 
 
 @pytest.mark.slow
 def test_a_loop_check_past_its_time_bound_leaves_generate_as_it_was(monkeypatch):
-    from torch_tweak._search import plan as planning
 
     model, ids = with_loop()
     fresh = build("llama")
     monkeypatch.setattr(decode_call, "LOOP_CHECK_SECONDS", 1e-6)
     with pytest.warns(UserWarning, match="decode loop is not installed .*took longer than"):
-        planning.apply(fresh, planning.Plan(None, [], generation.plan_loop(model)), device=torch.device("cpu"),
+        planning.apply(fresh, planning.Plan(None, [], planning.plan_loop(model)), device=torch.device("cpu"),
                        strict=False)
-    assert generation.loop_of(fresh) is None and not tt.installed(fresh)
+    assert decode_loop.loop_of(fresh) is None and not tt.installed(fresh)
 
 
 def test_a_saved_loop_bounds_the_calls_it_is_checked_on():
     model, ids = with_loop()
-    loop = generation.loop_of(model)
+    loop = decode_loop.loop_of(model)
     args, kwargs, tokens = loop.checks[0]
     loop.checks = [(args, dict(kwargs, max_new_tokens=1000), tokens),
                    ((prompt(64, length=1100),), dict(kwargs, max_new_tokens=8), tokens)]
-    (args, stored, _), = generation.plan_loop(model).checks  # the second decodes 64 x 1108 tokens: left out
+    (args, stored, _), = planning.plan_loop(model).checks  # the second decodes 64 x 1108 tokens: left out
     assert stored["max_new_tokens"] == decode_call.MAX_CHECK_NEW_TOKENS
 
 
@@ -736,7 +770,7 @@ def test_a_forged_decode_loop_entry_is_refused_whole(tmp_path, edit):
     forged = forgery.with_plan(tmp_path, "forged", forgery.members(path), lambda plan: edit(plan["generate"]))
     with pytest.raises(tt.CheckpointError, match="decode loop|damaged"):
         tt.load(fresh, forged)
-    assert generation.loop_of(fresh) is None and not tt.installed(fresh)
+    assert decode_loop.loop_of(fresh) is None and not tt.installed(fresh)
 
 
 @pytest.mark.slow
@@ -749,8 +783,8 @@ def test_eight_threads_share_a_decode_loop_and_each_gets_its_untuned_tokens():
     model = build("llama")
     prompts = [prompt(1 + i % 2, seed=i, length=4 + i % 5) for i in range(8)]
     expected = [generate(model, p, "static") for p in prompts]
-    loop = generation.DecodeLoop(model, "loop")
-    generation.install(model, loop)
+    loop = decode_loop.DecodeLoop(model, "loop")
+    decode_loop.install(model, loop)
     wrong, errors = [], []
 
     def work(i: int) -> None:
@@ -798,7 +832,7 @@ def test_the_tuned_loop_is_tried_only_on_cuda_for_one_sequence():
     matrix products of one row are what it turns into bandwidth-tuned reductions)."""
     from transformers.generation.configuration_utils import CompileConfig
 
-    from torch_tweak._runtime.workload import tuned_applies
+    from torch_tweak._search.loop_search import tuned_applies
 
     model = build("llama")
 
@@ -806,7 +840,7 @@ def test_the_tuned_loop_is_tried_only_on_cuda_for_one_sequence():
         job = Workload(model, lambda m: m.generate(prompt(batch), max_new_tokens=4, do_sample=False,
                                                    cache_implementation="static", **kwargs),
                        torch.device("cpu"))
-        job.record()
+        loop_search.record(job)
         return job
 
     one, two = workload_of(1), workload_of(2)
@@ -840,8 +874,8 @@ def test_the_tuned_loop_gives_the_untuned_compiled_tokens_and_builds_once(monkey
         return real_compile(fn, **kwargs)
 
     monkeypatch.setattr(torch, "compile", spying)
-    loop = generation.DecodeLoop(model, "tuned")
-    generation.install(model, loop)
+    loop = decode_loop.DecodeLoop(model, "tuned")
+    decode_loop.install(model, loop)
     ids = prompt(1)
     with torch.no_grad():
         got = model.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation="static")
@@ -890,7 +924,7 @@ def test_a_call_transformers_compiles_keeps_the_compiled_loop_and_its_tokens(tmp
     def workload(m):
         # the verdict is the fake clock's: a run through transformers' loop costs 3 ms, through
         # tweak's 1 ms (the machine's speed or load never turns it)
-        fake_clock.advance(3_000_000 if generation.loop_of(m) is None else 1_000_000)
+        fake_clock.advance(3_000_000 if decode_loop.loop_of(m) is None else 1_000_000)
         return m.generate(ids, max_new_tokens=32, do_sample=False, cache_implementation="static")
 
     result = tt.tweak(model, workload=workload, measure={"rounds_max": 16, "time_cap": 3.0}, progress=False)
@@ -969,11 +1003,11 @@ def test_tokens_may_part_only_at_a_near_tie_and_every_step_is_judged_teacher_for
     model = build("llama-untied").bfloat16()
     ids = prompt(2, length=8)
     job = Workload(model, lambda m: m.generate(ids, max_new_tokens=12, do_sample=False), torch.device("cpu"))
-    job.record()
+    loop_search.record(job)
     (call,) = job.generate_calls
     reference = call.reference
     assert reference.measured and len(reference.high) == 12
-    assert job.check_generate().startswith("call 0: 1x the original's error, the untuned tokens")
+    assert loop_search.check_generate(job).startswith("call 0: 1x the original's error, the untuned tokens")
     # the nearest tie of the call: the step and sequence whose two best tokens are closest
     margins = [(float(h.topk(2).values[r, 0] - h.topk(2).values[r, 1]), s, r)
                for s, h in enumerate(reference.high) for r in range(2)]
@@ -986,7 +1020,7 @@ def test_tokens_may_part_only_at_a_near_tie_and_every_step_is_judged_teacher_for
         with torch.no_grad():
             got = model.generate(ids, max_new_tokens=12, do_sample=False)
         if not torch.equal(got, call.tokens):  # the near tie turned: kept, said with its margin
-            found = job.check_generate()
+            found = loop_search.check_generate(job)
             assert f"token {step} of sequence {row}" in found and "a near tie" in found, found
     finally:
         handle.remove()
@@ -995,7 +1029,7 @@ def test_tokens_may_part_only_at_a_near_tie_and_every_step_is_judged_teacher_for
     try:
         with pytest.raises(MismatchError, match=r"generate call 0: token 0 of sequence 0 is \d+, untuned \d+: "
                                                 r"their margin .* is [\d.]+, not a near tie"):
-            job.check_generate()
+            loop_search.check_generate(job)
     finally:
         handle.remove()
     spread = min(float((h.max(-1).values - h[:, worst]).min()) for h in reference.high)
@@ -1004,10 +1038,10 @@ def test_tokens_may_part_only_at_a_near_tie_and_every_step_is_judged_teacher_for
         with torch.no_grad():
             assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False), call.tokens)
         with pytest.raises(MismatchError, match=r"generate call 0 step 0 logits: row \(\d\): .*x the original's error"):
-            job.check_generate()
+            loop_search.check_generate(job)
     finally:
         handle.remove()
-    assert job.check_generate().startswith("call 0: 1x")  # as it was
+    assert loop_search.check_generate(job).startswith("call 0: 1x")  # as it was
 
 
 def test_without_a_reference_the_tokens_must_be_the_untuned_ones():
@@ -1015,7 +1049,7 @@ def test_without_a_reference_the_tokens_must_be_the_untuned_ones():
     ids = prompt(1)
     with correctness.ruling(correctness.Rule(0.0)):
         job = Workload(model, lambda m: m.generate(ids, max_new_tokens=4, do_sample=False), torch.device("cpu"))
-        job.record()
+        loop_search.record(job)
     (call,) = job.generate_calls
     assert not call.reference.measured and "bit-identical" in call.reference.why
-    assert job.check_generate() == "call 0: exact tokens: the bit-identical rule was asked for"
+    assert loop_search.check_generate(job) == "call 0: exact tokens: the bit-identical rule was asked for"

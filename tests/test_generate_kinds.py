@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import torch_tweak as tt
-from torch_tweak._runtime import decode_call, decode_check, generation
+from torch_tweak._runtime.decode import call as decode_call, loop as decode_loop
+from torch_tweak._runtime.decode.choice import Choice
+from torch_tweak._search import decode_check
 
 pytestmark = pytest.mark.slow  # tiny decoders of eight families, each generating
 
@@ -75,7 +77,7 @@ def both(model, ids, seed: int = 3, recorded: bool = False, **kwargs):
     gives it: the dict of masks, the sliding window's mask), not its defaults."""
     from torch_tweak._runtime.workload import Workload
 
-    assert generation.loop_of(model) is None
+    assert decode_loop.loop_of(model) is None
     torch.manual_seed(seed)
     with torch.no_grad():
         expected = model.generate(ids, **kwargs)
@@ -85,14 +87,14 @@ def both(model, ids, seed: int = 3, recorded: bool = False, **kwargs):
         job.record()
         layouts = job.layouts
         assert layouts is not None
-    loop = generation.DecodeLoop(model, "loop", layouts)
-    generation.install(model, loop)
+    loop = decode_loop.DecodeLoop(model, "loop", layouts)
+    decode_loop.install(model, loop)
     try:
         torch.manual_seed(seed)
         with torch.no_grad():
             got = model.generate(ids, **kwargs)
     finally:
-        generation.uninstall(model)
+        decode_loop.uninstall(model)
     return expected, got, loop
 
 
@@ -313,7 +315,7 @@ def test_a_workload_the_loop_cannot_serve_refuses_it_before_running_it():
                       measure={"rounds_max": 6, "time_cap": 0.5}, progress=False)
     report = {r["candidate"]: r for r in result.loop_report}
     assert "not ones the loop serves (the generation setting suppress_tokens=[5])" in report["decode loop (loop)"]["error"]
-    assert result.decode_loop is None and generation.loop_of(model) is None
+    assert result.decode_loop is None and decode_loop.loop_of(model) is None
 
 
 def test_the_processed_distribution_is_checked_against_transformers_processors(monkeypatch):
@@ -324,19 +326,19 @@ def test_the_processed_distribution_is_checked_against_transformers_processors(m
     ids, mask = padded()
     kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=True, temperature=0.8, top_p=0.95,
                   repetition_penalty=1.3, pad_token_id=0)
-    loop = generation.DecodeLoop(model, "loop")
-    generation.install(model, loop)
+    loop = decode_loop.DecodeLoop(model, "loop")
+    decode_loop.install(model, loop)
     try:
         assert decode_check.distribution_difference(model, loop, (ids,), kwargs) is None
         assert decode_check.distribution_difference(model, loop, (ids,), dict(kwargs, do_sample=False)) is None
-        process = generation.DecodeLoop._process
-        monkeypatch.setattr(generation.DecodeLoop, "_process",
+        process = Choice.process
+        monkeypatch.setattr(Choice, "process",
                             staticmethod(lambda call, logits, seq: process(call, logits, seq) / 1.01))
         problem = decode_check.distribution_difference(model, loop, (ids,), kwargs)
     finally:
-        generation.uninstall(model)
+        decode_loop.uninstall(model)
     assert problem is not None and problem.startswith("step 0: the processed next-token distribution"), problem
-    assert loop.captured is None
+    assert loop.choice.captured is None
 
 
 def test_recording_under_transformers_compiled_forward_is_never_traced():
@@ -403,18 +405,18 @@ def test_a_saved_sampling_loop_is_checked_under_the_seed_and_installed_again(tmp
                   pad_token_id=0, cache_implementation="static", bad_words_ids=[[5], [6, 7]])
     job = Workload(model, lambda m: m.generate(ids, **kwargs), torch.device("cpu"))
     job.record()
-    loop = generation.DecodeLoop(model, "loop", job.layouts)
+    loop = decode_loop.DecodeLoop(model, "loop", job.layouts)
     loop.checks = [(c.args, c.kwargs, c.tokens) for c in job.generate_calls]
-    generation.install(model, loop)
+    decode_loop.install(model, loop)
     SELECTED_DEPTHS[model] = None
     tt.save(model, tmp_path / "sampler.tt", strict=True)
     fresh = family("qwen2")
     tt.load(fresh, tmp_path / "sampler.tt")
-    assert generation.loop_of(fresh) is not None
+    assert decode_loop.loop_of(fresh) is not None
     outs = []
     for subject in (family("qwen2"), fresh):
         torch.manual_seed(9)
         with torch.no_grad():
             outs.append(subject.generate(ids, **kwargs))
     assert torch.equal(outs[0], outs[1])
-    assert generation.loop_of(fresh).calls == 1
+    assert decode_loop.loop_of(fresh).calls == 1

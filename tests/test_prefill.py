@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import torch_tweak as tt
-from torch_tweak._runtime import generation, prefill
+from torch_tweak._core.model_state import weights_moved, weights_of
+from torch_tweak._runtime.decode import loop as decode_loop, prefill
 from support import in_threads
 
 transformers = pytest.importorskip("transformers")
@@ -47,9 +48,9 @@ def generate(model, ids, n: int = 8, **kwargs):
 def kept_loop(model, layouts=None):
     """The compiled loop's static caches, kept between calls, with its steps eager (on a CPU
     transformers compiles nothing): the loop kind whose prefills are recorded."""
-    loop = generation.DecodeLoop(model, "compiled", layouts)
+    loop = decode_loop.DecodeLoop(model, "compiled", layouts)
     loop.eager = True
-    generation.install(model, loop)
+    decode_loop.install(model, loop)
     return loop
 
 
@@ -72,12 +73,12 @@ def test_a_shape_is_recorded_at_its_second_call_and_serves_other_prompts_of_it()
     for batch, length, seed in calls:
         ids = prompt(batch, length, seed)
         assert torch.equal(generate(model, ids), generate(untuned, ids)), (batch, length, seed)
-    assert not loop.fallbacks and not loop.unrecorded_prefills
-    recorded = {key[1:3] + key[-1:]: p for key, p in loop._prefills.items()}
+    assert not loop.fallbacks and not loop.prefills.unrecorded
+    recorded = {key[1:3] + key[-1:]: p for key, p in loop.prefills.recorded.items()}
     assert list(recorded) == [(2, 13, 6)]  # (batch, cache length, prompt): the 9-token prompt was seen once
     # the recording's check replayed it once; then the second, third and fourth calls did
     assert recorded[(2, 13, 6)].replays == 4
-    assert list(loop._prefill_calls.values()) == [1]
+    assert list(loop.prefills.waiting.values()) == [1]
 
 
 @pytest.mark.slow
@@ -92,7 +93,7 @@ def test_prompts_that_are_padded_or_too_long_are_not_recorded(monkeypatch):
     for _ in range(3):
         assert torch.equal(generate(model, ids), generate(untuned, ids))
         assert torch.equal(generate(model, padded, attention_mask=mask), generate(untuned, padded, attention_mask=mask))
-    assert not loop._prefills and not loop._prefill_calls and not loop.unrecorded_prefills
+    assert not loop.prefills.recorded and not loop.prefills.waiting and not loop.prefills.unrecorded
 
 
 @pytest.mark.slow
@@ -100,17 +101,17 @@ def test_record_prefills_off_records_nothing_and_replays_nothing():
     model = build()
     untuned = copy.deepcopy(model)
     loop = kept_loop(model)
-    loop.record_prefills = False
+    loop.prefills.record = False
     for seed in range(3):
         ids = prompt(1, 5, seed)
         assert torch.equal(generate(model, ids), generate(untuned, ids))
-    assert not loop._prefills and not loop._prefill_calls
-    loop.record_prefills = True
+    assert not loop.prefills.recorded and not loop.prefills.waiting
+    loop.prefills.record = True
     for seed in range(3, 5):
         ids = prompt(1, 5, seed)
         assert torch.equal(generate(model, ids), generate(untuned, ids))
-    (recorded,) = loop._prefills.values()
-    loop.record_prefills = False  # a recorded prefill is kept, but not replayed
+    (recorded,) = loop.prefills.recorded.values()
+    loop.prefills.record = False  # a recorded prefill is kept, but not replayed
     for seed in range(5, 7):
         ids = prompt(1, 5, seed)
         assert torch.equal(generate(model, ids), generate(untuned, ids))
@@ -128,7 +129,7 @@ def test_recorded_prefills_are_bounded_least_recently_used_first(monkeypatch):
             ids = prompt(1, length, seed + length)
             assert torch.equal(generate(model, ids), generate(untuned, ids)), length
     # the cache length never shrinks (transformers' rule): 4 + 7 = 11, then 14 for the 7-token prompt
-    assert [key[-1] for key in loop._prefills] == [5, 7]
+    assert [key[-1] for key in loop.prefills.recorded] == [5, 7]
 
 
 def graph_like(monkeypatch):
@@ -165,8 +166,8 @@ def test_a_cache_that_counts_positions_on_the_host_is_reset_and_counted_as_eager
     for seed in range(5):
         ids = prompt(2, 6, seed)
         assert torch.equal(generate(model, ids), generate(untuned, ids)), seed
-    assert not loop.fallbacks and not loop.unrecorded_prefills
-    (recorded,) = loop._prefills.values()
+    assert not loop.fallbacks and not loop.prefills.unrecorded
+    (recorded,) = loop.prefills.recorded.values()
     assert recorded.replays == 5  # the recording's check at the second call, then the second to fifth
     assert recorded.before != recorded.after  # the count: 0 after a reset, 6 after the prefill
 
@@ -179,14 +180,14 @@ def test_a_cache_whose_reset_leaves_other_host_state_is_not_replayed(monkeypatch
     model, untuned, loop = sliding_window_loop(monkeypatch)
     for seed in range(2):
         assert torch.equal(generate(model, prompt(2, 6, seed)), generate(untuned, prompt(2, 6, seed)))
-    (recorded,) = loop._prefills.values()
+    (recorded,) = loop.prefills.recorded.values()
     recorded.cache.layers[0].window_moved = 1
     with caplog.at_level(logging.WARNING, logger="torch_tweak"):
         for seed in range(2, 5):
             ids = prompt(2, 6, seed)
             assert torch.equal(generate(model, ids), generate(untuned, ids)), seed
-    assert not loop.fallbacks and not loop._prefills
-    reasons = list(loop.unrecorded_prefills.values())
+    assert not loop.fallbacks and not loop.prefills.recorded
+    reasons = list(loop.prefills.unrecorded.values())
     assert len(reasons) == 1 and "keeps state on the host" in reasons[0]
     assert sum("could not record its prefill" in r.getMessage() for r in caplog.records) == 1
     assert "its prefill not recorded for 1 prompt shape(s), run eagerly (the cache keeps state" in str(tt.status(model))
@@ -317,8 +318,8 @@ def test_a_recording_whose_replay_differs_is_not_kept(monkeypatch, caplog):
         for seed in range(4):
             ids = prompt(1, 6, seed)
             assert torch.equal(generate(model, ids), generate(untuned, ids)), seed
-    assert not loop._prefills
-    assert list(loop.unrecorded_prefills.values()) == ["Mismatch: its replay's logits are not the eager prefill's"]
+    assert not loop.prefills.recorded
+    assert list(loop.prefills.unrecorded.values()) == ["Mismatch: its replay's logits are not the eager prefill's"]
     assert sum("could not record its prefill" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -335,8 +336,8 @@ def test_a_recording_that_fails_leaves_the_call_eager(monkeypatch):
     for seed in range(3):
         ids = prompt(1, 6, seed)
         assert torch.equal(generate(model, ids), generate(untuned, ids))
-    assert list(loop.unrecorded_prefills.values()) == ["RuntimeError: operation not permitted when stream is capturing"]
-    assert list(loop._prefill_calls) == []  # tried once at the second call, not again
+    assert list(loop.prefills.unrecorded.values()) == ["RuntimeError: operation not permitted when stream is capturing"]
+    assert list(loop.prefills.waiting) == []  # tried once at the second call, not again
 
 
 @pytest.mark.slow
@@ -364,7 +365,7 @@ def test_eight_threads_with_mixed_prompt_shapes_each_get_their_untuned_tokens():
         t.join()
     assert not errors
     assert all(torch.equal(got[seed], expected[seed]) for seed in expected)
-    assert loop.calls == 24 and len(loop._prefills) >= 2 and not loop.unrecorded_prefills
+    assert loop.calls == 24 and len(loop.prefills.recorded) >= 2 and not loop.prefills.unrecorded
 
 
 @pytest.mark.slow
@@ -379,28 +380,28 @@ def test_a_weight_replaced_after_recording_drops_the_recording_and_records_again
     for seed in range(3):
         ids = prompt(1, 6, seed)
         assert torch.equal(generate(model, ids), generate(untuned, ids)), seed
-    (first,) = loop._prefills.values()
+    (first,) = loop.prefills.recorded.values()
     for m in (model, untuned):
         m.lm_head.weight = torch.nn.Parameter(m.lm_head.weight.detach() * -3.0)
     for seed in range(3, 6):
         ids = prompt(1, 6, seed)
         assert torch.equal(generate(model, ids), generate(untuned, ids)), seed
-    (again,) = loop._prefills.values()
+    (again,) = loop.prefills.recorded.values()
     assert again is not first and first.replays == 3 and again.replays == 2  # recorded at seed 4, replayed at 5
-    assert not loop.unrecorded_prefills
+    assert not loop.prefills.unrecorded
 
 
 def test_weights_moved_sees_a_replaced_tensor_and_data_moved_in_place():
     """What model.to(...) does (a parameter's data moved, the same Parameter) and what an
     assignment does (another Parameter) are both seen; a call that leaves them is not."""
     model = build()
-    weights = prefill.weights_of(model)
-    assert not prefill.weights_moved(weights)
+    weights = weights_of(model)
+    assert not weights_moved(weights)
     model.model.norm.weight.data = model.model.norm.weight.data.clone()
-    assert prefill.weights_moved(weights)
-    weights = prefill.weights_of(model)
+    assert weights_moved(weights)
+    weights = weights_of(model)
     model.model.layers[0].mlp.up_proj.weight = torch.nn.Parameter(model.model.layers[0].mlp.up_proj.weight.detach())
-    assert prefill.weights_moved(weights)
-    weights = prefill.weights_of(model)
+    assert weights_moved(weights)
+    weights = weights_of(model)
     generate(model, prompt(1, 5, 0))
-    assert not prefill.weights_moved(weights)
+    assert not weights_moved(weights)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torch_tweak._runtime import generation, sampling
+from torch_tweak._runtime.decode import choice as sampling, loop as decode_loop
 
 transformers = pytest.importorskip("transformers")
 
@@ -122,8 +122,8 @@ def loop_and_transformers(model, cache, **kwargs):
         served.append(scores.shape)
         return process(self, scores)
 
-    loop = generation.DecodeLoop(model, "loop", top_sampler=True)
-    generation.install(model, loop)
+    loop = decode_loop.DecodeLoop(model, "loop", top_sampler=True)
+    decode_loop.install(model, loop)
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(sampling.TopSampler, "process", counted)
@@ -131,7 +131,7 @@ def loop_and_transformers(model, cache, **kwargs):
             with torch.no_grad():
                 got = model.generate(ids, **kwargs)
     finally:
-        generation.uninstall(model)
+        decode_loop.uninstall(model)
     return expected, got, loop, len(served)
 
 
@@ -204,24 +204,24 @@ def test_tweak_measures_the_loop_with_and_without_the_sampler_and_a_saved_choice
     sampled = sampling_workload()
 
     def workload(m):
-        fake_clock.advance(3_000_000 if generation.loop_of(m) is None else 1_000_000)
+        fake_clock.advance(3_000_000 if decode_loop.loop_of(m) is None else 1_000_000)
         return sampled(m)
 
     built = []
-    init = generation.DecodeLoop.__init__
+    init = decode_loop.DecodeLoop.__init__
 
     def counted(self, *args, **kwargs):
         built.append(args[1] if len(args) > 1 else kwargs.get("kind"))
         init(self, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(generation.DecodeLoop, "__init__", counted)
+        patch.setattr(decode_loop.DecodeLoop, "__init__", counted)
         result, report = tweaked(model, workload)
     assert list(report) == ["generate", "decode loop (loop)", "decode loop (loop, top-k sampler)"], list(report)
     # both options are one loop, its sampler switched per run: one set of static caches
     assert built.count("loop") == 1, built
     assert all(r["state"] != "failed" for r in report.values()), report
-    loop = generation.loop_of(model)
+    loop = decode_loop.loop_of(model)
     assert loop is not None and result.decode_loop == "loop"
     for seed in (0, 1):
         assert_untuned_draws(model, untuned, workload, seed)
@@ -235,7 +235,7 @@ def test_tweak_measures_the_loop_with_and_without_the_sampler_and_a_saved_choice
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             tt.load(fresh, path)
-        loaded = generation.loop_of(fresh)
+        loaded = decode_loop.loop_of(fresh)
         assert loaded is not None and loaded.top_sampler is top, (top, loaded)
         assert_untuned_draws(fresh, untuned, workload, 2)
     # a file whose loop says anything but true or false is refused whole, the model untouched
@@ -249,7 +249,7 @@ def test_tweak_measures_the_loop_with_and_without_the_sampler_and_a_saved_choice
     before = forgery.state_of(fresh)
     with pytest.raises(tt.CheckpointError, match=r"decode loop of its plan is refused \(its top_sampler is true or false\)"):
         tt.load(fresh, bad)
-    assert generation.loop_of(fresh) is None and forgery.unchanged(fresh, before)
+    assert decode_loop.loop_of(fresh) is None and forgery.unchanged(fresh, before)
 
 
 @pytest.mark.slow
@@ -267,10 +267,10 @@ def test_a_workload_the_sampler_cannot_serve_still_passes_the_distribution_check
     workload = sampling_workload(max_new=6)
     _, report = tweaked(model, workload)
     assert report["decode loop (loop, top-k sampler)"]["state"] != "failed", report
-    loop = generation.loop_of(model)
+    loop = decode_loop.loop_of(model)
     if loop is None:  # a busy machine measured transformers' loop as fast: the loop, as tt.load would install it
-        loop = generation.DecodeLoop(model, "loop")
-        generation.install(model, loop)
+        loop = decode_loop.DecodeLoop(model, "loop")
+        decode_loop.install(model, loop)
     loop.top_sampler = True  # whichever was kept: tt.status says so, and counts the calls made again
     made_again = loop.resampled
     assert_untuned_draws(model, untuned, workload, 5)
@@ -297,7 +297,7 @@ def test_a_sampler_that_crashes_at_tuning_is_refused_and_the_untuned_draws_stay(
     failed = report["decode loop (loop, top-k sampler)"]
     assert failed["state"] == "failed" and "the sampler broke" in failed["error"], failed
     assert report["decode loop (loop)"]["state"] != "failed", report
-    loop = generation.loop_of(model)
+    loop = decode_loop.loop_of(model)
     assert loop is None or not loop.top_sampler
     assert_untuned_draws(model, untuned, workload, 4)
 
@@ -319,8 +319,8 @@ def test_eight_threads_sample_through_one_loop_with_the_sampler(as_on_cuda):
                     cache_implementation="static")
     with torch.no_grad():
         expected = [untuned.generate(p, **settings) for p in prompts]
-    loop = generation.DecodeLoop(model, "loop", top_sampler=True)
-    generation.install(model, loop)
+    loop = decode_loop.DecodeLoop(model, "loop", top_sampler=True)
+    decode_loop.install(model, loop)
     try:
         def check(i):
             got = model.generate(prompts[i], **settings)
@@ -328,7 +328,7 @@ def test_eight_threads_sample_through_one_loop_with_the_sampler(as_on_cuda):
 
         support.in_threads(len(prompts), check)
     finally:
-        generation.uninstall(model)
+        decode_loop.uninstall(model)
     assert loop.calls == len(prompts) and not loop.fallbacks and loop.resampled == 0
 
 
@@ -344,8 +344,8 @@ def test_recorded_draws_are_kept_per_shape_and_setting_and_each_call_starts_unfl
     monkeypatch.setattr(sampling, "RECORDED_DRAWS", 3)
     model = tiny_llama()
     untuned = copy.deepcopy(model)
-    loop = generation.DecodeLoop(model, "loop", top_sampler=True)
-    generation.install(model, loop)
+    loop = decode_loop.DecodeLoop(model, "loop", top_sampler=True)
+    decode_loop.install(model, loop)
     prompt = {b: torch.randint(3, 500, (b, 5), generator=torch.Generator().manual_seed(b)) for b in (1, 2)}
     calls = [(1, 50), (2, 50), (1, 50), (2, 20), (1, 7), (1, 50), (2, 50)]
     try:
@@ -358,12 +358,12 @@ def test_recorded_draws_are_kept_per_shape_and_setting_and_each_call_starts_unfl
                 with torch.no_grad():
                     outs.append(subject.generate(prompt[batch], **settings))
             assert torch.equal(outs[0], outs[1]), (i, outs)
-            assert len(loop._draws) <= 3
-        keys = [(k[0], k[5]) for k in loop._draws]
+            assert len(loop.choice.draws) <= 3
+        keys = [(k[0], k[5]) for k in loop.choice.draws]
         assert keys == [(1, 7), (1, 50), (2, 50)], keys  # each use makes a draw the newest
         assert loop.resampled == 0 and not loop.fallbacks
         # an overflowing call, then a plain one through the same draw: only the first is made again
-        draw = loop._draws[next(k for k in loop._draws if k[0] == 2 and k[5] == 50)]
+        draw = loop.choice.draws[next(k for k in loop.choice.draws if k[0] == 2 and k[5] == 50)]
         before = draw.replays
         draw.sampler.flag |= True  # as if a step of an earlier call had overflowed
         torch.manual_seed(9)
@@ -382,9 +382,9 @@ def test_recorded_draws_are_kept_per_shape_and_setting_and_each_call_starts_unfl
             torch.manual_seed(seed)
             with torch.no_grad():
                 assert torch.equal(got, untuned.generate(prompt[2], **settings)), seed
-        assert sorted(k[3] for k in loop._draws if k[5] == 33) == [False, True]
+        assert sorted(k[3] for k in loop.choice.draws if k[5] == 33) == [False, True]
     finally:
-        generation.uninstall(model)
+        decode_loop.uninstall(model)
 
 
 @pytest.mark.slow
@@ -440,26 +440,26 @@ def test_a_draw_that_cannot_be_recorded_is_served_eagerly_and_not_tried_again(as
     monkeypatch.setattr(sampling.RecordedDraw, "_record", broken)
     model = tiny_llama()
     untuned = copy.deepcopy(model)
-    loop = generation.DecodeLoop(model, "loop", top_sampler=True)
-    generation.install(model, loop)
+    loop = decode_loop.DecodeLoop(model, "loop", top_sampler=True)
+    decode_loop.install(model, loop)
     workload = sampling_workload()
     try:
         with caplog.at_level(logging.WARNING, logger="torch_tweak"):
             for seed in (0, 1, 2):
                 assert_untuned_draws(model, untuned, workload, seed)
     finally:
-        generation.uninstall(model)
+        decode_loop.uninstall(model)
     assert len(tries) == 1 and loop.calls == 3 and loop.resampled == 0 and not loop.fallbacks
-    assert list(loop.unrecorded.values()) == ["RuntimeError: capture failed"] and not loop._draws
+    assert list(loop.choice.unrecorded.values()) == ["RuntimeError: capture failed"] and not loop.choice.draws
     warned = [r for r in caplog.records if "could not record its sampler's choice" in r.getMessage()]
     assert len(warned) == 1 and "capture failed" in warned[0].getMessage()
     import torch_tweak as tt
 
-    generation.install(model, loop)
+    decode_loop.install(model, loop)
     try:
         status = str(tt.status(model))
     finally:
-        generation.uninstall(model)
+        decode_loop.uninstall(model)
     assert "its choice of a token not recorded for 1 shape(s), chosen kernel by kernel (RuntimeError: capture failed)" \
         in status, \
         status

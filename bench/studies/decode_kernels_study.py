@@ -25,7 +25,7 @@ import common
 import torch
 import transformers
 
-from torch_tweak._runtime import generation
+from torch_tweak._runtime.decode import loop as decode_loop
 
 
 def main() -> None:
@@ -47,7 +47,7 @@ def main() -> None:
     for way in args.ways.split(","):
         m = copy.deepcopy(base)
         if way in ("loop", "cdt"):
-            generation.install(m, generation.DecodeLoop(m, "compiled" if way == "loop" else "tuned"))
+            decode_loop.install(m, decode_loop.DecodeLoop(m, "compiled" if way == "loop" else "tuned"))
         models[way] = m
     for case in args.cases.split(","):
         sample = case.startswith("sampling")

@@ -13,7 +13,7 @@ import common
 import torch
 
 from generate_bench import build_shape
-from torch_tweak._runtime import generation
+from torch_tweak._runtime.decode import loop as decode_loop
 
 
 def main() -> None:
@@ -42,9 +42,9 @@ def main() -> None:
     for _ in range(3):
         call(model, 1)
     rows["after three calls of one new token"] = first_difference(call(model), first)
-    generation.install(model, generation.DecodeLoop(model, "compiled"))
+    decode_loop.install(model, decode_loop.DecodeLoop(model, "compiled"))
     rows["compiled loop"] = first_difference(call(model), first)
-    generation.uninstall(model)
+    decode_loop.uninstall(model)
     # a copy whose first call is a call of one new token (the decode steps compile later)
     for _ in range(2):
         call(spare, 1)

@@ -2,13 +2,13 @@
 on some families (Phi-3, Mistral) and not on others (Llama, Qwen).
 
 The decode loop records the prompt's forward as one device graph and keeps it only when its
-replay gives the eager forward's logits bit for bit (torch_tweak/_runtime/prefill.py). On the
+replay gives the eager forward's logits bit for bit (torch_tweak/_runtime/decode/prefill.py). On the
 H200 at 0873eec the Phi-3-mini and Mistral-7B rows refused their recordings on that check. Per
 family (the configs of generate_bench.FAMILIES, random weights, bf16, a 32-token prompt on a
 static cache, the attention masks made as the loop makes them), this runs:
 
     eager-eager   two eager forwards: are they themselves equal?
-    replay        the forward recorded as the loop records it (sampling.record_graph) and
+    replay        the forward recorded as the loop records it (decode.model.record_graph) and
                   replayed, against an eager forward
     first module  where they differ: every module's output kept (a hook clones it, inside the
                   graph while recording), the first module in call order whose outputs differ
@@ -37,7 +37,7 @@ import torch
 import common  # noqa: E402  (puts bench/ on the path)
 import generate_bench as gb  # noqa: E402
 
-from torch_tweak._runtime import prefill, sampling  # noqa: E402
+from torch_tweak._runtime.decode import model as decode_model, prefill  # noqa: E402
 
 
 def build(name: str, layers: int) -> torch.nn.Module:
@@ -62,7 +62,7 @@ def build(name: str, layers: int) -> torch.nn.Module:
 
 
 def masks(model: torch.nn.Module, cache: Any, ids: torch.Tensor, positions: torch.Tensor) -> Any:
-    """The attention masks the decode loop passes a prefill (generation.DecodeLoop._attention)."""
+    """The attention masks the decode loop passes a prefill (decode.inputs.StepInputs.attention)."""
     from transformers import masking_utils
 
     make = getattr(model, "create_masks_for_generate", masking_utils.create_masks_for_generate)
@@ -159,11 +159,11 @@ def trial(model: torch.nn.Module, variant: str) -> dict:
             if variant == "no own workspace":
                 graph, logits = common.graphed(run)
             elif variant == "masks as eager":  # the loop's recording since this study
-                graph, logits = sampling.record_graph(_kept(run, keep), torch.device("cuda"), warmups=2,
-                                                      context=lambda: prefill.masks_as_eager(cache))
+                graph, logits = decode_model.record_graph(_kept(run, keep), torch.device("cuda"), warmups=2,
+                                                          context=lambda: prefill.masks_as_eager(cache))
             else:
                 # each call starts the list afresh: after the recording it holds the graph's tensors
-                graph, logits = sampling.record_graph(_kept(run, keep), torch.device("cuda"), warmups=2)
+                graph, logits = decode_model.record_graph(_kept(run, keep), torch.device("cuda"), warmups=2)
             recorded = keep.take()
             keep.on = True
             expected = run().clone()
@@ -171,11 +171,11 @@ def trial(model: torch.nn.Module, variant: str) -> dict:
             eager = keep.take()
             if variant in ("base", "masks as eager"):
                 out["kernels_eager"], out["kernels_replay"] = common.kernels(run), common.kernels(
-                    lambda: sampling.replay(graph, torch.device("cuda")))
+                    lambda: decode_model.replay(graph, torch.device("cuda")))
                 out["kernels_only_eager"] = sorted(set(out["kernels_eager"]) - set(out["kernels_replay"]))
                 out["kernels_only_replay"] = sorted(set(out["kernels_replay"]) - set(out["kernels_eager"]))
                 expected = run().clone()
-            sampling.replay(graph, torch.device("cuda"))
+            decode_model.replay(graph, torch.device("cuda"))
             torch.cuda.synchronize()
             out["replay_equal"] = bool(torch.equal(logits, expected))
             out["replay_max_abs"] = float((logits.float() - expected.float()).abs().max())

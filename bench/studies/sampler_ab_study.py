@@ -13,7 +13,7 @@ call beside it, each way in turn per round, the order rotated per round:
     loop-eager   the same sampler run eagerly, kernel by kernel (record_draws=False)
     loop-plain   the same loop with transformers' processors (top_sampler=False)
     loop-prefill-eager  "loop" with its prefill run eagerly, kernel by kernel, as before
-                 prefill.RecordedPrefill (record_prefills=False); every other way records it
+                 prefill.RecordedPrefill (Prefills.record=False); every other way records it
 
 (At 049b1da, where the runs in bench/results/runs/sampler-ab-049b1da.json come from, the
 sampler served every call it could and loop-plain turned it off through sampling.DEVICES:
@@ -38,15 +38,15 @@ import torch
 import common  # noqa: E402  (puts bench/ on the path)
 import generate_bench as gb  # noqa: E402
 
-from torch_tweak._runtime import generation  # noqa: E402
+from torch_tweak._runtime.decode import loop as decode_loop  # noqa: E402
 
 CALLS = {"sampling": dict(do_sample=True, temperature=0.7, top_k=50, top_p=0.9), "greedy": dict(do_sample=False)}
 
 
 def study(name: str, rounds: int, new: int, batches: list[int], prompts: list[int], calls: list[str]) -> list[dict]:
     model = gb.build_shape(name, torch.bfloat16, "cuda", False)
-    loop = generation.DecodeLoop(model, "compiled", top_sampler=True)
-    generation.install(model, loop)
+    loop = decode_loop.DecodeLoop(model, "compiled", top_sampler=True)
+    decode_loop.install(model, loop)
     rows = []
     for batch, length in [(b, p) for b in batches for p in prompts]:
         torch.manual_seed(1)
@@ -57,8 +57,8 @@ def study(name: str, rounds: int, new: int, batches: list[int], prompts: list[in
 
             def run(way: str) -> tuple[float, torch.Tensor]:
                 loop.top_sampler = way in ("loop", "loop-eager", "loop-prefill-eager")
-                loop.record_draws = way in ("loop", "loop-prefill-eager")
-                loop.record_prefills = way != "loop-prefill-eager"
+                loop.choice.record_draws = way in ("loop", "loop-prefill-eager")
+                loop.prefills.record = way != "loop-prefill-eager"
                 fn = loop.original if way == "static" else model.generate
                 torch.manual_seed(7)
                 torch.cuda.synchronize()
@@ -79,15 +79,15 @@ def study(name: str, rounds: int, new: int, batches: list[int], prompts: list[in
                     seconds, tokens[way] = run(way)
                     times[way].append(seconds)
             row = {"model": name, "batch": batch, "prompt": length, "call": call, "new_tokens": new,
-                   "resampled": loop.resampled, "recorded_prefills": len(loop._prefills),
-                   "unrecorded_prefills": list(loop.unrecorded_prefills.values()),
+                   "resampled": loop.resampled, "recorded_prefills": len(loop.prefills.recorded),
+                   "unrecorded_prefills": list(loop.prefills.unrecorded.values()),
                    "ways": {w: {"tokens_per_s": batch * new / statistics.median(t),
                                 "spread": (max(t) - min(t)) / statistics.median(t),
                                 "same_as_static": bool(torch.equal(tokens[w], tokens["static"]))}
                             for w, t in times.items()}}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    generation.uninstall(model)
+    decode_loop.uninstall(model)
     return rows
 
 

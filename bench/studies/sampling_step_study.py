@@ -49,7 +49,7 @@ def choosers(logits: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
         scores = warpers(None, logits[:, -1].to(copy=True, dtype=torch.float32))
         return torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
 
-    from torch_tweak._runtime import sampling
+    from torch_tweak._runtime.decode import choice as sampling
     sampler = sampling.TopSampler.of(warpers, True, logits.device)
 
     def top_sampler() -> torch.Tensor:

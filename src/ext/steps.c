@@ -2,10 +2,12 @@
  * steps.c - replay_steps: the per-token loop of tweak's graph decode loop.
  *
  * Each decode step is recorded once as a device graph (Python records it:
- * generation.py). Generating then means replaying that step once per token
- * and, every few tokens, asking whether every sequence has ended (a read of
- * the device, so not after every token). That loop runs here, not in Python:
- * per token, one call of the replay and a check for signals.
+ * _runtime/decode/graph.py). Generating then means replaying that step once
+ * per token and, every few tokens, asking whether every sequence has ended (a
+ * read of the device, so not after every token; when, and the question, are
+ * the Python stopping rule's: _runtime/decode/steps.py, Stopping.replay). That
+ * loop runs here, not in Python: per token, one call of the replay and a check
+ * for signals.
  */
 #include "steps.h"
 

@@ -15,7 +15,7 @@ from torch import nn
 from . import _C
 from .backends import axes
 from ._core import correctness, distributed, model_state, noise
-from ._runtime import decode_call, generation
+from ._runtime.decode import loop as decode_loop
 from ._store import tuning_cache
 from ._core import cpu_load
 from ._core.storage import printable
@@ -32,7 +32,8 @@ from ._view.status import BUSY_FIGURES
 from ._core.shapes import DECLARED, check_calls, check_model, check_shapes, edge_calls
 from ._core.signatures import call_form, forward_params, label_pairs
 from ._search.tuning import GivenCalls, check_measure, dataset_runner, measure_for, release
-from ._runtime.workload import Workload, choose_loop, depths_cannot_match
+from ._runtime.workload import Workload
+from ._search import loop_search
 
 _DEFAULTS = _C.default_tweak_config()  # the engine owns every default of the depth search
 
@@ -221,15 +222,15 @@ def _tweak(model: nn.Module, calls: Any, job: Workload | None, device: torch.dev
     min_depth, max_depth, time_budget = limits["min_depth"], limits["max_depth"], limits["time_budget"]
     speaks_tokens = False
     if job is not None:
-        job.record()
+        loop_search.record(job)
         speaks_tokens = job.generates and not dry_run
     if speaks_tokens:
         # the decode loop first: the depths are then tuned and measured under it, and a
         # loop's decode steps replay the untuned model, so module tuning serves the prefill
         _choose_loop(job, device, measuring, shown, high=bool(asked) and asked.effort == "high")
-    compiled_loop = job is not None and job.loop in decode_call.COMPILED_LOOPS
+    compiled_loop = job is not None and job.loop in decode_loop.COMPILED_LOOPS
     kept = GivenCalls(calls) if job is None else None
-    with generation.uncompiled(model):  # hooks traced into transformers' compiled forward compile it again
+    with decode_loop.uncompiled(model):  # hooks traced into transformers' compiled forward compile it again
         tree = ModuleTree(model, distributed.step(lambda: trace(model, calls, job.run if job is not None else None),
                                                   "running the dataset"))
     if kept is not None and kept.written(calls):
@@ -258,7 +259,7 @@ def _tweak(model: nn.Module, calls: Any, job: Workload | None, device: torch.dev
             result = _from_cache(model, tree, calls, device, strategy, key, parts, shown)
             if result is not None:  # plan.apply kept the strategy's shapes (DECLARED), as the entry was tuned
                 arm_untuned(model)
-                generation.arm(model)
+                decode_loop.arm(model)
                 return result
     session = _session(model, tree, calls, job, strategy, device, measuring, shown, depths, dry_run=dry_run,
                        speaks_tokens=speaks_tokens, compiled_loop=compiled_loop, edges=edges)
@@ -275,7 +276,7 @@ def _tweak(model: nn.Module, calls: Any, job: Workload | None, device: torch.dev
     logger.info("tweak of %s: %s", session.model_class, outcome)
     shown.finish(outcome)
     arm_untuned(model)
-    generation.arm(model)
+    decode_loop.arm(model)
     return result
 
 
@@ -402,12 +403,12 @@ def _session(model: nn.Module, tree: ModuleTree, calls: Any, job: Workload | Non
     if not dry_run:
         shown.phase("measuring the untuned model")
     if speaks_tokens:
-        session.on_measure = job.check_depth
+        session.on_measure = lambda depth: loop_search.check_depth(job, depth)
     if compiled_loop:
         session.refuse = (f"the decode steps run transformers' compiled forward (decode loop \"{job.loop}\"), "
                           "which must see the model's own modules to give the untuned tokens")
     elif speaks_tokens:
-        session.refuse = depths_cannot_match(job)
+        session.refuse = loop_search.depths_cannot_match(job)
     return session
 
 
@@ -525,7 +526,7 @@ def _choose_loop(job: Workload, device: torch.device, measure: dict | None, show
         job.measure_ttft("untuned")
     shown.phase("generate(): trying tweak's decode loops on the untuned model")
     try:
-        job.loop, job.loop_report = choose_loop(job, device, measure, high=high)
+        job.loop, job.loop_report = loop_search.choose_loop(job, device, measure, high=high)
     finally:
         shown.end_phase()
     if job.loop is not None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torch_tweak as tt
-from torch_tweak._runtime import decode_call, generation
+from torch_tweak._runtime.decode import call as decode_call, loop as decode_loop
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,14 +38,14 @@ def generate(model, ids, n=40, **kwargs):
 def test_the_step_graph_gives_transformers_tokens(kind, dtype):
     model = build(kind, dtype)
     untuned = copy.deepcopy(model)
-    loop = generation.DecodeLoop(model, "graph")
-    generation.install(model, loop)
+    loop = decode_loop.DecodeLoop(model, "graph")
+    decode_loop.install(model, loop)
     for batch, length, seed in ((1, 7, 0), (2, 7, 1), (1, 7, 2), (1, 11, 3)):
         ids = torch.randint(3, 256, (batch, length), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
         assert torch.equal(generate(model, ids), generate(untuned, ids)), (batch, length)
     assert loop.calls == 4 and not loop.fallbacks
     # one graph per (batch, cache length): the third call reused the first's
-    assert 2 <= len(loop._graphs) <= 3
+    assert 2 <= len(loop.graph.graphs) <= 3
 
 
 def test_the_step_graph_stops_at_the_end_of_sequence():
@@ -54,12 +54,12 @@ def test_the_step_graph_stops_at_the_end_of_sequence():
     free = generate(model, ids)
     eos = int(free[0, 6 + 20])  # past the first check (16 steps): the rule is read every 16
     expected = generate(model, ids, eos_token_id=eos, pad_token_id=0)
-    generation.install(model, generation.DecodeLoop(model, "graph"))
+    decode_loop.install(model, decode_loop.DecodeLoop(model, "graph"))
     assert torch.equal(generate(model, ids, eos_token_id=eos, pad_token_id=0), expected)
     one = ids[:1]
-    generation.uninstall(model)
+    decode_loop.uninstall(model)
     expected = generate(model, one, eos_token_id=eos, pad_token_id=0)
-    generation.install(model, generation.DecodeLoop(model, "graph"))
+    decode_loop.install(model, decode_loop.DecodeLoop(model, "graph"))
     assert torch.equal(generate(model, one, eos_token_id=eos, pad_token_id=0), expected)
 
 
@@ -87,8 +87,8 @@ def test_the_compiled_loop_gives_the_tokens_of_transformers_compiled_steps():
 
     model = build("llama", torch.bfloat16)
     untuned = copy.deepcopy(model)
-    loop = generation.DecodeLoop(model, "compiled")
-    generation.install(model, loop)
+    loop = decode_loop.DecodeLoop(model, "compiled")
+    decode_loop.install(model, loop)
     graphs = None
     for batch, length, seed in ((1, 7, 0), (1, 7, 1), (2, 7, 2), (1, 7, 3)):
         ids = torch.randint(3, 256, (batch, length), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
@@ -118,7 +118,7 @@ def test_a_compiled_static_workload_keeps_the_compiled_loop_and_saves_it(tmp_pat
     tt.save(model, tmp_path / "decoder.tt")
     fresh = copy.deepcopy(untuned)
     tt.load(fresh, tmp_path / "decoder.tt")
-    assert generation.loop_of(fresh) is not None and generation.loop_of(fresh).kind == result.decode_loop
+    assert decode_loop.loop_of(fresh) is not None and decode_loop.loop_of(fresh).kind == result.decode_loop
     assert torch.equal(compiled_generate(fresh, other, 32), compiled_generate(untuned, other, 32))
 
 
@@ -149,13 +149,13 @@ def test_each_family_through_the_compiled_and_the_graph_loop(name):
     model = family(name)
     untuned = copy.deepcopy(model)
     ids = torch.randint(3, 256, (2, 7), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    loop = generation.DecodeLoop(model, "compiled")
-    generation.install(model, loop)
+    loop = decode_loop.DecodeLoop(model, "compiled")
+    decode_loop.install(model, loop)
     assert torch.equal(compiled_generate(model, ids, 24), compiled_generate(untuned, ids, 24))
     assert loop.calls == 1 and not loop.fallbacks
-    generation.uninstall(model)
-    loop = generation.DecodeLoop(model, "graph")
-    generation.install(model, loop)
+    decode_loop.uninstall(model)
+    loop = decode_loop.DecodeLoop(model, "graph")
+    decode_loop.install(model, loop)
     assert torch.equal(generate(model, ids, 24), generate(untuned, ids, 24))
     if name in ("mistral", "gemma2"):
         assert loop.calls == 0 and any("graph loop does not record" in why for why in loop.fallbacks)
@@ -180,8 +180,8 @@ def test_seeded_sampling_on_the_gpu_equals_transformers(kind):
     loop draws transformers' tokens (compiled: its compiled forward; loop: eager steps)."""
     model = build("llama", torch.bfloat16)
     untuned = copy.deepcopy(model)
-    loop = generation.DecodeLoop(model, kind)
-    generation.install(model, loop)
+    loop = decode_loop.DecodeLoop(model, kind)
+    decode_loop.install(model, loop)
     ids = torch.randint(3, 256, (4, 7), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     settings = dict(max_new_tokens=32, do_sample=True, temperature=0.7, top_k=50, top_p=0.9,
                     repetition_penalty=1.1, cache_implementation="static", disable_compile=kind == "loop")
@@ -195,13 +195,13 @@ def test_seeded_sampling_inside_a_step_graph_equals_transformers():
     sequence so far (a repetition penalty) is left to transformers, with the reason."""
     model = build("llama", torch.bfloat16)
     untuned = copy.deepcopy(model)
-    loop = generation.DecodeLoop(model, "graph")
-    generation.install(model, loop)
+    loop = decode_loop.DecodeLoop(model, "graph")
+    decode_loop.install(model, loop)
     ids = torch.randint(3, 256, (4, 7), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     settings = dict(max_new_tokens=32, do_sample=True, temperature=0.7, top_k=50, top_p=0.9,
                     cache_implementation="static", disable_compile=True)
     assert_same_draws(untuned, model, ids, settings, seeds=(0, 1, 2))
-    assert loop.calls == 3 and not loop.fallbacks and len(loop._graphs) == 1
+    assert loop.calls == 3 and not loop.fallbacks and len(loop.graph.graphs) == 1
     torch.manual_seed(0)
     with torch.no_grad():
         penalised = model.generate(ids, repetition_penalty=1.1, **settings)
@@ -217,7 +217,7 @@ def test_the_top_sampler_gives_transformers_processed_scores_on_cuda():
     k-th and across the top-p cut, equal transformers' processors'. A row may differ only
     where a running sum lies within float32's last bits of 1 - top_p (the sampler's docstring):
     at most one row of the 240 here."""
-    from torch_tweak._runtime import sampling
+    from torch_tweak._runtime.decode import choice as sampling
 
     T = transformers
     differing = 0
@@ -242,26 +242,26 @@ def test_seeded_top_k_top_p_sampling_through_the_top_sampler_equals_transformers
     """Through the top-k sampler, its choice recorded as a device graph (sampling.RecordedDraw)
     or run eagerly: after the same torch.manual_seed, transformers' tokens, every step served
     by the sampler."""
-    from torch_tweak._runtime import sampling
+    from torch_tweak._runtime.decode import choice as sampling
 
     served = []
     process = sampling.TopSampler.process
     monkeypatch.setattr(sampling.TopSampler, "process", lambda self, s: served.append(1) or process(self, s))
     model = build("llama", torch.bfloat16)
     untuned = copy.deepcopy(model)
-    loop = generation.DecodeLoop(model, kind, top_sampler=True)
-    loop.record_draws = record
-    generation.install(model, loop)
+    loop = decode_loop.DecodeLoop(model, kind, top_sampler=True)
+    loop.choice.record_draws = record
+    decode_loop.install(model, loop)
     ids = torch.randint(3, 256, (4, 7), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     settings = dict(max_new_tokens=32, do_sample=True, temperature=0.7, top_k=50, top_p=0.9,
                     cache_implementation="static", disable_compile=kind == "loop")
     assert_same_draws(untuned, model, ids, settings, seeds=(0, 1, 2))
     assert loop.calls == 3 and not loop.fallbacks and loop.resampled == 0
     if record:  # recorded once (two warm-up runs, then the recording), then replayed at every step
-        (draw,) = loop._draws.values()
+        (draw,) = loop.choice.draws.values()
         assert draw.graph is not None and draw.replays == 3 * 32 and len(served) == 3, (draw.replays, len(served))
     else:
-        assert len(served) == 3 * 32 and not loop._draws
+        assert len(served) == 3 * 32 and not loop.choice.draws
 
 
 def test_a_recorded_draw_that_overflows_makes_the_call_again_with_transformers_tokens():
@@ -273,15 +273,16 @@ def test_a_recorded_draw_that_overflows_makes_the_call_again_with_transformers_t
     with torch.no_grad():
         model.lm_head.weight.zero_()
     untuned = copy.deepcopy(model)
-    loop = generation.DecodeLoop(model, "compiled", top_sampler=True)
-    generation.install(model, loop)
+    loop = decode_loop.DecodeLoop(model, "compiled", top_sampler=True)
+    decode_loop.install(model, loop)
     settings = dict(max_new_tokens=16, do_sample=True, temperature=0.7, top_k=50, top_p=0.9,
                     cache_implementation="static")
     for batch in (1, 3):
         ids = torch.randint(3, 256, (batch, 7), device="cuda", generator=torch.Generator("cuda").manual_seed(batch))
         assert_same_draws(untuned, model, ids, settings, seeds=(0, 1))
     assert loop.calls == 4 and loop.resampled == 4 and not loop.fallbacks
-    assert sorted(k[0] for k in loop._draws) == [1, 3] and all(d.graph is not None for d in loop._draws.values())
+    draws = loop.choice.draws
+    assert sorted(k[0] for k in draws) == [1, 3] and all(d.graph is not None for d in draws.values())
 
 
 @pytest.mark.parametrize("kind", ["compiled", "graph"])
@@ -289,19 +290,19 @@ def test_a_recorded_prefill_gives_the_eager_prefills_bits_and_the_untuned_tokens
     """A prompt shape's prefill is recorded at its second call and replayed after: every call
     (a new prompt each) gives the untuned tokens, and on prompts the recording never saw the
     replay's logits and cache are the eager prefill's, bit for bit."""
-    from torch_tweak._runtime import prefill
+    from torch_tweak._runtime.decode import prefill
 
     model = build("llama", torch.bfloat16)
     untuned = copy.deepcopy(model)
-    loop = generation.DecodeLoop(model, kind)
-    generation.install(model, loop)
+    loop = decode_loop.DecodeLoop(model, kind)
+    decode_loop.install(model, loop)
     run = compiled_generate if kind == "compiled" else generate
     shapes = [(1, 7), (1, 7), (2, 7), (2, 7), (1, 7), (2, 7), (1, 7)]
     for seed, (batch, length) in enumerate(shapes):
         ids = torch.randint(3, 256, (batch, length), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
         assert torch.equal(run(model, ids), run(untuned, ids)), (seed, batch, length)
-    assert not loop.fallbacks and not loop.unrecorded_prefills, loop.unrecorded_prefills
-    recorded = list(loop._prefills.values())
+    assert not loop.fallbacks and not loop.prefills.unrecorded, loop.prefills.unrecorded
+    recorded = list(loop.prefills.recorded.values())
     assert len(recorded) == 2 and all(p.graph is not None and p.replays >= 2 for p in recorded)
     assert "prefill recorded as a device graph for 2 prompt shapes" in str(tt.status(model))
     for p in recorded:
@@ -313,7 +314,7 @@ def test_a_recorded_prefill_gives_the_eager_prefills_bits_and_the_untuned_tokens
                                                                 cache_implementation="static"))
             with torch.no_grad():
                 p.cache.reset()
-                eager = loop._prefill(call, p.cache).clone()
+                eager = loop.prefills.run(call, p.cache).clone()
                 eager_cache = prefill.prompt_part(p.cache, length)
                 got = p(ids).clone()
             assert torch.equal(got, eager), (batch, seed)
@@ -329,17 +330,17 @@ def test_a_sliding_window_cache_is_counted_as_eagerly_after_a_replayed_prefill(n
     replayed (the masks made as eagerly while recording: prefill.masks_as_eager)."""
     model = family(name)
     untuned = copy.deepcopy(model)
-    loop = generation.DecodeLoop(model, "compiled")
-    generation.install(model, loop)
+    loop = decode_loop.DecodeLoop(model, "compiled")
+    decode_loop.install(model, loop)
     for seed in range(8):
         length = 12 if seed % 2 else 6
         ids = torch.randint(3, 256, (2, length), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
         assert torch.equal(compiled_generate(model, ids, 24), compiled_generate(untuned, ids, 24)), seed
-    assert not loop.fallbacks and not loop.unrecorded_prefills, loop.unrecorded_prefills
+    assert not loop.fallbacks and not loop.prefills.unrecorded, loop.prefills.unrecorded
     # the cache never shrinks (transformers' rule): the 6-token prompts after the first have the
     # 12-token prompts' cache, so they are recorded at seed 4 and the 12-token ones at seed 3; a
     # recording call replays twice (the recording's check, then the call)
-    replays = {p.ids.shape[1]: p.replays for p in loop._prefills.values() if p.graph is not None}
+    replays = {p.ids.shape[1]: p.replays for p in loop.prefills.recorded.values() if p.graph is not None}
     assert replays == {6: 3, 12: 4}, replays
 
 
@@ -351,7 +352,7 @@ def test_recorded_graphs_outlive_dropped_blas_workspaces():
     The products are one-row ones with a long inner axis, which cuBLAS splits over its
     workspace. (Last in the file: a graph that wrote freed memory could fault the device for
     the tests after it.)"""
-    from torch_tweak._runtime import sampling
+    from torch_tweak._runtime.decode.model import record_graph
 
     g = torch.Generator("cuda").manual_seed(0)
     x = torch.randn(1, 16384, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -362,7 +363,7 @@ def test_recorded_graphs_outlive_dropped_blas_workspaces():
         return [x @ w for w in ws]
 
     expected = [p.clone() for p in products()]
-    graph, out = sampling.record_graph(products, device, warmups=2)
+    graph, out = record_graph(products, device, warmups=2)
     torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
     filler = [torch.full((1 << 20,), 7.0, device="cuda") for _ in range(256)]  # takes the freed memory

@@ -317,7 +317,7 @@ def unwrap(model: nn.Module, paths: Iterable[str] | None = None) -> None:
     table = installed(model)
     targets = table.keys() if paths is None else paths
     if paths is None and getattr(model.__dict__.get("generate"), "_tt_decode_loop", False):
-        del model.__dict__["generate"]  # tweak's decode loop (torch_tweak._runtime.generation)
+        del model.__dict__["generate"]  # tweak's decode loop (torch_tweak._runtime.decode.loop)
     # Deepest first, so a parent is never restored around a child that is still wrapped.
     for path in sorted(targets, key=lambda p: -p.count(".") - (p != "")):
         if path in table:

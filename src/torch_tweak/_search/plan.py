@@ -3,7 +3,8 @@
 A Plan holds the depth kept, the declared shapes (tt.tweak's shapes=) and, per tuned module
 (by its dotted path), its input signatures in order, each with the backend chosen for it (an
 unbuilt Backend: its class and config are the choice; None: the signature runs the original
-forward) and the recorded calls and original outputs it is built on again and checked against. The tuning cache and tt.save /
+forward) and the recorded calls and original outputs it is built on again and checked against;
+and tweak's decode loop behind generate() (LoopPlan). The tuning cache and tt.save /
 tt.load each store a Plan, each in its own encoding (tuning_cache.py, checkpoint.py); both
 apply it with apply(), and revert() takes it out.
 
@@ -26,12 +27,13 @@ from torch import nn
 
 from .._core import correctness
 from .._core._samples import Call
-from .._runtime.decode_check import apply_loop
-from .._runtime.generation import LoopPlan, plan_loop, uninstall as uninstall_loop
+from .._runtime.decode.call import MAX_CHECK_NEW_TOKENS, check_bounds, greedy_call
+from .._runtime.decode.loop import loop_of, uninstall as uninstall_loop
 from ..backends.base import Backend
 from .._runtime.module import TunedModule, arm_untuned, install_all, installed, unwrap
 from .._core.shapes import DECLARED, Shapes, edge_calls, position_table
 from .._core.signatures import SignatureGroup, forward_params, is_other, lay_out
+from .decode_check import apply_loop
 from .tuning import apply_groups, dataset_runner, model_class_name, rebuild_group, record, release
 
 SELECTED_DEPTHS: "weakref.WeakKeyDictionary[nn.Module, int | None]" = weakref.WeakKeyDictionary()
@@ -67,6 +69,40 @@ class ModulePlan:
     groups: list[SignatureGroup]
     error: str = ""
     report: list[dict] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class LoopPlan:
+    """tweak's decode loop behind generate() as a Plan keeps it: its kind, the layouts of its
+    forward calls (None: the defaults) and the generate() calls it is checked on before it is
+    installed again (tt.load, the tuning cache: decode_check.apply_loop), each with the untuned
+    tokens it gave where it was tuned. The check compares the loop with the untuned generate()
+    run here, never with those stored tokens (a file's word); each call is bounded
+    (MAX_CHECK_NEW_TOKENS, MAX_CHECK_TOKENS)."""
+
+    kind: str
+    layouts: dict | None
+    checks: list[tuple[tuple, dict, torch.Tensor]]
+    top_sampler: bool = False  # DecodeLoop.top_sampler
+
+
+def plan_loop(model: nn.Module) -> LoopPlan | None:
+    """The loop installed on `model` as a Plan keeps it, its check calls bounded: a call asking
+    more than MAX_CHECK_NEW_TOKENS new tokens is kept with that many (greedy tokens are a
+    prefix of a longer call's), one decoding more than MAX_CHECK_TOKENS is left out."""
+    loop = loop_of(model)
+    if loop is None:
+        return None
+    checks = []
+    for args, kwargs, tokens in loop.checks:
+        call = greedy_call(model, args, kwargs)
+        if not isinstance(call, str) and call.max_new > MAX_CHECK_NEW_TOKENS:
+            kwargs = {k: v for k, v in kwargs.items() if k != "max_length"}
+            kwargs["max_new_tokens"] = MAX_CHECK_NEW_TOKENS
+            tokens = tokens[:, :call.input_ids.shape[1] + MAX_CHECK_NEW_TOKENS]
+        if check_bounds(model, args, kwargs) is None:
+            checks.append((args, kwargs, tokens))
+    return LoopPlan(loop.kind, loop.layouts, checks, loop.top_sampler)
 
 
 @dataclasses.dataclass(eq=False)

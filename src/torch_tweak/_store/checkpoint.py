@@ -44,10 +44,10 @@ from .._core import correctness, distributed
 from .._core.storage import NotRegular, atomic_file, printable
 from .._runtime.module import installed, own_class, resolve_paths
 from .._search import plan as planning
-from .._runtime.generation import LoopPlan
-from .._runtime.decode_call import LOOPS, check_bounds
-from .._runtime.decode_model import check_layouts
-from .._search.plan import SELECTED_DEPTHS, LoadResult, ModulePlan, Plan, Rebuilt, plan_of
+from .._runtime.decode.call import check_bounds
+from .._runtime.decode.inputs import check_layouts
+from .._runtime.decode.loop import LOOPS
+from .._search.plan import SELECTED_DEPTHS, LoadResult, LoopPlan, ModulePlan, Plan, Rebuilt, plan_of
 from .._core.shapes import Shapes, check_shapes, positions
 from .._runtime.workload import MAX_GENERATE_CALLS
 from .serial import (MAX_JSON_VALUES, Unstorable, build_backend, class_path, decode, describe_backend,

@@ -87,7 +87,7 @@ class TweakResult:
     tokens: for a workload that calls generate(), a TokenRow (tokens per second, time to
     first token, the moment its figures come from) for the untuned model, each loop, each depth
     and the kept configuration; else None.
-    decode_loop: the decode loop kept behind generate() (torch_tweak._runtime.generation.LOOPS), or None;
+    decode_loop: the decode loop kept behind generate() (torch_tweak._runtime.decode.loop.LOOPS), or None;
     loop_report: each decode-loop candidate's latency or why it lost, and "numerics": what
     the correctness rule found on its generate() calls (its error as a multiple of the untuned
     call's, where its tokens part and the margin there); numerics: the same per candidate

@@ -13,7 +13,7 @@ import weakref
 
 from torch import nn
 
-from .._runtime.generation import loop_of
+from .._runtime.decode.loop import loop_of
 from .._runtime.module import UNTUNED_REASONS, installed
 from .._core.shapes import DECLARED, Shapes
 
@@ -124,14 +124,7 @@ def status(model: nn.Module) -> ModelStatus:
     result.busy = BUSY_FIGURES.get(model) if installed(model) else None
     loop = loop_of(model)
     if loop is not None:
-        result.decode_loop = {"kind": loop.kind, "calls": loop.calls, "fallbacks": dict(loop.fallbacks),
-                              "top_sampler": loop.top_sampler, "resampled": loop.resampled,
-                              "recorded_draws": sum(d.graph is not None for d in loop._draws.values()),
-                              "unrecorded": list(loop.unrecorded.values()),
-                              "recorded_steps": len(loop._graphs),
-                              "unrecorded_steps": list(loop.unrecorded_steps.values()),
-                              "recorded_prefills": sum(p.graph is not None for p in loop._prefills.values()),
-                              "unrecorded_prefills": list(loop.unrecorded_prefills.values())}
+        result.decode_loop = loop.figures()
     for path, wrapper in installed(model).items():
         names = list(dict.fromkeys(g.backend.name for g in wrapper.tt_signatures if g.backend is not None))
         if not names and wrapper.tt_backend is not None:

@@ -1,53 +1,46 @@
-"""A decode loop's prefill recorded as a device graph, per prompt shape.
+"""A decode loop's prefill: the prompt through the model (Prefills), and on a cache kept
+between calls, the prompt shape's prefill recorded as a device graph at its RECORD_AFTER-th
+call and replayed after (RecordedPrefill; docs/generate.md says what a user sees of it).
 
-The prefill (the prompt through the model, which gives the first token and fills the cache)
-runs the untuned model's eager forward, as transformers' own generate() does, so that the
-first logits and the cache are the untuned call's bit for bit. Eagerly that is one launch
-from the host per kernel: on the H200 the first token of a Llama-1B-shape call took about
-20 ms of a 208 ms call (bench/results/generate.md), for a 32-token prompt whose kernels take a
-few milliseconds of the device's time.
+The prefill runs the untuned model's eager forward, as transformers' generate() does, so that
+the first logits and the cache are the untuned call's bit for bit; eagerly that is one launch
+per kernel (about 20 ms of a 208 ms Llama-1B-shape call on the H200, for a 32-token prompt:
+bench/results/generate.md). RecordedPrefill records that forward, with the cache's reset, and
+replays it: the same kernels in the same order. It keeps the graph only when one replay gives
+the eager prefill's logits and the prompt's part of the cache, bit for bit.
 
-RecordedPrefill records that forward once per static cache and prompt shape, together with
-the cache's reset, and replays it: the same kernels in the same order, so the same bits. It
-keeps the bits' word only after checking it: the recording call runs the prefill eagerly
-once more and replays the graph, and keeps the graph only when the logits and the prompt's
-part of the cache are equal, bit for bit.
-
-Recording is tracing, to transformers: its mask functions cannot read the cache's length from
-the device while a graph is recorded, so they build an explicit causal mask where the eager
-forward, having read that the cache is empty, passes none and lets the attention kernel mask
-(SDPA's is_causal). Those are other kernels, with other bits: on the H200 every recording of
-Phi-3 and Mistral failed its check for it (bench/results/generate.md). So while it records,
+Recording is tracing, to transformers: its mask functions cannot read the cache's length then,
+and build an explicit causal mask where the eager forward, having read that the cache is empty,
+passes none and lets the attention kernel mask (SDPA's is_causal): other kernels, other bits
+(every recording of Phi-3 and Mistral failed its check for it on the H200). So while it records,
 the recording thread is not tracing to transformers' mask functions, and the cache gives its
-query offset as a Python 0 (it is empty: the recorded run resets it first), which is what the
-eager forward read (masks_as_eager).
+query offset as a Python 0, as the eager forward read it (masks_as_eager).
 
-What a replay cannot redo is Python: a cache that keeps positions on the host (a sliding
-window's Python count) is not counted by the graph. So the host-side state of the cache and
-its layers is recorded twice: as the recorded run's reset left it, and as its forward left
-it. A call whose cache's host state is not the second is reset first, on the host as eagerly,
-and must then be in the first (else the replay is refused, Stale, and the loop runs that shape
-eagerly from then on); after the replay the cache's host values are set to the second, which
-is what the eager prefill leaves: it starts from the reset, and a recorded forward reads no
-value from the device on the host (a capture cannot). Nor can a graph follow the model's
-weights to new tensors (a parameter replaced, the model moved to another dtype): their
-addresses are read before every replay, and a recording whose weights moved is dropped
-(Moved) and made again at the shape's next calls.
-
-On a device without graphs (RECORDS) the same buffers are run eagerly: the logic is the same,
-only the launches are not saved.
+A replay cannot redo Python: the host-side state of the cache and its layers (a sliding
+window's count) is recorded as the recorded run's reset left it and as its forward left it. A
+call's cache not in the second is reset on the host first and must then be in the first (else
+Stale: that shape runs eagerly from then on); after the replay it is set to the second, as the
+eager prefill leaves it. Nor can a graph follow the weights to new tensors: their addresses are
+read before every replay, and a recording whose weights moved is dropped (Moved) and made again
+at the shape's next calls. On a device without graphs (RECORDS) the same buffers run eagerly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from typing import Any, Callable, Iterator
 
 import torch
+from torch import nn
 
-from .._core.model_state import weights_moved, weights_of
-from . import sampling
+from ..._core.model_state import weights_moved, weights_of
+from .call import Greedy
+from .inputs import StepInputs
+from .model import bounded, logits_of, plain_model, record_graph, replay
+
+logger = logging.getLogger("torch_tweak")
 
 RECORDS = frozenset({"cuda"})
 """The device types whose prefills are recorded as device graphs (elsewhere run eagerly)."""
@@ -189,7 +182,7 @@ class RecordedPrefill:
             stack.enter_context(masks_as_eager(cache))
             return stack
 
-        self.graph, self.logits = (sampling.record_graph(run, device, warmups=2, context=recording)
+        self.graph, self.logits = (record_graph(run, device, warmups=2, context=recording)
                                    if device.type in RECORDS else (None, None))
         with context():
             expected = run().clone()
@@ -210,7 +203,7 @@ class RecordedPrefill:
         if self.graph is None:
             with self._context():
                 return self._run()
-        sampling.replay(self.graph, self.ids.device)
+        replay(self.graph, self.ids.device)
         assert self.logits is not None
         return self.logits
 
@@ -234,3 +227,85 @@ class RecordedPrefill:
         """Whether a prompt of this shape is recorded: not padded (its mask is the call's), at
         most PREFILL_TOKENS tokens."""
         return not padded and batch * prompt <= PREFILL_TOKENS
+
+
+class Prefills:
+    """A loop's prefills: the prompt through the model, and on a cache kept between calls its
+    prefill recorded per prompt shape (RecordedPrefill) and replayed."""
+
+    def __init__(self, model: nn.Module, inputs: StepInputs) -> None:
+        self.model = model
+        self.inputs = inputs
+        self.record = True  # a kept cache's prefill recorded per prompt shape
+        self.recorded: dict[tuple, RecordedPrefill] = {}  # the newest last
+        self.waiting: dict[tuple, int] = {}  # calls per prompt shape not recorded yet (RECORD_AFTER)
+        self.unrecorded: dict[tuple, str] = {}  # a prefill not recorded or not replayed: why
+
+    def run(self, call: Greedy, cache: Any) -> torch.Tensor:
+        """The prompt through the model; returns its logits."""
+        ids = call.input_ids
+        positions = self.inputs.positions(call)
+        attention = self.inputs.attention(call, cache, call.mask, positions, ids.shape[1], True)
+        return logits_of(self.model(**self.inputs.kwargs("prefill", ids, cache, positions, attention)))
+
+    def first_logits(self, call: Greedy, cache: Any, kept: tuple) -> torch.Tensor:
+        """The prompt's logits on a cache kept between calls (`kept`: its key), the cache reset
+        first: from the prompt shape's recorded prefill where there is one (made at the
+        shape's RECORD_AFTER-th call), else eagerly. A prefill that cannot be recorded or
+        replayed is said once and runs eagerly from then on."""
+        batch, prompt = call.input_ids.shape
+        key = kept + (prompt,)
+        recorded = self.recorded.pop(key, None) if self.record else None
+        if recorded is None and self.record and key not in self.unrecorded and \
+                RecordedPrefill.eligible(batch, prompt, call.mask is not None):
+            calls = self.waiting.pop(key, 0) + 1
+            if calls < RECORD_AFTER:
+                bounded(self.waiting, key, calls)
+            else:
+                try:
+                    recorded = self._recording(call, cache)
+                except Exception as exc:  # this shape's prefills run eagerly
+                    self._refused(key, batch, prompt, f"{type(exc).__name__}: {exc}")
+        if recorded is not None:
+            try:
+                logits = recorded(call.input_ids)
+            except Moved:  # dropped: recorded again at the shape's next calls
+                pass
+            except Stale as exc:
+                self._refused(key, batch, prompt, str(exc))
+            else:
+                while len(self.recorded) >= PREFILL_GRAPHS:
+                    self.recorded.pop(next(iter(self.recorded)))
+                self.recorded[key] = recorded  # the newest last
+                return logits
+        cache.reset()
+        return self.run(call, cache)
+
+    def _recording(self, call: Greedy, cache: Any) -> RecordedPrefill:
+        """The call's prefill on `cache` recorded: the untuned forward on a buffer of the prompt,
+        with the position ids and attention mask of a prompt with no padding (they depend only
+        on its shape), the cache reset first."""
+        ids = call.input_ids.clone()
+        positions = self.inputs.positions(call)
+        cache.reset()
+        attention = self.inputs.attention(call, cache, None, positions, ids.shape[1], True)
+        kwargs = self.inputs.kwargs("prefill", ids, cache, positions, attention)
+        model = self.model
+
+        def run() -> torch.Tensor:
+            cache.reset()
+            return logits_of(model(**kwargs))
+
+        return RecordedPrefill(run, ids, cache, lambda: plain_model(model), model)
+
+    def _refused(self, key: tuple, batch: int, prompt: int, why: str) -> None:
+        if not self.unrecorded:
+            logger.warning("torch-tweak: the decode loop could not record its prefill for a prompt of %d x %d "
+                           "tokens (%s); such prompts run eagerly", batch, prompt, why)
+        bounded(self.unrecorded, key, why)
+
+    def figures(self) -> dict:
+        """What tt.status says of the prefills: how many shapes replay a device graph, and why
+        others run eagerly."""
+        return {"recorded_prefills": sum(p.graph is not None for p in self.recorded.values()),
+                "unrecorded_prefills": list(self.unrecorded.values())}

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from .._core import correctness, decode_numerics
-from . import decode_call, decode_model, generation
+from .._runtime.decode import call as decode_call, model as decode_model
+from .._runtime.decode.loop import DecodeLoop, install, loop_of, uninstall
 
 
 def _forcing_processor(new: torch.Tensor, prompt: int) -> Any:
@@ -51,18 +52,14 @@ def teacher_forced(model: nn.Module, args: tuple, kwargs: dict, tokens: torch.Te
     transformers' loop with a processor that forces the tokens."""
     prompt = decode_call.prompt_length(args, kwargs) or 0
     new = tokens[:, prompt:]
-    loop = generation.loop_of(model)
+    loop = loop_of(model)
     call = decode_call.greedy_call(model, args, kwargs)
     if loop is not None and not isinstance(call, str) and loop.unmeasured(call) is None and \
-            loop.layout_problem(call) is None:
-        loop.forcing, loop.forced_logits = new, []
-        loop.captured = [] if processed else None
-        try:
-            with decode_call.same_draws(model, args, kwargs), torch.no_grad():
-                model.generate(*args, **kwargs)
-            return list(loop.forced_logits), (list(loop.captured) if processed else None)
-        finally:
-            loop.forcing, loop.forced_logits, loop.captured = None, [], None
+            loop.inputs.layout_problem(call) is None:
+        with loop.choice.watch(new, processed) as (raw, scores), \
+                decode_call.same_draws(model, args, kwargs), torch.no_grad():
+            model.generate(*args, **kwargs)
+            return list(raw), (list(scores) if processed else None)
     from transformers import LogitsProcessorList
 
     given = dict(kwargs, logits_processor=LogitsProcessorList([_forcing_processor(new, prompt)]),
@@ -187,8 +184,8 @@ def check_call(model: nn.Module, i: int, args: tuple, kwargs: dict, untuned: Any
     return f"call {i}: {correctness.describe_finding(found)}, {parts}"
 
 
-def apply_loop(model: nn.Module, plan: "generation.LoopPlan", seconds: float | None = None) -> str | None:
-    """Installs the plan's loop when, on every stored call, it keeps the correctness rule in
+def apply_loop(model: nn.Module, plan: Any, seconds: float | None = None) -> str | None:
+    """Installs the loop a plan keeps (plan.LoopPlan) when, on every stored call, it keeps the correctness rule in
     force (check_call) against the untuned generate() run here (transformers' own loop on the
     model with its tuned modules taken out, the loop not installed), with the reference made
     here too; else leaves generate() as it was and returns why. The tokens the plan stores
@@ -207,7 +204,7 @@ def apply_loop(model: nn.Module, plan: "generation.LoopPlan", seconds: float | N
     deadline = time.monotonic() + limit
     late = f"its check took longer than {limit:g} s (LOOP_CHECK_SECONDS)"
     untuned, references = [], []
-    generation.uninstall(model)
+    uninstall(model)
     try:
         with torch.no_grad(), decode_model.plain_model(model):
             for args, kwargs, _ in plan.checks:
@@ -227,10 +224,10 @@ def apply_loop(model: nn.Module, plan: "generation.LoopPlan", seconds: float | N
             return late
     except Exception as exc:
         return f"the untuned generate() failed on a stored call: {type(exc).__name__}: {str(exc)[:200]}"
-    loop = generation.DecodeLoop(model, plan.kind, plan.layouts, plan.top_sampler)
+    loop = DecodeLoop(model, plan.kind, plan.layouts, plan.top_sampler)
     loop.checks = [(args, kwargs, outs[0]) for (args, kwargs, _), outs in zip(plan.checks, untuned)]
-    loop.deadline = deadline
-    generation.install(model, loop)
+    loop.stopping.deadline = deadline
+    install(model, loop)
     problem = None
     try:
         for i, (args, kwargs, _) in enumerate(loop.checks):
@@ -245,45 +242,34 @@ def apply_loop(model: nn.Module, plan: "generation.LoopPlan", seconds: float | N
     except Exception as exc:
         problem = f"{type(exc).__name__}: {str(exc)[:200]}"
     finally:
-        loop.deadline = None
-        if problem is not None or generation.loop_of(model) is not loop:
-            generation.uninstall(model)  # whatever happened (an interrupt too), generate() is as it was
+        loop.stopping.deadline = None
+        if problem is not None or loop_of(model) is not loop:
+            uninstall(model)  # whatever happened (an interrupt too), generate() is as it was
     loop.calls = 0
     loop.fallbacks.clear()
     return problem
 
 
-DISTRIBUTION_BOUND = 1e-6
-"""The largest total variation distance between the loop's processed next-token distribution
-and transformers' at any step of a sampling call checked at tuning (distribution_difference).
-The two run the same processors on the same scores, so they are equal bit for bit where the
-logits are; the bound only leaves room for a softmax's last bit."""
-
-
-def distribution_difference(model: nn.Module, loop: "generation.DecodeLoop", args: tuple, kwargs: dict) -> str | None:
+def distribution_difference(model: nn.Module, loop: DecodeLoop, args: tuple, kwargs: dict) -> str | None:
     """For a sampling call: how the loop's processed next-token distribution differs from
     transformers' processors' on the same prefixes (the untuned loop's output_scores, each
-    step's softmax against the loop's), beyond DISTRIBUTION_BOUND; None when it does not, or
-    for a greedy call (its tokens are compared exactly). Both runs draw under same_draws."""
+    step's against the loop's), beyond decode_numerics.TV_FLOOR (the same processors on the
+    same scores: equal bit for bit where the logits are, but for a softmax's last bit); None
+    when it does not, or for a greedy call (its tokens are compared exactly). Both runs draw
+    under same_draws."""
     call = decode_call.greedy_call(model, args, kwargs)
     if isinstance(call, str) or not call.sample:
         return None
     with decode_call.same_draws(model, args, kwargs), torch.no_grad():
         reference = loop.original(*args, **{**kwargs, "return_dict_in_generate": True, "output_scores": True})
-    loop.captured = []
-    try:
-        with decode_call.same_draws(model, args, kwargs), torch.no_grad():
-            model.generate(*args, **kwargs)
-        captured = loop.captured
-    finally:
-        loop.captured = None
+    with loop.choice.watch() as (_, captured), decode_call.same_draws(model, args, kwargs), torch.no_grad():
+        model.generate(*args, **kwargs)
     expected = list(reference.scores)
     if len(captured) < len(expected):
         return f"the loop made {len(captured)} processed distributions, transformers {len(expected)}"
     for step, (mine, theirs) in enumerate(zip(captured, expected)):
-        distance = 0.5 * (nn.functional.softmax(mine, dim=-1) - nn.functional.softmax(theirs.to(mine.device), dim=-1)
-                          ).abs().sum(dim=-1).max()
-        if not bool(distance <= DISTRIBUTION_BOUND):
-            return (f"step {step}: the processed next-token distribution is {float(distance):.2e} (total variation) "
-                    f"from transformers' processors', more than {DISTRIBUTION_BOUND:g}")
+        distance = float(decode_numerics.total_variation(mine, theirs).max())
+        if not distance <= decode_numerics.TV_FLOOR:
+            return (f"step {step}: the processed next-token distribution is {distance:.2e} (total variation) "
+                    f"from transformers' processors', more than {decode_numerics.TV_FLOOR:g}")
     return None

@@ -1,35 +1,36 @@
-"""A sampling call's processed scores without sorting the vocabulary.
+"""A decode step's choice of the next token, as transformers' _sample makes it (Choice): the
+argmax, or transformers' processors (or the top-k sampler's) and a draw, recorded as a device
+graph where it can be (RecordedDraw); while watched, the forced tokens of teacher forcing, and
+each step's logits and processed scores kept for the measured rule (decode_check).
 
-transformers' top-p warper sorts every score of the vocabulary at every step, after top-k has
-already set all but k of them to -inf. On the H200, choosing one sampled token that way (the
-Llama-3 vocabulary of 128,256, temperature, top-k 50, top-p 0.9, the softmax and the draw)
-takes 0.55 ms of the device's time at batch 1, a third of the decode step itself
-(bench/results/decode-anatomy.md). TopSampler gives the same processed scores from the top
-k + MARGIN scores alone: the entries top-k keeps (every score at least the k-th largest, ties
-included), ordered as a stable ascending sort orders them (by score, then by index: the order
-CUDA's sort of the whole vocabulary gives ties), their softmax and its running sum cut at
-1 - top_p as transformers cuts it, then scattered back into a row of -inf. The softmax of that
-row and torch.multinomial then run unchanged, as transformers runs them, so a draw under the
-same seed is transformers' draw.
-
-Where it can differ: the running sum over the kept entries is summed in another order than
-transformers' sum over the whole sorted row (whose other entries are exact zeros), so an entry
-whose running sum lies within a few float32 ulps of 1 - top_p can fall on the other side of
-the cut. Where it cannot serve: more tied scores at the k-th than MARGIN, or a NaN score. Both
-are seen on the device (overflowed) without a read per step; the loop reads the flag once per
-call, and then makes the call again with transformers' own processors from the same generator
-state (DecodeLoop.decode).
-
-Used on CUDA only: the CPU's sort does not keep ties in index order, so there no ordering of
-the kept entries can give transformers' cut among ties.
+The top-k sampler (TopSampler; docs/generate.md, "The top-k sampler"): transformers' top-p
+warper sorts the whole vocabulary at every step (0.55 ms of the H200's time at batch 1 for the
+Llama-3 vocabulary of 128,256, a third of the decode step: bench/results/decode-anatomy.md).
+TopSampler gives the same processed scores from the top k + MARGIN scores alone: top-k's kept
+entries (ties with the k-th included), ordered as a stable ascending sort orders them (by score,
+then by index: CUDA's order of ties), their softmax's running sum cut at 1 - top_p as
+transformers cuts it, scattered back into a row of -inf; the softmax and torch.multinomial then
+run as transformers runs them, so a draw under a seed is transformers'. It can differ where a
+running sum lies within a few float32 ulps of 1 - top_p (summed in another order than over the
+whole sorted row); it cannot serve more ties at the k-th than MARGIN, or a NaN score: both are
+flagged on the device (overflowed), read once per call, and the call is made again with
+transformers' processors from the same generator state (loop.DecodeLoop). CUDA only: the CPU's
+sort does not keep ties in index order.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+import logging
+from typing import Any, Iterator
 
 import torch
+from torch import nn
+
+from .call import Greedy
+from .model import record_graph, replay
+
+logger = logging.getLogger("torch_tweak")
 
 MARGIN = 64
 """Scores read past the k-th for ties with it: more ties than this make a call run again with
@@ -166,7 +167,7 @@ past it the oldest is dropped."""
 
 class RecordedDraw:
     """One sampling step's choice of the next token (the sampler's processed scores, the softmax
-    and torch.multinomial, as DecodeLoop._choose makes it) recorded as one device graph, for one
+    and torch.multinomial, as Choice.choose makes it) recorded as one device graph, for one
     batch size, vocabulary and sampler: a step copies its last logits into the graph's input and
     replays it, one launch from the host instead of about forty.
 
@@ -220,59 +221,6 @@ class RecordedDraw:
                 sampler.top_p, sampler.keep_p)
 
 
-@contextlib.contextmanager
-def own_blas_workspace() -> Any:
-    """Around a capture on CUDA: cuBLAS's workspaces are dropped before and after it, so that
-    the capture allocates its own inside the graph's memory pool, which lives as long as the
-    graph. A workspace made outside the pool (by a warm-up on the same stream) would be freed
-    while the graph still writes to it by the next code that drops them: torch.compile's own
-    device graphs do, before and after each of their recordings. Dropping them after the
-    capture keeps eager work from sharing the graph's workspace."""
-    drop = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if drop is not None:
-        drop()
-    try:
-        yield
-    finally:
-        if drop is not None:
-            drop()
-
-
-def record_graph(fn: Callable[[], Any], device: torch.device, warmups: int,
-                 context: Callable[[], Any] = contextlib.nullcontext) -> tuple[Any, Any]:
-    """`fn` recorded as a device graph on `device`, whichever device is current; returns the graph
-    and what the recorded call returned. The warm-up calls run first on the stream the graph is
-    recorded on, so that what is made on first use (lazy state, a library's plans) exists
-    before the recording starts; every call runs inside `context()`. Their draws come
-    from a fork of the generators: the caller's are as they were, so recording takes no random
-    numbers from the call. The capture is thread-local: another thread's work on the device
-    (another model's calls) goes on meanwhile instead of failing. The graph's cuBLAS workspace
-    is its own, in its memory pool (own_blas_workspace)."""
-    stream = torch.cuda.Stream(device)
-    with torch.cuda.device(device), torch.random.fork_rng(devices=[device]):
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream), context():
-            for _ in range(warmups):
-                fn()
-        stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with own_blas_workspace(), \
-                torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"), context():
-            out = fn()
-        torch.cuda.current_stream(device).wait_stream(stream)
-    return graph, out
-
-
-def replay(graph: Any, device: torch.device) -> None:
-    """One replay of a graph record_graph recorded on `device`, whichever device is current (a
-    replay launches on the current device's stream)."""
-    if device.index == torch.cuda.current_device():
-        graph.replay()
-    else:
-        with torch.cuda.device(device):
-            graph.replay()
-
-
 def rng_state(device: torch.device) -> torch.Tensor:
     """The state of the generator a draw on `device` uses."""
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
@@ -283,3 +231,132 @@ def set_rng_state(device: torch.device, state: torch.Tensor) -> None:
         torch.cuda.set_rng_state(state, device)
     else:
         torch.set_rng_state(state)
+
+
+class Choice:
+    """A loop's choice of each next token: the argmax, or the call's processors (or a top-k
+    sampler, recorded as a device graph per batch, vocabulary and settings: RecordedDraw) and
+    a draw; while watched (watch), the forced tokens, each step's logits and scores kept."""
+
+    def __init__(self) -> None:
+        self.record_draws = True  # a top-k sampler's choice of the next token recorded (RecordedDraw)
+        self.draws: dict[tuple, RecordedDraw] = {}  # the recorded draws, the newest last
+        self.unrecorded: dict[tuple, str] = {}  # a draw whose recording failed: why (its calls run eagerly)
+        self.captured: list[torch.Tensor] | None = None  # each step's processed scores, while captured
+        self.forcing: torch.Tensor | None = None  # the forced tokens ([batch, steps]), while teacher-forced
+        self.forced_logits: list[torch.Tensor] = []  # each forced step's raw logits
+
+    def choose(self, call: Greedy, logits: torch.Tensor, seq: torch.Tensor | None,
+               sampler: "TopSampler | RecordedDraw | None" = None) -> torch.Tensor:
+        """The next token from a forward's logits, as transformers' _sample chooses it (under
+        teacher forcing: the forced token, the logits kept)."""
+        if self.forcing is not None:
+            return self._forced(call, logits, seq, sampler)
+        if call.processors is None and not call.sample:
+            return logits[:, -1, :].argmax(-1)
+        if isinstance(sampler, RecordedDraw):
+            return sampler(logits[:, -1])
+        if sampler is not None:
+            scores = sampler.process(logits[:, -1].to(copy=True, dtype=torch.float32))
+        else:
+            scores = self.process(call, logits, seq)
+        if self.captured is not None:
+            self.captured.append(scores.clone())
+        if call.sample:
+            return torch.multinomial(nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        return torch.argmax(scores, dim=-1)
+
+    def _forced(self, call: Greedy, logits: torch.Tensor, seq: torch.Tensor | None,
+                sampler: "TopSampler | RecordedDraw | None") -> torch.Tensor:
+        """Teacher forcing: the step's raw logits (and, while captured, its processed scores:
+        the top-k sampler's where it serves the call) kept, the forced token returned (past the
+        forced ones, the argmax)."""
+        step = len(self.forced_logits)
+        self.forced_logits.append(logits[:, -1].detach().to(copy=True, dtype=torch.float32))
+        if self.captured is not None:
+            if isinstance(sampler, TopSampler):
+                self.captured.append(sampler.process(logits[:, -1].to(copy=True, dtype=torch.float32)))
+            else:
+                self.captured.append(self.process(call, logits, seq))
+        if step < self.forcing.shape[1]:
+            return self.forcing[:, step].to(logits.device)
+        return logits[:, -1].argmax(-1)
+
+    @staticmethod
+    def process(call: Greedy, logits: torch.Tensor, seq: torch.Tensor | None) -> torch.Tensor:
+        """The processed next-token scores: the last logits in float32 through transformers'
+        processors for the call, given the sequence so far."""
+        scores = logits[:, -1].to(copy=True, dtype=torch.float32)
+        if call.processors is not None:
+            scores = call.processors(seq, scores)
+        return scores
+
+    def sampler_for(self, call: Greedy, vocab: int) -> "TopSampler | RecordedDraw | None":
+        """The top-k sampler of a call's choices (None where it does not serve): recorded as a
+        device graph once per batch, vocabulary and settings (RecordedDraw), but where the
+        processed scores are read (captured) or record_draws is off."""
+        batch, device = call.input_ids.shape[0], call.input_ids.device
+        sampler = TopSampler.of(call.processors, call.sample, device)
+        if sampler is None or self.captured is not None or not self.record_draws:
+            return sampler
+        key = RecordedDraw.key(sampler, batch, vocab, device)
+        if key in self.unrecorded:
+            return sampler
+        draw = self.draws.pop(key, None)
+        if draw is None:
+            if len(self.draws) >= RECORDED_DRAWS:
+                self.draws.pop(next(iter(self.draws)))
+            try:
+                draw = RecordedDraw(sampler, batch, vocab, device)
+            except Exception as exc:  # the call is served eagerly, and so are later ones of this shape
+                self.unrecorded[key] = f"{type(exc).__name__}: {exc}"
+                logger.warning("torch-tweak: the decode loop could not record its sampler's choice for batch %d "
+                               "(%s); such calls choose their tokens kernel by kernel", batch, self.unrecorded[key])
+                sampler.flag = None  # RecordedDraw gave it a buffer of its own
+                return sampler
+        self.draws[key] = draw  # the newest last
+        draw.reset()
+        return draw
+
+    @staticmethod
+    def key(call: Greedy) -> tuple:
+        """What of a call's choice of the next token a recorded step bakes in: whether it draws,
+        and each processor's settings (its plain attributes)."""
+        processors = tuple((type(p).__name__, tuple(sorted((k, v) for k, v in vars(p).items()
+                                                           if isinstance(v, (bool, int, float, str)))))
+                           for p in (call.processors or ()))
+        return (call.sample, processors)
+
+    def watched(self) -> bool:
+        """Whether each step's choice is watched (teacher-forced or captured): its steps then run
+        one by one, never from a recorded step."""
+        return self.captured is not None or self.forcing is not None
+
+    def mark(self) -> tuple[int | None, int]:
+        """Where the kept scores and logits end now (rewind goes back to it)."""
+        return (None if self.captured is None else len(self.captured)), len(self.forced_logits)
+
+    def rewind(self, mark: tuple[int | None, int]) -> None:
+        """Drops what was kept since `mark` (a call made again)."""
+        if mark[0] is not None and self.captured is not None:
+            del self.captured[mark[0]:]
+        del self.forced_logits[mark[1]:]
+
+    @contextlib.contextmanager
+    def watch(self, forcing: torch.Tensor | None = None,
+              scores: bool = True) -> Iterator[tuple[list[torch.Tensor], list[torch.Tensor] | None]]:
+        """Inside the block: with `forcing` ([batch, steps]), each step's token is taken from it
+        instead of chosen, its raw logits kept; with `scores`, each step's processed scores kept.
+        Yields the two lists (None: the scores are not kept)."""
+        self.forcing, self.forced_logits = forcing, []
+        self.captured = [] if scores else None
+        try:
+            yield self.forced_logits, self.captured
+        finally:
+            self.forcing, self.forced_logits, self.captured = None, [], None
+
+    def figures(self) -> dict:
+        """What tt.status says of the recorded draws: how many replay a device graph, and why
+        others run kernel by kernel."""
+        return {"recorded_draws": sum(d.graph is not None for d in self.draws.values()),
+                "unrecorded": list(self.unrecorded.values())}

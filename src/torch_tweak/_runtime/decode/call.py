@@ -3,7 +3,7 @@
 A call is parsed once into a ``Greedy`` (its prompt, mask, settings and transformers' own logits
 processors for it), or a reason the loop leaves it to transformers' generate(): a setting or a
 processor the loop does not run (``_ALLOWED``, ``SERVED_PROCESSORS``), beams, a streamer, a cache
-passed in. The loops' kinds (LOOPS) and the bounds on a stored check call live here too.
+passed in. The bounds on a stored check call live here too.
 """
 
 from __future__ import annotations
@@ -17,53 +17,22 @@ import torch
 from torch import nn
 
 
-LOOPS = ("loop", "graph", "compiled", "tuned")
-"""The decode loops tweak tries: steps run one by one through the model; each step a device
-graph replay of the untuned forward (CUDA and a static cache only); each step through
-transformers' own compiled forward (calls transformers compiles: the untuned tokens are
-then those of its compiled kernels); each step through transformers' forward compiled again
-with transformers' settings plus Inductor's coordinate descent tuning (tuned_settings: on
-CUDA a one-row matrix product, each linear layer of a batch-1 step, becomes a reduction
-kernel tuned for the memory's bandwidth instead of a cuBLAS product; other kernels, so its
-tokens are checked against the untuned call's like any candidate's). Two step graphs of
-Inductor kernels were tried and dropped: a separate build of an eager call (its tokens
-differed from the untuned eager model's within a few steps), and transformers' compiled
-forward built again without Inductor's own graphs and recorded with the argmax (the
-compiled tokens, but no faster than the compiled loop: its kernels alone take 1.50 ms a
-token on the Llama-1B shape, bench/results/decode-anatomy.md)."""
-
-
-COMPILED_LOOPS = frozenset({"compiled", "tuned"})
-"""The loops whose decode steps run a compiled forward: only for calls transformers compiles
-(transformers_compiles), and the model's modules are then left untuned."""
-
-
-GRAPH_PROCESSORS = frozenset({"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper",
-                              "MinPLogitsWarper"})
-"""The processors a recorded step runs: those that read only the scores (never the sequence so
-far, whose length grows, nor its length), so the same recorded work serves every step."""
-
-
 MAX_CHECK_NEW_TOKENS = 256
 """The most new tokens a stored generate() call of a decode loop's check may ask for (tt.load
 refuses a file that asks more; tt.save stores a longer call with this many)."""
-
 
 MAX_CHECK_TOKENS = 1 << 16
 """The most tokens, batch x (prompt + new tokens), a stored generate() call of a decode loop's
 check may decode (tt.load refuses a file that asks more; tt.save leaves such a call out)."""
 
-
 LOOP_CHECK_SECONDS = 300.0
 """The time a loaded decode loop's check may take in all (the untuned generate() runs and the
 loop's own): past it the check stops and generate() stays transformers' own."""
-
 
 _GENERATE_OPTIONS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus",
                      "assistant_model", "streamer", "negative_prompt_ids", "negative_prompt_attention_mask",
                      "use_model_defaults", "custom_generate", "tokenizer", "assistant_tokenizer")
 """generate()'s own parameters: any of them given (not None) means a call the loop leaves alone."""
-
 
 _ALLOWED = {
     # key: the values the loop serves (None: any value transformers accepts)
@@ -83,7 +52,6 @@ _ALLOWED = {
 here. The logits processors the settings ask for are transformers' own (built by its
 ``_get_logits_processor``), and the loop serves a call only when each is one of SERVED_PROCESSORS."""
 
-
 SERVED_PROCESSORS = frozenset({
     "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
     "RepetitionPenaltyLogitsProcessor", "NoRepeatNGramLogitsProcessor", "NoBadWordsLogitsProcessor",
@@ -92,7 +60,6 @@ SERVED_PROCESSORS = frozenset({
 device tensor work whose only host-side decisions read shapes, never values, so running it
 needs no read of the device per token (the loop keeps the sequence so far as transformers
 does, so their results are transformers' own, bit for bit)."""
-
 
 SAMPLING_SEED = 0
 """The seed of the random generators while a sampling generate() call is checked (the untuned
@@ -279,19 +246,6 @@ def same_draws(model: nn.Module, args: tuple, kwargs: dict) -> Any:
     with torch.random.fork_rng(devices=[ids.device] if cuda else []):
         torch.manual_seed(SAMPLING_SEED)
         yield
-
-
-def plain_causal(model: nn.Module) -> bool:
-    """Whether every attention layer of `model` takes one boolean causal mask over the whole
-    static cache (SDPA, no sliding window, no chunks, transformers' own mask functions): the
-    mask the loop then makes itself, with no read of the device (a graph step needs it)."""
-    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    if getattr(config, "_attn_implementation", None) != "sdpa" or hasattr(model, "create_masks_for_generate"):
-        return False
-    types = getattr(config, "layer_types", None)
-    if types is not None:
-        return all(t == "full_attention" for t in types)
-    return getattr(config, "sliding_window", None) is None and getattr(config, "attention_chunk_size", None) is None
 
 
 def call_kind(call: Greedy) -> tuple[int, bool]:
