@@ -18,7 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from torch_tweak._runtime import fused_triton, fused_tuning
+from torch_tweak._runtime.decode import fused_triton, fused_tuning
 
 TARGET = GPUTarget("cuda", 90, 32)
 SMS = 132  # an H100 SXM's multiprocessors

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from torch_tweak._core.correctness import MismatchError
-from torch_tweak._runtime import decode_call, fused_check, sampling
-from torch_tweak._runtime.fused_choice import SeenPenalty, StepChoice
+from torch_tweak._runtime.decode import call as decode_call, choice as sampling
+from torch_tweak._search import fused_check
+from torch_tweak._runtime.decode.fused_choice import SeenPenalty, StepChoice
 
 from test_fused_step import made, prompt, shared
 

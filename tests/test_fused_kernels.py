@@ -16,9 +16,9 @@ import os
 import pytest
 import torch
 
-from torch_tweak._runtime import fused_kernels, fused_triton, fused_tuning
-from torch_tweak._runtime.fused_kernels import Attention, Product, TorchKernels
-from torch_tweak._runtime.fused_tuning import Config
+from torch_tweak._runtime.decode import fused_kernels, fused_triton, fused_tuning
+from torch_tweak._runtime.decode.fused_kernels import Attention, Product, TorchKernels
+from torch_tweak._runtime.decode.fused_tuning import Config
 
 needs_triton = pytest.mark.skipif(fused_triton.triton is None,
                                   reason="Triton is not installed (scripts/setup.sh installs it for the CPU)")

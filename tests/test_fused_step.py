@@ -23,9 +23,10 @@ import torch
 
 from torch_tweak._core.correctness import MismatchError
 from torch_tweak._core.model_state import snapshot
-from torch_tweak._runtime import fused_check, fused_triton
-from torch_tweak._runtime.fused_kernels import Product
-from torch_tweak._runtime.fused_step import BUCKETS, FusedDecoder, bucket
+from torch_tweak._runtime.decode import fused_triton
+from torch_tweak._search import fused_check
+from torch_tweak._runtime.decode.fused_kernels import Product
+from torch_tweak._runtime.decode.fused_step import BUCKETS, FusedDecoder, bucket
 
 transformers = pytest.importorskip("transformers")
 
@@ -369,7 +370,7 @@ def test_the_triton_step_split_along_k_and_positions_gives_the_untuned_tokens(mo
     them): the greedy tokens of a tied Qwen2 (seven query heads a group here: 7 over 1) are the
     untuned generate()'s."""
     triton_or_skip()
-    from torch_tweak._runtime import fused_tuning
+    from torch_tweak._runtime.decode import fused_tuning
 
     split = {"product": fused_tuning.Config(16, 32, True, split=2),
              "attention": fused_tuning.Config(block_l=4, split=2)}

@@ -138,7 +138,7 @@ def figure(ms: float, nbytes: int) -> dict:
 def kernel_names(device: torch.device) -> list[str]:
     """The step's implementations that run here: Triton's only on CUDA (the interpreter is a
     check, not a timing)."""
-    from torch_tweak._runtime import fused_kernels
+    from torch_tweak._runtime.decode import fused_kernels
 
     names = ["torch"]
     if device.type == "cuda" and fused_kernels.triton_problem(device) is None:
@@ -153,14 +153,14 @@ def product_specs(decoder: Any) -> dict:
 
 def products(decoder: Any, batch: int, device: torch.device) -> dict:
     """Per product shape: cuBLAS and the step's Triton kernel at each of its candidate configs."""
-    from torch_tweak._runtime import fused_kernels, fused_step, fused_tuning
+    from torch_tweak._runtime.decode import fused_kernels, fused_step, fused_tuning
 
     rows = fused_step.bucket(batch)
     found: dict[str, Any] = {}
     triton = fused_kernels.TritonKernels(device) if "triton" in kernel_names(device) else None
     for name, spec in product_specs(decoder).items():
-        x = torch.randn(rows, 2 * spec.k if spec.glu else spec.k, device=device, dtype=decoder.dtype)
-        y = torch.zeros(rows, spec.n, device=device, dtype=decoder.dtype)
+        x = torch.randn(rows, 2 * spec.k if spec.glu else spec.k, device=device, dtype=decoder.weight_dtype)
+        y = torch.zeros(rows, spec.n, device=device, dtype=decoder.weight_dtype)
         nbytes = sum(w.numel() * w.element_size() for w in spec.weights)
         plain = x[:, :spec.k].contiguous()
         row: dict[str, Any] = {"n": spec.n, "k": spec.k, "weights": len(spec.weights), "bytes": nbytes}
@@ -179,12 +179,12 @@ def products(decoder: Any, batch: int, device: torch.device) -> dict:
 
 def inductor_products(decoder: Any, batch: int, device: torch.device) -> dict:
     """Per product shape: Inductor with coordinate descent tuning (the F.linear calls compiled)."""
-    from torch_tweak._runtime import fused_step
+    from torch_tweak._runtime.decode import fused_step
 
     rows = fused_step.bucket(batch)
     found: dict[str, Any] = {}
     for name, spec in product_specs(decoder).items():
-        plain = torch.randn(rows, spec.k, device=device, dtype=decoder.dtype)
+        plain = torch.randn(rows, spec.k, device=device, dtype=decoder.weight_dtype)
         nbytes = sum(w.numel() * w.element_size() for w in spec.weights)
         fn = torch.compile(lambda a, ws=spec.weights: [F.linear(a, w) for w in ws], fullgraph=True,
                            options={"coordinate_descent_tuning": True, "triton.cudagraphs": False})
@@ -196,7 +196,7 @@ def tune(decoder: Any, batch: int) -> dict:
     """The Triton step made on a fresh cache of the batch's bucket: the seconds it takes (its
     kernels compiled and their configs measured, or taken from an earlier bucket's), and the
     config chosen per product and for the attention."""
-    from torch_tweak._runtime import fused_step
+    from torch_tweak._runtime.decode import fused_step
 
     cache = decoder.cache(batch, PROMPT + NEW)
     start = time.perf_counter()
@@ -215,7 +215,7 @@ def prompt(batch: int, vocab: int, device: torch.device) -> torch.Tensor:
 def made_step(decoder: Any, kernels: str, batch: int) -> tuple[Any, Any, torch.Tensor]:
     """(a cache prefilled with a prompt, the step on it, the prompt), the position in the middle of
     the call's new tokens."""
-    ids = prompt(batch, decoder.vocab, decoder.device)
+    ids = prompt(batch, decoder.vocab, decoder.weight_device)
     cache = decoder.cache(batch, PROMPT + NEW)
     decoder.prefill(ids, cache)
     step = decoder.runner(cache, kernels)
@@ -225,7 +225,7 @@ def made_step(decoder: Any, kernels: str, batch: int) -> tuple[Any, Any, torch.T
 
 def chat_choice(decoder: Any, ids: torch.Tensor) -> Any:
     from torch_tweak._runtime import decode_call
-    from torch_tweak._runtime.fused_choice import StepChoice
+    from torch_tweak._runtime.decode.fused_choice import StepChoice
 
     call = decode_call.greedy_call(decoder.model, (ids,), dict(CHAT, max_new_tokens=NEW))
     choice = StepChoice.of(call.processors, True, call.eos, call.pad, ids.device)
@@ -235,9 +235,9 @@ def chat_choice(decoder: Any, ids: torch.Tensor) -> Any:
 
 def whole_step(decoder: Any, kernels: str, batch: int, floor_ms: float | None) -> dict:
     _, step, ids = made_step(decoder, kernels, batch)
-    greedy = timed_ms(lambda: step.forward()[:batch].argmax(-1), decoder.device)
+    greedy = timed_ms(lambda: step.forward()[:batch].argmax(-1), decoder.weight_device)
     choice = chat_choice(decoder, ids)
-    sampled = timed_ms(lambda: choice(step.forward()[:batch]), decoder.device)
+    sampled = timed_ms(lambda: choice(step.forward()[:batch]), decoder.weight_device)
     found = {"ms": round(greedy, 4), "tokens/s": round(batch * 1e3 / greedy, 1), "sampling_ms": round(sampled, 4)}
     if floor_ms is not None:
         found["of_floor"] = round(floor_ms / greedy, 4)
@@ -247,7 +247,7 @@ def whole_step(decoder: Any, kernels: str, batch: int, floor_ms: float | None) -
 def parts(decoder: Any, kernels: str, batch: int) -> dict:
     """Which part of a step costs what: each part of the step recorded alone, in ms."""
     _, step, ids = made_step(decoder, kernels, batch)
-    k, dev = step.kernels, decoder.device
+    k, dev = step.kernels, decoder.weight_device
     layers = list(zip(decoder.layers, step.caches))
 
     def products() -> None:
@@ -258,11 +258,11 @@ def parts(decoder: Any, kernels: str, batch: int) -> dict:
             k.product(layer.down, step.gate_up, step.hidden)
         k.product(decoder.final, step.hidden, step.logits)
 
-    inputs = {w.shape[1]: torch.randn(step.rows, w.shape[1], device=dev, dtype=decoder.dtype)
+    inputs = {w.shape[1]: torch.randn(step.rows, w.shape[1], device=dev, dtype=decoder.weight_dtype)
               for layer in decoder.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down) for w in p.weights}
     weights = [w for layer in decoder.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
                for w in p.weights] + [decoder.final.weights[0]]
-    inputs[decoder.final.k] = torch.randn(step.rows, decoder.final.k, device=dev, dtype=decoder.dtype)
+    inputs[decoder.final.k] = torch.randn(step.rows, decoder.final.k, device=dev, dtype=decoder.weight_dtype)
 
     def attention() -> None:
         for layer, (keys, values, length) in layers:
@@ -282,7 +282,7 @@ def parts(decoder: Any, kernels: str, batch: int) -> dict:
 def elementwise(decoder: Any, step: Any) -> dict:
     """The torch ops' norms (two a layer and the last) and rotary embeddings (q and k of every
     layer) recorded alone: what the Triton kernels fuse into the products and the attention."""
-    from torch_tweak._runtime.fused_kernels import rms_norm, rotate_half
+    from torch_tweak._runtime.decode.fused_kernels import rms_norm, rotate_half
 
     norms = [p for layer in decoder.layers for p in (layer.qkv, layer.gate_up)] + [decoder.final]
     a = decoder.layers[0].attention
@@ -295,16 +295,16 @@ def elementwise(decoder: Any, step: Any) -> dict:
                 x = x.view(step.rows, -1, a.head_dim)
                 (x * c) + (rotate_half(x) * s)
 
-    return {"norms_alone": timed_ms(lambda: [rms_norm(step.hidden, p.norm, p.eps) for p in norms], decoder.device),
-            "rotary_alone": timed_ms(rotary, decoder.device)}
+    return {"norms_alone": timed_ms(lambda: [rms_norm(step.hidden, p.norm, p.eps) for p in norms], decoder.weight_device),
+            "rotary_alone": timed_ms(rotary, decoder.weight_device)}
 
 
 def generate(decoder: Any, kernels: str, batch: int, chat: bool) -> dict:
     """One call of NEW tokens through the step and its choice recorded together (module docs)."""
     cache, step, ids = made_step(decoder, kernels, batch)
     choice = chat_choice(decoder, ids) if chat else None
-    out = torch.zeros(batch, NEW, dtype=torch.int64, device=decoder.device)
-    index = torch.zeros(1, dtype=torch.int64, device=decoder.device)
+    out = torch.zeros(batch, NEW, dtype=torch.int64, device=decoder.weight_device)
+    index = torch.zeros(1, dtype=torch.int64, device=decoder.weight_device)
 
     def one() -> None:
         logits = step.forward()[:batch]
@@ -314,7 +314,7 @@ def generate(decoder: Any, kernels: str, batch: int, chat: bool) -> dict:
         step.tokens[:batch].copy_(token)
         step.position.add_(1)
 
-    graph = common.graphed(one)[0] if decoder.device.type == "cuda" else None
+    graph = common.graphed(one)[0] if decoder.weight_device.type == "cuda" else None
 
     def call() -> None:
         logits = decoder.prefill(ids, cache)
@@ -327,7 +327,7 @@ def generate(decoder: Any, kernels: str, batch: int, chat: bool) -> dict:
         step.position.fill_(PROMPT)
         for _ in range(NEW - 1):
             graph.replay() if graph is not None else one()
-        if decoder.device.type == "cuda":
+        if decoder.weight_device.type == "cuda":
             torch.cuda.synchronize()
 
     call()
@@ -342,7 +342,7 @@ def generate(decoder: Any, kernels: str, batch: int, chat: bool) -> dict:
 
 
 def check(decoder: Any, kernels: str, ids: torch.Tensor, made: Any) -> dict:
-    from torch_tweak._runtime import fused_check
+    from torch_tweak._search import fused_check
 
     found = fused_check.check(decoder, ids, made[0].shape[1] - ids.shape[1], kernels, made=made)
     return {"multiple": None if found.multiple is None else round(found.multiple, 3), "error": float(found)}
@@ -351,8 +351,8 @@ def check(decoder: Any, kernels: str, ids: torch.Tensor, made: Any) -> dict:
 def one_model(shape: str, args: argparse.Namespace, budget: Budget, device: torch.device) -> dict:
     """Every section for one shape at batch 1; the step, the call and the check at the other
     batches; the torch ops' rows, then the Triton kernels' (tuned first, the time it takes said)."""
-    from torch_tweak._runtime import fused_check
-    from torch_tweak._runtime.fused_step import FusedDecoder
+    from torch_tweak._search import fused_check
+    from torch_tweak._runtime.decode.fused_step import FusedDecoder
 
     with device:
         model = model_of(shape, args.smoke, device)
@@ -416,7 +416,7 @@ def last(shape: str, found: dict, args: argparse.Namespace, budget: Budget, devi
 
 
 def fused_check_reference(model: torch.nn.Module, ids: torch.Tensor, new: int) -> Any:
-    from torch_tweak._runtime import fused_check
+    from torch_tweak._search import fused_check
 
     return fused_check.reference(model, ids, new)
 

@@ -26,6 +26,16 @@ attributes).
               shape and replayed (Prefills, RecordedPrefill)
     choice    the next token as transformers chooses it: its processors or the top-k sampler,
               the draw, recorded draws, teacher forcing (Choice, TopSampler, RecordedDraw)
+    fused_triton  the Triton kernels of tweak's own decode step (the product in its layouts
+              and split-K form, the attention per query head); importable without Triton
+    fused_tuning  how those kernels' launch settings are chosen on a card (compiled at once,
+              timed in CUDA graphs over every layer of a shape)
+    fused_kernels  the step's products and attention as torch ops (TorchKernels) or Triton
+              kernels (TritonKernels)
+    fused_step  tweak's own decode step (FusedDecoder: Llama, Qwen2, Mistral, Qwen3 read as
+              shipped; Step: one step's work on a StaticCache of a batch bucket)
+    fused_choice  the next token inside that step as fixed work (StepChoice: the processors,
+              the repetition penalty from a seen mask, min new tokens from a counter, the draw)
     steps     the steps one by one from a step source (Forward, Compiled, Tuned), and how a
               loop stops: end of sequence, finished rows, CHECK_EVERY, what _C.replay_steps
               is told (Steps, Stopping)

@@ -109,6 +109,20 @@ class TopSampler:
         out = torch.full_like(scores, -float("inf"))
         return out.scatter_(1, indices, values.masked_fill(~kept, -float("inf")))
 
+    def start(self, batch: int, device: torch.device) -> None:
+        """Before a call's first step: no step overflowed yet. The flag is made for `batch` rows
+        on `device` once and zeroed in place after (a recorded step keeps its address)."""
+        if self.flag is None or self.flag.shape[0] != batch or self.flag.device != device:
+            self.flag = torch.zeros(batch, dtype=torch.bool, device=device)
+        else:
+            self.flag.zero_()
+
+    def pick(self, probs: torch.Tensor) -> torch.Tensor:
+        """torch.multinomial's one draw from `probs`, the softmax of the last process()'s
+        scores, over the top scores it kept (draw_one)."""
+        assert self.candidates is not None, "process() the scores first"
+        return draw_one(probs, self.candidates)
+
     def overflowed(self) -> bool:
         """Whether any step since the last reset could not be served (reads the device once)."""
         return self.flag is not None and bool(self.flag.any())

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._core.model_state import snapshot, weights_moved, weights_of
+from ..._core.model_state import snapshot, weights_moved, weights_of
 from .fused_kernels import Attention, Product, kernels as make_kernels
 
 FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral",
@@ -143,7 +143,7 @@ def problem(model: nn.Module) -> str | None:
     family = FAMILIES.get(type(model).__name__)
     if family is None or not type(model).__module__.startswith("transformers."):
         return f"a {type(model).__name__} (served: transformers' {', '.join(FAMILIES)})"
-    from .module import installed, is_wrapped
+    from ..module import installed, is_wrapped
 
     if installed(model) or any(is_wrapped(m) for m in model.modules()):
         return "modules tuned by torch-tweak are installed in the model"
@@ -188,8 +188,8 @@ class FusedDecoder:
         self.final = final
         self.embed = model.get_input_embeddings().weight
         self.rotary = model.model.rotary_emb
-        self.dtype = self.embed.dtype
-        self.device = self.embed.device
+        self.weight_dtype = self.embed.dtype
+        self.weight_device = self.embed.device
         self.vocab = int(final.weights[0].shape[0])
         self.weights = weights_of(model)  # what the step reads of the model, by address
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -234,7 +234,7 @@ class FusedDecoder:
 
     def _table(self, key: tuple, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if key not in self._tables:
-            x = torch.zeros(1, dtype=self.dtype, device=device)
+            x = torch.zeros(1, dtype=self.weight_dtype, device=device)
             state = snapshot(self.rotary)
             try:
                 with torch.no_grad():
@@ -260,7 +260,7 @@ class FusedDecoder:
         a = self.layers[0].attention
         early = getattr(cache, "early_initialization", None)
         if callable(early):  # else the prefill lays it out
-            early(rows, a.kv_heads, a.head_dim, self.dtype, self.device)
+            early(rows, a.kv_heads, a.head_dim, self.weight_dtype, self.weight_device)
         return cache
 
     def prefill(self, ids: torch.Tensor, cache: Any) -> torch.Tensor:
@@ -321,7 +321,7 @@ def cache_problem(decoder: FusedDecoder, cache: Any) -> str | None:
         rows = keys.shape[0]
         shape = (rows, a.kv_heads, keys.shape[2], a.head_dim)
         if bucket(rows) != rows or tuple(keys.shape) != shape or tuple(values.shape) != shape or \
-                keys.dtype != decoder.dtype or values.dtype != decoder.dtype or keys.device != decoder.device or \
+                keys.dtype != decoder.weight_dtype or values.dtype != decoder.weight_dtype or keys.device != decoder.weight_device or \
                 not keys.is_contiguous() or not values.is_contiguous():
             return f"cache layer {i} holds {tuple(keys.shape)} {keys.dtype} on {keys.device}, not a bucket of {shape}"
     return None
@@ -337,10 +337,10 @@ class Step:
         if decoder.moved():
             raise ValueError("a weight of the model was replaced or moved since it was read: read it again")
         self.decoder = decoder
-        self.kernels = make_kernels(kernels, decoder.device)
+        self.kernels = make_kernels(kernels, decoder.weight_device)
         keys = cache.layers[0].keys
         self.rows, self.length = int(keys.shape[0]), int(keys.shape[2])
-        dev, dt, a = decoder.device, decoder.dtype, decoder.layers[0].attention
+        dev, dt, a = decoder.weight_device, decoder.weight_dtype, decoder.layers[0].attention
         self.tokens = torch.zeros(self.rows, dtype=torch.int64, device=dev)
         self.position = torch.zeros((), dtype=torch.int64, device=dev)
         hidden = decoder.embed.shape[1]
@@ -351,7 +351,7 @@ class Step:
         self.logits = torch.zeros(self.rows, decoder.vocab, dtype=dt, device=dev)
         self.cos, self.sin = decoder.table(self.length, dev)
         self.caches = [(layer.keys, layer.values, _length_of(layer)) for layer in cache.layers]
-        self.compiled: Any = None
+        self.compiled_step: Any = None
         self._prepare()
 
     @torch.no_grad()
@@ -375,8 +375,8 @@ class Step:
     @torch.no_grad()
     def forward(self) -> torch.Tensor:
         """One step from the `tokens` and `position` buffers; returns the `logits` buffer."""
-        if self.compiled is not None:
-            return self.compiled(*self.buffers())
+        if self.compiled_step is not None:
+            return self.compiled_step(*self.buffers())
         return run_step(self.kernels, self.decoder, *self.buffers())
 
     def compile(self, **options: Any) -> None:
@@ -397,7 +397,7 @@ class Step:
 
             compiled = self.decoder._compiled[key] = torch.compile(traced, fullgraph=True, dynamic=False,
                                                                    options=settings)
-        self.compiled = compiled
+        self.compiled_step = compiled
 
     def __call__(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """The logits ([batch, vocab]) of `tokens` ([batch] int64, batch <= the bucket) at

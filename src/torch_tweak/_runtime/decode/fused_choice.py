@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import sampling
+from . import choice as sampling
 
 SCORES_ONLY = frozenset({"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper"})
 """transformers' processors that read only the scores: run as they are."""
@@ -77,19 +77,19 @@ class LengthFloor:
     length it counts from) as fixed work: the eos tokens at -inf while length - skip < floor."""
 
     def __init__(self, eos: torch.Tensor, floor: int, skip: int) -> None:
-        self.eos = eos
+        self.end_ids = eos
         self.floor = floor
         self.skip = skip
-        self.mask: torch.Tensor | None = None
+        self.banned: torch.Tensor | None = None
 
     def start(self, ids: torch.Tensor, vocab: int) -> None:
-        if self.mask is None or self.mask.shape[0] != vocab or self.mask.device != ids.device:
-            self.mask = torch.isin(torch.arange(vocab, device=ids.device), self.eos.to(ids.device))
+        if self.banned is None or self.banned.shape[0] != vocab or self.banned.device != ids.device:
+            self.banned = torch.isin(torch.arange(vocab, device=ids.device), self.end_ids.to(ids.device))
 
     def __call__(self, scores: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
-        assert self.mask is not None
+        assert self.banned is not None
         below = (length - self.skip) < self.floor
-        return torch.where(self.mask & below, -math.inf, scores)
+        return torch.where(self.banned & below, -math.inf, scores)
 
     def advance(self, token: torch.Tensor) -> None:
         pass
@@ -115,9 +115,9 @@ class StepChoice:
     def __init__(self, parts: list, sample: bool, eos: tuple[int, ...], pad: int | None,
                  top: "sampling.TopSampler | None") -> None:
         self.parts = parts  # fixed-work parts and transformers' score-only processors, in the call's order
-        self.sample = sample
-        self.eos = eos
-        self.pad = pad
+        self.draws = sample
+        self.end_ids = eos
+        self.pad_id = pad
         self.top = top  # the top-k sampler in place of the warpers that end the list, where it serves
         self.length: torch.Tensor | None = None
         self.finished: torch.Tensor | None = None
@@ -157,14 +157,12 @@ class StepChoice:
         if self.finished is None or self.finished.shape[0] != batch or self.finished.device != device:
             self.length = torch.zeros((), dtype=torch.int64, device=device)
             self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
-            self._eos = torch.tensor(self.eos, dtype=torch.int64, device=device)
-            if self.top is not None:
-                self.top.flag = torch.zeros(batch, dtype=torch.bool, device=device)
+            self._eos = torch.tensor(self.end_ids, dtype=torch.int64, device=device)
         assert self.length is not None
         self.length.fill_(ids.shape[1])
         self.finished.zero_()
-        if self.top is not None and self.top.flag is not None:
-            self.top.flag.zero_()
+        if self.top is not None:
+            self.top.start(batch, device)
         for part in self.parts:
             if isinstance(part, FIXED):
                 part.start(ids, vocab)
@@ -182,21 +180,20 @@ class StepChoice:
 
     def pick(self, scores: torch.Tensor) -> torch.Tensor:
         """The token of each row from processed scores: the argmax, or transformers' draw."""
-        if not self.sample:
+        if not self.draws:
             return torch.argmax(scores, dim=-1)
         probs = nn.functional.softmax(scores, dim=-1)
         if self.top is not None and sampling.exact_draws(scores.device):
-            assert self.top.candidates is not None
-            return sampling.draw_one(probs, self.top.candidates)
+            return self.top.pick(probs)
         return torch.multinomial(probs, num_samples=1).squeeze(1)
 
     def advance(self, token: torch.Tensor) -> torch.Tensor:
         """The token as the sequence takes it (the pad token for a finished row), the state moved
         on by it (seen tokens, length, finished rows)."""
         assert self.finished is not None and self.length is not None and self._eos is not None
-        if self.pad is not None:
-            token = torch.where(self.finished, self.pad, token)
-        if self.eos:
+        if self.pad_id is not None:
+            token = torch.where(self.finished, self.pad_id, token)
+        if self.end_ids:
             self.finished |= torch.isin(token, self._eos)
         for part in self.parts:
             if isinstance(part, FIXED):

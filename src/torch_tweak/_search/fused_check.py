@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from .._core import correctness, decode_numerics
-from .fused_choice import StepChoice
-from .fused_step import FusedDecoder
+from .._runtime.decode.fused_choice import StepChoice
+from .._runtime.decode.fused_step import FusedDecoder
 
 
 def _cache_keyword(model: nn.Module) -> str:
