@@ -190,7 +190,7 @@ def test_max_autotune_goes_to_the_heavy_modules(mlp, mlp_data):
     tree = result.tree
     for path, module in result.modules.items():
         tried = any(c["backend"] == "TorchInductor [max-autotune]" for c in module.candidates)
-        assert tried == (path == "" or tree.time_ms(path) >= axes.HEAVY_SHARE * tree.time_ms("")), path
+        assert tried == (path == "" or tree.time_ms(path) >= tt.settings.HEAVY_SHARE * tree.time_ms("")), path
     after = outputs(mlp, mlp_data)
     assert all(torch.allclose(a, b, rtol=1e-3, atol=1e-4) for a, b in zip(after, before))
 

@@ -107,7 +107,7 @@ def test_an_odd_proc_stat_reads_as_unknown_at_once(tmp_path, monkeypatch, kind):
 
 def test_a_huge_proc_stat_is_read_only_as_far_as_its_bound(tmp_path, monkeypatch):
     """A genuine cpu line followed by 3 GiB: the reading takes the line from the first bytes
-    (STAT_LIMIT) and reads no further; a process's stat past PROCESS_LIMIT likewise."""
+    (LOAD_STAT_BYTES) and reads no further; a process's stat past LOAD_PROCESS_BYTES likewise."""
     def make(path):
         with open(path, "wb") as f:
             f.write(cpu_line(100, 0, 50, 850).encode())
@@ -126,14 +126,14 @@ def test_a_huge_proc_stat_is_read_only_as_far_as_its_bound(tmp_path, monkeypatch
     got = REAL_READING()
     assert time.monotonic() - start < 2.0
     assert got is not None and got[1] == pytest.approx(1000 / os.sysconf("SC_CLK_TCK"))
-    assert sum(reads) <= load.STAT_LIMIT + load.PROCESS_LIMIT
+    assert sum(reads) <= tt.settings.LOAD_STAT_BYTES + tt.settings.LOAD_PROCESS_BYTES
 
 
 def test_a_reading_past_its_time_is_unknown(tmp_path, monkeypatch):
     """A slow /proc (here: a reading given no time at all) is load unknown."""
     monkeypatch.setattr(load, "PROC", str(fake_proc(tmp_path, lambda p: p.write_text(cpu_line(1, 0, 1, 8)))))
     assert REAL_READING() is not None
-    monkeypatch.setattr(load, "READING_SECONDS", -1.0)
+    monkeypatch.setattr(tt.settings, "LOAD_READING_SECONDS", -1.0)
     assert REAL_READING() is None
 
 

@@ -356,8 +356,8 @@ def test_untuned_result_is_measured_again_and_a_failed_one_reused_for_a_while(ml
     strategy = tt.OneBackendStrategy(HalfBroken())
     first = tweak(fresh_net(), mlp_data, strategy=strategy)
     assert first.selected_depth == 1 and first.modules["b"].error
-    assert tweak(fresh_net(), mlp_data, strategy=strategy).cached  # a failure: reused within RETRY_AFTER
-    later = time.time() + tuning_cache.RETRY_AFTER + 1
+    assert tweak(fresh_net(), mlp_data, strategy=strategy).cached  # a failure: reused within CACHE_RETRY_AFTER
+    later = time.time() + tt.settings.CACHE_RETRY_AFTER + 1
     monkeypatch.setattr(tuning_cache.time, "time", lambda: later)
     assert not tweak(fresh_net(), mlp_data, strategy=strategy).cached  # then tried again
     tweak(fresh_net(), mlp_data)  # a result with no failure...

@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from torch_tweak._store import checkpoint
+from torch_tweak._core import settings
 
 pytestmark = pytest.mark.slow  # each tunes and saves a model in a child process, then forges its file
 
@@ -49,7 +49,7 @@ def test_forged_files(category, tmp_path):
     errors = [c for c in cases if c["outcome"] == "error"]
     assert all("CheckpointError" not in c["message"] and c["message"] for c in errors)  # one plain message each
     memory = lines[-1]
-    cap = 4 * memory["model_bytes"] + checkpoint.SLACK_BYTES  # the cap docs/deployment.md states
+    cap = 4 * memory["model_bytes"] + settings.LOAD_SLACK_BYTES  # the cap docs/deployment.md states
     assert memory["peak_growth_bytes"] <= cap, memory
     assert not (tmp_path / "marker").exists()
     COUNTS[category] = len(cases)

@@ -1012,7 +1012,7 @@ def test_tokens_may_part_only_at_a_near_tie_and_every_step_is_judged_teacher_for
     margins = [(float(h.topk(2).values[r, 0] - h.topk(2).values[r, 1]), s, r)
                for s, h in enumerate(reference.high) for r in range(2)]
     margin, step, row = min(margins)
-    window = 2 * correctness.MULTIPLIER * float(reference.spread[step][row])
+    window = 2 * tt.settings.MULTIPLIER * float(reference.spread[step][row])
     assert margin < window / 2  # the model has a near tie to turn
     second = int(reference.high[step][row].topk(2).indices[1])
     handle = _biased(model, second, 1.5 * margin)

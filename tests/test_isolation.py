@@ -217,7 +217,7 @@ def test_a_bad_verdict_file_is_a_miss_and_is_written_again(kind):
     elif kind == "fifo":
         os.mkfifo(path)
     elif kind == "huge":
-        path.write_text('{"crashed": false, "parts": ' + " " * verdicts.MAX_BYTES + "{}}")
+        path.write_text('{"crashed": false, "parts": ' + " " * tt.settings.VERDICT_MAX_BYTES + "{}}")
     elif kind == "other parts":
         verdicts.write(dict(parts, cpu="another"), verdicts.Verdict(False))
         os.replace(verdicts.path_of(verdicts.key_of(dict(parts, cpu="another"))), path)
@@ -417,7 +417,7 @@ from hang_support import Hangs
 from support import FAST, MLP
 
 os.environ["TT_HANG_PARENT"] = str(os.getpid())
-isolation.FLOOR = float(sys.argv[1])  # a small bound for the test (not used before the bound existed)
+tt.settings.ISOLATION_FLOOR = float(sys.argv[1])  # a small bound for the test (not used before the bound existed)
 for how in ("fork", "spawn"):  # earlier children took 0.1 s per unit of size
     getattr(verdicts, "record_rate", lambda *args: None)(Hangs(), how, 0.1)
 torch.manual_seed(0)
@@ -455,7 +455,7 @@ def test_a_hung_child_is_killed_within_its_bound(tmp_path):
         for pid in orphans:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)  # the hung child this test made
-        pytest.fail(f"the hung child was not killed within 120 s (the cap is {isolation.CAP:.0f} s):\n{out[-2000:]}")
+        pytest.fail(f"the hung child was not killed within 120 s (the cap is {tt.settings.ISOLATION_CAP:.0f} s):\n{out[-2000:]}")
     assert proc.returncode == 0, out[-3000:]
     elapsed = next(line for line in out.splitlines() if line.startswith("elapsed"))
     assert "crashed" in elapsed and "did not finish building within 2 s" in elapsed and "hung" in elapsed, elapsed
@@ -478,7 +478,7 @@ class ForkOnlyHang(Backend):
 
 @pytest.mark.slow
 def test_a_hang_only_a_fork_sees_is_not_believed(monkeypatch, children):
-    monkeypatch.setattr(isolation, "FLOOR", 1.0)
+    monkeypatch.setattr(tt.settings, "ISOLATION_FLOOR", 1.0)
     verdicts.record_rate(ForkOnlyHang(), "fork", 0.1)
     real = isolation._run_child
 
@@ -503,16 +503,16 @@ def test_a_hang_only_a_fork_sees_is_not_believed(monkeypatch, children):
 
 def test_the_bound_scales_with_the_expected_build_time(monkeypatch):
     backend, small, big = SegfaultBackend(), nn.Linear(4, 4), nn.Linear(2048, 2048)  # about 4.2 M elements
-    monkeypatch.setattr(isolation, "FLOOR", 1.0)
-    monkeypatch.setattr(isolation, "CAP", 600.0)
-    assert isolation.bound(backend, small, "fork") == pytest.approx(isolation.MULTIPLE * isolation.DEFAULT_RATE, 0.01)
+    monkeypatch.setattr(tt.settings, "ISOLATION_FLOOR", 1.0)
+    monkeypatch.setattr(tt.settings, "ISOLATION_CAP", 600.0)
+    assert isolation.bound(backend, small, "fork") == pytest.approx(tt.settings.ISOLATION_MULTIPLE * tt.settings.ISOLATION_DEFAULT_RATE, 0.01)
     verdicts.record_rate(backend, "fork", 0.2)
     assert isolation.bound(backend, small, "fork") == pytest.approx(2.0, 0.01)
     assert isolation.bound(backend, big, "fork") == pytest.approx(2.0 * isolation.size_units(big), 0.01)
-    assert isolation.bound(backend, small, "spawn") == pytest.approx(isolation.MULTIPLE * isolation.DEFAULT_RATE, 0.01)
+    assert isolation.bound(backend, small, "spawn") == pytest.approx(tt.settings.ISOLATION_MULTIPLE * tt.settings.ISOLATION_DEFAULT_RATE, 0.01)
     verdicts.record_rate(backend, "fork", 1000.0)
     assert isolation.bound(backend, small, "fork") == 600.0  # the cap
-    monkeypatch.setattr(isolation, "FLOOR", 60.0)
+    monkeypatch.setattr(tt.settings, "ISOLATION_FLOOR", 60.0)
     verdicts.clear()
     verdicts.record_rate(backend, "fork", 0.01)
     assert isolation.bound(backend, small, "fork") == 60.0  # the floor

@@ -176,7 +176,7 @@ def test_without_a_sealing_key_nothing_is_kept(conversions, tuning_cache_folder,
 def test_the_folder_is_kept_under_its_bound(conversions, tuning_cache_folder, monkeypatch):
     tuned(mlp(seed=0))
     (first,) = entries(tuning_cache_folder)
-    monkeypatch.setattr(_ov_cache, "MAX_FOLDER_BYTES", first.stat().st_size + 1)
+    monkeypatch.setattr(tt.settings, "OV_CACHE_FOLDER_BYTES", first.stat().st_size + 1)
     tuned(mlp(seed=1))
     kept = entries(tuning_cache_folder)
     assert len(kept) == 1 and kept != [first]  # the one used longest ago went

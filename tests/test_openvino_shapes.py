@@ -97,10 +97,10 @@ def test_a_new_shape_gets_its_model_once_its_calls_took_a_compiles_time(module, 
     far): a shape seen a few times costs no compile, one that keeps coming gets its model.
     Here the default patience's compiles are made to count as 50 ms and each dynamic call to
     take 20 ms: the third call hands the shape over, not the second."""
-    run = build(module, patience=ov_shapes.PATIENCE)
+    run = build(module, patience=tt.settings.OV_PATIENCE)
     special = run.static_shapes
     assert special.compiles[0] == 2 and special.compile_s > 0  # the recorded shapes' compiles, timed
-    special.compiles = (1, 0.05 / ov_shapes.PATIENCE)  # at the default patience, 50 ms of calls
+    special.compiles = (1, 0.05 / tt.settings.OV_PATIENCE)  # at the default patience, 50 ms of calls
     ticks = itertools.count()
     monkeypatch.setattr(ov_shapes, "_clock", lambda: next(ticks) * 0.02)  # every timed call: 20 ms
     handed = []
@@ -169,7 +169,7 @@ def test_the_count_cap_and_the_memory_cap_hold(module):
     samples = [((), call(2, 5, 0))] * 2  # one shape: converted static, nothing to add
     assert OpenVINOBackend().build(module, samples, CPU).static_shapes is None
     capped = build(module)
-    capped.static_shapes.seen.update({((9, k), (9, k)): [1, 0.0] for k in range(ov_shapes.SEEN_MAX)})
+    capped.static_shapes.seen.update({((9, k), (9, k)): [1, 0.0] for k in range(tt.settings.OV_SEEN_MAX)})
     same(capped, module, call(1, 5, 0))
     seen = capped.static_shapes.seen
     assert list(seen) == [((1, 5), (1, 5))] and seen[((1, 5), (1, 5))][0] == 1  # the counts start again, bounded
@@ -215,11 +215,11 @@ def test_a_dropped_model_is_freed_and_an_idle_compiling_thread_ends(module, monk
     reloaded its model, or a notebook that tuned again, kept every earlier model's weights and
     compiled models and one thread each. The thread holds the model only while it compiles:
     dropped, the model is freed, and its thread ends; a thread with nothing to compile ends
-    after IDLE_S, and the next shape handed over starts another."""
+    after OV_IDLE_SECONDS, and the next shape handed over starts another."""
     import gc
     import weakref
 
-    monkeypatch.setattr(ov_shapes, "IDLE_S", 0.2)
+    monkeypatch.setattr(tt.settings, "OV_IDLE_SECONDS", 0.2)
     run = build(copy.deepcopy(module))
     special = run.static_shapes
     for seed in range(2):

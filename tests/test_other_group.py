@@ -46,7 +46,7 @@ def two_signatures(monkeypatch):
     no isolated child (what is tested here is the dispatch, not a crash). The calls of one
     shape class whose sizes vary get a group of their own by default (signatures.merge_varying,
     tested with the same backends in test_varying.py); here "any other call" is what serves them."""
-    monkeypatch.setattr(signatures, "MAX_SIGNATURES", 2)
+    monkeypatch.setattr(tt.settings, "MAX_SIGNATURES", 2)
     monkeypatch.setattr(signatures, "MERGE_VARYING", False)
     monkeypatch.setenv("TORCH_TWEAK_ISOLATION", "off")
 
@@ -106,7 +106,7 @@ class StaticShapeBackend(BakingBackend):
 
 def openvino():
     pytest.importorskip("openvino", reason="OpenVINO not installed: pip install torch-tweak[openvino]")
-    signatures.MAX_SIGNATURES = 0  # every call is "any other call": one conversion (the fixture puts it back)
+    tt.settings.MAX_SIGNATURES = 0  # every call is "any other call": one conversion (the fixture puts it back)
     return OpenVINOBackend()
 
 

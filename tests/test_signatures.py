@@ -57,12 +57,12 @@ def test_two_signatures_get_different_backends(mlp, monkeypatch):
 
 def test_signatures_are_capped_and_the_rest_share_one_group(mlp, monkeypatch):
     monkeypatch.setattr(signatures, "MERGE_VARYING", False)  # "any other call" as it is without the class group
-    sizes = list(range(1, signatures.MAX_SIGNATURES + 4))
-    data = [torch.randn(n, 16) for n in sizes] + [torch.randn(1, 16)] * (signatures.MAX_CALLS_PER_SIGNATURE + 2)
+    sizes = list(range(1, tt.settings.MAX_SIGNATURES + 4))
+    data = [torch.randn(n, 16) for n in sizes] + [torch.randn(1, 16)] * (tt.settings.MAX_CALLS_PER_SIGNATURE + 2)
     (w,) = tt.wrap(mlp, ["head"], strategy=tt.OneBackendStrategy(TorchEagerBackend()))
     tt.tune(mlp, data, measure=FAST)
     groups = w.tt_signatures
-    assert len(groups) == signatures.MAX_SIGNATURES + 1
+    assert len(groups) == tt.settings.MAX_SIGNATURES + 1
     assert groups[-1].signature is None and groups[-1].text == signatures.OTHER
     assert groups[-1].backend is not None
     # the last entry is the shape class of the other group's calls (batches 5 to 7), its batch
@@ -78,11 +78,11 @@ def test_signatures_are_capped_and_the_rest_share_one_group(mlp, monkeypatch):
 
 
 def test_recording_keeps_a_capped_number_of_calls_per_signature(mlp):
-    data = [torch.randn(3, 16)] * (signatures.MAX_CALLS_PER_SIGNATURE + 5)
+    data = [torch.randn(3, 16)] * (tt.settings.MAX_CALLS_PER_SIGNATURE + 5)
     (w,) = tt.wrap(mlp, ["head"])
     record([w], dataset_runner(mlp, load_dataset(data)))
     (group,) = w.tt_signatures
-    assert len(group.samples) == signatures.MAX_CALLS_PER_SIGNATURE == len(w.tt_samples)
+    assert len(group.samples) == tt.settings.MAX_CALLS_PER_SIGNATURE == len(w.tt_samples)
 
 
 def test_plain_values_split_signatures(mlp):
@@ -128,8 +128,8 @@ def test_recording_stays_within_the_bounds_a_file_is_read_with():
     import random
 
     most_groups, most_calls = signatures.stored_bounds()
-    assert (most_groups, most_calls) == (signatures.MAX_SIGNATURES + signatures.MAX_CALLS_PER_SIGNATURE,
-                                         signatures.MAX_CALLS_PER_SIGNATURE + signatures.MAX_DECLARED_CALLS)
+    assert (most_groups, most_calls) == (tt.settings.MAX_SIGNATURES + tt.settings.MAX_CALLS_PER_SIGNATURE,
+                                         tt.settings.MAX_CALLS_PER_SIGNATURE + tt.settings.MAX_DECLARED_CALLS)
     seen_calls = 0
     for seed in range(40):
         rng = random.Random(seed)
@@ -143,8 +143,8 @@ def test_recording_stays_within_the_bounds_a_file_is_read_with():
         assert len(groups) <= most_groups, (seed, [g.text for g in groups])
         for g in groups:
             assert len(g.samples) == len(g.outputs) <= most_calls, (seed, g.text, len(g.samples))
-            assert g.declared <= signatures.MAX_DECLARED_CALLS
-            assert len(g.samples) - g.declared <= signatures.MAX_CALLS_PER_SIGNATURE
+            assert g.declared <= tt.settings.MAX_DECLARED_CALLS
+            assert len(g.samples) - g.declared <= tt.settings.MAX_CALLS_PER_SIGNATURE
         seen_calls = max(seen_calls, *(len(g.samples) for g in groups))
         tt.unwrap(model)
     assert seen_calls == most_calls  # the bound is reached (eight groups: test_a_file_of_more_groups_than_signatures_loads)

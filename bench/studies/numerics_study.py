@@ -40,6 +40,7 @@ from torch import nn
 
 from torch_tweak._core import correctness as C
 from torch_tweak._core import error_groups as G
+from torch_tweak._core import settings as S
 
 
 def bert(dtype: torch.dtype):
@@ -107,7 +108,7 @@ def old_rule(got: torch.Tensor, out: torch.Tensor, high: torch.Tensor) -> tuple[
     or Inf skipped."""
     finite = torch.isfinite(out) & torch.isfinite(high) & torch.isfinite(got)
     own, found = _old_deviation(out, high, finite), _old_deviation(got, high, finite)
-    floor, cap = C.floor_for(out.dtype), C.MAX_TOLERANCES.get(out.dtype, 0.1)
+    floor, cap = C.floor_for(out.dtype), S.MAX_TOLERANCES.get(out.dtype, 0.1)
     kept = found[0] <= min(4 * own[0] + floor, cap) and found[1] <= min(4 * own[1] + floor, 10 * cap)
     return kept, found[0] / own[0] if own[0] else float("inf"), found[1] / own[1] if own[1] else float("inf")
 
@@ -126,7 +127,7 @@ def verdicts(got, out, high) -> dict:
     got, out, high = (C.tensor_leaves(v)[0] for v in (got, out, high))
     new, old = new_rule(got, out, high), old_rule(got, out, high)
     try:
-        C.check(got, out, tolerance=C.TOLERANCES[out.dtype])
+        C.check(got, out, tolerance=S.TOLERANCES[out.dtype])
         fixed = True
     except C.MismatchError:
         fixed = False

@@ -18,7 +18,7 @@ from . import backends, results
 from .backends.axes import Axes, precision_backends
 from .backends import Backend, BackendConfig
 from ._store.checkpoint import CheckpointError, load, read_summary, save
-from ._core.correctness import TOLERANCES
+from ._core import settings
 from ._runtime.inspecting import inspect
 from ._runtime.module import TunedModule, install_all, installed, resolve_paths, set_mode, unwrap
 from .backends.strategy import (FirstWinsStrategy, HighestThroughputStrategy, OneBackendStrategy, Strategy,
@@ -31,6 +31,8 @@ from .tweak import tweak
 from .results import (DepthResult, ModelStatus, ModuleResult, ModuleResults, ModuleStatus,  # noqa: F401
                       ModuleTree, SignatureResult, TweakResult)
 from ._version import __version__
+
+TOLERANCES = settings.TOLERANCES  # the same dict: tt.TOLERANCES[dtype] = ... is seen by every check
 
 
 def wrap(model: nn.Module, modules: Any, *, strategy: Strategy | None = None) -> list[TunedModule]:
@@ -65,7 +67,7 @@ __all__ = [
     "Axes", "Backend", "BackendConfig", "CheckpointError", "FirstWinsStrategy", "HighestThroughputStrategy",
     "OneBackendStrategy", "Strategy", "TOLERANCES", "TunedModule", "activate", "backends", "clear_cache",
     "deactivate", "default_backends", "default_strategy", "inspect", "installed", "load", "precision_backends",
-    "read_summary", "results", "save", "status", "tune", "tweak", "unwrap", "wrap",
+    "read_summary", "results", "save", "settings", "status", "tune", "tweak", "unwrap", "wrap",
 ]
 """What users name. The result types live in tt.results (their names at the top are aliases kept for
 one release, left out of dir(tt))."""

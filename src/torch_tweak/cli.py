@@ -18,9 +18,9 @@ import re
 import sys
 from typing import Any, Sequence
 
+from ._core import settings
+
 EXIT_USAGE = 2
-MAX_ELEMENTS = 2**31
-"""The most elements one random input may have (8 GiB of float32)."""
 
 
 class CliError(Exception):
@@ -61,9 +61,9 @@ def parse_input(spec: str) -> tuple[str | None, tuple[int, ...], str, int | None
     elements = 1
     for n in shape:
         elements *= n
-    if elements > MAX_ELEMENTS:
+    if elements > settings.CLI_MAX_ELEMENTS:
         raise CliError(f"input spec {spec!r}: {elements:,} elements is more than one input may have here "
-                       f"({MAX_ELEMENTS:,}); give the shape of one real call")
+                       f"({settings.CLI_MAX_ELEMENTS:,}); give the shape of one real call")
     if high is not None and high >= 2**63:
         raise CliError(f"input spec {spec!r}: the upper bound must be below 2**63")
     return match["name"], shape, dtype, high

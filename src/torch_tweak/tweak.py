@@ -12,6 +12,7 @@ from typing import Any, Iterator, Literal
 import torch
 from torch import nn
 
+from ._core import settings
 from . import _C
 from .backends import axes
 from ._core import correctness, distributed, model_state, noise
@@ -156,23 +157,17 @@ def _strategy_setting(strategy: Strategy | None, device: torch.device) -> str:
     return "the defaults: " + ", ".join(b.name for b in default_backends(device))
 
 
-RECOMPILES = {"recompile_limit": 64, "accumulated_recompile_limit": 1024}
-"""Dynamo's recompile limits during a tweak's own runs, at least (the user's, when higher, stay):
-a tweak runs the model on more call shapes than its traffic has (a generate() workload's
-prefill, decode steps and checks over the whole sequence; the declared shapes' ends), and a
-torch.compile inside the model (transformers' compiled forward) would otherwise meet its
-limit of 8, print "torch._dynamo hit config.recompile_limit", and run eagerly from then on."""
 RECOMPILE_LINE = {"torch._dynamo.convert_frame": ("torch._dynamo hit config.",)}
 """That line, dropped during a tweak's own runs should they still reach the raised limit."""
 
 
 @contextlib.contextmanager
 def _own_runs() -> Iterator[None]:
-    """Inside a tweak: dynamo's recompile limits raised (RECOMPILES) and its limit line dropped;
+    """Inside a tweak: dynamo's recompile limits raised (DYNAMO_RECOMPILES) and its limit line dropped;
     both as the user had them afterwards."""
     import torch._dynamo.config as dynamo_config
 
-    raised = {name: max(limit, getattr(dynamo_config, name)) for name, limit in RECOMPILES.items()
+    raised = {name: max(limit, getattr(dynamo_config, name)) for name, limit in settings.DYNAMO_RECOMPILES.items()
               if hasattr(dynamo_config, name)}
     with dynamo_config.patch(raised), noise.dropped(RECOMPILE_LINE):
         yield

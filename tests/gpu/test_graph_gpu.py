@@ -15,7 +15,6 @@ from torch_tweak import _C
 from torch_tweak._core import signatures
 from torch_tweak.backends import DeviceGraphBackend, InductorGraphBackend, TorchEagerBackend
 from torch_tweak.backends.graph import GraphUnsupported
-from torch_tweak._core.signatures import MAX_SIGNATURES
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples", "Tweak"))
 import encoder  # noqa: E402
@@ -309,7 +308,7 @@ def test_dynamic_samples_reject_the_graph_with_a_clear_error(monkeypatch):
     xs = [torch.randn(8, 32, device="cuda"), torch.randn(4, 32, device="cuda")]
     with pytest.raises(GraphUnsupported, match="dynamic shapes: argument 0 axis 0 varies"):
         DeviceGraphBackend().prepare(model, [((x,), {}) for x in xs], torch.device("cuda"))
-    batches = range(1, MAX_SIGNATURES + 3)
+    batches = range(1, tt.settings.MAX_SIGNATURES + 3)
     data = [torch.randn(b, 32, device="cuda") for b in batches]
     # through tune: the calls of one shape class are one group, whose varying batch rejects the graph
     (wrapper,) = tt.wrap(model, [""], strategy=GRAPH)

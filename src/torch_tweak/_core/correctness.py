@@ -19,7 +19,7 @@ own), by error_groups' measure:
   one), and a value near zero relative to the tensor's typical one;
 - the errors are gathered per row (along the last axis: a token's hidden state, a row of
   logits) and per column (one index of the last axis across every row: a channel), each group
-  of at least error_groups.MIN_GROUP values; each group's root mean square and largest value
+  of at least settings.MIN_GROUP values; each group's root mean square and largest value
   are held to MULTIPLIER times the original's in the same group, plus a floor of one unit of
   the dtype's last place (for outputs the original gets exactly). The original's own error of
   a group counts as at least that of its tensor's median group: a group where the original
@@ -63,35 +63,12 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from . import settings
 from . import error_groups
 from ._samples import cache_layers, unstorable
 
-TOLERANCES: dict[torch.dtype, float] = {
-    torch.float64: 1e-6,
-    torch.float32: 1e-3,
-    torch.float16: 1e-2,
-    torch.bfloat16: 3e-2,
-}
-"""The fixed rule's relative tolerance per floating dtype; others (fp8...) use 0.1."""
 
-MAX_TOLERANCES: dict[torch.dtype, float] = {
-    torch.float64: 1e-3,
-    torch.float32: 0.05,
-    torch.float16: 0.05,
-    torch.bfloat16: 0.1,
-}
-"""The most either rule allows per dtype (others: 0.1): neither a tolerance read from a saved
-file nor an original whose own error is large widens a check past these."""
 
-MULTIPLIER = 4.0
-"""The measured rule: a candidate's error against the higher-precision reference may be this
-many times the original's own in each group of an output (PyTorch's accuracy harness uses 2 to 3
-with one RMS error over a whole output). Measured on transformers and convolution models in
-float32 and bfloat16 on a CPU (bench/results/numerics.md): tensor-wide, Inductor's candidates
-came to 0.6x to 3.2x the original's own, wrong candidates to 24x to 1e7x; per group, Inductor's
-worst group came to 1.1x to 2.2x on BERT, GPT-2, Llama and ViT (at most 0.53 of its bound), and
-4.3x on a float32 convolution net whose Inductor convolution is 3x to 4x less accurate than
-eager everywhere (kept on the floor of one ulp, at 0.89 of its bound)."""
 
 REFERENCE_DTYPES: dict[torch.dtype, torch.dtype] = {
     torch.bfloat16: torch.float32,
@@ -102,20 +79,8 @@ REFERENCE_DTYPES: dict[torch.dtype, torch.dtype] = {
 bfloat16 and 13 more than float16 (its own error is thousands of times smaller than theirs,
 and it runs at speed where float64 does not), float64 29 more than float32."""
 
-REFERENCE_SECONDS = 60.0
-"""The most the reference of one module's signature may take (its higher-precision runs):
-past it the signature is held to the fixed rule."""
 
-REFERENCE_MEMORY_SHARE = 0.5
-"""The most of the free memory of the module's device (else of the host) the reference's
-weights may take."""
 
-MIN_FINITE_SHARE = 0.01
-"""The least share of a floating reference tensor's values that must be finite (and at least
-one) for a check against it to accept a backend. Positions where the reference is NaN or Inf
-are compared in kind only, so a reference made mostly of them compares almost nothing; a real
-module's output with masked positions (-Inf attention scores, causal or padded) keeps far
-more than 1 % of its values finite."""
 
 
 class MismatchError(Exception):
@@ -236,8 +201,8 @@ def check_rule(tolerance: Any) -> Rule:
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or \
             not (0 <= float(tolerance) <= 1):
         raise ValueError(f"tolerance must be \"measured\" (the default: each candidate's error against a "
-                         f"higher-precision run within {MULTIPLIER:g}x the original's own), \"dtype\" (a fixed "
-                         f"relative tolerance per dtype, torch_tweak.TOLERANCES) or a relative tolerance from 0 "
+                         f"higher-precision run within {settings.MULTIPLIER:g}x the original's own), \"dtype\" "
+                         "(a fixed relative tolerance per dtype, torch_tweak.TOLERANCES) or a relative tolerance from 0 "
                          f"(bit-identical) to 1, not {tolerance!r}")
     return Rule(float(tolerance))
 
@@ -257,8 +222,8 @@ def tolerance_for(dtype: torch.dtype, override: float | None = None, bounded: bo
     at most MAX_TOLERANCES when bounded."""
     if override is None:
         override = rule().fixed
-    limit = TOLERANCES.get(dtype, 0.1) if override is None else override
-    return min(limit, MAX_TOLERANCES.get(dtype, 0.1)) if bounded else limit
+    limit = settings.TOLERANCES.get(dtype, 0.1) if override is None else override
+    return min(limit, settings.MAX_TOLERANCES.get(dtype, 0.1)) if bounded else limit
 
 
 def floor_for(dtype: torch.dtype) -> float:
@@ -333,7 +298,7 @@ def _floating(t: Any) -> bool:
 
 
 def reference(module: torch.nn.Module, samples: Sequence[Any], outputs: Sequence[Any],
-              seconds: float = REFERENCE_SECONDS) -> Reference:
+              seconds: float | None = None) -> Reference:
     """The measured rule's reference of one signature: `module` run on each recorded call
     (`samples`, whose original outputs are `outputs`) with its floating weights and inputs at
     the precision REFERENCE_DTYPES gives for its outputs (run_higher: the module's own weights
@@ -342,7 +307,7 @@ def reference(module: torch.nn.Module, samples: Sequence[Any], outputs: Sequence
     they take at most REFERENCE_MEMORY_SHARE of its free memory, else on the host's, else
     none). A reference that cannot be had (the fixed rule is
     in force, no floating output, a float64 output, a call holding a key/value cache, a run
-    that raises, takes longer than `seconds` or does not fit) is returned without outputs and
+    that raises, takes longer than `seconds` (None: REFERENCE_SECONDS) or does not fit) is returned without outputs and
     says why: its signature is held to the fixed rule."""
     if not rule().measured:
         return Reference(None, why=f"the {rule().describe()} was asked for")
@@ -357,7 +322,7 @@ def reference(module: torch.nn.Module, samples: Sequence[Any], outputs: Sequence
     held = next((why for why in map(unstorable, samples) if why is not None), None)
     if held is not None:
         return Reference(None, why=f"a recorded call holds live state ({held})")
-    start = time.perf_counter()
+    start, limit = time.perf_counter(), settings.REFERENCE_SECONDS if seconds is None else seconds
     try:
         weights = higher_weights(module, dtype)
         if isinstance(weights, str):
@@ -365,8 +330,8 @@ def reference(module: torch.nn.Module, samples: Sequence[Any], outputs: Sequence
         place, state = weights
         found = []
         for args, kwargs in samples:
-            if time.perf_counter() - start > seconds:
-                return Reference(None, why=f"the higher-precision runs took more than {seconds:g} s",
+            if time.perf_counter() - start > limit:
+                return Reference(None, why=f"the higher-precision runs took more than {limit:g} s",
                                  seconds=time.perf_counter() - start)
             found.append(run_higher(module, state, _cast((args, kwargs), dtype, place, {})))
         del state
@@ -427,7 +392,7 @@ def _own_errors(outputs: Sequence[Any], found: Sequence[Any], dtype: torch.dtype
     # an original whose typical error is farther from the higher-precision run than any rounding
     # (a dtype the forward fixes, an operation whose result depends on the precision): no reference
     for i, typical in enumerate(own):
-        if typical is not None and typical[0] > MAX_TOLERANCES.get(dtypes[i], 0.1):
+        if typical is not None and typical[0] > settings.MAX_TOLERANCES.get(dtypes[i], 0.1):
             own[i] = None
             for tree in kept:
                 if i < len(tree):
@@ -458,9 +423,9 @@ def higher_weights(module: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.d
     need = sum(t.numel() for t in distinct.values() if t.is_floating_point()) * torch.finfo(dtype).bits // 8
     devices = {t.device for t in distinct.values()}
     device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
-    if device.type == "cuda" and need > REFERENCE_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0]:
+    if device.type == "cuda" and need > settings.REFERENCE_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0]:
         device = torch.device("cpu")
-    if device.type == "cpu" and need > REFERENCE_MEMORY_SHARE * _host_free():
+    if device.type == "cpu" and need > settings.REFERENCE_MEMORY_SHARE * _host_free():
         return f"its weights at {dtype} ({need / 2**20:.0f} MiB) do not fit in free memory"
     copies = {key: (t.detach().to(device=device, dtype=dtype) if t.is_floating_point() else t.detach().to(device))
               for key, t in distinct.items()}
@@ -611,10 +576,11 @@ def _enough_finite(ref: torch.Tensor, where: str, whose: str = "the original's o
     """ref's finite positions; MismatchError when fewer than MIN_FINITE_SHARE of them."""
     finite = torch.isfinite(ref)
     count = int(finite.sum())
-    if count == 0 or count < MIN_FINITE_SHARE * ref.numel():
+    if count == 0 or count < settings.MIN_FINITE_SHARE * ref.numel():
         found = "no finite value" if count == 0 else f"only {count} finite values of {ref.numel()}"
         raise MismatchError(f"{where}: {whose} has {found} (the rest NaN or Inf), so a check "
-                            f"against it compares too little (at least {MIN_FINITE_SHARE:.0%} must be finite): "
+                            f"against it compares too little (at least {settings.MIN_FINITE_SHARE:.0%} must be "
+                            "finite): "
                             "no backend is accepted for it, and it runs the original forward")
     return finite
 
@@ -650,7 +616,8 @@ def _measured(out: torch.Tensor, ref: torch.Tensor, high: torch.Tensor, finite: 
         _unreferenced(out, ref, finite & ~usable, where)
     own = error_groups.groups_of(ref, high, usable)
     found = error_groups.groups_of(out, high, usable)
-    return judge_groups(found, own, MULTIPLIER, ref.dtype, where, f"against a {_name(high.dtype)} run of the module")
+    return judge_groups(found, own, settings.MULTIPLIER, ref.dtype, where,
+                        f"against a {_name(high.dtype)} run of the module")
 
 
 def _unreferenced(out: torch.Tensor, ref: torch.Tensor, where_odd: torch.Tensor, where: str) -> None:
@@ -672,7 +639,7 @@ def _derived(out: torch.Tensor, ref: torch.Tensor, own: tuple[float, float], fin
     """A call with no reference of its own: each group of out's errors against the original's
     output within MULTIPLIER + 1 times the original's typical own error measured at tuning."""
     found = error_groups.groups_of(out, ref, finite)
-    return judge_groups(found, None, MULTIPLIER + 1, ref.dtype, where,
+    return judge_groups(found, None, settings.MULTIPLIER + 1, ref.dtype, where,
                         "against the original's output (a call with no higher-precision run: the original's own "
                         "error is its typical one measured at tuning)", typical=own)
 
@@ -685,7 +652,7 @@ def judge_groups(found: error_groups.Groups, own: error_groups.Groups | None, mu
     least own's typical (its median group's) or `typical` where given (own None: every group
     held to it), plus the dtype's floor; at most MAX_TOLERANCES (10x for the largest value) or
     the original's own there where larger. Returns the finding that uses most of its bound."""
-    floor, cap = floor_for(dtype), MAX_TOLERANCES.get(dtype, 0.1)
+    floor, cap = floor_for(dtype), settings.MAX_TOLERANCES.get(dtype, 0.1)
     chosen, at = NOTHING, None
     for f, mine in enumerate(found.families):
         theirs = None if own is None else own.families[f]

@@ -21,8 +21,8 @@ None: the load is unknown and nothing depends on it.
 
 Every read is bounded (``read_bounded``): opened without blocking, a regular file only (a
 FIFO, a device such as ``/dev/zero`` or a folder put over the path is refused, not read), at
-most STAT_LIMIT bytes of ``/proc/stat`` (its aggregate line is the first) and PROCESS_LIMIT of
-a process's, and the whole reading within READING_SECONDS. An unreadable or odd file, or a
+most LOAD_STAT_BYTES bytes of ``/proc/stat`` (its aggregate line is the first) and LOAD_PROCESS_BYTES of
+a process's, and the whole reading within LOAD_READING_SECONDS. An unreadable or odd file, or a
 reading past its time, is "load unknown" (None).
 """
 
@@ -33,14 +33,8 @@ import stat as _stat
 import time
 from typing import Iterable
 
-STAT_LIMIT = 64 * 1024
-"""The most bytes of /proc/stat read: its aggregate "cpu" line comes first (a machine of
-thousands of CPUs writes its per-CPU lines within this)."""
-PROCESS_LIMIT = 4096
-"""The most bytes of one /proc/<pid>/stat read (about 300 are written)."""
-READING_SECONDS = 1.0
-"""The longest one reading may take (every /proc/<pid>/stat of a machine with thousands of
-processes takes a few milliseconds): past it the load is unknown."""
+from . import settings
+
 
 PROC = "/proc"
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
@@ -139,12 +133,12 @@ def process_stats(deadline: float | None = None) -> list[str]:
     """The text of every /proc/<pid>/stat that can be read now (a process that ends
     meanwhile is left out: its ticks are its parent's cutime once waited for); Unreadable
     once `deadline` (time.monotonic()) has passed."""
-    deadline = time.monotonic() + READING_SECONDS if deadline is None else deadline
+    deadline = time.monotonic() + settings.LOAD_READING_SECONDS if deadline is None else deadline
     texts = []
     for name in os.listdir(PROC):
         if name.isdigit():
             try:
-                texts.append(read_bounded(os.path.join(PROC, name, "stat"), PROCESS_LIMIT, deadline))
+                texts.append(read_bounded(os.path.join(PROC, name, "stat"), settings.LOAD_PROCESS_BYTES, deadline))
             except Unreadable:
                 raise
             except (OSError, ValueError):
@@ -159,8 +153,8 @@ def reading(also: Iterable[int] = ()) -> tuple[float, float] | None:
     /proc/stat, or an odd one: see read_bounded). also: the process ids of the other ranks on
     this host (torch_tweak._core.distributed), whose time is the tweak's own. Never raises."""
     try:
-        deadline = time.monotonic() + READING_SECONDS
-        text = read_bounded(os.path.join(PROC, "stat"), STAT_LIMIT, deadline)
+        deadline = time.monotonic() + settings.LOAD_READING_SECONDS
+        text = read_bounded(os.path.join(PROC, "stat"), settings.LOAD_STAT_BYTES, deadline)
         return reading_of(text, process_stats(deadline), os.getpid(), os.sysconf("SC_CLK_TCK"), also)
     except Exception:
         return None

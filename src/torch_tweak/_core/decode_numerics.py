@@ -12,8 +12,8 @@ from typing import Any, Sequence
 
 import torch
 
-from . import error_groups
-from .correctness import MULTIPLIER, Finding, MismatchError, judge_groups, tolerance_for, worst
+from . import error_groups, settings
+from .correctness import Finding, MismatchError, judge_groups, tolerance_for, worst
 
 
 @dataclasses.dataclass
@@ -73,7 +73,7 @@ def check_steps(got: Sequence[torch.Tensor], reference: StepReference, where: st
         if odd is not None:
             _held_to_untuned(mine, odd, f"{where} step {step} logits")
         found = error_groups.groups_of(mine, high.to(mine.device), finite & torch.isfinite(mine))
-        findings.append(judge_groups(found, own, MULTIPLIER, mine.dtype, f"{where} step {step} logits",
+        findings.append(judge_groups(found, own, settings.MULTIPLIER, mine.dtype, f"{where} step {step} logits",
                                      "against a float32 run of the model on the same prefix"))
     return worst(findings)
 
@@ -133,7 +133,7 @@ def partings(got: torch.Tensor, want: torch.Tensor, reference: StepReference, pr
         if step < len(reference.high):
             high = reference.high[step][row].double()
             margin = float(high[theirs] - high[mine])
-            window = 2 * MULTIPLIER * float(reference.spread[step][row])
+            window = 2 * settings.MULTIPLIER * float(reference.spread[step][row])
         else:
             margin, window = math.inf, 0.0
         found.append(Parting(step, row, mine, theirs, margin, window))
@@ -163,11 +163,11 @@ def check_distributions(got: Sequence[torch.Tensor], high: Sequence[torch.Tensor
     for step, (mine, theirs) in enumerate(zip(got, high)):
         distance = float(total_variation(mine, theirs).max())
         own = reference.own_tv[step] if reference.own_tv is not None and step < len(reference.own_tv) else 0.0
-        bound = MULTIPLIER * own + TV_FLOOR
+        bound = settings.MULTIPLIER * own + TV_FLOOR
         if not distance <= bound:
             raise MismatchError(f"{where} step {step}: the processed next-token distribution is {distance:.2e} "
                                 f"(total variation) from the reference's, more than the {bound:.2e} allowed "
-                                f"({MULTIPLIER:g}x the untuned call's own {own:.2e}, plus {TV_FLOOR:g})")
+                                f"({settings.MULTIPLIER:g}x the untuned call's own {own:.2e}, plus {TV_FLOOR:g})")
         worst_tv = max(worst_tv, distance)
     return worst_tv
 

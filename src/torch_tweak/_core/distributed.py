@@ -65,6 +65,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
+from . import settings
 from . import cpu_load
 
 T = TypeVar("T")
@@ -74,8 +75,6 @@ _CONTROL: dict[Any, Any] = {}  # a user's group -> torch-tweak's own gloo group 
 _BROKEN: dict[Any, str] = {}  # a user's group -> how its agreement timed out (gloo then closed its connections)
 
 
-AGREEMENT_TIMEOUTS = 2
-"""How many of the group's timeouts (timeout_of) one agreement waits, once the ranks have met."""
 
 
 class RankFailed(Exception):
@@ -196,7 +195,7 @@ def _meet(ranks: "Ranks") -> Any:
     with _waiting(ranks, "meeting the other ranks", ranks.timeout):
         control = _control_of(ranks.group, ranks.timeout)
         _dist().monitored_barrier(group=control, timeout=ranks.timeout, wait_all_ranks=True)
-    _set_timeout(control, AGREEMENT_TIMEOUTS * ranks.timeout)
+    _set_timeout(control, settings.AGREEMENT_TIMEOUTS * ranks.timeout)
     return control
 
 
@@ -235,14 +234,14 @@ class Ranks:
 
     def _reduce(self, values: list[float], op: Any) -> list[float]:
         tensor = torch.tensor(values, dtype=torch.float64)
-        with _waiting(self, "in an all_reduce", AGREEMENT_TIMEOUTS * self.timeout):
+        with _waiting(self, "in an all_reduce", settings.AGREEMENT_TIMEOUTS * self.timeout):
             _dist().all_reduce(tensor, op=op, group=self.control)
         return tensor.tolist()
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's `value` (picklable), by rank."""
         out: list[Any] = [None] * self.size
-        with _waiting(self, "in an all_gather", AGREEMENT_TIMEOUTS * self.timeout):
+        with _waiting(self, "in an all_gather", settings.AGREEMENT_TIMEOUTS * self.timeout):
             _dist().all_gather_object(out, value, group=self.control)
         return out
 
@@ -255,7 +254,7 @@ class Ranks:
         return self._reduce([float(bool(flag))], _dist().ReduceOp.MIN)[0] > 0
 
     def barrier(self) -> None:
-        with _waiting(self, "in a barrier", AGREEMENT_TIMEOUTS * self.timeout):
+        with _waiting(self, "in a barrier", settings.AGREEMENT_TIMEOUTS * self.timeout):
             _dist().barrier(group=self.control)
 
     # ------------------------------------------------------------- agreement
@@ -344,7 +343,7 @@ class Ranks:
     def clock(self) -> int:
         """The engine's clock: the largest of the ranks' nanoseconds since the common start."""
         tensor = torch.tensor([time.monotonic_ns() - self.t0], dtype=torch.int64)
-        with _waiting(self, "reading the ranks' clock", AGREEMENT_TIMEOUTS * self.timeout):
+        with _waiting(self, "reading the ranks' clock", settings.AGREEMENT_TIMEOUTS * self.timeout):
             _dist().all_reduce(tensor, op=_dist().ReduceOp.MAX, group=self.control)
         return int(tensor.item())
 

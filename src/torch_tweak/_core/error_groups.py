@@ -25,10 +25,7 @@ import dataclasses
 
 import torch
 
-MIN_GROUP = 16
-"""The fewest values a group holds (rows or columns are gathered up to it): the root mean
-square of 16 rounding errors is stable within about 2x from run to run, where one value's is
-not."""
+from . import settings
 
 
 def relative_errors(out: torch.Tensor, ref: torch.Tensor, compared: torch.Tensor) -> torch.Tensor:
@@ -137,8 +134,9 @@ def gather(errors: torch.Tensor, compared: torch.Tensor) -> Groups:
     flat = errors.reshape(-1, width)
     seen = compared.to(errors.device).reshape(-1, width)
     lines = flat.shape[0]
-    rows = _family("row", flat, seen, max(1, -(-MIN_GROUP // width)))
-    columns = _family("column", flat.t().contiguous(), seen.t().contiguous(), max(1, -(-MIN_GROUP // max(lines, 1))))
+    least = settings.MIN_GROUP
+    rows = _family("row", flat, seen, max(1, -(-least // width)))
+    columns = _family("column", flat.t().contiguous(), seen.t().contiguous(), max(1, -(-least // max(lines, 1))))
     return Groups(shape, rows, columns)
 
 

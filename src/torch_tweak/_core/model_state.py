@@ -31,12 +31,9 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from . import settings
 from .. import _C
 
-PARAM_COPY_LIMIT = 256 * 2**20
-"""Parameters of a module up to this many bytes are copied by a snapshot, so values a
-backend wrote in place (even through ``.data``) are put back; larger ones are watched
-through their version counter only."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -159,7 +156,7 @@ class Snapshot:
     modules it tunes in place): then only flags, parameters and buffers are put back, and a
     parameter or buffer the block added is removed."""
 
-    def __init__(self, module: nn.Module, param_copy_limit: int = PARAM_COPY_LIMIT, structure: bool = True) -> None:
+    def __init__(self, module: nn.Module, param_copy_limit: int | None = None, structure: bool = True) -> None:
         modules = list(module.modules())
         self.structure = [_Structure(m) for m in modules] if structure else []
         self.flags = [(m, m.training) for m in modules]
@@ -167,7 +164,8 @@ class Snapshot:
         self.names = {} if structure else {(id(m), kind): (m, set(getattr(m, kind))) for m in modules
                                            for kind in ("_parameters", "_buffers")}
         params = [p for m in modules for p in m._parameters.values() if p is not None]
-        copy_params = sum(p.numel() * p.element_size() for p in params) <= param_copy_limit
+        limit = settings.PARAM_COPY_LIMIT if param_copy_limit is None else param_copy_limit
+        copy_params = sum(p.numel() * p.element_size() for p in params) <= limit
         self.tensors: list[_Tensor] = []
         with torch.no_grad():
             for owner in modules:
@@ -225,7 +223,7 @@ def _restore_tensor(t: _Tensor, where: str) -> list[str]:
             changes.append(f"{where}: written in place; its values put back")
     elif t.version is not None and version_of(t.tensor) != t.version:  # an inference tensor keeps none
         changes.append(f"{where}: written in place; NOT put back (parameters over "
-                       f"{PARAM_COPY_LIMIT >> 20} MiB are not copied)")
+                       f"{settings.PARAM_COPY_LIMIT >> 20} MiB are not copied)")
     return changes
 
 
@@ -242,8 +240,9 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     return False
 
 
-def snapshot(module: nn.Module, param_copy_limit: int = PARAM_COPY_LIMIT, structure: bool = True) -> Snapshot:
-    """What a build must not change in `module` (see Snapshot); what tuning takes before a build."""
+def snapshot(module: nn.Module, param_copy_limit: int | None = None, structure: bool = True) -> Snapshot:
+    """What a build must not change in `module` (see Snapshot; param_copy_limit None:
+    settings.PARAM_COPY_LIMIT); what tuning takes before a build."""
     return Snapshot(module, param_copy_limit, structure)
 
 

@@ -30,11 +30,10 @@ from typing import Any, Sequence
 import torch
 import torch.utils._pytree as pytree
 
+from . import settings
 from ._samples import Call
 from .layout import CallLayout, layout_of
 
-LIMITS = {"batch": 1 << 16, "length": 1 << 20}
-"""The largest size each axis may declare (what a saved padded config may hold)."""
 
 POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "n_ctx")
 """The fields of a model's config (transformers') that say how many positions it takes."""
@@ -89,8 +88,8 @@ def check_shapes(shapes: Any) -> Shapes | None:
         lo, hi = value
         if not 1 <= lo <= hi:
             raise ValueError(f"shapes[{name!r}] = ({lo}, {hi}): it needs 1 <= min <= max")
-        if hi > LIMITS[name]:
-            raise ValueError(f"shapes[{name!r}] = ({lo}, {hi}): max may be at most {LIMITS[name]}")
+        if hi > settings.SHAPE_LIMITS[name]:
+            raise ValueError(f"shapes[{name!r}] = ({lo}, {hi}): max may be at most {settings.SHAPE_LIMITS[name]}")
         ranges[name] = (lo, hi)
     return Shapes(**ranges)
 

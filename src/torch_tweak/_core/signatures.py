@@ -45,19 +45,13 @@ from typing import Any, Sequence
 import torch
 import torch.utils._pytree as pytree
 
+from . import settings
 from .. import _C
 from ._samples import Call, describe_cache, structure_key, unstorable
 from .layout import CallLayout, layout_of
 
 _C.set_value_keyer(structure_key)  # a key/value cache fits a signature by its structure, not its identity
 
-MAX_SIGNATURES = 4
-MAX_CALLS_PER_SIGNATURE = 8
-"""Recording keeps at most this many of the traffic's calls per signature (merge_varying: per shape class)."""
-MAX_DECLARED_CALLS = 2
-"""A shape class's group keeps at most this many calls at the ends of the declared shapes beside
-its traffic's (torch_tweak._core.shapes.edge_calls makes one per end; a module called more than
-once per model call keeps its smallest and its largest)."""
 MERGE_VARYING = True
 """Whether the calls of a shape class whose sizes vary get their group (merge_varying)."""
 
@@ -236,7 +230,8 @@ def stored_bounds() -> tuple[int, int]:
     and the traffic's classes are at most one per signature group and one per call of "any
     other call" (MAX_CALLS_PER_SIGNATURE of them); a remainder of "any other call" left after
     merging keeps a call whose class is no group's."""
-    return MAX_SIGNATURES + MAX_CALLS_PER_SIGNATURE, MAX_CALLS_PER_SIGNATURE + MAX_DECLARED_CALLS
+    calls = settings.MAX_CALLS_PER_SIGNATURE
+    return settings.MAX_SIGNATURES + calls, calls + settings.MAX_DECLARED_CALLS
 
 
 def is_other(group: SignatureGroup) -> bool:
@@ -298,7 +293,7 @@ def group_for(groups: list[SignatureGroup], args: tuple, kwargs: dict, params: t
         if group.signature is None or group.signature.matches(args, kwargs):
             return group
     signature = None
-    if len(groups) < MAX_SIGNATURES:
+    if len(groups) < settings.MAX_SIGNATURES:
         try:
             signature = make_signature(args, kwargs, params)
         except Exception:  # an argument the dispatcher cannot describe: any other call
@@ -377,7 +372,7 @@ def merge_varying(groups: list[SignatureGroup], samples: Sequence[Call], outputs
         if not traffic or len({tuple(_leaf_shapes(*samples[i])) for i in members}) < 2:
             continue
         ends = _extremes([i for i in members if id(samples[i]) in edges], samples)
-        kept = traffic[:MAX_CALLS_PER_SIGNATURE] + ends
+        kept = traffic[:settings.MAX_CALLS_PER_SIGNATURE] + ends
         calls = [samples[i] for i in kept]
         try:
             (signature,) = proven_signatures(calls, params)
@@ -397,14 +392,14 @@ def merge_varying(groups: list[SignatureGroup], samples: Sequence[Call], outputs
 def _extremes(ends: list[int], samples: Sequence[Call]) -> list[int]:
     """`ends` (indices into samples) when they are at most MAX_DECLARED_CALLS, else the smallest
     and the largest call among them (by their tensors' elements), in recorded order."""
-    if len(ends) <= MAX_DECLARED_CALLS:
+    if len(ends) <= settings.MAX_DECLARED_CALLS:
         return ends
 
     def size(i: int) -> int:
         return sum(math.prod(shape) for shape in _leaf_shapes(*samples[i]))
 
     chosen = {min(ends, key=size), max(ends, key=size)}
-    return [i for i in ends if i in chosen][:MAX_DECLARED_CALLS]
+    return [i for i in ends if i in chosen][:settings.MAX_DECLARED_CALLS]
 
 
 def _without(groups: list[SignatureGroup], taken: set[int] | frozenset[int]) -> list[SignatureGroup]:

@@ -26,9 +26,9 @@ A child never outlives the tuning process: it asks the kernel to kill it when it
 dies (Linux's PR_SET_PDEATHSIG; elsewhere a thread watches the parent's pid), and Ctrl-C
 while a child runs kills it. A hung child (a forked one can deadlock in a thread pool the
 fork left half-alive, as OpenVINO's once did) is killed after a bound that scales with the
-candidate's expected build time (see bound): MULTIPLE times what finished children of the
+candidate's expected build time (see bound): ISOLATION_MULTIPLE times what finished children of the
 same backend class and kind took per unit of the module's size (the last ones, kept beside
-the verdicts), at least FLOOR seconds, at most CAP (``$TORCH_TWEAK_ISOLATION_TIMEOUT``, 600 s
+the verdicts), at least ISOLATION_FLOOR seconds, at most ISOLATION_CAP (``$TORCH_TWEAK_ISOLATION_TIMEOUT``, 600 s
 by default). A forked child that hangs is tried again in a fresh interpreter, as a crash is;
 a candidate whose child still does not finish is rejected (that verdict is not stored).
 """
@@ -53,21 +53,12 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from .._core import settings
 from .. import _C
 from . import verdicts
 from .._core._samples import Call
 
 ISOLATION_ENV = "TORCH_TWEAK_ISOLATION"
-CAP = float(os.environ.get("TORCH_TWEAK_ISOLATION_TIMEOUT", "600"))
-"""The longest a child may run, whatever its expected build time."""
-FLOOR = 60.0
-"""The shortest bound: a child's start (a spawned one imports torch) on a busy machine."""
-MULTIPLE = 10.0
-"""How many times its expected build time a child may take before it counts as hung."""
-DEFAULT_RATE = 5.0
-"""Seconds per unit of size expected when no child of the backend class finished yet."""
-OUTPUT_TAIL = 4000
-"""Characters of the child's stdout and stderr kept in the build log after a crash."""
 
 
 class BuildCrashed(Exception):
@@ -139,7 +130,7 @@ def check(backend: Any, module: nn.Module, samples: Sequence[Call], device: torc
         notes.extend(_tail(output))
         raise BuildCrashed(f"{backend.name} did not finish building within {limit:.0f} s in its isolated child "
                            "(killed as hung; the bound is a multiple of the build times of this backend's earlier "
-                           f"children, at most $TORCH_TWEAK_ISOLATION_TIMEOUT = {CAP:.0f} s)")
+                           f"children, at most $TORCH_TWEAK_ISOLATION_TIMEOUT = {settings.ISOLATION_CAP:.0f} s)")
     if verdict.crashed:
         notes.extend(_tail(output))
     stored = verdicts.write(parts, verdict)
@@ -157,11 +148,12 @@ def size_units(module: nn.Module) -> float:
 
 def bound(backend: Any, module: nn.Module, how: str) -> float:
     """Seconds a `how` child building `backend` on `module` may run before it counts as hung:
-    MULTIPLE times the expected build time (the module's size_units times the largest rate
-    recorded for the backend's class and child kind, DEFAULT_RATE when none is), at least
-    FLOOR, at most CAP."""
-    rate = max(verdicts.rates(backend, how), default=DEFAULT_RATE)
-    return max(min(CAP, FLOOR), min(CAP, MULTIPLE * size_units(module) * rate))
+    ISOLATION_MULTIPLE times the expected build time (the module's size_units times the largest rate
+    recorded for the backend's class and child kind, ISOLATION_DEFAULT_RATE when none is), at least
+    ISOLATION_FLOOR, at most ISOLATION_CAP."""
+    rate = max(verdicts.rates(backend, how), default=settings.ISOLATION_DEFAULT_RATE)
+    cap = settings.ISOLATION_CAP
+    return max(min(cap, settings.ISOLATION_FLOOR), min(cap, settings.ISOLATION_MULTIPLE * size_units(module) * rate))
 
 
 def _record(backend: Any, module: nn.Module, how: str, took: float, code: int, stages: list[str],
@@ -189,7 +181,8 @@ def _verdict_of(name: str, code: int, stages: list[str]) -> verdicts.Verdict:
 def _tail(output: str) -> list[str]:
     if not output.strip():
         return []
-    return ["child output (last lines):"] + [f"  {line}" for line in output[-OUTPUT_TAIL:].splitlines()]
+    tail = output[-settings.ISOLATION_OUTPUT_TAIL:]
+    return ["child output (last lines):"] + [f"  {line}" for line in tail.splitlines()]
 
 
 def _run_child(how: str, backend: Any, module: nn.Module, samples: Sequence[Call],
@@ -206,7 +199,7 @@ def _run_child(how: str, backend: Any, module: nn.Module, samples: Sequence[Call
             if started is None:
                 return 0, ["unsent"], _read(output), False
             poll, kill = started
-        code, timed_out = _wait(poll, kill, CAP if limit is None else limit)
+        code, timed_out = _wait(poll, kill, settings.ISOLATION_CAP if limit is None else limit)
         return code, _read(status).split(), _read(output), timed_out
     finally:
         shutil.rmtree(folder, ignore_errors=True)

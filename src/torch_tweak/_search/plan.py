@@ -188,7 +188,7 @@ def apply(model: nn.Module, plan: Plan, *, device: torch.device, calls: Sequence
     been called with the plan's signatures, in order (else PlanError); without, the plan's own
     recorded calls are used. Each chosen backend is built again (an unbuilt copy: the plan is
     not changed and can be applied again) on its calls and checked against the recorded
-    outputs; bounded: its tolerance came from a file (capped, see correctness.MAX_TOLERANCES).
+    outputs; bounded: its tolerance came from a file (capped, see settings.MAX_TOLERANCES).
     A group with no recorded call ("any other call" too: its backend serves only the calls
     it was checked on, see signatures.proven_signatures) fails to rebuild.
 

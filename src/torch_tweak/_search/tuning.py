@@ -11,6 +11,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from .._core import settings
 from .. import _C
 from .._core import distributed, model_state, noise
 from . import isolation
@@ -24,7 +25,7 @@ from .._runtime.module import TunedModule, arm_untuned, installed, own_class
 from .._view.progress import Progress
 from .._view.report import candidates_of, fold
 from .._core.shapes import position_table
-from .._core.signatures import (MAX_CALLS_PER_SIGNATURE, SignatureGroup, call_form, forward_params, group_for,
+from .._core.signatures import (SignatureGroup, call_form, forward_params, group_for,
                                 is_other, lay_out, merge_varying, proven_signatures)
 from ..backends.strategy import Strategy, default_backends, default_strategy
 
@@ -70,7 +71,7 @@ def _recorder(wrapper: TunedModule, mode: dict) -> Callable[..., Any]:
     def recorder(*args: Any, **kwargs: Any) -> Any:
         group = group_for(groups, args, kwargs, params)  # the caller's own objects: what later calls match
         edges = mode["edges"]
-        stored = len(group.samples) < MAX_CALLS_PER_SIGNATURE or edges is not None
+        stored = len(group.samples) < settings.MAX_CALLS_PER_SIGNATURE or edges is not None
         # the call is copied before it runs: a key/value cache passed in grows during it, and a
         # module that writes into its input would leave the values it was not called with
         before = clone((args, kwargs)) if stored else None
@@ -516,7 +517,7 @@ def rebuild_group(wrapper: TunedModule, group: SignatureGroup, backend: Backend,
     (a saved plan or a tuning-cache entry chose it), and checks it against the recorded
     outputs. Raises when it fails to build or to match; returns the worst finding.
     bounded: the calls, outputs and tolerance came from a file (the tolerance is capped, see
-    correctness.MAX_TOLERANCES): under the measured rule the outputs the candidate is judged
+    settings.MAX_TOLERANCES): under the measured rule the outputs the candidate is judged
     against are the module's own, run here, and the file's must agree with them by the same
     rule (a file's numbers never widen a check)."""
     module = wrapper._tt_original

@@ -18,7 +18,7 @@ does not hold (edited by hand, written by another user, or unsealed because no k
 made) is a miss, so the child runs again.
 
 Reading never fails and never blocks: a file that is not a regular file (a FIFO, a
-folder, a device), that is larger than MAX_BYTES, or that cannot be read or parsed is a
+folder, a device), that is larger than VERDICT_MAX_BYTES, or that cannot be read or parsed is a
 miss, and the verdict found by the next child is written over it (atomically).
 """
 
@@ -36,6 +36,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from .._core import settings
 from .._core._samples import Call
 from .._core.storage import (cache_dir, listed_cached, printable, read_cached, remove_cached, seal, unseal,
                              write_cached)
@@ -44,8 +45,6 @@ from .._core.signatures import describe_call
 VERSION = 2
 """2: the CPU by its instruction set and the libraries by their builds (1 named the CPU model)."""
 CPUINFO = "/proc/cpuinfo"
-MAX_BYTES = 64 * 1024
-"""A verdict is a few hundred bytes; anything larger is not one."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,14 +183,13 @@ def write(parts: dict[str, Any], verdict: Verdict) -> bool:
 
 TIMES = "times.json"
 """How long finished isolated children took, per backend class and child kind (isolation's bound)."""
-KEPT_TIMES = 16
 
 
 def _read_json(path: Path) -> Any:
     """The JSON in `path`, or None: never fails and never blocks (see the module docs); a link
     planted in the folder is not followed (storage.read_cached)."""
     try:
-        return json.loads(read_cached(path, MAX_BYTES).decode("utf-8"))
+        return json.loads(read_cached(path, settings.VERDICT_MAX_BYTES).decode("utf-8"))
     except Exception:
         return None
 
@@ -213,15 +211,15 @@ def rates(backend: Any, how: str) -> list[float]:
 
 
 def record_rate(backend: Any, how: str, rate: float) -> bool:
-    """Adds a finished child's seconds per unit of size to the record (the last KEPT_TIMES per
+    """Adds a finished child's seconds per unit of size to the record (the last VERDICT_KEPT_TIMES per
     backend class and child kind); False when it could not be stored."""
     path = folder() / TIMES
     found = _read_json(path)
     if not isinstance(found, dict):
         found = {}
     key = _times_key(backend, how)
-    found[key] = (rates(backend, how) + [round(float(rate), 6)])[-KEPT_TIMES:]
-    while len(json.dumps(found)) > MAX_BYTES // 2 and len(found) > 1:  # the oldest classes go first
+    found[key] = (rates(backend, how) + [round(float(rate), 6)])[-settings.VERDICT_KEPT_TIMES:]
+    while len(json.dumps(found)) > settings.VERDICT_MAX_BYTES // 2 and len(found) > 1:  # the oldest classes go first
         del found[next(k for k in found if k != key)]
     try:
         return write_cached(path, json.dumps(found, sort_keys=True).encode("utf-8"), "the isolated builds' times")

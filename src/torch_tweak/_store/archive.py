@@ -36,10 +36,9 @@ from typing import Callable, Mapping
 
 import torch
 
+from .._core import settings
 from .._core.storage import open_regular
 
-CHUNK = 1 << 20
-"""Bytes read (or inflated) at a time for a member that is streamed."""
 _EOCD = struct.Struct("<4s4H2LH")
 _EOCD64 = struct.Struct("<4sQ2H2L4Q")
 _LOCATOR = struct.Struct("<4sLQL")
@@ -367,18 +366,18 @@ class _Member:
             done += len(take)
 
     def _inflate(self, want: int) -> bytes:
-        """The next inflated bytes (at most CHUNK), b"" once the stream has ended."""
+        """The next inflated bytes (at most ARCHIVE_CHUNK_BYTES), b"" once the stream has ended."""
         while not self.inflater.eof:
             if self.inflater.unconsumed_tail:
                 chunk = self.inflater.unconsumed_tail
             elif self.raw_left:
-                buffer = bytearray(min(CHUNK, self.raw_left))
+                buffer = bytearray(min(settings.ARCHIVE_CHUNK_BYTES, self.raw_left))
                 self._raw(memoryview(buffer))
                 chunk = bytes(buffer)
             else:
                 raise ArchiveError(f"{self.entry.name} is truncated or damaged (its compressed data ends early)")
             try:
-                out = self.inflater.decompress(chunk, min(max(want, 1), CHUNK))
+                out = self.inflater.decompress(chunk, min(max(want, 1), settings.ARCHIVE_CHUNK_BYTES))
             except zlib.error as exc:
                 raise ArchiveError(f"{self.entry.name} is damaged: {exc}") from None
             if out:
@@ -391,9 +390,9 @@ class _Member:
         if self.inflater is None:
             if exact and self.raw_left:
                 raise ArchiveError(f"{self.entry.name} holds more bytes than its content")
-            buffer = bytearray(min(CHUNK, self.raw_left))
+            buffer = bytearray(min(settings.ARCHIVE_CHUNK_BYTES, self.raw_left))
             while self.raw_left:
-                view = memoryview(buffer)[:min(CHUNK, self.raw_left)]
+                view = memoryview(buffer)[:min(settings.ARCHIVE_CHUNK_BYTES, self.raw_left)]
                 self._raw(view)
                 self._content(view)
         else:
@@ -403,7 +402,7 @@ class _Member:
                         raise ArchiveError(f"{self.entry.name} inflates to more than its directory's "
                                            f"{self.entry.size} bytes")
                     self._content(self.pending)
-                self.pending = self._inflate(CHUNK)
+                self.pending = self._inflate(settings.ARCHIVE_CHUNK_BYTES)
                 if not self.pending:
                     break
             if self.raw_left or self.inflater.unused_data:
@@ -413,9 +412,9 @@ class _Member:
 
     def drain(self) -> None:
         """Reads the rest of the member's bytes into the file's hash only (its content was refused)."""
-        buffer = bytearray(min(CHUNK, self.raw_left))
+        buffer = bytearray(min(settings.ARCHIVE_CHUNK_BYTES, self.raw_left))
         while self.raw_left:
-            self._raw(memoryview(buffer)[:min(CHUNK, self.raw_left)])
+            self._raw(memoryview(buffer)[:min(settings.ARCHIVE_CHUNK_BYTES, self.raw_left)])
 
 
 # ------------------------------------------------------------------ safetensors

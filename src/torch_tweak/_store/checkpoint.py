@@ -37,6 +37,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from .._core import settings
 from .._core._samples import resolve_device, unstorable
 from ..backends import Backend
 from . import archive
@@ -50,7 +51,7 @@ from .._runtime.decode.loop import LOOPS
 from .._search.plan import SELECTED_DEPTHS, LoadResult, LoopPlan, ModulePlan, Plan, Rebuilt, plan_of
 from .._core.shapes import Shapes, check_shapes, positions
 from .._runtime.workload import MAX_GENERATE_CALLS
-from .serial import (MAX_JSON_VALUES, Unstorable, build_backend, class_path, decode, describe_backend,
+from .serial import (Unstorable, build_backend, class_path, decode, describe_backend,
                      device_name, dumps, encode, known_types, loads)
 from .._core import signatures
 from .._core.signatures import OTHER, SignatureGroup, call_form, forward_params, make_signature, proven_signatures
@@ -65,17 +66,6 @@ PLAN = "plan.json"
 SAMPLES = "samples.safetensors"
 ARTIFACTS = "artifacts/inductor.bin"
 MEMBERS = (MANIFEST, PLAN, SAMPLES, ARTIFACTS)
-MAX_JSON_BYTES = 16 << 20
-"""manifest.json and plan.json inflating past this are refused while they are read (a plan
-of a hundred modules with eight calls each is well under 1 MiB); so is the header of
-samples.safetensors."""
-MAX_MANIFEST_VALUES = 4096
-"""A manifest holds a few dozen values; more are refused before it is parsed (serial.loads)."""
-MAX_DIRECTORY_BYTES = 64 << 10
-"""A zip directory larger than this is refused from the archive's end record, before it is
-read (tt.save's four entries take a few hundred bytes)."""
-SLACK_BYTES = 256 << 20
-"""tt.load reads at most 4 x the model's weights + this from a file unless told (max_bytes)."""
 _SEAL = re.compile(rb"torch-tweak sha256=([0-9a-f]{64}) hmac=([0-9a-f]{64}|-{64})")
 _SEAL_LENGTH = len(b"torch-tweak sha256= hmac=") + 128
 logger = logging.getLogger("torch_tweak")
@@ -120,7 +110,7 @@ def model_bytes(model: nn.Module) -> int:
 
 def default_max_bytes(model: nn.Module) -> int:
     """The largest file tt.load reads for `model` unless told: 4 x its weights + 256 MiB."""
-    return 4 * model_bytes(model) + SLACK_BYTES
+    return 4 * model_bytes(model) + settings.LOAD_SLACK_BYTES
 
 
 # ------------------------------------------------------------------ save
@@ -287,12 +277,13 @@ def _read(path: str | os.PathLike, limit: int, key: bytes | None, *, tensors: bo
     most 4 entries, MAX_DIRECTORY_BYTES) before anything is built, each member's real
     inflated size is capped while it is read whatever the archive declares, the tensors are
     read straight into their own memory, and a member not wanted is only hashed."""
-    json_cap = min(limit, MAX_JSON_BYTES)
+    json_cap = min(limit, settings.MAX_JSON_BYTES)
     sinks = {MANIFEST: archive.Inflated(json_cap), PLAN: archive.Inflated(json_cap),
              SAMPLES: archive.Tensors(json_cap, loads) if tensors else archive.Skip(),
              ARTIFACTS: archive.Inflated(limit) if artifacts else archive.Skip()}
     try:
-        got = archive.read(path, limit, sinks, max_entries=len(MEMBERS), max_directory_bytes=MAX_DIRECTORY_BYTES,
+        got = archive.read(path, limit, sinks, max_entries=len(MEMBERS),
+                           max_directory_bytes=settings.MAX_DIRECTORY_BYTES,
                            methods=_methods, key=key)
     except FileNotFoundError:
         raise
@@ -312,7 +303,7 @@ def _read(path: str | os.PathLike, limit: int, key: bytes | None, *, tensors: bo
     sealed = _check_seal(got, key, path)  # a sealed file's bytes are checked before any member is parsed
     if MANIFEST in got.errors:
         raise CheckpointError(f"{path} is not a torch-tweak file, or it is damaged: {got.errors[MANIFEST]}")
-    manifest = _json(got.values[MANIFEST], MANIFEST, path, MAX_MANIFEST_VALUES)
+    manifest = _json(got.values[MANIFEST], MANIFEST, path, settings.MAX_MANIFEST_VALUES)
     if type(manifest) is not dict or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a torch-tweak file (its manifest is not one)")
     version = manifest.get("version")
@@ -367,7 +358,7 @@ def _check_seal(got: archive.Read, key: bytes | None, path: Any) -> bool:
     return True
 
 
-def _json(data: bytes | bytearray, name: str, path: Any, max_values: int = MAX_JSON_VALUES) -> Any:
+def _json(data: bytes | bytearray, name: str, path: Any, max_values: int | None = None) -> Any:
     try:
         return loads(data, max_values=max_values)
     except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
@@ -422,8 +413,8 @@ def _layout_problem(plan: dict) -> str | None:
                 return f"{where}'s stored calls and outputs are not lists"
             if len(calls) > most_calls:
                 return (f"{where} has {len(calls)} stored calls for one signature; tt.save writes at most "
-                        f"{most_calls} ({signatures.MAX_CALLS_PER_SIGNATURE} of the traffic and "
-                        f"{signatures.MAX_DECLARED_CALLS} at the declared shapes' ends)")
+                        f"{most_calls} ({settings.MAX_CALLS_PER_SIGNATURE} of the traffic and "
+                        f"{settings.MAX_DECLARED_CALLS} at the declared shapes' ends)")
             if len(calls) != len(outputs):
                 return f"{where} has {len(calls)} stored calls and {len(outputs)} outputs for one signature"
     return None
@@ -533,7 +524,7 @@ def _opened(model: nn.Module, path: Any, *, device: Any, trust_artifacts: bool, 
 
 def _rule_of(plan: dict, path: Any) -> "correctness.Rule":
     """The correctness rule the file was tuned under ("measured" when it names none); a fixed
-    tolerance read from it is capped at load (correctness.MAX_TOLERANCES)."""
+    tolerance read from it is capped at load (settings.MAX_TOLERANCES)."""
     try:
         return correctness.check_rule(plan.get("tolerance", "measured"))
     except (TypeError, ValueError) as exc:

@@ -20,24 +20,22 @@ from typing import Any, Sequence
 
 import torch
 
+from .._core import settings
 from .._core._samples import CacheRecord, cache_layers
 from ..backends.base import Backend, BackendConfig
 from .._core.schema import FINGERPRINT, SUPPLIED as SUPPLIED_SPEC, fingerprint, is_fingerprint, spec_of
 
-MAX_JSON_DEPTH = 64
-"""Deeper JSON is refused: nothing torch-tweak writes nests more than a dozen levels."""
 
 
-MAX_JSON_VALUES = 1 << 20
-"""JSON with more values is refused before it is parsed: a parsed value costs 50-250 bytes
-(16 MiB of "[]," would build 5.6 million lists, 400 MiB); a plan of a hundred modules with
-eight calls each holds a few tens of thousands."""
 
 
-def loads(data: bytes | bytearray | str, max_depth: int = MAX_JSON_DEPTH, max_values: int = MAX_JSON_VALUES) -> Any:
+def loads(data: bytes | bytearray | str, max_depth: int | None = None, max_values: int | None = None) -> Any:
     """json.loads that refuses nesting deeper than max_depth, and more than max_values values
     (counted from the text before anything is built: every value but the first follows a
-    comma or opens a container); ValueError for anything wrong."""
+    comma or opens a container; None: settings.MAX_JSON_DEPTH, MAX_JSON_VALUES); ValueError for
+    anything wrong."""
+    max_depth = settings.MAX_JSON_DEPTH if max_depth is None else max_depth
+    max_values = settings.MAX_JSON_VALUES if max_values is None else max_values
     marks = ("[", "{", ",") if isinstance(data, str) else (b"[", b"{", b",")
     if sum(data.count(mark) for mark in marks) + 1 > max_values:
         raise ValueError(f"JSON of more than {max_values} values")

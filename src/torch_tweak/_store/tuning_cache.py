@@ -17,7 +17,7 @@ kept the model untuned, is never replayed (the next tweak measures again: each m
 been a busy moment); one measured while other processes took more than a quarter of the
 CPUs ("busy", its figure from paired rounds) is replayed, marked busy, only while the
 machine is still busy (cpu_load.share_now), and measured again as soon as it is quiet (or
-its load unknown); one with a failed module or depth is reused for at most RETRY_AFTER
+its load unknown); one with a failed module or depth is reused for at most CACHE_RETRY_AFTER
 seconds, then tuned again.
 """
 
@@ -38,11 +38,10 @@ import torch
 from torch import nn
 
 from .. import _C
-from .._core import cpu_load
+from .._core import cpu_load, settings
 from .._core._samples import Call
 from ..backends import registry
 from .._core.storage import cache_dir, listed_cached, printable, read_cached, remove_cached, write_cached
-from .._core.correctness import TOLERANCES
 from .._search import plan as planning
 from .._search.plan import ModulePlan, Plan, PlanError, RebuildFailed, plan_of
 from .._view.report import ModuleResult, ModuleResults, SignatureResult
@@ -61,11 +60,6 @@ entry could make anything. 4: the calls of one shape class whose sizes vary are 
 OPTIONAL_PACKAGES = registry.optional_packages()
 """The packages of the backends on an optional install (their registrations'): their presence
 changes which default backends build, so their versions are in the key."""
-MAX_ENTRY_BYTES = 16 << 20
-"""A larger entry is not read: a miss."""
-RETRY_AFTER = 24 * 3600
-"""Seconds a cached result in which a module or depth failed is reused before tweak tunes
-again (a failure may have been the machine's)."""
 REPLAYED = ("consistent", "remeasured")
 """The measurement qualities (TweakResult.measurement_quality) of an entry that is replayed:
 not "inconsistent", "busy" (replayed only while the machine is busy: busy_replayed) or
@@ -87,7 +81,7 @@ def folder() -> Path:
 
 
 def key_parts(model: nn.Module, calls: Sequence[Call], device: torch.device, strategy: Strategy | None,
-              settings: dict[str, Any]) -> dict[str, Any]:
+              options: dict[str, Any]) -> dict[str, Any]:
     """Everything a tweak's result depends on, as JSON; Unstorable when a backend config has
     a value with no JSON form (that tweak is not cached)."""
     from .._version import __version__
@@ -111,8 +105,8 @@ def key_parts(model: nn.Module, calls: Sequence[Call], device: torch.device, str
         "inputs": [describe_call(args, kwargs) for args, kwargs in calls],
         "strategy": {"class": class_path(type(template)), "kind": template.kind,
                      "backends": [describe_backend(b) for b in template.candidates(device)]},
-        "settings": settings,
-        "tolerances": {str(k): v for k, v in TOLERANCES.items()},
+        "settings": options,
+        "tolerances": {str(k): v for k, v in settings.TOLERANCES.items()},
         "packages": packages,
     }
     return json.loads(dumps(_plain(parts)))  # the form an entry read back has
@@ -160,7 +154,7 @@ def read(key: str, parts: dict[str, Any]) -> dict | None:
     None otherwise. Whatever is wrong with the entry, the answer is a miss."""
     path = folder() / f"{key}.json"
     try:
-        entry = loads(read_cached(path, MAX_ENTRY_BYTES))
+        entry = loads(read_cached(path, settings.CACHE_MAX_ENTRY_BYTES))
     except FileNotFoundError:
         return None
     except Exception:  # a FIFO, a device, too large, not JSON, too deep...: tune afresh and write it again
@@ -224,7 +218,7 @@ def entry_of(parts: dict, record_: dict, modules: ModuleResults, model: nn.Modul
               or any(row.get("error") for row in record_.get("rows", [])))
     return {"version": ENTRY_VERSION, "parts": parts,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "retry_after": time.time() + RETRY_AFTER if failed else None,
+            "retry_after": time.time() + settings.CACHE_RETRY_AFTER if failed else None,
             "quality": record_.get("quality"), "kept_depth": kept_depth,
             "result": record_, "modules": [module_tree(m) for m in modules.values()], "plan": plan}
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from torch import nn
 
+from .._core import settings
 from .. import _C
 from .._core.storage import printable
 from .._runtime.inspecting import ModuleTree
@@ -273,8 +274,6 @@ def record_of(self: TweakResult) -> dict:
             "busy_stopped": engine.busy_stopped, "budgets": engine.budgets, "quality": engine.quality}
 
 
-ROW_ERROR_BYTES = 500
-"""A kept row's error, cut (at a character) below the engine's message size."""
 
 
 def from_record(record: dict, tree: ModuleTree, modules: ModuleResults, measured_at: str | None = None) -> TweakResult:
@@ -299,7 +298,7 @@ def from_record(record: dict, tree: ModuleTree, modules: ModuleResults, measured
 def _row_error(error: Any) -> Any:
     if type(error) is not str:
         return error  # refused by restore_result
-    return printable(error).encode("utf-8")[:ROW_ERROR_BYTES].decode("utf-8", "ignore")
+    return printable(error).encode("utf-8")[:settings.ROW_ERROR_BYTES].decode("utf-8", "ignore")
 
 
 def speak_tokens(result: TweakResult, job: Workload) -> None:

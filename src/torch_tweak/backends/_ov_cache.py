@@ -25,7 +25,7 @@ wrong with an entry (missing, unsealed, damaged, of another key, one OpenVINO ca
 is a miss: the module is converted as before and the entry written again. A model read from
 an entry is checked against the module on the first recorded call before it is used (a
 mismatch, which only code the key does not see can cause, drops the entry and converts),
-then by the build's own check, as a converted one. The folder is kept under MAX_FOLDER_BYTES:
+then by the build's own check, as a converted one. The folder is kept under OV_CACHE_FOLDER_BYTES:
 the entries used longest ago go first.
 """
 
@@ -41,12 +41,10 @@ from typing import Any, Sequence
 
 import torch
 
+from .._core import settings
 from .._core.storage import atomic_file, cache_dir, read_regular, seal, unseal
 
 MAGIC = b"torch-tweak openvino model 1\n"
-MAX_HEADER = 4096
-MAX_FOLDER_BYTES = 2 << 30
-"""The folder's entries past this many bytes are removed, the least recently used first."""
 _SCALARS = (bool, int, float, str, type(None))
 logger = logging.getLogger("torch_tweak")
 
@@ -112,7 +110,7 @@ def read(ov: Any, entry: str, module: torch.nn.Module) -> Any:
     try:
         if not data.startswith(MAGIC):
             raise ValueError("not an entry of this format")
-        end = data.index(b"\n", len(MAGIC), len(MAGIC) + MAX_HEADER)
+        end = data.index(b"\n", len(MAGIC), len(MAGIC) + settings.OV_CACHE_HEADER_BYTES)
         header = json.loads(data[len(MAGIC):end])
         xml_size, bin_size = header["xml"], header["bin"]
         body = memoryview(data)[end + 1:]
@@ -167,7 +165,7 @@ def drop(entry: str) -> None:
 
 
 def _trim() -> None:
-    """Removes the entries used longest ago while the folder holds more than MAX_FOLDER_BYTES."""
+    """Removes the entries used longest ago while the folder holds more than OV_CACHE_FOLDER_BYTES."""
     entries = []
     for path in folder().glob("*.ovm"):
         try:
@@ -177,7 +175,7 @@ def _trim() -> None:
         entries.append((info.st_mtime, info.st_size, path))
     total = sum(size for _, size, _ in entries)
     for _, size, path in sorted(entries):
-        if total <= MAX_FOLDER_BYTES:
+        if total <= settings.OV_CACHE_FOLDER_BYTES:
             break
         try:
             path.unlink()

@@ -9,7 +9,7 @@ one more forward of the module, so a shape gets its own model only where its cal
 - the shapes of the recorded calls are compiled when the module is built (tuning's time):
   the traffic the user showed is served by them from its first call after tuning;
 - a shape the recording did not have runs the dynamic model, and is handed to a compiling
-  thread once its calls on the dynamic model have taken PATIENCE compiles' time (a compile's
+  thread once its calls on the dynamic model have taken OV_PATIENCE compiles' time (a compile's
   time: the compiles' mean so far; the dynamic model's own compile until there is one), and not
   before its second call: a shape seen a few times in a burst costs no compile, a shape that
   keeps coming gets its model once it has run long enough to pay it back. No call waits for
@@ -24,7 +24,7 @@ one more forward of the module, so a shape gets its own model only where its cal
 
 At most `limit` shapes, counted with those being compiled. Each thread has its own infer
 request per shape. One compiling thread per model, started on the first shape it is handed
-and ended after IDLE_S with nothing to compile; while it compiles it takes a core from the
+and ended after OV_IDLE_SECONDS with nothing to compile; while it compiles it takes a core from the
 calls being served. It holds the model only while it compiles: a tuned model its user drops
 is freed with its compiled models. At exit the compile in
 progress is waited for (none is cut off) and the shapes still waiting are dropped; a fork waits
@@ -48,6 +48,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from .._core import settings
 from .._core.correctness import MismatchError, check
 from .base import OutputForm
 
@@ -90,16 +91,6 @@ logger = logging.getLogger("torch_tweak")
 _COMPILING = threading.Lock()
 """Held by a compiling thread around each compile: a fork waits for it (register_at_fork)."""
 _LIVE: "weakref.WeakSet[StaticShapes]" = weakref.WeakSet()
-SEEN_MAX = 4096
-"""Call shapes counted at most (those seen once are the many); past it the counts start again."""
-PATIENCE = 5.0
-"""How many compiles' time a shape's calls spend on the dynamic model before it gets its own:
-the gain a static model brings is a fraction of each call (5 to 23 % on BERT, 1 % on ResNet-18,
-docs/serving.md), so at a fifth of a call a compile is paid back after five compiles' time of
-the shape's calls, the break-even of renting against buying. A shape that stops before that
-has cost no compile; one that keeps coming gets its model at most that much later."""
-IDLE_S = 10.0
-"""A compiling thread with nothing to compile for this long ends."""
 _clock = time.perf_counter
 Dynamic = Callable[[list], tuple]
 """The dynamic model's answer to a call's inputs."""
@@ -121,7 +112,7 @@ class StaticShapes:
         self.served = 0
         self.compiles = (0, 0.0)              # compiles timed, their seconds
         self.guess_s = compile_s              # a compile's seconds until one is timed (the dynamic model's)
-        self.patience = PATIENCE              # compiles' worth of a shape's time on the dynamic model before its own
+        self.patience = settings.OV_PATIENCE  # compiles' worth of a shape's time on the dynamic model before its own
         self.local = threading.local()
         self.jobs: queue.Queue | None = None
         self.worker: threading.Thread | None = None
@@ -165,7 +156,7 @@ class StaticShapes:
         start = _clock()
         results = dynamic(feed)
         took = _clock() - start
-        if len(self.seen) >= SEEN_MAX:  # a stream of shapes that never repeat: counted afresh
+        if len(self.seen) >= settings.OV_SEEN_MAX:  # a stream of shapes that never repeat: counted afresh
             self.seen.clear()
         calls, spent = self.seen.get(key, (0, 0.0))
         self.seen[key] = [calls + 1, spent + took]
@@ -249,10 +240,10 @@ _IDLE = object()
 def _work(owner: "weakref.ref[StaticShapes]", jobs: queue.Queue) -> None:
     """The compiling thread. It holds its models only while it compiles one: a model its user
     dropped is freed (its compiled models too), and the thread ends at its next look; it also
-    ends after IDLE_S with nothing to compile (the next shape handed over starts another)."""
+    ends after OV_IDLE_SECONDS with nothing to compile (the next shape handed over starts another)."""
     while True:
         try:
-            key = jobs.get(timeout=IDLE_S)
+            key = jobs.get(timeout=settings.OV_IDLE_SECONDS)
         except queue.Empty:
             key = _IDLE
         shapes = owner()

@@ -17,7 +17,7 @@ tuning ended (least frequently used, as AITune's cache of graphs does; of two al
 never the one a call is being served from; its buffers, graph and pool are let go. A bucket
 evicted and needed again is recorded and checked again.
 
-One thread per padded module, started on the first bucket handed to it, ended after IDLE_S with
+One thread per padded module, started on the first bucket handed to it, ended after PADDED_IDLE_SECONDS with
 nothing to do. It holds the module only while it works: a tuned model its user drops is freed
 with its buckets, and the thread ends at its next look. At exit the job in progress is waited
 for and the others dropped; a fork waits for the job in progress (tuning's isolated builds fork)
@@ -37,13 +37,13 @@ from typing import Any, Callable
 
 import torch
 
+from .._core import settings
+
 logger = logging.getLogger("torch_tweak")
 
 _WORKING = threading.Lock()
 """Held by a worker around each job: a fork waits for it (register_at_fork)."""
 _LIVE: "weakref.WeakSet[Worker]" = weakref.WeakSet()
-IDLE_S = 10.0
-"""A worker with nothing to do for this long ends."""
 
 
 class Bucket:
@@ -219,10 +219,10 @@ _IDLE = object()
 
 def _work(worker: Worker, jobs: queue.Queue) -> None:
     """A worker's thread: each job run by its owner (held only while it runs); ends when its
-    owner is gone, at exit, or after IDLE_S with nothing to do."""
+    owner is gone, at exit, or after PADDED_IDLE_SECONDS with nothing to do."""
     while True:
         try:
-            job = jobs.get(timeout=IDLE_S)
+            job = jobs.get(timeout=settings.PADDED_IDLE_SECONDS)
         except queue.Empty:
             job = _IDLE
         if job is _IDLE:

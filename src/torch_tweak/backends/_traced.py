@@ -39,6 +39,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+from .._core import settings
 from .._core.correctness import MismatchError, check
 from .base import FlatModule
 
@@ -67,8 +68,6 @@ _SHAPED_BY_VALUES = frozenset({
     "aten::bincount"})
 """Traced nodes whose result's size depends on their inputs' values (see _shaped_by_values for
 indexing, torch.where and repeat_interleave)."""
-_MAX_WALK = 200_000
-"""Traced values one walk visits at most; past it the conversion counts as one of values."""
 _TORCH = os.path.dirname(torch.__file__)
 _CONVERTERS = ("openvino", "onnx", "onnxscript", "onnxruntime")
 _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -126,7 +125,7 @@ def _of_values(value: Any, count: int, sized: bool = False) -> bool:
         if (v.unique(), sized) in seen:
             continue
         seen.add((v.unique(), sized))
-        if len(seen) > _MAX_WALK:
+        if len(seen) > settings.TRACE_MAX_WALK:
             return True
         node = v.node()
         kind = node.kind()
@@ -218,10 +217,6 @@ def watch_values(backend: str, inputs: int) -> Iterator[None]:
 
 Traced = Callable[[list, tuple, dict], Any]
 """The traced model's answer to a call, from the call's flattened leaves (and the call)."""
-LIMIT = 1 << 16
-"""Call shapes kept proven at most; past it the proofs start again from the build's."""
-REFUSED_LIMIT = 1 << 12
-"""Call shapes kept refused at most (with why); past it they are checked again at their next call."""
 
 
 class Served:
@@ -284,7 +279,7 @@ class Served:
             self._refuse(key, exc)
             return reference
         with self.lock:
-            if len(self.proven) >= LIMIT:
+            if len(self.proven) >= settings.TRACE_PROVEN_LIMIT:
                 self.proven = set(self.checked)
             self.proven.add(key)
         return reference
@@ -295,7 +290,7 @@ class Served:
                (f"gave another answer than the module ({text})" if isinstance(exc, MismatchError)
                 else f"could not take the call ({type(exc).__name__}: {text})"))
         with self.lock:
-            if len(self.refused) >= REFUSED_LIMIT:
+            if len(self.refused) >= settings.TRACE_REFUSED_LIMIT:
                 self.refused.clear()
             self.refused[key] = why
             self.proven.discard(key)

@@ -36,6 +36,7 @@ from typing import Any, Sequence
 import torch
 import torch.utils._pytree as pytree
 
+from .._core import settings
 from .._core._samples import Call
 from . import registry
 from .variants import VariantConfig
@@ -51,12 +52,6 @@ PRECISIONS = ("tf32", "bf16", "int8", "fp8")
 (bfloat16 autocast), "int8" (TorchAO int8 weight-only, compiled), "fp8" (TorchAO float8; CUDA
 of compute capability 8.9 or newer)."""
 
-HEAVY_SHARE = 0.2
-"""A module is heavy, and gets effort="high"'s variants (channels-last, SDPA kernels,
-max-autotune), when its time in the inspected run is at least this share of the whole model's
-(the model itself always is). A light module's variant could gain at most its own small share,
-and each costs a build (often a compile): the tuning time of effort="high" then grows with the
-few heavy modules, not with the model's many small ones."""
 
 EFFORT_RULES = ("conv", "sdpa", "heavy")
 """The rules of effort="high"'s variants: each applies to heavy modules only."""
@@ -205,8 +200,9 @@ def module_key(module: torch.nn.Module) -> int:
     return id(module.__dict__)
 
 
-def heavy_modules(model: torch.nn.Module, tree: Any, share: float = HEAVY_SHARE) -> frozenset[int]:
-    """module_key of the modules whose inspected time is at least `share` of the model's."""
+def heavy_modules(model: torch.nn.Module, tree: Any, share: float | None = None) -> frozenset[int]:
+    """module_key of the modules whose inspected time is at least `share` (settings.HEAVY_SHARE) of the model's."""
+    share = settings.HEAVY_SHARE if share is None else share
     total = tree.time_ms("")
     keys = set()
     for path in tree.paths:

@@ -31,7 +31,7 @@ class BackendConfig:
     """Settings every backend shares.
 
     tolerance: the relative tolerance of the correctness check for this backend
-    (None: the per-dtype default of torch_tweak._core.correctness.TOLERANCES).
+    (None: the per-dtype default of torch_tweak.TOLERANCES).
     """
 
     tolerance: float | None = None

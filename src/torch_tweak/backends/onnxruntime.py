@@ -32,6 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
+from .._core import settings
 from .._core import noise
 from .._core.cpu_load import usable_cpus
 from .._core._samples import Call, unstorable
@@ -43,7 +44,6 @@ from ._traced import Served, flatten_for_numpy, watch_values
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
 EXECUTION_MODES = ("sequential", "parallel")
 EXPORTERS = ("dynamo", "torchscript")
-MAX_THREADS = 1024
 
 ONNX_EXPORT = {"torch.onnx._internal.exporter._registration": ("is not installed. Skipping",),
                "onnxscript.optimizer._constant_folding": ("Evaluation failed:",)}
@@ -69,7 +69,8 @@ class ONNXRuntimeBackendConfig(BackendConfig):
     exporter: str = "dynamo"
 
     SCHEMA = {**BackendConfig.SCHEMA, "graph_optimization_level": OneOf(OPTIMIZATION_LEVELS),
-              "intra_op_threads": Count(0, MAX_THREADS), "inter_op_threads": Count(0, MAX_THREADS),
+              "intra_op_threads": Count(0, settings.ORT_MAX_THREADS),
+              "inter_op_threads": Count(0, settings.ORT_MAX_THREADS),
               "execution_mode": OneOf(EXECUTION_MODES), "exporter": OneOf(EXPORTERS)}
 
     def __post_init__(self) -> None:
@@ -79,8 +80,9 @@ class ONNXRuntimeBackendConfig(BackendConfig):
                              f"got {self.graph_optimization_level!r}")
         for field in ("intra_op_threads", "inter_op_threads"):
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_THREADS:
-                raise ValueError(f"{field} must be a whole number from 0 (ONNX Runtime's default) to {MAX_THREADS}; "
+            most = settings.ORT_MAX_THREADS
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
+                raise ValueError(f"{field} must be a whole number from 0 (ONNX Runtime's default) to {most}; "
                                  f"got {value!r}")
         if self.execution_mode not in EXECUTION_MODES:
             raise ValueError(f"execution_mode must be one of {', '.join(EXECUTION_MODES)}; got {self.execution_mode!r}")

@@ -70,12 +70,13 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.utils._pytree as pytree
 
+from .._core import settings
 from .. import _C
 from .._core._samples import Call, clone, fresh
 from .._core.correctness import MismatchError, check
 from .._core.layout import CallLayout
 from .._core.schema import Count, Flag
-from .._core.shapes import LIMITS, Shapes, mask_lengths, position_table, positions
+from .._core.shapes import Shapes, mask_lengths, position_table, positions
 from ._padded_buckets import Bucket, Table, Worker, fill_unlike, free_bytes
 from .base import Backend, BackendConfig, BackendUnavailable
 from .graph import DeviceGraphBackend, _DeviceApi, capture, graph_unavailable, warm_up
@@ -243,9 +244,6 @@ def length_step(longest: int, buckets: int) -> int:
     return max(8, -(-per // 8) * 8)
 
 
-LOAD_GROWTH = 16
-"""tt.load's bound on a file's padding: a length step (max_length / length_buckets) of at most
-this many times the longest stored call's length (load_bound)."""
 
 
 _launch_of = DeviceGraphBackend._launch
@@ -472,7 +470,7 @@ class PaddedCall(_C.PaddedReplay, _Checked):
     def widen(self, device: torch.device) -> None:
         """The learned batch range reaches what memory holds: the largest batch bucket whose
         memory (a row at the longest length, as the recorded buckets took it per element) fits
-        the device's free memory and max_graph_memory_mb, at most LIMITS["batch"]; a declared
+        the device's free memory and max_graph_memory_mb, at most SHAPE_LIMITS["batch"]; a declared
         max_batch stays, and where no memory can be read the learned range stays, said in the
         notes."""
         plan, config = self.plan, self.config
@@ -487,13 +485,13 @@ class PaddedCall(_C.PaddedReplay, _Checked):
         if free is None or per_row <= 0:
             plan.notes["batch"] += f" (the {device.type} device's free memory cannot be read)"
             return
-        rows = min(LIMITS["batch"], int(min(free, config.max_graph_memory_mb * 2**20) // per_row))
+        rows = min(settings.SHAPE_LIMITS["batch"], int(min(free, config.max_graph_memory_mb * 2**20) // per_row))
         while rows > plan.max_batch and batch_bucket(rows) > rows:
             rows -= 1
         if rows > plan.max_batch:
             plan.max_batch = rows
             plan.notes["batch"] = (f"what memory holds: {per_row / 2**10:.1f} KiB a row, under max_graph_memory_mb and "
-                                   f"the {device.type} device's free memory, at most {LIMITS['batch']}")
+                                   f"the {device.type} device's free memory, at most {settings.SHAPE_LIMITS['batch']}")
             self._pad_range(plan.max_batch, plan.max_length)
 
     # ---- what status and print(result) show
@@ -590,7 +588,7 @@ class PaddedGraphBackend(Backend):
 
     def load_bound(self, module: torch.nn.Module, samples: Sequence[Call], model: torch.nn.Module) -> str | None:
         """A file's max_length within the model's positions, and its length step (max_length
-        / length_buckets) within LOAD_GROWTH times the longest stored call: a padded call at
+        / length_buckets) within PADDED_LOAD_GROWTH times the longest stored call: a padded call at
         load or while serving holds at most that many times the positions of the calls the
         module was checked on (a forged max_length of 2^20 in one bucket padded every call to
         a million positions)."""
@@ -606,9 +604,10 @@ class PaddedGraphBackend(Backend):
             return None
         longest = max(lengths)
         step = length_step(max(cfg.max_length or 0, longest), cfg.length_buckets)
-        if step > LOAD_GROWTH * longest:
+        if step > settings.PADDED_LOAD_GROWTH * longest:
             return (f"max_length={cfg.max_length} with length_buckets={cfg.length_buckets} pads to steps of {step} "
-                    f"positions; the bound is {LOAD_GROWTH} x the longest stored call ({longest} positions)")
+                    f"positions; the bound is {settings.PADDED_LOAD_GROWTH} x the longest stored call ({longest} "
+                    "positions)")
         return None
 
     def describe(self) -> dict | None:

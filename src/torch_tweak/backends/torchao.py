@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .._core import settings
 from .._core import noise
 from .._core._samples import Call
 from .._core.schema import Flag, OneOf
@@ -28,9 +29,6 @@ from .variants import Variant
 
 MODES = ("int8_weight_only", "int8_dynamic", "fp8")
 
-DEFAULT_TOLERANCE = 0.05
-"""TorchAO's default relative tolerance: int8 weights alone move a float32 linear layer's
-outputs by about 0.5 % of their scale, and errors add up through a block."""
 
 TORCHAO_IMPORT = {"torchao": ("Failed to load",),
                   "torch.utils._pytree": ("is an Enum subclass and is now natively supported",)}
@@ -51,9 +49,9 @@ _CONFIGS = {
 class TorchAOBackendConfig(BackendConfig):
     """mode: "int8_weight_only", "int8_dynamic" or "fp8". compile: torch.compile the
     quantized module (the fast path of torchao's kernels; costs a compile per signature).
-    tolerance: defaults to DEFAULT_TOLERANCE (0.05), not the per-dtype defaults."""
+    tolerance: defaults to TORCHAO_TOLERANCE (0.05), not the per-dtype defaults."""
 
-    tolerance: float | None = DEFAULT_TOLERANCE
+    tolerance: float | None = dataclasses.field(default_factory=lambda: settings.TORCHAO_TOLERANCE)
     mode: str = "int8_weight_only"
     compile: bool = False
 

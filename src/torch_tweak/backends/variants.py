@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.utils._pytree as pytree
 
+from .._core import settings
 from .._core._samples import Call
 from .._core.correctness import tolerance_for
 from .._core.schema import DType, Flag, OneOf
@@ -29,9 +30,6 @@ AXIS_SCHEMA = {"memory_format": OneOf(LAYOUTS), "sdpa_kernel": OneOf(SDPA_KERNEL
 _SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-TF32_TOLERANCE = 1e-2
-"""The check's tolerance for a TF32 candidate whose config sets none (a 10-bit mantissa:
-about 1e-3 per product, adding up through a block)."""
 
 
 def _sdpa_backend(kernel: str) -> Any:
@@ -157,7 +155,7 @@ class VariantConfig(BackendConfig):
         if self.autocast_dtype is not None:
             return tolerance_for(self.autocast_dtype)
         if self.tf32:
-            return TF32_TOLERANCE
+            return settings.TF32_TOLERANCE
         return None
 
     def unavailable(self, device: torch.device) -> str | None:

@@ -1,0 +1,245 @@
+"""Every numeric knob of torch-tweak, in one place: its value, its unit (the comment on its line)
+and why it is what it is (the text under it), grouped by area.
+
+    import torch_tweak as tt
+    tt.settings.REFERENCE_SECONDS = 120.0   # seen by the next check that makes a reference
+
+Code reads ``settings.NAME`` where it uses the knob (never ``from settings import NAME``), so a
+value set at run time, by a user or a test, is the one the next use sees. docs/settings.md lists
+them (tests/test_settings.py checks it against this file, and that no other module of the
+package defines a numeric constant but the few format and protocol numbers it names).
+"""
+
+import os
+
+import torch
+
+# == The correctness rule ==
+
+TOLERANCES: dict[torch.dtype, float] = {  # relative error
+    torch.float64: 1e-6,
+    torch.float32: 1e-3,
+    torch.float16: 1e-2,
+    torch.bfloat16: 3e-2,
+}
+"""The fixed rule's relative tolerance per floating dtype; others (fp8...) use 0.1 (also
+``tt.TOLERANCES``, the same dict)."""
+
+MAX_TOLERANCES: dict[torch.dtype, float] = {  # relative error
+    torch.float64: 1e-3,
+    torch.float32: 0.05,
+    torch.float16: 0.05,
+    torch.bfloat16: 0.1,
+}
+"""The most either rule allows per dtype (others: 0.1): neither a tolerance read from a saved
+file nor an original whose own error is large widens a check past these."""
+
+MULTIPLIER = 4.0  # times the original's own error
+"""The measured rule: a candidate's error against the higher-precision reference may be this
+many times the original's own in each group of an output (PyTorch's accuracy harness uses 2 to 3
+with one RMS error over a whole output). Measured on transformers and convolution models in
+float32 and bfloat16 on a CPU (bench/results/numerics.md): tensor-wide, Inductor's candidates
+came to 0.6x to 3.2x the original's own, wrong candidates to 24x to 1e7x; per group, Inductor's
+worst group came to 1.1x to 2.2x on BERT, GPT-2, Llama and ViT (at most 0.53 of its bound), and
+4.3x on a float32 convolution net whose Inductor convolution is 3x to 4x less accurate than
+eager everywhere (kept on the floor of one ulp, at 0.89 of its bound)."""
+
+MIN_GROUP = 16  # values
+"""The fewest values a group of an output holds (rows or columns are gathered up to it): the root
+mean square of 16 rounding errors is stable within about 2x from run to run, where one value's is
+not."""
+
+MIN_FINITE_SHARE = 0.01  # share of a tensor's values
+"""The least share of a floating reference tensor's values that must be finite (and at least
+one) for a check against it to accept a backend. Positions where the reference is NaN or Inf
+are compared in kind only, so a reference made mostly of them compares almost nothing; a real
+module's output with masked positions (-Inf attention scores, causal or padded) keeps far
+more than 1 % of its values finite."""
+
+REFERENCE_SECONDS = 60.0  # seconds
+"""The most the reference of one module's signature may take (its higher-precision runs):
+past it the signature is held to the fixed rule."""
+
+REFERENCE_MEMORY_SHARE = 0.5  # share of the device's free memory
+"""The most of the free memory of the module's device (else of the host) the reference's
+weights may take."""
+
+TF32_TOLERANCE = 1e-2  # relative error
+"""The check's tolerance for a TF32 candidate whose config sets none (a 10-bit mantissa:
+about 1e-3 per product, adding up through a block)."""
+
+TORCHAO_TOLERANCE = 0.05  # relative error
+"""TorchAO's default relative tolerance (its config's, not the per-dtype defaults): int8
+weights alone move a float32 linear layer's outputs by about 0.5 % of their scale, and errors
+add up through a block."""
+
+# == Recording and declared shapes ==
+
+MAX_SIGNATURES = 4  # signatures
+"""Input signatures a module's recording keeps groups for; the calls of any further signature
+share one last group, "any other call"."""
+
+MAX_CALLS_PER_SIGNATURE = 8  # calls
+"""Recording keeps at most this many of the traffic's calls per signature (merge_varying: per shape class)."""
+
+MAX_DECLARED_CALLS = 2  # calls
+"""A shape class's group keeps at most this many calls at the ends of the declared shapes beside
+its traffic's (torch_tweak._core.shapes.edge_calls makes one per end; a module called more than
+once per model call keeps its smallest and its largest)."""
+
+SHAPE_LIMITS = {"batch": 1 << 16, "length": 1 << 20}  # size along the axis
+"""The largest size each axis of tt.tweak's shapes= may declare (what a saved padded config may hold)."""
+
+PARAM_COPY_LIMIT = 256 * 2**20  # bytes
+"""Parameters of a module up to this many bytes are copied by a snapshot, so values a
+backend wrote in place (even through ``.data``) are put back; larger ones are watched
+through their version counter only."""
+
+HEAVY_SHARE = 0.2  # share of the model's time
+"""A module is heavy, and gets effort="high"'s variants (channels-last, SDPA kernels,
+max-autotune), when its time in the inspected run is at least this share of the whole model's
+(the model itself always is). A light module's variant could gain at most its own small share,
+and each costs a build (often a compile): the tuning time of effort="high" then grows with the
+few heavy modules, not with the model's many small ones."""
+
+DYNAMO_RECOMPILES = {"recompile_limit": 64, "accumulated_recompile_limit": 1024}  # compiles
+"""Dynamo's recompile limits during a tweak's own runs, at least (the user's, when higher, stay):
+a tweak runs the model on more call shapes than its traffic has (a generate() workload's
+prefill, decode steps and checks over the whole sequence; the declared shapes' ends), and a
+torch.compile inside the model (transformers' compiled forward) would otherwise meet its
+limit of 8, print "torch._dynamo hit config.recompile_limit", and run eagerly from then on."""
+
+# == The machine's load and torch.distributed ==
+
+LOAD_STAT_BYTES = 64 * 1024  # bytes
+"""The most bytes of /proc/stat read: its aggregate "cpu" line comes first (a machine of
+thousands of CPUs writes its per-CPU lines within this)."""
+
+LOAD_PROCESS_BYTES = 4096  # bytes
+"""The most bytes of one /proc/<pid>/stat read (about 300 are written)."""
+
+LOAD_READING_SECONDS = 1.0  # seconds
+"""The longest one reading may take (every /proc/<pid>/stat of a machine with thousands of
+processes takes a few milliseconds): past it the load is unknown."""
+
+AGREEMENT_TIMEOUTS = 2  # times the group's timeout
+"""How many of the group's timeouts (timeout_of) one agreement of the ranks waits, once they
+have met."""
+
+# == Isolated builds ==
+
+ISOLATION_CAP = float(os.environ.get("TORCH_TWEAK_ISOLATION_TIMEOUT", "600"))  # seconds
+"""The longest an isolated child may run, whatever its expected build time
+(``$TORCH_TWEAK_ISOLATION_TIMEOUT``, read at import)."""
+
+ISOLATION_FLOOR = 60.0  # seconds
+"""The shortest bound on an isolated child: its start (a spawned one imports torch) on a busy
+machine."""
+
+ISOLATION_MULTIPLE = 10.0  # times the expected build time
+"""How many times its expected build time an isolated child may take before it counts as hung."""
+
+ISOLATION_DEFAULT_RATE = 5.0  # seconds per unit of size
+"""Seconds per unit of a module's size expected when no isolated child of the backend class
+finished yet."""
+
+ISOLATION_OUTPUT_TAIL = 4000  # characters
+"""Characters of an isolated child's stdout and stderr kept in the build log after a crash."""
+
+VERDICT_MAX_BYTES = 64 * 1024  # bytes
+"""A verdict (or the record of children's times) is a few hundred bytes; anything larger is not
+one."""
+
+VERDICT_KEPT_TIMES = 16  # children
+"""How many finished children's times are kept per backend class and child kind (the
+isolation bound reads the largest)."""
+
+# == Serving: traced models, OpenVINO, the padded backend ==
+
+TRACE_MAX_WALK = 200_000  # traced values
+"""Traced values one walk visits at most; past it the conversion counts as one of values."""
+
+TRACE_PROVEN_LIMIT = 1 << 16  # call shapes
+"""Call shapes a traced model keeps proven at most; past it the proofs start again from the
+build's."""
+
+TRACE_REFUSED_LIMIT = 1 << 12  # call shapes
+"""Call shapes a traced model keeps refused at most (with why); past it they are checked again at
+their next call."""
+
+OV_SEEN_MAX = 4096  # call shapes
+"""Call shapes OpenVINO's serving counts at most (those seen once are the many); past it the
+counts start again."""
+
+OV_PATIENCE = 5.0  # compiles' time
+"""How many compiles' time a shape's calls spend on OpenVINO's dynamic model before it gets its
+own: the gain a static model brings is a fraction of each call (5 to 23 % on BERT, 1 % on
+ResNet-18, docs/serving.md), so at a fifth of a call a compile is paid back after five compiles'
+time of the shape's calls, the break-even of renting against buying. A shape that stops before
+that has cost no compile; one that keeps coming gets its model at most that much later."""
+
+OV_IDLE_SECONDS = 10.0  # seconds
+"""An OpenVINO compiling thread with nothing to compile for this long ends."""
+
+OV_CACHE_HEADER_BYTES = 4096  # bytes
+"""The most bytes of a converted model's header (after its magic line) in torch-tweak's folder
+read before its end; a longer one is not an entry."""
+
+OV_CACHE_FOLDER_BYTES = 2 << 30  # bytes
+"""The folder of OpenVINO's converted models: its entries past this many bytes are removed, the
+least recently used first."""
+
+ORT_MAX_THREADS = 1024  # threads
+"""The most intra-op or inter-op threads an ONNX Runtime config may ask (0: ONNX Runtime's
+default); a larger count is a mistake, refused with its config (the config's schema, what a saved
+file may hold, takes it at import)."""
+
+PADDED_IDLE_SECONDS = 10.0  # seconds
+"""A padded module's worker thread with nothing to do for this long ends."""
+
+PADDED_LOAD_GROWTH = 16  # times the longest stored call's length
+"""tt.load's bound on a file's padding: a length step (max_length / length_buckets) of at most
+this many times the longest stored call's length (padded.load_bound)."""
+
+# == Files: tt.save / tt.load, the tuning cache ==
+
+LOAD_SLACK_BYTES = 256 << 20  # bytes
+"""tt.load reads at most 4 x the model's weights + this from a file unless told (max_bytes)."""
+
+MAX_JSON_BYTES = 16 << 20  # bytes
+"""manifest.json and plan.json inflating past this are refused while they are read (a plan
+of a hundred modules with eight calls each is well under 1 MiB); so is the header of
+samples.safetensors."""
+
+MAX_MANIFEST_VALUES = 4096  # JSON values
+"""A manifest holds a few dozen values; more are refused before it is parsed (serial.loads)."""
+
+MAX_DIRECTORY_BYTES = 64 << 10  # bytes
+"""A zip directory larger than this is refused from the archive's end record, before it is
+read (tt.save's four entries take a few hundred bytes)."""
+
+ARCHIVE_CHUNK_BYTES = 1 << 20  # bytes
+"""Bytes read (or inflated) at a time for a member of a saved file that is streamed."""
+
+MAX_JSON_DEPTH = 64  # levels
+"""Deeper JSON is refused: nothing torch-tweak writes nests more than a dozen levels."""
+
+MAX_JSON_VALUES = 1 << 20  # JSON values
+"""JSON with more values is refused before it is parsed: a parsed value costs 50-250 bytes
+(16 MiB of "[]," would build 5.6 million lists, 400 MiB); a plan of a hundred modules with
+eight calls each holds a few tens of thousands."""
+
+CACHE_MAX_ENTRY_BYTES = 16 << 20  # bytes
+"""A larger tuning-cache entry is not read: a miss."""
+
+CACHE_RETRY_AFTER = 24 * 3600  # seconds
+"""Seconds a cached result in which a module or depth failed is reused before tweak tunes
+again (a failure may have been the machine's)."""
+
+# == What the user reads ==
+
+ROW_ERROR_BYTES = 500  # bytes
+"""A kept result row's error, cut (at a character) below the engine's message size."""
+
+CLI_MAX_ELEMENTS = 2**31  # tensor elements
+"""The most elements one random input the command line makes may have (8 GiB of float32)."""
