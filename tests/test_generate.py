@@ -18,7 +18,7 @@ import torch_tweak as tt
 from torch_tweak._runtime.decode import call as decode_call, choice, graph as decode_graph, loop as decode_loop
 from torch_tweak._runtime.decode import model as decode_model
 from torch_tweak.backends.base import Backend
-from torch_tweak._core import correctness
+from torch_tweak._core import correctness, records
 from torch_tweak._core.correctness import MismatchError
 from torch_tweak._runtime.workload import Workload
 from torch_tweak._search import decode_check, loop_search, plan as planning
@@ -572,8 +572,6 @@ TESTS = __import__("os").path.dirname(__import__("os").path.abspath(__file__))
 def with_loop(kind: str = "llama"):
     """A decoder with tweak's loop behind generate(), as tt.tweak leaves one that kept it
     (the loop's checks are the workload's generate() calls and their untuned tokens)."""
-    from torch_tweak._search.plan import SELECTED_DEPTHS
-
     model = build(kind)
     ids = prompt(2)
     job = Workload(model, lambda m: m.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static"),
@@ -582,7 +580,7 @@ def with_loop(kind: str = "llama"):
     loop = decode_loop.DecodeLoop(model, "loop", job.layouts)
     loop.checks = [(c.args, c.kwargs, c.tokens) for c in job.generate_calls]
     decode_loop.install(model, loop)
-    SELECTED_DEPTHS[model] = None  # the depth tweak kept: none, the loop alone
+    records.made(model).decided = True  # the depth tweak kept: none, the loop alone
     return model, ids
 
 
@@ -673,8 +671,7 @@ def test_a_forged_loop_storing_its_own_tokens_is_not_installed(tmp_path):
     decode_loop.install(model, loop)
     kwargs = {"max_new_tokens": 8, "do_sample": False}
     loop.checks = [((ids,), kwargs, model.generate(ids, **kwargs))]  # the forged loop's own tokens
-    from torch_tweak._search.plan import SELECTED_DEPTHS
-    SELECTED_DEPTHS[model] = None
+    records.made(model).decided = True  # the depth tweak kept: none, the loop alone
     path = tmp_path / "forged.tt"
     tt.save(model, path)
     fresh = build("llama-untied")

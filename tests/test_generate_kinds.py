@@ -396,7 +396,7 @@ def test_a_saved_sampling_loop_is_checked_under_the_seed_and_installed_again(tmp
     """tt.save keeps a sampling, padded, processed call (its mask, its bad words); tt.load runs
     it untuned and through the loop, each under the forked seeded generator, and installs the
     loop when they draw the same tokens; a seeded call then gives the untuned model's tokens."""
-    from torch_tweak._search.plan import SELECTED_DEPTHS
+    from torch_tweak._core import records
     from torch_tweak._runtime.workload import Workload
 
     model = family("qwen2")
@@ -408,7 +408,7 @@ def test_a_saved_sampling_loop_is_checked_under_the_seed_and_installed_again(tmp
     loop = decode_loop.DecodeLoop(model, "loop", job.layouts)
     loop.checks = [(c.args, c.kwargs, c.tokens) for c in job.generate_calls]
     decode_loop.install(model, loop)
-    SELECTED_DEPTHS[model] = None
+    records.made(model).decided = True  # the depth tweak kept: none, the loop alone
     tt.save(model, tmp_path / "sampler.tt", strict=True)
     fresh = family("qwen2")
     tt.load(fresh, tmp_path / "sampler.tt")

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import torch_tweak as tt
-from torch_tweak._core import correctness, error_groups
+from torch_tweak._core import correctness, error_groups, records
 from torch_tweak._runtime.module import installed
 from torch_tweak.backends import Backend
 from support import FAST
@@ -381,7 +381,7 @@ def test_save_and_load_keep_the_rule_and_judge_the_stored_calls_by_it(tmp_path):
     tt.save(model, path)
     fresh = copy.deepcopy(untuned)
     assert tt.load(fresh, path, backends=[Scaled()])["head"] == "Scaled"
-    assert correctness.RULES[fresh] == correctness.Rule(0.01)
+    assert records.of(fresh).rule == correctness.Rule(0.01)
     # the measured rule (the default): the file names no rule, and the stored calls are judged by
     # the measured rule against the module's own outputs, run at load
     tt.unwrap(model)
@@ -392,7 +392,7 @@ def test_save_and_load_keep_the_rule_and_judge_the_stored_calls_by_it(tmp_path):
     tt.save(model, path)
     fresh = copy.deepcopy(untuned)
     assert tt.load(fresh, path, backends=[Scaled()])["head"] == "Scaled"
-    assert correctness.RULES[fresh] == correctness.Rule()
+    assert records.of(fresh).rule == correctness.Rule()
     with torch.inference_mode():
         for x in data:
             for got, want in zip(fresh(x), untuned(x)):

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import torch_tweak as tt
+from torch_tweak._core import records
 from torch_tweak._search import plan as planning
 from torch_tweak.backends import Backend
 from torch_tweak._runtime.module import MODE_ORIGINAL, MODE_RECORD, is_wrapped
@@ -95,7 +96,7 @@ def test_plan_applied_to_a_fresh_copy_answers_as_the_tuned_model(tuned, mlp_data
         assert not all(torch.equal(g, u) for g, u in zip(got, untuned))  # and the backend really ran
         assert sum(w._tt_calls for w in wrappers.values()) == 2 * len(mlp_data)
         assert all(not any(w.tt_untuned.values()) for w in wrappers.values())
-        assert planning.SELECTED_DEPTHS[model] == 1
+        assert records.of(model).depth == 1
 
     planning.revert(copies[0])
     assert not tt.installed(copies[0])
@@ -111,7 +112,7 @@ def test_apply_failing_halfway_leaves_the_model_as_it_was(tuned, mlp_data, stric
     with pytest.raises(KeyboardInterrupt):
         planning.apply(model, plan, device=torch.device("cpu"), strict=strict)
     assert_as_it_was(model, before, outputs, mlp_data)
-    assert model not in planning.SELECTED_DEPTHS
+    assert not records.of(model).decided and not records.of(model).wrappers
 
 
 def test_strict_apply_whose_rebuild_fails_leaves_the_model_as_it_was(tuned, mlp_data):
@@ -216,6 +217,6 @@ def test_an_empty_plan_runs_nothing_and_keeps_the_model_untuned(mlp_data):
     assert planning.apply(model, planning.Plan(None), device=torch.device("cpu"),
                           calls=[((x,), {}) for x in mlp_data]) == []
     assert calls == []  # nothing to record: the dataset is not run
-    assert planning.SELECTED_DEPTHS[model] is None  # what tt.save writes: an empty plan
+    assert records.of(model).decided and records.of(model).depth is None  # what tt.save writes: an empty plan
     assert_unchanged(model, before)
     assert all(torch.equal(a, b) for a, b in zip(answers(model, mlp_data), outputs))

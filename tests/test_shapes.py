@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import torch_tweak as tt
-from torch_tweak._core import shapes as declared_shapes
+from torch_tweak._core import records, shapes as declared_shapes
 from torch_tweak.backends import Backend, PaddedGraphBackend
 from support import FAST, Slow, pause
 from test_varying import requests
@@ -190,7 +190,7 @@ def test_bad_shapes_are_refused_before_anything_changes(shapes, error, message):
     with pytest.raises(error) as caught:
         tweak(model, [torch.randn(8, 16)], InnerBackend(), shapes=shapes)
     assert message in str(caught.value)
-    assert type(model) is before and not tt.installed(model) and model not in declared_shapes.DECLARED
+    assert type(model) is before and not tt.installed(model) and records.of(model) is None
     x = torch.randn(8, 16)
     with torch.inference_mode():
         torch.testing.assert_close(model(x), untuned(x))
@@ -216,7 +216,7 @@ def test_save_and_load_keep_the_declared_shapes(tmp_path):
     tt.save(model, path)
     fresh = copy.deepcopy(untuned)
     tt.load(fresh, path, backends=[PaddedSkip(graph=False, compile=False, max_batch=32)])
-    assert declared_shapes.DECLARED[fresh] == declared_shapes.Shapes(batch=(1, 32))
+    assert records.of(fresh).shapes == declared_shapes.Shapes(batch=(1, 32))
     (group,) = tt.installed(fresh)[""].tt_signatures
     assert group.text == "(float32[1-32, 16])" and group.backend.describe()["batch_range"] == (1, 32)
     assert {"1", "32"} <= set(group.backend.describe()["buckets"])  # the edges' buckets, recorded again
@@ -235,7 +235,7 @@ def test_the_tuning_cache_keys_on_the_declared_shapes(steady_figures):
     again = slow_linear()
     untuned = copy.deepcopy(again)
     hit = tweak(again, data, InnerBackend(), shapes={"batch": (1, 32)}, cache=True)
-    assert hit.cached and declared_shapes.DECLARED[again] == declared_shapes.Shapes(batch=(1, 32))
+    assert hit.cached and records.of(again).shapes == declared_shapes.Shapes(batch=(1, 32))
     (group,) = tt.installed(again)[""].tt_signatures
     assert group.text == "(float32[1-32, 16])"
     with torch.inference_mode():
@@ -311,7 +311,7 @@ def test_a_file_whose_declared_shapes_are_not_valid_is_refused(tmp_path, forged)
     before = forgery.state_of(fresh)
     with pytest.raises(tt.CheckpointError, match="its declared shapes are not valid"):
         tt.load(fresh, path, backends=[PaddedSkip(graph=False, compile=False, max_batch=32)])
-    assert forgery.unchanged(fresh, before) and fresh not in declared_shapes.DECLARED
+    assert forgery.unchanged(fresh, before) and records.of(fresh) is None
 
 
 def test_every_module_of_a_depth_is_checked_on_the_declared_ends():

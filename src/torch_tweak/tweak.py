@@ -12,10 +12,9 @@ from typing import Any, Iterator, Literal
 import torch
 from torch import nn
 
-from ._core import settings
 from . import _C
 from .backends import axes
-from ._core import correctness, distributed, model_state, noise
+from ._core import correctness, distributed, model_state, noise, records, settings
 from ._runtime.decode import loop as decode_loop
 from ._store import tuning_cache
 from ._core import cpu_load
@@ -23,14 +22,13 @@ from ._core.storage import printable
 from ._core._samples import load_dataset, resolve_device, synchronizer
 from ._runtime.inspecting import ModuleTree, trace
 from ._runtime.module import arm_untuned, installed, unwrap
-from ._search.plan import SELECTED_DEPTHS, plan_of
+from ._search.plan import plan_of
 from ._view.progress import Progress
 from ._view.result import TweakResult, speak_tokens
 from ._search.session import Session, engine_log
 from .backends.strategy import Strategy, default_backends, default_strategy
 from ._store.serial import Unstorable
-from ._view.status import BUSY_FIGURES
-from ._core.shapes import DECLARED, check_calls, check_model, check_shapes, edge_calls
+from ._core.shapes import check_calls, check_model, check_shapes, edge_calls
 from ._core.signatures import call_form, forward_params, label_pairs
 from ._search.tuning import GivenCalls, check_measure, dataset_runner, measure_for, release
 from ._runtime.workload import Workload
@@ -252,7 +250,7 @@ def _tweak(model: nn.Module, calls: Any, job: Workload | None, device: torch.dev
             key = parts = None  # a rank that cannot cache: none does
         if key is not None:
             result = _from_cache(model, tree, calls, device, strategy, key, parts, shown)
-            if result is not None:  # plan.apply kept the strategy's shapes (DECLARED), as the entry was tuned
+            if result is not None:  # plan.apply kept the strategy's shapes (the record's), as the entry was tuned
                 arm_untuned(model)
                 decode_loop.arm(model)
                 return result
@@ -286,18 +284,19 @@ def _check_busy_budget(busy_budget: Any) -> None:
 
 
 def _mark_busy(model: nn.Module, result: TweakResult) -> None:
-    """tt.status shows a kept figure measured on a busy machine as such (BUSY_FIGURES)."""
+    """tt.status shows a kept figure measured on a busy machine as such (the record's busy)."""
+    busy = None
     if result.measurement_quality == "busy" and result.selected_depth is not None:
         # a cache hit's figure is the first tweak's: marked so, with its time
-        BUSY_FIGURES[model] = result.outcome() + (f" {result.cache_note()}" if result.cached else "")
-    else:
-        BUSY_FIGURES.pop(model, None)
+        busy = result.outcome() + (f" {result.cache_note()}" if result.cached else "")
+    records.made(model).busy = busy
 
 
 def plan_digest(model: nn.Module) -> str:
     """What the installed plan decided, as one line per tuned module: its path and, per
     signature, the backend kept (its label) or "original"; what the ranks compare."""
-    lines = [f"depth {SELECTED_DEPTHS.get(model)}"]
+    record = records.of(model)
+    lines = [f"depth {record.depth if record is not None else None}"]
     for planned in plan_of(model).modules:
         chosen = ", ".join(f"{g.text}: {g.backend!r}" if g.backend is not None else f"{g.text}: original"
                            for g in planned.groups)
@@ -485,17 +484,13 @@ def _kept(model: nn.Module, engine: Any, tree: ModuleTree, session: Session, tim
     result.time_budget = time_budget
     result.refused = session.refuse
     result._model = weakref.ref(model)
-    if not dry_run:
-        DECLARED.pop(model, None)
-        if declared is not None and result.selected_depth is not None:
-            DECLARED[model] = declared
     kept = installed(model)
     for wrapper in session.wrappers.values():
         if kept.get(wrapper.tt_name) is not wrapper:
             release(wrapper, keep_chosen=False)  # only the kept cut's calls are worth saving
     if not dry_run:
-        SELECTED_DEPTHS[model] = result.selected_depth
-        correctness.RULES[model] = correctness.rule()
+        shapes = declared if result.selected_depth is not None else None
+        records.made(model).keep(result.selected_depth, shapes, correctness.rule())
     return result
 
 

@@ -58,7 +58,6 @@ import contextvars
 import dataclasses
 import math
 import time
-import weakref
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -182,10 +181,6 @@ class Rule:
 
 
 _RULE: contextvars.ContextVar[Rule] = contextvars.ContextVar("torch_tweak_rule", default=Rule())
-
-RULES: "weakref.WeakKeyDictionary[torch.nn.Module, Rule]" = weakref.WeakKeyDictionary()
-"""model -> the rule its tuning (or tt.load) judged by: what tt.save writes, what tt.load applies."""
-
 
 def rule() -> Rule:
     """The rule in force (tt.tweak's, tt.tune's or a loaded file's; the measured one outside)."""

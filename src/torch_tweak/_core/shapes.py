@@ -24,7 +24,6 @@ range (Backend.for_shapes) unless its config sets its own.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from typing import Any, Sequence
 
 import torch
@@ -62,10 +61,6 @@ class Shapes:
 
     def __str__(self) -> str:
         return ", ".join(f"{name} {lo}-{hi}" for name, (lo, hi) in self.as_dict().items())
-
-
-DECLARED: "weakref.WeakKeyDictionary[torch.nn.Module, Shapes]" = weakref.WeakKeyDictionary()
-"""model -> the shapes its last tweak (or tt.load) declared: what tt.save writes and tt.status shows."""
 
 
 def check_shapes(shapes: Any) -> Shapes | None:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Iterator
 from torch import nn
 
 from .. import _C
+from .._core import records
 
 MODE_ORIGINAL = _C.MODE_ORIGINAL
 MODE_ACTIVE = _C.MODE_ACTIVE
@@ -246,13 +247,10 @@ def _root_view(model: nn.Module) -> nn.Module:
     return view
 
 
-# model -> {path: wrapper} for every wrapper installed in it.
-_REGISTRY: "weakref.WeakKeyDictionary[nn.Module, dict[str, TunedModule]]" = weakref.WeakKeyDictionary()
-
-
 def installed(model: nn.Module) -> dict[str, TunedModule]:
-    """The wrappers installed in `model`, by path (a new dict)."""
-    return dict(_REGISTRY.get(model, {}))
+    """The wrappers installed in `model`, by path (a new dict; its record keeps them)."""
+    record = records.of(model)
+    return dict(record.wrappers) if record is not None else {}
 
 
 def make_wrapper(model: nn.Module, path: str) -> TunedModule:
@@ -269,7 +267,7 @@ def install(model: nn.Module, wrapper: TunedModule) -> None:
     with its state, and its class becomes a subclass whose call goes to the wrapper, so a
     reference to it held from before the tweak runs the tuned backend too."""
     path = wrapper.tt_name
-    table = _REGISTRY.setdefault(model, {})
+    table = records.made(model).wrappers
     if path in table:
         raise ValueError(f"module {path or '(root)'!r} is already wrapped")
     module = model.get_submodule(path) if path else model
@@ -283,7 +281,8 @@ def install(model: nn.Module, wrapper: TunedModule) -> None:
 
 def uninstall(model: nn.Module, wrapper: TunedModule) -> None:
     path = wrapper.tt_name
-    table = _REGISTRY.get(model, {})
+    record = records.of(model)
+    table = record.wrappers if record is not None else {}
     if table.get(path) is not wrapper:
         return
     wrapper.tt_deactivate()
@@ -291,8 +290,6 @@ def uninstall(model: nn.Module, wrapper: TunedModule) -> None:
     module.__class__ = type(module)._tt_root_class
     del module.__dict__["_tt_root"]
     del table[path]
-    if not table:
-        _REGISTRY.pop(model, None)
 
 
 def install_all(model: nn.Module, paths: Iterable[str]) -> list[TunedModule]:
@@ -353,7 +350,7 @@ def resolve_paths(model: nn.Module, modules: Any) -> list[str]:
         if path in paths:
             raise ValueError(f"module {path or '(root)'!r} is given twice")
         paths.append(path)
-    table = _REGISTRY.get(model, {})
+    table = installed(model)
     for path in paths:
         if path in table:
             raise ValueError(f"module {path or '(root)'!r} is already wrapped; tt.unwrap(model) first")

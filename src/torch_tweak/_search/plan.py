@@ -19,26 +19,21 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-import weakref
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from .._core import correctness
+from .._core import correctness, records
 from .._core._samples import Call
 from .._runtime.decode.call import MAX_CHECK_NEW_TOKENS, check_bounds, greedy_call
 from .._runtime.decode.loop import loop_of, uninstall as uninstall_loop
 from ..backends.base import Backend
 from .._runtime.module import TunedModule, arm_untuned, install_all, installed, unwrap
-from .._core.shapes import DECLARED, Shapes, edge_calls, position_table
+from .._core.shapes import Shapes, edge_calls, position_table
 from .._core.signatures import SignatureGroup, forward_params, is_other, lay_out
 from .decode_check import apply_loop
 from .tuning import apply_groups, dataset_runner, model_class_name, rebuild_group, record, release
-
-SELECTED_DEPTHS: "weakref.WeakKeyDictionary[nn.Module, int | None]" = weakref.WeakKeyDictionary()
-"""model -> the depth its last tweak (or tt.load) kept: what tt.save writes as the plan's depth."""
-
 
 class PlanError(Exception):
     """A plan that cannot be applied to this model; the model is as it was."""
@@ -170,12 +165,14 @@ def _copy(group: SignatureGroup, backend: Backend | None) -> SignatureGroup:
 def plan_of(model: nn.Module) -> Plan:
     """The plan `model` runs now: per wrapper installed in it, by path, its signature groups
     with an unbuilt copy of each chosen backend and the recorded calls and outputs that tuning
-    kept (see tuning.release). Shares nothing mutable with the model's wrappers."""
+    kept (see tuning.release), and what its record says of it (depth, shapes, rule). Shares
+    nothing mutable with the model's wrappers."""
     modules = [ModulePlan(path, [_copy(g, None if g.backend is None else g.backend.fresh())
                                  for g in wrapper.tt_signatures], wrapper.tt_error, list(wrapper.tt_report))
                for path, wrapper in sorted(installed(model).items())]
-    return Plan(SELECTED_DEPTHS.get(model) if modules else None, modules, plan_loop(model),
-                DECLARED.get(model) if modules else None, correctness.RULES.get(model, correctness.Rule()).tolerance)
+    record = records.of(model) or records.Record()
+    return Plan(record.depth if modules else None, modules, plan_loop(model), record.shapes if modules else None,
+                record.rule.tolerance)
 
 
 def apply(model: nn.Module, plan: Plan, *, device: torch.device, calls: Sequence[Call] | None = None,
@@ -196,15 +193,14 @@ def apply(model: nn.Module, plan: Plan, *, device: torch.device, calls: Sequence
     original forward, with the reason in its group's error and in the list returned; one that
     builds is appended to `rebuilt` (a Rebuilt: its time and its build's note). Then
     every wrapper gets its dispatcher entries, those with a backend are switched to it, the
-    plan's depth is what tt.save writes, and untuned calls count from 0.
+    model's record keeps the plan's depth, shapes and rule (what tt.save writes), and untuned calls
+    count from 0.
 
     On any error (the ones above, a KeyboardInterrupt...) every wrapper apply installed is
     taken out and the error raised: the model is as it was. Recording runs the model: a caller
     whose model is in training mode keeps its state (model_state.kept), as tt.tweak does."""
     with correctness.ruling(correctness.Rule(plan.tolerance)):
-        failures = _apply(model, plan, device, calls, bounded, strict, [] if rebuilt is None else rebuilt)
-    correctness.RULES[model] = correctness.Rule(plan.tolerance)
-    return failures
+        return _apply(model, plan, device, calls, bounded, strict, [] if rebuilt is None else rebuilt)
 
 
 def _apply(model: nn.Module, plan: Plan, device: torch.device, calls: Sequence[Call] | None, bounded: bool,
@@ -262,11 +258,7 @@ def _apply(model: nn.Module, plan: Plan, device: torch.device, calls: Sequence[C
         if plan.generate is not None:
             uninstall_loop(model)
         raise
-    SELECTED_DEPTHS[model] = plan.depth
-    if plan.shapes is not None:
-        DECLARED[model] = plan.shapes
-    else:
-        DECLARED.pop(model, None)
+    records.made(model).keep(plan.depth, plan.shapes, correctness.Rule(plan.tolerance))
     arm_untuned(model)
     return failures
 

@@ -11,9 +11,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .._core import settings
 from .. import _C
-from .._core import distributed, model_state, noise
+from .._core import distributed, model_state, noise, records, settings
 from . import isolation
 from .._core._samples import Call, clone, fresh, load_dataset, resolve_device, synchronizer, unstorable
 from ..backends.base import Backend, BackendUnavailable, ShapesVary
@@ -474,7 +473,7 @@ def tune(model: nn.Module, dataset: Any, *, strategy: Strategy | None = None, de
                 chosen[path] = wrapper.tt_backend.name if wrapper.tt_backend is not None else None
         shown.close()
         arm_untuned(model)
-        correctness.RULES[model] = rule
+        records.made(model).rule = rule
         return chosen
 
 

@@ -37,18 +37,17 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .._core import settings
 from .._core._samples import resolve_device, unstorable
 from ..backends import Backend
 from . import archive
-from .._core import correctness, distributed
+from .._core import correctness, distributed, records, settings
 from .._core.storage import NotRegular, atomic_file, printable
 from .._runtime.module import installed, own_class, resolve_paths
 from .._search import plan as planning
 from .._runtime.decode.call import check_bounds
 from .._runtime.decode.inputs import check_layouts
 from .._runtime.decode.loop import LOOPS
-from .._search.plan import SELECTED_DEPTHS, LoadResult, LoopPlan, ModulePlan, Plan, Rebuilt, plan_of
+from .._search.plan import LoadResult, LoopPlan, ModulePlan, Plan, Rebuilt, plan_of
 from .._core.shapes import Shapes, check_shapes, positions
 from .._runtime.workload import MAX_GENERATE_CALLS
 from .serial import (Unstorable, build_backend, class_path, decode, describe_backend,
@@ -138,7 +137,8 @@ def save(model: nn.Module, path: str | os.PathLike, *, key: bytes | str | None =
         raise TypeError(f"strict must be True or False, not {strict!r}")
     where = distributed.position(group)  # (rank, world size) under torch.distributed, else None
     tuned = plan_of(model)
-    if not tuned.modules and model not in SELECTED_DEPTHS:
+    record = records.of(model)
+    if not tuned.modules and (record is None or not record.decided):  # an untuned outcome is saved too
         raise ValueError("nothing to save: the model has no torch-tweak wrappers; tune it first (tt.tweak)")
     device = resolve_device(model, None)
     tensors: list[torch.Tensor] = []

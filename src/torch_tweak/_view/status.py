@@ -9,18 +9,13 @@ ran the original forward instead, by reason.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 
 from torch import nn
 
 from .._runtime.decode.loop import loop_of
 from .._runtime.module import UNTUNED_REASONS, installed
-from .._core.shapes import DECLARED, Shapes
-
-
-BUSY_FIGURES: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
-"""Per tuned model whose kept figure was measured on a busy machine, what tt.tweak said of it
-(set by tt.tweak, cleared by a tweak measured quiet): tt.status shows it."""
+from .._core import records
+from .._core.shapes import Shapes
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -63,7 +58,7 @@ class ModelStatus(dict):
 
     decode_loop: dict | None = None
     declared: Shapes | None = None  # the ranges tt.tweak's shapes= (or tt.load) declared
-    busy: str | None = None  # the kept figure, measured on a busy machine (BUSY_FIGURES), else None
+    busy: str | None = None  # the kept figure, measured on a busy machine (its record's busy), else None
 
     @property
     def untuned(self) -> dict[str, int]:
@@ -120,8 +115,9 @@ def status(model: nn.Module) -> ModelStatus:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     result = ModelStatus()
-    result.declared = DECLARED.get(model) if installed(model) else None  # unwrapped: nothing serves them
-    result.busy = BUSY_FIGURES.get(model) if installed(model) else None
+    record = records.of(model)
+    if record is not None and record.wrappers:  # unwrapped: nothing serves the declared shapes
+        result.declared, result.busy = record.shapes, record.busy
     loop = loop_of(model)
     if loop is not None:
         result.decode_loop = loop.figures()
