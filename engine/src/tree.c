@@ -412,6 +412,28 @@ static int tw_in_cut(const tw_node *node, int depth)
     return node->depth == depth || (node->depth < depth && node->child_count == 0);
 }
 
+/* The arguments every depth query of a finished tree takes: the depth it starts
+ * at (`name`, for the message: 0 is the root) and its output array (`has_out`,
+ * needed when cap > 0). */
+static tw_code tw_check_depth_query(const tw_tree *tree, const char *name, int depth,
+                                    int has_out, size_t cap, tw_error *err)
+{
+    tw_code rc;
+
+    rc = tw_check_finished(tree, err);
+    if (rc != TW_OK) {
+        return rc;
+    }
+    if (depth < 0) {
+        return tw_error_set(err, TW_EINVAL, "%s (%d) is negative: the root is depth 0", name,
+                            depth);
+    }
+    if (cap > 0 && !has_out) {
+        return tw_error_set(err, TW_EINVAL, "out is NULL but cap is %zu", cap);
+    }
+    return TW_OK;
+}
+
 tw_code tw_tree_cut(const tw_tree *tree, int depth, size_t *out, size_t cap,
                     size_t *count, tw_error *err)
 {
@@ -419,17 +441,8 @@ tw_code tw_tree_cut(const tw_tree *tree, int depth, size_t *out, size_t cap,
     size_t n = 0;
     size_t i;
 
-    rc = tw_check_finished(tree, err);
+    rc = tw_check_depth_query(tree, "depth", depth, out != NULL, cap, err);
     if (rc != TW_OK) {
-        goto cleanup;
-    }
-    if (depth < 0) {
-        rc = tw_error_set(err, TW_EINVAL, "depth (%d) is negative: the root is depth 0",
-                          depth);
-        goto cleanup;
-    }
-    if (cap > 0 && out == NULL) {
-        rc = tw_error_set(err, TW_EINVAL, "out is NULL but cap is %zu", cap);
         goto cleanup;
     }
     for (i = 0; i < tree->size; i++) {
@@ -457,23 +470,14 @@ tw_code tw_tree_distinct_depths(const tw_tree *tree, int min_depth, int max_dept
     int last;
     int d;
 
-    rc = tw_check_finished(tree, err);
+    rc = tw_check_depth_query(tree, "min_depth", min_depth, out != NULL, cap, err);
     if (rc != TW_OK) {
-        goto cleanup;
-    }
-    if (min_depth < 0) {
-        rc = tw_error_set(err, TW_EINVAL, "min_depth (%d) is negative: the root is depth 0",
-                          min_depth);
         goto cleanup;
     }
     if (max_depth >= 0 && min_depth > max_depth) {
         rc = tw_error_set(err, TW_EINVAL,
                           "min_depth (%d) is greater than max_depth (%d): lower min_depth "
                           "or raise max_depth", min_depth, max_depth);
-        goto cleanup;
-    }
-    if (cap > 0 && out == NULL) {
-        rc = tw_error_set(err, TW_EINVAL, "out is NULL but cap is %zu", cap);
         goto cleanup;
     }
     last = max_depth < 0 ? tree->max_depth : max_depth;

@@ -132,6 +132,14 @@ static void test_cuts(void)
     CHECK_INT(tw_tree_distinct_depths(tree, 3, 1, depths, 8, &count, &err), TW_EINVAL);
     CHECK_HAS(err.msg, "min_depth (3) is greater than max_depth (1)");
     CHECK_INT(tw_tree_distinct_depths(tree, -1, 1, depths, 8, &count, &err), TW_EINVAL);
+    CHECK_HAS(err.msg, "min_depth (-1) is negative: the root is depth 0");
+    /* both queries check their output array alike */
+    CHECK_INT(tw_tree_cut(tree, 1, NULL, 8, &count, &err), TW_EINVAL);
+    CHECK_HAS(err.msg, "out is NULL but cap is 8");
+    CHECK_INT(count, 0);
+    CHECK_INT(tw_tree_distinct_depths(tree, 0, 1, NULL, 8, &count, &err), TW_EINVAL);
+    CHECK_HAS(err.msg, "out is NULL but cap is 8");
+    CHECK_INT(count, 0);
     tw_tree_destroy(tree);
 }
 
