@@ -883,6 +883,8 @@ def main() -> None:
                         "ResNet-50 tuned on the first 8 requests, then their stream warm and a stream of shapes never "
                         "seen, with a per-batch breakdown of ResNet-50's time (in 8 minutes on one H100; with --smoke: "
                         "tiny models on the CPU, seconds)")
+    parser.add_argument("--budget", type=float, default=None, help="--fresh: the run's budget in seconds "
+                        "(default: FRESH_BUDGET_S): a column that would start past it is skipped and said so")
     parser.add_argument("--json", default=None)
     parser.add_argument("--report", nargs="+", metavar="JSON")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "serving.md"))
@@ -890,7 +892,7 @@ def main() -> None:
     if args.report:
         report(args.report, args.out)
         return
-    global DEVICE, SMOKE, MAX_DEPTH, INTERLEAVE
+    global DEVICE, SMOKE, MAX_DEPTH, INTERLEAVE, FRESH_BUDGET_S
     INTERLEAVE = not args.sequential
     if args.smoke:
         SMOKE, args.cpu, args.rounds = True, True, 1
@@ -900,6 +902,8 @@ def main() -> None:
         sys.exit("serving_bench needs a CUDA device (or --cpu)")
     MAX_DEPTH = args.max_depth if args.max_depth is not None else 0 if args.cpu else None
     default_rows = "resnet18:fp32,bert:fp32" if args.cpu else "resnet50:bf16,bert:bf16,vit:bf16,resnet50:fp32,bert:fp32"
+    if args.budget is not None:
+        FRESH_BUDGET_S = args.budget
     if args.fresh:
         default_rows = "bert-pooler:fp32,resnet18:fp32" if args.cpu else "bert-pooler:bf16,resnet50:bf16"
         args.rounds = 1 if SMOKE else 2
