@@ -20,6 +20,7 @@ VPY=.venv/bin/python
 need=()
 "$VPY" -c "import torch" 2>/dev/null || need+=("torch==2.13.0")  # the CPU build; never an unpinned torch
 "$VPY" -c "import pytest" 2>/dev/null || need+=("pytest")
+"$VPY" -c "import pytest_timeout" 2>/dev/null || need+=("pytest-timeout")  # a hung test fails (test.sh)
 "$VPY" -c "import safetensors" 2>/dev/null || need+=("safetensors>=0.4")  # tt.save / tt.load
 "$VPY" -c "import scikit_build_core" 2>/dev/null || need+=("scikit-build-core>=0.9")
 command -v cmake >/dev/null 2>&1 || "$VPY" -c "import cmake" 2>/dev/null || need+=("cmake")

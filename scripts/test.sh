@@ -15,4 +15,6 @@ done
 
 echo "test: Python tests"
 # -rs: every skipped test says why (no GPU here, a package that could not be installed...)
-.venv/bin/python -m pytest -q -rs "$@"
+# --timeout: a test still running after 10 minutes (the slowest take about one) fails with every
+# thread's stack, and the suite goes on, instead of a hang taking CI's whole time
+.venv/bin/python -m pytest -q -rs --timeout 600 "$@"

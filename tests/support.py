@@ -123,6 +123,24 @@ def run_in_child(code: str, timeout: float = 120) -> None:
         f"{proc.stderr[-3000:]}")
 
 
+def wait_child(pid: int, timeout: float) -> int:
+    """The exit code of a forked child, waited for at most `timeout` seconds: a child that has
+    not ended by then is killed and the test fails, instead of the suite waiting forever."""
+    import os
+    import signal
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError(f"the forked child had not ended after {timeout:.0f} s (killed)")
+
+
 def in_threads(n, check, threads=8, mode=torch.inference_mode):
     """check(i) for i in range(n), spread over `threads` threads, each under `mode`; the
     first failure is raised here."""
