@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 import torch_tweak as tt
 import support
-from support import FAST, MLP, encoder
+from support import CLOCKED, FAST, MLP, FakeClock, encoder
 from torch_tweak._core.cpu_load import reading as REAL_READING
 
 
@@ -85,31 +85,6 @@ def real_load(monkeypatch):
     from torch_tweak._core import cpu_load as load
 
     monkeypatch.setattr(load, "reading", REAL_READING)
-
-
-class FakeClock:
-    """The engine's clock for a test that needs a speed verdict: it reads `now` (ns), which
-    moves only when the test's model or backend says what a call costs (advance), so every
-    latency, and every decision made on it, is exact whatever else the machine runs."""
-
-    TICK = 1000
-    """Each reading moves the clock by this much (ns) after it is read: every timed call costs
-    at least 1 us, as a real one does, so a path that costs nothing more is not read as 0."""
-
-    def __init__(self) -> None:
-        self.now = 0
-
-    def __call__(self) -> int:
-        now = self.now
-        self.now += self.TICK
-        return now
-
-    def advance(self, ns: float) -> None:
-        self.now += int(ns)
-
-
-CLOCKED = ("tweak", "tune_module", "choose", "compare", "measure")
-"""The engine's bindings that measure: the fake_clock fixture gives each its clock."""
 
 
 @pytest.fixture

@@ -160,3 +160,28 @@ def in_threads(n, check, threads=8, mode=torch.inference_mode):
     for t in started:
         t.join()
     assert not errors, errors[0]
+
+
+class FakeClock:
+    """The engine's clock for a test that needs a speed verdict: it reads `now` (ns), which
+    moves only when the test's model or backend says what a call costs (advance), so every
+    latency, and every decision made on it, is exact whatever else the machine runs."""
+
+    TICK = 1000
+    """Each reading moves the clock by this much (ns) after it is read: every timed call costs
+    at least 1 us, as a real one does, so a path that costs nothing more is not read as 0."""
+
+    def __init__(self) -> None:
+        self.now = 0
+
+    def __call__(self) -> int:
+        now = self.now
+        self.now += self.TICK
+        return now
+
+    def advance(self, ns: float) -> None:
+        self.now += int(ns)
+
+
+CLOCKED = ("tweak", "tune_module", "choose", "compare", "measure")
+"""The engine's bindings that measure: the fake_clock fixture gives each its clock."""

@@ -111,7 +111,7 @@ def groups_of(model: nn.Module) -> dict[str, list]:
 def tuning(folder, backends):
     """The fake clock for every measurement (conftest.fake_clock, for a module's fixture), a
     cache folder of its own, and each of `backends` built on the model's inner layer."""
-    from conftest import CLOCKED, FakeClock
+    from support import CLOCKED, FakeClock
     from torch_tweak import _C
     from torch_tweak._store import tuning_cache
 

@@ -16,7 +16,7 @@ from torch import nn
 
 import torch_tweak as tt
 from torch_tweak._core import correctness
-from torch_tweak._search import decode_check
+from torch_tweak._search import decode_check, loop_search
 from torch_tweak._runtime.workload import Workload
 
 transformers = pytest.importorskip("transformers")
@@ -154,10 +154,10 @@ def test_the_decode_check_of_a_tied_decoder_is_the_measured_rule(make):
     model = built(make)
     ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(0))
     job = Workload(model, _generate(ids), torch.device("cpu"))
-    job.record()
+    loop_search.record(job)
     (call,) = job.generate_calls
     assert call.reference.measured, call.reference.why  # was: the reference run failed (ValueError: ... tied)
-    assert job.check_generate().startswith("call 0: 1x the original's error, the untuned tokens")
+    assert loop_search.check_generate(job).startswith("call 0: 1x the original's error, the untuned tokens")
 
 
 @pytest.mark.slow
