@@ -16,7 +16,7 @@ from torch import nn
 
 import torch_tweak as tt
 from torch_tweak._core import correctness
-from torch_tweak._runtime import decode_check
+from torch_tweak._search import decode_check
 from torch_tweak._runtime.workload import Workload
 
 transformers = pytest.importorskip("transformers")

@@ -224,7 +224,7 @@ def made_step(decoder: Any, kernels: str, batch: int) -> tuple[Any, Any, torch.T
 
 
 def chat_choice(decoder: Any, ids: torch.Tensor) -> Any:
-    from torch_tweak._runtime import decode_call
+    from torch_tweak._runtime.decode import call as decode_call
     from torch_tweak._runtime.decode.fused_choice import StepChoice
 
     call = decode_call.greedy_call(decoder.model, (ids,), dict(CHAT, max_new_tokens=NEW))
