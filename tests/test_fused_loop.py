@@ -41,9 +41,9 @@ QUICK = {"warmup_min": 1, "warmup_max": 2, "rounds_min": 3, "rounds_max": 4, "ti
 VOCAB = 256
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.2)
-GREEDY = dict(max_new_tokens=12, do_sample=False, cache_implementation="static")
+GREEDY = dict(max_new_tokens=8, do_sample=False, cache_implementation="static")
 CHAT = dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.1, min_new_tokens=4,
-            eos_token_id=3, pad_token_id=0, max_new_tokens=12, cache_implementation="static")
+            eos_token_id=3, pad_token_id=0, max_new_tokens=8, cache_implementation="static")
 """The chat call the issue measures, with min_new_tokens and an end token."""
 
 
@@ -113,7 +113,7 @@ def tuned(kind: str = "llama", call: str = "greedy") -> tuple:
         ids = prompt(1, seed=1)
         settings = GREEDY if call == "greedy" else CHAT
         if call == "greedy":  # a random tied decoder repeats its input token at the default scale (module docs)
-            assert len(set(generate(untuned, ids)[0, 6:].tolist())) >= 6
+            assert len(set(generate(untuned, ids)[0, 6:].tolist())) >= 5
         _TUNED[kind, call] = model, untuned, ids, tweak(model, ids, settings)
     return _TUNED[kind, call]
 
@@ -243,7 +243,7 @@ def test_teacher_forcing_runs_through_the_fused_step():
     raw, processed = decode_check.teacher_forced(model, (ids,), GREEDY, tokens)
     decoder = FusedDecoder.of(untuned)
     want = fused_check.teacher_forced(decoder, ids, tokens)
-    assert processed is None and len(raw) == len(want) == 12 and loop.calls == 1 and not loop.fallbacks
+    assert processed is None and len(raw) == len(want) == 8 and loop.calls == 1 and not loop.fallbacks
     for got, expected in zip(raw, want):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
