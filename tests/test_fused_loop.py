@@ -13,9 +13,7 @@ other 3 ms. Tunings are shared by the tests of this module (a few seconds each o
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
 import re
 import subprocess
 import sys
@@ -25,13 +23,10 @@ import pytest
 import torch
 
 import torch_tweak as tt
-from torch_tweak import _C
 from torch_tweak._runtime.decode import call as decode_call, fused_loop, loop as decode_loop
 from torch_tweak._runtime.decode.fused_kernels import Product
 from torch_tweak._runtime.decode.fused_step import FusedDecoder
 from torch_tweak._search import decode_check, fused_check
-
-from conftest import CLOCKED, FakeClock
 
 transformers = pytest.importorskip("transformers")
 
@@ -71,23 +66,7 @@ def generate(model: torch.nn.Module, ids: torch.Tensor, settings: dict = GREEDY,
         return model.generate(ids, **settings)
 
 
-@contextlib.contextmanager
-def fake_clocked():
-    """The conftest fake_clock fixture's clock, for a tuning shared by a module."""
-    clock = FakeClock()
-
-    def clocked(real, *args, **kwargs):
-        if kwargs.get("clock") is None:
-            kwargs["clock"] = clock
-        return real(*args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as patch:
-        for name in CLOCKED:
-            patch.setattr(_C, name, functools.partial(clocked, getattr(_C, name)))
-        yield clock
-
-
-def workload(ids: torch.Tensor, settings: dict, clock: FakeClock):
+def workload(ids: torch.Tensor, settings: dict, clock):
     def run(m):
         loop = decode_loop.loop_of(m)
         clock.advance(1_000_000 if loop is not None and loop.kind == "fused" else 3_000_000)
@@ -95,16 +74,16 @@ def workload(ids: torch.Tensor, settings: dict, clock: FakeClock):
     return run
 
 
-def tweak(model: torch.nn.Module, ids: torch.Tensor, settings: dict):
-    with fake_clocked() as clock:
-        return tt.tweak(model, workload=workload(ids, settings, clock), strategy=EAGER, max_depth=0, measure=QUICK,
-                        progress=False)
+def tweak(model: torch.nn.Module, ids: torch.Tensor, settings: dict, clock):
+    """tt.tweak on one call, its verdicts the fake clock's (conftest's fake_clock fixture)."""
+    return tt.tweak(model, workload=workload(ids, settings, clock), strategy=EAGER, max_depth=0, measure=QUICK,
+                    progress=False)
 
 
 _TUNED: dict[tuple, tuple] = {}
 
 
-def tuned(kind: str = "llama", call: str = "greedy") -> tuple:
+def tuned(clock, kind: str = "llama", call: str = "greedy") -> tuple:
     """(the model tuned on one batch-1 call, an untuned copy, the prompt, the result), once per
     family and call for the module."""
     if (kind, call) not in _TUNED:
@@ -114,7 +93,7 @@ def tuned(kind: str = "llama", call: str = "greedy") -> tuple:
         settings = GREEDY if call == "greedy" else CHAT
         if call == "greedy":  # a random tied decoder repeats its input token at the default scale (module docs)
             assert len(set(generate(untuned, ids)[0, 6:].tolist())) >= 5
-        _TUNED[kind, call] = model, untuned, ids, tweak(model, ids, settings)
+        _TUNED[kind, call] = model, untuned, ids, tweak(model, ids, settings, clock)
     return _TUNED[kind, call]
 
 
@@ -123,8 +102,8 @@ def tuned(kind: str = "llama", call: str = "greedy") -> tuple:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "llama-untied"])
-def test_the_fused_loop_is_kept_and_judged_by_the_measured_rule(kind):
-    model, untuned, ids, result = tuned(kind)
+def test_the_fused_loop_is_kept_and_judged_by_the_measured_rule(fake_clock, kind):
+    model, untuned, ids, result = tuned(fake_clock, kind)
     assert result.decode_loop == "fused", str(result)
     (kept,) = [row for row in result.tokens if row.kept]
     assert kept.label == "untuned + decode loop (fused, torch)", [row.label for row in result.tokens]
@@ -139,10 +118,10 @@ def test_the_fused_loop_is_kept_and_judged_by_the_measured_rule(kind):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("batch", [2, 3, 4, 8])
-def test_batches_after_a_batch_one_tuning_give_the_untuned_tokens_with_no_fallback(batch):
+def test_batches_after_a_batch_one_tuning_give_the_untuned_tokens_with_no_fallback(fake_clock, batch):
     """One tuning at batch 1 serves every batch of 1 to 8 rows: a batch of 3 runs in the bucket
     of 4, its fourth row a copy of the third, cut from the output."""
-    model, untuned, _, _ = tuned()
+    model, untuned, _, _ = tuned(fake_clock)
     loop = decode_loop.loop_of(model)
     calls = loop.calls
     for seed in range(2):
@@ -153,10 +132,10 @@ def test_batches_after_a_batch_one_tuning_give_the_untuned_tokens_with_no_fallba
 
 @pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 3])
-def test_a_chat_call_gives_transformers_draws_under_the_same_seed(batch):
+def test_a_chat_call_gives_transformers_draws_under_the_same_seed(fake_clock, batch):
     """Temperature 0.8, top-k 50, top-p 0.9, a repetition penalty of 1.1, min_new_tokens and an
     end token, tuned at batch 1: after the same torch.manual_seed, the untuned model's draws."""
-    model, untuned, _, result = tuned("llama", "chat")
+    model, untuned, _, result = tuned(fake_clock, "llama", "chat")
     assert result.decode_loop == "fused", str(result)
     loop = decode_loop.loop_of(model)
     calls = loop.calls
@@ -205,7 +184,8 @@ REFUSED = {"read_model": r"^generate call 0 step \d+ logits: [^:]*: ?[\d.e+]+x t
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", sorted(BROKEN))
-def test_a_broken_candidate_is_refused_by_the_loop_check_with_the_step_and_the_multiple(monkeypatch, how):
+def test_a_broken_candidate_is_refused_by_the_loop_check_with_the_step_and_the_multiple(monkeypatch, fake_clock,
+                                                                                        how):
     """A candidate step made wrong through the module's makers (the test's hook): tt.tweak's
     loop check refuses it, its row saying the step and the multiple; generate() stays as it was
     for the workload's call."""
@@ -215,7 +195,7 @@ def test_a_broken_candidate_is_refused_by_the_loop_check_with_the_step_and_the_m
     model = build("llama")
     untuned = copy.deepcopy(model)
     ids = prompt(1, seed=1)
-    result = tweak(model, ids, settings)
+    result = tweak(model, ids, settings, fake_clock)
     (row,) = [r for r in result.loop_report if r["candidate"] == "decode loop (fused, torch)"]
     assert row["state"] == "failed" and not row["kept"], row
     found = result.numerics["decode loop (fused, torch)"]
@@ -332,8 +312,8 @@ def test_eight_threads_share_a_fused_loop_and_each_gets_its_untuned_tokens():
 
 
 @pytest.mark.slow
-def test_a_saved_fused_loop_gives_the_same_tokens_in_a_new_process(tmp_path):
-    model, untuned, ids, _ = tuned()
+def test_a_saved_fused_loop_gives_the_same_tokens_in_a_new_process(tmp_path, fake_clock):
+    model, untuned, ids, _ = tuned(fake_clock)
     path = tmp_path / "decoder.tt"
     tt.save(model, path, strict=True)
     prompts = [ids, prompt(3, seed=5), prompt(8, seed=6, length=9)]
@@ -360,10 +340,10 @@ print(tt.status(model))
     (lambda g: g.update(kernels="cuda graphs of a stranger"), "names its kernels"),
     (lambda g: g.update(kind="loop"), "names its kernels"),  # kernels on a loop of another kind
 ])
-def test_a_forged_fused_loop_entry_is_refused_whole(tmp_path, edit, why):
+def test_a_forged_fused_loop_entry_is_refused_whole(tmp_path, fake_clock, edit, why):
     import forgery
 
-    model, _, _, _ = tuned()
+    model, _, _, _ = tuned(fake_clock)
     path = tmp_path / "decoder.tt"
     tt.save(model, path)
     fresh = build("llama")
