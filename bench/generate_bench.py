@@ -40,19 +40,37 @@ qwen3_06b, gemma3_1b, gemma2_2b, phi3mini, mistral7b, qwen2moe), e.g.
 floor counts the experts one token is routed to.
 
 Per row: tokens per second (batch x new tokens / median run), the memory floor (weight bytes
-read once per step at 4.8 TB/s, the H200's bandwidth: batch / (bytes / 4.8e12) tokens per
-second) and the share of it each column reaches, time to first token, the first call (compile
+read once per step, a tied embedding once, at the card's datasheet bandwidth by its name: 3.35
+TB/s H100, 4.8 TB/s H200, the H200's for another card; batch / (bytes / bandwidth) tokens per
+second) and the share of it each column reaches, the decode loop tweak kept (as its tokens
+table names it: "fused, triton"), time to first token, the first call (compile
 or tuning), and whether tweak's tokens equal the static path's: exactly for greedy, and for
 sampling under the same torch.manual_seed before each call. The two columns are built one
 after the other (each its first call: compile or tuning), then their timed calls interleave,
 round by round in rotated order (rows before commit 2fcddfb timed each column apart, and
 the static column's figure moved by a third between runs). --smoke runs the same on the CPU
 with tiny configs and 8 new tokens (a check that the script runs, not a measurement).
+
+Call kinds: greedy; sampling (above); chat (do_sample, temperature 0.8, top-k 50, top-p 0.9,
+repetition penalty 1.1). --serve-batches 4,8: after each row's tuning (at its own batch), the
+tuned model's tokens/s at those batches, no tuning again, against the static path at the same
+batch, and whether any of tweak's calls fell back to transformers' loop (and why). --budget
+SECONDS: a row (or a served batch) that its estimate (ROW_ESTIMATE_S; a shape that has run: its
+own last row's time) says cannot finish in what is left is skipped, and its row in the JSON says
+so. --calls times CALL_ROUNDS (3) interleaved rounds per column (--rounds). The issue-56 set, in
+about 270 s on an H100 (three rows of about 75 to 85 s each: tuning, the static path's
+compile, 3 rounds; the two served batches about 12 s each), one process (--rows: the rows in
+order, each "model:call:batch[:served batches]"; the budget leaves 15 s of the 270 to the
+process's start: imports, the models' builds):
+
+    python bench/generate_bench.py --calls --dtypes bf16 --prompts 32 --budget 255 \
+        --rows "llama1b:greedy:1:4,8;qwen05b:greedy:1;llama1b:chat:1" --json generate-calls-56.json
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import gc
 import json
@@ -123,9 +141,33 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
 CALLS = {
     "greedy": {"do_sample": False},
     "sampling": {"do_sample": True, "temperature": 0.7, "top_k": 50, "top_p": 0.9},
+    "chat": {"do_sample": True, "temperature": 0.8, "top_k": 50, "top_p": 0.9, "repetition_penalty": 1.1},
 }
-BANDWIDTH = 4.8e12
-"""Bytes per second of the H200's memory: the floor's rate."""
+BANDWIDTHS = {"H100": 3.35e12, "H200": 4.8e12}
+"""Bytes per second of each card's memory by its datasheet: the floor's rate, by the card's name."""
+BANDWIDTH = BANDWIDTHS["H200"]
+"""The rate of a card not in BANDWIDTHS (the row says which card and rate it used)."""
+CALL_ROUNDS = 3
+"""--calls: the interleaved rounds of timed calls per column (few: a row's tuning is what costs)."""
+ROW_ESTIMATE_S = {"llama1b": 85.0, "qwen05b": 75.0}
+"""--budget: the seconds a --calls row of a shape is expected to take on an H100 before one of that
+shape has run (its tuning, the static path's compile, CALL_ROUNDS rounds of 128 tokens; from the
+old generate rows, 60 to 90 s with 7 rounds on the H200, and the decode step's per-part figures in
+bench/results/decode-step.md: the fused loop's two candidates cost a Triton config choice of a
+few seconds more); other shapes DEFAULT_ROW_S. A shape that has run gives its own figure."""
+DEFAULT_ROW_S = 120.0
+SERVE_ESTIMATE_S = 12.0
+"""--budget: the seconds one --serve-batches batch is expected to take (the static path's compile
+of the new batch and CALL_ROUNDS rounds of both columns)."""
+
+
+def bandwidth_of(card: str) -> tuple[float, str]:
+    """The floor's rate for a card by its name, and what it is ("H100 datasheet", or the H200's for
+    a card not in BANDWIDTHS)."""
+    for name, rate in BANDWIDTHS.items():
+        if name in card:
+            return rate, f"{name} datasheet, {rate / 1e12:g} TB/s"
+    return BANDWIDTH, f"unknown card {card!r}: the H200's {BANDWIDTH / 1e12:g} TB/s"
 
 
 def build_shape(name: str, dtype: torch.dtype, device: str, smoke: bool) -> torch.nn.Module:
@@ -137,7 +179,7 @@ def build_shape(name: str, dtype: torch.dtype, device: str, smoke: bool) -> torc
     elif smoke:  # the same classes, tiny
         small = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-        model = (LlamaForCausalLM(LlamaConfig(**small)) if name == "llama1b"
+        model = (LlamaForCausalLM(LlamaConfig(**small, tie_word_embeddings=True)) if name == "llama1b"
                  else Qwen2ForCausalLM(Qwen2Config(**small, tie_word_embeddings=True)))
     elif name == "llama1b":
         model = LlamaForCausalLM(LlamaConfig(
@@ -196,18 +238,21 @@ def sync() -> None:
 
 
 def call_row(name: str, dtype_name: str, call: str, batch: int, prompt: int, new: int, device: str, smoke: bool,
-             tweak_kwargs: dict) -> dict:
-    """One row of --calls: transformers' static path and tweak on the same call."""
+             tweak_kwargs: dict, serve: tuple[int, ...] = (), deadline: float = float("inf")) -> dict:
+    """One row of --calls: transformers' static path and tweak on the same call; with `serve`, the
+    tuned model at those batches after (serve_rows: no tuning again) until `deadline`
+    (time.perf_counter())."""
     import torch_tweak as tt
 
     base = build_shape(name, DTYPES[dtype_name], device, smoke)
     torch.manual_seed(1)
     ids = torch.randint(100, 500, (batch, prompt), device=device)
     settings = dict(CALLS[call], cache_implementation="static")
-    floor_s = weight_bytes(base) / BANDWIDTH
+    rate, rate_of = bandwidth_of(torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke)")
+    floor_s = weight_bytes(base) / rate
     out: dict = {"model": name, "dtype": dtype_name, "call": call, "batch": batch, "prompt": prompt,
-                 "new_tokens": new, "weight_bytes": weight_bytes(base), "floor_tokens_per_s": batch / floor_s,
-                 "columns": {}}
+                 "new_tokens": new, "weight_bytes": weight_bytes(base), "bandwidth": rate_of,
+                 "floor_tokens_per_s": batch / floor_s, "columns": {}}
 
     def generate(model, n):
         torch.manual_seed(7)  # sampling: the same draws in every column
@@ -245,6 +290,7 @@ def call_row(name: str, dtype_name: str, call: str, batch: int, prompt: int, new
                 out["loop_report"] = [{k: r.get(k) for k in ("candidate", "state", "latency_ms", "numerics", "error")}
                                       for r in result.loop_report]
                 out["loop_kept"] = repr(getattr(subject, "generate", None))
+                out["loop"] = loop_label(subject)
                 print(result, out["loop_report"], out["loop_kept"], flush=True)
             timed_call(lambda: generate(subject, new))
             entry["first_call_s"] = time.perf_counter() - start  # tuning (tweak) and the first call
@@ -264,7 +310,7 @@ def call_row(name: str, dtype_name: str, call: str, batch: int, prompt: int, new
             timed_call(lambda: generate(subject, new))
             timed_call(lambda: generate(subject, new))
         order = list(subjects)
-        for r in range(ROUNDS):
+        for r in range(CALL_ROUNDS):
             for label in order[r % len(order):] + order[: r % len(order)]:
                 seconds, tokens[label] = timed_call(lambda: generate(subjects[label], new))
                 seen.setdefault(label, []).append(tokens[label])
@@ -280,7 +326,7 @@ def call_row(name: str, dtype_name: str, call: str, batch: int, prompt: int, new
         median = statistics.median(times)
         entry.update(tokens_per_s=batch * new / median, run_ms=median * 1e3,
                      ttft_ms=statistics.median(firsts[label]) * 1e3, spread=(max(times) - min(times)) / median,
-                     of_floor=batch * new / median / out["floor_tokens_per_s"], interleaved_rounds=ROUNDS)
+                     of_floor=batch * new / median / out["floor_tokens_per_s"], interleaved_rounds=CALL_ROUNDS)
         if label != "static" and "static" in tokens:  # the last timed call of each
             entry["same_as_static"] = bool(torch.equal(tokens[label], tokens["static"]))
             # where the static path does not repeat its own tokens from one call to the next
@@ -295,11 +341,73 @@ def call_row(name: str, dtype_name: str, call: str, batch: int, prompt: int, new
     for label in labels:
         print(name, dtype_name, call, f"batch {batch} prompt {prompt}", label, json.dumps(out["columns"][label]),
               flush=True)
+    if serve and len(subjects) == 2 and runs:
+        out["served"] = serve_rows(subjects, base, settings, prompt, new, serve, out["floor_tokens_per_s"] / batch,
+                                   deadline, device)
     subjects = None
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return out
+
+
+def loop_label(model: torch.nn.Module) -> str:
+    """The decode loop a tuned model kept, as the tokens table names it ("fused, triton"), or
+    "transformers" where generate() is transformers' own."""
+    from torch_tweak._runtime.decode.loop import loop_of
+
+    loop = loop_of(model)
+    return "transformers" if loop is None else loop.name()
+
+
+def serve_rows(subjects: dict, base: torch.nn.Module, settings: dict, prompt: int, new: int, batches: tuple[int, ...],
+               floor_per_row: float, deadline: float, device: str) -> list[dict]:
+    """--serve-batches: after the row's tuning (at its own batch), the tuned model's tokens/s at
+    each of `batches` (no tuning again) against the static path at the same batch, CALL_ROUNDS
+    interleaved rounds; whether any of tweak's calls fell back to transformers' loop (and why),
+    whether its tokens are the static path's; a batch past `deadline` is skipped and says so."""
+    from torch_tweak._runtime.decode.loop import loop_of
+
+    rows = []
+    for batch in batches:
+        entry: dict = {"batch": batch, "floor_tokens_per_s": floor_per_row * batch}
+        rows.append(entry)
+        if time.perf_counter() + SERVE_ESTIMATE_S > deadline:
+            entry["skipped"] = f"--budget: about {SERVE_ESTIMATE_S:g} s more than the budget had left"
+            continue
+        torch.manual_seed(2 + batch)
+        ids = torch.randint(100, 500, (batch, prompt), device=device)
+        loop = loop_of(subjects["tweak-compiled"])
+        before = collections.Counter(loop.fallbacks) if loop is not None else collections.Counter()
+
+        def generate(model):
+            torch.manual_seed(7)
+            with torch.no_grad():
+                return model.generate(ids, max_new_tokens=new, **settings)
+
+        try:
+            times: dict = {label: [] for label in subjects}
+            tokens = {label: [generate(s), generate(s)][-1] for label, s in subjects.items()}  # compiles, records
+            order = list(subjects)
+            for r in range(CALL_ROUNDS):
+                for label in order[r % len(order):] + order[: r % len(order)]:
+                    sync()
+                    start = time.perf_counter()
+                    tokens[label] = generate(subjects[label])
+                    sync()
+                    times[label].append(time.perf_counter() - start)
+        except Exception as exc:
+            entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            traceback.print_exc()
+            continue
+        static, tuned = (batch * new / statistics.median(times[k]) for k in ("static", "tweak-compiled"))
+        fell = (collections.Counter(loop.fallbacks) - before) if loop is not None else {}
+        entry.update(static_tokens_per_s=static, tweak_tokens_per_s=tuned, vs_static=tuned / static,
+                     of_floor=tuned / entry["floor_tokens_per_s"], fallbacks=dict(fell), fell_back=bool(fell),
+                     same_as_static=bool(torch.equal(tokens["static"], tokens["tweak-compiled"])),
+                     interleaved_rounds=CALL_ROUNDS)
+        print("served at batch", batch, json.dumps(entry), flush=True)
+    return rows
 
 
 def _same(column: dict) -> str:
@@ -314,25 +422,49 @@ def _same(column: dict) -> str:
 
 
 def calls_table(rows: list[dict]) -> list[str]:
-    """The --calls rows as a table (merge)."""
+    """The --calls rows as a table (merge); a row --budget skipped says so, and the batches a
+    tuned model served after its tuning (--serve-batches) follow it."""
     lines = ["## The calls people make (issue 29)", "",
-             "Memory floor: the weights read once per step at 4.8 TB/s (batch / step time). Sampling: temperature "
-             "0.7, top-k 50, top-p 0.9; its tokens compared under the same torch.manual_seed.", "",
+             "Memory floor: the weights read once per step at the card's datasheet bandwidth (3.35 TB/s H100, "
+             "4.8 TB/s H200; rows written before it: 4.8 TB/s), batch / step time. Sampling: temperature 0.7, "
+             "top-k 50, top-p 0.9; chat: temperature 0.8, top-k 50, top-p 0.9, repetition penalty 1.1; their "
+             "tokens compared under the same torch.manual_seed.", "",
              "| model | call | batch | prompt | floor tok/s | static tok/s | tweak tok/s | tweak / static | "
-             "tweak % of floor | first token ms (static / tweak) | tuning / static first call | same tokens |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|"]
+             "tweak % of floor | first token ms (static / tweak) | tuning / static first call | same tokens | loop kept |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---|"]
     for r in rows:
+        if "skipped" in r:
+            lines.append(f"| {r['model']} {r['dtype']} | {r['call']} | {r['batch']} | {r['prompt']} | "
+                         f"skipped: {r['skipped']} | | | | | | | | |")
+            continue
         s, t = r["columns"].get("static", {}), r["columns"].get("tweak-compiled", {})
         head = f"| {r['model']} {r['dtype']} | {r['call']} | {r['batch']} | {r['prompt']} | {r['floor_tokens_per_s']:,.0f} |"
         if "tokens_per_s" not in s or "tokens_per_s" not in t:
             why = (s.get("error") or t.get("error") or "not measured")[:80]
-            lines.append(head + f" failed: {why} | | | | | | | |")
+            lines.append(head + f" failed: {why} | | | | | | | | |")
             continue
         lines.append(head + f" {s['tokens_per_s']:,.0f} | {t['tokens_per_s']:,.0f} | "
                      f"{t['tokens_per_s'] / s['tokens_per_s']:.2f}x | {100 * t['of_floor']:.0f} % | "
                      f"{s['ttft_ms']:.2f} / {t['ttft_ms']:.2f} | {t['first_call_s'] / s['first_call_s']:.1f}x | "
-                     f"{_same(t)} |")
+                     f"{_same(t)} | {r.get('loop', r.get('decode_loop') or 'transformers')} |")
+        lines += _served_lines(r)
     return lines + [""]
+
+
+def _served_lines(r: dict) -> list[str]:
+    """A row's --serve-batches batches: the tuned model of that row at another batch, no tuning."""
+    lines = []
+    for b in r.get("served", []):
+        head = f"| {r['model']} {r['dtype']} | {r['call']}, tuned at batch {r['batch']} | {b['batch']} | {r['prompt']} | "
+        if "tweak_tokens_per_s" not in b:
+            lines.append(head + f"{b['floor_tokens_per_s']:,.0f} | {b.get('skipped') or b.get('error', '')} "
+                         "| | | | | | | |")
+            continue
+        fell = ("fell back: " + ", ".join(b["fallbacks"])) if b["fell_back"] else "no fallback"
+        lines.append(head + f"{b['floor_tokens_per_s']:,.0f} | {b['static_tokens_per_s']:,.0f} | "
+                     f"{b['tweak_tokens_per_s']:,.0f} | {b['vs_static']:.2f}x | {100 * b['of_floor']:.0f} % | - | "
+                     f"no tuning | {'yes' if b['same_as_static'] else 'no'} | {fell} |")
+    return lines
 
 
 def build(name: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -522,6 +654,65 @@ def merge(paths: list[str], path_out: str) -> None:
     print("\n".join(lines))
 
 
+def calls_main(args: argparse.Namespace, transformers: Any) -> None:
+    """--calls (and --smoke): a row per model, dtype, call kind, batch and prompt, within --budget."""
+    global ROUNDS, CALL_ROUNDS
+    smoke = args.smoke
+    device = "cpu" if smoke else "cuda"
+    card = "CPU (smoke)" if smoke else torch.cuda.get_device_name()
+    meta = {"gpu": card, "bandwidth": bandwidth_of(card)[1], "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(), "budget_s": args.budget}
+    models = args.models if args.models != "gpt2,llama" else ",".join(SHAPES)
+    tweak_kwargs = json.loads(args.tweak)
+    CALL_ROUNDS = args.rounds
+    if smoke:
+        ROUNDS = CALL_ROUNDS = 2
+        tweak_kwargs.setdefault("measure", {"rounds_max": 6, "time_cap": 0.5})
+        tweak_kwargs.setdefault("max_depth", 0)
+    new = 8 if smoke else args.new
+    serve = tuple(int(b) for b in args.serve_batches.split(",") if b)
+    start = time.perf_counter()
+    deadline = start + (args.budget if args.budget is not None else float("inf"))
+    taken: dict = {}  # shape -> seconds its last row took
+    rows = []
+    for name, dtype_name, call, batch, prompt, served in row_specs(args, models, serve):
+        estimate = taken.get(name, ROW_ESTIMATE_S.get(name, DEFAULT_ROW_S))
+        left = deadline - time.perf_counter()
+        if estimate > left:
+            rows.append({"model": name, "dtype": dtype_name, "call": call, "batch": batch, "prompt": prompt,
+                         "new_tokens": new, "skipped": f"--budget: about {estimate:.0f} s, {max(left, 0):.0f} s left"})
+            print("skipped", rows[-1], flush=True)
+        else:
+            began = time.perf_counter()
+            rows.append(call_row(name, dtype_name, call, batch, prompt, new, device, smoke, tweak_kwargs, served,
+                                 deadline))
+            taken[name] = time.perf_counter() - began - SERVE_ESTIMATE_S * len(rows[-1].get("served", []))
+        meta["elapsed_s"] = time.perf_counter() - start
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print("\n".join(calls_table(rows)))
+
+
+def row_specs(args: argparse.Namespace, models: str, serve: tuple[int, ...]) -> list[tuple]:
+    """The --calls rows in order: (model, dtype, call, batch, prompt, batches served after its
+    tuning); --rows lists them ("llama1b:greedy:1:4,8;qwen05b:greedy:1": model, call, batch and
+    the batches served, in the first --dtypes and --prompts), else every combination of --models,
+    --dtypes, --call-kinds, --batches and --prompts, each with --serve-batches."""
+    dtypes = ["fp32"] if args.smoke else args.dtypes.split(",")
+    prompts = [8] if args.smoke else [int(p) for p in args.prompts.split(",")]
+    if args.rows:
+        specs = []
+        for spec in args.rows.split(";"):
+            name, call, batch, *rest = spec.split(":")
+            if call not in CALLS:
+                raise SystemExit(f"--rows {spec!r}: the call is one of {', '.join(CALLS)}")
+            specs.append((name, dtypes[0], call, int(batch), prompts[0],
+                          tuple(int(b) for b in rest[0].split(",") if b) if rest else ()))
+        return specs
+    return [(name, dtype_name, call, int(batch), prompt, serve) for name in models.split(",") for dtype_name in dtypes
+            for call in args.call_kinds.split(",") for batch in args.batches.split(",") for prompt in prompts]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="gpt2,llama")
@@ -536,6 +727,12 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--prompts", default="32,512")
     parser.add_argument("--smoke", action="store_true", help="--calls on the CPU, tiny configs: does it run")
+    parser.add_argument("--serve-batches", default="",
+                        help="--calls: after each row's tuning, the tuned model at these batches too (e.g. 4,8)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="--calls: seconds; a row (or served batch) it cannot finish is skipped, said in the JSON")
+    parser.add_argument("--rows", default="", help='--calls: the rows, "model:call:batch[:served batches];..."')
+    parser.add_argument("--rounds", type=int, default=CALL_ROUNDS, help="--calls: interleaved rounds per column")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "generate.md"))
     args = parser.parse_args()
     if args.merge:
@@ -543,29 +740,7 @@ def main() -> None:
         return
     import transformers
     if args.calls or args.smoke:
-        smoke = args.smoke
-        device = "cpu" if smoke else "cuda"
-        meta = {"gpu": "CPU (smoke)" if smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
-                "transformers": transformers.__version__, "python": platform.python_version()}
-        models = args.models if args.models != "gpt2,llama" else ",".join(SHAPES)
-        tweak_kwargs = json.loads(args.tweak)
-        if smoke:
-            global ROUNDS
-            ROUNDS = 2
-            tweak_kwargs.setdefault("measure", {"rounds_max": 6, "time_cap": 0.5})
-            tweak_kwargs.setdefault("max_depth", 0)
-        new = 8 if smoke else args.new
-        rows = []
-        for name in models.split(","):
-            for dtype_name in (["fp32"] if smoke else args.dtypes.split(",")):
-                for call in args.call_kinds.split(","):
-                    for batch in (int(b) for b in args.batches.split(",")):
-                        for prompt in (int(p) for p in (("8",) if smoke else args.prompts.split(","))):
-                            rows.append(call_row(name, dtype_name, call, batch, prompt, new, device, smoke,
-                                                 tweak_kwargs))
-                            with open(args.json, "w") as f:
-                                json.dump({"meta": meta, "rows": rows}, f, indent=1)
-        print("\n".join(calls_table(rows)))
+        calls_main(args, transformers)
         return
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version()}

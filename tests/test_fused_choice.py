@@ -17,7 +17,7 @@ from torch_tweak._runtime.decode import call as decode_call, choice as sampling
 from torch_tweak._search import fused_check
 from torch_tweak._runtime.decode.fused_choice import SeenPenalty, StepChoice
 
-from test_fused_step import made, prompt, shared
+from test_fused_step import made, own_logits, prompt, shared
 
 transformers = pytest.importorskip("transformers")
 
@@ -53,7 +53,7 @@ def test_the_processed_scores_are_transformers_bit_for_bit(kind):
     processors give on the sequence so far."""
     model, _ = shared("llama")
     ids, tokens, _ = made("llama")
-    logits = fused_check.untuned(model, ids, 8)[1]
+    logits = own_logits("llama")
     call = call_of(model, ids, CALLS[kind])
     choice = choice_of(call)
     assert fused_check.check_choice(choice, call.processors, logits, tokens, ids.shape[1]) == 0.0
@@ -120,7 +120,7 @@ def test_the_top_k_sampler_serves_where_it_applies(monkeypatch):
     monkeypatch.setattr(sampling, "DEVICES", frozenset({"cuda", "cpu"}))
     model, _ = shared("llama")
     ids, tokens, _ = made("llama")
-    logits = fused_check.untuned(model, ids, 8)[1]
+    logits = own_logits("llama")
     call = call_of(model, ids, CHAT)
     choice = choice_of(call)
     assert choice.top is not None and [type(p).__name__ for p in choice.parts] == ["SeenPenalty"]
@@ -132,7 +132,7 @@ def test_a_broken_choice_is_refused_with_the_step():
     """A sampler that ignores top-p; a repetition penalty applied twice."""
     model, _ = shared("llama")
     ids, tokens, _ = made("llama")
-    logits = fused_check.untuned(model, ids, 8)[1]
+    logits = own_logits("llama")
     call = call_of(model, ids, CHAT)
     no_top_p = choice_of(call)
     no_top_p.parts = [p for p in no_top_p.parts if type(p).__name__ != "TopPLogitsWarper"]

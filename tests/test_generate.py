@@ -308,8 +308,19 @@ def tweaked():
     def workload(m):
         return m.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static")
 
-    result = tt.tweak(model, workload=workload, strategy=EAGER, max_depth=0, measure=QUICK, progress=False)
+    with without_fused_loop():
+        result = tt.tweak(model, workload=workload, strategy=EAGER, max_depth=0, measure=QUICK, progress=False)
     return model, untuned, ids, result
+
+
+@contextlib.contextmanager
+def without_fused_loop():
+    """choose_loop without the fused loop: these tests are of the loops of the model's own
+    forward, whose decode steps the depth search records (the fused loop's are
+    tests/test_fused_loop.py's; where its step reads the model, it would be tried too)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loop_search, "fused_kernels", lambda *args, **kwargs: [])
+        yield
 
 
 @pytest.mark.slow
@@ -924,7 +935,8 @@ def test_a_call_transformers_compiles_keeps_the_compiled_loop_and_its_tokens(tmp
         fake_clock.advance(3_000_000 if decode_loop.loop_of(m) is None else 1_000_000)
         return m.generate(ids, max_new_tokens=32, do_sample=False, cache_implementation="static")
 
-    result = tt.tweak(model, workload=workload, measure={"rounds_max": 16, "time_cap": 3.0}, progress=False)
+    with without_fused_loop():
+        result = tt.tweak(model, workload=workload, measure={"rounds_max": 16, "time_cap": 3.0}, progress=False)
     assert result.decode_loop == "compiled", str(result)
     assert [r["candidate"] for r in result.loop_report] == ["generate", "decode loop (compiled)"]
     assert all(row.latency_ms is None and "transformers' compiled forward" in row.error for row in result.rows)

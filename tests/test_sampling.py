@@ -148,7 +148,13 @@ def tweaked(model, workload):
     """tt.tweak on the workload (depth 0, a short measurement); its loop report by candidate."""
     import torch_tweak as tt
 
-    result = tt.tweak(model, workload=workload, max_depth=0, progress=False, measure=QUICK)
+    from torch_tweak._search import loop_search
+
+    # the loops of the model's own forward and their sampler: the fused loop's sampling is
+    # tests/test_fused_loop.py's (it would be tried here too, where its step reads the model)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loop_search, "fused_kernels", lambda *args, **kwargs: [])
+        result = tt.tweak(model, workload=workload, max_depth=0, progress=False, measure=QUICK)
     return result, {r["candidate"]: r for r in result.loop_report}
 
 

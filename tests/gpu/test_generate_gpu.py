@@ -372,3 +372,72 @@ def test_recorded_graphs_outlive_dropped_blas_workspaces():
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(out, expected))
     assert all(bool((f == 7.0).all()) for f in filler)
+
+
+# ------------------------------------------------------------- the fused loop (tweak's own decode step)
+
+
+def fused_model(dtype=torch.float32):
+    """A tiny Llama tied as Llama-3.2 ships, at initializer_range=0.2 (a tied random decoder at
+    the default scale repeats its input token: its tokens would compare little)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(config).eval().to("cuda", dtype)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def fused_kernels_or_skip(kernels: str) -> None:
+    from torch_tweak._runtime.decode.fused_kernels import triton_problem
+
+    if kernels == "triton" and triton_problem(torch.device("cuda")) is not None:
+        pytest.skip(triton_problem(torch.device("cuda")))
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_the_fused_loop_gives_the_untuned_tokens_at_batches_one_and_three(kernels):
+    """One recorded step per batch bucket and cache length, replayed from C; a batch of 3 runs in
+    the bucket of 4, its extra row cut; no call falls back to transformers' loop."""
+    fused_kernels_or_skip(kernels)
+    model = fused_model()
+    untuned = copy.deepcopy(model)
+    loop = decode_loop.DecodeLoop(model, "fused", kernels=kernels)
+    decode_loop.install(model, loop)
+    for batch, seed in ((1, 0), (3, 1), (1, 2)):
+        ids = torch.randint(3, 256, (batch, 7), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        assert torch.equal(generate(model, ids, 24), generate(untuned, ids, 24)), batch
+    figures = loop.figures()
+    assert loop.calls == 3 and not loop.fallbacks and figures["recorded_steps"] >= 2, figures
+    assert not figures["unrecorded_steps"], figures
+
+
+def test_a_chat_call_through_the_fused_loop_gives_transformers_draws():
+    model = fused_model()
+    untuned = copy.deepcopy(model)
+    loop = decode_loop.DecodeLoop(model, "fused", top_sampler=True)
+    decode_loop.install(model, loop)
+    settings = dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.1, min_new_tokens=4,
+                    max_new_tokens=24, cache_implementation="static")
+    ids = torch.randint(3, 256, (2, 7), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    assert_same_draws(untuned, model, ids, settings, seeds=(0, 1))
+    assert loop.calls == 2 and not loop.fallbacks
+
+
+def test_tt_tweak_tries_the_fused_loop_and_serves_other_batches_without_fallback():
+    model = fused_model()
+    untuned = copy.deepcopy(model)
+    ids = torch.randint(3, 256, (1, 8), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    result = tt.tweak(model, workload=lambda m: generate(m, ids, 32), max_depth=0, progress=False,
+                      measure={"rounds_max": 8, "time_cap": 1.0},
+                      strategy=tt.OneBackendStrategy(tt.backends.TorchEagerBackend()))
+    tried = [row["candidate"] for row in result.loop_report]
+    assert "decode loop (fused, torch)" in tried, tried
+    for batch, seed in ((1, 6), (3, 7), (8, 8)):
+        other = torch.randint(3, 256, (batch, 8), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        assert torch.equal(generate(model, other, 32), generate(untuned, other, 32)), batch
+    loop = decode_loop.loop_of(model)
+    if result.decode_loop == "fused":  # one tuning at batch 1 serves batches 1 to 8
+        assert not loop.fallbacks, loop.fallbacks

@@ -166,8 +166,9 @@ def check_distributions(got: Sequence[torch.Tensor], high: Sequence[torch.Tensor
         bound = settings.MULTIPLIER * own + TV_FLOOR
         if not distance <= bound:
             raise MismatchError(f"{where} step {step}: the processed next-token distribution is {distance:.2e} "
-                                f"(total variation) from the reference's, more than the {bound:.2e} allowed "
-                                f"({settings.MULTIPLIER:g}x the untuned call's own {own:.2e}, plus {TV_FLOOR:g})")
+                                f"(total variation) from the reference's, {distance / bound:.3g}x the {bound:.2e} "
+                                f"allowed ({settings.MULTIPLIER:g}x the untuned call's own {own:.2e}, plus {TV_FLOOR:g})",
+                                distance, bound)
         worst_tv = max(worst_tv, distance)
     return worst_tv
 

@@ -55,7 +55,7 @@ def teacher_forced(model: nn.Module, args: tuple, kwargs: dict, tokens: torch.Te
     loop = loop_of(model)
     call = decode_call.greedy_call(model, args, kwargs)
     if loop is not None and not isinstance(call, str) and loop.unmeasured(call) is None and \
-            loop.inputs.layout_problem(call) is None:
+            loop.problem(call) is None:
         with loop.choice.watch(new, processed) as (raw, scores), \
                 decode_call.same_draws(model, args, kwargs), torch.no_grad():
             model.generate(*args, **kwargs)
@@ -149,7 +149,9 @@ def check_call(model: nn.Module, i: int, args: tuple, kwargs: dict, untuned: Any
     and why ("exact tokens: the reference run failed (...)"). With one, the call is also
     run teacher-forced on the untuned tokens and each step's logits held to the measured rule
     (decode_numerics.check_steps); a greedy call's own tokens may part from the untuned ones only
-    at a near tie (decode_numerics.partings); a sampling call's processed distributions are held to
+    at a near tie (decode_numerics.partings; where they part elsewhere and the teacher-forced logits
+    break the rule too, the step and the multiple are said first); a sampling call's processed
+    distributions are held to
     the measured bound (decode_numerics.check_distributions), and a loop's own processing (its
     top-k sampler) to transformers' processors on the same logits."""
     from .._core.correctness import MismatchError
@@ -165,16 +167,23 @@ def check_call(model: nn.Module, i: int, args: tuple, kwargs: dict, untuned: Any
         return f"call {i}: exact tokens: {reference.why if reference is not None else 'no reference was made'}"
     call = decode_call.greedy_call(model, args, kwargs)
     sample = not isinstance(call, str) and call.sample
-    notes = []
+    notes, wide = [], None  # wide: a greedy parting that is not a near tie
     if differ is not None and isinstance(got, torch.Tensor):
         for parting in partings(got, untuned[0], reference, prompt):
             if not sample and not parting.near_tie:
-                raise MismatchError(f"generate call {i}: {parting.describe()}")
+                wide = wide or f"generate call {i}: {parting.describe()}"
             notes.append(("a draw: " if sample else "") + parting.describe())
     elif differ is not None:
         raise MismatchError(differ)
     raw, processed = teacher_forced(model, args, kwargs, untuned[0], processed=sample)
-    found = check_steps(raw, reference, f"generate call {i}")
+    try:  # the step and the multiple that broke the rule, with the parting where the tokens show it
+        found = check_steps(raw, reference, f"generate call {i}")
+    except MismatchError as exc:
+        if wide is None:
+            raise
+        raise MismatchError(f"{exc}; its own tokens: {wide}", exc.error, exc.tolerance, exc.own) from None
+    if wide is not None:
+        raise MismatchError(wide)
     if sample:
         mine = processed_scores(call, untuned[0], raw)
         if processed is not None:  # the loop's processing against transformers' processors on its own logits
@@ -224,7 +233,7 @@ def apply_loop(model: nn.Module, plan: Any, seconds: float | None = None) -> str
             return late
     except Exception as exc:
         return f"the untuned generate() failed on a stored call: {type(exc).__name__}: {str(exc)[:200]}"
-    loop = DecodeLoop(model, plan.kind, plan.layouts, plan.top_sampler)
+    loop = DecodeLoop(model, plan.kind, plan.layouts, plan.top_sampler, plan.kernels)
     loop.checks = [(args, kwargs, outs[0]) for (args, kwargs, _), outs in zip(plan.checks, untuned)]
     loop.stopping.deadline = deadline
     install(model, loop)

@@ -1,24 +1,22 @@
-"""tweak's own decode step (fused_step.py) and its choice (fused_choice.py) run and held to the
-measured rule, as every candidate of a decode loop is (decode_check.py; the numbers are
-_core/decode_numerics.py's):
+"""tweak's own decode step (fused_step.py) and its choice (fused_choice.py) on their own, outside a
+generate() call: what the fused step's study (bench/studies/decode_step_study.py) and its unit
+tests run. A fused loop behind generate() is judged like every candidate, by
+decode_check.check_call (teacher forcing on the untuned tokens through the loop itself); the
+reference here is decode_check's too, and the rule decode_numerics':
 
-- ``reference``: the untuned model's greedy tokens and per-step logits, from its own forward with
-  a StaticCache step by step, and the same steps' logits from one forward of the whole sequence
-  at higher precision (a copy of the model at float32 for bf16/fp16, float64 for float32: tied
-  weights stay tied in the copy);
-- ``teacher_forced``: the fused step fed the untuned tokens (the prompt through the model's own
+- ``reference``: the untuned model's greedy tokens (its generate() with a static cache) and the
+  measured rule's reference of their steps (decode_check.reference);
+- ``teacher_forced``: the step alone fed the untuned tokens (the prompt through the model's own
   prefill), each step's logits;
-- ``check``: those logits within the measured rule of the higher-precision ones, step by step;
-  a broken step is refused with the step and its error as a multiple of the untuned model's;
-- ``check_choice``: the choice's processed distributions against transformers' own processors
+- ``check``: those logits within the measured rule, step by step; a broken step is refused
+  with the step and its error as a multiple of the untuned model's;
+- ``check_choice``: a choice's processed distributions against transformers' own processors
   on the same logits and sequence, within decode_numerics.TV_FLOOR;
 - ``generate``: a whole call through the step, greedy or with a choice.
 """
 
 from __future__ import annotations
 
-import copy
-import inspect
 from typing import Any
 
 import torch
@@ -27,49 +25,20 @@ from torch import nn
 from .._core import correctness, decode_numerics
 from .._runtime.decode.fused_choice import StepChoice
 from .._runtime.decode.fused_step import FusedDecoder
-
-
-def _cache_keyword(model: nn.Module) -> str:
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def untuned(model: nn.Module, ids: torch.Tensor, new: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The model's own greedy run of `new` tokens after `ids` (no padding, no end token), its
-    forward with a transformers StaticCache step by step: (the tokens, prompt included; each
-    step's logits in float32, [batch, vocab])."""
-    from transformers import StaticCache
-
-    batch, prompt = ids.shape
-    cache = StaticCache(config=model.config, max_cache_len=prompt + new)
-    name = _cache_keyword(model)
-    logits, tokens = [], [ids]
-    with torch.no_grad():
-        out = model(input_ids=ids, position_ids=torch.arange(prompt, device=ids.device)[None].expand(batch, -1),
-                    use_cache=True, **{name: cache})
-        for step in range(new):
-            logits.append(out.logits[:, -1].to(copy=True, dtype=torch.float32))
-            token = logits[-1].argmax(-1)
-            tokens.append(token[:, None])
-            if step + 1 < new:
-                position = torch.full((batch, 1), prompt + step, device=ids.device)
-                out = model(input_ids=token[:, None], position_ids=position, use_cache=True, **{name: cache})
-    return torch.cat(tokens, 1), logits
-
-
-def high_logits(model: nn.Module, tokens: torch.Tensor, prompt: int) -> list[torch.Tensor]:
-    """Each decode step's logits from one forward of the whole sequence `tokens` on a copy of the
-    model at higher precision (correctness.REFERENCE_DTYPES)."""
-    dtype = model.get_input_embeddings().weight.dtype
-    high = copy.deepcopy(model).to(correctness.REFERENCE_DTYPES[dtype])
-    with torch.no_grad():
-        logits = high(input_ids=tokens, use_cache=False).logits
-    return [logits[:, prompt - 1 + step].float() for step in range(tokens.shape[1] - prompt)]
+from . import decode_check
 
 
 def reference(model: nn.Module, ids: torch.Tensor, new: int) -> tuple[torch.Tensor, decode_numerics.StepReference]:
-    """(the untuned greedy tokens, the measured rule's reference of their steps)."""
-    tokens, own = untuned(model, ids, new)
-    return tokens, decode_numerics.step_reference(own, high_logits(model, tokens, ids.shape[1]))
+    """(the untuned greedy tokens of `new` tokens after `ids`, prompt included; the measured
+    rule's reference of their steps: decode_check.reference). RuntimeError where the reference
+    cannot be made (its reason)."""
+    kwargs = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False, "cache_implementation": "static"}
+    with torch.no_grad():
+        tokens = model.generate(ids, **kwargs)
+    made = decode_check.reference(model, (ids,), kwargs, tokens)
+    if not made.measured:
+        raise RuntimeError(f"no reference for the fused step's check: {made.why}")
+    return tokens, made
 
 
 def teacher_forced(decoder: FusedDecoder, ids: torch.Tensor, tokens: torch.Tensor,

@@ -15,7 +15,9 @@ from .. import _C
 from .._core import correctness, noise
 from .._runtime.decode import call as decode_call, model as decode_model
 from .._runtime.decode.choice import TopSampler
-from .._runtime.decode.loop import DecodeLoop, install, uninstall
+from .._runtime.decode.fused_kernels import triton_problem
+from .._runtime.decode.fused_loop import read_model
+from .._runtime.decode.loop import FUSED, DecodeLoop, install, loop_name, uninstall
 from .._runtime.workload import Workload
 from . import decode_check
 
@@ -89,31 +91,49 @@ def _loop_kinds(workload: Workload, device: torch.device, high: bool) -> list[st
     return ["loop"]  # no graph loop here, or a call whose step it does not record: step by step
 
 
+def fused_kernels(workload: Workload, device: torch.device, high: bool) -> list[str]:
+    """The kernels tweak's own decode step (the fused loop) is tried with, where it reads the
+    model (fused_step.FusedDecoder): on CUDA the Triton kernels (where Triton imports) and the
+    torch ops (cuBLAS's products), with `high` (effort="high") also the torch ops compiled by
+    Inductor (a long compile); elsewhere the torch ops alone."""
+    if isinstance(read_model(workload.model), str):
+        return []
+    if device.type != "cuda":
+        return ["torch"]
+    return (["triton"] if triton_problem(device) is None else []) + ["torch"] + (["inductor"] if high else [])
+
+
 def choose_loop(workload: Workload, device: torch.device, measure: dict | None, *,
                 high: bool = False) -> tuple[str | None, list[dict]]:
     """Tries tweak's decode loops on the model as tuned, keeps the fastest of them and
     transformers' own generate() whose tokens are the untuned ones; returns the kept loop's
     kind (None: transformers' loop) and a report per candidate. `high` (effort="high") adds
     the tuned loop where it applies (tuned_applies): one more compile, about 55 s for the
-    Llama-1B shape on the H200, for other kernels whose tokens must still be the untuned ones."""
+    Llama-1B shape on the H200, for other kernels whose tokens must still be the untuned ones.
+    Where tweak's own decode step reads the model, the fused loop is tried too, once per kernels
+    (fused_kernels)."""
     model = workload.model
     kinds = _loop_kinds(workload, device, high)
     # the sampler's option where a loop's steps take it without another compile (not the graph
     # loop's recorded step, nor the tuned loop's build of its own). Both options of a kind are
     # one loop, its sampler switched per run: one set of static caches, whose addresses the
-    # compiled forward's device graphs were recorded on
+    # compiled forward's device graphs were recorded on. The fused loop records its whole step,
+    # the choice in it, where launches cost nothing: it takes the sampler wherever it serves
     served = top_sampler_serves(workload, device)
-    options = [(k, False) for k in kinds] + [(k, True) for k in kinds if served and k in ("loop", "compiled")]
-    loops: dict[tuple[str, bool], DecodeLoop] = {}
+    options = [(k, False, None) for k in kinds] + [(k, True, None) for k in kinds
+                                                   if served and k in ("loop", "compiled")]
+    options += [(FUSED, served, kernels) for kernels in fused_kernels(workload, device, high)]
+    loops: dict[tuple[str, bool, str | None], DecodeLoop] = {}
     found: dict[Any, str] = {}  # option -> what its check found (check_generate)
 
-    def build_of(option: tuple[str, bool] | None):
+    def build_of(option: tuple[str, bool, str | None] | None):
         def build() -> None:
             uninstall(model)
             if option is None:
                 return
-            loop = loops.get((option[0], not option[1])) or DecodeLoop(model, option[0], workload.layouts)
-            loop.top_sampler = option[1]
+            kind, top, kernels = option
+            loop = loops.get((kind, not top, kernels)) or DecodeLoop(model, kind, workload.layouts, kernels=kernels)
+            loop.top_sampler = top
             # fail fast: a recorded call the loop would leave to transformers refuses it before
             # anything runs (the reason is what the loop itself would say)
             for recorded in workload.generate_calls:
@@ -139,7 +159,7 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None, 
             loops[option] = loop
         return build
 
-    def run_of(option: tuple[str, bool] | None):
+    def run_of(option: tuple[str, bool, str | None] | None):
         def run(i: int) -> None:
             if option is None:
                 uninstall(model)
@@ -149,7 +169,7 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None, 
             workload.run()
         return run
 
-    names = ["generate"] + [f"decode loop ({k}{', top-k sampler' if top else ''})" for k, top in options]
+    names = ["generate"] + [f"decode loop ({loop_name(*option)})" for option in options]
     candidates = [(name, build_of(option), run_of(option)) for name, option in zip(names, [None] + options)]
     try:
         with torch.no_grad():
@@ -161,13 +181,23 @@ def choose_loop(workload: Workload, device: torch.device, measure: dict | None, 
         loops[kept].top_sampler = kept[1]
         loops[kept].checks = [(c.args, c.kwargs, c.tokens) for c in workload.generate_calls]  # what tt.save keeps
         install(model, loops[kept])
+    return (None if kept is None else kept[0]), _loop_rows(names, reports, [None] + options, found, index)
+
+
+def _loop_rows(names: list[str], reports: list[dict], options: list, found: dict, index: int) -> list[dict]:
+    """choose_loop's report per candidate: its state, latency, what its check found (where the
+    rule refused it: the step and the multiple) and whether it was kept."""
     out = []
-    for i, (name, report, option) in enumerate(zip(names, reports, [None] + options)):
+    for i, (name, report, option) in enumerate(zip(names, reports, options)):
         stats = report.get("stats")
-        out.append({"candidate": name, "state": report["state"], "error": report.get("error", ""),
+        error = report.get("error", "")
+        numerics = found.get(option, "")
+        if not numerics and error.startswith("MismatchError: "):  # the rule refused it: the step and multiple
+            numerics = "refused: " + error.removeprefix("MismatchError: ")
+        out.append({"candidate": name, "state": report["state"], "error": error,
                     "latency_ms": None if stats is None else stats["median_ns"] / 1e6,
-                    "numerics": found.get(option, ""), "kept": i == max(index, 0)})
-    return (None if kept is None else kept[0]), out
+                    "numerics": numerics, "kept": i == max(index, 0)})
+    return out
 
 
 def depths_cannot_match(workload: Workload) -> str:

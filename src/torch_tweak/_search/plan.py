@@ -68,9 +68,9 @@ class ModulePlan:
 
 @dataclasses.dataclass
 class LoopPlan:
-    """tweak's decode loop behind generate() as a Plan keeps it: its kind, the layouts of its
-    forward calls (None: the defaults) and the generate() calls it is checked on before it is
-    installed again (tt.load, the tuning cache: decode_check.apply_loop), each with the untuned
+    """tweak's decode loop behind generate() as a Plan keeps it: its kind (and the fused loop's
+    kernels), the layouts of its forward calls (None: the defaults) and the generate() calls it is checked on before it is
+    installed again (tt.load: decode_check.apply_loop), each with the untuned
     tokens it gave where it was tuned. The check compares the loop with the untuned generate()
     run here, never with those stored tokens (a file's word); each call is bounded
     (MAX_CHECK_NEW_TOKENS, MAX_CHECK_TOKENS)."""
@@ -79,6 +79,7 @@ class LoopPlan:
     layouts: dict | None
     checks: list[tuple[tuple, dict, torch.Tensor]]
     top_sampler: bool = False  # DecodeLoop.top_sampler
+    kernels: str | None = None  # the fused loop's step kernels (DecodeLoop.kernels); None for every other kind
 
 
 def plan_loop(model: nn.Module) -> LoopPlan | None:
@@ -97,7 +98,7 @@ def plan_loop(model: nn.Module) -> LoopPlan | None:
             tokens = tokens[:, :call.input_ids.shape[1] + MAX_CHECK_NEW_TOKENS]
         if check_bounds(model, args, kwargs) is None:
             checks.append((args, kwargs, tokens))
-    return LoopPlan(loop.kind, loop.layouts, checks, loop.top_sampler)
+    return LoopPlan(loop.kind, loop.layouts, checks, loop.top_sampler, loop.kernels)
 
 
 @dataclasses.dataclass(eq=False)

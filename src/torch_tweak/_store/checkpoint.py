@@ -46,7 +46,8 @@ from .._runtime.module import installed, own_class, resolve_paths
 from .._search import plan as planning
 from .._runtime.decode.call import check_bounds
 from .._runtime.decode.inputs import check_layouts
-from .._runtime.decode.loop import LOOPS
+from .._runtime.decode.fused_loop import KERNELS
+from .._runtime.decode.loop import FUSED, LOOPS
 from .._search.plan import LoadResult, LoopPlan, ModulePlan, Plan, Rebuilt, plan_of
 from .._core.shapes import Shapes, check_shapes, positions
 from .._runtime.workload import MAX_GENERATE_CALLS
@@ -241,6 +242,8 @@ def _loop_entry(loop: LoopPlan, tensors: list[torch.Tensor], path: Any, strict: 
     entry = {"kind": loop.kind, "layouts": layouts, "checks": checks}
     if loop.top_sampler:  # absent in files of a loop without it, and in files written before it
         entry["top_sampler"] = True
+    if loop.kernels is not None:  # the fused loop's alone (absent in files written before it)
+        entry["kernels"] = loop.kernels
     return entry
 
 
@@ -732,7 +735,10 @@ def _loop_plan(plan: dict, stored: tuple, path: Any, types: dict[str, type], mod
         top_sampler = entry.get("top_sampler", False)
         if type(top_sampler) is not bool:
             raise ValueError("its top_sampler is true or false")
-        loop = LoopPlan(entry["kind"], check_layouts(entry.get("layouts")), calls, top_sampler)
+        kernels = entry.get("kernels")
+        if (kernels is not None or entry["kind"] == FUSED) and (entry["kind"] != FUSED or kernels not in KERNELS):
+            raise ValueError(f"the {FUSED} loop names its kernels ({', '.join(KERNELS)}), no other loop does")
+        loop = LoopPlan(entry["kind"], check_layouts(entry.get("layouts")), calls, top_sampler, kernels)
     except (ValueError, TypeError, KeyError, RuntimeError) as exc:
         raise CheckpointError(f"{path}: the decode loop of its plan is refused ({str(exc)[:200]}); "
                               f"{_unwritten(manifest)}") from None

@@ -12,7 +12,7 @@ import dataclasses
 
 from torch import nn
 
-from .._runtime.decode.loop import loop_of
+from .._runtime.decode.loop import loop_name, loop_of
 from .._runtime.module import UNTUNED_REASONS, installed
 from .._core import records
 from .._core.shapes import Shapes
@@ -76,7 +76,7 @@ class ModelStatus(dict):
         loop = self.decode_loop
         if loop is not None:
             calls = f"{loop['calls']} call" + ("" if loop["calls"] == 1 else "s")
-            top = ", top-k sampler" if loop.get("top_sampler") else ""
+            name = loop_name(loop["kind"], bool(loop.get("top_sampler")), loop.get("kernels"))
             again = (f"; {loop['resampled']} made again with transformers' processors (ties past the sampler's "
                      "margin, or a NaN score)") if loop.get("resampled") else ""
             again += _recorded("its decode step", "shape", "run step by step",
@@ -85,7 +85,7 @@ class ModelStatus(dict):
                                loop.get("recorded_draws", 0), loop.get("unrecorded", []))
             again += _recorded("its prefill", "prompt shape", "run eagerly",
                                loop.get("recorded_prefills", 0), loop.get("unrecorded_prefills", []))
-            text += (f"\ngenerate(): tweak's decode loop ({loop['kind']}{top}) served {calls}{again}" +
+            text += (f"\ngenerate(): tweak's decode loop ({name}) served {calls}{again}" +
                      "".join(f"; transformers' loop ran {n} for {why}" for why, n in loop["fallbacks"].items()))
         return text
 

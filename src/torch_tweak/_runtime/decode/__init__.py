@@ -41,6 +41,9 @@ attributes).
               is told (Steps, Stopping)
     graph     the graph loop: a decode step recorded as a device graph, replayed per token
               from C (GraphSteps, StepGraph)
+    fused_loop  the fused loop: generate() calls decoded by tweak's own step and its choice
+              (Fused, its step source; FusedSteps: a call's prefill, its steps in the batch's
+              bucket, on CUDA one device graph per shape replayed from C: FusedGraph)
     loop      DecodeLoop, composing the parts; the loops' kinds (KINDS: a step source each);
               the loop's place on a model (install, loop_of)
 

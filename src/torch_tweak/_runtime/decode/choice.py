@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -295,6 +295,26 @@ class Choice:
         if step < self.forcing.shape[1]:
             return self.forcing[:, step].to(logits.device)
         return logits[:, -1].argmax(-1)
+
+    def watched_step(self, logits: torch.Tensor, process: Callable[[torch.Tensor], torch.Tensor]
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A step whose token another part chooses (the fused loop's StepChoice), while watched:
+        (the forced token under teacher forcing, past the forced ones the argmax, its raw logits
+        [batch, vocab] kept; while captured, its processed scores, process(logits), kept and
+        returned). (None, None) when not watched."""
+        if not self.watched():
+            return None, None
+        scores = None
+        if self.captured is not None:
+            scores = process(logits)
+            self.captured.append(scores.clone())
+        if self.forcing is None:
+            return None, scores
+        step = len(self.forced_logits)
+        self.forced_logits.append(logits.detach().to(copy=True, dtype=torch.float32))
+        if step < self.forcing.shape[1]:
+            return self.forcing[:, step].to(logits.device), scores
+        return logits.argmax(-1), scores
 
     @staticmethod
     def process(call: Greedy, logits: torch.Tensor, seq: torch.Tensor | None) -> torch.Tensor:

@@ -205,6 +205,13 @@ class StepChoice:
         """The next token of each row from a step's logits ([batch, vocab])."""
         return self.advance(self.pick(self.scores(logits)))
 
+    def unfinished(self) -> torch.Tensor | None:
+        """Which rows have not ended yet (a device tensor, not read here); None when the call has
+        no end-of-sequence token."""
+        if not self.end_ids or self.finished is None:
+            return None
+        return ~self.finished
+
     def overflowed(self) -> bool:
         """Whether the top-k sampler met a step it could not serve since start (reads the
         device: once per call; the call is then made again with transformers' processors)."""

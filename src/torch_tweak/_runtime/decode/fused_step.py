@@ -221,6 +221,15 @@ class FusedDecoder:
             return problem_
         return cls(model, layers, Product((head.weight,), None, norm.weight, norm.variance_epsilon))
 
+    def device_problem(self, device: torch.device) -> str | None:
+        """Why a call's inputs on `device` are not served (the weights are elsewhere), or None."""
+        if device != self.weight_device:
+            return f"inputs on {device}, the model's weights on {self.weight_device}"
+        return None
+
+    def vocab_size(self) -> int:
+        return self.vocab
+
     def moved(self) -> bool:
         """Whether a weight was replaced or moved since the model was read (read it again)."""
         return weights_moved(self.weights)

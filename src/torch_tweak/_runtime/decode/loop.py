@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .call import Greedy, call_kind, config_class, greedy_call
+from .call import Greedy, config_class, greedy_call
 from .choice import Choice, rng_state, set_rng_state
+from .fused_loop import Fused, FusedSteps
 from .graph import GraphSteps
 from .inputs import StepInputs
 from .model import Caches, cache_arg_of, new_cache
@@ -25,11 +26,16 @@ from .steps import Compiled, Forward, Steps, Stopping, Tuned
 logger = logging.getLogger("torch_tweak")
 
 
-KINDS = {"loop": (Forward, False), "graph": (Forward, True), "compiled": (Compiled, False), "tuned": (Tuned, False)}
+KINDS = {"loop": (Forward, False), "graph": (Forward, True), "compiled": (Compiled, False), "tuned": (Tuned, False),
+         "fused": (Fused, False)}
 """The decode loops tweak tries, by name: a step source each (steps.Forward, Compiled, Tuned say
-what each runs) and whether its step is recorded as a device graph (the "graph" loop: CUDA and
-a static cache only; elsewhere its steps run one by one). A new kind is a step source and its
+what each runs; fused_loop.Fused is tweak's own decode step, whose calls fused_loop.FusedSteps
+decodes) and whether its step is recorded as a device graph (the "graph" loop: CUDA and a
+static cache only; elsewhere its steps run one by one). A new kind is a step source and its
 entry here."""
+
+FUSED = "fused"
+"""The kind whose step source takes the step's kernels (fused_loop.KERNELS)."""
 
 LOOPS = tuple(KINDS)
 
@@ -41,18 +47,23 @@ class DecodeLoop:
     """tweak's decode loop, installed as the model's ``generate`` (an attribute of the
     instance: ``tt.unwrap`` removes it). ``kind`` is one of LOOPS; ``layouts`` the workload's
     forward calls (None: the defaults); ``top_sampler``: a sampling call's scores from
-    choice.TopSampler where it serves."""
+    choice.TopSampler where it serves; ``kernels``: the fused kind's (fused_loop.KERNELS, by
+    default "torch"), None for every other kind."""
 
     _tt_decode_loop = True  # what tt.unwrap looks for
 
-    def __init__(self, model: nn.Module, kind: str, layouts: dict | None = None, top_sampler: bool = False) -> None:
+    def __init__(self, model: nn.Module, kind: str, layouts: dict | None = None, top_sampler: bool = False,
+                 kernels: str | None = None) -> None:
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(LOOPS)}, not {kind!r}")
+        if kernels is not None and kind != FUSED:
+            raise ValueError(f"kernels are the {FUSED} loop's, not the {kind} loop's")
         source, records = KINDS[kind]
         self.model = model
         self.kind = kind
         self.layouts = layouts  # as a Plan keeps them
         self.top_sampler = top_sampler
+        self.kernels = kernels if kernels is not None or kind != FUSED else "torch"
         self.original = type(model).generate.__get__(model)
         self.fallbacks: collections.Counter[str] = collections.Counter()
         self.calls = 0
@@ -66,9 +77,12 @@ class DecodeLoop:
         self.prefills = Prefills(model, self.inputs)
         self.choice = Choice()
         self.stopping = Stopping()
-        self.source = source(model)
+        self.source = source(model) if kind != FUSED else Fused(model, self.kernels)
         self.steps = Steps(model, self.inputs, self.choice, self.stopping, self.source)
         self.graph = GraphSteps(model, self.inputs, self.prefills, self.choice, self.stopping, records)
+        # tweak's own decode step: the whole call is its (fused_loop)
+        self.fused = FusedSteps(model, self.prefills, self.choice, self.stopping, self.source) \
+            if isinstance(self.source, Fused) else None
 
     @property
     def checks(self) -> list[tuple[tuple, dict, torch.Tensor]]:
@@ -84,7 +98,7 @@ class DecodeLoop:
         for args, kwargs, _ in self._checks:
             call = greedy_call(self.model, args, kwargs)
             if not isinstance(call, str):
-                kinds.add(call_kind(call))
+                kinds.add(self.source.kind(call))
         self.kinds = frozenset(kinds) if self._checks else None
 
     def __reduce__(self) -> Any:
@@ -92,8 +106,11 @@ class DecodeLoop:
                         "path), or call tt.unwrap(model) first")
 
     def __repr__(self) -> str:
-        top = ", top-k sampler" if self.top_sampler else ""
-        return f"<torch-tweak decode loop ({self.kind}{top}) of {type(self.model).__name__}.generate>"
+        return f"<torch-tweak decode loop ({self.name()}) of {type(self.model).__name__}.generate>"
+
+    def name(self) -> str:
+        """The loop as the tables name it: its kind, its kernels, its sampler ("fused, triton")."""
+        return loop_name(self.kind, self.top_sampler, self.kernels)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         call = greedy_call(self.model, args, kwargs)
@@ -113,9 +130,9 @@ class DecodeLoop:
     def unmeasured(self, call: Greedy) -> str | None:
         """Why the loop leaves a call of a kind tweak did not measure to transformers (it might
         be slower there: the loop is kept for the kinds it was measured faster on), or None."""
-        if self.kinds is None or call_kind(call) in self.kinds:
+        if self.kinds is None or self.source.kind(call) in self.kinds:
             return None
-        batch, static = call_kind(call)
+        batch, static = self.source.kind(call)
         measured = ", ".join(f"batch {b} with a {'static' if s else 'dynamic'} cache" for b, s in sorted(self.kinds))
         return (f"a call tweak did not measure (batch {batch} with a {'static' if static else 'dynamic'} cache; "
                 f"measured: {measured}): tune with a workload that makes such calls")
@@ -135,7 +152,9 @@ class DecodeLoop:
         tokens = None
         # a recorded step's choices are not watched: where they are (teacher forcing, the check
         # of a sampling call's distribution) the steps run one by one
-        if not self.choice.watched() and self.graph.records(call):
+        if self.fused is not None:
+            tokens = self.fused.run(call, eos, length, self.top_sampler)
+        elif not self.choice.watched() and self.graph.records(call):
             key = (ids.shape[0], length, ids.device, ids.dtype, mode, self.choice.key(call))
             tokens = self.graph.run(call, key, eos)
         if tokens is None:
@@ -176,9 +195,18 @@ class DecodeLoop:
 
     def figures(self) -> dict:
         """What tt.status says of the loop: its kind, its calls and fallbacks, what it recorded."""
-        return {"kind": self.kind, "calls": self.calls, "fallbacks": dict(self.fallbacks),
-                "top_sampler": self.top_sampler, "resampled": self.resampled,
-                **self.choice.figures(), **self.graph.figures(), **self.prefills.figures()}
+        figures = {"kind": self.kind, "kernels": self.kernels, "calls": self.calls, "fallbacks": dict(self.fallbacks),
+                   "top_sampler": self.top_sampler, "resampled": self.resampled,
+                   **self.choice.figures(), **self.graph.figures(), **self.prefills.figures()}
+        if self.fused is not None:
+            fused = self.fused.figures()
+            figures.update(fused, resampled=self.resampled + fused["resampled"])
+        return figures
+
+
+def loop_name(kind: str, top_sampler: bool = False, kernels: str | None = None) -> str:
+    """A loop as the tables and tt.status name it: "compiled, top-k sampler", "fused, triton"."""
+    return kind + (f", {kernels}" if kernels else "") + (", top-k sampler" if top_sampler else "")
 
 
 @contextlib.contextmanager

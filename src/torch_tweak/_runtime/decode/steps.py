@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ... import _C
-from .call import LOOP_CHECK_SECONDS, Greedy
+from .call import LOOP_CHECK_SECONDS, Greedy, call_kind
 from .choice import Choice, RecordedDraw, TopSampler
 from .inputs import StepInputs, contiguous, plain_causal
 from .model import compile_config, decode_context, logits_of, transformers_compiles, tuned_settings
@@ -114,6 +114,12 @@ class Forward:
     def forward(self, call: Greedy) -> Callable:
         """The forward the call's steps run, where compiles says so."""
         return self.model
+
+    @staticmethod
+    def kind(call: Greedy) -> tuple:
+        """The kind of call a measurement of this source speaks for (call.call_kind: the batch
+        size and the cache): a loop serves only the kinds it was measured on."""
+        return call_kind(call)
 
 
 class Compiled(Forward):
