@@ -21,12 +21,13 @@ import re
 import pytest
 import torch
 
+from torch_tweak._core import settings
 from torch_tweak._core.correctness import MismatchError
 from torch_tweak._core.model_state import snapshot
 from torch_tweak._runtime.decode import fused_triton, model as decode_model
 from torch_tweak._search import decode_check, fused_check
 from torch_tweak._runtime.decode.fused_kernels import Product
-from torch_tweak._runtime.decode.fused_step import BUCKETS, FusedDecoder, bucket
+from torch_tweak._runtime.decode.fused_step import FusedDecoder, bucket
 
 transformers = pytest.importorskip("transformers")
 
@@ -196,7 +197,7 @@ def test_a_cache_or_a_batch_it_does_not_serve_is_refused():
     assert cache.layers[0].keys.shape[0] == 4  # the bucket's rows
     with pytest.raises(ValueError, match=r"a \[batch\] tensor of 1 to 4 rows"):
         decoder.step(torch.tensor([5] * 5), torch.tensor(3), cache)
-    assert [bucket(b) for b in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8] and BUCKETS == (1, 2, 4, 8)
+    assert [bucket(b) for b in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8] and settings.FUSED_BUCKETS == (1, 2, 4, 8)
 
 
 def test_eight_threads_on_one_reading_get_their_own_tokens():

@@ -703,7 +703,7 @@ def test_a_loop_check_past_its_time_bound_leaves_generate_as_it_was(monkeypatch)
 
     model, ids = with_loop()
     fresh = build("llama")
-    monkeypatch.setattr(decode_call, "LOOP_CHECK_SECONDS", 1e-6)
+    monkeypatch.setattr(tt.settings, "LOOP_CHECK_SECONDS", 1e-6)
     with pytest.warns(UserWarning, match="decode loop is not installed .*took longer than"):
         planning.apply(fresh, planning.Plan(None, [], planning.plan_loop(model)), device=torch.device("cpu"),
                        strict=False)
@@ -717,7 +717,7 @@ def test_a_saved_loop_bounds_the_calls_it_is_checked_on():
     loop.checks = [(args, dict(kwargs, max_new_tokens=1000), tokens),
                    ((prompt(64, length=1100),), dict(kwargs, max_new_tokens=8), tokens)]
     (args, stored, _), = planning.plan_loop(model).checks  # the second decodes 64 x 1108 tokens: left out
-    assert stored["max_new_tokens"] == decode_call.MAX_CHECK_NEW_TOKENS
+    assert stored["max_new_tokens"] == tt.settings.MAX_CHECK_NEW_TOKENS
 
 
 @pytest.mark.parametrize("ask", [{"max_new_tokens": 10 ** 6}, {"max_length": 10 ** 6}, {"num_beams": 2}])

@@ -86,7 +86,7 @@ def test_prompts_that_are_padded_or_too_long_are_not_recorded(monkeypatch):
     model = build()
     untuned = copy.deepcopy(model)
     loop = kept_loop(model)
-    monkeypatch.setattr(prefill, "PREFILL_TOKENS", 10)
+    monkeypatch.setattr(tt.settings, "PREFILL_TOKENS", 10)
     ids = prompt(2, 6, 0)  # 12 tokens
     padded = prompt(1, 4, 1)
     mask = torch.tensor([[0, 1, 1, 1]])
@@ -120,7 +120,7 @@ def test_record_prefills_off_records_nothing_and_replays_nothing():
 
 @pytest.mark.slow
 def test_recorded_prefills_are_bounded_least_recently_used_first(monkeypatch):
-    monkeypatch.setattr(prefill, "PREFILL_GRAPHS", 2)
+    monkeypatch.setattr(tt.settings, "PREFILL_GRAPHS", 2)
     model = build()
     untuned = copy.deepcopy(model)
     loop = kept_loop(model)

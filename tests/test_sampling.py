@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import torch_tweak as tt
 from torch_tweak._runtime.decode import choice as sampling, loop as decode_loop
 
 transformers = pytest.importorskip("transformers")
@@ -347,7 +348,7 @@ def test_recorded_draws_are_kept_per_shape_and_setting_and_each_call_starts_unfl
     be written outside it)."""
     import copy
 
-    monkeypatch.setattr(sampling, "RECORDED_DRAWS", 3)
+    monkeypatch.setattr(tt.settings, "RECORDED_DRAWS", 3)
     model = tiny_llama()
     untuned = copy.deepcopy(model)
     loop = decode_loop.DecodeLoop(model, "loop", top_sampler=True)

@@ -33,21 +33,6 @@ ALLOWED = {
 """The numeric module-level constants allowed outside settings: file format versions and protocol
 numbers. Changing one is not tuning a knob: it changes what a file or the kernel means."""
 
-TO_MOVE = {
-    "_core/decode_numerics.py": {"TV_FLOOR"},  # read by _search/decode_check.py and _search/fused_check.py
-    "_runtime/decode/call.py": {"MAX_CHECK_NEW_TOKENS", "MAX_CHECK_TOKENS", "LOOP_CHECK_SECONDS", "SAMPLING_SEED"},
-    "_runtime/decode/choice.py": {"MARGIN", "RECORDED_DRAWS"},
-    "_runtime/decode/fused_step.py": {"BUCKETS"},
-    "_runtime/decode/fused_tuning.py": {"SPLIT_MIN_K", "SPLIT_MIN_LENGTH", "REPEAT_LAUNCHES"},
-    "_runtime/decode/model.py": {"KEPT_KEYS"},
-    "_runtime/decode/prefill.py": {"PREFILL_GRAPHS", "PREFILL_TOKENS", "RECORD_AFTER"},
-    "_runtime/decode/steps.py": {"CHECK_EVERY"},
-    "_runtime/workload.py": {"MAX_GENERATE_CALLS", "TTFT_RUNS"},
-}
-"""To move into settings: the knobs of the decode loop's package, its search and checks and the
-workload, kept where they are while those files change (a temporary allowance, removed once that
-change has landed and they moved)."""
-
 CONSTANT = re.compile(r"^_?[A-Z][A-Z0-9_]*$")
 GROUP = re.compile(r"^# == (.+) ==$")
 
@@ -167,11 +152,11 @@ def test_no_numeric_constant_outside_settings_but_the_named_ones():
         if where == "_core/settings.py":
             continue
         found = numeric_constants(path.read_text())
-        extra = found - set(ALLOWED.get(where, {})) - TO_MOVE.get(where, set())
+        extra = found - set(ALLOWED.get(where, {}))
         if extra:
             wrong[where] = sorted(extra)
     assert not wrong, f"numeric knobs outside torch_tweak/_core/settings.py (move them there): {wrong}"
-    for where, names in {**ALLOWED, **TO_MOVE}.items():  # the allowances name what is there, nothing more
+    for where, names in ALLOWED.items():  # the allowances name what is there, nothing more
         assert set(names) <= numeric_constants((PACKAGE / where).read_text()), where
 
 

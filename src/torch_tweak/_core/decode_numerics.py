@@ -148,11 +148,6 @@ def total_variation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return 0.5 * (p - q).abs().sum(dim=-1)
 
 
-TV_FLOOR = 1e-6
-"""The total variation a sampling call's processed distribution may always differ by: a
-softmax's last bit (the same logits through the same processors)."""
-
-
 def check_distributions(got: Sequence[torch.Tensor], high: Sequence[torch.Tensor], reference: StepReference,
                         where: str) -> float:
     """A sampling call, teacher-forced: each step's processed distribution (`got`) within
@@ -163,11 +158,12 @@ def check_distributions(got: Sequence[torch.Tensor], high: Sequence[torch.Tensor
     for step, (mine, theirs) in enumerate(zip(got, high)):
         distance = float(total_variation(mine, theirs).max())
         own = reference.own_tv[step] if reference.own_tv is not None and step < len(reference.own_tv) else 0.0
-        bound = settings.MULTIPLIER * own + TV_FLOOR
+        bound = settings.MULTIPLIER * own + settings.TV_FLOOR
         if not distance <= bound:
             raise MismatchError(f"{where} step {step}: the processed next-token distribution is {distance:.2e} "
                                 f"(total variation) from the reference's, {distance / bound:.3g}x the {bound:.2e} "
-                                f"allowed ({settings.MULTIPLIER:g}x the untuned call's own {own:.2e}, plus {TV_FLOOR:g})",
+                                f"allowed ({settings.MULTIPLIER:g}x the untuned call's own {own:.2e}, "
+                                f"plus {settings.TV_FLOOR:g})",
                                 distance, bound)
         worst_tv = max(worst_tv, distance)
     return worst_tv

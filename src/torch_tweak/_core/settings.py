@@ -73,6 +73,10 @@ TORCHAO_TOLERANCE = 0.05  # relative error
 weights alone move a float32 linear layer's outputs by about 0.5 % of their scale, and errors
 add up through a block."""
 
+TV_FLOOR = 1e-6  # total variation distance
+"""The total variation a sampling call's processed distribution may always differ by: a
+softmax's last bit (the same logits through the same processors)."""
+
 # == Recording and declared shapes ==
 
 MAX_SIGNATURES = 4  # signatures
@@ -200,6 +204,91 @@ PADDED_IDLE_SECONDS = 10.0  # seconds
 PADDED_LOAD_GROWTH = 16  # times the longest stored call's length
 """tt.load's bound on a file's padding: a length step (max_length / length_buckets) of at most
 this many times the longest stored call's length (padded.load_bound)."""
+
+# == generate(): the workload and a decode loop's check ==
+
+MAX_GENERATE_CALLS = 4  # generate() calls
+"""generate() calls of the workload kept to check a decode loop's tokens against."""
+
+TTFT_RUNS = 5  # prefills
+"""Timed prefills per measurement of the time to first token (their median is kept)."""
+
+MAX_CHECK_NEW_TOKENS = 256  # tokens
+"""The most new tokens a stored generate() call of a decode loop's check may ask for (tt.load
+refuses a file that asks more; tt.save stores a longer call with this many)."""
+
+MAX_CHECK_TOKENS = 1 << 16  # tokens
+"""The most tokens, batch x (prompt + new tokens), a stored generate() call of a decode loop's
+check may decode (tt.load refuses a file that asks more; tt.save leaves such a call out)."""
+
+LOOP_CHECK_SECONDS = 300.0  # seconds
+"""The time a loaded decode loop's check may take in all (the untuned generate() runs and the
+loop's own): past it the check stops and generate() stays transformers' own."""
+
+SAMPLING_SEED = 0  # torch.manual_seed's seed
+"""The seed of the random generators while a sampling generate() call is checked (the untuned
+call and the loop's, each in a fork of the generators' state: the caller's state is kept)."""
+
+# == generate(): the decode loop ==
+
+CHECK_EVERY = 16  # decode steps
+"""Steps between two reads of the stopping rule (each read waits for the device): a loop's
+steps one by one, and the graph loop's replays."""
+
+LOOP_KEPT_KEYS = 64  # prompt shapes
+"""The most prompt shapes a decode loop keeps a count or a reason for (the oldest dropped)."""
+
+PREFILL_GRAPHS = 8  # recorded prefills
+"""The most recorded prefills a decode loop keeps (the least recently used is dropped)."""
+
+PREFILL_TOKENS = 4096  # tokens, batch x prompt length
+"""The most prompt tokens (batch x prompt length) a recorded prefill takes: past them the
+device's own time dominates the prefill, and the recording's check holds a copy of the
+prompt's part of the cache."""
+
+PREFILL_RECORD_AFTER = 2  # calls of a prompt shape
+"""A prompt shape is recorded at its PREFILL_RECORD_AFTER-th call (earlier calls run eagerly): a
+stream of prompts whose lengths never repeat does not pay a recording per call."""
+
+SAMPLER_MARGIN = 64  # scores
+"""Scores the top-k sampler reads past the k-th for ties with it: more ties than this make a
+call run again with transformers' own processors."""
+
+RECORDED_DRAWS = 8  # recorded draws
+"""The recorded draws a decode loop keeps (one per batch size, vocabulary and sampler settings);
+past it the oldest is dropped."""
+
+# == generate(): the fused step ==
+
+FUSED_BUCKETS = (1, 2, 4, 8)  # batch rows
+"""The batch buckets one fused decoder serves: a batch runs in the smallest bucket that holds it."""
+
+FUSED_CACHES = 4  # caches
+"""The caches a fused loop keeps (per bucket, length and grad mode; the oldest dropped)."""
+
+FUSED_CHOICES = 16  # choices
+"""The choices a fused loop keeps for its steps one by one (per batch, device and settings; the
+oldest dropped)."""
+
+FUSED_GRAPHS = 8  # recorded steps
+"""The recorded steps a fused loop keeps (per cache, batch and settings; the oldest dropped)."""
+
+FUSED_DYNAMIC_LENGTH = 64  # cache positions
+"""A dynamic-cache call's own static cache is a multiple of this many positions (calls of
+nearby lengths share one cache, its step and its graph)."""
+
+FUSED_SPLIT_MIN_K = 4096  # a product's inner size
+"""The shortest K whose products also get split-K candidates (where few column blocks would read
+it: fewer than two a multiprocessor). The H100 probe's down projections (2048 x 8192, 896 x 4864)
+are such products (bench/results/decode-step.md)."""
+
+FUSED_SPLIT_MIN_LENGTH = 1024  # cache positions
+"""The shortest cache whose attention also gets candidates cut into slices of the positions
+(flash-decoding), for enough programs to fill the card."""
+
+FUSED_REPEAT_LAUNCHES = 24  # kernel launches
+"""About how many launches one recorded graph of a Triton config's timing holds (the shape's
+layers, repeated)."""
 
 # == Files: tt.save / tt.load, the tuning cache ==
 

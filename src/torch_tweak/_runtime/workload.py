@@ -22,19 +22,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .._core import decode_numerics
+from .._core import decode_numerics, settings
 from .._core._samples import synchronizer
 from .decode import call as decode_call, model as decode_model
 from .decode.inputs import describe_argument
 from .decode.loop import can_generate
 
 logger = logging.getLogger("torch_tweak")
-
-MAX_GENERATE_CALLS = 4
-"""generate() calls of the workload kept to check a decode loop's tokens against."""
-
-TTFT_RUNS = 5
-"""Timed prefills per measurement of the time to first token (their median is kept)."""
 
 
 @dataclasses.dataclass
@@ -126,7 +120,7 @@ class Workload:
                 prompt = decode_call.prompt_length(args, kwargs)
                 if prompt is not None:
                     tokens += out.shape[0] * max(out.shape[1] - prompt, 0)
-                    if len(calls) < MAX_GENERATE_CALLS:
+                    if len(calls) < settings.MAX_GENERATE_CALLS:
                         calls.append(GenerateCall(args, dict(kwargs), out.clone(), prompt))
             return out
 
@@ -189,7 +183,7 @@ class Workload:
                 kwargs = dict(call.kwargs, max_new_tokens=1)
                 kwargs.pop("max_length", None)
                 times = []
-                for _ in range(TTFT_RUNS + 1):
+                for _ in range(settings.TTFT_RUNS + 1):
                     self._wait()
                     start = time.perf_counter_ns()
                     self.model.generate(*call.args, **kwargs)

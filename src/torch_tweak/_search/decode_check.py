@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._core import correctness, decode_numerics
+from .._core import correctness, decode_numerics, settings
 from .._runtime.decode import call as decode_call, model as decode_model
 from .._runtime.decode.loop import DecodeLoop, install, loop_of, uninstall
 
@@ -200,7 +200,7 @@ def apply_loop(model: nn.Module, plan: Any, seconds: float | None = None) -> str
     here too; else leaves generate() as it was and returns why. The tokens the plan stores
     are not trusted: a forged loop stores its own. Each call is bounded
     (decode_call.check_bounds), and the whole check by `seconds` (default
-    decode_call.LOOP_CHECK_SECONDS)."""
+    LOOP_CHECK_SECONDS)."""
     from .._core.correctness import MismatchError
 
     if not plan.checks:
@@ -209,7 +209,7 @@ def apply_loop(model: nn.Module, plan: Any, seconds: float | None = None) -> str
         problem = decode_call.check_bounds(model, args, kwargs)
         if problem is not None:
             return problem
-    limit = decode_call.LOOP_CHECK_SECONDS if seconds is None else seconds
+    limit = settings.LOOP_CHECK_SECONDS if seconds is None else seconds
     deadline = time.monotonic() + limit
     late = f"its check took longer than {limit:g} s (LOOP_CHECK_SECONDS)"
     untuned, references = [], []
@@ -262,7 +262,7 @@ def apply_loop(model: nn.Module, plan: Any, seconds: float | None = None) -> str
 def distribution_difference(model: nn.Module, loop: DecodeLoop, args: tuple, kwargs: dict) -> str | None:
     """For a sampling call: how the loop's processed next-token distribution differs from
     transformers' processors' on the same prefixes (the untuned loop's output_scores, each
-    step's against the loop's), beyond decode_numerics.TV_FLOOR (the same processors on the
+    step's against the loop's), beyond TV_FLOOR (the same processors on the
     same scores: equal bit for bit where the logits are, but for a softmax's last bit); None
     when it does not, or for a greedy call (its tokens are compared exactly). Both runs draw
     under same_draws."""
@@ -278,7 +278,7 @@ def distribution_difference(model: nn.Module, loop: DecodeLoop, args: tuple, kwa
         return f"the loop made {len(captured)} processed distributions, transformers {len(expected)}"
     for step, (mine, theirs) in enumerate(zip(captured, expected)):
         distance = float(decode_numerics.total_variation(mine, theirs).max())
-        if not distance <= decode_numerics.TV_FLOOR:
+        if not distance <= settings.TV_FLOOR:
             return (f"step {step}: the processed next-token distribution is {distance:.2e} (total variation) "
-                    f"from transformers' processors', more than {decode_numerics.TV_FLOOR:g}")
+                    f"from transformers' processors', more than {settings.TV_FLOOR:g}")
     return None

@@ -11,7 +11,7 @@ reference here is decode_check's too, and the rule decode_numerics':
 - ``check``: those logits within the measured rule, step by step; a broken step is refused
   with the step and its error as a multiple of the untuned model's;
 - ``check_choice``: a choice's processed distributions against transformers' own processors
-  on the same logits and sequence, within decode_numerics.TV_FLOOR;
+  on the same logits and sequence, within TV_FLOOR;
 - ``generate``: a whole call through the step, greedy or with a choice.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._core import correctness, decode_numerics
+from .._core import correctness, decode_numerics, settings
 from .._runtime.decode.fused_choice import StepChoice
 from .._runtime.decode.fused_step import FusedDecoder
 from . import decode_check
@@ -70,7 +70,7 @@ def check_choice(choice: StepChoice, processors: Any, logits: list[torch.Tensor]
                  prompt: int, where: str = "the fused choice") -> float:
     """Raises MismatchError unless, at every step, the choice's processed distribution of a
     step's `logits` is transformers' `processors`' on the same logits and the sequence so far
-    (`tokens`), within decode_numerics.TV_FLOOR; returns the largest distance."""
+    (`tokens`), within TV_FLOOR; returns the largest distance."""
     choice.start(tokens[:, :prompt], logits[0].shape[-1])
     mine, theirs = [], []
     for step, scores in enumerate(logits):

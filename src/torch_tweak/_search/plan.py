@@ -24,9 +24,9 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .._core import correctness, records
+from .._core import correctness, records, settings
 from .._core._samples import Call
-from .._runtime.decode.call import MAX_CHECK_NEW_TOKENS, check_bounds, greedy_call
+from .._runtime.decode.call import check_bounds, greedy_call
 from .._runtime.decode.loop import loop_of, uninstall as uninstall_loop
 from ..backends.base import Backend
 from .._runtime.module import TunedModule, arm_untuned, install_all, installed, unwrap
@@ -92,10 +92,10 @@ def plan_loop(model: nn.Module) -> LoopPlan | None:
     checks = []
     for args, kwargs, tokens in loop.checks:
         call = greedy_call(model, args, kwargs)
-        if not isinstance(call, str) and call.max_new > MAX_CHECK_NEW_TOKENS:
+        if not isinstance(call, str) and call.max_new > settings.MAX_CHECK_NEW_TOKENS:
             kwargs = {k: v for k, v in kwargs.items() if k != "max_length"}
-            kwargs["max_new_tokens"] = MAX_CHECK_NEW_TOKENS
-            tokens = tokens[:, :call.input_ids.shape[1] + MAX_CHECK_NEW_TOKENS]
+            kwargs["max_new_tokens"] = settings.MAX_CHECK_NEW_TOKENS
+            tokens = tokens[:, :call.input_ids.shape[1] + settings.MAX_CHECK_NEW_TOKENS]
         if check_bounds(model, args, kwargs) is None:
             checks.append((args, kwargs, tokens))
     return LoopPlan(loop.kind, loop.layouts, checks, loop.top_sampler, loop.kernels)

@@ -50,7 +50,6 @@ from .._runtime.decode.fused_loop import KERNELS
 from .._runtime.decode.loop import FUSED, LOOPS
 from .._search.plan import LoadResult, LoopPlan, ModulePlan, Plan, Rebuilt, plan_of
 from .._core.shapes import Shapes, check_shapes, positions
-from .._runtime.workload import MAX_GENERATE_CALLS
 from .serial import (Unstorable, build_backend, class_path, decode, describe_backend,
                      device_name, dumps, encode, known_types, loads)
 from .._core import signatures
@@ -723,8 +722,9 @@ def _loop_plan(plan: dict, stored: tuple, path: Any, types: dict[str, type], mod
         if type(entry) is not dict or entry.get("kind") not in LOOPS:
             raise ValueError("its kind is not one of torch-tweak's decode loops")
         checks = entry.get("checks")
-        if type(checks) is not list or len(checks) > MAX_GENERATE_CALLS or not all(type(c) is dict for c in checks):
-            raise ValueError(f"at most {MAX_GENERATE_CALLS} stored generate() calls, in a list")
+        if type(checks) is not list or len(checks) > settings.MAX_GENERATE_CALLS or \
+                not all(type(c) is dict for c in checks):
+            raise ValueError(f"at most {settings.MAX_GENERATE_CALLS} stored generate() calls, in a list")
         calls = []
         for check in checks:
             args, kwargs = _call(decode(check.get("call"), tensors, place, types))

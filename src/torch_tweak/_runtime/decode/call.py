@@ -16,18 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..._core import settings
 
-MAX_CHECK_NEW_TOKENS = 256
-"""The most new tokens a stored generate() call of a decode loop's check may ask for (tt.load
-refuses a file that asks more; tt.save stores a longer call with this many)."""
-
-MAX_CHECK_TOKENS = 1 << 16
-"""The most tokens, batch x (prompt + new tokens), a stored generate() call of a decode loop's
-check may decode (tt.load refuses a file that asks more; tt.save leaves such a call out)."""
-
-LOOP_CHECK_SECONDS = 300.0
-"""The time a loaded decode loop's check may take in all (the untuned generate() runs and the
-loop's own): past it the check stops and generate() stays transformers' own."""
 
 _GENERATE_OPTIONS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus",
                      "assistant_model", "streamer", "negative_prompt_ids", "negative_prompt_attention_mask",
@@ -60,10 +50,6 @@ SERVED_PROCESSORS = frozenset({
 device tensor work whose only host-side decisions read shapes, never values, so running it
 needs no read of the device per token (the loop keeps the sequence so far as transformers
 does, so their results are transformers' own, bit for bit)."""
-
-SAMPLING_SEED = 0
-"""The seed of the random generators while a sampling generate() call is checked (the untuned
-call and the loop's, each in a fork of the generators' state: the caller's state is kept)."""
 
 
 @dataclasses.dataclass
@@ -244,7 +230,7 @@ def same_draws(model: nn.Module, args: tuple, kwargs: dict) -> Any:
     ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     cuda = isinstance(ids, torch.Tensor) and ids.device.type == "cuda"
     with torch.random.fork_rng(devices=[ids.device] if cuda else []):
-        torch.manual_seed(SAMPLING_SEED)
+        torch.manual_seed(settings.SAMPLING_SEED)
         yield
 
 
@@ -262,12 +248,12 @@ def check_bounds(model: nn.Module, args: tuple, kwargs: dict) -> str | None:
     if isinstance(call, str):
         return f"a stored generate() call is not one the loop serves ({call})"
     batch, prompt = call.input_ids.shape
-    if call.max_new > MAX_CHECK_NEW_TOKENS:
+    if call.max_new > settings.MAX_CHECK_NEW_TOKENS:
         return (f"a stored generate() call asks for {call.max_new} new tokens, and a check may ask at most "
-                f"{MAX_CHECK_NEW_TOKENS}")
-    if batch * (prompt + call.max_new) > MAX_CHECK_TOKENS:
+                f"{settings.MAX_CHECK_NEW_TOKENS}")
+    if batch * (prompt + call.max_new) > settings.MAX_CHECK_TOKENS:
         return (f"a stored generate() call decodes {batch} x ({prompt} + {call.max_new}) tokens, and a check may "
-                f"decode at most {MAX_CHECK_TOKENS}")
+                f"decode at most {settings.MAX_CHECK_TOKENS}")
     return None
 
 

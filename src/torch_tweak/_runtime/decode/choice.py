@@ -6,13 +6,13 @@ each step's logits and processed scores kept for the measured rule (decode_check
 The top-k sampler (TopSampler; docs/generate.md, "The top-k sampler"): transformers' top-p
 warper sorts the whole vocabulary at every step (0.55 ms of the H200's time at batch 1 for the
 Llama-3 vocabulary of 128,256, a third of the decode step: bench/results/decode-anatomy.md).
-TopSampler gives the same processed scores from the top k + MARGIN scores alone: top-k's kept
+TopSampler gives the same processed scores from the top k + SAMPLER_MARGIN scores alone: top-k's kept
 entries (ties with the k-th included), ordered as a stable ascending sort orders them (by score,
 then by index: CUDA's order of ties), their softmax's running sum cut at 1 - top_p as
 transformers cuts it, scattered back into a row of -inf; the softmax and torch.multinomial then
 run as transformers runs them, so a draw under a seed is transformers'. It can differ where a
 running sum lies within a few float32 ulps of 1 - top_p (summed in another order than over the
-whole sorted row); it cannot serve more ties at the k-th than MARGIN, or a NaN score: both are
+whole sorted row); it cannot serve more ties at the k-th than SAMPLER_MARGIN, or a NaN score: both are
 flagged on the device (overflowed), read once per call, and the call is made again with
 transformers' processors from the same generator state (loop.DecodeLoop). CUDA only: the CPU's
 sort does not keep ties in index order.
@@ -27,14 +27,11 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from ..._core import settings
 from .call import Greedy
 from .model import record_graph, replay
 
 logger = logging.getLogger("torch_tweak")
-
-MARGIN = 64
-"""Scores read past the k-th for ties with it: more ties than this make a call run again with
-transformers' own processors."""
 
 DEVICES = frozenset({"cuda"})
 """The device types TopSampler serves (tests widen it to check its arithmetic on the CPU)."""
@@ -82,7 +79,7 @@ class TopSampler:
             scores = self.temperature(None, scores)
         vocab = scores.shape[-1]
         k = min(self.top_k, vocab)
-        width = min(k + MARGIN, vocab)
+        width = min(k + settings.SAMPLER_MARGIN, vocab)
         values, indices = torch.topk(scores, width)  # descending
         kth = values[:, k - 1:k]
         kept = values >= kth  # top-k keeps every score not below the k-th, ties included
@@ -172,11 +169,6 @@ def exact_draws(device: torch.device) -> bool:
             same = same and bool(torch.equal(ours, theirs))
         known = _EXACT[device.type] = same
     return known
-
-
-RECORDED_DRAWS = 8
-"""The recorded draws a decode loop keeps (one per batch size, vocabulary and sampler settings);
-past it the oldest is dropped."""
 
 
 class RecordedDraw:
@@ -338,7 +330,7 @@ class Choice:
             return sampler
         draw = self.draws.pop(key, None)
         if draw is None:
-            if len(self.draws) >= RECORDED_DRAWS:
+            if len(self.draws) >= settings.RECORDED_DRAWS:
                 self.draws.pop(next(iter(self.draws)))
             try:
                 draw = RecordedDraw(sampler, batch, vocab, device)

@@ -4,7 +4,7 @@
 - ``Fused``, the kind's step source: the model read once for the step (its modules as shipped;
   tuned modules are taken out while it is read, the step reads the same tensors), read again
   where a weight moved; the step's kernels ("torch", "triton", "inductor": fused_step.Step);
-  which calls it serves (``problem``): no padding in the prompt, at most BUCKETS[-1] rows, the
+  which calls it serves (``problem``): no padding in the prompt, at most FUSED_BUCKETS[-1] rows, the
   processors StepChoice runs as fixed work, the model on the inputs' device. One measurement
   serves every batch of 1 to 8 rows (``kind``): each runs the same step in its bucket.
 - ``FusedSteps``, the loop's part that decodes a call: the prompt through the model's own
@@ -34,11 +34,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..._core import settings
 from .call import Greedy
 from .choice import Choice, rng_state, set_rng_state
 from .fused_choice import StepChoice
 from .fused_kernels import triton_problem
-from .fused_step import BUCKETS, FusedDecoder, Step, bucket
+from .fused_step import FusedDecoder, Step, bucket
 from .model import bounded, plain_model, record_graph, replay
 from .prefill import RECORDS as PREFILL_RECORDS, Prefills
 from .steps import Stopping
@@ -48,25 +49,8 @@ logger = logging.getLogger("torch_tweak")
 KERNELS = ("torch", "triton", "inductor")
 """The kernels a fused loop's step runs (fused_step.FusedDecoder.runner)."""
 
-SERVED_BATCHES = f"1 to {BUCKETS[-1]}"
-"""What a fused loop's measured kind says of the batch: every batch it serves runs one step."""
-
-FUSED_CACHES = 4
-"""The caches a fused loop keeps (per bucket, length and grad mode; the oldest dropped)."""
-
-CHOICES = 16
-"""The choices a fused loop keeps for its steps one by one (per batch, device and settings; the
-oldest dropped)."""
-
-GRAPHS = 8
-"""The recorded steps a fused loop keeps (per cache, batch and settings; the oldest dropped)."""
-
 RECORDS = frozenset({"cuda"})
 """The device types whose fused steps are recorded as device graphs (elsewhere step by step)."""
-
-DYNAMIC_LENGTH = 64
-"""A dynamic-cache call's own static cache is a multiple of this many positions (calls of
-nearby lengths share one cache, its step and its graph)."""
 
 
 def read_model(model: nn.Module) -> FusedDecoder | str:
@@ -104,8 +88,8 @@ class Fused:
         if self.decoder is None:
             return f"a model the fused step does not serve ({self.refused})"
         ids = call.input_ids
-        if ids.shape[0] > BUCKETS[-1]:
-            return f"a batch of {ids.shape[0]} rows (the fused step serves 1 to {BUCKETS[-1]})"
+        if ids.shape[0] > settings.FUSED_BUCKETS[-1]:
+            return f"a batch of {ids.shape[0]} rows (the fused step serves 1 to {settings.FUSED_BUCKETS[-1]})"
         if call.mask is not None:
             return "padding in the prompt, which the fused step does not serve"
         where = self.decoder.device_problem(ids.device)
@@ -127,8 +111,9 @@ class Fused:
     @staticmethod
     def kind(call: Greedy) -> tuple:
         """The kind of call a measurement of this source speaks for: every batch of 1 to 8 rows
-        (one step, run in the batch's bucket), with the call's cache."""
-        return (SERVED_BATCHES, bool(call.static))
+        (one step, run in the batch's bucket: the kind says so of the batch), with the call's
+        cache."""
+        return (f"1 to {settings.FUSED_BUCKETS[-1]}", bool(call.static))
 
     def runner(self, cache: Any) -> Step:
         """The step's work on `cache` with the source's kernels; the model read again first where
@@ -217,7 +202,8 @@ class FusedSteps:
         ids = call.input_ids
         prompt = ids.shape[1]
         if not length:
-            length = -(-(prompt + call.max_new - 1) // DYNAMIC_LENGTH) * DYNAMIC_LENGTH
+            step = settings.FUSED_DYNAMIC_LENGTH
+            length = -(-(prompt + call.max_new - 1) // step) * step
         key = (bucket(ids.shape[0]), length, ids.device, torch.is_inference_mode_enabled())
         cache = self._cache(key)
         state = rng_state(ids.device) if top and call.sample else None
@@ -233,7 +219,7 @@ class FusedSteps:
     def _cache(self, key: tuple) -> Any:
         cache = self.caches.pop(key, None)
         if cache is None:
-            if len(self.caches) >= FUSED_CACHES:
+            if len(self.caches) >= settings.FUSED_CACHES:
                 old = next(iter(self.caches))
                 del self.caches[old]
                 self.graphs = {k: g for k, g in self.graphs.items() if k[:4] != old}
@@ -252,7 +238,7 @@ class FusedSteps:
             if isinstance(made, str):  # Fused.problem refused such a call before
                 raise RuntimeError(made)
             choice = made
-            if len(self.choices) >= CHOICES:
+            if len(self.choices) >= settings.FUSED_CHOICES:
                 del self.choices[next(iter(self.choices))]
         self.choices[key] = choice
         return choice
@@ -336,7 +322,7 @@ class FusedSteps:
                 return None
         if entry is None:
             return None
-        if len(self.graphs) >= GRAPHS:
+        if len(self.graphs) >= settings.FUSED_GRAPHS:
             del self.graphs[next(iter(self.graphs))]
         self.graphs[gkey] = entry  # the newest last
         return entry

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..._core import settings
 from ..._core.model_state import snapshot, weights_moved, weights_of
 from .fused_kernels import Attention, Product, kernels as make_kernels
 
@@ -44,9 +45,6 @@ FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralFo
 """The transformers classes FusedDecoder reads, with their modeling module's name."""
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-BUCKETS = (1, 2, 4, 8)
-"""The batch buckets one decoder serves: a batch runs in the smallest bucket that holds it."""
 
 DYNAMIC_ROPE = ("dynamic", "longrope")
 """Rope types whose frequencies depend on the longest position of a call: their table is made
@@ -59,7 +57,7 @@ _LOCK = threading.RLock()
 
 def bucket(batch: int) -> int | None:
     """The bucket a batch of `batch` rows runs in, or None past the largest."""
-    return next((b for b in BUCKETS if batch <= b), None)
+    return next((b for b in settings.FUSED_BUCKETS if batch <= b), None)
 
 
 @dataclasses.dataclass(eq=False)
@@ -264,7 +262,7 @@ class FusedDecoder:
 
         rows = bucket(batch)
         if rows is None or batch < 1:
-            raise ValueError(f"a batch of {batch}: the fused step serves 1 to {BUCKETS[-1]} rows")
+            raise ValueError(f"a batch of {batch}: the fused step serves 1 to {settings.FUSED_BUCKETS[-1]} rows")
         cache = StaticCache(config=self.model.config, max_cache_len=length)
         a = self.layers[0].attention
         early = getattr(cache, "early_initialization", None)

@@ -31,6 +31,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..._core import settings
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -60,12 +62,8 @@ SPLIT_BASES = (DOT_CONFIGS[1], DOT_CONFIGS[2])
 """The dot configs cut along K: the two of least shared memory a program (more fit on a
 multiprocessor, which is what the parts are for)."""
 
-SPLIT_MIN_K = 4096
-
 ATTENTION_CONFIGS = (Config(block_l=32, warps=2), Config(block_l=64, warps=4))
 """The attention's blocks of positions (each tile [block_l, head_dim])."""
-
-SPLIT_MIN_LENGTH = 1024
 
 
 def _floor_pow2(n: int) -> int:
@@ -74,7 +72,7 @@ def _floor_pow2(n: int) -> int:
 
 def split_configs(n: int, k: int, sms: int) -> list[Config]:
     """The split-K candidates of a product of n x k on a card of `sms` multiprocessors."""
-    if k < SPLIT_MIN_K or sms <= 0:
+    if k < settings.FUSED_SPLIT_MIN_K or sms <= 0:
         return []
     found = []
     for base in SPLIT_BASES:
@@ -102,7 +100,7 @@ def attention_configs(length: int, programs: int, sms: int) -> list[Config]:
     programs on a card of `sms` multiprocessors: the blocks, and for long caches the blocks cut
     into a power of two of slices (at least 256 positions a slice at the cache's middle)."""
     configs = list(ATTENTION_CONFIGS)
-    if length < SPLIT_MIN_LENGTH or sms <= 0:
+    if length < settings.FUSED_SPLIT_MIN_LENGTH or sms <= 0:
         return configs
     split = 2
     while programs * split < sms and split < 16 and length // (4 * split) >= 256:
@@ -212,17 +210,13 @@ def compile_all(jobs: list[Callable[[], Any]]) -> None:
                     continue
 
 
-REPEAT_LAUNCHES = 24
-"""About how many launches one recorded graph holds (the shape's layers, repeated)."""
-
-
 def graph_ms(fn: Callable[[], Any], device: torch.device, launches: int) -> float:
     """ms of one call of `fn` (which makes `launches` launches) on the card: called once (its
-    kernels loaded, its scratch made), then called enough times for about REPEAT_LAUNCHES
+    kernels loaded, its scratch made), then called enough times for about FUSED_REPEAT_LAUNCHES
     launches in one CUDA graph, replayed: the median of 5 replays timed with CUDA events. (The
     graph is recorded with capture_begin/capture_end: torch.cuda.graph would collect garbage
     and empty the allocator's cache for each config.)"""
-    repeat = max(1, -(-REPEAT_LAUNCHES // max(1, launches)))
+    repeat = max(1, -(-settings.FUSED_REPEAT_LAUNCHES // max(1, launches)))
     with torch.cuda.device(device):
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from ..._core import settings
 from ..module import install as install_wrapper, installed, uninstall as uninstall_wrapper
 from .call import Greedy, greedy_call
 
@@ -164,14 +165,10 @@ def logits_of(out: Any) -> torch.Tensor:
     return logits
 
 
-KEPT_KEYS = 64
-"""The most prompt shapes a decode loop keeps a count or a reason for (the oldest dropped)."""
-
-
 def bounded(table: dict, key: tuple, value: Any) -> None:
-    """table[key] = value, the oldest entry dropped past KEPT_KEYS."""
+    """table[key] = value, the oldest entry dropped past LOOP_KEPT_KEYS."""
     table.pop(key, None)
-    if len(table) >= KEPT_KEYS:
+    if len(table) >= settings.LOOP_KEPT_KEYS:
         table.pop(next(iter(table)))
     table[key] = value
 

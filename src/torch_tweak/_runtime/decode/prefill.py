@@ -1,5 +1,5 @@
 """A decode loop's prefill: the prompt through the model (Prefills), and on a cache kept
-between calls, the prompt shape's prefill recorded as a device graph at its RECORD_AFTER-th
+between calls, the prompt shape's prefill recorded as a device graph at its PREFILL_RECORD_AFTER-th
 call and replayed after (RecordedPrefill; docs/generate.md says what a user sees of it).
 
 The prefill runs the untuned model's eager forward, as transformers' generate() does, so that
@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from ..._core import settings
 from ..._core.model_state import weights_moved, weights_of
 from .call import Greedy
 from .inputs import StepInputs
@@ -44,18 +45,6 @@ logger = logging.getLogger("torch_tweak")
 
 RECORDS = frozenset({"cuda"})
 """The device types whose prefills are recorded as device graphs (elsewhere run eagerly)."""
-
-PREFILL_GRAPHS = 8
-"""The most recorded prefills a decode loop keeps (the least recently used is dropped)."""
-
-PREFILL_TOKENS = 4096
-"""The most prompt tokens (batch x prompt length) a recorded prefill takes: past them the
-device's own time dominates the prefill, and the recording's check holds a copy of the
-prompt's part of the cache."""
-
-RECORD_AFTER = 2
-"""A prompt shape is recorded at its RECORD_AFTER-th call (earlier calls run eagerly): a stream
-of prompts whose lengths never repeat does not pay a recording per call."""
 
 
 class Stale(Exception):
@@ -226,7 +215,7 @@ class RecordedPrefill:
     def eligible(batch: int, prompt: int, padded: bool) -> bool:
         """Whether a prompt of this shape is recorded: not padded (its mask is the call's), at
         most PREFILL_TOKENS tokens."""
-        return not padded and batch * prompt <= PREFILL_TOKENS
+        return not padded and batch * prompt <= settings.PREFILL_TOKENS
 
 
 class Prefills:
@@ -238,7 +227,7 @@ class Prefills:
         self.inputs = inputs
         self.record = True  # a kept cache's prefill recorded per prompt shape
         self.recorded: dict[tuple, RecordedPrefill] = {}  # the newest last
-        self.waiting: dict[tuple, int] = {}  # calls per prompt shape not recorded yet (RECORD_AFTER)
+        self.waiting: dict[tuple, int] = {}  # calls per prompt shape not recorded yet (PREFILL_RECORD_AFTER)
         self.unrecorded: dict[tuple, str] = {}  # a prefill not recorded or not replayed: why
 
     def run(self, call: Greedy, cache: Any) -> torch.Tensor:
@@ -251,7 +240,7 @@ class Prefills:
     def first_logits(self, call: Greedy, cache: Any, kept: tuple) -> torch.Tensor:
         """The prompt's logits on a cache kept between calls (`kept`: its key), the cache reset
         first: from the prompt shape's recorded prefill where there is one (made at the
-        shape's RECORD_AFTER-th call), else eagerly. A prefill that cannot be recorded or
+        shape's PREFILL_RECORD_AFTER-th call), else eagerly. A prefill that cannot be recorded or
         replayed is said once and runs eagerly from then on."""
         batch, prompt = call.input_ids.shape
         key = kept + (prompt,)
@@ -259,7 +248,7 @@ class Prefills:
         if recorded is None and self.record and key not in self.unrecorded and \
                 RecordedPrefill.eligible(batch, prompt, call.mask is not None):
             calls = self.waiting.pop(key, 0) + 1
-            if calls < RECORD_AFTER:
+            if calls < settings.PREFILL_RECORD_AFTER:
                 bounded(self.waiting, key, calls)
             else:
                 try:
@@ -274,7 +263,7 @@ class Prefills:
             except Stale as exc:
                 self._refused(key, batch, prompt, str(exc))
             else:
-                while len(self.recorded) >= PREFILL_GRAPHS:
+                while len(self.recorded) >= settings.PREFILL_GRAPHS:
                     self.recorded.pop(next(iter(self.recorded)))
                 self.recorded[key] = recorded  # the newest last
                 return logits

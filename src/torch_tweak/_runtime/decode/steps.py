@@ -13,15 +13,11 @@ import torch
 from torch import nn
 
 from ... import _C
-from .call import LOOP_CHECK_SECONDS, Greedy, call_kind
+from ..._core import settings
+from .call import Greedy, call_kind
 from .choice import Choice, RecordedDraw, TopSampler
 from .inputs import StepInputs, contiguous, plain_causal
 from .model import compile_config, decode_context, logits_of, transformers_compiles, tuned_settings
-
-
-CHECK_EVERY = 16
-"""Steps between two reads of the stopping rule (each read waits for the device): a loop's
-steps one by one, and the graph loop's replays."""
 
 
 class Stopping:
@@ -35,7 +31,7 @@ class Stopping:
 
     def in_time(self) -> None:
         if self.deadline is not None and time.monotonic() > self.deadline:
-            raise TimeoutError(f"its check took longer than {LOOP_CHECK_SECONDS:g} s (LOOP_CHECK_SECONDS)")
+            raise TimeoutError(f"its check took longer than {settings.LOOP_CHECK_SECONDS:g} s (LOOP_CHECK_SECONDS)")
 
     @staticmethod
     def eos(call: Greedy) -> torch.Tensor | None:
@@ -58,7 +54,7 @@ class Stopping:
         if done >= max_new:
             return True
         self.in_time()
-        return unfinished is not None and done % CHECK_EVERY == 0 and not bool(unfinished.any())
+        return unfinished is not None and done % settings.CHECK_EVERY == 0 and not bool(unfinished.any())
 
     def replay(self, step: Callable[[], Any], max_new: int, tokens: torch.Tensor, eos: torch.Tensor | None) -> int:
         """Tokens 1..max_new-1 made by replaying `step` (a recorded step that writes its token
@@ -69,7 +65,7 @@ class Stopping:
             self.in_time()
             return eos is not None and bool(torch.isin(tokens[:, :n], eos).any(dim=1).all())
 
-        return _C.replay_steps(step, 1, max_new, CHECK_EVERY, finished)
+        return _C.replay_steps(step, 1, max_new, settings.CHECK_EVERY, finished)
 
     @staticmethod
     def cut(tokens: torch.Tensor, eos: torch.Tensor | None, pad: int | None) -> torch.Tensor:
