@@ -655,21 +655,22 @@ def judge_groups(found: error_groups.Groups, own: error_groups.Groups | None, mu
         for k, (stat, limit) in enumerate((("rms", cap), ("peak", 10 * cap))):
             got = getattr(mine, stat)
             scale = got.new_full(got.shape, least[k]) if theirs is None else getattr(theirs, stat).clamp(min=least[k])
-            bound = torch.minimum(multiplier * scale + floor, scale.clamp(min=limit)).clamp(
+            times = multiplier * (settings.PEAK_SPREAD if stat == "peak" else 1.0)
+            bound = torch.minimum(times * scale + floor, scale.clamp(min=limit)).clamp(
                 min=float(torch.finfo(torch.float64).tiny))
             if not got.numel():
                 continue
             g = int((got / bound).argmax())
             candidate = Finding(float(got[g]), float(bound[g]), float(scale[g]))
             if candidate.share > chosen.share or at is None:
-                chosen, at = candidate, (mine, g, stat)
+                chosen, at = candidate, (mine, g, stat, times)
     if at is not None and float(chosen) > chosen.bound:
-        family, g, stat = at
+        family, g, stat, times = at
         whose = "typical one measured at tuning" if own is None else f"own there, at least its typical {family.name}'s"
         raise MismatchError(
-            f"{where}: {found.name(family, g)}: {describe_finding(chosen)}, more than {multiplier:g}x allowed "
+            f"{where}: {found.name(family, g)}: {describe_finding(chosen)}, more than {times:g}x allowed "
             f"({'error' if stat == 'rms' else 'largest single error'} {float(chosen):.3g} {against}, the original's "
-            f"{chosen.own:.3g}; the bound {chosen.bound:.3g} is {multiplier:g}x the original's {whose}, plus one unit "
+            f"{chosen.own:.3g}; the bound {chosen.bound:.3g} is {times:g}x the original's {whose}, plus one unit "
             f"in the last place of {_name(dtype)}, at most {cap if stat == 'rms' else 10 * cap:g} or the original's)",
             float(chosen), chosen.bound, chosen.own)
     return chosen
