@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import support
 import torch_tweak as tt
 from torch_tweak._runtime.decode import call as decode_call, fused_loop, loop as decode_loop
 from torch_tweak._runtime.decode.fused_kernels import Product
@@ -282,29 +283,17 @@ def test_weights_replaced_after_the_loop_read_them_are_read_again():
 
 @pytest.mark.slow
 def test_eight_threads_share_a_fused_loop_and_each_gets_its_untuned_tokens():
-    import threading
-
     model = build("llama")
     untuned = copy.deepcopy(model)
     prompts = [prompt(1 + i, seed=i, length=4 + i % 3) for i in range(8)]
     expected = [generate(untuned, p) for p in prompts]
     decode_loop.install(model, loop := decode_loop.DecodeLoop(model, "fused"))
-    wrong, errors = [], []
 
-    def work(i: int) -> None:
-        try:
-            for _ in range(3):
-                if not torch.equal(generate(model, prompts[i]), expected[i]):
-                    wrong.append(i)
-        except Exception as exc:  # noqa: BLE001 - every failure is reported below
-            errors.append(repr(exc))
+    def check(i: int) -> None:
+        for _ in range(3):
+            assert torch.equal(generate(model, prompts[i]), expected[i]), f"prompt {i}"
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors and not wrong, (errors, wrong)
+    support.in_threads(8, check, mode=torch.no_grad)
     assert loop.calls == 24 and not loop.fallbacks
 
 
