@@ -1,8 +1,7 @@
 """A padded class after tuning, as a service meets it (issue 57, on the CPU): every length up to
 the model's position table and every batch memory holds is served, each new bucket recorded and
-checked off the calls' path on a copy of its first call; a bucket that failed its check, or that
-waits for it, never serves; past the caps the least used bucket is evicted, with eight threads
-calling. Padding runs without device graphs here (graph=False: the target on the padded call);
+checked in its first call, after that call was answered; a bucket that failed its check never
+serves; past the caps the least used bucket is evicted, with eight threads calling. Padding runs without device graphs here (graph=False: the target on the padded call);
 tests/gpu/test_padded_gpu.py records graphs.
 
 Every call is compared with an untuned copy taken before tuning, by the correctness rule a new
@@ -87,7 +86,6 @@ def test_every_length_to_the_position_table_is_served_each_bucket_checked_first(
             if fit[2] not in ready:
                 new.add(fit[2])
             same(model(**r), untuned(**r), call, f"a call of length {n}")
-            call.settle()  # its bucket, if new, was checked on it
             ready = set(call._pad_ready())
             assert fit[2] in ready
             same(model(**r), untuned(**r), call, f"the call of length {n} again, from its bucket")
@@ -118,7 +116,6 @@ def test_a_bucket_whose_check_fails_never_serves():
                 r = one_request(2, n, n)
                 r["attention_mask"][1, 1:] = 0  # a short row: padding it past 36 unmasks it
                 same(model(**r), untuned(**r), call, f"a call of length {n}")
-                call.settle()
     stats = call.describe()
     assert stats["refused_buckets"] == 1 and stats["checked_buckets"] == 2
     assert (2, 32) in call._pad_ready() and (2, 40) not in call._pad_ready()
@@ -127,30 +124,32 @@ def test_a_bucket_whose_check_fails_never_serves():
     assert "1 new buckets refused" in str(tt.status(model))
 
 
-def test_a_bucket_waiting_for_its_check_never_serves_and_no_call_waits_for_it(monkeypatch):
+def test_a_new_bucket_is_checked_in_its_first_call_serves_the_next_and_no_thread_is_started(monkeypatch):
+    """The first call of a new bucket is answered by the module, then the bucket is recorded and
+    checked in that same call (never on a thread beside the calls: a device graph being recorded
+    there forbids the service's own synchronize, and a recompile there patches every thread's
+    module calls); the next call of its range is served from it."""
     torch.manual_seed(0)
     model = Tagger().eval()
     untuned = copy.deepcopy(model)
     w, call = tune(model, requests(8, 0, batches=(1, 2), lengths=range(5, 25)))
-    gate = threading.Event()
+    seen = []
     prove = padded_module.PaddedCall._prove_new
 
-    def held(self, job):
-        gate.wait(30)  # the recording and check wait; the calls must not
-        return prove(self, job)
+    def watched(self, key, job_call, reference):
+        seen.append((key, threading.current_thread() is threading.main_thread(), self.fast_calls))
+        return prove(self, key, job_call, reference)
 
-    monkeypatch.setattr(padded_module.PaddedCall, "_prove_new", held)
-    fast = call.fast_calls
+    monkeypatch.setattr(padded_module.PaddedCall, "_prove_new", watched)
+    threads, fast = threading.active_count(), call.fast_calls
     r = one_request(2, 40, 1)
     with torch.inference_mode():
-        for _ in range(5):
-            same(model(**r), untuned(**r), call, "a call of a bucket being checked")
-    assert call.fast_calls == fast and call.describe()["pending_buckets"] == 1  # served by the module
-    gate.set()
-    assert call.settle()
-    with torch.inference_mode():
-        same(model(**r), untuned(**r), call, "a call of the checked bucket")
-    assert call.fast_calls == fast + 1 and call.describe()["checked_buckets"] == 1
+        same(model(**r), untuned(**r), call, "the first call of a new bucket")
+        assert seen == [((2, 40), True, fast)] and call.describe()["checked_buckets"] == 1
+        for i in range(3):
+            same(model(**r), untuned(**r), call, "a call of the checked bucket")
+    assert call.fast_calls == fast + 3 and len(seen) == 1 and call.describe()["unready_calls"] == 1
+    assert threading.active_count() == threads
 
 
 def test_a_recording_that_raises_refuses_its_bucket_and_calls_stay_served(monkeypatch):
@@ -167,7 +166,6 @@ def test_a_recording_that_raises_refuses_its_bucket_and_calls_stay_served(monkey
         for n in (30, 40, 30):
             r = one_request(2, n, n)
             same(model(**r), untuned(**r), call, f"a call of length {n}")
-            call.settle()
     stats = call.describe()
     assert stats["refused_buckets"] == 2 and "out of graph memory" in call.table.refused[(2, 32)]
     assert (2, 32) not in call._pad_ready() and stats["unready_calls"] == 3
@@ -215,7 +213,6 @@ def test_eviction_keeps_the_buckets_under_the_caps_with_eight_threads_and_a_thou
     watcher.start()
     try:
         in_threads(len(stream), lambda i: same(model(**stream[i]), wanted[i], call, f"call {i}"))
-        assert call.settle()
     finally:
         stop.set()
         watcher.join()
@@ -250,5 +247,4 @@ def test_a_stale_file_serves_no_bucket_and_a_genuine_one_only_proven_ones(tmp_pa
     with torch.inference_mode():
         for _ in range(2):
             same(fresh(**r), untuned(**r), call, "a new bucket after tt.load")
-            call.settle()
     assert call.describe()["checked_buckets"] == 1 and (2, 40) in call._pad_ready()

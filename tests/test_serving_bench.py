@@ -25,7 +25,7 @@ def test_the_fresh_shapes_bench_runs_in_smoke_mode(tmp_path):
     for row in rows.values():
         assert not row["errors"] and not row["skipped"], (row["errors"], row["skipped"])
         assert set(row["warm_s"]) == set(row["new_first_s"]) == {"eager", "tweak"}
-        assert row["error"]["tweak"] < 1e-3 and row["tweak_settled"] and "tune_s" in row
+        assert row["error"]["tweak"] < 1e-3 and "tune_s" in row
         assert {"warm_s", "new_s", "first_pass_vs_eager_warm", "cold_vs_beaten_column"} <= set(row["verdict"])
         (padded,) = row["tweak_buckets"]
         assert padded["outside_range"] == 0 and padded["refused_buckets"] == 0

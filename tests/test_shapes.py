@@ -97,7 +97,6 @@ def test_a_declared_batch_range_beyond_the_recorded_calls_is_served_by_the_padde
         for b in (1, 3, 8, 20, 32, 32, 40):
             x = torch.randn(b, 16)
             torch.testing.assert_close(model(x), untuned(x))
-            assert group.backend.callable.settle()  # a new bucket is recorded beside the call: its counts settled
     stats = group.backend.describe()
     assert stats["buckets"]["1"] == 1 and stats["buckets"]["32"] == 2  # recorded at tuning, from the edges
     assert stats["outside_range"] == 1 and sum(tt.installed(model)[""].tt_untuned.values()) == 0

@@ -208,9 +208,6 @@ ORT_MAX_THREADS = 1024  # threads
 default); a larger count is a mistake, refused with its config (the config's schema, what a saved
 file may hold, takes it at import)."""
 
-PADDED_IDLE_SECONDS = 10.0  # seconds
-"""A padded module's worker thread with nothing to do for this long ends."""
-
 PADDED_LOAD_GROWTH = 16  # times the longest stored call's length
 """tt.load's bound on a file's padding: a length step (max_length / length_buckets) of at most
 this many times the longest stored call's length (padded.load_bound)."""

@@ -37,14 +37,17 @@ max_graph_memory_mb, over the memory a row of the largest recorded bucket took; 
 seen, rounded up to a bucket; length up to the largest seen), and describe() says which. The
 declared max_batch and max_length (tt.tweak's shapes= sets them: for_shapes) win over both.
 
-Buckets are recorded at build for the recorded calls, and after it off the calls' path
-(_padded_buckets): a call of a new bucket inside the range is served as if it had none (the
-module compiled for dynamic shapes, or the module itself with compile=False), and a worker
-thread records the bucket and checks it on a copy of that call against the original's answer;
-it serves the next calls only once that check passed. Past max_graphs buckets or
-max_graph_memory_mb of their memory, the least used bucket is evicted. A call outside the
-range, or one that does not fit the recorded layout, runs the module compiled for dynamic
-shapes: never a graph that was not checked.
+Buckets are recorded at build for the recorded calls, and after it in the call that first
+needs one (_padded_buckets): that call is answered as a call of no bucket is (the module
+compiled for dynamic shapes, or the module itself with compile=False), then the bucket is
+recorded and run on that call and checked against the original's answer; it serves the next
+calls only once that check passed. Not beside the calls on a thread of its own: a graph being
+recorded forbids any device-wide synchronize of the process (a service's own
+torch.cuda.synchronize() failed beside it, and spoiled the recording), and a recompile beside
+the calls patches torch.nn.Module.__call__ for every thread while it traces. Past max_graphs
+buckets or max_graph_memory_mb of their memory, the least used bucket is evicted. A call
+outside the range, or one that does not fit the recorded layout, runs the module compiled for
+dynamic shapes: never a graph that was not checked.
 
 The graphs of one module each have a memory pool of their own, released when the bucket is
 evicted, and the outputs are copied out after each replay, so a later replay never changes what
@@ -62,22 +65,21 @@ after it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.utils._pytree as pytree
 
 from .._core import settings
 from .. import _C
-from .._core._samples import Call, clone, fresh
+from .._core._samples import Call, fresh
 from .._core.correctness import MismatchError, check
 from .._core.layout import CallLayout
 from .._core.schema import Count, Flag
 from .._core.shapes import Shapes, mask_lengths, position_table, positions
-from ._padded_buckets import Bucket, Table, Worker, fill_unlike, free_bytes
+from ._padded_buckets import Bucket, Table, fill_unlike, free_bytes
 from .base import Backend, BackendConfig, BackendUnavailable
 from .graph import DeviceGraphBackend, _DeviceApi, capture, graph_unavailable, warm_up
 from .inductor import compile_module, shared_compiles
@@ -257,7 +259,7 @@ graph backend's rule, which reads nothing of its backend object."""
 class _Checked:
     """The part of PaddedCall that checks padding against the original: each recorded call that
     gets padded and each bucket's most padding at the build (prove), a new bucket on a copy of
-    its first call after it (_prove_new, in the worker). Its state is PaddedCall's."""
+    its first call after it (_prove_new). Its state is PaddedCall's."""
 
     def prove(self, samples: Sequence[Call]) -> None:
         """Checks each recorded call that gets padded, and for each bucket the samples use a
@@ -302,36 +304,33 @@ class _Checked:
                 raise PaddingRefused(f"padding changes the answer ({what}): {exc}", exc.error,
                                      exc.tolerance) from None
 
-    def _prove_new(self, job: tuple) -> None:
-        """The worker's job: bucket `key` recorded and run on a copy of its first call, checked
-        against the original's answer for that call; it serves from now on if they match,
-        else it is refused with the reason (also when recording it raised)."""
-        key, call, reference, event = job
+    def _prove_new(self, key: tuple[int, int], call: Call, reference: Any) -> None:
+        """Bucket `key` recorded and run on its first call, checked against the original's
+        answer for that call (`reference`, or None: the module is run for it); it serves from
+        now on if they match, else it is refused with the reason (also when recording raised)."""
         try:
-            with torch.no_grad(), self._stream(event):
+            with torch.no_grad():
                 if reference is None:
                     reference = self.module(*call[0], **call[1])
                 self._make_room(key)
                 bucket = self._record(key, call)
                 got = self._pad_run(call, False)
-                self._sync()
             self.checks += 1
             check(got, reference, self.tolerance, where="a new bucket's first call", own=self.own)
             self._make_room(key, bucket.memory)
         except MismatchError as exc:
             self._refuse(key, f"it gave another answer than the original ({exc})")
-        except Exception as exc:  # noqa: BLE001 - a worker must not die of it: the calls stay served
+        except Exception as exc:  # noqa: BLE001 - the call was answered: the bucket alone is refused
             self._refuse(key, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
         else:
             self._pad_serve(*key)
-            self.table.done(key)
 
     def _refuse(self, key: tuple[int, int], why: str) -> None:
         """Bucket `key` serves nothing (what it held let go), with the reason kept and logged."""
         try:
             self._pad_drop(*key)  # never ready, so never one a call is served from
         finally:
-            self.table.done(key, why)
+            self.table.refuse(key, why)
         logger.warning("torch-tweak: a new bucket %s is not served (%s); its calls run the module compiled for "
                        "dynamic shapes", key, why)
 
@@ -344,7 +343,7 @@ class PaddedCall(_C.PaddedReplay, _Checked):
     (_C.PaddedReplay: whether it fits, the bucket found from its sizes, the copies in, the
     replay, the cuts and copies out, the counters), as is a call that does not fit or falls
     outside the range (the target); a call that fits whose bucket is not ready comes back
-    here, to _slow: recorded at the build, handed to the worker after it."""
+    here, to _slow: recorded at the build, and in its first call after it."""
 
     def __init__(self, module: torch.nn.Module, target: Callable[..., Any], plan: Plan,
                  config: PaddedGraphBackendConfig, device: torch.device, tolerance: float | None,
@@ -354,17 +353,11 @@ class PaddedCall(_C.PaddedReplay, _Checked):
         self.tolerance = tolerance
         self.own = own  # the original's own errors (correctness.Reference.own): the measured rule's allowance
         self.api = _DeviceApi(device) if config.graph else None
-        self.side: Any = None  # the worker's stream (a device's)
         self.rebuild = None if plan.out_spec.is_leaf() else plan.out_spec.unflatten
         self.table = Table(config.max_graphs, config.max_graph_memory_mb * 2**20)  # the buckets held
         self.unready = 0   # calls that fit whose bucket was not ready: served by the target
         self.checks = 0    # new buckets checked on their first call after tuning
         self.building = True
-        self.worker = Worker(self, "torch-tweak padded buckets")
-        # under torch.distributed a bucket's recording runs the module's collectives: every rank
-        # records it in the same call, on the call's path, as the ranks' calls come in one order
-        self.inline = torch.distributed.is_available() and torch.distributed.is_initialized() and \
-            torch.distributed.get_world_size() > 1
         try:
             self._pad_layout(sample, plan.axes, list(zip(plan.out_batch, plan.out_length)), plan.length, target,
                              pytree.tree_leaves, plan.max_batch, plan.max_length, plan.step)
@@ -382,21 +375,9 @@ class PaddedCall(_C.PaddedReplay, _Checked):
             return self._pad_run(call, True)
         out = self.target(*args, **kwargs)
         self.unready += 1
-        if not self.table.take(key):  # refused, or pending already
-            return out
-        copied, reference, event = clone(call), clone(out) if self.target is self.module else None, None
-        if self.api is not None:  # the worker's stream waits for the copies
-            event = self.api.mod.Event()
-            event.record()
-        if self.inline:
-            self._prove_new((key, copied, reference, event))
-        else:
-            self.worker.hand((key, copied, reference, event))
+        if key not in self.table.refused:
+            self._prove_new(key, call, out if self.target is self.module else None)
         return out
-
-    def settle(self, timeout: float = 60.0) -> bool:
-        """Waits until the buckets handed to the worker are recorded and checked (or refused)."""
-        return self.worker.settle(timeout)
 
     # ---- buckets held
     def _record(self, key: tuple[int, int], call: Call) -> Bucket:
@@ -422,8 +403,8 @@ class PaddedCall(_C.PaddedReplay, _Checked):
         return bucket
 
     def _capture(self, bucket: Bucket, args: tuple, kwargs: dict) -> None:
-        """The bucket's graph, recorded in a pool of its own ("thread_local": the worker records
-        while other threads run their own work), and the memory it took."""
+        """The bucket's graph, recorded in a pool of its own ("thread_local": other threads of
+        the service may run their own work meanwhile), and the memory it took."""
         api = self.api
         bucket.pool = api.mod.graph_pool_handle()
         with torch.no_grad(), api.mod.device(api.index):
@@ -450,22 +431,6 @@ class PaddedCall(_C.PaddedReplay, _Checked):
         if bucket.graph is not None and self.api is not None:
             self.api.mod.synchronize()
 
-    @contextlib.contextmanager
-    def _stream(self, event: Any) -> Iterator[None]:
-        """The worker's own stream on a device (after `event`, the copy of the call), else nothing."""
-        if self.api is None:
-            yield
-            return
-        if self.side is None:
-            self.side = self.api.mod.Stream(self.api.device)
-        self.side.wait_event(event)
-        with self.api.mod.stream(self.side):
-            yield
-
-    def _sync(self) -> None:
-        if self.side is not None:
-            self.side.synchronize()
-
     # ---- the range, decided once at the build
     def widen(self, device: torch.device) -> None:
         """The learned batch range reaches what memory holds: the largest batch bucket whose
@@ -477,7 +442,9 @@ class PaddedCall(_C.PaddedReplay, _Checked):
         held = self.table.snapshot()[0]
         if not plan.batch or config.max_batch is not None or not held:
             return
-        if self.inline:  # each rank's free memory is its own: the ranks keep one range, the learned one
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized() and \
+            torch.distributed.get_world_size() > 1
+        if distributed:  # each rank's free memory is its own: the ranks keep one range, the learned one
             plan.notes["batch"] += " (under torch.distributed, the same on every rank)"
             return
         each = max(b.memory / (b.key[0] * max(b.key[1], 1)) for b in held)
@@ -498,7 +465,7 @@ class PaddedCall(_C.PaddedReplay, _Checked):
     def describe(self) -> dict:
         counts = self._pad_counts()
         ready = set(self._pad_ready())
-        held, refused, pending = self.table.snapshot()
+        held, refused = self.table.snapshot()
         valid = sum(c[1] for c in counts.values())
         served = sum(c[2] for c in counts.values())
         plan = self.plan
@@ -508,7 +475,7 @@ class PaddedCall(_C.PaddedReplay, _Checked):
              "graph_memory_mb": round(sum(b.memory for b in held) / 2**20, 1),
              "padding_waste": round(1 - valid / served, 3) if served else 0.0,
              "outside_range": self.outside_calls, "unready_calls": self.unready, "refused_buckets": refused,
-             "pending_buckets": pending, "evicted_buckets": self.table.evicted, "checked_buckets": self.checks,
+             "evicted_buckets": self.table.evicted, "checked_buckets": self.checks,
              "batch_range": (1, plan.max_batch) if plan.batch else None,
              "length_range": (1, plan.max_length) if plan.length else None,
              "range_from": dict(plan.notes)}
@@ -518,7 +485,7 @@ class PaddedCall(_C.PaddedReplay, _Checked):
                            if r is not None for hi in (r[1],))
         d["line"] = (f"buckets (calls) {buckets or 'none'}; padding waste {d['padding_waste']:.0%}; {d['graphs']} "
                      f"graphs, {d['graph_memory_mb']:.0f} MiB; {d['outside_range']} calls outside the range"
-                     + (f"; {d['unready_calls']} calls served while their bucket was recorded and checked"
+                     + (f"; {d['unready_calls']} first calls of a new bucket, answered before it was recorded"
                         if d["unready_calls"] else "")
                      + (f"; {refused} new buckets refused" if refused else "")
                      + (f"; {d['evicted_buckets']} buckets evicted" if d["evicted_buckets"] else "")
