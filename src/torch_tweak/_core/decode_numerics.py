@@ -26,7 +26,10 @@ class StepReference:
     untuned ones finite, those positions and the untuned values there (None where there are
     none); for a sampling call, per step the total variation between the distributions
     transformers' processors make of the untuned logits and of the higher-precision ones
-    (own_tv). outputs-like: `high` is None when there is no reference, and why says why."""
+    (own_tv); precision: the dtype the model computes its logits in (its floating weights'),
+    whose floor and cap the rule uses: the logits themselves come as float32, and a bfloat16
+    model's are no closer than bfloat16 allows. outputs-like: `high` is None when there is no
+    reference, and why says why."""
 
     high: list[torch.Tensor] | None
     own: list[error_groups.Groups] = dataclasses.field(default_factory=list)
@@ -34,6 +37,7 @@ class StepReference:
     own_tv: list[float] | None = None
     why: str = ""
     unreferenced: list[tuple[torch.Tensor, torch.Tensor] | None] = dataclasses.field(default_factory=list)
+    precision: torch.dtype | None = None
 
     @property
     def measured(self) -> bool:
@@ -41,9 +45,9 @@ class StepReference:
 
 
 def step_reference(own_logits: Sequence[torch.Tensor], high_logits: Sequence[torch.Tensor],
-                   own_tv: list[float] | None = None) -> StepReference:
+                   own_tv: list[float] | None = None, precision: torch.dtype | None = None) -> StepReference:
     """The StepReference of a call whose untuned run gave `own_logits` and whose higher-precision
-    teacher-forced run gave `high_logits`, step by step."""
+    teacher-forced run gave `high_logits`, step by step, of a model that computes in `precision`."""
     own, spread, high, odd = [], [], [], []
     for mine, theirs in zip(own_logits, high_logits):
         theirs = theirs.detach().to(mine.device, torch.float32)
@@ -54,7 +58,7 @@ def step_reference(own_logits: Sequence[torch.Tensor], high_logits: Sequence[tor
         high.append(theirs)
         where = torch.isfinite(mine) & ~torch.isfinite(theirs)
         odd.append((where, mine.detach().where(where, 0.0)) if bool(where.any()) else None)
-    return StepReference(high, own, spread, own_tv, unreferenced=odd)
+    return StepReference(high, own, spread, own_tv, unreferenced=odd, precision=precision)
 
 
 def check_steps(got: Sequence[torch.Tensor], reference: StepReference, where: str) -> Finding:
@@ -73,7 +77,8 @@ def check_steps(got: Sequence[torch.Tensor], reference: StepReference, where: st
         if odd is not None:
             _held_to_untuned(mine, odd, f"{where} step {step} logits")
         found = error_groups.groups_of(mine, high.to(mine.device), finite & torch.isfinite(mine))
-        findings.append(judge_groups(found, own, settings.MULTIPLIER, mine.dtype, f"{where} step {step} logits",
+        findings.append(judge_groups(found, own, settings.MULTIPLIER, reference.precision or mine.dtype,
+                                     f"{where} step {step} logits",
                                      "against a float32 run of the model on the same prefix"))
     return worst(findings)
 

@@ -90,7 +90,8 @@ def reference(model: nn.Module, args: tuple, kwargs: dict, tokens: torch.Tensor)
         if call.sample:
             pairs = zip(processed_scores(call, tokens, own), processed_scores(call, tokens, high))
             own_tv = [float(decode_numerics.total_variation(a, b).max()) for a, b in pairs]
-        return decode_numerics.step_reference(own, high, own_tv)
+        floating = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+        return decode_numerics.step_reference(own, high, own_tv, floating)
     except Exception as exc:  # a model whose plain forward of the whole sequence is not its decode steps' sum
         return decode_numerics.StepReference(None, why=f"the reference run failed ({type(exc).__name__}: "
                                                    f"{str(exc).splitlines()[0][:200] if str(exc) else ''})")
