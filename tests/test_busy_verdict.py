@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import random
 import re
 import types
@@ -352,3 +353,22 @@ def test_the_generate_table_agrees_with_its_verdict(busy, fake_clock, busy_machi
     assert table[2].split()[-2:] == ["measured", "status"]
     starred = [line for line in table if line.startswith("*")]
     assert len(starred) == 1 and figure in starred[0] and f"{kept[0].tokens_per_s:,.1f}" in starred[0]
+
+
+def test_the_commands_progress_lines_name_its_options_too(monkeypatch, capsys):
+    """The last progress line tt.tweak writes says which setting buys more rounds; under the
+    command it says the command's option, as the printed table does."""
+    import torch_tweak as tt
+    from torch_tweak._view.progress import Progress
+    from torch_tweak.cli import main
+
+    def tweak(model, dataset, **options):
+        Progress(True).finish("depth 0 not kept: the busy budget (1.5 s) ran out before the rounds could decide: "
+                              "busy_budget=300 buys them")
+        raise ValueError("stopped here (a test)")
+
+    monkeypatch.setattr(tt, "tweak", tweak)
+    factory = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cli_factory.py")
+    assert main(["tweak", f"{factory}:tiny", "--input", "2x8"]) != 0
+    err = capsys.readouterr().err
+    assert "--busy-budget 300 buys them" in err and "busy_budget" not in err, err

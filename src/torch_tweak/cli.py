@@ -11,6 +11,7 @@ spec, an unknown device, an output path that cannot be written) prints one line
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -194,6 +195,20 @@ def in_options(text: str) -> str:
     return text
 
 
+class InOptions:
+    """A text stream that writes tt.tweak's words in this command's options (in_options): its
+    progress lines, the last of which says what it kept and which setting buys more rounds."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        return self.stream.write(in_options(text))
+
+    def __getattr__(self, name: str) -> Any:  # flush, isatty, fileno...: the stream's own
+        return getattr(self.stream, name)
+
+
 def command_tweak(args: argparse.Namespace) -> int:
     import torch
 
@@ -239,9 +254,10 @@ def command_tweak(args: argparse.Namespace) -> int:
                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     try:
         depth = {} if args.max_depth is None else {"max_depth": args.max_depth}
-        result = tt.tweak(model, dataset, min_depth=args.min_depth, time_budget=args.time_budget,
-                          progress=not args.quiet, tolerance=tolerance_arg(args.tolerance), shapes=shapes,
-                          busy_budget=args.busy_budget, **depth)
+        with contextlib.redirect_stderr(InOptions(sys.stderr)):
+            result = tt.tweak(model, dataset, min_depth=args.min_depth, time_budget=args.time_budget,
+                              progress=not args.quiet, tolerance=tolerance_arg(args.tolerance), shapes=shapes,
+                              busy_budget=args.busy_budget, **depth)
     except (TypeError, ValueError) as exc:
         raise CliError(str(exc)) from None
     print(in_options(str(result)))
