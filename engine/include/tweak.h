@@ -165,6 +165,12 @@ typedef struct tw_runner {
  *    untimed calls (sample 0, the device waited for): what the runner before
  *    it left running (a thread pool still spinning on a small CPU) slows its
  *    first calls, and would fall on whichever runner comes next.
+ *    A round with round_min_ns goes over its samples again until its timed
+ *    calls took that long together (at most TW_ROUND_PASSES_MAX passes, and
+ *    no further once a pass read no time): on a busy machine a call is now and
+ *    then held for a whole slice of the scheduler (a thread of its pool off
+ *    the CPU), and a round long enough holds those stalls at their rate, so
+ *    that the median of rounds is what the calls take on average.
  * 3. The statistic is the median of the measured rounds.
  * time_cap_ns bounds warm-up plus measurement (0: no cap); the cap is checked
  * between rounds, so at least one measured round is always taken.
@@ -181,15 +187,22 @@ typedef struct tw_measure_config {
     uint64_t time_cap_ns;
     uint32_t stop_when_decided; /* 0: a comparison runs until the spread rule or the caps */
     uint32_t settle;            /* untimed calls opening each compared runner's round */
+    uint64_t round_min_ns;      /* 0: a round is each sample once; else the samples again
+                                 * until the round's timed calls took this long */
 } tw_measure_config;
 
 /* The most untimed calls a round may open with (the time cap is checked
  * between rounds only). */
 #define TW_SETTLE_MAX 100u
 
+/* The longest round_min_ns (1 s: the time cap is checked between rounds only),
+ * and the most passes over the samples one round makes. */
+#define TW_ROUND_MIN_MAX_NS 1000000000ull
+#define TW_ROUND_PASSES_MAX 10000u
+
 /* Fills *cfg with the documented defaults:
  * warmup 2..20 rounds, patience 2, gain 0.02; rounds 5..50, rel_spread 0.05,
- * time cap 5 s, stop_when_decided 1, settle 1. */
+ * time cap 5 s, stop_when_decided 1, settle 1, round_min_ns 0. */
 void tw_measure_config_default(tw_measure_config *cfg);
 
 typedef enum tw_stop {
@@ -566,12 +579,22 @@ typedef struct tw_tweak_config {
     uint64_t time_budget_ns; /* 0: no budget */
     uint64_t busy_budget_ns; /* once the machine is found busy, the search's bound
                               * (TW_BUSY_BUDGET_NS; 0: none, only time_budget_ns) */
+    uint64_t busy_round_ns;  /* once the machine is found busy, every round lasts at least
+                              * this long (TW_BUSY_ROUND_NS; measure.round_min_ns) */
     int dry_run;             /* non-zero: build and measure nothing */
     tw_measure_config measure;
 } tw_tweak_config;
 
 /* The default busy budget: 120 s. */
 #define TW_BUSY_BUDGET_NS 120000000000ull
+
+/* The shortest round once the machine is found busy: 20 ms, a few slices of the
+ * scheduler, so that each round holds the stalls the load puts on a call (a
+ * thread of its pool off the CPU) at their rate. Beside two busy loops and a
+ * third job on two cores, eager torch's median call of the README's quick
+ * start read 0.4 ms in rounds of one pass (the stalls fell between rounds)
+ * against 3.6 to 4.2 ms in rounds of 25 passes, its mean. */
+#define TW_BUSY_ROUND_NS 20000000ull
 
 /* The paired rounds a busy machine's budget keeps time for (see tw_tweak_run):
  * the sign test's 99 % interval of 100 pairs lies above 1 when fewer than 37

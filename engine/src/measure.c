@@ -24,6 +24,7 @@ void tw_measure_config_default(tw_measure_config *cfg)
     cfg->time_cap_ns = 5000000000ull;
     cfg->stop_when_decided = 1;
     cfg->settle = 1;
+    cfg->round_min_ns = 0;
 cleanup:
     return;
 }
@@ -54,6 +55,11 @@ tw_code tw_measure_config_check(const tw_measure_config *cfg, tw_error *err)
                           "settle (%u) is more than %u untimed calls per round: the time cap "
                           "is checked between rounds only; use 0 to %u",
                           (unsigned)cfg->settle, (unsigned)TW_SETTLE_MAX, (unsigned)TW_SETTLE_MAX);
+    } else if (cfg->round_min_ns > TW_ROUND_MIN_MAX_NS) {
+        rc = tw_error_set(err, TW_EINVAL,
+                          "round_min (%.3g s) is longer than %.0f s: the time cap is checked "
+                          "between rounds only; use 0 to %.0f s", cfg->round_min_ns / 1e9,
+                          TW_ROUND_MIN_MAX_NS / 1e9, TW_ROUND_MIN_MAX_NS / 1e9);
     } else if (isnan(cfg->rel_spread) || cfg->rel_spread < 0) {
         rc = tw_error_set(err, TW_EINVAL,
                           "rel_spread (%g) must be a fraction >= 0, such as 0.05",
@@ -129,36 +135,18 @@ cleanup:
     return rc;
 }
 
-/* One round: `settle` untimed calls of sample 0, then every sample once, each
- * timed as sync, clock, run, sync, clock. *value gets the mean latency per
- * timed call. */
-static tw_code tw_run_round(const tw_host *host, const tw_runner *runner, uint32_t settle,
-                            double *value, tw_error *err)
+/* One pass over the samples, each timed as sync, clock, run, sync, clock;
+ * their times added to *total. */
+static tw_code tw_run_pass(const tw_host *host, const tw_runner *runner, double *total,
+                           tw_error *err)
 {
     tw_code rc = TW_OK;
     tw_error cb_err;
-    double total = 0.0;
     uint64_t t0;
     uint64_t t1;
     char what[64];
     size_t i;
 
-    if (runner->round != NULL) {
-        tw_error_clear(&cb_err);
-        rc = runner->round(runner->ctx, &cb_err);
-        if (rc != TW_OK) {
-            tw_error_forward(err, rc, &cb_err, "preparing a round");
-            goto cleanup;
-        }
-    }
-    for (i = 0; i < settle; i++) {
-        tw_error_clear(&cb_err);
-        rc = runner->run(runner->ctx, 0, &cb_err);
-        if (rc != TW_OK) {
-            tw_error_forward(err, rc, &cb_err, "untimed call opening a round");
-            goto cleanup;
-        }
-    }
     for (i = 0; i < runner->n_samples; i++) {
         rc = tw_sync_runner(runner, i, err);
         if (rc != TW_OK) {
@@ -177,9 +165,50 @@ static tw_code tw_run_round(const tw_host *host, const tw_runner *runner, uint32
             goto cleanup;
         }
         t1 = tw_host_now(host);
-        total += t1 > t0 ? (double)(t1 - t0) : 0.0;
+        *total += t1 > t0 ? (double)(t1 - t0) : 0.0;
     }
-    *value = total / (double)runner->n_samples;
+cleanup:
+    return rc;
+}
+
+/* One round: `settle` untimed calls of sample 0, then every sample once, and
+ * again while the timed calls took less than `round_min_ns` together (see
+ * tw_measure_config). *value gets the mean latency per timed call. */
+static tw_code tw_run_round(const tw_host *host, const tw_runner *runner, uint32_t settle,
+                            uint64_t round_min_ns, double *value, tw_error *err)
+{
+    tw_code rc = TW_OK;
+    tw_error cb_err;
+    double total = 0.0;
+    double before;
+    uint32_t passes = 0;
+    size_t i;
+
+    if (runner->round != NULL) {
+        tw_error_clear(&cb_err);
+        rc = runner->round(runner->ctx, &cb_err);
+        if (rc != TW_OK) {
+            tw_error_forward(err, rc, &cb_err, "preparing a round");
+            goto cleanup;
+        }
+    }
+    for (i = 0; i < settle; i++) {
+        tw_error_clear(&cb_err);
+        rc = runner->run(runner->ctx, 0, &cb_err);
+        if (rc != TW_OK) {
+            tw_error_forward(err, rc, &cb_err, "untimed call opening a round");
+            goto cleanup;
+        }
+    }
+    do {
+        before = total;
+        rc = tw_run_pass(host, runner, &total, err);
+        if (rc != TW_OK) {
+            goto cleanup;
+        }
+        passes++;
+    } while (total < (double)round_min_ns && total > before && passes < TW_ROUND_PASSES_MAX);
+    *value = total / ((double)runner->n_samples * passes);
 cleanup:
     return rc;
 }
@@ -210,7 +239,7 @@ static tw_code tw_warm_up(const tw_host *host, const tw_runner *runner,
         if (cfg->time_cap_ns != 0 && tw_elapsed(host, start) >= cfg->time_cap_ns) {
             break;
         }
-        rc = tw_run_round(host, runner, 0, &value, err);
+        rc = tw_run_round(host, runner, 0, cfg->round_min_ns, &value, err);
         if (rc != TW_OK) {
             goto cleanup;
         }
@@ -404,7 +433,7 @@ tw_code tw_measure_runners(const tw_host *host, const tw_runner *runners, size_t
         /* Interleaved: drift in the clock falls on every runner alike; each
          * round opened by untimed calls, so none is timed in another's wake. */
         for (i = 0; i < n; i++) {
-            rc = tw_run_round(host, &runners[i], n >= 2 ? cfg->settle : 0,
+            rc = tw_run_round(host, &runners[i], n >= 2 ? cfg->settle : 0, cfg->round_min_ns,
                               &series.values[i * series.cap + rounds], err);
             if (rc != TW_OK) {
                 *failed = i;
@@ -533,9 +562,10 @@ void tw_paired_fill(double *ratios, size_t n, tw_paired *out)
 }
 
 /* One pair: both runners' rounds, in the order `flip` says, each opened by
- * `settle` untimed calls. */
-static tw_code tw_run_pair(const tw_host *host, const tw_runner *runners, uint32_t settle,
-                           int flip, double value[2], size_t *failed, tw_error *err)
+ * cfg->settle untimed calls and as long as cfg->round_min_ns. */
+static tw_code tw_run_pair(const tw_host *host, const tw_runner *runners,
+                           const tw_measure_config *cfg, int flip, double value[2],
+                           size_t *failed, tw_error *err)
 {
     tw_code rc = TW_OK;
     size_t k;
@@ -543,7 +573,7 @@ static tw_code tw_run_pair(const tw_host *host, const tw_runner *runners, uint32
 
     for (k = 0; k < 2; k++) {
         i = flip ? 1 - k : k;
-        rc = tw_run_round(host, &runners[i], settle, &value[i], err);
+        rc = tw_run_round(host, &runners[i], cfg->settle, cfg->round_min_ns, &value[i], err);
         if (rc != TW_OK) {
             *failed = i;
             break;
@@ -613,7 +643,7 @@ tw_code tw_measure_pairs(const tw_host *host, const tw_runner *runners,
     }
     while (!stop) {
         /* the order alternates, so that neither runner always follows the other */
-        rc = tw_run_pair(host, runners, cfg->settle, (int)(pairs & 1u), value, failed, err);
+        rc = tw_run_pair(host, runners, cfg, (int)(pairs & 1u), value, failed, err);
         if (rc != TW_OK) {
             goto cleanup;
         }

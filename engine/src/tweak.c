@@ -18,6 +18,7 @@ void tw_tweak_config_default(tw_tweak_config *cfg)
     cfg->tie_tolerance = 0.02;
     cfg->time_budget_ns = 0;
     cfg->busy_budget_ns = TW_BUSY_BUDGET_NS;
+    cfg->busy_round_ns = TW_BUSY_ROUND_NS;
     cfg->dry_run = 0;
     tw_measure_config_default(&cfg->measure);
 cleanup:
@@ -38,6 +39,7 @@ typedef struct tw_search {
     int entered;          /* enter() was called and leave() not yet */
     int busy;             /* the untuned model was measured on a busy machine */
     uint64_t reserve_ns;  /* busy: the paired rounds' share of the budget in force */
+    tw_measure_config measure; /* cfg->measure; once busy, rounds of cfg->busy_round_ns */
     uint64_t start;
 } tw_search;
 
@@ -139,6 +141,9 @@ tw_code tw_tweak_config_check(const tw_tweak_config *cfg, tw_error *err)
         tw_format_number(number, sizeof number, cfg->tie_tolerance);
         rc = tw_error_set(err, TW_EINVAL,
                           "tie_tolerance must be a fraction >= 0 (0.02 is 2 %%), got %s", number);
+    } else if (cfg->busy_round_ns > TW_ROUND_MIN_MAX_NS) {
+        rc = tw_error_set(err, TW_EINVAL, "busy_round_ns (%.3g s) is longer than %.0f s",
+                          cfg->busy_round_ns / 1e9, TW_ROUND_MIN_MAX_NS / 1e9);
     } else if (!cfg->dry_run) {
         rc = tw_measure_config_check(&cfg->measure, err);
     }
@@ -277,9 +282,10 @@ static void tw_search_budget(const tw_search *s, tw_budget *budget)
  * callback). */
 static uint64_t tw_paired_reserve(const tw_search *s, const tw_stats *untuned)
 {
-    const tw_measure_config *m = &s->cfg->measure;
+    const tw_measure_config *m = &s->measure;
     double samples = (double)s->ops->model.n_samples;
-    double calls;
+    double latency;
+    double round;
     double ns;
     tw_budget budget;
 
@@ -287,9 +293,10 @@ static uint64_t tw_paired_reserve(const tw_search *s, const tw_stats *untuned)
     if (!s->busy || budget.ns == 0 || s->ops->deactivate == NULL) {
         return 0;
     }
-    calls = (double)TW_BUSY_PAIRS * 2.0 * (samples + (double)m->settle) +
-            2.0 * (double)m->warmup_max * samples;
-    ns = calls * (untuned->q75_ns > untuned->median_ns ? untuned->q75_ns : untuned->median_ns);
+    latency = untuned->q75_ns > untuned->median_ns ? untuned->q75_ns : untuned->median_ns;
+    round = samples * latency > (double)m->round_min_ns ? samples * latency : (double)m->round_min_ns;
+    ns = (double)TW_BUSY_PAIRS * 2.0 * (round + (double)m->settle * latency) +
+         2.0 * (double)m->warmup_max * round;
     return ns < (double)(budget.ns / 2) ? (uint64_t)ns : budget.ns / 2;
 }
 
@@ -314,7 +321,7 @@ static tw_code tw_tune_cut(tw_search *s, tw_error *err)
         node = s->nodes[k];
         path = tw_tree_path(s->tree, node);
         tw_error_clear(&cause);
-        rc = tw_tune_module_within(s->host, &s->ops->modules, node, path, &s->cfg->measure,
+        rc = tw_tune_module_within(s->host, &s->ops->modules, node, path, &s->measure,
                                    &budget, &module, &cause);
         if (rc != TW_OK) {
             tw_error_forward(err, rc, &cause, "tuning a module");
@@ -340,7 +347,7 @@ static tw_code tw_measure_model(tw_search *s, tw_stats *stats, int *row_failed,
     size_t failed;
 
     *row_failed = 0;
-    rc = tw_measure_runners(s->host, &s->ops->model, 1, &s->cfg->measure, stats, &failed,
+    rc = tw_measure_runners(s->host, &s->ops->model, 1, &s->measure, stats, &failed,
                             cause);
     if (rc != TW_OK && rc != TW_EINTERRUPT && failed != TW_NO_RUNNER) {
         *row_failed = 1;
@@ -482,7 +489,7 @@ static tw_code tw_measure_baseline(tw_search *s, tw_stats *stats, tw_error *err)
     if (rc != TW_OK) {
         goto cleanup;
     }
-    rc = tw_measure_runners(s->host, &s->ops->model, 1, &s->cfg->measure, stats, &failed,
+    rc = tw_measure_runners(s->host, &s->ops->model, 1, &s->measure, stats, &failed,
                             &cause);
     if (rc != TW_OK) {
         tw_error_set(err, rc, "measuring the untuned model failed: %s", cause.msg);
@@ -495,12 +502,23 @@ static tw_code tw_measure_baseline(tw_search *s, tw_stats *stats, tw_error *err)
     }
     was_busy = s->busy;
     s->busy = tw_result_busy(s->result);
+    if (!was_busy && s->busy && s->cfg->busy_round_ns > s->measure.round_min_ns) {
+        /* from now on rounds hold the load's stalls at their rate (tw_measure_config), the
+         * untuned model's too: its figure is measured again so */
+        s->measure.round_min_ns = s->cfg->busy_round_ns;
+        rc = tw_measure_runners(s->host, &s->ops->model, 1, &s->measure, stats, &failed, &cause);
+        if (rc != TW_OK) {
+            tw_error_set(err, rc, "measuring the untuned model failed: %s", cause.msg);
+            goto cleanup;
+        }
+    }
     s->reserve_ns = tw_paired_reserve(s, stats);
     if (!was_busy && s->busy && s->cfg->busy_budget_ns != 0) {
         tw_host_logf(s->host, 1, "the machine is busy (other processes took %.0f%% of the CPUs "
                      "while the untuned model was measured): figures are measured in paired "
-                     "rounds, and tuning stops at the busy budget (%.0f s), %.1f s of it kept "
-                     "for them", tw_result_others_share(s->result) * 100.0,
+                     "rounds, each of at least %.0f ms, and tuning stops at the busy budget "
+                     "(%.0f s), %.1f s of it kept for them",
+                     tw_result_others_share(s->result) * 100.0, s->measure.round_min_ns / 1e6,
                      s->cfg->busy_budget_ns / 1e9, s->reserve_ns / 1e9);
     }
 cleanup:
@@ -686,8 +704,8 @@ static tw_code tw_measure_side(tw_search *s, int depth, const tw_paired_config *
     tw_side_runners(s, runners, pcfg == NULL);
     tw_error_clear(&cause);
     rc = pcfg == NULL
-             ? tw_measure_runners(s->host, runners, 2, &s->cfg->measure, stats, &failed, &cause)
-             : tw_measure_pairs(s->host, runners, &s->cfg->measure, pcfg, paired, &failed,
+             ? tw_measure_runners(s->host, runners, 2, &s->measure, stats, &failed, &cause)
+             : tw_measure_pairs(s->host, runners, &s->measure, pcfg, paired, &failed,
                                 &cause);
     return tw_after_side(s, rc, failed, &cause, pcfg == NULL ? "" : " in paired rounds", depth,
                          &before, failed_measure, err);
@@ -1036,6 +1054,7 @@ tw_code tw_tweak_run(const tw_host *host, const tw_tree *tree,
     s.host = &resolved;
     s.tree = tree;
     s.cfg = cfg;
+    s.measure = cfg->measure;
     s.ops = ops;
     s.start = tw_host_now(&resolved);
     if (out != NULL) {

@@ -237,6 +237,11 @@ static void test_invalid(void)
     CHECK_INT(tw_measure(&host, &runner, &cfg, &st, &err), TW_EINVAL);
     CHECK_HAS(err.msg, "rel_spread");
     cfg = base_config();
+    cfg.settle = TW_SETTLE_MAX;
+    cfg.round_min_ns = TW_ROUND_MIN_MAX_NS + 1;
+    CHECK_INT(tw_measure(&host, &runner, &cfg, &st, &err), TW_EINVAL);
+    CHECK_HAS(err.msg, "round_min (1 s) is longer than 1 s");
+    cfg.round_min_ns = 0;
     cfg.settle = TW_SETTLE_MAX + 1;
     CHECK_INT(tw_measure(&host, &runner, &cfg, &st, &err), TW_EINVAL);
     CHECK_HAS(err.msg, "settle (101) is more than 100");
@@ -619,6 +624,77 @@ static void test_paired_invalid_and_failures(void)
     CHECK_INT(env.live, 0);
 }
 
+/* A runner whose calls cost `cost` ns and, one call in `every`, stall for
+ * `stall` ns (a thread of its pool off the CPU for a slice of the scheduler). */
+typedef struct stall_runner {
+    fake_env *env;
+    uint64_t cost;
+    uint64_t stall;
+    unsigned every;
+    unsigned calls;
+} stall_runner;
+
+static tw_code stall_run(void *ctx, size_t sample, tw_error *err)
+{
+    stall_runner *r = ctx;
+
+    (void)sample;
+    (void)err;
+    r->calls++;
+    r->env->now += r->cost + (r->calls % r->every == 0 ? r->stall : 0);
+    return TW_OK;
+}
+
+/* Rounds of one pass over the samples leave a stall of one call in 10 between
+ * their medians: the median reads the quiet call. Rounds of round_min_ns hold
+ * the stalls at their rate, so the median is the calls' mean (the runner is
+ * two candidates' worth of time slower than it looked); and paired rounds of
+ * such a runner against one that does not stall find the gap. */
+static void test_rounds_long_enough_hold_the_stalls(void)
+{
+    fake_env env;
+    tw_host host;
+    stall_runner a = {&env, 100000, 5000000, 10, 0};  /* 0.1 ms, 5 ms one call in 10 */
+    stall_runner b = {&env, 200000, 0, 1, 0};         /* 0.2 ms, no stall */
+    tw_runner runners[2] = {{&a, 2, stall_run, NULL, NULL}, {&b, 2, stall_run, NULL, NULL}};
+    tw_measure_config cfg = base_config();
+    tw_stats st;
+    tw_paired p;
+
+    fake_env_init(&env);
+    host = fake_host(&env);
+    cfg.rounds_min = cfg.rounds_max = 40;
+    CHECK_INT(tw_measure(&host, &runners[0], &cfg, &st, NULL), TW_OK);
+    CHECK(st.median_ns < 200000.0); /* the quiet call: 0.1 ms */
+    a.calls = 0;
+    cfg.round_min_ns = 20000000; /* 20 ms: 40 calls a round, 4 stalls */
+    CHECK_INT(tw_measure(&host, &runners[0], &cfg, &st, NULL), TW_OK);
+    CHECK(st.median_ns > 550000.0 && st.median_ns < 650000.0); /* the mean: 0.6 ms */
+    CHECK_INT((int)a.calls, 40 * 2 * 20);
+    /* the paired verdict follows: the runner that never stalls is faster */
+    a.calls = 0;
+    cfg = fake_quick_config();
+    cfg.round_min_ns = 20000000;
+    CHECK_INT(tw_measure_paired(&host, runners, &cfg, NULL, &p, NULL), TW_OK);
+    CHECK(p.low > 1.0 && p.ratio > 2.5);
+    cfg.round_min_ns = 0;
+    a.calls = 0;
+    CHECK_INT(tw_measure_paired(&host, runners, &cfg, NULL, &p, NULL), TW_OK);
+    CHECK(p.ratio < 1.0); /* one pass a round: the stalling runner reads as the faster */
+    /* a clock that reads no time ends a round after one pass */
+    {
+        stall_runner still = {&env, 0, 0, 1, 0};
+        tw_runner r = {&still, 3, stall_run, NULL, NULL};
+
+        cfg = base_config();
+        cfg.rounds_min = cfg.rounds_max = 5;
+        cfg.round_min_ns = 20000000;
+        CHECK_INT(tw_measure(&host, &r, &cfg, &st, NULL), TW_OK);
+        CHECK_INT((int)still.calls, 5 * 3);
+    }
+    CHECK_INT(env.live, 0);
+}
+
 int main(void)
 {
     test_warmup();
@@ -635,5 +711,6 @@ int main(void)
     test_paired_equal_runners_straddle_one();
     test_paired_interval();
     test_paired_invalid_and_failures();
+    test_rounds_long_enough_hold_the_stalls();
     return CHECK_SUMMARY("test_measure");
 }

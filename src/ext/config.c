@@ -28,6 +28,7 @@ static const TtConfigKey tt_config_keys[] = {
     {"time_cap", TT_KEY_SECONDS, offsetof(tw_measure_config, time_cap_ns)},
     {"stop_when_decided", TT_KEY_BOOL, offsetof(tw_measure_config, stop_when_decided)},
     {"settle", TT_KEY_U32, offsetof(tw_measure_config, settle)},
+    {"round_min", TT_KEY_SECONDS, offsetof(tw_measure_config, round_min_ns)},
 };
 #define TT_CONFIG_KEYS (sizeof(tt_config_keys) / sizeof(tt_config_keys[0]))
 
@@ -151,7 +152,7 @@ tt_config_from_dict(PyObject *dict, tw_measure_config *cfg)
             PyErr_Format(PyExc_ValueError,
                          "unknown measure config key %R; the keys are warmup_min, warmup_max, "
                          "warmup_patience, warmup_gain, rounds_min, rounds_max, rel_spread, "
-                         "time_cap, stop_when_decided, settle",
+                         "time_cap, stop_when_decided, settle, round_min",
                          key);
             goto cleanup;
         }
