@@ -90,7 +90,22 @@ def test_default_measure_config():
     cfg = _C.default_measure_config()
     assert cfg == {"warmup_min": 2, "warmup_max": 20, "warmup_patience": 2, "warmup_gain": 0.02,
                    "rounds_min": 5, "rounds_max": 50, "rel_spread": 0.05, "time_cap": 5.0,
-                   "stop_when_decided": True, "settle": 1}
+                   "stop_when_decided": True, "settle": 1, "round_min": 0.0}
+
+
+def test_a_round_of_round_min_seconds_goes_over_the_samples_again_and_reads_their_mean():
+    """One call in ten stalls for 5 ms (a busy machine's scheduler): rounds of one pass read the
+    quiet call, rounds of 20 ms the mean; a round longer than 1 s is refused."""
+    clock = FakeClock()
+    calls = []
+    run = clock.runner(lambda i: calls.append(i) or (5_100_000 if len(calls) % 10 == 0 else 100_000))
+    quick = {"warmup_min": 0, "warmup_max": 0, "rounds_min": 40, "rounds_max": 40, "time_cap": 0}
+    assert _C.measure(run, 2, clock=clock, config=quick)["median_ns"] < 200_000
+    calls.clear()
+    stats = _C.measure(run, 2, clock=clock, config=dict(quick, round_min=0.02))
+    assert 550_000 < stats["median_ns"] < 650_000 and len(calls) == 40 * 2 * 20
+    with pytest.raises(ValueError, match="round_min"):
+        _C.measure(run, 2, clock=clock, config=dict(quick, round_min=2.0))
 
 
 def test_measure_on_a_fake_clock():
