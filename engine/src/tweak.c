@@ -277,15 +277,15 @@ static void tw_search_budget(const tw_search *s, tw_budget *budget)
 /* The paired rounds' share of the budget in force on a busy machine: the time
  * of TW_BUSY_PAIRS pairs and both runners' warm-up at the untuned model's busy
  * latency `untuned` (its upper quartile: the load's bursts lengthen rounds; a
- * pair is two rounds of every sample and the settle calls), at most half the
- * budget; 0 when no budget bounds them or none can be taken (no deactivate
- * callback). */
+ * pair is two rounds of every sample, each at least round_min_ns, and the
+ * settle calls), at most half the budget; 0 when no budget bounds them or
+ * none can be taken (no deactivate callback). */
 static uint64_t tw_paired_reserve(const tw_search *s, const tw_stats *untuned)
 {
     const tw_measure_config *m = &s->measure;
     double samples = (double)s->ops->model.n_samples;
     double latency;
-    double round;
+    double round_ns;
     double ns;
     tw_budget budget;
 
@@ -294,9 +294,10 @@ static uint64_t tw_paired_reserve(const tw_search *s, const tw_stats *untuned)
         return 0;
     }
     latency = untuned->q75_ns > untuned->median_ns ? untuned->q75_ns : untuned->median_ns;
-    round = samples * latency > (double)m->round_min_ns ? samples * latency : (double)m->round_min_ns;
-    ns = (double)TW_BUSY_PAIRS * 2.0 * (round + (double)m->settle * latency) +
-         2.0 * (double)m->warmup_max * round;
+    round_ns = samples * latency > (double)m->round_min_ns ? samples * latency
+                                                            : (double)m->round_min_ns;
+    ns = (double)TW_BUSY_PAIRS * 2.0 * (round_ns + (double)m->settle * latency) +
+         2.0 * (double)m->warmup_max * round_ns;
     return ns < (double)(budget.ns / 2) ? (uint64_t)ns : budget.ns / 2;
 }
 
