@@ -90,8 +90,7 @@ def reference(model: nn.Module, args: tuple, kwargs: dict, tokens: torch.Tensor)
         if call.sample:
             pairs = zip(processed_scores(call, tokens, own), processed_scores(call, tokens, high))
             own_tv = [float(decode_numerics.total_variation(a, b).max()) for a, b in pairs]
-        floating = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-        return decode_numerics.step_reference(own, high, own_tv, floating)
+        return decode_numerics.step_reference(own, high, own_tv, _weights_dtype(model))
     except Exception as exc:  # a model whose plain forward of the whole sequence is not its decode steps' sum
         return decode_numerics.StepReference(None, why=f"the reference run failed ({type(exc).__name__}: "
                                                    f"{str(exc).splitlines()[0][:200] if str(exc) else ''})")
@@ -110,11 +109,16 @@ def processed_scores(call: decode_call.Greedy, tokens: torch.Tensor, logits: lis
     return out
 
 
+def _weights_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype the model computes in: its first floating weight's (None: it has none)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
 def _high_logits(model: nn.Module, call: decode_call.Greedy, tokens: torch.Tensor) -> list[torch.Tensor] | str:
     """Each decode step's logits from one forward of the whole sequence (`tokens`, prompt and
     new tokens) with the model's floating weights at higher precision, the model as it was
     before any tuning; or why there are none."""
-    floating = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    floating = _weights_dtype(model)
     dtype = correctness.REFERENCE_DTYPES.get(floating)
     if dtype is None:
         return f"weights of {floating}, which have no higher precision to run at"

@@ -485,7 +485,8 @@ class PaddedCall(_C.PaddedReplay, _Checked):
                            if r is not None for hi in (r[1],))
         d["line"] = (f"buckets (calls) {buckets or 'none'}; padding waste {d['padding_waste']:.0%}; {d['graphs']} "
                      f"graphs, {d['graph_memory_mb']:.0f} MiB; {d['outside_range']} calls outside the range"
-                     + (f"; {d['unready_calls']} first calls of a new bucket, answered before it was recorded"
+                     + (f"; {d['unready_calls']} calls answered without their bucket (a new bucket's first call, "
+                        "or a refused bucket's calls)"
                         if d["unready_calls"] else "")
                      + (f"; {refused} new buckets refused" if refused else "")
                      + (f"; {d['evicted_buckets']} buckets evicted" if d["evicted_buckets"] else "")
